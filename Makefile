@@ -1,0 +1,78 @@
+# kvtier: two commands on a fresh Debian 12 machine, as root:
+#   make run    installs what is missing, builds, starts kvtierd on its embedded default
+#   make test   installs what is missing, builds, runs every test
+SHELL := /bin/bash
+BUILD ?= build
+TSAN_BUILD ?= build-tsan
+CMAKE_FLAGS ?=
+VENV := .venv
+PY := $(VENV)/bin/python
+JOBS ?= $(shell nproc)
+PROTOS := $(wildcard proto/kvtier/v1/*.proto)
+
+.PHONY: all deps venv configure build run test unit pytest tsan conformance bench benchmarks-md clean
+
+all: build
+
+deps:
+	@scripts/install-deps
+
+$(VENV)/.stamp: requirements.txt | deps
+	/usr/bin/python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+venv: $(VENV)/.stamp client/python/kvtier/v1/kvtier_pb2.py
+
+# Python stubs, generated into the kvtier package (kvtier.v1.kvtier_pb2).
+client/python/kvtier/v1/kvtier_pb2.py: $(PROTOS) $(VENV)/.stamp
+	$(PY) -m grpc_tools.protoc -I proto --python_out=client/python --grpc_python_out=client/python $(PROTOS)
+
+$(BUILD)/build.ninja: | deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+
+configure: $(BUILD)/build.ninja
+
+build: deps $(BUILD)/build.ninja
+	ninja -C $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/bin/kvtierd $(ARGS)
+
+unit: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
+	cd $(BUILD) && ctest --output-on-failure -L gpu
+
+pytest: build venv
+	$(PY) -m pytest -q client/python/tests
+
+conformance: build
+	../shared/conformance/run
+
+# ThreadSanitizer build of the concurrency tests; reports inside gRPC/Abseil are suppressed
+# (Debian does not build them with TSAN), kvtier's own code must stay at zero.
+tsan: deps
+	cmake -S . -B $(TSAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON \
+	  -DKVTIER_CUDA=OFF -DKVTIER_BENCH=OFF >/dev/null
+	ninja -C $(TSAN_BUILD) -j $(JOBS) concurrency_test
+	TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" \
+	  $(TSAN_BUILD)/bin/concurrency_test
+
+test: build venv
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory pytest
+	@if [ -x ../shared/conformance/run ]; then $(MAKE) --no-print-directory conformance; \
+	  else echo "conformance: ../shared/conformance/run not present, skipped"; fi
+	$(MAKE) --no-print-directory tsan
+
+bench: build venv
+	mkdir -p bench/out
+	$(BUILD)/bin/select_bench | tee bench/out/select.jsonl
+	$(BUILD)/bin/append_bench | tee bench/out/append.jsonl
+	$(MAKE) --no-print-directory benchmarks-md
+
+benchmarks-md:
+	$(PY) scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md
+
+clean:
+	rm -rf $(BUILD) $(TSAN_BUILD)

@@ -1,0 +1,214 @@
+#include "kvtier/client.h"
+
+#include <chrono>
+
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvtier {
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        ClientOptions options) {
+  if (address.empty()) return absl::InvalidArgumentError("address: empty");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError("address: \"" + address + "\" is not a gRPC target");
+  }
+  return std::unique_ptr<Client>(new Client(std::move(channel), std::move(options)));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      stub_(v1::KvTier::NewStub(channel_)),
+      options_(std::move(options)) {}
+
+void Client::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    absl::ToChronoMilliseconds(options_.timeout));
+  if (!options_.tenant.empty()) ctx->AddMetadata("x-kvtier-tenant", options_.tenant);
+}
+
+namespace {
+
+// Calls a unary method of the stub and returns its response or status.
+template <typename Resp, typename Req, typename Method>
+absl::StatusOr<Resp> Call(v1::KvTier::Stub& stub, Method method, const Req& req,
+                          const std::function<void(grpc::ClientContext*)>& prepare) {
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  Resp resp;
+  grpc::Status s = (stub.*method)(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
+
+}  // namespace
+
+#define KVTIER_CALL(Resp, Method, req) \
+  Call<Resp>(*stub_, &v1::KvTier::Stub::Method, req, [this](grpc::ClientContext* c) { Prepare(c); })
+
+absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
+    const v1::CreateSessionRequest& req) {
+  return KVTIER_CALL(v1::CreateSessionResponse, CreateSession, req);
+}
+
+absl::StatusOr<uint64_t> Client::AppendKV(const std::vector<v1::AppendKVRequest>& requests) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::AppendKVResponse resp;
+  auto writer = stub_->AppendKV(&ctx, &resp);
+  for (const auto& r : requests) {
+    if (!writer->Write(r)) break;  // the server ended the stream; Finish says why
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp.num_tokens();
+}
+
+absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) {
+  return KVTIER_CALL(v1::SelectResponse, Select, req);
+}
+
+absl::StatusOr<v1::BatchSelectResponse> Client::BatchSelect(const v1::BatchSelectRequest& req) {
+  return KVTIER_CALL(v1::BatchSelectResponse, BatchSelect, req);
+}
+
+absl::Status Client::Release(const std::string& lease_id) {
+  v1::ReleaseRequest req;
+  req.set_lease_id(lease_id);
+  return KVTIER_CALL(v1::ReleaseResponse, Release, req).status();
+}
+
+absl::StatusOr<std::vector<v1::BlockHandle>> Client::ReadChunks(
+    const std::string& session_id, const std::vector<uint64_t>& chunk_ids) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ReadChunksRequest req;
+  req.set_session_id(session_id);
+  for (uint64_t id : chunk_ids) req.add_chunk_ids(id);
+  auto reader = stub_->ReadChunks(&ctx, req);
+  std::vector<v1::BlockHandle> out;
+  v1::BlockHandle h;
+  while (reader->Read(&h)) out.push_back(std::move(h));
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return out;
+}
+
+absl::StatusOr<v1::CreateSessionResponse> Client::ForkSession(const v1::ForkSessionRequest& req) {
+  return KVTIER_CALL(v1::CreateSessionResponse, ForkSession, req);
+}
+
+absl::StatusOr<bool> Client::CloseSession(const std::string& session_id) {
+  v1::CloseSessionRequest req;
+  req.set_session_id(session_id);
+  auto r = KVTIER_CALL(v1::CloseSessionResponse, CloseSession, req);
+  if (!r.ok()) return r.status();
+  return r->existed();
+}
+
+absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
+  return KVTIER_CALL(v1::ListSessionsResponse, ListSessions, v1::ListSessionsRequest());
+}
+
+absl::StatusOr<v1::DescribeSessionResponse> Client::DescribeSession(const std::string& id) {
+  v1::DescribeSessionRequest req;
+  req.set_session_id(id);
+  return KVTIER_CALL(v1::DescribeSessionResponse, DescribeSession, req);
+}
+
+absl::StatusOr<v1::ListChunksResponse> Client::ListChunks(const v1::ListChunksRequest& req) {
+  return KVTIER_CALL(v1::ListChunksResponse, ListChunks, req);
+}
+
+absl::StatusOr<v1::GetTierStatsResponse> Client::GetTierStats() {
+  return KVTIER_CALL(v1::GetTierStatsResponse, GetTierStats, v1::GetTierStatsRequest());
+}
+
+absl::StatusOr<v1::ListSegmentsResponse> Client::ListSegments() {
+  return KVTIER_CALL(v1::ListSegmentsResponse, ListSegments, v1::ListSegmentsRequest());
+}
+
+absl::StatusOr<uint64_t> Client::Evict(const std::string& session_id, v1::Tier tier) {
+  v1::EvictRequest req;
+  req.set_session_id(session_id);
+  req.set_tier(tier);
+  auto r = KVTIER_CALL(v1::EvictResponse, Evict, req);
+  if (!r.ok()) return r.status();
+  return r->bytes_moved();
+}
+
+absl::StatusOr<v1::SessionPolicy> Client::SetPolicy(const std::string& session_id,
+                                                    const v1::SessionPolicy& policy) {
+  v1::SetPolicyRequest req;
+  req.set_session_id(session_id);
+  *req.mutable_policy() = policy;
+  auto r = KVTIER_CALL(v1::SetPolicyResponse, SetPolicy, req);
+  if (!r.ok()) return r.status();
+  return r->policy();
+}
+
+absl::StatusOr<uint32_t> Client::Drain() {
+  auto r = KVTIER_CALL(v1::DrainResponse, Drain, v1::DrainRequest());
+  if (!r.ok()) return r.status();
+  return r->sessions();
+}
+
+absl::StatusOr<std::string> Client::Echo(const std::string& payload, uint32_t response_bytes) {
+  v1::EchoRequest req;
+  req.set_payload(payload);
+  req.set_response_bytes(response_bytes);
+  auto r = KVTIER_CALL(v1::EchoResponse, Echo, req);
+  if (!r.ok()) return r.status();
+  return std::move(*r->mutable_payload());
+}
+
+absl::StatusOr<bool> Client::Health() {
+  // grpc.health.v1.HealthCheckRequest{service: ""} encodes to zero bytes; the response is
+  // HealthCheckResponse{status = 1 (SERVING)}: field 1, varint.
+  grpc::GenericStub generic(channel_);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty;
+  request = grpc::ByteBuffer(&empty, 1);
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &response, [&](grpc::Status s) {
+                      status = std::move(s);
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return absl::InternalError("health: unreadable response");
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  int status_value = 0;  // absent field: UNKNOWN
+  if (bytes.size() >= 2 && bytes[0] == 0x08) status_value = static_cast<uint8_t>(bytes[1]);
+  return status_value == 1;
+}
+
+absl::StatusOr<ChunkView> InlineView(const v1::BlockHandle& h) {
+  const size_t half = h.length() / 2;
+  if (h.keys().size() != half || h.values().size() != half || half % 2 != 0) {
+    return absl::InvalidArgumentError("handle: inline keys/values missing (include_data)");
+  }
+  return ChunkView{
+      {reinterpret_cast<const uint16_t*>(h.keys().data()), half / 2},
+      {reinterpret_cast<const uint16_t*>(h.values().data()), half / 2},
+  };
+}
+
+}  // namespace kvtier

@@ -1,0 +1,126 @@
+// kvtier C++ client: typed calls to kvtierd, and a map of its shared-memory segments so a
+// worker reads a BlockHandle's K and V in place.
+//
+//   auto client = kvtier::Client::Connect("unix:/tmp/kvtier.sock");
+//   auto session = (*client)->CreateSession(request);
+//   ...
+//   auto sel = (*client)->Select(select_request);
+//   kvtier::SegmentMap segments;
+//   for (const auto& head : sel->heads())
+//     for (const auto& block : head.blocks()) {
+//       auto view = segments.View(**client, block);   // spans over the daemon's memory
+//       ...  attend over view->keys, view->values ...
+//     }
+//   (*client)->Release(sel->lease_id());
+//
+// Every call returns absl::Status with the server's code and message.
+#ifndef KVTIER_CLIENT_H_
+#define KVTIER_CLIENT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvtier/v1/kvtier.grpc.pb.h"
+
+namespace kvtier {
+
+struct ClientOptions {
+  // Sent as x-kvtier-tenant on every call; empty: the daemon's "default" tenant.
+  std::string tenant;
+  // Largest message either way; match the daemon's max_message_size.
+  int max_message_bytes = 64 << 20;
+  // Deadline of each call.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+class Client {
+ public:
+  // "unix:PATH" or "HOST:PORT". Connects lazily: the first call reports an unreachable daemon
+  // (UNAVAILABLE).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         ClientOptions options = {});
+
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& req);
+  // One client stream carrying `requests` in order; returns tokens stored in every layer.
+  absl::StatusOr<uint64_t> AppendKV(const std::vector<v1::AppendKVRequest>& requests);
+  absl::StatusOr<v1::SelectResponse> Select(const v1::SelectRequest& req);
+  absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
+  absl::Status Release(const std::string& lease_id);
+  absl::StatusOr<std::vector<v1::BlockHandle>> ReadChunks(const std::string& session_id,
+                                                          const std::vector<uint64_t>& chunk_ids);
+  absl::StatusOr<v1::CreateSessionResponse> ForkSession(const v1::ForkSessionRequest& req);
+  // Idempotent: false when there was no such session.
+  absl::StatusOr<bool> CloseSession(const std::string& session_id);
+
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions();
+  absl::StatusOr<v1::DescribeSessionResponse> DescribeSession(const std::string& session_id);
+  absl::StatusOr<v1::ListChunksResponse> ListChunks(const v1::ListChunksRequest& req);
+  absl::StatusOr<v1::GetTierStatsResponse> GetTierStats();
+  absl::StatusOr<v1::ListSegmentsResponse> ListSegments();
+  absl::StatusOr<uint64_t> Evict(const std::string& session_id, v1::Tier tier);
+  absl::StatusOr<v1::SessionPolicy> SetPolicy(const std::string& session_id,
+                                              const v1::SessionPolicy& policy);
+  absl::StatusOr<uint32_t> Drain();
+  absl::StatusOr<std::string> Echo(const std::string& payload, uint32_t response_bytes = 0);
+  // grpc.health.v1.Health/Check for the whole server: true when SERVING.
+  absl::StatusOr<bool> Health();
+
+  v1::KvTier::Stub& stub() { return *stub_; }
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  void Prepare(grpc::ClientContext* ctx) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvTier::Stub> stub_;
+  ClientOptions options_;
+};
+
+// The server status as an absl::Status (codes agree).
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
+// K and V of one handle, in the daemon's memory (or in the handle's inline bytes).
+struct ChunkView {
+  std::span<const uint16_t> keys;    // [num_tokens][head_dim] fp16/bf16 bit patterns
+  std::span<const uint16_t> values;  // [num_tokens][head_dim]
+};
+
+// Read-only mappings of a daemon's segments, by segment id. Thread-safe.
+class SegmentMap {
+ public:
+  SegmentMap() = default;
+  ~SegmentMap();
+  SegmentMap(const SegmentMap&) = delete;
+  SegmentMap& operator=(const SegmentMap&) = delete;
+
+  // Maps the segment of `handle` (asking `client` for segment names when it is new) and
+  // returns spans over its bytes. NOT_FOUND when the daemon lists no such segment;
+  // OUT_OF_RANGE when the handle does not fit inside it.
+  absl::StatusOr<ChunkView> View(Client& client, const v1::BlockHandle& handle);
+
+ private:
+  struct Mapping {
+    const uint8_t* data;
+    uint64_t size;
+  };
+  absl::StatusOr<Mapping> Find(Client& client, uint64_t segment_id);
+
+  absl::Mutex mu_;
+  std::map<uint64_t, Mapping> maps_ ABSL_GUARDED_BY(mu_);
+};
+
+// A handle's inline bytes (include_data) as spans. INVALID_ARGUMENT if they are missing.
+absl::StatusOr<ChunkView> InlineView(const v1::BlockHandle& handle);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_CLIENT_H_

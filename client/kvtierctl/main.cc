@@ -1,0 +1,289 @@
+// kvtierctl: inspect and steer a running kvtierd. See `kvtierctl --help`.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/kvtierctl/format.h"
+#include "kvtier/client.h"
+#include "server/common/size.h"
+
+namespace kvtier::ctl {
+namespace {
+
+constexpr char kUsage[] = R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T] COMMAND
+
+commands:
+  health                 the daemon's gRPC health (exit 0 when SERVING)
+  sessions               every session: tenant, shape, tokens, bytes per tier, leases
+  session ID             one session: policy, usage, per-layer index statistics
+  tiers                  capacity, use, pins, promotions and evictions per tier
+  segments               shared-memory segments: names a worker maps, sizes, owners
+  chunks ID [--layer L] [--limit N]
+                         chunks of a session: positions, precision, bytes, generation
+  close ID               close a session (idempotent)
+
+--addr defaults to $KVTIER_ADDR, else unix:/tmp/kvtier.sock. A failed call exits 1 with the
+server's message; bad usage exits 2.
+)";
+
+struct Args {
+  std::string addr;
+  std::string output = "table";
+  std::string tenant;
+  std::vector<std::string> positional;
+  std::optional<uint32_t> layer;
+  uint32_t limit = 0;
+};
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string Bytes(uint64_t b) { return FormatBytes(b); }
+
+std::string TierName(v1::Tier t) {
+  std::string n = v1::Tier_Name(t);
+  return n.rfind("TIER_", 0) == 0 ? absl::AsciiStrToLower(n.substr(5)) : n;
+}
+
+std::string PrecisionName(v1::Precision p) {
+  std::string n = v1::Precision_Name(p);
+  return n.rfind("PRECISION_", 0) == 0 ? absl::AsciiStrToLower(n.substr(10)) : n;
+}
+
+uint64_t MapGet(const google::protobuf::Map<std::string, uint64_t>& m, const std::string& k) {
+  auto it = m.find(k);
+  return it == m.end() ? 0 : it->second;
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "kvtierctl: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  return 1;
+}
+
+int Usage(const std::string& why) {
+  std::cerr << "kvtierctl: " << why << "\n\n" << kUsage;
+  return 2;
+}
+
+int Run(const Args& a, Client& c) {
+  const std::string& cmd = a.positional[0];
+  const bool json = a.output == "json";
+  auto need_id = [&]() -> const std::string* {
+    return a.positional.size() == 2 ? &a.positional[1] : nullptr;
+  };
+  if (cmd == "health") {
+    auto r = c.Health();
+    if (!r.ok()) return Fail(r.status());
+    std::cout << (json ? absl::StrCat("{\"status\": \"", *r ? "SERVING" : "NOT_SERVING", "\"}")
+                       : (*r ? "SERVING" : "NOT_SERVING"))
+              << "\n";
+    return *r ? 0 : 1;
+  }
+  if (cmd == "sessions") {
+    auto r = c.ListSessions();
+    if (!r.ok()) return Fail(r.status());
+    if (json) {
+      std::cout << ToJson(*r);
+      return 0;
+    }
+    Table t({"SESSION", "TENANT", "LAYERS", "Q/KV HEADS", "HEAD_DIM", "TOKENS", "HOST", "DEVICE",
+             "LEASES", "LAST ACCESS"},
+            {false, false, true, true, true, true, true, true, true, false});
+    const int64_t now = NowMs();
+    for (const auto& s : r->sessions()) {
+      t.Add({s.session_id(), s.tenant(), absl::StrCat(s.shape().num_layers()),
+             absl::StrCat(s.shape().num_q_heads(), "/", s.shape().num_kv_heads()),
+             absl::StrCat(s.shape().head_dim()), absl::StrCat(s.num_tokens()),
+             Bytes(MapGet(s.bytes_by_tier(), "TIER_HOST")),
+             Bytes(MapGet(s.bytes_by_tier(), "TIER_DEVICE")), absl::StrCat(s.active_leases()),
+             Age(s.last_access_unix_ms(), now)});
+    }
+    std::cout << t.Render();
+    return 0;
+  }
+  if (cmd == "session") {
+    const std::string* id = need_id();
+    if (id == nullptr) return Usage("session needs one ID");
+    auto r = c.DescribeSession(*id);
+    if (!r.ok()) return Fail(r.status());
+    if (json) {
+      std::cout << ToJson(*r);
+      return 0;
+    }
+    const auto& i = r->info();
+    const auto& p = i.policy();
+    Table kv({"FIELD", "VALUE"});
+    kv.Add({"session", i.session_id()});
+    kv.Add({"tenant", i.tenant()});
+    kv.Add({"shape", absl::StrFormat("%d layers, %d q heads, %d kv heads, head_dim %d, %s",
+                                     i.shape().num_layers(), i.shape().num_q_heads(),
+                                     i.shape().num_kv_heads(), i.shape().head_dim(),
+                                     v1::DType_Name(i.shape().dtype()))});
+    kv.Add({"policy", absl::StrFormat("sinks %d, window %d, budget %d, dense layers %d, "
+                                      "chunk %d tokens, cold %s%s",
+                                      p.sink_tokens(), p.recent_window(), p.default_budget(),
+                                      p.dense_layers(), p.chunk_tokens(),
+                                      PrecisionName(p.cold_precision()),
+                                      p.lossless() ? ", lossless" : "")});
+    kv.Add({"tokens", absl::StrCat(i.num_tokens())});
+    for (const auto& [tier, bytes] : i.bytes_by_tier()) {
+      kv.Add({absl::StrCat("bytes ", absl::AsciiStrToLower(tier.substr(5))), Bytes(bytes)});
+    }
+    for (const auto& [prec, n] : i.chunks_by_precision()) {
+      kv.Add({absl::StrCat("chunks ", absl::AsciiStrToLower(prec.substr(10))), absl::StrCat(n)});
+    }
+    kv.Add({"leases", absl::StrCat(i.active_leases())});
+    kv.Add({"last access", Age(i.last_access_unix_ms(), NowMs())});
+    for (const auto& [k, v] : i.labels()) kv.Add({absl::StrCat("label ", k), v});
+    std::cout << kv.Render() << "\n";
+    Table layers({"LAYER", "TOKENS", "CHUNKS", "CLUSTERS", "DEPTH"},
+                 {true, true, true, true, true});
+    for (const auto& l : r->layers()) {
+      layers.Add({absl::StrCat(l.layer()), absl::StrCat(l.num_tokens()), absl::StrCat(l.chunks()),
+                  absl::StrCat(l.clusters()), absl::StrCat(l.depth())});
+    }
+    std::cout << layers.Render();
+    return 0;
+  }
+  if (cmd == "tiers") {
+    auto r = c.GetTierStats();
+    if (!r.ok()) return Fail(r.status());
+    if (json) {
+      std::cout << ToJson(*r);
+      return 0;
+    }
+    Table t({"TIER", "CAPACITY", "USED", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
+             "EVICTIONS"},
+            {false, true, true, true, true, true, true, true, true});
+    for (const auto& s : r->tiers()) {
+      double pct = s.capacity_bytes() ? 100.0 * s.used_bytes() / s.capacity_bytes() : 0.0;
+      t.Add({TierName(s.tier()) + (s.emulated() ? " (emulated)" : ""), Bytes(s.capacity_bytes()),
+             Bytes(s.used_bytes()), absl::StrFormat("%.1f", pct), Bytes(s.pinned_bytes()),
+             absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
+             absl::StrCat(s.promotions()), absl::StrCat(s.evictions())});
+    }
+    std::cout << t.Render();
+    return 0;
+  }
+  if (cmd == "segments") {
+    auto r = c.ListSegments();
+    if (!r.ok()) return Fail(r.status());
+    if (json) {
+      std::cout << ToJson(*r);
+      return 0;
+    }
+    Table t({"SEGMENT", "TIER", "SHM NAME", "SIZE", "SLOT", "TENANT", "GENERATION"},
+            {true, false, false, true, true, false, true});
+    for (const auto& s : r->segments()) {
+      t.Add({absl::StrCat(s.segment_id()), TierName(s.tier()), s.shm_name(), Bytes(s.size_bytes()),
+             Bytes(s.slot_bytes()), s.tenant(), absl::StrCat(s.generation())});
+    }
+    std::cout << t.Render();
+    return 0;
+  }
+  if (cmd == "chunks") {
+    const std::string* id = need_id();
+    if (id == nullptr) return Usage("chunks needs one ID");
+    v1::ListChunksRequest req;
+    req.set_session_id(*id);
+    if (a.layer) req.set_layer(*a.layer);
+    req.set_limit(a.limit);
+    auto r = c.ListChunks(req);
+    if (!r.ok()) return Fail(r.status());
+    if (json) {
+      std::cout << ToJson(*r);
+      return 0;
+    }
+    Table t({"CHUNK", "LAYER", "HEAD", "INDEX", "TOKENS", "POSITIONS", "PRECISION", "HOST",
+             "DEVICE", "GENERATION", "PINNED"},
+            {true, true, true, true, true, false, false, true, true, true, false});
+    for (const auto& ch : r->chunks()) {
+      t.Add({absl::StrCat(ch.chunk_id()), absl::StrCat(ch.layer()), absl::StrCat(ch.kv_head()),
+             absl::StrCat(ch.index()), absl::StrCat(ch.num_tokens()),
+             absl::StrCat(ch.first_position(), "..", ch.first_position() + ch.num_tokens() - 1),
+             PrecisionName(ch.precision()), Bytes(ch.host_bytes()),
+             ch.device_bytes() ? Bytes(ch.device_bytes()) : "-", absl::StrCat(ch.generation()),
+             ch.pinned() ? "yes" : "no"});
+    }
+    std::cout << t.Render();
+    if (static_cast<uint64_t>(r->chunks_size()) < r->total()) {
+      std::cout << absl::StrFormat("(%d of %d chunks; --limit N shows more)\n", r->chunks_size(),
+                                   r->total());
+    }
+    return 0;
+  }
+  if (cmd == "close") {
+    const std::string* id = need_id();
+    if (id == nullptr) return Usage("close needs one ID");
+    auto r = c.CloseSession(*id);
+    if (!r.ok()) return Fail(r.status());
+    std::cout << (json ? absl::StrCat("{\"session_id\": \"", *id, "\", \"existed\": ",
+                                      *r ? "true" : "false", "}")
+                       : absl::StrCat(*r ? "closed " : "no session ", *id))
+              << "\n";
+    return 0;
+  }
+  return Usage(absl::StrCat("unknown command \"", cmd, "\""));
+}
+
+}  // namespace
+}  // namespace kvtier::ctl
+
+int main(int argc, char** argv) {
+  using namespace kvtier::ctl;
+  Args a;
+  if (const char* env = std::getenv("KVTIER_ADDR")) a.addr = env;
+  if (a.addr.empty()) a.addr = "unix:/tmp/kvtier.sock";
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::optional<std::string> {
+      if (i + 1 >= argc) return std::nullopt;
+      return std::string(argv[++i]);
+    };
+    if (arg == "-h" || arg == "--help") {
+      std::cout << kUsage;
+      return 0;
+    } else if (arg == "--addr" || arg == "-o" || arg == "--output" || arg == "--tenant" ||
+               arg == "--layer" || arg == "--limit") {
+      auto v = value();
+      if (!v) return Usage(absl::StrCat(arg, " needs a value"));
+      if (arg == "--addr") {
+        a.addr = *v;
+      } else if (arg == "--tenant") {
+        a.tenant = *v;
+      } else if (arg == "--layer" || arg == "--limit") {
+        uint32_t n = 0;
+        if (!absl::SimpleAtoi(*v, &n)) return Usage(absl::StrCat(arg, " takes a number"));
+        if (arg == "--layer") {
+          a.layer = n;
+        } else {
+          a.limit = n;
+        }
+      } else {
+        if (*v != "table" && *v != "json") return Usage("-o takes table or json");
+        a.output = *v;
+      }
+    } else if (!arg.empty() && arg[0] == '-') {
+      return Usage(absl::StrCat("unknown option ", arg));
+    } else {
+      a.positional.push_back(arg);
+    }
+  }
+  if (a.positional.empty()) return Usage("no command");
+  kvtier::ClientOptions opts;
+  opts.tenant = a.tenant;
+  opts.timeout = absl::Seconds(10);
+  auto client = kvtier::Client::Connect(a.addr, opts);
+  if (!client.ok()) return Fail(client.status());
+  return Run(a, **client);
+}

@@ -1,0 +1,21 @@
+// Byte sizes as operators write them: "4096", "64K", "512M", "8G" (powers of 1024).
+#ifndef KVTIER_SERVER_COMMON_SIZE_H_
+#define KVTIER_SERVER_COMMON_SIZE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtier {
+
+// Parses SIZE. INVALID_ARGUMENT names `field` on an empty string, a bad suffix, or overflow.
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view field);
+
+// "1.5 GiB", "512 KiB", "17 B": for tables meant for people.
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_COMMON_SIZE_H_

@@ -1,0 +1,75 @@
+// kvtierd's configuration: a `kvtier.v1.Config` in protobuf text format (--config FILE),
+// overridden by flags of the same names (--host_capacity 8G), validated once at start-up
+// into `ServerOptions`, which is handed down by const reference.
+#ifndef KVTIER_SERVER_CONFIG_CONFIG_H_
+#define KVTIER_SERVER_CONFIG_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvtier/v1/config.pb.h"
+#include "kvtier/v1/kvtier.pb.h"
+
+namespace kvtier {
+
+// Validated, parsed configuration. Every field holds its effective value.
+struct ServerOptions {
+  // "unix:PATH" or "HOST:PORT".
+  std::string listen = "unix:/tmp/kvtier.sock";
+  // Optional second listener, "HOST:PORT"; empty: none.
+  std::string tcp_listen;
+  // Names this daemon's shared-memory segments: /dev/shm/kvtier-<instance>-<tier>-<n>.
+  std::string instance = "default";
+  // Capacity of the device tier (a GPU's HBM, or host memory standing in for it).
+  uint64_t device_capacity = 1ull << 30;
+  // Capacity of the host tier, which holds every chunk of every live session.
+  uint64_t host_capacity = 4ull << 30;
+  // Remote tier address; empty: none.
+  std::string remote;
+  // Lease lifetime when a Select names none, and the longest a Select may name.
+  uint32_t lease_ttl_ms = 30'000;
+  uint32_t max_lease_ms = 600'000;
+  // Prometheus exposition port (0: off) and bind address.
+  uint32_t metrics_port = 0;
+  std::string metrics_bind = "127.0.0.1";
+  uint32_t max_sessions = 4096;
+  // Each shared-memory segment a slab allocator maps.
+  uint64_t segment_size = 64ull << 20;
+  // Largest gRPC message in either direction.
+  uint64_t max_message_size = 64ull << 20;
+  // Time in-flight calls get to finish after SIGTERM or Drain.
+  uint32_t drain_timeout_ms = 10'000;
+  std::string log_level = "info";
+  // Complete: no zero fields.
+  v1::SessionPolicy default_policy;
+};
+
+// The default configuration with every field set, as --print_default_config prints it.
+v1::Config DefaultConfig();
+
+// Parses protobuf text format. INVALID_ARGUMENT carries line:column and the parser's words.
+absl::StatusOr<v1::Config> ParseConfigText(const std::string& text);
+
+// Checks every field; INVALID_ARGUMENT names the first bad field and its value.
+absl::StatusOr<ServerOptions> Validate(const v1::Config& config);
+
+// What the command line asked for.
+struct CommandLine {
+  v1::Config config;           // file (if any) with flags applied over it
+  bool print_default_config = false;
+  bool help = false;
+};
+
+// Reads `--config FILE` first, then applies every other `--name value` or `--name=value`
+// over it, where `name` is a Config field. INVALID_ARGUMENT on an unknown flag, a missing
+// value, an unreadable file or a value of the wrong type.
+absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& args);
+
+// Usage text listing every flag.
+std::string Usage();
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_CONFIG_CONFIG_H_

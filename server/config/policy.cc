@@ -1,0 +1,68 @@
+#include "server/config/policy.h"
+
+#include "absl/strings/str_format.h"
+
+namespace kvtier {
+
+v1::SessionPolicy BuiltinPolicy() {
+  v1::SessionPolicy p;
+  p.set_sink_tokens(16);
+  p.set_recent_window(64);
+  p.set_default_budget(256);
+  p.set_dense_layers(2);
+  p.set_lossless(false);
+  p.set_cold_precision(v1::PRECISION_INT4);
+  p.set_chunking(v1::CHUNKING_CONTIGUOUS);
+  p.set_chunk_tokens(16);
+  return p;
+}
+
+absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& requested,
+                                                const v1::SessionPolicy& defaults,
+                                                absl::string_view field) {
+  v1::SessionPolicy p = requested;
+  if (p.sink_tokens() == 0) p.set_sink_tokens(defaults.sink_tokens());
+  if (p.recent_window() == 0) p.set_recent_window(defaults.recent_window());
+  if (p.default_budget() == 0) p.set_default_budget(defaults.default_budget());
+  if (p.dense_layers() == 0) p.set_dense_layers(defaults.dense_layers());
+  if (!p.lossless()) p.set_lossless(defaults.lossless());
+  if (p.cold_precision() == v1::PRECISION_UNSPECIFIED) {
+    p.set_cold_precision(defaults.cold_precision());
+  }
+  if (p.chunking() == v1::CHUNKING_UNSPECIFIED) p.set_chunking(defaults.chunking());
+  if (p.chunk_tokens() == 0) p.set_chunk_tokens(defaults.chunk_tokens());
+
+  auto bad = [&](absl::string_view name, auto value, absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.%s: %v %s", field, name, value, why));
+  };
+  if (p.chunk_tokens() < 1 || p.chunk_tokens() > kMaxChunkTokens) {
+    return bad("chunk_tokens", p.chunk_tokens(),
+               absl::StrFormat("is outside [1, %d]", kMaxChunkTokens));
+  }
+  if (p.sink_tokens() > (1u << 20)) return bad("sink_tokens", p.sink_tokens(), "is above 2^20");
+  if (p.recent_window() > (1u << 20)) {
+    return bad("recent_window", p.recent_window(), "is above 2^20");
+  }
+  if (p.default_budget() > (1u << 30)) {
+    return bad("default_budget", p.default_budget(), "is above 2^30");
+  }
+  switch (p.cold_precision()) {
+    case v1::PRECISION_FP16:
+    case v1::PRECISION_INT8:
+    case v1::PRECISION_INT4:
+      break;
+    default:
+      return bad("cold_precision", v1::Precision_Name(p.cold_precision()),
+                 "is not one of PRECISION_FP16, PRECISION_INT8, PRECISION_INT4");
+  }
+  if (p.chunking() != v1::CHUNKING_CONTIGUOUS) {
+    // Boundary-aware and semantic chunking arrive with the cluster index; until then a
+    // request for them is refused rather than silently served contiguous chunks.
+    return bad("chunking", v1::Chunking_Name(p.chunking()),
+               "is not available in this build; use CHUNKING_CONTIGUOUS");
+  }
+  return p;
+}
+
+}  // namespace kvtier

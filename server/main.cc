@@ -1,0 +1,62 @@
+// kvtierd: the KV-cache daemon. See docs/operator-guide.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "google/protobuf/text_format.h"
+#include "server/common/log.h"
+#include "server/config/config.h"
+#include "server/rpc/daemon.h"
+
+int main(int argc, char** argv) {
+  // Signals go to one sigwait thread, so no gRPC thread is interrupted by them.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto cl = kvtier::ParseCommandLine(std::vector<std::string>(argv + 1, argv + argc));
+  if (!cl.ok()) {
+    std::cerr << "kvtierd: " << cl.status().message() << "\n";
+    return 2;
+  }
+  if (cl->help) {
+    std::cout << kvtier::Usage();
+    return 0;
+  }
+  if (cl->print_default_config) {
+    std::string text;
+    google::protobuf::TextFormat::PrintToString(kvtier::DefaultConfig(), &text);
+    std::cout << text;
+    return 0;
+  }
+  auto options = kvtier::Validate(cl->config);
+  if (!options.ok()) {
+    std::cerr << "kvtierd: invalid configuration: " << options.status().message() << "\n";
+    return 2;
+  }
+  if (auto s = kvtier::SetLogLevel(options->log_level); !s.ok()) {
+    std::cerr << "kvtierd: " << s.message() << "\n";
+    return 2;
+  }
+  auto daemon = kvtier::Daemon::Start(*options);
+  if (!daemon.ok()) {
+    std::cerr << "kvtierd: " << daemon.status().message() << "\n";
+    return 1;
+  }
+  std::thread signals([d = daemon->get(), stop] {
+    int sig = 0;
+    sigwait(&stop, &sig);
+    KVLOG(info, "daemon.signal", "signal={}", sig);
+    d->RequestShutdown();
+  });
+  signals.detach();  // may stay blocked in sigwait when a Drain RPC ends the daemon
+  (*daemon)->WaitForShutdownRequest();
+  (*daemon)->Shutdown();
+  daemon->reset();
+  return 0;
+}

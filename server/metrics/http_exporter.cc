@@ -1,0 +1,55 @@
+#include "server/metrics/http_exporter.h"
+
+#include <civetweb.h>
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtier::metrics {
+namespace {
+
+void Reply(mg_connection* conn, const char* content_type, const std::string& body) {
+  mg_printf(conn,
+            "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+            "Connection: close\r\n\r\n",
+            content_type, body.size());
+  mg_write(conn, body.data(), body.size());
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::string& bind_address,
+                                                                 int port,
+                                                                 const Registry* registry) {
+  static std::once_flag init;
+  std::call_once(init, [] { mg_init_library(0); });
+  std::string ports = absl::StrCat(bind_address, ":", port);
+  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "2", nullptr};
+  mg_callbacks callbacks{};
+  callbacks.log_message = [](const mg_connection*, const char*) { return 1; };  // quiet
+  mg_context* ctx = mg_start(&callbacks, nullptr, options);
+  if (ctx == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("metrics_port: cannot serve HTTP on ", ports, " (in use or not permitted)"));
+  }
+  auto exporter = std::unique_ptr<HttpExporter>(new HttpExporter(ctx, registry));
+  mg_set_request_handler(ctx, "/metrics$", &HttpExporter::HandleMetrics, exporter.get());
+  mg_set_request_handler(ctx, "/healthz$", &HttpExporter::HandleHealth, exporter.get());
+  return exporter;
+}
+
+HttpExporter::~HttpExporter() { mg_stop(ctx_); }
+
+int HttpExporter::HandleMetrics(mg_connection* conn, void* self) {
+  Reply(conn, "text/plain; version=0.0.4; charset=utf-8",
+        static_cast<HttpExporter*>(self)->registry_->Render());
+  return 200;
+}
+
+int HttpExporter::HandleHealth(mg_connection* conn, void*) {
+  Reply(conn, "text/plain", "ok\n");
+  return 200;
+}
+
+}  // namespace kvtier::metrics

@@ -1,0 +1,171 @@
+#include "server/rpc/daemon.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/common/log.h"
+
+namespace kvtier {
+namespace {
+
+TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
+  TierOptions t;
+  t.tier = tier;
+  t.instance = o.instance;
+  t.capacity_bytes = tier == v1::TIER_HOST ? o.host_capacity : o.device_capacity;
+  t.segment_bytes = o.segment_size;
+  // The daemon does not drive a GPU yet: the device tier is host shared memory, same path.
+  t.emulated = tier == v1::TIER_DEVICE;
+  return t;
+}
+
+SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, Tier* device, LeaseTable* leases,
+                          const Clock* clock) {
+  SessionEnv env;
+  env.host = host;
+  env.device = device;
+  env.leases = leases;
+  env.clock = clock;
+  env.lease_ttl_ms = o.lease_ttl_ms;
+  env.max_lease_ms = o.max_lease_ms;
+  return env;
+}
+
+std::string SocketPath(const std::string& listen) {
+  return absl::StartsWith(listen, "unix:") ? listen.substr(5) : "";
+}
+
+}  // namespace
+
+Daemon::Daemon(const ServerOptions& options, const Clock* clock)
+    : options_(options),
+      clock_(clock),
+      host_(MakeTier(options_, v1::TIER_HOST)),
+      device_(MakeTier(options_, v1::TIER_DEVICE)),
+      leases_(clock),
+      sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &leases_, clock)),
+      service_(ServiceEnv{.sessions = &sessions_,
+                          .leases = &leases_,
+                          .host = &host_,
+                          .device = &device_,
+                          .metrics = &metrics_,
+                          .on_drain = [this] { RequestShutdown(); }}) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
+                                                      const Clock* clock) {
+  auto d = std::unique_ptr<Daemon>(new Daemon(options, clock));
+  const ServerOptions& o = d->options_;
+  int stale = ShmSegment::RemoveStale(absl::StrCat("/kvtier-", o.instance, "-"));
+  if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
+
+  const std::string sock = SocketPath(o.listen);
+  if (!sock.empty()) unlink(sock.c_str());  // a stale socket from a killed daemon
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int tcp_port = 0;
+  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(),
+                           sock.empty() ? &tcp_port : nullptr);
+  if (!o.tcp_listen.empty()) {
+    builder.AddListeningPort(o.tcp_listen, grpc::InsecureServerCredentials());
+  }
+  builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_size));
+  builder.SetMaxSendMessageSize(static_cast<int>(o.max_message_size));
+  builder.RegisterService(&d->service_);
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("listen: cannot serve on ", o.listen,
+                                               o.tcp_listen.empty() ? "" : " or " + o.tcp_listen,
+                                               " (address in use or not permitted)"));
+  }
+  if (!sock.empty() && chmod(sock.c_str(), 0660) != 0) {
+    return absl::InternalError(absl::StrCat("listen: chmod 0660 ", sock, " failed"));
+  }
+  d->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (o.metrics_port != 0) {
+    auto exporter = metrics::HttpExporter::Start(o.metrics_bind, static_cast<int>(o.metrics_port),
+                                                 &d->metrics_);
+    if (!exporter.ok()) return exporter.status();
+    d->exporter_ = *std::move(exporter);
+  }
+  d->RegisterGauges();
+  d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
+  KVLOG(info, "daemon.start", "listen={} tcp_listen={} instance={} host_capacity={} "
+        "device_capacity={} metrics_port={}",
+        o.listen, o.tcp_listen, o.instance, o.host_capacity, o.device_capacity, o.metrics_port);
+  return d;
+}
+
+void Daemon::RegisterGauges() {
+  metrics_.OnScrape([this] {
+    for (const Tier* t : {&host_, &device_}) {
+      TierSnapshot s = t->Stats();
+      metrics::Labels l{{"tier", TierShortName(s.tier)}};
+      metrics_.GetGauge("kvtier_tier_capacity_bytes", "Tier capacity", l).Set(s.capacity_bytes);
+      metrics_.GetGauge("kvtier_tier_used_bytes", "Bytes of allocated slots", l).Set(s.used_bytes);
+      metrics_.GetGauge("kvtier_tier_occupancy_ratio", "used / capacity", l)
+          .Set(s.capacity_bytes ? static_cast<double>(s.used_bytes) / s.capacity_bytes : 0.0);
+      metrics_.GetGauge("kvtier_tier_pinned_bytes", "Bytes pinned by leases", l)
+          .Set(s.pinned_bytes);
+      metrics_.GetGauge("kvtier_tier_chunks", "Slots allocated", l).Set(s.num_slots);
+      metrics_.GetGauge("kvtier_tier_segments", "Shared-memory segments mapped", l)
+          .Set(s.num_segments);
+      metrics_.GetCounter("kvtier_tier_promotions_total", "Chunks copied into the tier", l)
+          .IncreaseTo(s.promotions);
+      metrics_.GetCounter("kvtier_tier_evictions_total", "Chunks moved out of the tier", l)
+          .IncreaseTo(s.evictions);
+      metrics_.GetCounter("kvtier_tier_allocation_failures_total",
+                          "Allocations refused (tier full or shm error)", l)
+          .IncreaseTo(s.allocation_failures);
+    }
+    metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());
+    metrics_.GetGauge("kvtier_leases", "Live leases").Set(leases_.size());
+    metrics_.GetGauge("kvtier_draining", "1 while draining").Set(service_.draining() ? 1 : 0);
+  });
+}
+
+void Daemon::ReapLeases() {
+  auto& expired = metrics_.GetCounter("kvtier_leases_expired_total", "Leases ended by their TTL");
+  while (!shutdown_requested_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+    if (int n = leases_.ExpireDue(); n > 0) expired.Inc(n);
+  }
+}
+
+void Daemon::RequestShutdown() {
+  absl::MutexLock lock(&mu_);
+  if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
+}
+
+void Daemon::WaitForShutdownRequest() { shutdown_requested_.WaitForNotification(); }
+
+void Daemon::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
+  }
+  KVLOG(info, "daemon.drain", "sessions={} leases={}", sessions_.size(), leases_.size());
+  service_.StartDraining();
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(options_.drain_timeout_ms));
+    server_->Wait();
+  }
+  if (reaper_.joinable()) reaper_.join();
+  exporter_.reset();
+  sessions_.CloseAll();
+  const std::string sock = SocketPath(options_.listen);
+  if (!sock.empty()) unlink(sock.c_str());
+  KVLOG(info, "daemon.stop", "instance={}", options_.instance);
+}
+
+Daemon::~Daemon() { Shutdown(); }
+
+}  // namespace kvtier

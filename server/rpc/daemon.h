@@ -1,0 +1,73 @@
+// kvtierd as an object: tiers, sessions, leases, metrics and the gRPC server, started from
+// validated options and stopped by a drain. main() and the in-process tests both use it.
+//
+// Shutdown (SIGTERM or the Drain RPC): new calls get UNAVAILABLE, health turns NOT_SERVING,
+// calls in flight get drain_timeout_ms to finish, then sessions close, leases end, the
+// shared-memory segments are unlinked and the Unix socket is removed.
+#ifndef KVTIER_SERVER_RPC_DAEMON_H_
+#define KVTIER_SERVER_RPC_DAEMON_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/grpcpp.h"
+#include "server/config/config.h"
+#include "server/metrics/http_exporter.h"
+#include "server/metrics/registry.h"
+#include "server/rpc/service.h"
+#include "server/session/session_manager.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+class Daemon {
+ public:
+  // Binds the listeners and starts serving. INTERNAL or UNAVAILABLE naming the address when
+  // a listener cannot bind. `options` is copied.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const ServerOptions& options,
+                                                       const Clock* clock = &SystemClock());
+  ~Daemon();  // Shutdown() if not done
+
+  // Asks for shutdown; returns at once. Thread-safe (not async-signal-safe: signals are
+  // taken by a sigwait thread).
+  void RequestShutdown();
+  // Blocks until RequestShutdown() or a Drain RPC.
+  void WaitForShutdownRequest();
+  // Drains and stops. Idempotent.
+  void Shutdown();
+
+  // The address clients dial: "unix:PATH" or "HOST:PORT".
+  const std::string& address() const { return options_.listen; }
+  metrics::Registry& metrics() { return metrics_; }
+
+ private:
+  explicit Daemon(const ServerOptions& options, const Clock* clock);
+  void RegisterGauges();
+  void ReapLeases();
+
+  const ServerOptions options_;
+  const Clock* const clock_;
+  metrics::Registry metrics_;
+  // Destroyed in reverse order: sessions and leases drop their slots before the tiers go.
+  Tier host_;
+  Tier device_;
+  LeaseTable leases_;
+  SessionManager sessions_;
+  KvTierService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<metrics::HttpExporter> exporter_;
+
+  absl::Notification shutdown_requested_;
+  absl::Mutex mu_;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread reaper_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_RPC_DAEMON_H_

@@ -1,0 +1,362 @@
+#include "server/rpc/service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/common/log.h"
+#include "server/common/status_macros.h"
+
+namespace kvtier {
+namespace {
+
+absl::Status Draining() {
+  return absl::UnavailableError("kvtierd is draining and takes no new calls");
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {}
+
+std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kTenantHeader);
+  if (it == md.end() || it->second.empty()) return "default";
+  return std::string(it->second.data(), it->second.size());
+}
+
+void KvTierService::Record(const char* method, const absl::Status& s, absl::Duration elapsed) {
+  env_.metrics
+      ->GetCounter("kvtier_rpc_total", "RPCs finished, by method and status code",
+                   {{"method", method}, {"code", absl::StatusCodeToString(s.code())}})
+      .Inc();
+  env_.metrics
+      ->GetHistogram("kvtier_rpc_latency_seconds", "Server-side RPC latency",
+                     metrics::LatencyBuckets(), {{"method", method}})
+      .Observe(absl::ToDoubleSeconds(elapsed));
+  if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+    KVLOG(debug, "rpc.error", "method={} code={} message=\"{}\"", method,
+          absl::StatusCodeToString(s.code()), std::string(s.message()));
+  }
+}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
+                                               const char* method, Fn&& fn) {
+  absl::Time start = absl::Now();
+  absl::Status s = draining() ? Draining() : fn();
+  Record(method, s, absl::Now() - start);
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(ToGrpcStatus(s));
+  return r;
+}
+
+grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerContext* ctx,
+                                                       const v1::CreateSessionRequest* req,
+                                                       v1::CreateSessionResponse* resp) {
+  return Unary(ctx, "CreateSession", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Create(Tenant(ctx), *req));
+    return absl::OkStatus();
+  });
+}
+
+// Applies each message as it arrives; the first error ends the stream with that status,
+// and the messages before it stay applied (each append is idempotent, so a client resends).
+class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
+ public:
+  AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
+      : svc_(svc), tenant_(Tenant(ctx)), resp_(resp), start_(absl::Now()) {
+    if (svc_->draining()) {
+      Done(Draining());
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side: all applied
+      Done(absl::OkStatus());
+      return;
+    }
+    absl::Status s = Apply();
+    if (!s.ok()) {
+      Done(s);
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Apply() {
+    if (session_ == nullptr || session_->id() != req_.session_id()) {
+      ASSIGN_OR_RETURN(session_, svc_->env_.sessions->Get(tenant_, req_.session_id()));
+    }
+    ASSIGN_OR_RETURN(uint64_t stored, session_->Append(req_));
+    resp_->set_num_tokens(stored);
+    tokens_ += req_.num_tokens();
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& s) {
+    svc_->Record("AppendKV", s, absl::Now() - start_);
+    svc_->env_.metrics
+        ->GetCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
+                     {{"tenant", tenant_}})
+        .Inc(static_cast<double>(tokens_));
+    Finish(ToGrpcStatus(s));
+  }
+
+  KvTierService* const svc_;
+  const std::string tenant_;
+  v1::AppendKVResponse* const resp_;
+  const absl::Time start_;
+  v1::AppendKVRequest req_;
+  std::shared_ptr<Session> session_;
+  uint64_t tokens_ = 0;
+};
+
+grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
+    grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp) {
+  return new AppendReactor(this, ctx, resp);
+}
+
+grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
+                                                const v1::SelectRequest* req,
+                                                v1::SelectResponse* resp) {
+  std::string tenant = Tenant(ctx);
+  return Unary(ctx, "Select", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
+    RETURN_IF_ERROR(session->Select(*req, resp));
+    env_.metrics->GetCounter("kvtier_selects_total", "Select calls served", {{"tenant", tenant}})
+        .Inc();
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext* ctx,
+                                                     const v1::BatchSelectRequest* req,
+                                                     v1::BatchSelectResponse* resp) {
+  std::string tenant = Tenant(ctx);
+  return Unary(ctx, "BatchSelect", [&]() -> absl::Status {
+    for (int i = 0; i < req->requests_size(); ++i) {
+      const v1::SelectRequest& r = req->requests(i);
+      absl::Status s = [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, r.session_id()));
+        return session->Select(r, resp->add_responses());
+      }();
+      if (!s.ok()) {
+        // All or nothing: end the leases already granted in this batch.
+        for (const auto& done : resp->responses()) {
+          if (!done.lease_id().empty()) env_.leases->Release(tenant, done.lease_id()).IgnoreError();
+        }
+        resp->Clear();
+        return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
+      }
+    }
+    env_.metrics->GetCounter("kvtier_selects_total", "Select calls served", {{"tenant", tenant}})
+        .Inc(req->requests_size());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::Release(grpc::CallbackServerContext* ctx,
+                                                 const v1::ReleaseRequest* req,
+                                                 v1::ReleaseResponse* resp) {
+  return Unary(ctx, "Release", [&] { return env_.leases->Release(Tenant(ctx), req->lease_id()); });
+}
+
+class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v1::BlockHandle> {
+ public:
+  ReadChunksReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
+                    const v1::ReadChunksRequest* req)
+      : svc_(svc), start_(absl::Now()) {
+    absl::Status s = svc_->draining() ? Draining() : Load(Tenant(ctx), *req);
+    if (!s.ok() || handles_.empty()) {
+      Done(s);
+      return;
+    }
+    StartWrite(&handles_[0]);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Done(absl::CancelledError("ReadChunks: the client went away"));
+      return;
+    }
+    if (++next_ == handles_.size()) {
+      Done(absl::OkStatus());
+      return;
+    }
+    StartWrite(&handles_[next_]);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Load(const std::string& tenant, const v1::ReadChunksRequest& req) {
+    ASSIGN_OR_RETURN(auto session, svc_->env_.sessions->Get(tenant, req.session_id()));
+    std::vector<uint64_t> ids(req.chunk_ids().begin(), req.chunk_ids().end());
+    ASSIGN_OR_RETURN(handles_, session->ReadChunks(ids));
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& s) {
+    svc_->Record("ReadChunks", s, absl::Now() - start_);
+    Finish(ToGrpcStatus(s));
+  }
+
+  KvTierService* const svc_;
+  const absl::Time start_;
+  std::vector<v1::BlockHandle> handles_;
+  size_t next_ = 0;
+};
+
+grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
+    grpc::CallbackServerContext* ctx, const v1::ReadChunksRequest* req) {
+  return new ReadChunksReactor(this, ctx, req);
+}
+
+grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext* ctx,
+                                                     const v1::ForkSessionRequest* req,
+                                                     v1::CreateSessionResponse* resp) {
+  return Unary(ctx, "ForkSession", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Fork(Tenant(ctx), *req));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::CloseSessionRequest* req,
+                                                      v1::CloseSessionResponse* resp) {
+  return Unary(ctx, "CloseSession", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(bool existed, env_.sessions->Close(Tenant(ctx), req->session_id()));
+    resp->set_existed(existed);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListSessionsRequest*,
+                                                      v1::ListSessionsResponse* resp) {
+  return Unary(ctx, "ListSessions", [&] {
+    for (const auto& s : env_.sessions->List()) *resp->add_sessions() = s->Info();
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::DescribeSession(grpc::CallbackServerContext* ctx,
+                                                         const v1::DescribeSessionRequest* req,
+                                                         v1::DescribeSessionResponse* resp) {
+  return Unary(ctx, "DescribeSession", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get("", req->session_id()));
+    *resp->mutable_info() = session->Info();
+    for (auto& l : session->Layers()) *resp->add_layers() = std::move(l);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::ListChunks(grpc::CallbackServerContext* ctx,
+                                                    const v1::ListChunksRequest* req,
+                                                    v1::ListChunksResponse* resp) {
+  return Unary(ctx, "ListChunks", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get("", req->session_id()));
+    std::optional<uint32_t> layer;
+    if (req->has_layer()) layer = req->layer();
+    *resp = session->ListChunks(layer, req->limit() ? req->limit() : 10000);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetTierStatsRequest*,
+                                                      v1::GetTierStatsResponse* resp) {
+  return Unary(ctx, "GetTierStats", [&] {
+    for (const Tier* t : {env_.device, env_.host}) {
+      TierSnapshot s = t->Stats();
+      v1::TierStats* out = resp->add_tiers();
+      out->set_tier(s.tier);
+      out->set_capacity_bytes(s.capacity_bytes);
+      out->set_used_bytes(s.used_bytes);
+      out->set_pinned_bytes(s.pinned_bytes);
+      out->set_num_chunks(s.num_slots);
+      out->set_promotions(s.promotions);
+      out->set_evictions(s.evictions);
+      out->set_num_segments(s.num_segments);
+      out->set_emulated(s.emulated);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListSegmentsRequest*,
+                                                      v1::ListSegmentsResponse* resp) {
+  return Unary(ctx, "ListSegments", [&] {
+    for (const Tier* t : {env_.device, env_.host}) {
+      for (const SegmentInfo& s : t->Segments()) {
+        v1::Segment* out = resp->add_segments();
+        out->set_segment_id(s.segment_id);
+        out->set_tier(s.tier);
+        out->set_shm_name(s.shm_name);
+        out->set_size_bytes(s.size_bytes);
+        out->set_device(-1);  // host shared memory (the device tier here is emulated)
+        out->set_generation(s.generation);
+        out->set_tenant(s.tenant);
+        out->set_slot_bytes(s.slot_bytes);
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
+                                               const v1::EvictRequest* req,
+                                               v1::EvictResponse* resp) {
+  return Unary(ctx, "Evict", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Tenant(ctx), req->session_id()));
+    ASSIGN_OR_RETURN(uint64_t bytes, session->Evict(req->tier()));
+    resp->set_bytes_moved(bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::SetPolicy(grpc::CallbackServerContext* ctx,
+                                                   const v1::SetPolicyRequest* req,
+                                                   v1::SetPolicyResponse* resp) {
+  return Unary(ctx, "SetPolicy", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Tenant(ctx), req->session_id()));
+    ASSIGN_OR_RETURN(*resp->mutable_policy(), session->SetPolicy(req->policy()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::Drain(grpc::CallbackServerContext* ctx,
+                                               const v1::DrainRequest*, v1::DrainResponse* resp) {
+  grpc::ServerUnaryReactor* r = Unary(ctx, "Drain", [&] {
+    resp->set_sessions(static_cast<uint32_t>(env_.sessions->size()));
+    return absl::OkStatus();
+  });
+  if (env_.on_drain) env_.on_drain();  // non-blocking: wakes the daemon's main thread
+  return r;
+}
+
+grpc::ServerUnaryReactor* KvTierService::Echo(grpc::CallbackServerContext* ctx,
+                                              const v1::EchoRequest* req, v1::EchoResponse* resp) {
+  return Unary(ctx, "Echo", [&]() -> absl::Status {
+    if (req->response_bytes() == 0) {
+      resp->set_payload(req->payload());
+    } else {
+      resp->mutable_payload()->assign(req->response_bytes(), '\x5a');
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvtier

@@ -1,0 +1,104 @@
+// The gRPC edge: KvTier on the callback API. absl::Status becomes grpc::Status here and
+// nowhere else. Handlers do bounded work (memcpy-sized, under one session's lock) and never
+// wait on anything else, so they run on gRPC's callback threads.
+#ifndef KVTIER_SERVER_RPC_SERVICE_H_
+#define KVTIER_SERVER_RPC_SERVICE_H_
+
+#include <atomic>
+#include <functional>
+#include <string>
+
+#include "grpcpp/grpcpp.h"
+#include "kvtier/v1/kvtier.grpc.pb.h"
+#include "server/metrics/registry.h"
+#include "server/session/session_manager.h"
+
+namespace kvtier {
+
+// The one place absl codes become gRPC codes (their numbers agree).
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+// Metadata key naming the caller's tenant; absent: "default".
+inline constexpr char kTenantHeader[] = "x-kvtier-tenant";
+
+struct ServiceEnv {
+  SessionManager* sessions = nullptr;
+  LeaseTable* leases = nullptr;
+  Tier* host = nullptr;
+  Tier* device = nullptr;
+  metrics::Registry* metrics = nullptr;
+  // Called once by the Drain RPC, after its reply is queued.
+  std::function<void()> on_drain;
+};
+
+class KvTierService final : public v1::KvTier::CallbackService {
+ public:
+  explicit KvTierService(ServiceEnv env);
+
+  // New calls get UNAVAILABLE from now on.
+  void StartDraining() { draining_.store(true, std::memory_order_release); }
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
+                                          const v1::CreateSessionRequest* req,
+                                          v1::CreateSessionResponse* resp) override;
+  grpc::ServerReadReactor<v1::AppendKVRequest>* AppendKV(grpc::CallbackServerContext* ctx,
+                                                         v1::AppendKVResponse* resp) override;
+  grpc::ServerUnaryReactor* Select(grpc::CallbackServerContext* ctx, const v1::SelectRequest* req,
+                                   v1::SelectResponse* resp) override;
+  grpc::ServerUnaryReactor* BatchSelect(grpc::CallbackServerContext* ctx,
+                                        const v1::BatchSelectRequest* req,
+                                        v1::BatchSelectResponse* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
+                                    const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse* resp) override;
+  grpc::ServerWriteReactor<v1::BlockHandle>* ReadChunks(grpc::CallbackServerContext* ctx,
+                                                        const v1::ReadChunksRequest* req) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* ctx,
+                                        const v1::ForkSessionRequest* req,
+                                        v1::CreateSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* req,
+                                         v1::ListSessionsResponse* resp) override;
+  grpc::ServerUnaryReactor* DescribeSession(grpc::CallbackServerContext* ctx,
+                                            const v1::DescribeSessionRequest* req,
+                                            v1::DescribeSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListChunks(grpc::CallbackServerContext* ctx,
+                                       const v1::ListChunksRequest* req,
+                                       v1::ListChunksResponse* resp) override;
+  grpc::ServerUnaryReactor* GetTierStats(grpc::CallbackServerContext* ctx,
+                                         const v1::GetTierStatsRequest* req,
+                                         v1::GetTierStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSegments(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSegmentsRequest* req,
+                                         v1::ListSegmentsResponse* resp) override;
+  grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
+                                  v1::EvictResponse* resp) override;
+  grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,
+                                      const v1::SetPolicyRequest* req,
+                                      v1::SetPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
+                                  v1::DrainResponse* resp) override;
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
+                                 v1::EchoResponse* resp) override;
+
+ private:
+  class AppendReactor;
+  class ReadChunksReactor;
+
+  // Runs `fn` unless draining, records the call's metrics, and finishes the default reactor.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
+  void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
+  static std::string Tenant(const grpc::CallbackServerContext* ctx);
+
+  ServiceEnv env_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_RPC_SERVICE_H_

@@ -1,0 +1,60 @@
+// Leases: pins on the slots a Select returned, ended by Release or by TTL, so that a worker
+// that dies cannot pin memory for ever. A leased slot is never rewritten in place (a session
+// copies on write instead) and never freed, even after its session closes.
+#ifndef KVTIER_SERVER_SESSION_LEASE_TABLE_H_
+#define KVTIER_SERVER_SESSION_LEASE_TABLE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/common/clock.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+class LeaseTable {
+ public:
+  explicit LeaseTable(const Clock* clock) : clock_(clock) {}
+  // Unpins whatever is still leased.
+  ~LeaseTable();
+
+  struct Granted {
+    std::string lease_id;
+    int64_t expires_unix_ms;
+  };
+  // Pins `slots` until Release or `ttl_ms` from now.
+  Granted Create(const std::string& tenant, const std::string& session_id,
+                 std::vector<SlotRef> slots, uint32_t ttl_ms);
+
+  // NOT_FOUND for an unknown or expired lease; PERMISSION_DENIED for another tenant's.
+  absl::Status Release(const std::string& tenant, const std::string& lease_id);
+
+  // Ends every lease whose time has come. Returns how many.
+  int ExpireDue();
+
+  size_t size() const;
+  size_t CountForSession(const std::string& session_id) const;
+
+ private:
+  struct Lease {
+    std::string tenant;
+    std::string session_id;
+    int64_t expires_ms;
+    std::vector<SlotRef> slots;
+  };
+  static void Unpin(Lease& lease);
+
+  const Clock* const clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_LEASE_TABLE_H_

@@ -1,0 +1,627 @@
+#include "server/session/session.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/common/fp16.h"
+#include "server/common/status_macros.h"
+#include "server/config/policy.h"
+#include "server/index/chunk_ranker.h"
+
+namespace kvtier {
+namespace {
+
+constexpr uint32_t kMaxLayers = 1u << 12;
+constexpr uint32_t kMaxKvHeads = 1u << 12;
+constexpr uint32_t kMaxChunksPerStream = 1u << 28;
+
+absl::Status Invalid(absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+}
+
+}  // namespace
+
+uint64_t EncodeChunkId(const ChunkAddress& a) {
+  return (static_cast<uint64_t>(a.layer) << 40) | (static_cast<uint64_t>(a.kv_head) << 28) |
+         a.index;
+}
+
+ChunkAddress DecodeChunkId(uint64_t id) {
+  return {static_cast<uint32_t>(id >> 40), static_cast<uint32_t>((id >> 28) & 0xfff),
+          static_cast<uint32_t>(id & (kMaxChunksPerStream - 1))};
+}
+
+absl::StatusOr<v1::ModelShape> ResolveShape(const v1::ModelShape& in) {
+  v1::ModelShape s = in;
+  if (s.num_layers() == 0 || s.num_layers() > kMaxLayers) {
+    return Invalid("shape.num_layers", absl::StrFormat("%d is outside [1, %d]", s.num_layers(),
+                                                       kMaxLayers));
+  }
+  if (s.num_kv_heads() == 0 || s.num_kv_heads() > kMaxKvHeads) {
+    return Invalid("shape.num_kv_heads", absl::StrFormat("%d is outside [1, %d]",
+                                                         s.num_kv_heads(), kMaxKvHeads));
+  }
+  if (s.num_q_heads() == 0 || s.num_q_heads() % s.num_kv_heads() != 0) {
+    return Invalid("shape.num_q_heads",
+                   absl::StrFormat("%d is not a positive multiple of num_kv_heads %d",
+                                   s.num_q_heads(), s.num_kv_heads()));
+  }
+  if (s.num_q_heads() / s.num_kv_heads() > 256) {
+    return Invalid("shape.num_q_heads", "more than 256 query heads per KV head");
+  }
+  if (s.head_dim() == 0 || s.head_dim() > kMaxHeadDim) {
+    return Invalid("shape.head_dim",
+                   absl::StrFormat("%d is outside [1, %d]", s.head_dim(), kMaxHeadDim));
+  }
+  switch (s.dtype()) {
+    case v1::DTYPE_UNSPECIFIED:
+      s.set_dtype(v1::DTYPE_FP16);
+      break;
+    case v1::DTYPE_FP16:
+    case v1::DTYPE_BF16:
+      break;
+    default:
+      return Invalid("shape.dtype", absl::StrCat(v1::DType_Name(s.dtype()),
+                                                 " is not stored; send DTYPE_FP16 or DTYPE_BF16"));
+  }
+  return s;
+}
+
+Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
+                 v1::SessionPolicy policy, std::map<std::string, std::string> labels,
+                 const SessionEnv& env)
+    : id_(std::move(id)),
+      tenant_(std::move(tenant)),
+      shape_(std::move(shape)),
+      labels_(std::move(labels)),
+      env_(env),
+      created_ms_(env.clock->NowMs()),
+      policy_(std::move(policy)),
+      last_access_ms_(created_ms_),
+      layer_tokens_(shape_.num_layers(), 0),
+      streams_(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads()) {}
+
+Session::Session(const Session& parent, std::string new_id)
+    : Session(std::move(new_id), parent.tenant_, parent.shape_,
+              [&] {
+                absl::MutexLock lock(&parent.mu_);
+                return parent.policy_;
+              }(),
+              parent.labels_, parent.env_) {}
+
+absl::Status Session::CheckOpen() const {
+  if (closed_) return absl::NotFoundError(absl::StrCat("session_id: \"", id_, "\" is closed"));
+  return absl::OkStatus();
+}
+
+uint64_t Session::MinTokens() const {
+  return *std::min_element(layer_tokens_.begin(), layer_tokens_.end());
+}
+
+void Session::AddToSums(Chunk& c, const uint8_t* k_rows, const uint8_t* v_rows,
+                        uint32_t rows) const {
+  const int d = static_cast<int>(shape_.head_dim());
+  auto to_float = shape_.dtype() == v1::DTYPE_BF16 ? Bf16ToFloat : HalfToFloat;
+  if (c.key_sum.empty()) {
+    c.key_sum.assign(d, 0.f);
+    c.value_sum.assign(d, 0.f);
+  }
+  for (uint32_t r = 0; r < rows; ++r) {
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(k_rows) + static_cast<size_t>(r) * d;
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(v_rows) + static_cast<size_t>(r) * d;
+    for (int j = 0; j < d; ++j) {
+      c.key_sum[j] += to_float(k[j]);
+      c.value_sum[j] += to_float(v[j]);
+    }
+  }
+}
+
+absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
+                                    const v1::AppendKVRequest& req) {
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint64_t rb = row_bytes();
+  const uint64_t n = req.num_tokens();
+  for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+    const Stream& s = stream(layer, h);
+    for (uint64_t t = start; t < start + count; ++t) {
+      const Chunk& c = s[t / ct];
+      const uint64_t row = t % ct;
+      const uint8_t* base = c.host->data();
+      const uint64_t in = (h * n + (t - start)) * rb;
+      if (std::memcmp(base + row * rb, req.keys().data() + in, rb) != 0 ||
+          std::memcmp(base + (c.num_tokens + row) * rb, req.values().data() + in, rb) != 0) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "start_token: token %d of layer %d (kv_head %d) is stored with other bytes; "
+            "a stored token is not rewritten",
+            t, layer, h));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
+  const uint32_t kvh = shape_.num_kv_heads();
+  const uint64_t rb = row_bytes();
+  if (req.layer() >= shape_.num_layers()) {
+    return Invalid("layer", absl::StrFormat("%d is outside [0, %d)", req.layer(),
+                                            shape_.num_layers()));
+  }
+  const uint64_t n = req.num_tokens();
+  if (n == 0) return Invalid("num_tokens", "0; an append carries at least one token");
+  const uint64_t want = kvh * n * rb;
+  if (req.keys().size() != want) {
+    return Invalid("keys", absl::StrFormat("%d bytes; [num_kv_heads %d][num_tokens %d][head_dim "
+                                           "%d] of 2-byte values is %d bytes",
+                                           req.keys().size(), kvh, n, shape_.head_dim(), want));
+  }
+  if (req.values().size() != want) {
+    return Invalid("values", absl::StrFormat("%d bytes; expected %d", req.values().size(), want));
+  }
+  if (req.token_ids_size() != 0 && static_cast<uint64_t>(req.token_ids_size()) != n) {
+    return Invalid("token_ids", absl::StrFormat("%d ids for %d tokens", req.token_ids_size(), n));
+  }
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  last_access_ms_ = env_.clock->NowMs();
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint32_t layer = req.layer();
+  const uint64_t stored = layer_tokens_[layer];
+  const uint64_t start = req.start_token();
+  if (start > stored) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "start_token: %d leaves a gap; layer %d holds tokens [0, %d)", start, layer, stored));
+  }
+  if (start + n > static_cast<uint64_t>(kMaxChunksPerStream) * ct) {
+    return Invalid("start_token", "the stream would exceed 2^28 chunks");
+  }
+  const uint64_t overlap = std::min(stored, start + n) - start;
+  RETURN_IF_ERROR(CompareStored(layer, start, overlap, req));
+  const uint64_t add = n - overlap;
+  if (add == 0) return MinTokens();
+
+  // Allocate every slot first, so a full tier leaves the session exactly as it was.
+  const uint32_t partial_rows = static_cast<uint32_t>(stored % ct);
+  const uint64_t fresh_per_head = (partial_rows + add + ct - 1) / ct - (partial_rows ? 1 : 0);
+  std::vector<SlotRef> fresh;
+  std::vector<bool> cow(kvh, false);
+  for (uint32_t h = 0; h < kvh; ++h) {
+    // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
+    cow[h] = partial_rows != 0 && stream(layer, h).back().host.use_count() > 1;
+  }
+  const uint64_t slots_needed = kvh * fresh_per_head + std::count(cow.begin(), cow.end(), true);
+  fresh.reserve(slots_needed);
+  for (uint64_t i = 0; i < slots_needed; ++i) {
+    ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, slot_bytes()));
+    fresh.push_back(std::move(s));
+  }
+
+  size_t next_fresh = 0;
+  for (uint32_t h = 0; h < kvh; ++h) {
+    Stream& s = stream(layer, h);
+    const uint8_t* k_in = reinterpret_cast<const uint8_t*>(req.keys().data()) + (h * n + overlap) * rb;
+    const uint8_t* v_in =
+        reinterpret_cast<const uint8_t*>(req.values().data()) + (h * n + overlap) * rb;
+    uint64_t left = add;
+    if (partial_rows != 0) {
+      Chunk& c = s.back();
+      const uint32_t m = c.num_tokens;
+      const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(ct - m, left));
+      const uint32_t grown = m + k;
+      if (cow[h]) {
+        SlotRef copy = std::move(fresh[next_fresh++]);
+        std::memcpy(copy->data(), c.host->data(), m * rb);                 // old K
+        std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
+        c.host = std::move(copy);
+      } else {
+        // Nobody else can see this slot: move V down to make room for the new key rows.
+        std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
+        c.host->Renew();
+      }
+      std::memcpy(c.host->data() + m * rb, k_in, k * rb);
+      std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
+      AddToSums(c, k_in, v_in, k);
+      c.num_tokens = grown;
+      c.device.reset();  // the promoted copy is stale
+      k_in += k * rb;
+      v_in += k * rb;
+      left -= k;
+    }
+    while (left > 0) {
+      const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(ct, left));
+      Chunk c;
+      c.host = std::move(fresh[next_fresh++]);
+      std::memcpy(c.host->data(), k_in, k * rb);
+      std::memcpy(c.host->data() + k * rb, v_in, k * rb);
+      AddToSums(c, k_in, v_in, k);
+      c.num_tokens = k;
+      s.push_back(std::move(c));
+      k_in += k * rb;
+      v_in += k * rb;
+      left -= k;
+    }
+  }
+  layer_tokens_[layer] = start + n;
+  return MinTokens();
+}
+
+void Session::FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id,
+                         int64_t first_position, bool include_data, v1::BlockHandle* h) const {
+  const uint64_t half = c.num_tokens * row_bytes();
+  const ChunkAddress a = DecodeChunkId(chunk_id);
+  h->set_chunk_id(chunk_id);
+  h->set_tier(slot->tier());
+  h->set_segment_id(slot->segment_id());
+  h->set_offset(slot->offset());
+  h->set_length(2 * half);
+  h->set_precision(shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16);
+  h->set_num_tokens(c.num_tokens);
+  h->set_generation(slot->generation());
+  h->set_layer(a.layer);
+  h->set_kv_head(a.kv_head);
+  for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(first_position + r);
+  if (include_data) {
+    h->set_keys(slot->data(), half);
+    h->set_values(slot->data() + half, half);
+  }
+}
+
+absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
+  const uint32_t kvh = shape_.num_kv_heads();
+  const uint32_t group = shape_.num_q_heads() / kvh;
+  const int d = static_cast<int>(shape_.head_dim());
+  if (req.layer() >= shape_.num_layers()) {
+    return Invalid("layer", absl::StrFormat("%d is outside [0, %d)", req.layer(),
+                                            shape_.num_layers()));
+  }
+  const size_t want = static_cast<size_t>(shape_.num_q_heads()) * d * sizeof(float);
+  if (req.query().size() != want) {
+    return Invalid("query", absl::StrFormat("%d bytes; fp32 [num_q_heads %d][head_dim %d] is %d",
+                                            req.query().size(), shape_.num_q_heads(), d, want));
+  }
+  std::vector<float> q(want / sizeof(float));
+  std::memcpy(q.data(), req.query().data(), want);
+  for (size_t i = 0; i < q.size(); ++i) {
+    if (!std::isfinite(q[i])) {
+      return Invalid("query", absl::StrFormat("element %d is not finite", i));
+    }
+  }
+  Tier* target = env_.host;
+  switch (req.placement()) {
+    case v1::TIER_UNSPECIFIED:
+    case v1::TIER_HOST:
+      break;
+    case v1::TIER_DEVICE:
+      target = env_.device;
+      break;
+    default:
+      return Invalid("placement", absl::StrCat(v1::Tier_Name(req.placement()),
+                                               " is not readable by workers; use TIER_DEVICE "
+                                               "or TIER_HOST"));
+  }
+  const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
+  if (ttl > env_.max_lease_ms) {
+    return Invalid("lease_ms", absl::StrFormat("%d is above the daemon's max_lease_ms %d", ttl,
+                                               env_.max_lease_ms));
+  }
+
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  last_access_ms_ = env_.clock->NowMs();
+  const uint32_t layer = req.layer();
+  const uint64_t total = layer_tokens_[layer];
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
+  const uint32_t nchunks = static_cast<uint32_t>((total + ct - 1) / ct);
+  const bool everything = layer < policy_.dense_layers() || total <= budget;
+
+  // Chunks always returned: those overlapping the sinks or the recent window.
+  std::vector<bool> mandatory(nchunks, everything);
+  uint64_t mandatory_tokens = 0;
+  if (!everything) {
+    const uint64_t sink_end = std::min<uint64_t>(policy_.sink_tokens(), total);
+    const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
+    for (uint32_t c = 0; c < nchunks; ++c) {
+      const uint64_t lo = static_cast<uint64_t>(c) * ct;
+      const uint64_t hi = std::min<uint64_t>(lo + ct, total);
+      if (lo < sink_end || hi > window_start) {
+        mandatory[c] = true;
+        mandatory_tokens += hi - lo;
+      }
+    }
+    if (mandatory_tokens > budget) {
+      return Invalid("budget_tokens",
+                     absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
+                                     "chunks (sink_tokens %d, recent_window %d, chunk_tokens %d)",
+                                     budget, mandatory_tokens, policy_.sink_tokens(),
+                                     policy_.recent_window(), ct));
+    }
+  }
+
+  // Per head: which chunks, in position order.
+  std::vector<std::vector<uint32_t>> chosen(kvh);
+  for (uint32_t h = 0; h < kvh; ++h) {
+    Stream& s = stream(layer, h);
+    std::vector<bool> take = mandatory;
+    if (!everything) {
+      std::vector<std::vector<float>> means;
+      std::vector<ChunkCandidate> cands;
+      means.reserve(nchunks);
+      for (uint32_t c = 0; c < nchunks; ++c) {
+        if (mandatory[c]) continue;
+        std::vector<float> mu(s[c].key_sum);
+        for (float& x : mu) x /= static_cast<float>(s[c].num_tokens);
+        means.push_back(std::move(mu));
+        cands.push_back({c, s[c].num_tokens, means.back().data()});
+      }
+      std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
+                                static_cast<size_t>(group) * d);
+      for (uint32_t c : SelectByMeanScore(qh, static_cast<int>(group), d, cands,
+                                          budget - mandatory_tokens)) {
+        take[c] = true;
+      }
+    }
+    for (uint32_t c = 0; c < nchunks; ++c) {
+      if (take[c]) chosen[h].push_back(c);
+    }
+  }
+
+  // Promote to the device tier where asked; allocate all first so a full tier changes nothing.
+  if (target == env_.device) {
+    std::vector<std::pair<Chunk*, SlotRef>> promoted;
+    for (uint32_t h = 0; h < kvh; ++h) {
+      for (uint32_t c : chosen[h]) {
+        Chunk& ch = stream(layer, h)[c];
+        if (ch.device) continue;
+        ASSIGN_OR_RETURN(SlotRef slot, env_.device->Allocate(tenant_, slot_bytes()));
+        promoted.emplace_back(&ch, std::move(slot));
+      }
+    }
+    for (auto& [ch, slot] : promoted) {
+      std::memcpy(slot->data(), ch->host->data(), 2 * ch->num_tokens * row_bytes());
+      ch->device = std::move(slot);
+    }
+    env_.device->RecordPromotions(promoted.size());
+  }
+
+  std::vector<SlotRef> pinned;
+  out->set_context_tokens(total);
+  for (uint32_t h = 0; h < kvh; ++h) {
+    Stream& s = stream(layer, h);
+    v1::HeadSelection* hs = out->add_heads();
+    hs->set_kv_head(h);
+    for (uint32_t c : chosen[h]) {
+      const SlotRef& slot = target == env_.device ? s[c].device : s[c].host;
+      FillHandle(s[c], slot, EncodeChunkId({layer, h, c}), static_cast<int64_t>(c) * ct,
+                 req.include_data(), hs->add_blocks());
+      pinned.push_back(slot);
+    }
+    if (req.include_summaries() && !everything) {
+      size_t next = 0;
+      for (uint32_t c = 0; c < nchunks; ++c) {
+        if (next < chosen[h].size() && chosen[h][next] == c) {
+          ++next;
+          continue;
+        }
+        // Until the cluster index lands each left-out chunk is its own cluster.
+        std::vector<float> mk(d), mv(d);
+        for (int j = 0; j < d; ++j) {
+          mk[j] = s[c].key_sum[j] / s[c].num_tokens;
+          mv[j] = s[c].value_sum[j] / s[c].num_tokens;
+        }
+        v1::ClusterSummary* sum = hs->add_summaries();
+        sum->set_mean_key(mk.data(), d * sizeof(float));
+        sum->set_mean_value(mv.data(), d * sizeof(float));
+        sum->set_num_tokens(s[c].num_tokens);
+      }
+    }
+  }
+  LeaseTable::Granted lease = env_.leases->Create(tenant_, id_, std::move(pinned), ttl);
+  out->set_lease_id(lease.lease_id);
+  out->set_lease_expires_unix_ms(lease.expires_unix_ms);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
+    const std::vector<uint64_t>& ids) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  last_access_ms_ = env_.clock->NowMs();
+  std::vector<v1::BlockHandle> out;
+  out.reserve(ids.size());
+  const uint32_t ct = policy_.chunk_tokens();
+  for (uint64_t id : ids) {
+    ChunkAddress a = DecodeChunkId(id);
+    if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
+        a.kv_head >= shape_.num_kv_heads() || a.index >= stream(a.layer, a.kv_head).size()) {
+      return absl::NotFoundError(absl::StrFormat(
+          "chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"", id, a.layer,
+          a.kv_head, a.index, id_));
+    }
+    const Chunk& c = stream(a.layer, a.kv_head)[a.index];
+    FillHandle(c, c.host, id, static_cast<int64_t>(a.index) * ct, /*include_data=*/true,
+               &out.emplace_back());
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint64_t num_tokens) {
+  auto child = std::unique_ptr<Session>(new Session(*this, std::move(new_id)));
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  const uint64_t have = MinTokens();
+  if (num_tokens == 0) num_tokens = have;
+  if (num_tokens > have) {
+    return Invalid("num_tokens", absl::StrFormat("%d is above the %d tokens stored in every layer",
+                                                 num_tokens, have));
+  }
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint64_t rb = row_bytes();
+  const uint32_t keep_full = static_cast<uint32_t>(num_tokens / ct);
+  const uint32_t tail = static_cast<uint32_t>(num_tokens % ct);
+  // A chunk wholly below num_tokens is shared; the one that straddles it is copied.
+  std::vector<SlotRef> copies;
+  if (tail != 0) {
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, slot_bytes()));
+      copies.push_back(std::move(s));
+    }
+  }
+  absl::MutexLock child_lock(&child->mu_);  // not yet visible to anyone else
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    const Stream& from = streams_[i];
+    Stream& to = child->streams_[i];
+    to.assign(from.begin(), from.begin() + keep_full);
+    if (tail != 0) {
+      const Chunk& src = from[keep_full];
+      Chunk c;
+      c.host = std::move(copies[i]);
+      std::memcpy(c.host->data(), src.host->data(), tail * rb);
+      std::memcpy(c.host->data() + tail * rb, src.host->data() + src.num_tokens * rb, tail * rb);
+      AddToSums(c, c.host->data(), c.host->data() + tail * rb, tail);
+      c.num_tokens = tail;
+      to.push_back(std::move(c));
+    }
+  }
+  std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
+  return child;
+}
+
+absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  switch (tier) {
+    case v1::TIER_DEVICE: {
+      uint64_t bytes = 0, chunks = 0;
+      for (Stream& s : streams_) {
+        for (Chunk& c : s) {
+          if (!c.device) continue;
+          bytes += c.device->bytes();
+          ++chunks;
+          c.device.reset();  // a lease still holding it keeps the memory until released
+        }
+      }
+      env_.device->RecordEvictions(chunks);
+      return bytes;
+    }
+    case v1::TIER_HOST:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tier: TIER_HOST cannot be evicted: no remote tier is configured and session \"", id_,
+          "\" is live"));
+    default:
+      return Invalid("tier", absl::StrCat(v1::Tier_Name(tier),
+                                          " has no tier below it; use TIER_DEVICE or TIER_HOST"));
+  }
+}
+
+absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& policy) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  ASSIGN_OR_RETURN(v1::SessionPolicy next, ResolvePolicy(policy, policy_, "policy"));
+  const bool stored = std::any_of(layer_tokens_.begin(), layer_tokens_.end(),
+                                  [](uint64_t t) { return t > 0; });
+  if (stored && next.chunk_tokens() != policy_.chunk_tokens()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "policy.chunk_tokens: cannot change from %d to %d once tokens are stored",
+        policy_.chunk_tokens(), next.chunk_tokens()));
+  }
+  policy_ = next;
+  return policy_;
+}
+
+void Session::Close() {
+  std::vector<Stream> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    dropped.swap(streams_);
+  }
+  // Slots go back to their tiers here, outside the session lock.
+}
+
+v1::SessionInfo Session::Info() const {
+  absl::MutexLock lock(&mu_);
+  v1::SessionInfo info;
+  info.set_session_id(id_);
+  info.set_tenant(tenant_);
+  *info.mutable_shape() = shape_;
+  *info.mutable_policy() = policy_;
+  info.set_num_tokens(closed_ ? 0 : MinTokens());
+  info.set_created_unix_ms(created_ms_);
+  info.set_last_access_unix_ms(last_access_ms_);
+  info.mutable_labels()->insert(labels_.begin(), labels_.end());
+  uint64_t host = 0, device = 0, chunks = 0;
+  for (const Stream& s : streams_) {
+    for (const Chunk& c : s) {
+      host += c.host->bytes();
+      if (c.device) device += c.device->bytes();
+      ++chunks;
+    }
+  }
+  (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_HOST)] = host;
+  (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_DEVICE)] = device;
+  const v1::Precision stored =
+      shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
+  (*info.mutable_chunks_by_precision())[v1::Precision_Name(stored)] = chunks;
+  info.set_active_leases(static_cast<uint32_t>(env_.leases->CountForSession(id_)));
+  return info;
+}
+
+v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32_t limit) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListChunksResponse out;
+  if (closed_) return out;
+  const uint32_t kvh = shape_.num_kv_heads();
+  const uint32_t ct = policy_.chunk_tokens();
+  uint64_t total = 0;
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    if (layer.has_value() && *layer != l) continue;
+    for (uint32_t h = 0; h < kvh; ++h) {
+      const Stream& s = streams_[static_cast<size_t>(l) * kvh + h];
+      for (uint32_t i = 0; i < s.size(); ++i, ++total) {
+        if (out.chunks_size() >= static_cast<int>(limit)) continue;
+        const Chunk& c = s[i];
+        v1::ChunkInfo* info = out.add_chunks();
+        info->set_chunk_id(EncodeChunkId({l, h, i}));
+        info->set_layer(l);
+        info->set_kv_head(h);
+        info->set_index(i);
+        info->set_num_tokens(c.num_tokens);
+        info->set_first_position(static_cast<int64_t>(i) * ct);
+        info->set_precision(shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16
+                                                             : v1::PRECISION_FP16);
+        info->set_host_bytes(c.host->bytes());
+        info->set_device_bytes(c.device ? c.device->bytes() : 0);
+        info->set_generation(c.host->generation());
+        info->set_pinned(c.host->pinned());
+        info->set_shared(c.host.use_count() > 1);
+      }
+    }
+  }
+  out.set_total(total);
+  return out;
+}
+
+std::vector<v1::LayerStats> Session::Layers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::LayerStats> out;
+  if (closed_) return out;
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    v1::LayerStats& st = out.emplace_back();
+    st.set_layer(l);
+    st.set_num_tokens(layer_tokens_[l]);
+    uint64_t chunks = 0;
+    for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+      chunks += streams_[static_cast<size_t>(l) * shape_.num_kv_heads() + h].size();
+    }
+    st.set_chunks(chunks);
+    st.set_clusters(0);
+    st.set_depth(1);
+  }
+  return out;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,148 @@
+// One sequence's KV cache: per (layer, KV head) stream, a list of chunks of up to
+// `chunk_tokens` tokens, each chunk's K and V in one slot of the host tier.
+//
+// Slot layout (what a BlockHandle points at), for a chunk of n tokens, head_dim d, and the
+// session's 2-byte dtype:
+//
+//   offset 0            n*d*2            2*n*d*2        slot end (chunk_tokens*d*4)
+//   +-------------------+----------------+---------------+
+//   | K [n][d]          | V [n][d]       | unused        |
+//   +-------------------+----------------+---------------+
+//
+// V starts right after the chunk's n key rows, so a partial chunk is still one contiguous
+// K-then-V run. Growing a partial chunk moves its V rows; that happens in place only when
+// nobody else holds the slot (no lease, no fork), and then the slot takes a new generation.
+// Otherwise the chunk is copied to a fresh slot (copy on write).
+//
+// Thread safety: every public method locks the session's mutex. Lock order:
+// SessionManager::mu_ -> Session::mu_ -> LeaseTable::mu_ -> Tier::mu_.
+#ifndef KVTIER_SERVER_SESSION_SESSION_H_
+#define KVTIER_SERVER_SESSION_SESSION_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvtier/v1/kvtier.pb.h"
+#include "server/common/clock.h"
+#include "server/session/lease_table.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+// What a session needs from the daemon; all outlive every session.
+struct SessionEnv {
+  Tier* host = nullptr;
+  Tier* device = nullptr;
+  LeaseTable* leases = nullptr;
+  const Clock* clock = nullptr;
+  uint32_t lease_ttl_ms = 30'000;
+  uint32_t max_lease_ms = 600'000;
+};
+
+// chunk_id = layer << 40 | kv_head << 28 | index: ReadChunks decodes it without a map.
+struct ChunkAddress {
+  uint32_t layer;
+  uint32_t kv_head;
+  uint32_t index;
+};
+uint64_t EncodeChunkId(const ChunkAddress& a);
+ChunkAddress DecodeChunkId(uint64_t id);
+
+// Checks a ModelShape and fills its defaults (dtype fp16). INVALID_ARGUMENT names the field.
+absl::StatusOr<v1::ModelShape> ResolveShape(const v1::ModelShape& shape);
+
+class Session {
+ public:
+  // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy).
+  Session(std::string id, std::string tenant, v1::ModelShape shape, v1::SessionPolicy policy,
+          std::map<std::string, std::string> labels, const SessionEnv& env);
+
+  const std::string& id() const { return id_; }
+  const std::string& tenant() const { return tenant_; }
+
+  // Stores tokens [start_token, start_token + num_tokens) of one layer, all KV heads.
+  // A repeat of stored tokens with the same bytes is a no-op; with other bytes
+  // FAILED_PRECONDITION; a start past the stored tokens OUT_OF_RANGE; sizes, layer and
+  // counts INVALID_ARGUMENT; a full host tier RESOURCE_EXHAUSTED, with nothing stored;
+  // a closed session NOT_FOUND. Returns the tokens now stored in every layer.
+  absl::StatusOr<uint64_t> Append(const v1::AppendKVRequest& req);
+
+  // Chooses, per KV head, the sinks, the recent window and the best chunks within the
+  // budget; pins them under a lease; fills `out`. INVALID_ARGUMENT for the query size, a
+  // non-finite query, the layer, the placement, lease_ms, or a budget below the sink and
+  // window chunks; RESOURCE_EXHAUSTED when the device tier cannot take a promotion.
+  absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
+
+  // Handles with data for `chunk_ids`. NOT_FOUND names an id that is not in the session.
+  absl::StatusOr<std::vector<v1::BlockHandle>> ReadChunks(const std::vector<uint64_t>& ids);
+
+  // A new session sharing this one's chunks up to `num_tokens` (0: all tokens stored in
+  // every layer). INVALID_ARGUMENT when a layer holds fewer; RESOURCE_EXHAUSTED when the
+  // straddling chunks cannot be copied.
+  absl::StatusOr<std::unique_ptr<Session>> Fork(std::string new_id, uint64_t num_tokens);
+
+  // Drops promoted copies from the device tier. Returns the bytes released.
+  // FAILED_PRECONDITION for the host tier (no remote tier below it), INVALID_ARGUMENT else.
+  absl::StatusOr<uint64_t> Evict(v1::Tier tier);
+
+  // Applies the non-zero fields of `policy`. FAILED_PRECONDITION when chunk_tokens or
+  // chunking would change under stored tokens.
+  absl::StatusOr<v1::SessionPolicy> SetPolicy(const v1::SessionPolicy& policy);
+
+  // Frees every chunk not held by a lease or a fork; later calls get NOT_FOUND.
+  void Close();
+
+  // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
+  v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;
+
+  v1::SessionInfo Info() const;
+  std::vector<v1::LayerStats> Layers() const;
+
+ private:
+  struct Chunk {
+    uint32_t num_tokens = 0;
+    SlotRef host;    // the stored bytes
+    SlotRef device;  // a promoted copy, or null; dropped whenever the chunk changes
+    std::vector<float> key_sum;    // [head_dim], over the chunk's tokens
+    std::vector<float> value_sum;  // [head_dim]
+  };
+  using Stream = std::vector<Chunk>;
+
+  Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
+
+  Stream& stream(uint32_t layer, uint32_t head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return streams_[static_cast<size_t>(layer) * shape_.num_kv_heads() + head];
+  }
+  uint64_t row_bytes() const { return static_cast<uint64_t>(shape_.head_dim()) * 2; }
+  uint64_t slot_bytes() const { return row_bytes() * policy_.chunk_tokens() * 2; }
+  uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CompareStored(uint32_t layer, uint64_t start, uint64_t count,
+                             const v1::AppendKVRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddToSums(Chunk& c, const uint8_t* k_rows, const uint8_t* v_rows, uint32_t rows) const;
+  void FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id, int64_t first_position,
+                  bool include_data, v1::BlockHandle* h) const;
+
+  const std::string id_;
+  const std::string tenant_;
+  const v1::ModelShape shape_;
+  const std::map<std::string, std::string> labels_;
+  const SessionEnv env_;
+  const int64_t created_ms_;
+  mutable absl::Mutex mu_;
+  v1::SessionPolicy policy_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> layer_tokens_ ABSL_GUARDED_BY(mu_);  // [num_layers]
+  std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);         // [num_layers * num_kv_heads]
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_SESSION_H_

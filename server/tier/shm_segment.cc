@@ -1,0 +1,101 @@
+#include "server/tier/shm_segment.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvtier {
+namespace {
+
+absl::Status Errno(absl::string_view what, const std::string& name) {
+  int e = errno;
+  std::string msg = absl::StrCat(what, " ", name, ": ", std::strerror(e));
+  return e == ENOENT ? absl::NotFoundError(msg) : absl::InternalError(msg);
+}
+
+}  // namespace
+
+absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size) {
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
+  if (fd < 0 && errno == EEXIST) {
+    shm_unlink(name.c_str());
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
+  }
+  if (fd < 0) return Errno("shm_open", name);
+  fchmod(fd, 0660);  // the umask may have narrowed it
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    absl::Status s = Errno("ftruncate", name);
+    close(fd);
+    shm_unlink(name.c_str());
+    return s;
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    absl::Status s = Errno("mmap", name);
+    shm_unlink(name.c_str());
+    return s;
+  }
+  return ShmSegment(name, static_cast<uint8_t*>(p), size, /*owner=*/true);
+}
+
+absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
+  int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return Errno("shm_open", name);
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    absl::Status s = Errno("fstat", name);
+    close(fd);
+    return s;
+  }
+  void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return Errno("mmap", name);
+  return ShmSegment(name, static_cast<uint8_t*>(p), st.st_size, /*owner=*/false);
+}
+
+int ShmSegment::RemoveStale(const std::string& prefix) {
+  std::string bare = prefix.starts_with("/") ? prefix.substr(1) : prefix;
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  while (dirent* e = readdir(dir)) {
+    if (absl::StartsWith(e->d_name, bare) && shm_unlink(absl::StrCat("/", e->d_name).c_str()) == 0) {
+      ++removed;
+    }
+  }
+  closedir(dir);
+  return removed;
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept { *this = std::move(other); }
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    owner_ = std::exchange(other.owner_, false);
+  }
+  return *this;
+}
+
+ShmSegment::~ShmSegment() { Reset(); }
+
+void ShmSegment::Reset() {
+  if (data_ != nullptr) munmap(data_, size_);
+  if (owner_) shm_unlink(name_.c_str());
+  data_ = nullptr;
+  owner_ = false;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,50 @@
+// A POSIX shared-memory object mapped into this process. Move-only; the destructor unmaps,
+// and the creating side also unlinks the name, so nothing is left in /dev/shm.
+#ifndef KVTIER_SERVER_TIER_SHM_SEGMENT_H_
+#define KVTIER_SERVER_TIER_SHM_SEGMENT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace kvtier {
+
+class ShmSegment {
+ public:
+  // Creates `name` ("/kvtier-..."), sized `size` bytes (sparse: pages are committed on first
+  // touch), mode 0660, mapped read-write. A stale object of that name is replaced.
+  // INTERNAL (with errno text) when the kernel refuses.
+  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size);
+
+  // Maps an existing object read-only, as a worker does. NOT_FOUND if it does not exist.
+  static absl::StatusOr<ShmSegment> OpenReadOnly(const std::string& name);
+
+  // Removes every object in /dev/shm whose name starts with `prefix` (a crashed daemon's
+  // leftovers). Returns how many were removed.
+  static int RemoveStale(const std::string& prefix);
+
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  ShmSegment(std::string name, uint8_t* data, uint64_t size, bool owner)
+      : name_(std::move(name)), data_(data), size_(size), owner_(owner) {}
+  void Reset();
+
+  std::string name_;
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  bool owner_ = false;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_TIER_SHM_SEGMENT_H_

@@ -1,0 +1,166 @@
+#include "server/tier/tier.h"
+
+#include "server/common/check.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/common/size.h"
+
+namespace kvtier {
+namespace {
+
+// Segment ids are unique across all tiers of the process: clients key ListSegments by id.
+std::atomic<uint64_t> next_segment_id{1};
+
+}  // namespace
+
+const char* TierShortName(v1::Tier tier) {
+  switch (tier) {
+    case v1::TIER_DEVICE: return "device";
+    case v1::TIER_HOST: return "host";
+    case v1::TIER_REMOTE: return "remote";
+    default: return "unspecified";
+  }
+}
+
+Slot::~Slot() {
+  if (pins_.load(std::memory_order_acquire) > 0) tier_->AddPinned(-static_cast<int64_t>(bytes_));
+  tier_->Free(segment_id_, index_, bytes_);
+}
+
+v1::Tier Slot::tier() const { return tier_->options().tier; }
+
+void Slot::Renew() {
+  generation_.store(tier_->next_generation_.fetch_add(1, std::memory_order_relaxed),
+                    std::memory_order_release);
+}
+
+void Slot::Pin() {
+  if (pins_.fetch_add(1, std::memory_order_acq_rel) == 0) {
+    tier_->AddPinned(static_cast<int64_t>(bytes_));
+  }
+}
+
+void Slot::Unpin() {
+  int32_t before = pins_.fetch_sub(1, std::memory_order_acq_rel);
+  CHECK_GT(before, 0) << "Unpin without Pin";
+  if (before == 1) tier_->AddPinned(-static_cast<int64_t>(bytes_));
+}
+
+Tier::Tier(TierOptions options) : options_(std::move(options)) {}
+
+Tier::~Tier() {
+  absl::MutexLock lock(&mu_);
+  CHECK_EQ(num_slots_, 0u) << TierShortName(options_.tier) << " tier destroyed with live slots";
+}
+
+std::string Tier::ShmPrefix() const {
+  return absl::StrCat("/kvtier-", options_.instance, "-", TierShortName(options_.tier), "-");
+}
+
+absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
+  if (slot_bytes == 0 || slot_bytes > options_.segment_bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "slot of %d bytes does not fit a %d-byte segment", slot_bytes, options_.segment_bytes));
+  }
+  absl::MutexLock lock(&mu_);
+  if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
+    ++allocation_failures_;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
+        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes));
+  }
+  Segment* seg = nullptr;
+  auto& ids = classes_[{tenant, slot_bytes}];
+  for (uint64_t id : ids) {
+    Segment* s = segments_.at(id).get();
+    if (!s->free.empty() || s->next_unused < s->num_slots) {
+      seg = s;
+      break;
+    }
+  }
+  if (seg == nullptr) {
+    uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
+    auto shm = ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes);
+    if (!shm.ok()) {
+      ++allocation_failures_;
+      return shm.status();
+    }
+    auto s = std::make_unique<Segment>(Segment{
+        .id = id,
+        .tenant = tenant,
+        .slot_bytes = slot_bytes,
+        .num_slots = static_cast<uint32_t>(options_.segment_bytes / slot_bytes),
+        .shm = *std::move(shm),
+        .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
+    seg = s.get();
+    segments_.emplace(id, std::move(s));
+    ids.push_back(id);
+  }
+  uint32_t index;
+  if (!seg->free.empty()) {
+    index = seg->free.back();
+    seg->free.pop_back();
+  } else {
+    index = seg->next_unused++;
+  }
+  ++seg->used;
+  used_bytes_ += slot_bytes;
+  ++num_slots_;
+  uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
+  // Not make_shared: the constructor is private to Tier.
+  return SlotRef(new Slot(this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
+                          next_generation_.fetch_add(1, std::memory_order_relaxed)));
+}
+
+void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = segments_.find(segment_id);
+  CHECK(it != segments_.end()) << "slot freed into unknown segment " << segment_id;
+  Segment* seg = it->second.get();
+  used_bytes_ -= bytes;
+  --num_slots_;
+  if (--seg->used == 0) {
+    auto& ids = classes_[{seg->tenant, seg->slot_bytes}];
+    std::erase(ids, segment_id);
+    if (ids.empty()) classes_.erase({seg->tenant, seg->slot_bytes});
+    segments_.erase(it);  // unmaps and unlinks
+    return;
+  }
+  seg->free.push_back(index);
+}
+
+TierSnapshot Tier::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return TierSnapshot{
+      .tier = options_.tier,
+      .emulated = options_.emulated,
+      .capacity_bytes = options_.capacity_bytes,
+      .used_bytes = used_bytes_,
+      .pinned_bytes = static_cast<uint64_t>(pinned_bytes_.load(std::memory_order_relaxed)),
+      .num_slots = num_slots_,
+      .num_segments = segments_.size(),
+      .allocation_failures = allocation_failures_,
+      .promotions = promotions_.load(std::memory_order_relaxed),
+      .evictions = evictions_.load(std::memory_order_relaxed),
+  };
+}
+
+std::vector<SegmentInfo> Tier::Segments() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SegmentInfo> out;
+  out.reserve(segments_.size());
+  for (const auto& [id, s] : segments_) {
+    out.push_back(SegmentInfo{
+        .segment_id = id,
+        .tier = options_.tier,
+        .shm_name = s->shm.name(),
+        .size_bytes = s->shm.size(),
+        .slot_bytes = s->slot_bytes,
+        .tenant = s->tenant,
+        .generation = s->generation,
+    });
+  }
+  return out;
+}
+
+}  // namespace kvtier

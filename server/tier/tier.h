@@ -1,0 +1,167 @@
+// A memory tier: a slab allocator over POSIX shared-memory segments with a byte capacity.
+//
+// A segment holds slots of one size for one tenant only, so that its permissions (or, on a
+// GPU, who receives its IPC handle) can keep tenants apart. Slots leave the allocator as
+// `SlotRef`s (shared, since a chunk, a fork of its session and a lease may all hold one);
+// the last reference gives the space back. A segment whose last slot is freed is unmapped
+// and unlinked at once, so closed sessions return their memory to the OS.
+//
+// Capacity counts slot bytes: a slot is refused (RESOURCE_EXHAUSTED) when it would take
+// used bytes past the capacity, so committed shared memory never exceeds the capacity by
+// more than a page per segment.
+//
+// Every allocation takes a fresh tier-wide generation number, so a handle that names a
+// slot's generation detects reuse of that memory.
+#ifndef KVTIER_SERVER_TIER_TIER_H_
+#define KVTIER_SERVER_TIER_TIER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvtier/v1/kvtier.pb.h"
+#include "server/tier/shm_segment.h"
+
+namespace kvtier {
+
+struct TierOptions {
+  v1::Tier tier = v1::TIER_HOST;
+  // Segment names are "/kvtier-<instance>-<tier>-<segment id>".
+  std::string instance = "default";
+  uint64_t capacity_bytes = 1ull << 30;
+  uint64_t segment_bytes = 64ull << 20;
+  // A device tier held in host shared memory because no GPU is in use.
+  bool emulated = false;
+};
+
+class Tier;
+
+// One slot of one segment. Not copyable; held through SlotRef.
+class Slot {
+ public:
+  Slot(const Slot&) = delete;
+  Slot& operator=(const Slot&) = delete;
+  ~Slot();  // gives the space back to its tier
+
+  uint8_t* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  uint64_t segment_id() const { return segment_id_; }
+  uint64_t offset() const { return offset_; }
+  v1::Tier tier() const;
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+
+  // The memory is about to be rewritten in place: takes a new generation.
+  void Renew();
+
+  // Leases pin slots; a pinned slot's bytes count as the tier's pinned bytes.
+  void Pin();
+  void Unpin();
+  bool pinned() const { return pins_.load(std::memory_order_acquire) > 0; }
+
+ private:
+  friend class Tier;
+  Slot(Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
+       uint64_t offset, uint64_t generation)
+      : tier_(tier), segment_id_(segment_id), index_(index), data_(data), bytes_(bytes),
+        offset_(offset), generation_(generation) {}
+
+  Tier* const tier_;
+  const uint64_t segment_id_;
+  const uint32_t index_;
+  uint8_t* const data_;
+  const uint64_t bytes_;
+  const uint64_t offset_;
+  std::atomic<uint64_t> generation_;
+  std::atomic<int32_t> pins_{0};
+};
+
+using SlotRef = std::shared_ptr<Slot>;
+
+struct TierSnapshot {
+  v1::Tier tier;
+  bool emulated;
+  uint64_t capacity_bytes;
+  uint64_t used_bytes;
+  uint64_t pinned_bytes;
+  uint64_t num_slots;
+  uint64_t num_segments;
+  uint64_t allocation_failures;
+  uint64_t promotions;
+  uint64_t evictions;
+};
+
+struct SegmentInfo {
+  uint64_t segment_id;
+  v1::Tier tier;
+  std::string shm_name;
+  uint64_t size_bytes;
+  uint64_t slot_bytes;
+  std::string tenant;
+  uint64_t generation;
+};
+
+class Tier {
+ public:
+  explicit Tier(TierOptions options);
+  // REQUIRES: every Slot of this tier has been destroyed.
+  ~Tier();
+  Tier(const Tier&) = delete;
+  Tier& operator=(const Tier&) = delete;
+
+  // A slot of `slot_bytes` in one of `tenant`'s segments. The bytes are not cleared.
+  // RESOURCE_EXHAUSTED when the tier is full; INVALID_ARGUMENT when a slot cannot fit in a
+  // segment; INTERNAL when shared memory cannot be created.
+  absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
+
+  TierSnapshot Stats() const;
+  std::vector<SegmentInfo> Segments() const;
+  const TierOptions& options() const { return options_; }
+  std::string ShmPrefix() const;
+
+  // Counters reported in TierStats: chunks copied into this tier, chunks moved out of it.
+  void RecordPromotions(uint64_t n) { promotions_.fetch_add(n, std::memory_order_relaxed); }
+  void RecordEvictions(uint64_t n) { evictions_.fetch_add(n, std::memory_order_relaxed); }
+
+ private:
+  friend class Slot;
+  struct Segment {
+    uint64_t id;
+    std::string tenant;
+    uint64_t slot_bytes;
+    uint32_t num_slots;
+    uint32_t next_unused = 0;  // slots below this have been handed out at least once
+    uint32_t used = 0;
+    std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
+    ShmSegment shm;
+    uint64_t generation;
+  };
+  using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
+
+  void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
+  void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
+
+  const TierOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Segment>> segments_ ABSL_GUARDED_BY(mu_);
+  std::map<ClassKey, std::vector<uint64_t>> classes_ ABSL_GUARDED_BY(mu_);
+  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t num_slots_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> next_generation_{1};
+  std::atomic<int64_t> pinned_bytes_{0};
+  std::atomic<uint64_t> promotions_{0};
+  std::atomic<uint64_t> evictions_{0};
+};
+
+// "host", "device", "remote".
+const char* TierShortName(v1::Tier tier);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_TIER_TIER_H_
