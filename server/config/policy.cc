@@ -1,5 +1,6 @@
 #include "server/config/policy.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace kvtier {
@@ -32,9 +33,8 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.chunking() == v1::CHUNKING_UNSPECIFIED) p.set_chunking(defaults.chunking());
   if (p.chunk_tokens() == 0) p.set_chunk_tokens(defaults.chunk_tokens());
 
-  auto bad = [&](absl::string_view name, auto value, absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s.%s: %v %s", field, name, value, why));
+  auto bad = [&](absl::string_view name, const auto& value, absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": ", value, " ", why));
   };
   if (p.chunk_tokens() < 1 || p.chunk_tokens() > kMaxChunkTokens) {
     return bad("chunk_tokens", p.chunk_tokens(),

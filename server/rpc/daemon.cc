@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/common/log.h"
@@ -143,6 +144,12 @@ void Daemon::RequestShutdown() {
 
 void Daemon::WaitForShutdownRequest() { shutdown_requested_.WaitForNotification(); }
 
+void Daemon::StartDrain() {
+  if (service_.draining()) return;
+  service_.StartDraining();
+  if (server_) server_->GetHealthCheckService()->SetServingStatus(false);
+}
+
 void Daemon::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
@@ -150,12 +157,15 @@ void Daemon::Shutdown() {
     stopped_ = true;
     if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
   }
-  KVLOG(info, "daemon.drain", "sessions={} leases={}", sessions_.size(), leases_.size());
-  service_.StartDraining();
+  StartDrain();
+  // Calls in flight get the drain timeout; new ones are already answered UNAVAILABLE by the
+  // service, which gRPC's own shutdown (below) would answer CANCELLED instead.
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.drain_timeout_ms);
+  while (service_.in_flight() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  KVLOG(info, "daemon.drain", "sessions={} leases={} in_flight={}", sessions_.size(),
+        leases_.size(), service_.in_flight());
   if (server_) {
-    server_->GetHealthCheckService()->SetServingStatus(false);
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(options_.drain_timeout_ms));
+    server_->Shutdown(absl::ToChronoTime(std::max(deadline, absl::Now())));
     server_->Wait();
   }
   if (reaper_.joinable()) reaper_.join();

@@ -38,7 +38,11 @@ class Daemon {
   void RequestShutdown();
   // Blocks until RequestShutdown() or a Drain RPC.
   void WaitForShutdownRequest();
-  // Drains and stops. Idempotent.
+  // First phase of a drain: new calls get UNAVAILABLE and health turns NOT_SERVING; the
+  // process keeps serving the calls already in flight. Idempotent.
+  void StartDrain();
+  // Drains (StartDrain, then up to drain_timeout_ms for in-flight calls) and stops.
+  // Idempotent.
   void Shutdown();
 
   // The address clients dial: "unix:PATH" or "HOST:PORT".

@@ -48,11 +48,13 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
 template <typename Fn>
 grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
                                                const char* method, Fn&& fn) {
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
   absl::Status s = draining() ? Draining() : fn();
   Record(method, s, absl::Now() - start);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(ToGrpcStatus(s));
+  in_flight_.fetch_sub(1, std::memory_order_acq_rel);
   return r;
 }
 
@@ -71,6 +73,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
       : svc_(svc), tenant_(Tenant(ctx)), resp_(resp), start_(absl::Now()) {
+    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
     if (svc_->draining()) {
       Done(Draining());
       return;
@@ -91,7 +94,10 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
     StartRead(&req_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    delete this;
+  }
 
  private:
   absl::Status Apply() {
@@ -177,6 +183,7 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
   ReadChunksReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
+    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
     absl::Status s = svc_->draining() ? Draining() : Load(Tenant(ctx), *req);
     if (!s.ok() || handles_.empty()) {
       Done(s);
@@ -197,7 +204,10 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
     StartWrite(&handles_[next_]);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    delete this;
+  }
 
  private:
   absl::Status Load(const std::string& tenant, const v1::ReadChunksRequest& req) {

@@ -38,6 +38,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // New calls get UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true, std::memory_order_release); }
   bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Calls whose handler or reactor has not finished.
+  int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -97,6 +99,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
 
   ServiceEnv env_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> in_flight_{0};
 };
 
 }  // namespace kvtier

@@ -1,0 +1,86 @@
+#include <bit>
+#include <cmath>
+#include <random>
+
+#include "server/common/fp16.h"
+#include "server/common/size.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+
+TEST(ParseSize, AcceptsBytesAndSuffixes) {
+  EXPECT_EQ(*ParseSize("4096", "f"), 4096u);
+  EXPECT_EQ(*ParseSize("64K", "f"), 64u << 10);
+  EXPECT_EQ(*ParseSize("512m", "f"), 512ull << 20);
+  EXPECT_EQ(*ParseSize(" 8G ", "f"), 8ull << 30);
+  EXPECT_EQ(*ParseSize("0", "f"), 0u);
+}
+
+TEST(ParseSize, RejectsBadInputNamingTheField) {
+  EXPECT_THAT(ParseSize("", "host_capacity"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "host_capacity"));
+  EXPECT_THAT(ParseSize("12Q", "host_capacity"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "host_capacity"));
+  EXPECT_THAT(ParseSize("G", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseSize("-1", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseSize("99999999999999999999", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseSize("17179869184G", "x"), StatusIs(absl::StatusCode::kInvalidArgument, "overflow"));
+}
+
+TEST(FormatBytes, HumanUnits) {
+  EXPECT_EQ(FormatBytes(17), "17 B");
+  EXPECT_EQ(FormatBytes(4096), "4.0 KiB");
+  EXPECT_EQ(FormatBytes(3ull << 29), "1.5 GiB");
+}
+
+// Every half bit pattern: half -> float -> half is the identity (NaNs stay NaN), and
+// half -> float agrees with the compiler's _Float16.
+TEST(Fp16, ExhaustiveRoundTripAgainstCompiler) {
+  for (uint32_t h = 0; h <= 0xffff; ++h) {
+    const uint16_t bits = static_cast<uint16_t>(h);
+    const float f = HalfToFloat(bits);
+    const float expect = static_cast<float>(std::bit_cast<_Float16>(bits));
+    if (std::isnan(expect)) {
+      EXPECT_TRUE(std::isnan(f)) << h;
+      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(f)))) << h;
+      continue;
+    }
+    ASSERT_EQ(std::bit_cast<uint32_t>(f), std::bit_cast<uint32_t>(expect)) << h;
+    ASSERT_EQ(FloatToHalf(f), bits) << h;
+  }
+}
+
+// float -> half rounds to nearest even exactly as the compiler does, across normal,
+// subnormal, overflow and halfway cases.
+TEST(Fp16, FloatToHalfMatchesCompilerRounding) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> any;
+  auto check = [](float f) {
+    ASSERT_EQ(FloatToHalf(f), std::bit_cast<uint16_t>(static_cast<_Float16>(f))) << f;
+  };
+  for (int i = 0; i < 2'000'000; ++i) {
+    float f = std::bit_cast<float>(any(rng));
+    if (!std::isnan(f)) check(f);
+  }
+  for (uint32_t h = 0; h < 0x7c00; ++h) {  // halfway points between neighbouring halves
+    float lo = HalfToFloat(static_cast<uint16_t>(h));
+    float hi = HalfToFloat(static_cast<uint16_t>(h + 1));
+    check(std::midpoint(lo, hi));
+    check(-std::midpoint(lo, hi));
+  }
+  check(65520.f);   // rounds to Inf
+  check(65519.f);   // rounds to 65504
+  check(1e-8f);     // below half the smallest subnormal
+  check(2.98023224e-8f);  // exactly 2^-25: ties to even (zero)
+}
+
+TEST(Bf16, IsTheHighHalfOfFloat) {
+  EXPECT_EQ(Bf16ToFloat(0x3f80), 1.0f);
+  EXPECT_EQ(Bf16ToFloat(0xc040), -3.0f);
+}
+
+}  // namespace
+}  // namespace kvtier

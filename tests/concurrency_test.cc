@@ -1,0 +1,237 @@
+// Many workers at once against one in-process daemon (so ThreadSanitizer sees kvtier's own
+// code): 8 threads append and select on their own sessions, checking every byte they get
+// back, and also select on shared "victim" sessions while another thread closes those and
+// churns sessions of its own. `make tsan` runs this under ThreadSanitizer.
+#include <atomic>
+#include <thread>
+
+#include "kvtier/client.h"
+#include "server/config/policy.h"
+#include "server/rpc/daemon.h"
+#include "spdlog/spdlog.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::AsBytes;
+using testing::RandomHalfs;
+using testing::Slice;
+
+const bool kQuiet = [] {
+  spdlog::set_level(spdlog::level::warn);
+  return true;
+}();
+
+constexpr int kLayers = 3, kQ = 4, kKv = 2, kD = 32;
+constexpr int kWorkers = 8;
+constexpr int kVictims = 6;
+
+v1::CreateSessionRequest Shape(const std::string& id) {
+  v1::CreateSessionRequest r;
+  r.set_session_id(id);
+  r.mutable_shape()->set_num_layers(kLayers);
+  r.mutable_shape()->set_num_q_heads(kQ);
+  r.mutable_shape()->set_num_kv_heads(kKv);
+  r.mutable_shape()->set_head_dim(kD);
+  r.mutable_policy()->set_recent_window(32);
+  return r;
+}
+
+std::string Query(std::mt19937& rng) {
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> q(kQ * kD);
+  for (auto& x : q) x = n(rng);
+  return std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+}
+
+// Appends `total` tokens to every layer in steps of `step`.
+absl::Status Fill(Client& c, const std::string& sid, const std::vector<std::vector<uint16_t>>& k,
+                  const std::vector<std::vector<uint16_t>>& v, int total, int from, int to) {
+  std::vector<v1::AppendKVRequest> reqs;
+  for (int l = 0; l < kLayers; ++l) {
+    v1::AppendKVRequest r;
+    r.set_session_id(sid);
+    r.set_layer(l);
+    r.set_start_token(from);
+    r.set_num_tokens(to - from);
+    r.set_keys(AsBytes(Slice(k[l], kKv, total, kD, from, to - from)));
+    r.set_values(AsBytes(Slice(v[l], kKv, total, kD, from, to - from)));
+    reqs.push_back(std::move(r));
+  }
+  return c.AppendKV(reqs).status();
+}
+
+TEST(Concurrency, WorkersAppendSelectAndCloseAtOnce) {
+  testing::TempDir dir;
+  ServerOptions o;
+  o.listen = "unix:" + dir.path() + "/kvtier.sock";
+  o.instance = "conc-" + std::to_string(getpid());
+  o.host_capacity = 256ull << 20;
+  o.device_capacity = 64ull << 20;
+  o.lease_ttl_ms = 200;  // the reaper runs during the test too
+  o.default_policy = BuiltinPolicy();
+  auto daemon = Daemon::Start(o);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+
+  {
+    auto admin = Client::Connect(o.listen);
+    ASSERT_TRUE(admin.ok());
+    for (int i = 0; i < kVictims; ++i) {
+      ASSERT_TRUE((*admin)->CreateSession(Shape("victim-" + std::to_string(i))).ok());
+    }
+  }
+
+  constexpr int kTotal = 320, kStep = 20;
+  std::atomic<int> failures{0};
+  std::atomic<int> selects{0}, victim_ok{0}, victim_gone{0};
+  auto fail = [&](const std::string& what) {
+    ADD_FAILURE() << what;
+    failures.fetch_add(1);
+  };
+
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      auto c = Client::Connect(o.listen);
+      if (!c.ok()) return fail("connect");
+      std::mt19937 rng(100 + w);
+      std::vector<std::vector<uint16_t>> k, v;
+      for (int l = 0; l < kLayers; ++l) {
+        k.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+        v.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+      }
+      const std::string sid = "worker-" + std::to_string(w);
+      if (!(*c)->CreateSession(Shape(sid)).ok()) return fail("create " + sid);
+      SegmentMap segments;
+      for (int t = 0; t < kTotal; t += kStep) {
+        if (auto s = Fill(**c, sid, k, v, kTotal, t, t + kStep); !s.ok()) {
+          return fail("append: " + std::string(s.message()));
+        }
+        v1::SelectRequest req;
+        req.set_session_id(sid);
+        req.set_layer(kLayers - 1);
+        req.set_query(Query(rng));
+        req.set_budget_tokens(96);
+        req.set_placement(t % 40 == 0 ? v1::TIER_DEVICE : v1::TIER_HOST);
+        auto sel = (*c)->Select(req);
+        if (!sel.ok()) return fail("select: " + std::string(sel.status().message()));
+        selects.fetch_add(1);
+        for (const auto& head : sel->heads()) {
+          size_t tokens = 0;
+          for (const auto& b : head.blocks()) {
+            tokens += b.num_tokens();
+            auto view = segments.View(**c, b);
+            if (!view.ok()) return fail("view: " + std::string(view.status().message()));
+            auto want = Slice(k[kLayers - 1], kKv, kTotal, kD, b.positions(0), b.num_tokens());
+            if (!std::equal(view->keys.begin(), view->keys.end(),
+                            want.begin() + size_t(head.kv_head()) * b.num_tokens() * kD)) {
+              return fail("bytes differ in " + sid);
+            }
+          }
+          // All of a context that fits; otherwise greedy whole chunks leave less than one
+          // 16-token chunk of the budget unused.
+          const size_t context = t + kStep;
+          if (context <= 96 ? tokens != context : (tokens > 96 || tokens <= 96 - 16)) {
+            return fail("budget broken: " + std::to_string(tokens));
+          }
+        }
+        if (t % 60 == 0) (void)(*c)->Release(sel->lease_id());  // others expire by TTL
+        // A victim may be closed under us: OK or NOT_FOUND, nothing else.
+        req.set_session_id("victim-" + std::to_string((w + t) % kVictims));
+        req.set_placement(v1::TIER_HOST);
+        auto vs = (*c)->Select(req);
+        if (vs.ok()) {
+          victim_ok.fetch_add(1);
+        } else if (vs.status().code() == absl::StatusCode::kNotFound) {
+          victim_gone.fetch_add(1);
+        } else {
+          return fail("victim select: " + vs.status().ToString());
+        }
+      }
+      auto info = (*c)->DescribeSession(sid);
+      if (!info.ok() || info->info().num_tokens() != kTotal) return fail("final tokens " + sid);
+      if (!(*c)->CloseSession(sid).ok()) return fail("close " + sid);
+    });
+  }
+
+  std::thread closer([&] {
+    auto c = Client::Connect(o.listen);
+    if (!c.ok()) return fail("connect closer");
+    std::mt19937 rng(7);
+    std::vector<std::vector<uint16_t>> k, v;
+    for (int l = 0; l < kLayers; ++l) {
+      k.push_back(RandomHalfs(size_t(kKv) * 64 * kD, rng));
+      v.push_back(RandomHalfs(size_t(kKv) * 64 * kD, rng));
+    }
+    for (int i = 0; i < 24; ++i) {
+      if (i % 4 == 0 && i / 4 < kVictims) {
+        if (!(*c)->CloseSession("victim-" + std::to_string(i / 4)).ok()) fail("close victim");
+      }
+      const std::string sid = "churn-" + std::to_string(i);
+      if (!(*c)->CreateSession(Shape(sid)).ok()) return fail("create churn");
+      if (!Fill(**c, sid, k, v, 64, 0, 64).ok()) return fail("fill churn");
+      if (!(*c)->ListSessions().ok() || !(*c)->GetTierStats().ok()) return fail("admin");
+      (void)(*daemon)->metrics().Render();
+      if (!(*c)->CloseSession(sid).ok()) return fail("close churn");
+    }
+  });
+
+  for (auto& t : workers) t.join();
+  closer.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(selects.load(), kWorkers * kTotal / kStep);
+  EXPECT_GT(victim_ok.load() + victim_gone.load(), 0);
+
+  auto admin = Client::Connect(o.listen);
+  ASSERT_TRUE(admin.ok());
+  auto list = (*admin)->ListSessions();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->sessions_size(), 0) << "every session was closed";
+  (*daemon)->Shutdown();
+}
+
+// While draining, new calls are answered UNAVAILABLE and health says NOT_SERVING, and an
+// AppendKV stream already open is served to its end.
+TEST(Concurrency, DrainRefusesNewCallsAndFinishesOpenStreams) {
+  testing::TempDir dir;
+  ServerOptions o;
+  o.listen = "unix:" + dir.path() + "/kvtier.sock";
+  o.instance = "drain-" + std::to_string(getpid());
+  o.default_policy = BuiltinPolicy();
+  auto daemon = Daemon::Start(o);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto c = Client::Connect(o.listen);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->CreateSession(Shape("s")).ok());
+
+  std::mt19937 rng(1);
+  auto k = RandomHalfs(size_t(kKv) * 8 * kD, rng);
+  grpc::ClientContext ctx;
+  v1::AppendKVResponse resp;
+  auto stream = (*c)->stub().AppendKV(&ctx, &resp);
+  v1::AppendKVRequest r;
+  r.set_session_id("s");
+  r.set_layer(0);
+  r.set_num_tokens(4);
+  r.set_keys(AsBytes(Slice(k, kKv, 8, kD, 0, 4)));
+  r.set_values(r.keys());
+  ASSERT_TRUE(stream->Write(r));
+
+  (*daemon)->StartDrain();
+  EXPECT_EQ((*c)->CreateSession(Shape("late")).status().code(), absl::StatusCode::kUnavailable);
+  auto serving = (*c)->Health();
+  ASSERT_TRUE(serving.ok());
+  EXPECT_FALSE(*serving);
+
+  r.set_start_token(4);
+  r.set_keys(AsBytes(Slice(k, kKv, 8, kD, 4, 4)));
+  r.set_values(r.keys());
+  ASSERT_TRUE(stream->Write(r));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  (*daemon)->Shutdown();
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,115 @@
+#include "server/config/config.h"
+
+#include <fstream>
+
+#include "google/protobuf/text_format.h"
+#include "server/config/policy.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+TEST(Config, DefaultsValidate) {
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(v1::Config()));
+  EXPECT_EQ(o.listen, "unix:/tmp/kvtier.sock");
+  EXPECT_EQ(o.host_capacity, 4ull << 30);
+  EXPECT_EQ(o.device_capacity, 1ull << 30);
+  EXPECT_EQ(o.default_policy.sink_tokens(), 16u);
+  EXPECT_EQ(o.default_policy.recent_window(), 64u);
+  EXPECT_EQ(o.default_policy.chunk_tokens(), 16u);
+  EXPECT_EQ(o.default_policy.cold_precision(), v1::PRECISION_INT4);
+}
+
+TEST(Config, PrintedDefaultParsesBackToTheSame) {
+  std::string text;
+  ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(DefaultConfig(), &text));
+  ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText(text));
+  EXPECT_EQ(c.SerializeAsString(), DefaultConfig().SerializeAsString());
+}
+
+TEST(Config, ParseErrorsCarryLineAndColumn) {
+  EXPECT_THAT(ParseConfigText("listen: \"unix:/x\"\nhost_capacty: \"1G\"\n"),
+              StatusIs(Code::kInvalidArgument, "config 2:"));
+  EXPECT_THAT(ParseConfigText("lease_ttl_ms: \"soon\""), StatusIs(Code::kInvalidArgument));
+}
+
+TEST(Config, EveryBadFieldIsNamed) {
+  struct Case {
+    const char* text;
+    const char* field;
+  } cases[] = {
+      {"listen: \"nowhere\"", "listen"},
+      {"listen: \"unix:\"", "listen"},
+      {"listen: \"localhost:70000\"", "listen"},
+      {"tcp_listen: \"unix:/x\"", "tcp_listen"},
+      {"instance: \"has space\"", "instance"},
+      {"host_capacity: \"12Q\"", "host_capacity"},
+      {"device_capacity: \"lots\"", "device_capacity"},
+      {"segment_size: \"100K\"", "segment_size"},
+      {"segment_size: \"1000001\"", "segment_size"},
+      {"max_message_size: \"3G\"", "max_message_size"},
+      {"remote: \"http://x\"", "remote"},
+      {"lease_ttl_ms: 700000", "lease_ttl_ms"},
+      {"max_lease_ms: 90000000", "max_lease_ms"},
+      {"metrics_port: 70000", "metrics_port"},
+      {"log_level: \"loud\"", "log_level"},
+      {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},
+      {"default_policy { chunking: CHUNKING_SEMANTIC }", "default_policy.chunking"},
+      {"default_policy { cold_precision: PRECISION_BF16 }", "default_policy.cold_precision"},
+  };
+  for (const Case& c : cases) {
+    ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));
+    auto r = Validate(config);
+    EXPECT_FALSE(r.ok()) << c.text;
+    EXPECT_THAT(std::string(r.status().message()), ::testing::StartsWith(c.field)) << c.text;
+  }
+}
+
+TEST(Config, RemoteTierIsRefusedUntilItExists) {
+  ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText("remote: \"redis://127.0.0.1:6379\""));
+  EXPECT_THAT(Validate(c), StatusIs(Code::kUnimplemented, "remote"));
+}
+
+TEST(CommandLine, FlagsOverrideTheFile) {
+  testing::TempDir dir;
+  std::string path = dir.path() + "/kvtierd.conf";
+  std::ofstream(path) << "host_capacity: \"2G\"\nlease_ttl_ms: 5000\ninstance: \"file\"\n";
+  ASSERT_OK_AND_ASSIGN(CommandLine cl, ParseCommandLine({"--host_capacity", "512M", "--config",
+                                                         path, "--metrics_port=9464"}));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(cl.config));
+  EXPECT_EQ(o.host_capacity, 512ull << 20);  // flag wins, wherever it stands
+  EXPECT_EQ(o.lease_ttl_ms, 5000u);          // from the file
+  EXPECT_EQ(o.instance, "file");
+  EXPECT_EQ(o.metrics_port, 9464u);
+}
+
+TEST(CommandLine, Errors) {
+  EXPECT_THAT(ParseCommandLine({"--no_such_flag", "1"}),
+              StatusIs(Code::kInvalidArgument, "no_such_flag"));
+  EXPECT_THAT(ParseCommandLine({"--lease_ttl_ms"}), StatusIs(Code::kInvalidArgument, "value"));
+  EXPECT_THAT(ParseCommandLine({"--lease_ttl_ms", "-3"}),
+              StatusIs(Code::kInvalidArgument, "lease_ttl_ms"));
+  EXPECT_THAT(ParseCommandLine({"--config", "/nonexistent/kvtierd.conf"}),
+              StatusIs(Code::kInvalidArgument, "/nonexistent/kvtierd.conf"));
+  EXPECT_THAT(ParseCommandLine({"stray"}), StatusIs(Code::kInvalidArgument, "stray"));
+  ASSERT_OK_AND_ASSIGN(CommandLine cl, ParseCommandLine({"--print_default_config"}));
+  EXPECT_TRUE(cl.print_default_config);
+}
+
+TEST(Policy, ZeroTakesTheDefaultAndResultIsChecked) {
+  v1::SessionPolicy req;
+  req.set_recent_window(128);
+  ASSERT_OK_AND_ASSIGN(v1::SessionPolicy p, ResolvePolicy(req, BuiltinPolicy(), "policy"));
+  EXPECT_EQ(p.recent_window(), 128u);
+  EXPECT_EQ(p.sink_tokens(), 16u);
+  EXPECT_EQ(p.default_budget(), 256u);
+  req.set_chunk_tokens(100);
+  EXPECT_THAT(ResolvePolicy(req, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.chunk_tokens"));
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,386 @@
+// Integration: the real kvtierd binary on a temporary socket, driven by the C++ client.
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <set>
+#include <thread>
+
+#include "kvtier/client.h"
+#include "server/config/config.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::AsBytes;
+using testing::DaemonProcess;
+using testing::RandomHalfs;
+using testing::Slice;
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+constexpr int kLayers = 4, kQ = 9, kKv = 3, kD = 64;
+
+std::unique_ptr<Client> Connect(const DaemonProcess& d, const std::string& tenant = "") {
+  ClientOptions o;
+  o.tenant = tenant;
+  o.timeout = absl::Seconds(30);
+  auto c = Client::Connect(d.address(), o);
+  EXPECT_TRUE(c.ok());
+  return std::move(*c);
+}
+
+v1::CreateSessionRequest Shape(int layers = kLayers, int q = kQ, int kv = kKv, int d = kD) {
+  v1::CreateSessionRequest r;
+  r.mutable_shape()->set_num_layers(layers);
+  r.mutable_shape()->set_num_q_heads(q);
+  r.mutable_shape()->set_num_kv_heads(kv);
+  r.mutable_shape()->set_head_dim(d);
+  r.mutable_shape()->set_dtype(v1::DTYPE_FP16);
+  return r;
+}
+
+struct Data {
+  int total;
+  std::vector<std::vector<uint16_t>> k, v;  // [layer][kv][total][d]
+};
+
+Data MakeData(int total, uint32_t seed = 5) {
+  std::mt19937 rng(seed);
+  Data d{total, {}, {}};
+  for (int l = 0; l < kLayers; ++l) {
+    d.k.push_back(RandomHalfs(size_t(kKv) * total * kD, rng));
+    d.v.push_back(RandomHalfs(size_t(kKv) * total * kD, rng));
+  }
+  return d;
+}
+
+v1::AppendKVRequest Append(const std::string& sid, const Data& data, int layer, int start, int n) {
+  v1::AppendKVRequest r;
+  r.set_session_id(sid);
+  r.set_layer(layer);
+  r.set_start_token(start);
+  r.set_num_tokens(n);
+  r.set_keys(AsBytes(Slice(data.k[layer], kKv, data.total, kD, start, n)));
+  r.set_values(AsBytes(Slice(data.v[layer], kKv, data.total, kD, start, n)));
+  return r;
+}
+
+std::vector<v1::AppendKVRequest> AllLayers(const std::string& sid, const Data& data, int start,
+                                           int n) {
+  std::vector<v1::AppendKVRequest> out;
+  for (int l = 0; l < kLayers; ++l) out.push_back(Append(sid, data, l, start, n));
+  return out;
+}
+
+v1::SelectRequest Select(const std::string& sid, int layer, uint32_t budget, bool data = false) {
+  v1::SelectRequest r;
+  r.set_session_id(sid);
+  r.set_layer(layer);
+  std::vector<float> q(kQ * kD, 0.25f);
+  r.set_query(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+  r.set_budget_tokens(budget);
+  r.set_include_data(data);
+  return r;
+}
+
+std::vector<std::string> ShmEntries(const std::string& instance) {
+  std::vector<std::string> out;
+  DIR* dir = opendir("/dev/shm");
+  while (dirent* e = readdir(dir)) {
+    if (std::string(e->d_name).rfind("kvtier-" + instance + "-", 0) == 0) out.push_back(e->d_name);
+  }
+  closedir(dir);
+  return out;
+}
+
+TEST(Daemon, HandlesAreReadableFromThisProcessThroughSharedMemory) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  Data data = MakeData(700);
+  ASSERT_OK_AND_ASSIGN(uint64_t stored, c->AppendKV(AllLayers(sid, data, 0, 500)));
+  EXPECT_EQ(stored, 500u);
+  ASSERT_OK_AND_ASSIGN(stored, c->AppendKV(AllLayers(sid, data, 500, 200)));
+  EXPECT_EQ(stored, 700u);
+
+  ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(sid, 3, 256)));
+  SegmentMap segments;
+  int checked = 0;
+  for (const auto& head : sel.heads()) {
+    std::set<int64_t> seen;
+    for (const auto& b : head.blocks()) {
+      EXPECT_TRUE(b.keys().empty()) << "no inline bytes without include_data";
+      ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, b));
+      const int64_t p0 = b.positions(0);
+      for (int64_t i = 0; i < b.num_tokens(); ++i) EXPECT_EQ(b.positions(i), p0 + i);
+      auto want_k = Slice(data.k[3], kKv, 700, kD, p0, b.num_tokens());
+      auto want_v = Slice(data.v[3], kKv, 700, kD, p0, b.num_tokens());
+      const size_t off = size_t(head.kv_head()) * b.num_tokens() * kD;
+      ASSERT_EQ(view.keys.size(), b.num_tokens() * size_t(kD));
+      EXPECT_TRUE(std::equal(view.keys.begin(), view.keys.end(), want_k.begin() + off));
+      EXPECT_TRUE(std::equal(view.values.begin(), view.values.end(), want_v.begin() + off));
+      seen.insert(b.positions().begin(), b.positions().end());
+      ++checked;
+    }
+    EXPECT_LE(seen.size(), 256u);
+    for (int t = 0; t < 16; ++t) EXPECT_TRUE(seen.count(t));
+    for (int t = 700 - 64; t < 700; ++t) EXPECT_TRUE(seen.count(t));
+  }
+  EXPECT_GT(checked, 10);
+  EXPECT_OK(c->Release(sel.lease_id()));
+  EXPECT_THAT(c->Release(sel.lease_id()), StatusIs(Code::kNotFound));
+
+  // ReadChunks streams the same bytes with data.
+  std::vector<uint64_t> ids;
+  for (const auto& b : sel.heads(1).blocks()) ids.push_back(b.chunk_id());
+  ASSERT_OK_AND_ASSIGN(auto read, c->ReadChunks(sid, ids));
+  ASSERT_EQ(read.size(), ids.size());
+  for (size_t i = 0; i < read.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, sel.heads(1).blocks(i)));
+    EXPECT_EQ(read[i].keys(), std::string(reinterpret_cast<const char*>(view.keys.data()),
+                                          view.keys.size() * 2));
+  }
+}
+
+TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
+  DaemonProcess d({"--max_sessions", "3", "--max_message_size", "1M", "--host_capacity", "400K"});
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  // Shapes.
+  EXPECT_THAT(c->CreateSession(Shape(2, 4, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(c->CreateSession(Shape(2, 4, 2, 0)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_THAT(c->CreateSession(Shape(2, 4, 2, 513)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_THAT(c->CreateSession(Shape(0)), StatusIs(Code::kInvalidArgument, "num_layers"));
+
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  Data data = MakeData(400);
+  ASSERT_OK(c->AppendKV(AllLayers(sid, data, 0, 100)).status());
+
+  auto wrong_len = Append(sid, data, 0, 100, 4);
+  wrong_len.set_keys("0123456789");
+  EXPECT_THAT(c->AppendKV({wrong_len}), StatusIs(Code::kInvalidArgument, "keys"));
+  auto bad_layer = Append(sid, data, 0, 100, 4);
+  bad_layer.set_layer(kLayers);
+  EXPECT_THAT(c->AppendKV({bad_layer}), StatusIs(Code::kInvalidArgument, "layer"));
+  auto zero = Append(sid, data, 0, 100, 4);
+  zero.set_num_tokens(0);
+  EXPECT_THAT(c->AppendKV({zero}), StatusIs(Code::kInvalidArgument, "num_tokens"));
+  EXPECT_THAT(c->AppendKV({Append("nope", data, 0, 0, 4)}), StatusIs(Code::kNotFound, "nope"));
+  EXPECT_THAT(c->AppendKV({Append(sid, data, 0, 150, 4)}), StatusIs(Code::kOutOfRange, "gap"));
+  auto conflict = Append(sid, data, 0, 0, 4);
+  conflict.set_keys(AsBytes(Slice(data.k[1], kKv, 400, kD, 0, 4)));
+  EXPECT_THAT(c->AppendKV({conflict}), StatusIs(Code::kFailedPrecondition, "start_token"));
+  EXPECT_OK(c->AppendKV({Append(sid, data, 0, 0, 4)}).status());  // identical: a no-op
+  // A stream stops at its first bad message; what came before it stays.
+  EXPECT_THAT(c->AppendKV({Append(sid, data, 1, 100, 10), bad_layer}),
+              StatusIs(Code::kInvalidArgument));
+  ASSERT_OK_AND_ASSIGN(auto chunks, c->ListChunks([&] {
+    v1::ListChunksRequest r;
+    r.set_session_id(sid);
+    r.set_layer(1);
+    return r;
+  }()));
+  EXPECT_EQ(chunks.total(), 3u * 7);  // 110 tokens: 7 chunks per KV head
+
+  // Oversized: a 1.5 MiB message against --max_message_size 1M.
+  v1::AppendKVRequest huge = Append(sid, data, 0, 100, 4);
+  huge.set_keys(std::string(3 << 19, '\0'));
+  EXPECT_THAT(c->AppendKV({huge}), StatusIs(Code::kResourceExhausted));
+
+  // Select errors.
+  EXPECT_THAT(c->Select(Select("nope", 0, 8)), StatusIs(Code::kNotFound));
+  auto badq = Select(sid, 0, 256);
+  badq.set_query("abc");
+  EXPECT_THAT(c->Select(badq), StatusIs(Code::kInvalidArgument, "query"));
+  EXPECT_THAT(c->Select(Select(sid, 3, 32)), StatusIs(Code::kInvalidArgument, "budget_tokens"));
+
+  // Tenants.
+  auto mallory = Connect(d, "mallory");
+  EXPECT_THAT(mallory->Select(Select(sid, 3, 256)), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(mallory->CloseSession(sid), StatusIs(Code::kPermissionDenied));
+
+  // A full host tier: 400 KiB holds 100 slots of 4 KiB (16 tokens x 64 x 2 bytes, K and V);
+  // the session holds 4 layers x 3 heads x 7 chunks = 84, and layer 0 alone needs 36 more.
+  auto before = c->DescribeSession(sid);
+  ASSERT_OK(before.status());
+  EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 200)), StatusIs(Code::kResourceExhausted, "full"));
+  ASSERT_OK_AND_ASSIGN(auto after, c->DescribeSession(sid));
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(after.layers(l).num_tokens(), before->layers(l).num_tokens());
+    EXPECT_EQ(after.layers(l).chunks(), before->layers(l).chunks());
+  }
+  ASSERT_OK_AND_ASSIGN(auto tiers, c->GetTierStats());
+  for (const auto& t : tiers.tiers()) EXPECT_LE(t.used_bytes(), t.capacity_bytes());
+
+  // Too many sessions.
+  ASSERT_OK(c->CreateSession(Shape()).status());
+  ASSERT_OK(c->CreateSession(Shape()).status());
+  EXPECT_THAT(c->CreateSession(Shape()), StatusIs(Code::kResourceExhausted, "max_sessions"));
+
+  // Evict from host with no remote tier.
+  EXPECT_THAT(c->Evict(sid, v1::TIER_HOST), StatusIs(Code::kFailedPrecondition));
+
+  // Close is idempotent; a closed session is gone.
+  ASSERT_OK_AND_ASSIGN(bool existed, c->CloseSession(sid));
+  EXPECT_TRUE(existed);
+  ASSERT_OK_AND_ASSIGN(existed, c->CloseSession(sid));
+  EXPECT_FALSE(existed);
+  EXPECT_THAT(c->Select(Select(sid, 0, 8)), StatusIs(Code::kNotFound));
+}
+
+TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  Data data = MakeData(100);
+  ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), data, 0, 100)).status());
+  ASSERT_OK(c->Select(Select(created.session_id(), 3, 256)).status());  // a live lease too
+  EXPECT_FALSE(ShmEntries(d.instance()).empty());
+  ASSERT_OK_AND_ASSIGN(bool serving, c->Health());
+  EXPECT_TRUE(serving);
+  EXPECT_EQ(d.Terminate(), 0);
+  struct stat st {};
+  EXPECT_NE(stat(d.socket().c_str(), &st), 0) << "socket left behind";
+  EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
+}
+
+TEST(Daemon, UnixSocketIsMode0660) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  struct stat st {};
+  ASSERT_EQ(stat(d.socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+}
+
+TEST(Daemon, DrainStopsNewCallsAndExits) {
+  DaemonProcess d({"--drain_timeout_ms", "2000"});
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK(c->CreateSession(Shape()).status());
+  ASSERT_OK_AND_ASSIGN(uint32_t sessions, c->Drain());
+  EXPECT_EQ(sessions, 1u);
+  // The daemon goes away by itself, cleanly; anything after is refused.
+  EXPECT_EQ(d.WaitForExit(10), 0);
+  EXPECT_THAT(c->CreateSession(Shape()), StatusIs(Code::kUnavailable));
+  EXPECT_TRUE(ShmEntries(d.instance()).empty());
+  struct stat st {};
+  EXPECT_NE(stat(d.socket().c_str(), &st), 0);
+}
+
+TEST(Daemon, ForkDevicePlacementAndAdminCalls) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  auto req = Shape();
+  req.set_session_id("parent");
+  (*req.mutable_labels())["model"] = "smollm2";
+  ASSERT_OK(c->CreateSession(req).status());
+  Data data = MakeData(300);
+  ASSERT_OK(c->AppendKV(AllLayers("parent", data, 0, 300)).status());
+  v1::ForkSessionRequest fork;
+  fork.set_session_id("parent");
+  fork.set_num_tokens(200);
+  fork.set_new_session_id("child");
+  ASSERT_OK_AND_ASSIGN(auto forked, c->ForkSession(fork));
+  EXPECT_EQ(forked.session_id(), "child");
+  auto sel = Select("child", 2, 1000, true);
+  sel.set_placement(v1::TIER_DEVICE);
+  ASSERT_OK_AND_ASSIGN(auto resp, c->Select(sel));
+  EXPECT_EQ(resp.context_tokens(), 200u);
+  SegmentMap segments;
+  for (const auto& b : resp.heads(0).blocks()) {
+    EXPECT_EQ(b.tier(), v1::TIER_DEVICE);
+    ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, b));
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(view.keys.data()), view.keys.size() * 2),
+              b.keys());
+  }
+  ASSERT_OK_AND_ASSIGN(auto list, c->ListSessions());
+  ASSERT_EQ(list.sessions_size(), 2);
+  EXPECT_EQ(list.sessions(1).session_id(), "parent");
+  EXPECT_EQ(list.sessions(1).labels().at("model"), "smollm2");
+  EXPECT_EQ(list.sessions(0).bytes_by_tier().at("TIER_DEVICE"), 3u * 13 * 4096);
+  EXPECT_EQ(list.sessions(1).chunks_by_precision().at("PRECISION_FP16"), 4u * 3 * 19);
+  ASSERT_OK_AND_ASSIGN(auto tiers, c->GetTierStats());
+  ASSERT_EQ(tiers.tiers_size(), 2);
+  EXPECT_EQ(tiers.tiers(0).tier(), v1::TIER_DEVICE);
+  EXPECT_TRUE(tiers.tiers(0).emulated());
+  EXPECT_EQ(tiers.tiers(0).promotions(), 3u * 13);
+  EXPECT_EQ(tiers.tiers(0).pinned_bytes(), 3u * 13 * 4096);
+  ASSERT_OK_AND_ASSIGN(uint64_t moved, c->Evict("child", v1::TIER_DEVICE));
+  EXPECT_EQ(moved, 3u * 13 * 4096);
+  ASSERT_OK_AND_ASSIGN(auto segs, c->ListSegments());
+  std::set<uint64_t> ids;
+  for (const auto& s : segs.segments()) EXPECT_TRUE(ids.insert(s.segment_id()).second);
+  v1::SessionPolicy p;
+  p.set_recent_window(32);
+  ASSERT_OK_AND_ASSIGN(auto policy, c->SetPolicy("parent", p));
+  EXPECT_EQ(policy.recent_window(), 32u);
+  v1::BatchSelectRequest batch;
+  *batch.add_requests() = Select("parent", 3, 128);
+  *batch.add_requests() = Select("child", 3, 128);
+  ASSERT_OK_AND_ASSIGN(auto both, c->BatchSelect(batch));
+  EXPECT_EQ(both.responses_size(), 2);
+  *batch.add_requests() = Select("ghost", 3, 128);
+  EXPECT_THAT(c->BatchSelect(batch), StatusIs(Code::kNotFound, "requests[2]"));
+  ASSERT_OK_AND_ASSIGN(std::string echo, c->Echo("ping"));
+  EXPECT_EQ(echo, "ping");
+}
+
+TEST(Daemon, BadConfigurationExitsTwoNamingTheField) {
+  auto [code, out] = testing::RunCommand(testing::BinaryPath("kvtierd") +
+                                         " --listen unix:/tmp/x.sock --host_capacity 12Q");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("host_capacity"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(testing::BinaryPath("kvtierd") + " --bogus 1");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("bogus"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(testing::BinaryPath("kvtierd") + " --print_default_config");
+  EXPECT_EQ(code, 0);
+  ASSERT_OK_AND_ASSIGN(v1::Config printed, ParseConfigText(out));
+  EXPECT_EQ(printed.host_capacity(), "4G");
+}
+
+TEST(Kvtierctl, TablesJsonAndErrors) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  auto req = Shape();
+  req.set_session_id("ctl-session");
+  ASSERT_OK(c->CreateSession(req).status());
+  ASSERT_OK(c->AppendKV(AllLayers("ctl-session", MakeData(40), 0, 40)).status());
+  const std::string ctl = testing::BinaryPath("kvtierctl") + " --addr " + d.address() + " ";
+  auto [code, out] = testing::RunCommand(ctl + "health");
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, "SERVING\n");
+  std::tie(code, out) = testing::RunCommand(ctl + "sessions");
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(out.find("ctl-session"), std::string::npos) << out;
+  EXPECT_NE(out.find("144.0 KiB"), std::string::npos) << out;  // 4 layers x 3 heads x 3 slots x 4 KiB
+  std::tie(code, out) = testing::RunCommand(ctl + "-o json session ctl-session");
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(out.find("\"num_tokens\": \"40\""), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(ctl + "chunks ctl-session --layer 1");
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(out.find("32..39"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(ctl + "tiers");
+  EXPECT_NE(out.find("device (emulated)"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(ctl + "segments");
+  EXPECT_NE(out.find("/kvtier-" + d.instance() + "-host-"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(ctl + "session no-such");
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("NOT_FOUND"), std::string::npos) << out;
+  EXPECT_NE(out.find("no-such"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(ctl + "close ctl-session");
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, "closed ctl-session\n");
+  std::tie(code, out) = testing::RunCommand(ctl + "frobnicate");
+  EXPECT_EQ(code, 2);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,143 @@
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <thread>
+
+#include "server/metrics/http_exporter.h"
+#include "server/metrics/registry.h"
+#include "tests/test_util.h"
+
+namespace kvtier::metrics {
+namespace {
+
+TEST(Registry, RendersTheExpositionFormatExactly) {
+  Registry r;
+  r.GetCounter("kvtier_rpc_total", "RPCs", {{"method", "Select"}, {"code", "OK"}}).Inc(3);
+  r.GetCounter("kvtier_rpc_total", "RPCs", {{"method", "Append"}, {"code", "OK"}}).Inc();
+  r.GetGauge("kvtier_sessions", "Live sessions").Set(2);
+  Histogram& h = r.GetHistogram("kvtier_latency_seconds", "Latency", {0.5, 1}, {{"m", "x"}});
+  h.Observe(0.25);
+  h.Observe(0.5);  // on the bound: counted in le="0.5"
+  h.Observe(4);
+  EXPECT_EQ(r.Render(),
+            "# HELP kvtier_latency_seconds Latency\n"
+            "# TYPE kvtier_latency_seconds histogram\n"
+            "kvtier_latency_seconds_bucket{m=\"x\",le=\"0.5\"} 2\n"
+            "kvtier_latency_seconds_bucket{m=\"x\",le=\"1\"} 2\n"
+            "kvtier_latency_seconds_bucket{m=\"x\",le=\"+Inf\"} 3\n"
+            "kvtier_latency_seconds_sum{m=\"x\"} 4.75\n"
+            "kvtier_latency_seconds_count{m=\"x\"} 3\n"
+            "# HELP kvtier_rpc_total RPCs\n"
+            "# TYPE kvtier_rpc_total counter\n"
+            "kvtier_rpc_total{code=\"OK\",method=\"Append\"} 1\n"
+            "kvtier_rpc_total{code=\"OK\",method=\"Select\"} 3\n"
+            "# HELP kvtier_sessions Live sessions\n"
+            "# TYPE kvtier_sessions gauge\n"
+            "kvtier_sessions 2\n");
+}
+
+TEST(Registry, SameNameAndLabelsIsTheSameMetric) {
+  Registry r;
+  Counter& a = r.GetCounter("c_total", "h", {{"t", "1"}});
+  Counter& b = r.GetCounter("c_total", "h", {{"t", "1"}});
+  EXPECT_EQ(&a, &b);
+  EXPECT_NE(&a, &r.GetCounter("c_total", "h", {{"t", "2"}}));
+  a.IncreaseTo(10);
+  a.IncreaseTo(4);  // never down
+  EXPECT_EQ(b.value(), 10);
+}
+
+TEST(Registry, EscapesLabelValuesAndHelp) {
+  EXPECT_EQ(EscapeLabelValue("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+  Registry r;
+  r.GetGauge("g", "line1\nline2 \\ end", {{"tenant", "we\"ird"}}).Set(1.5);
+  EXPECT_EQ(r.Render(),
+            "# HELP g line1\\nline2 \\\\ end\n# TYPE g gauge\ng{tenant=\"we\\\"ird\"} 1.5\n");
+}
+
+TEST(Registry, SpecialValues) {
+  EXPECT_EQ(FormatValue(NAN), "NaN");
+  EXPECT_EQ(FormatValue(INFINITY), "+Inf");
+  EXPECT_EQ(FormatValue(-INFINITY), "-Inf");
+  EXPECT_EQ(FormatValue(42), "42");
+  EXPECT_EQ(FormatValue(0.25), "0.25");
+}
+
+TEST(Registry, ScrapeHooksRunBeforeRendering) {
+  Registry r;
+  int scrapes = 0;
+  r.OnScrape([&] { r.GetGauge("scrapes", "n").Set(++scrapes); });
+  EXPECT_NE(r.Render().find("scrapes 1\n"), std::string::npos);
+  EXPECT_NE(r.Render().find("scrapes 2\n"), std::string::npos);
+}
+
+TEST(Registry, ConcurrentUpdatesAreNotLost) {
+  Registry r;
+  Counter& c = r.GetCounter("n_total", "n");
+  Histogram& h = r.GetHistogram("h", "h", {1.0});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 10000; ++i) {
+        c.Inc();
+        h.Observe(0.5);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(c.value(), 40000);
+  EXPECT_EQ(h.count(), 40000u);
+  EXPECT_EQ(h.sum(), 20000);
+}
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+TEST(HttpExporter, ServesMetricsAndHealth) {
+  Registry r;
+  r.GetCounter("kvtier_test_total", "t").Inc(7);
+  int port = FreePort();
+  ASSERT_OK_AND_ASSIGN(auto exporter, HttpExporter::Start("127.0.0.1", port, &r));
+  std::string body = HttpGet(port, "/metrics");
+  EXPECT_NE(body.find("200 OK"), std::string::npos) << body;
+  EXPECT_NE(body.find("text/plain; version=0.0.4"), std::string::npos);
+  EXPECT_NE(body.find("\r\n\r\n" + r.Render()), std::string::npos) << body;
+  EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
+  EXPECT_THAT(HttpExporter::Start("127.0.0.1", port, &r),
+              testing::StatusIs(absl::StatusCode::kInternal, "metrics_port"));
+}
+
+}  // namespace
+}  // namespace kvtier::metrics

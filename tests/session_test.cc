@@ -1,0 +1,601 @@
+#include "server/session/session.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <set>
+
+#include "server/common/fp16.h"
+#include "server/config/policy.h"
+#include "server/session/session_manager.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::AsBytes;
+using testing::RandomHalfs;
+using testing::Slice;
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+TierOptions TierOpts(v1::Tier t, uint64_t capacity) {
+  static int n = 0;
+  TierOptions o;
+  o.tier = t;
+  o.instance = "sesstest-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  o.capacity_bytes = capacity;
+  o.segment_bytes = 1 << 20;
+  o.emulated = t == v1::TIER_DEVICE;
+  return o;
+}
+
+// Tiers first: everything holding slots is destroyed before them.
+struct Env {
+  explicit Env(uint64_t host_capacity = 64 << 20, uint64_t device_capacity = 16 << 20)
+      : host(TierOpts(v1::TIER_HOST, host_capacity)),
+        device(TierOpts(v1::TIER_DEVICE, device_capacity)) {
+    env.host = &host;
+    env.device = &device;
+    env.leases = &leases;
+    env.clock = &clock;
+    env.lease_ttl_ms = 1000;
+    env.max_lease_ms = 5000;
+  }
+  ManualClock clock;
+  Tier host;
+  Tier device;
+  LeaseTable leases{&clock};
+  SessionEnv env;
+};
+
+// A session plus the full K and V it was given, [layer] -> [kv_heads][tokens][d].
+struct Fixture {
+  int layers, qh, kvh, d, total;
+  std::vector<std::vector<uint16_t>> k, v;
+  std::unique_ptr<Session> session;
+};
+
+Fixture Make(Env& e, int layers, int qh, int kvh, int d, int total, v1::SessionPolicy policy = {},
+             uint32_t seed = 1) {
+  Fixture f{layers, qh, kvh, d, total, {}, {}, nullptr};
+  std::mt19937 rng(seed);
+  for (int l = 0; l < layers; ++l) {
+    f.k.push_back(RandomHalfs(size_t(kvh) * total * d, rng));
+    f.v.push_back(RandomHalfs(size_t(kvh) * total * d, rng));
+  }
+  v1::ModelShape shape;
+  shape.set_num_layers(layers);
+  shape.set_num_q_heads(qh);
+  shape.set_num_kv_heads(kvh);
+  shape.set_head_dim(d);
+  auto resolved = ResolvePolicy(policy, BuiltinPolicy(), "policy");
+  EXPECT_TRUE(resolved.ok()) << resolved.status();
+  f.session = std::make_unique<Session>("s", "t", *ResolveShape(shape), *resolved,
+                                        std::map<std::string, std::string>{}, e.env);
+  return f;
+}
+
+v1::AppendKVRequest Req(const Fixture& f, int layer, int start, int n) {
+  v1::AppendKVRequest r;
+  r.set_session_id("s");
+  r.set_layer(layer);
+  r.set_start_token(start);
+  r.set_num_tokens(n);
+  r.set_keys(AsBytes(Slice(f.k[layer], f.kvh, f.total, f.d, start, n)));
+  r.set_values(AsBytes(Slice(f.v[layer], f.kvh, f.total, f.d, start, n)));
+  return r;
+}
+
+absl::Status AppendAll(Fixture& f, int upto, int step) {
+  for (int s = 0; s < upto; s += step) {
+    for (int l = 0; l < f.layers; ++l) {
+      auto r = f.session->Append(Req(f, l, s, std::min(step, upto - s)));
+      if (!r.ok()) return r.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<uint64_t> AllChunkIds(const Fixture& f, int layer, int head, int tokens, int ct = 16) {
+  std::vector<uint64_t> ids;
+  for (int c = 0; c * ct < tokens; ++c) {
+    ids.push_back(EncodeChunkId({uint32_t(layer), uint32_t(head), uint32_t(c)}));
+  }
+  return ids;
+}
+
+// Rows [start, start+n) of one head of a [kv_heads][total][d] tensor.
+std::vector<uint16_t> HeadRows(const std::vector<uint16_t>& all, const Fixture& f, int head,
+                               int start, int n) {
+  auto b = all.begin() + (size_t(head) * f.total + start) * f.d;
+  return std::vector<uint16_t>(b, b + size_t(n) * f.d);
+}
+
+// Concatenated K, V and positions of handles carrying inline data.
+struct Gathered {
+  std::vector<uint16_t> k, v;
+  std::vector<int64_t> pos;
+};
+Gathered Gather(const google::protobuf::RepeatedPtrField<v1::BlockHandle>& handles) {
+  Gathered g;
+  for (const auto& h : handles) {
+    const auto* kp = reinterpret_cast<const uint16_t*>(h.keys().data());
+    const auto* vp = reinterpret_cast<const uint16_t*>(h.values().data());
+    g.k.insert(g.k.end(), kp, kp + h.keys().size() / 2);
+    g.v.insert(g.v.end(), vp, vp + h.values().size() / 2);
+    g.pos.insert(g.pos.end(), h.positions().begin(), h.positions().end());
+  }
+  return g;
+}
+
+// Reads a stream back through ReadChunks and compares every row with what was appended.
+void ExpectStreamExact(Fixture& f, int layer, int head, int tokens) {
+  ASSERT_OK_AND_ASSIGN(auto handles, f.session->ReadChunks(AllChunkIds(f, layer, head, tokens)));
+  google::protobuf::RepeatedPtrField<v1::BlockHandle> rep(handles.begin(), handles.end());
+  for (const auto& h : handles) {
+    ASSERT_EQ(h.keys().size(), h.num_tokens() * f.d * 2u);
+    ASSERT_EQ(h.length(), 2 * h.keys().size());
+  }
+  Gathered g = Gather(rep);
+  std::vector<int64_t> want_pos(tokens);
+  std::iota(want_pos.begin(), want_pos.end(), 0);
+  EXPECT_EQ(g.pos, want_pos);
+  EXPECT_EQ(g.k, HeadRows(f.k[layer], f, head, 0, tokens));
+  EXPECT_EQ(g.v, HeadRows(f.v[layer], f, head, 0, tokens));
+}
+
+std::string Query(const Fixture& f, uint32_t seed, std::vector<float>* out = nullptr) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> q(size_t(f.qh) * f.d);
+  for (auto& x : q) x = n(rng);
+  if (out) *out = q;
+  return std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+}
+
+v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget, uint32_t seed = 9) {
+  v1::SelectRequest r;
+  r.set_session_id("s");
+  r.set_layer(layer);
+  r.set_query(Query(f, seed));
+  r.set_budget_tokens(budget);
+  r.set_include_data(true);
+  return r;
+}
+
+// Independent expectation of one head's chunks: mandatory (sink/window) chunks, then the
+// best mean scores (computed here in double from the original fp16 data) within the budget.
+std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tokens,
+                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64) {
+  const int ct = 16, nchunks = (tokens + ct - 1) / ct, group = f.qh / f.kvh;
+  std::vector<float> q;
+  Query(f, seed, &q);
+  std::set<uint32_t> out;
+  uint64_t used = 0;
+  std::vector<std::pair<double, uint32_t>> scored;
+  for (int c = 0; c < nchunks; ++c) {
+    const int lo = c * ct, hi = std::min(lo + ct, tokens);
+    if (lo < sink || hi > tokens - window) {
+      out.insert(c);
+      used += hi - lo;
+      continue;
+    }
+    double best = -1e300;
+    for (int g = 0; g < group; ++g) {
+      double s = 0;
+      for (int j = 0; j < f.d; ++j) {
+        double mu = 0;
+        for (int t = lo; t < hi; ++t) {
+          mu += HalfToFloat(f.k[layer][(size_t(head) * f.total + t) * f.d + j]);
+        }
+        s += q[(size_t(head) * group + g) * f.d + j] * (mu / (hi - lo));
+      }
+      best = std::max(best, s);
+    }
+    scored.push_back({-best, uint32_t(c)});
+  }
+  std::sort(scored.begin(), scored.end());
+  for (auto [neg, c] : scored) {
+    if (used + ct > budget) break;  // middle chunks are all full
+    used += ct;
+    out.insert(c);
+  }
+  return out;
+}
+
+TEST(Session, AppendThenReadBackIsExactAcrossChunkBoundaries) {
+  for (int step : {1, 3, 7, 16, 17, 250}) {
+    Env e;
+    Fixture f = Make(e, 2, 4, 2, 64, 300);
+    ASSERT_OK(AppendAll(f, 300, step));
+    for (int l = 0; l < 2; ++l) {
+      for (int h = 0; h < 2; ++h) ExpectStreamExact(f, l, h, 300);
+    }
+    EXPECT_EQ(f.session->Info().num_tokens(), 300u) << "step " << step;
+  }
+}
+
+TEST(Session, AppendReportsTheTokensStoredInEveryLayer) {
+  Env e;
+  Fixture f = Make(e, 3, 2, 1, 32, 64);
+  ASSERT_OK_AND_ASSIGN(uint64_t n, f.session->Append(Req(f, 0, 0, 40)));
+  EXPECT_EQ(n, 0u);  // layers 1 and 2 hold nothing yet
+  ASSERT_OK(f.session->Append(Req(f, 1, 0, 30)).status());
+  ASSERT_OK_AND_ASSIGN(n, f.session->Append(Req(f, 2, 0, 50)));
+  EXPECT_EQ(n, 30u);
+}
+
+TEST(Session, RewritesGapsAndConflicts) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 2, 16, 100);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 40)).status());
+  const uint64_t gen_before = f.session->ListChunks(0, 100).chunks(2).generation();
+  // identical repeat: a no-op, nothing rewritten
+  ASSERT_OK_AND_ASSIGN(uint64_t n, f.session->Append(Req(f, 0, 10, 20)));
+  EXPECT_EQ(n, 40u);
+  EXPECT_EQ(f.session->ListChunks(0, 100).chunks(2).generation(), gen_before);
+  // overlap that extends: the stored part must match, the rest is appended
+  ASSERT_OK_AND_ASSIGN(n, f.session->Append(Req(f, 0, 30, 30)));
+  EXPECT_EQ(n, 60u);
+  // a gap
+  EXPECT_THAT(f.session->Append(Req(f, 0, 61, 5)), StatusIs(Code::kOutOfRange, "start_token"));
+  // a conflicting rewrite, in the values of the second head
+  auto bad = Req(f, 0, 5, 4);
+  std::string vals = bad.values();
+  vals[vals.size() - 1] ^= 0x01;
+  bad.set_values(vals);
+  EXPECT_THAT(f.session->Append(bad), StatusIs(Code::kFailedPrecondition, "kv_head 1"));
+  ExpectStreamExact(f, 0, 0, 60);
+  ExpectStreamExact(f, 0, 1, 60);
+}
+
+TEST(Session, BadAppendsNameTheField) {
+  Env e;
+  Fixture f = Make(e, 2, 2, 2, 16, 32);
+  auto r = Req(f, 0, 0, 4);
+  r.set_keys(r.keys().substr(2));
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "keys"));
+  r = Req(f, 0, 0, 4);
+  r.set_values(r.values() + "xx");
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "values"));
+  r = Req(f, 0, 0, 4);
+  r.set_layer(2);
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "layer"));
+  r = Req(f, 0, 0, 4);
+  r.set_num_tokens(0);
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "num_tokens"));
+  r = Req(f, 0, 0, 4);
+  r.add_token_ids(1);
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "token_ids"));
+  EXPECT_EQ(f.session->Info().num_tokens(), 0u);
+}
+
+TEST(Session, FullHostTierStoresNothingAndKeepsWhatWasThere) {
+  // 2 kv heads, d 16: a slot is 16*16*4 = 1 KiB; room for 6 slots.
+  Env e(6 * 1024);
+  Fixture f = Make(e, 1, 2, 2, 16, 100);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 40)).status());  // 3 chunks per head: 6 slots
+  EXPECT_THAT(f.session->Append(Req(f, 0, 40, 20)), StatusIs(Code::kResourceExhausted, "full"));
+  EXPECT_EQ(f.session->Info().num_tokens(), 40u);
+  ExpectStreamExact(f, 0, 0, 40);
+  ExpectStreamExact(f, 0, 1, 40);
+  EXPECT_EQ(e.host.Stats().used_bytes, 6u * 1024);
+  // Filling the partial chunk needs no new slot and still fits.
+  ASSERT_OK(f.session->Append(Req(f, 0, 40, 8)).status());
+  ExpectStreamExact(f, 0, 1, 48);
+}
+
+TEST(Session, SelectReturnsEverythingWhenItFitsOrTheLayerIsDense) {
+  Env e;
+  Fixture f = Make(e, 3, 4, 2, 32, 200);
+  ASSERT_OK(AppendAll(f, 200, 64));
+  for (auto [layer, budget] : {std::pair{2, 200}, std::pair{0, 64}, std::pair{1, 64}}) {
+    v1::SelectResponse resp;
+    ASSERT_OK(f.session->Select(SelectReq(f, layer, budget), &resp));
+    EXPECT_EQ(resp.context_tokens(), 200u);
+    ASSERT_EQ(resp.heads_size(), 2);
+    for (int h = 0; h < 2; ++h) {
+      Gathered g = Gather(resp.heads(h).blocks());
+      EXPECT_EQ(g.pos.size(), 200u);
+      EXPECT_EQ(g.k, HeadRows(f.k[layer], f, h, 0, 200));
+      EXPECT_EQ(g.v, HeadRows(f.v[layer], f, h, 0, 200));
+    }
+  }
+}
+
+TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
+  for (int tokens : {1000, 1003}) {  // whole and partial last chunk
+    Env e;
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, {}, tokens);
+    ASSERT_OK(AppendAll(f, tokens, 128));
+    for (uint32_t budget : {96u, 128u, 256u, 500u}) {
+      for (uint32_t seed : {1u, 2u, 3u}) {
+        auto req = SelectReq(f, 2, budget, seed);
+        v1::SelectResponse resp;
+        ASSERT_OK(f.session->Select(req, &resp));
+        for (int h = 0; h < 2; ++h) {
+          Gathered g = Gather(resp.heads(h).blocks());
+          EXPECT_LE(g.pos.size(), budget);
+          std::set<int64_t> pos(g.pos.begin(), g.pos.end());
+          EXPECT_EQ(pos.size(), g.pos.size()) << "duplicate positions";
+          for (int t = 0; t < 16; ++t) EXPECT_TRUE(pos.count(t)) << "sink " << t;
+          for (int t = tokens - 64; t < tokens; ++t) EXPECT_TRUE(pos.count(t)) << "window " << t;
+          std::set<uint32_t> chunks;
+          for (const auto& b : resp.heads(h).blocks()) {
+            chunks.insert(DecodeChunkId(b.chunk_id()).index);
+            // every handle's rows are the appended rows at its positions
+            const int64_t p0 = b.positions(0);
+            EXPECT_EQ(b.keys(), AsBytes(HeadRows(f.k[2], f, h, p0, b.num_tokens())));
+            EXPECT_EQ(b.values(), AsBytes(HeadRows(f.v[2], f, h, p0, b.num_tokens())));
+          }
+          EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, tokens, budget, seed))
+              << "tokens " << tokens << " budget " << budget << " seed " << seed;
+        }
+      }
+    }
+  }
+}
+
+TEST(Session, SelectRejectsBadRequestsByField) {
+  Env e;
+  Fixture f = Make(e, 3, 4, 2, 32, 500);
+  ASSERT_OK(AppendAll(f, 500, 250));
+  v1::SelectResponse resp;
+  auto r = SelectReq(f, 2, 64);  // below 16 sink + 64 window tokens
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "budget_tokens"));
+  r = SelectReq(f, 3, 256);
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "layer"));
+  r = SelectReq(f, 2, 256);
+  r.set_query(r.query().substr(4));
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "query"));
+  r = SelectReq(f, 2, 256);
+  std::string q = r.query();
+  float nan = std::nanf("");
+  std::memcpy(q.data() + 8, &nan, 4);
+  r.set_query(q);
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "not finite"));
+  r = SelectReq(f, 2, 256);
+  r.set_placement(v1::TIER_REMOTE);
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "placement"));
+  r = SelectReq(f, 2, 256);
+  r.set_lease_ms(6000);
+  EXPECT_THAT(f.session->Select(r, &resp), StatusIs(Code::kInvalidArgument, "lease_ms"));
+  EXPECT_EQ(e.leases.size(), 0u);
+}
+
+TEST(Session, DefaultBudgetComesFromThePolicy) {
+  Env e;
+  v1::SessionPolicy p;
+  p.set_default_budget(160);
+  Fixture f = Make(e, 3, 2, 1, 16, 1000, p);
+  ASSERT_OK(AppendAll(f, 1000, 500));
+  v1::SelectResponse resp;
+  ASSERT_OK(f.session->Select(SelectReq(f, 2, 0), &resp));
+  // 16 sink tokens + the window's chunks [928, 1000) (72 tokens) + 4 chunks of 16 = 152;
+  // a fifth chunk would pass 160.
+  EXPECT_EQ(Gather(resp.heads(0).blocks()).pos.size(), 152u);
+}
+
+TEST(Session, LeasePinsUntilReleaseOrExpiry) {
+  Env e;
+  Fixture f = Make(e, 3, 2, 1, 16, 500);
+  ASSERT_OK(AppendAll(f, 500, 500));
+  v1::SelectResponse resp;
+  ASSERT_OK(f.session->Select(SelectReq(f, 2, 128), &resp));
+  EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // 128 tokens = 8 slots of 1 KiB
+  EXPECT_EQ(resp.lease_expires_unix_ms(), e.clock.NowMs() + 1000);
+  EXPECT_THAT(e.leases.Release("other-tenant", resp.lease_id()),
+              StatusIs(Code::kPermissionDenied));
+  ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+  EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
+  EXPECT_THAT(e.leases.Release("t", resp.lease_id()), StatusIs(Code::kNotFound, "lease_id"));
+
+  auto r = SelectReq(f, 2, 128);
+  r.set_lease_ms(3000);
+  ASSERT_OK(f.session->Select(r, &resp));
+  e.clock.AdvanceMs(2999);
+  EXPECT_EQ(e.leases.ExpireDue(), 0);
+  e.clock.AdvanceMs(1);
+  EXPECT_EQ(e.leases.ExpireDue(), 1);
+  EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
+  EXPECT_EQ(e.leases.size(), 0u);
+}
+
+// A worker holding a lease keeps reading the bytes it was given, even while the session
+// grows the chunk it points at and even after the session closes.
+TEST(Session, LeasedMemoryIsNeverRewrittenOrFreed) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 100);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 40)).status());  // last chunk holds 8 tokens
+  v1::SelectResponse resp;
+  ASSERT_OK(f.session->Select(SelectReq(f, 0, 40), &resp));
+  const v1::BlockHandle last = resp.heads(0).blocks(2);
+  ASSERT_EQ(last.num_tokens(), 8u);
+  std::string name;
+  for (const auto& seg : e.host.Segments()) {
+    if (seg.segment_id == last.segment_id()) name = seg.shm_name;
+  }
+  ASSERT_OK_AND_ASSIGN(ShmSegment mapped, ShmSegment::OpenReadOnly(name));
+  auto leased_bytes = [&] {
+    return std::string(reinterpret_cast<const char*>(mapped.data() + last.offset()), last.length());
+  };
+  ASSERT_EQ(leased_bytes(), last.keys() + last.values());
+  ASSERT_OK(f.session->Append(Req(f, 0, 40, 5)).status());  // grows the leased chunk
+  EXPECT_EQ(leased_bytes(), last.keys() + last.values());
+  auto now = f.session->ListChunks(0, 10).chunks(2);
+  EXPECT_EQ(now.num_tokens(), 13u);
+  EXPECT_NE(now.generation(), last.generation());  // a copy was grown, not the leased slot
+  ExpectStreamExact(f, 0, 0, 45);
+
+  f.session->Close();
+  EXPECT_THAT(f.session->Append(Req(f, 0, 45, 1)), StatusIs(Code::kNotFound, "closed"));
+  // Only the leased slots (3 chunks) remain allocated; the grown copy went with the session.
+  EXPECT_EQ(e.host.Stats().used_bytes, 3u * 1024);
+  EXPECT_EQ(leased_bytes(), last.keys() + last.values());
+  ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+  EXPECT_EQ(e.host.Stats().used_bytes, 0u);
+}
+
+TEST(Session, UnsharedPartialChunkGrowsInPlaceWithANewGeneration) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 100);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 20)).status());
+  auto before = f.session->ListChunks(0, 10).chunks(1);
+  ASSERT_OK(f.session->Append(Req(f, 0, 20, 3)).status());
+  auto after = f.session->ListChunks(0, 10).chunks(1);
+  EXPECT_GT(after.generation(), before.generation());
+  EXPECT_EQ(e.host.Stats().num_slots, 2u);
+  ExpectStreamExact(f, 0, 0, 23);
+}
+
+TEST(Session, ForkSharesWholeChunksAndCopiesTheStraddlingOne) {
+  Env e;
+  Fixture f = Make(e, 2, 2, 1, 16, 100);
+  ASSERT_OK(AppendAll(f, 70, 70));
+  const uint64_t used = e.host.Stats().used_bytes;  // 2 layers x 5 chunks
+  ASSERT_OK_AND_ASSIGN(auto child, f.session->Fork("c", 40));
+  // 2 whole chunks shared per layer, one 8-token chunk copied per layer
+  EXPECT_EQ(e.host.Stats().used_bytes, used + 2 * 1024);
+  EXPECT_EQ(child->Info().num_tokens(), 40u);
+  // The child grows on its own; the parent is untouched.
+  Fixture c{f.layers, f.qh, f.kvh, f.d, f.total, f.k, f.v, std::move(child)};
+  std::mt19937 rng(99);
+  for (int l = 0; l < 2; ++l) {
+    auto other = RandomHalfs(size_t(30) * 16, rng);
+    std::copy(other.begin(), other.end(), c.k[l].begin() + 40 * 16);
+    std::copy(other.begin(), other.end(), c.v[l].begin() + 40 * 16);
+    ASSERT_OK(c.session->Append(Req(c, l, 40, 30)).status());
+  }
+  for (int l = 0; l < 2; ++l) {
+    ExpectStreamExact(c, l, 0, 70);
+    ExpectStreamExact(f, l, 0, 70);
+  }
+  EXPECT_THAT(f.session->Fork("x", 71), StatusIs(Code::kInvalidArgument, "num_tokens"));
+  c.session->Close();
+}
+
+TEST(Session, DevicePlacementPromotesCopiesAndEvictDropsThem) {
+  Env e(64 << 20, 3 * 1024);  // room for three promoted chunks
+  Fixture f = Make(e, 1, 2, 1, 16, 64);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 48)).status());
+  auto r = SelectReq(f, 0, 64);
+  r.set_placement(v1::TIER_DEVICE);
+  v1::SelectResponse first, second, refused;
+  ASSERT_OK(f.session->Select(r, &first));
+  for (const auto& b : first.heads(0).blocks()) EXPECT_EQ(b.tier(), v1::TIER_DEVICE);
+  Gathered g = Gather(first.heads(0).blocks());
+  EXPECT_EQ(g.k, HeadRows(f.k[0], f, 0, 0, 48));
+  EXPECT_EQ(g.v, HeadRows(f.v[0], f, 0, 0, 48));
+  EXPECT_EQ(e.device.Stats().used_bytes, 3u * 1024);
+  EXPECT_EQ(e.device.Stats().promotions, 3u);
+  ASSERT_OK(f.session->Select(r, &second));  // cached: no new promotion
+  EXPECT_EQ(e.device.Stats().promotions, 3u);
+  // A fourth chunk does not fit: refused, and nothing half-promoted stays.
+  ASSERT_OK(f.session->Append(Req(f, 0, 48, 16)).status());
+  EXPECT_THAT(f.session->Select(r, &refused), StatusIs(Code::kResourceExhausted, "device"));
+  EXPECT_EQ(refused.heads_size(), 0);
+  EXPECT_EQ(e.device.Stats().used_bytes, 3u * 1024);
+  ASSERT_OK_AND_ASSIGN(uint64_t freed, f.session->Evict(v1::TIER_DEVICE));
+  EXPECT_EQ(freed, 3u * 1024);
+  EXPECT_EQ(e.device.Stats().evictions, 3u);
+  EXPECT_EQ(e.device.Stats().used_bytes, 3u * 1024);  // the leases still hold the copies
+  ASSERT_OK(e.leases.Release("t", first.lease_id()));
+  ASSERT_OK(e.leases.Release("t", second.lease_id()));
+  EXPECT_EQ(e.device.Stats().used_bytes, 0u);
+  EXPECT_THAT(f.session->Evict(v1::TIER_HOST), StatusIs(Code::kFailedPrecondition, "remote"));
+  EXPECT_THAT(f.session->Evict(v1::TIER_REMOTE), StatusIs(Code::kInvalidArgument, "tier"));
+}
+
+TEST(Session, SetPolicyKeepsChunkingOnceTokensAreStored) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 64);
+  v1::SessionPolicy p;
+  p.set_chunk_tokens(32);
+  ASSERT_OK_AND_ASSIGN(auto got, f.session->SetPolicy(p));
+  EXPECT_EQ(got.chunk_tokens(), 32u);
+  EXPECT_EQ(got.sink_tokens(), 16u);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 8)).status());
+  p.set_chunk_tokens(16);
+  EXPECT_THAT(f.session->SetPolicy(p), StatusIs(Code::kFailedPrecondition, "chunk_tokens"));
+  p.set_chunk_tokens(0);
+  p.set_recent_window(128);
+  ASSERT_OK_AND_ASSIGN(got, f.session->SetPolicy(p));
+  EXPECT_EQ(got.recent_window(), 128u);
+}
+
+TEST(Session, ReadChunksRejectsUnknownIds) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 64);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 20)).status());
+  EXPECT_THAT(f.session->ReadChunks({EncodeChunkId({0, 0, 2})}),
+              StatusIs(Code::kNotFound, "chunk_ids"));
+  EXPECT_THAT(f.session->ReadChunks({EncodeChunkId({1, 0, 0})}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(f.session->ReadChunks({~0ull}), StatusIs(Code::kNotFound));
+}
+
+TEST(ResolveShape, ChecksEveryField) {
+  auto shape = [](int l, int q, int kv, int d, v1::DType t = v1::DTYPE_FP16) {
+    v1::ModelShape s;
+    s.set_num_layers(l);
+    s.set_num_q_heads(q);
+    s.set_num_kv_heads(kv);
+    s.set_head_dim(d);
+    s.set_dtype(t);
+    return s;
+  };
+  EXPECT_OK(ResolveShape(shape(30, 9, 3, 64)).status());
+  EXPECT_EQ(ResolveShape(shape(1, 1, 1, 1, v1::DTYPE_UNSPECIFIED))->dtype(), v1::DTYPE_FP16);
+  EXPECT_THAT(ResolveShape(shape(0, 9, 3, 64)), StatusIs(Code::kInvalidArgument, "num_layers"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 0, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 0, 64)), StatusIs(Code::kInvalidArgument, "num_kv_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 0)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 513)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_OK(ResolveShape(shape(2, 4, 2, 512)).status());
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 64, v1::DTYPE_FP32)),
+              StatusIs(Code::kInvalidArgument, "dtype"));
+}
+
+TEST(SessionManager, LimitsIdsAndTenants) {
+  Env e;
+  ServerOptions o;
+  o.max_sessions = 2;
+  o.default_policy = BuiltinPolicy();
+  SessionManager m(o, e.env);
+  v1::CreateSessionRequest req;
+  req.mutable_shape()->set_num_layers(1);
+  req.mutable_shape()->set_num_q_heads(1);
+  req.mutable_shape()->set_num_kv_heads(1);
+  req.mutable_shape()->set_head_dim(8);
+  ASSERT_OK_AND_ASSIGN(auto a, m.Create("alice", req));
+  EXPECT_EQ(a.policy().sink_tokens(), 16u);  // the effective policy comes back
+  req.set_session_id("has space");
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kInvalidArgument, "session_id"));
+  req.set_session_id(a.session_id());
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kAlreadyExists));
+  req.set_session_id("bob-1");
+  ASSERT_OK(m.Create("bob", req).status());
+  req.set_session_id("third");
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kResourceExhausted, "max_sessions"));
+  EXPECT_THAT(m.Get("alice", "bob-1"), StatusIs(Code::kPermissionDenied));
+  EXPECT_OK(m.Get("", "bob-1").status());  // the admin view
+  EXPECT_THAT(m.Get("alice", "nope"), StatusIs(Code::kNotFound, "nope"));
+  EXPECT_THAT(m.Close("alice", "bob-1"), StatusIs(Code::kPermissionDenied));
+  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("bob", "bob-1"));
+  EXPECT_TRUE(existed);
+  ASSERT_OK_AND_ASSIGN(existed, m.Close("bob", "bob-1"));
+  EXPECT_FALSE(existed);
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(a.session_id());
+  fork.set_new_session_id(a.session_id());
+  EXPECT_THAT(m.Fork("alice", fork), StatusIs(Code::kAlreadyExists, "new_session_id"));
+  fork.set_new_session_id("");
+  ASSERT_OK_AND_ASSIGN(auto forked, m.Fork("alice", fork));
+  EXPECT_NE(forked.session_id(), a.session_id());
+  EXPECT_EQ(m.size(), 2u);
+}
+
+}  // namespace
+}  // namespace kvtier

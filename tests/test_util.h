@@ -1,0 +1,105 @@
+// Shared test helpers: status matchers, fp16 tensors, and a real kvtierd process.
+#ifndef KVTIER_TESTS_TEST_UTIL_H_
+#define KVTIER_TESTS_TEST_UTIL_H_
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvtier::testing {
+
+// EXPECT_THAT(status_or_statusor, StatusIs(absl::StatusCode::kNotFound))
+MATCHER_P(StatusIs, code, "") {
+  absl::Status s = [&] {
+    if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, absl::Status>) {
+      return arg;
+    } else {
+      return arg.status();
+    }
+  }();
+  *result_listener << "status is " << s;
+  return s.code() == code;
+}
+
+MATCHER_P2(StatusIs, code, substring, "") {
+  absl::Status s = [&] {
+    if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, absl::Status>) {
+      return arg;
+    } else {
+      return arg.status();
+    }
+  }();
+  *result_listener << "status is " << s;
+  return s.code() == code && std::string(s.message()).find(substring) != std::string::npos;
+}
+
+#define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
+#define EXPECT_OK(expr) EXPECT_TRUE((expr).ok()) << (expr)
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                   \
+  auto KVTIER_TEST_CONCAT_(_r_, __LINE__) = (expr);                       \
+  ASSERT_TRUE(KVTIER_TEST_CONCAT_(_r_, __LINE__).ok())                    \
+      << KVTIER_TEST_CONCAT_(_r_, __LINE__).status();                     \
+  lhs = std::move(KVTIER_TEST_CONCAT_(_r_, __LINE__)).value()
+#define KVTIER_TEST_CONCAT_INNER_(a, b) a##b
+#define KVTIER_TEST_CONCAT_(a, b) KVTIER_TEST_CONCAT_INNER_(a, b)
+
+// Random fp16 bit patterns of finite values in about [-4, 4].
+std::vector<uint16_t> RandomHalfs(size_t n, std::mt19937& rng);
+std::string AsBytes(const std::vector<uint16_t>& v);
+
+// Tokens [start, start+n) of a [kv_heads][total][d] tensor as [kv_heads][n][d].
+std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int total, int d,
+                            int start, int n);
+
+// A directory under /tmp removed (recursively) on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs build/bin/kvtierd on a temporary Unix socket with a unique --instance.
+class DaemonProcess {
+ public:
+  // `extra` flags are appended. Waits up to 10 s for the socket; ADD_FAILURE if it does not come.
+  explicit DaemonProcess(std::vector<std::string> extra = {});
+  // SIGTERM, then waits; ADD_FAILURE unless it exits 0.
+  ~DaemonProcess();
+
+  std::string address() const { return "unix:" + socket_; }
+  const std::string& socket() const { return socket_; }
+  const std::string& instance() const { return instance_; }
+  int pid() const { return pid_; }
+  bool started() const { return started_; }
+  // Sends SIGTERM and returns the exit status (or -1); the destructor then does nothing.
+  int Terminate();
+  // Waits up to `seconds` for the process to exit by itself; its exit status, or -1.
+  int WaitForExit(int seconds);
+  std::string Log() const;
+
+ private:
+  TempDir dir_;
+  std::string socket_;
+  std::string instance_;
+  int pid_ = -1;
+  bool started_ = false;
+};
+
+// Path of a binary next to the test binaries (build/bin).
+std::string BinaryPath(const std::string& name);
+
+// Runs a command, returns (exit status, stdout+stderr).
+std::pair<int, std::string> RunCommand(const std::string& cmd);
+
+}  // namespace kvtier::testing
+
+#endif  // KVTIER_TESTS_TEST_UTIL_H_

@@ -1,0 +1,166 @@
+#include "server/tier/tier.h"
+
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <set>
+
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+TierOptions Options(uint64_t capacity, uint64_t segment = 1 << 20) {
+  static int n = 0;
+  TierOptions o;
+  o.tier = v1::TIER_HOST;
+  o.instance = "tiertest-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  o.capacity_bytes = capacity;
+  o.segment_bytes = segment;
+  return o;
+}
+
+bool ShmExists(const std::string& name) {
+  struct stat st {};
+  return stat(("/dev/shm" + name).c_str(), &st) == 0;
+}
+
+TEST(Tier, SlotsAreDistinctAndInsideTheirSegment) {
+  Tier tier(Options(1 << 20, 64 << 10));
+  std::vector<SlotRef> slots;
+  std::set<std::pair<uint64_t, uint64_t>> seen;
+  for (int i = 0; i < 40; ++i) {  // 16 slots of 4K per 64K segment: three segments
+    ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+    EXPECT_EQ(s->offset() % 4096, 0u);
+    EXPECT_LE(s->offset() + s->bytes(), 64u << 10);
+    EXPECT_TRUE(seen.insert({s->segment_id(), s->offset()}).second);
+    std::memset(s->data(), i, s->bytes());
+    slots.push_back(std::move(s));
+  }
+  for (int i = 0; i < 40; ++i) {  // nobody wrote over anybody
+    EXPECT_EQ(slots[i]->data()[0], i);
+    EXPECT_EQ(slots[i]->data()[4095], i);
+  }
+  TierSnapshot st = tier.Stats();
+  EXPECT_EQ(st.num_segments, 3u);
+  EXPECT_EQ(st.used_bytes, 40u * 4096);
+  EXPECT_EQ(st.num_slots, 40u);
+}
+
+TEST(Tier, FullTierRefusesAndNeverOverruns) {
+  Tier tier(Options(3 * 4096));
+  std::vector<SlotRef> slots;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+    slots.push_back(std::move(s));
+  }
+  EXPECT_THAT(tier.Allocate("a", 4096), StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_THAT(tier.Allocate("b", 16), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(tier.Stats().used_bytes, 3u * 4096);
+  EXPECT_EQ(tier.Stats().allocation_failures, 2u);
+  slots.pop_back();
+  EXPECT_OK(tier.Allocate("a", 4096).status());
+}
+
+TEST(Tier, SlotLargerThanASegmentIsInvalid) {
+  Tier tier(Options(8 << 20, 1 << 20));
+  EXPECT_THAT(tier.Allocate("a", (1 << 20) + 1), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier.Allocate("a", 0), StatusIs(Code::kInvalidArgument));
+}
+
+TEST(Tier, ReuseTakesANewGeneration) {
+  Tier tier(Options(1 << 20));
+  ASSERT_OK_AND_ASSIGN(SlotRef keep, tier.Allocate("a", 4096));  // keeps the segment alive
+  ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+  const uint64_t offset = s->offset(), generation = s->generation();
+  s.reset();
+  ASSERT_OK_AND_ASSIGN(SlotRef again, tier.Allocate("a", 4096));
+  EXPECT_EQ(again->offset(), offset);  // the freed slot, reused
+  EXPECT_GT(again->generation(), generation);
+  const uint64_t before = again->generation();
+  again->Renew();
+  EXPECT_GT(again->generation(), before);
+}
+
+TEST(Tier, TenantsAndSlotSizesGetTheirOwnSegments) {
+  Tier tier(Options(4 << 20));
+  ASSERT_OK_AND_ASSIGN(SlotRef a, tier.Allocate("alice", 4096));
+  ASSERT_OK_AND_ASSIGN(SlotRef b, tier.Allocate("bob", 4096));
+  ASSERT_OK_AND_ASSIGN(SlotRef c, tier.Allocate("alice", 8192));
+  EXPECT_NE(a->segment_id(), b->segment_id());
+  EXPECT_NE(a->segment_id(), c->segment_id());
+  std::map<uint64_t, std::string> owner;
+  for (const SegmentInfo& s : tier.Segments()) owner[s.segment_id] = s.tenant;
+  EXPECT_EQ(owner[a->segment_id()], "alice");
+  EXPECT_EQ(owner[b->segment_id()], "bob");
+}
+
+TEST(Tier, EmptySegmentIsUnlinkedAtOnce) {
+  Tier tier(Options(1 << 20));
+  ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+  const std::string name = tier.Segments().at(0).shm_name;
+  EXPECT_TRUE(ShmExists(name));
+  s.reset();
+  EXPECT_FALSE(ShmExists(name));
+  EXPECT_EQ(tier.Stats().num_segments, 0u);
+  EXPECT_EQ(tier.Stats().used_bytes, 0u);
+}
+
+TEST(Tier, PinnedBytesFollowPins) {
+  Tier tier(Options(1 << 20));
+  ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+  s->Pin();
+  s->Pin();
+  EXPECT_EQ(tier.Stats().pinned_bytes, 4096u);
+  s->Unpin();
+  EXPECT_EQ(tier.Stats().pinned_bytes, 4096u);
+  s->Unpin();
+  EXPECT_EQ(tier.Stats().pinned_bytes, 0u);
+}
+
+// Another process opens the segment by its name and reads exactly what was written.
+TEST(Tier, AnotherProcessReadsTheBytesByName) {
+  Tier tier(Options(1 << 20));
+  std::vector<SlotRef> slots;
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+    slots.push_back(std::move(s));
+  }
+  const SlotRef& s = slots[3];
+  for (uint64_t i = 0; i < s->bytes(); ++i) s->data()[i] = static_cast<uint8_t>(i * 31 + 7);
+  const std::string name = tier.Segments().at(0).shm_name;
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto seg = ShmSegment::OpenReadOnly(name);
+    if (!seg.ok()) _exit(2);
+    for (uint64_t i = 0; i < 4096; ++i) {
+      if (seg->data()[s->offset() + i] != static_cast<uint8_t>(i * 31 + 7)) _exit(3);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: cannot open, 3: bytes differ";
+}
+
+TEST(ShmSegment, RemoveStaleTakesOnlyThePrefix) {
+  const std::string prefix = "/kvtier-staletest-" + std::to_string(getpid()) + "-";
+  {
+    ASSERT_OK_AND_ASSIGN(ShmSegment a, ShmSegment::Create(prefix + "1", 4096));
+    ASSERT_OK_AND_ASSIGN(ShmSegment other,
+                         ShmSegment::Create("/kvtier-otherinstance-" + std::to_string(getpid()), 4096));
+    EXPECT_EQ(ShmSegment::RemoveStale(prefix), 1);
+    EXPECT_FALSE(ShmExists(prefix + "1"));
+    EXPECT_TRUE(ShmExists(other.name()));
+  }
+  EXPECT_THAT(ShmSegment::OpenReadOnly(prefix + "1"), StatusIs(Code::kNotFound));
+}
+
+}  // namespace
+}  // namespace kvtier
