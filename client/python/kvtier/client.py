@@ -1,0 +1,247 @@
+"""kvtier.Client: typed calls to kvtierd taking and returning numpy arrays."""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+_DTYPES = {"fp16": (pb.DTYPE_FP16, np.float16), "bf16": (pb.DTYPE_BF16, np.uint16)}
+_TIERS = {None: pb.TIER_UNSPECIFIED, "device": pb.TIER_DEVICE, "host": pb.TIER_HOST,
+          "remote": pb.TIER_REMOTE}
+
+
+class KvTierError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `message` the server's words."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as e:  # every RpcError raised by a call is also a grpc.Call
+        raise KvTierError(e.code(), e.details() or "") from None
+
+
+class SegmentMap:
+    """Read-only mmaps of the daemon's shared-memory segments, by segment id."""
+
+    def __init__(self, client: "Client"):
+        self._client = client
+        self._maps: dict[int, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _segment(self, segment_id: int) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(segment_id)
+        if m is not None:
+            return m
+        for seg in self._client.list_segments():
+            if seg.segment_id != segment_id:
+                continue
+            if not seg.shm_name:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"segment {segment_id} has no shared-memory name")
+            fd = os.open("/dev/shm/" + seg.shm_name.lstrip("/"), os.O_RDONLY)
+            try:
+                m = mmap.mmap(fd, seg.size_bytes, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            with self._lock:
+                return self._maps.setdefault(segment_id, m)
+        raise KvTierError(grpc.StatusCode.NOT_FOUND, f"segment_id {segment_id} is not listed")
+
+    def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16):
+        """K and V of `handle` as read-only arrays [num_tokens][head_dim] over shared memory."""
+        m = self._segment(handle.segment_id)
+        n = handle.num_tokens * head_dim
+        if handle.offset + handle.length > len(m) or handle.length != 4 * n:
+            raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"handle of chunk {handle.chunk_id} does not fit its segment")
+        k = np.frombuffer(m, dtype=dtype, count=n, offset=handle.offset)
+        v = np.frombuffer(m, dtype=dtype, count=n, offset=handle.offset + 2 * n)
+        return k.reshape(handle.num_tokens, head_dim), v.reshape(handle.num_tokens, head_dim)
+
+
+@dataclass
+class SessionHandle:
+    session_id: str
+    policy: pb.SessionPolicy
+
+
+class Client:
+    """A connection to kvtierd ("unix:PATH" or "HOST:PORT")."""
+
+    def __init__(self, address: str = "unix:/tmp/kvtier.sock", tenant: str | None = None,
+                 timeout: float = 60.0, max_message_bytes: int = 64 << 20):
+        self.address = address
+        self.timeout = timeout
+        self._metadata = (("x-kvtier-tenant", tenant),) if tenant else ()
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", max_message_bytes),
+                              ("grpc.max_send_message_length", max_message_bytes)])
+        self.stub = pb_grpc.KvTierStub(self._channel)
+        self.segments = SegmentMap(self)
+        self._shapes: dict[str, pb.ModelShape] = {}
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _unary(self, name: str, request):
+        return _call(getattr(self.stub, name), request, timeout=self.timeout,
+                     metadata=self._metadata)
+
+    # Sessions ---------------------------------------------------------------------------
+
+    def create_session(self, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                       head_dim: int, dtype: str = "fp16", session_id: str = "",
+                       model_id: str = "", labels: dict[str, str] | None = None,
+                       **policy) -> SessionHandle:
+        """`policy` takes SessionPolicy fields (sink_tokens=16, recent_window=64, ...)."""
+        shape = pb.ModelShape(num_layers=num_layers, num_q_heads=num_q_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              dtype=_DTYPES[dtype][0], model_id=model_id)
+        r = self._unary("CreateSession", pb.CreateSessionRequest(
+            session_id=session_id, shape=shape, policy=pb.SessionPolicy(**policy),
+            labels=labels or {}))
+        self._shapes[r.session_id] = shape
+        return SessionHandle(r.session_id, r.policy)
+
+    def _shape(self, session_id: str) -> pb.ModelShape:
+        if session_id not in self._shapes:
+            self._shapes[session_id] = self.describe_session(session_id).info.shape
+        return self._shapes[session_id]
+
+    def append_kv(self, session_id: str,
+                  items: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> int:
+        """Streams (layer, start_token, keys, values), keys/values [kv_heads][n][head_dim]
+        in the session's dtype; returns the tokens now stored in every layer."""
+        def requests() -> Iterator[pb.AppendKVRequest]:
+            for layer, start, k, v in items:
+                k = np.ascontiguousarray(k)
+                v = np.ascontiguousarray(v)
+                if k.shape != v.shape or k.ndim != 3:
+                    raise ValueError(f"keys {k.shape} and values {v.shape} must both be "
+                                     "[kv_heads][tokens][head_dim]")
+                yield pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
+                                         num_tokens=k.shape[1], keys=k.tobytes(),
+                                         values=v.tobytes())
+        return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
+                     metadata=self._metadata).num_tokens
+
+    def append_layers(self, session_id: str, start: int, keys: np.ndarray,
+                      values: np.ndarray) -> int:
+        """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`."""
+        return self.append_kv(session_id, ((layer, start, keys[layer], values[layer])
+                                           for layer in range(keys.shape[0])))
+
+    def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
+               placement: str | None = None, include_data: bool = False, lease_ms: int = 0,
+               include_summaries: bool = False) -> pb.SelectResponse:
+        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease."""
+        q = np.ascontiguousarray(query, dtype=np.float32)
+        return self._unary("Select", pb.SelectRequest(
+            session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
+            placement=_TIERS[placement], include_data=include_data, lease_ms=lease_ms,
+            include_summaries=include_summaries))
+
+    def gather(self, head: pb.HeadSelection, session_id: str | None = None, head_dim=None):
+        """(positions int64 [n], K [n][d], V [n][d]) of one HeadSelection, in handle order,
+        read through shared memory (inline bytes when the response carried them)."""
+        if head_dim is None:
+            if session_id is None:
+                raise ValueError("gather needs session_id or head_dim")
+            head_dim = self._shape(session_id).head_dim
+        pos, ks, vs = [], [], []
+        for b in head.blocks:
+            pos.extend(b.positions)
+            if b.keys:
+                k = np.frombuffer(b.keys, np.float16).reshape(-1, head_dim)
+                v = np.frombuffer(b.values, np.float16).reshape(-1, head_dim)
+            else:
+                k, v = self.segments.view(b, head_dim)
+            ks.append(k)
+            vs.append(v)
+        empty = np.zeros((0, head_dim), np.float16)
+        return (np.asarray(pos, np.int64), np.concatenate(ks) if ks else empty,
+                np.concatenate(vs) if vs else empty)
+
+    def view(self, handle: pb.BlockHandle, head_dim: int):
+        """Zero-copy (K, V) of one handle over the daemon's shared memory."""
+        return self.segments.view(handle, head_dim)
+
+    def release(self, lease_id: str) -> None:
+        self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
+        stream = _call(self.stub.ReadChunks,
+                       pb.ReadChunksRequest(session_id=session_id, chunk_ids=list(chunk_ids)),
+                       timeout=self.timeout, metadata=self._metadata)
+        return _call(list, stream)
+
+    def fork_session(self, session_id: str, num_tokens: int = 0,
+                     new_session_id: str = "") -> SessionHandle:
+        r = self._unary("ForkSession", pb.ForkSessionRequest(
+            session_id=session_id, num_tokens=num_tokens, new_session_id=new_session_id))
+        return SessionHandle(r.session_id, r.policy)
+
+    def close_session(self, session_id: str) -> bool:
+        self._shapes.pop(session_id, None)
+        return self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id)).existed
+
+    # Admin ------------------------------------------------------------------------------
+
+    def list_sessions(self) -> list[pb.SessionInfo]:
+        return list(self._unary("ListSessions", pb.ListSessionsRequest()).sessions)
+
+    def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
+        return self._unary("DescribeSession", pb.DescribeSessionRequest(session_id=session_id))
+
+    def list_chunks(self, session_id: str, layer: int | None = None,
+                    limit: int = 0) -> pb.ListChunksResponse:
+        req = pb.ListChunksRequest(session_id=session_id, limit=limit)
+        if layer is not None:
+            req.layer = layer
+        return self._unary("ListChunks", req)
+
+    def tier_stats(self) -> list[pb.TierStats]:
+        return list(self._unary("GetTierStats", pb.GetTierStatsRequest()).tiers)
+
+    def list_segments(self) -> list[pb.Segment]:
+        return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)
+
+    def evict(self, session_id: str, tier: str) -> int:
+        return self._unary("Evict", pb.EvictRequest(session_id=session_id,
+                                                    tier=_TIERS[tier])).bytes_moved
+
+    def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
+        return self._unary("SetPolicy", pb.SetPolicyRequest(
+            session_id=session_id, policy=pb.SessionPolicy(**policy))).policy
+
+    def drain(self) -> int:
+        return self._unary("Drain", pb.DrainRequest()).sessions
+
+    def health(self) -> bool:
+        """grpc.health.v1 Check of the whole server: True when SERVING."""
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
+                                          request_serializer=lambda b: b,
+                                          response_deserializer=lambda b: b)
+        # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.
+        return _call(check, b"", timeout=self.timeout) == b"\x08\x01"

@@ -1,0 +1,190 @@
+"""The Python client against a real kvtierd (started by the `daemon` fixture)."""
+import json
+import mmap
+import os
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.v1 import kvtier_pb2 as pb
+
+L, QH, KVH, D = 4, 9, 3, 64
+
+
+def make_kv(rng, tokens):
+    k = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    v = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    return k, v
+
+
+@pytest.fixture
+def client(daemon):
+    with kvtier.Client(daemon.address) as c:
+        yield c
+
+
+def test_round_trip_through_shared_memory_is_exact_and_zero_copy(client):
+    rng = np.random.default_rng(1)
+    k, v = make_kv(rng, 600)
+    sid = client.create_session(L, QH, KVH, D).session_id
+    assert client.append_layers(sid, 0, k[:, :, :350], v[:, :, :350]) == 350
+    assert client.append_layers(sid, 350, k[:, :, 350:], v[:, :, 350:]) == 600
+    sel = client.select(sid, L - 1, rng.standard_normal((QH, D)), budget_tokens=5000)
+    assert sel.context_tokens == 600
+    for head in sel.heads:
+        pos, hk, hv = client.gather(head, sid)
+        order = np.argsort(pos)
+        assert pos[order].tolist() == list(range(600))
+        np.testing.assert_array_equal(hk[order], k[L - 1, head.kv_head])
+        np.testing.assert_array_equal(hv[order], v[L - 1, head.kv_head])
+    # One handle's view is backed by the daemon's mapping, not a copy.
+    block = sel.heads[0].blocks[0]
+    kview, vview = client.view(block, D)
+    assert not kview.flags.owndata and not kview.flags.writeable
+    base = kview
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    assert isinstance(base, mmap.mmap)
+    np.testing.assert_array_equal(kview, k[L - 1, 0, :16])
+    client.release(sel.lease_id)
+
+
+def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
+    rng = np.random.default_rng(2)
+    k, v = make_kv(rng, 2000)
+    sid = client.create_session(L, QH, KVH, D).session_id
+    client.append_layers(sid, 0, k, v)
+    q = rng.standard_normal((QH, D))
+    mapped = client.select(sid, 3, q, budget_tokens=256)
+    inline = client.select(sid, 3, q, budget_tokens=256, include_data=True)
+    for hm, hi in zip(mapped.heads, inline.heads):
+        pm, km, vm = client.gather(hm, sid)
+        pi, ki, vi = client.gather(hi, sid)
+        np.testing.assert_array_equal(pm, pi)
+        np.testing.assert_array_equal(km, ki)
+        np.testing.assert_array_equal(vm, vi)
+        assert len(pm) <= 256 and len(set(pm.tolist())) == len(pm)
+        assert set(range(16)) | set(range(2000 - 64, 2000)) <= set(pm.tolist())
+        # rows are the appended rows at their positions
+        np.testing.assert_array_equal(km, k[3, hm.kv_head][pm])
+    # Dense layers (below dense_layers=2) return everything.
+    dense = client.select(sid, 1, q, budget_tokens=256)
+    assert all(sum(b.num_tokens for b in h.blocks) == 2000 for h in dense.heads)
+
+
+def test_errors_carry_code_and_field(client):
+    sid = client.create_session(L, QH, KVH, D).session_id
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.create_session(L, 4, 3, D)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "num_q_heads" in e.value.message
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.select("missing", 0, np.zeros((QH, D)))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.select(sid, 0, np.zeros((QH + 1, D)))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "query" in e.value.message
+    gap = np.zeros((KVH, 2, D), np.float16)
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.append_kv(sid, [(0, 5, gap, gap)])
+    assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.release("l-0-nothing")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    other = kvtier.Client(client.address, tenant="someone-else")
+    with pytest.raises(kvtier.KvTierError) as e:
+        other.evict(sid, "device")
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    other.close()
+
+
+def test_fork_read_chunks_and_admin(client):
+    rng = np.random.default_rng(3)
+    k, v = make_kv(rng, 100)
+    sid = client.create_session(L, QH, KVH, D, session_id="parent", labels={"team": "a"}).session_id
+    client.append_layers(sid, 0, k, v)
+    child = client.fork_session(sid, 40, "child").session_id
+    assert client.describe_session(child).info.num_tokens == 40
+    chunks = client.list_chunks(child, layer=2)
+    assert chunks.total == KVH * 3
+    got = client.read_chunks(child, [c.chunk_id for c in chunks.chunks])
+    by_head = {}
+    for h in got:
+        by_head.setdefault(h.kv_head, []).append(h)
+    for head, handles in by_head.items():
+        keys = np.concatenate([np.frombuffer(h.keys, np.float16).reshape(-1, D) for h in handles])
+        np.testing.assert_array_equal(keys, k[2, head, :40])
+    infos = {s.session_id: s for s in client.list_sessions()}
+    assert set(infos) == {"parent", "child"} and infos["parent"].labels["team"] == "a"
+    tiers = {t.tier: t for t in client.tier_stats()}
+    assert tiers[pb.TIER_HOST].used_bytes > 0 and tiers[pb.TIER_DEVICE].emulated
+    assert client.set_policy(sid, recent_window=128).recent_window == 128
+    assert client.health()
+    assert client.close_session(child) and not client.close_session(child)
+
+
+def test_reflection_lists_the_services(daemon):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        resp = next(stub.ServerReflectionInfo(iter([req]), timeout=10))
+        names = {s.name for s in resp.list_services_response.service}
+    assert {"kvtier.v1.KvTier", "grpc.health.v1.Health"} <= names
+
+
+def test_kvtierctl_json_and_exit_codes(daemon, client, kvtierctl):
+    rng = np.random.default_rng(4)
+    k, v = make_kv(rng, 50)
+    sid = client.create_session(L, QH, KVH, D, session_id="ctl").session_id
+    client.append_layers(sid, 0, k, v)
+    out = kvtierctl(daemon.address, "-o", "json", "sessions")
+    assert out.returncode == 0, out.stderr
+    sessions = json.loads(out.stdout)["sessions"]
+    assert sessions[0]["session_id"] == "ctl" and sessions[0]["num_tokens"] == "50"
+    tiers = json.loads(kvtierctl(daemon.address, "-o", "json", "tiers").stdout)["tiers"]
+    assert {t["tier"] for t in tiers} == {"TIER_DEVICE", "TIER_HOST"}
+    chunks = json.loads(kvtierctl(daemon.address, "-o", "json", "chunks", "ctl").stdout)
+    assert int(chunks["total"]) == L * KVH * 4
+    segs = json.loads(kvtierctl(daemon.address, "-o", "json", "segments").stdout)["segments"]
+    assert all(os.path.exists("/dev/shm/" + s["shm_name"].lstrip("/")) for s in segs)
+    bad = kvtierctl(daemon.address, "session", "nope")
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
+    down = kvtierctl("unix:/nonexistent/kvtier.sock", "health")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_metrics_endpoint(start_daemon):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    d = start_daemon("--metrics_port", str(port))
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        k, v = make_kv(np.random.default_rng(5), 40)
+        c.append_layers(sid, 0, k, v)
+        c.select(sid, 3, np.ones((QH, D)), budget_tokens=256)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvtier_rpc_total{code="OK",method="Select"} 1' in body
+    assert 'kvtier_appended_tokens_total{tenant="default"} 160' in body
+    assert 'kvtier_tier_used_bytes{tier="host"} 147456' in body  # 4 x 3 x 3 slots of 4 KiB
+    assert "kvtier_leases 1" in body
+    assert "# TYPE kvtier_rpc_latency_seconds histogram" in body
+
+
+def test_sigterm_cleans_up(start_daemon):
+    d = start_daemon()
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        k, v = make_kv(np.random.default_rng(6), 40)
+        c.append_layers(sid, 0, k, v)
+    assert any(n.startswith(f"kvtier-{d.instance}-") for n in os.listdir("/dev/shm"))
+    assert d.stop() == 0
+    assert not d.socket.exists()
+    assert not any(n.startswith(f"kvtier-{d.instance}-") for n in os.listdir("/dev/shm"))
