@@ -217,6 +217,13 @@ TEST(Concurrency, DrainRefusesNewCallsAndFinishesOpenStreams) {
   r.set_keys(AsBytes(Slice(k, kKv, 8, kD, 0, 4)));
   r.set_values(r.keys());
   ASSERT_TRUE(stream->Write(r));
+  // The drain must begin after the server has taken the stream: wait for the first message.
+  for (int i = 0; i < 500; ++i) {
+    auto d = (*c)->DescribeSession("s");
+    ASSERT_TRUE(d.ok());
+    if (d->layers(0).num_tokens() == 4) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 
   (*daemon)->StartDrain();
   EXPECT_EQ((*c)->CreateSession(Shape("late")).status().code(), absl::StatusCode::kUnavailable);

@@ -6,19 +6,20 @@
 #include <cerrno>
 #include <cstring>
 
+#include "server/common/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "kvtier/client.h"
 
 namespace kvtier {
 
 SegmentMap::~SegmentMap() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto& [id, m] : maps_) munmap(const_cast<uint8_t*>(m.data), m.size);
 }
 
 absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t segment_id) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (auto it = maps_.find(segment_id); it != maps_.end()) return it->second;
   }
   auto list = client.ListSegments();
@@ -36,7 +37,7 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
       return absl::InternalError(absl::StrCat("mmap ", seg.shm_name(), ": ", std::strerror(errno)));
     }
     Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes()};
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto [it, inserted] = maps_.emplace(segment_id, m);
     if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
     return it->second;

@@ -1,7 +1,7 @@
 #include "server/config/config.h"
 
+#include <algorithm>
 #include <fstream>
-#include <regex>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -11,6 +11,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "server/common/names.h"
 #include "server/common/size.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
@@ -148,8 +149,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.tcp_listen = c.tcp_listen();
-  static const std::regex kInstance("[A-Za-z0-9_.-]{1,48}");
-  if (!std::regex_match(c.instance(), kInstance)) {
+  if (!IsName(c.instance(), "_.-", 48)) {
     return InvalidField("instance", c.instance(), "must be 1..48 of [A-Za-z0-9_.-]");
   }
   o.instance = c.instance();
@@ -192,8 +192,9 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   o.max_sessions = c.max_sessions();
   o.drain_timeout_ms = c.drain_timeout_ms();
   o.log_level = c.log_level();
-  static const std::regex kLevel("trace|debug|info|warn|error|off");
-  if (!std::regex_match(o.log_level, kLevel)) {
+  static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error",
+                                                  "off"};
+  if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {
     return InvalidField("log_level", o.log_level, "is not one of trace, debug, info, warn, error");
   }
   ASSIGN_OR_RETURN(o.default_policy,

@@ -1,9 +1,11 @@
+#include "server/common/mutex.h"
 #include "server/metrics/registry.h"
 
 #include <cmath>
-#include <regex>
+#include "absl/strings/ascii.h"
 
 #include "server/common/check.h"
+#include "server/common/names.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -105,11 +107,11 @@ std::string FormatValue(double v) {
 
 Registry::Family& Registry::GetFamily(const std::string& name, const std::string& help,
                                       Type type, const Labels& labels) {
-  static const std::regex kName("[a-zA-Z_:][a-zA-Z0-9_:]*");
-  static const std::regex kLabel("[a-zA-Z_][a-zA-Z0-9_]*");
-  CHECK(std::regex_match(name, kName)) << "bad metric name " << name;
+  // [a-zA-Z_:][a-zA-Z0-9_:]* and [a-zA-Z_][a-zA-Z0-9_]*, as Prometheus defines them.
+  CHECK(IsName(name, "_:", 200) && !absl::ascii_isdigit(name[0])) << "bad metric name " << name;
   for (const auto& [k, v] : labels) {
-    CHECK(std::regex_match(k, kLabel) && k.rfind("__", 0) != 0) << "bad label name " << k;
+    CHECK(IsName(k, "_", 200) && !absl::ascii_isdigit(k[0]) && k.rfind("__", 0) != 0)
+        << "bad label name " << k;
   }
   auto [it, inserted] = families_.try_emplace(name);
   if (inserted) {
@@ -122,7 +124,7 @@ Registry::Family& Registry::GetFamily(const std::string& name, const std::string
 
 Counter& Registry::GetCounter(const std::string& name, const std::string& help,
                               const Labels& labels) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto& slot = GetFamily(name, help, Type::kCounter, labels).counters[labels];
   if (!slot) slot = std::make_unique<Counter>();
   return *slot;
@@ -130,7 +132,7 @@ Counter& Registry::GetCounter(const std::string& name, const std::string& help,
 
 Gauge& Registry::GetGauge(const std::string& name, const std::string& help,
                           const Labels& labels) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto& slot = GetFamily(name, help, Type::kGauge, labels).gauges[labels];
   if (!slot) slot = std::make_unique<Gauge>();
   return *slot;
@@ -139,25 +141,25 @@ Gauge& Registry::GetGauge(const std::string& name, const std::string& help,
 Histogram& Registry::GetHistogram(const std::string& name, const std::string& help,
                                   const std::vector<double>& bounds, const Labels& labels) {
   CHECK(!labels.contains("le")) << "le is reserved for histogram buckets";
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto& slot = GetFamily(name, help, Type::kHistogram, labels).histograms[labels];
   if (!slot) slot = std::make_unique<Histogram>(bounds);
   return *slot;
 }
 
 void Registry::OnScrape(std::function<void()> hook) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   hooks_.push_back(std::move(hook));
 }
 
 std::string Registry::Render() const {
   std::vector<std::function<void()>> hooks;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     hooks = hooks_;
   }
   for (auto& h : hooks) h();  // outside the lock: hooks set gauges through this registry
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::string out;
   for (const auto& [name, f] : families_) {
     const char* type = f.type == Type::kCounter ? "counter"

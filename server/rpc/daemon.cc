@@ -1,3 +1,4 @@
+#include "server/common/mutex.h"
 #include "server/rpc/daemon.h"
 
 #include <sys/stat.h>
@@ -138,7 +139,7 @@ void Daemon::ReapLeases() {
 }
 
 void Daemon::RequestShutdown() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
 }
 
@@ -152,7 +153,7 @@ void Daemon::StartDrain() {
 
 void Daemon::Shutdown() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
     if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();

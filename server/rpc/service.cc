@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/common/log.h"
+#include "server/common/mutex.h"
 #include "server/common/status_macros.h"
 
 namespace kvtier {
@@ -69,6 +70,12 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
 
 // Applies each message as it arrives; the first error ends the stream with that status,
 // and the messages before it stay applied (each append is idempotent, so a client resends).
+// Applies each message as it arrives; the first error ends the stream with that status,
+// and the messages before it stay applied (each append is idempotent, so a client resends).
+//
+// gRPC runs successive callbacks of one reactor on different threads, ordered by its own
+// (uninstrumented) code; KVTIER_TSAN_RELEASE before each hand-back and KVTIER_TSAN_ACQUIRE
+// at each callback tell ThreadSanitizer about that order.
 class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
@@ -78,10 +85,11 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       Done(Draining());
       return;
     }
-    StartRead(&req_);
+    Read();
   }
 
   void OnReadDone(bool ok) override {
+    KVTIER_TSAN_ACQUIRE(this);
     if (!ok) {  // the client closed its side: all applied
       Done(absl::OkStatus());
       return;
@@ -91,15 +99,21 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       Done(s);
       return;
     }
-    StartRead(&req_);
+    Read();
   }
 
   void OnDone() override {
+    KVTIER_TSAN_ACQUIRE(this);
     svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
     delete this;
   }
 
  private:
+  void Read() {
+    KVTIER_TSAN_RELEASE(this);
+    StartRead(&req_);
+  }
+
   absl::Status Apply() {
     if (session_ == nullptr || session_->id() != req_.session_id()) {
       ASSIGN_OR_RETURN(session_, svc_->env_.sessions->Get(tenant_, req_.session_id()));
@@ -116,6 +130,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
         ->GetCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
                      {{"tenant", tenant_}})
         .Inc(static_cast<double>(tokens_));
+    KVTIER_TSAN_RELEASE(this);
     Finish(ToGrpcStatus(s));
   }
 
@@ -189,10 +204,11 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
       Done(s);
       return;
     }
-    StartWrite(&handles_[0]);
+    Write();
   }
 
   void OnWriteDone(bool ok) override {
+    KVTIER_TSAN_ACQUIRE(this);
     if (!ok) {
       Done(absl::CancelledError("ReadChunks: the client went away"));
       return;
@@ -201,10 +217,11 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
       Done(absl::OkStatus());
       return;
     }
-    StartWrite(&handles_[next_]);
+    Write();
   }
 
   void OnDone() override {
+    KVTIER_TSAN_ACQUIRE(this);
     svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
     delete this;
   }
@@ -217,8 +234,14 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
     return absl::OkStatus();
   }
 
+  void Write() {
+    KVTIER_TSAN_RELEASE(this);
+    StartWrite(&handles_[next_]);
+  }
+
   void Done(const absl::Status& s) {
     svc_->Record("ReadChunks", s, absl::Now() - start_);
+    KVTIER_TSAN_RELEASE(this);
     Finish(ToGrpcStatus(s));
   }
 

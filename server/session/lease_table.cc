@@ -1,3 +1,4 @@
+#include "server/common/mutex.h"
 #include "server/session/lease_table.h"
 
 #include "absl/random/random.h"
@@ -7,7 +8,7 @@
 namespace kvtier {
 
 LeaseTable::~LeaseTable() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto& [id, lease] : leases_) Unpin(lease);
 }
 
@@ -19,7 +20,7 @@ LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::str
                                        std::vector<SlotRef> slots, uint32_t ttl_ms) {
   for (const SlotRef& s : slots) s->Pin();
   int64_t expires = clock_->NowMs() + ttl_ms;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // A counter keeps ids unique; the random part keeps them unguessable across tenants.
   static thread_local absl::BitGen gen;
   std::string id = absl::StrFormat("l-%d-%016x", next_++, absl::Uniform<uint64_t>(gen));
@@ -30,7 +31,7 @@ LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::str
 absl::Status LeaseTable::Release(const std::string& tenant, const std::string& lease_id) {
   Lease ended;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = leases_.find(lease_id);
     if (it == leases_.end()) {
       return absl::NotFoundError(
@@ -51,7 +52,7 @@ int LeaseTable::ExpireDue() {
   std::vector<Lease> ended;
   int64_t now = clock_->NowMs();
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto it = leases_.begin(); it != leases_.end();) {
       if (it->second.expires_ms <= now) {
         ended.push_back(std::move(it->second));
@@ -66,12 +67,12 @@ int LeaseTable::ExpireDue() {
 }
 
 size_t LeaseTable::size() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return leases_.size();
 }
 
 size_t LeaseTable::CountForSession(const std::string& session_id) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& [id, l] : leases_) n += (l.session_id == session_id);
   return n;

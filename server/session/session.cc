@@ -1,3 +1,4 @@
+#include "server/common/mutex.h"
 #include "server/session/session.h"
 
 #include <algorithm>
@@ -87,7 +88,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
 Session::Session(const Session& parent, std::string new_id)
     : Session(std::move(new_id), parent.tenant_, parent.shape_,
               [&] {
-                absl::MutexLock lock(&parent.mu_);
+                MutexLock lock(&parent.mu_);
                 return parent.policy_;
               }(),
               parent.labels_, parent.env_) {}
@@ -164,7 +165,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   if (req.token_ids_size() != 0 && static_cast<uint64_t>(req.token_ids_size()) != n) {
     return Invalid("token_ids", absl::StrFormat("%d ids for %d tokens", req.token_ids_size(), n));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t ct = policy_.chunk_tokens();
@@ -308,7 +309,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                                                env_.max_lease_ms));
   }
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
@@ -427,7 +428,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
 
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
     const std::vector<uint64_t>& ids) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
   std::vector<v1::BlockHandle> out;
@@ -450,7 +451,7 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint64_t num_tokens) {
   auto child = std::unique_ptr<Session>(new Session(*this, std::move(new_id)));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   const uint64_t have = MinTokens();
   if (num_tokens == 0) num_tokens = have;
@@ -470,7 +471,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
       copies.push_back(std::move(s));
     }
   }
-  absl::MutexLock child_lock(&child->mu_);  // not yet visible to anyone else
+  MutexLock child_lock(&child->mu_);  // not yet visible to anyone else
   for (size_t i = 0; i < streams_.size(); ++i) {
     const Stream& from = streams_[i];
     Stream& to = child->streams_[i];
@@ -491,7 +492,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
 }
 
 absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   switch (tier) {
     case v1::TIER_DEVICE: {
@@ -518,7 +519,7 @@ absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
 }
 
 absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& policy) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   ASSIGN_OR_RETURN(v1::SessionPolicy next, ResolvePolicy(policy, policy_, "policy"));
   const bool stored = std::any_of(layer_tokens_.begin(), layer_tokens_.end(),
@@ -535,7 +536,7 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
 void Session::Close() {
   std::vector<Stream> dropped;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     closed_ = true;
     dropped.swap(streams_);
   }
@@ -543,7 +544,7 @@ void Session::Close() {
 }
 
 v1::SessionInfo Session::Info() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   v1::SessionInfo info;
   info.set_session_id(id_);
   info.set_tenant(tenant_);
@@ -571,7 +572,7 @@ v1::SessionInfo Session::Info() const {
 }
 
 v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32_t limit) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   v1::ListChunksResponse out;
   if (closed_) return out;
   const uint32_t kvh = shape_.num_kv_heads();
@@ -606,7 +607,7 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
 }
 
 std::vector<v1::LayerStats> Session::Layers() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<v1::LayerStats> out;
   if (closed_) return out;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {

@@ -1,11 +1,12 @@
+#include "server/common/mutex.h"
 #include "server/session/session_manager.h"
 
-#include <regex>
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/log.h"
+#include "server/common/names.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
 
@@ -14,8 +15,7 @@ namespace kvtier {
 SessionManager::~SessionManager() { CloseAll(); }
 
 absl::Status SessionManager::CheckNewId(const std::string& id) const {
-  static const std::regex kId("[A-Za-z0-9_.:-]{1,128}");
-  if (!std::regex_match(id, kId)) {
+  if (!IsName(id, "_.:-", 128)) {
     return absl::InvalidArgumentError(
         absl::StrCat("session_id: \"", id, "\" must be 1..128 of [A-Za-z0-9_.:-]"));
   }
@@ -40,7 +40,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   ASSIGN_OR_RETURN(v1::ModelShape shape, ResolveShape(req.shape()));
   ASSIGN_OR_RETURN(v1::SessionPolicy policy,
                    ResolvePolicy(req.policy(), options_.default_policy, "policy"));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::string id = req.session_id().empty() ? NewId() : req.session_id();
   RETURN_IF_ERROR(CheckNewId(id));
   std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
@@ -56,7 +56,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(
     const std::string& tenant, const std::string& session_id) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
@@ -72,7 +72,7 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
                                            const std::string& session_id) {
   std::shared_ptr<Session> s;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return false;
     if (!tenant.empty() && it->second->tenant() != tenant) {
@@ -92,7 +92,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
   ASSIGN_OR_RETURN(std::shared_ptr<Session> parent, Get(tenant, req.session_id()));
   std::string id;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     id = req.new_session_id().empty() ? NewId() : req.new_session_id();
     absl::Status s = CheckNewId(id);
     if (!s.ok()) {
@@ -103,7 +103,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
   v1::CreateSessionResponse resp;
   resp.set_session_id(id);
   *resp.mutable_policy() = child->Info().policy();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNewId(id));  // taken meanwhile?
   sessions_.emplace(id, std::move(child));
   KVLOG(info, "session.fork", "session={} parent={} tokens={}", id, req.session_id(),
@@ -112,7 +112,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::List() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<std::shared_ptr<Session>> out;
   out.reserve(sessions_.size());
   for (const auto& [id, s] : sessions_) out.push_back(s);
@@ -121,14 +121,14 @@ std::vector<std::shared_ptr<Session>> SessionManager::List() const {
 }
 
 size_t SessionManager::size() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return sessions_.size();
 }
 
 void SessionManager::CloseAll() {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> all;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     all.swap(sessions_);
   }
   for (auto& [id, s] : all) s->Close();

@@ -1,3 +1,4 @@
+#include "server/common/mutex.h"
 #include "server/tier/tier.h"
 
 #include "server/common/check.h"
@@ -49,7 +50,7 @@ void Slot::Unpin() {
 Tier::Tier(TierOptions options) : options_(std::move(options)) {}
 
 Tier::~Tier() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   CHECK_EQ(num_slots_, 0u) << TierShortName(options_.tier) << " tier destroyed with live slots";
 }
 
@@ -62,7 +63,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
     return absl::InvalidArgumentError(absl::StrFormat(
         "slot of %d bytes does not fit a %d-byte segment", slot_bytes, options_.segment_bytes));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
     ++allocation_failures_;
     return absl::ResourceExhaustedError(absl::StrFormat(
@@ -113,7 +114,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
 }
 
 void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = segments_.find(segment_id);
   CHECK(it != segments_.end()) << "slot freed into unknown segment " << segment_id;
   Segment* seg = it->second.get();
@@ -130,7 +131,7 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
 }
 
 TierSnapshot Tier::Stats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return TierSnapshot{
       .tier = options_.tier,
       .emulated = options_.emulated,
@@ -146,7 +147,7 @@ TierSnapshot Tier::Stats() const {
 }
 
 std::vector<SegmentInfo> Tier::Segments() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<SegmentInfo> out;
   out.reserve(segments_.size());
   for (const auto& [id, s] : segments_) {

@@ -1,0 +1,46 @@
+// Helpers for the benchmarks: a kvtierd child process, timing, statistics, JSON lines.
+#ifndef KVTIER_BENCH_BENCH_UTIL_H_
+#define KVTIER_BENCH_BENCH_UTIL_H_
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvtier::bench {
+
+// kvtierd (next to this binary) on a temporary Unix socket; SIGTERM on destruction.
+class Daemon {
+ public:
+  explicit Daemon(const std::vector<std::string>& flags = {});
+  ~Daemon();
+  std::string address() const { return "unix:" + socket_; }
+
+ private:
+  std::string dir_, socket_;
+  int pid_ = -1;
+};
+
+inline double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// q in [0, 1]; the nearest-rank quantile of a copy of `v`.
+double Quantile(std::vector<double> v, double q);
+double Median(std::vector<double> v);
+
+// One figure as a JSON line on stdout.
+struct Figure {
+  std::string name;
+  double value;
+  std::string unit;
+  double baseline;
+  std::string baseline_name;
+  std::map<std::string, std::string> parameters;
+};
+void Print(const Figure& f);
+
+}  // namespace kvtier::bench
+
+#endif  // KVTIER_BENCH_BENCH_UTIL_H_

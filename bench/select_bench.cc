@@ -1,0 +1,107 @@
+// Select RPC latency over the Unix socket against a bare Echo RPC carrying the same bytes
+// (request: the query; response: as many bytes as the Select response) on the same channel,
+// interleaved so both see the same machine. Prints p50 and p99 ratios (median over reps).
+#include <cstdio>
+#include <random>
+
+#include "bench/bench_util.h"
+#include "kvtier/client.h"
+#include "server/common/fp16.h"
+
+using namespace kvtier;
+using namespace kvtier::bench;
+
+namespace {
+
+constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64;  // SmolLM2-135M
+
+void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
+         int reps, int iters) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> q(kQ * kD);
+  for (auto& x : q) x = n(rng);
+  v1::SelectRequest req;
+  req.set_session_id(sid);
+  req.set_layer(kLayers / 2);
+  req.set_query(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+  req.set_budget_tokens(budget);
+  req.set_include_data(include_data);
+  auto probe = c.Select(req);
+  if (!probe.ok()) {
+    std::fprintf(stderr, "select: %s\n", std::string(probe.status().message()).c_str());
+    std::exit(1);
+  }
+  (void)c.Release(probe->lease_id());
+  const uint32_t resp_bytes = static_cast<uint32_t>(probe->ByteSizeLong());
+  std::vector<double> p50_ratio, p99_ratio, sel50, echo50, sel99, echo99;
+  for (int r = 0; r < reps; ++r) {
+    std::vector<double> sel, echo;
+    for (int i = 0; i < iters + 50; ++i) {
+      double t0 = NowSeconds();
+      auto s = c.Select(req);
+      double t1 = NowSeconds();
+      auto e = c.Echo(req.query(), resp_bytes);
+      double t2 = NowSeconds();
+      if (!s.ok() || !e.ok()) std::exit(1);
+      (void)c.Release(s->lease_id());
+      if (i >= 50) {  // warm-up
+        sel.push_back((t1 - t0) * 1e6);
+        echo.push_back((t2 - t1) * 1e6);
+      }
+    }
+    sel50.push_back(Quantile(sel, 0.5));
+    echo50.push_back(Quantile(echo, 0.5));
+    sel99.push_back(Quantile(sel, 0.99));
+    echo99.push_back(Quantile(echo, 0.99));
+    p50_ratio.push_back(sel50.back() / echo50.back());
+    p99_ratio.push_back(sel99.back() / echo99.back());
+  }
+  std::map<std::string, std::string> params = {
+      {"context_tokens", std::to_string(context)}, {"budget_tokens", std::to_string(budget)},
+      {"include_data", include_data ? "true" : "false"}, {"response_bytes", std::to_string(resp_bytes)},
+      {"shape", "30x9/3x64"}, {"reps", std::to_string(reps)}, {"iters", std::to_string(iters)},
+      {"target_ratio", "1.5"}};
+  const std::string suffix = include_data ? "_inline" : "";
+  // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
+  Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});
+  Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int context = 4096;
+  Daemon d({"--host_capacity", "2G"});
+  auto client = Client::Connect(d.address());
+  if (!client.ok()) return 1;
+  Client& c = **client;
+  v1::CreateSessionRequest create;
+  create.mutable_shape()->set_num_layers(kLayers);
+  create.mutable_shape()->set_num_q_heads(kQ);
+  create.mutable_shape()->set_num_kv_heads(kKv);
+  create.mutable_shape()->set_head_dim(kD);
+  auto s = c.CreateSession(create);
+  if (!s.ok()) return 1;
+  std::mt19937 rng(2);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<uint16_t> kv(size_t(kKv) * 512 * kD);
+  for (int start = 0; start < context; start += 512) {
+    std::vector<v1::AppendKVRequest> reqs;
+    for (int l = 0; l < kLayers; ++l) {
+      for (auto& h : kv) h = FloatToHalf(n(rng));
+      v1::AppendKVRequest r;
+      r.set_session_id(s->session_id());
+      r.set_layer(l);
+      r.set_start_token(start);
+      r.set_num_tokens(512);
+      r.set_keys(std::string(reinterpret_cast<const char*>(kv.data()), kv.size() * 2));
+      r.set_values(r.keys());
+      reqs.push_back(std::move(r));
+    }
+    if (!c.AppendKV(reqs).ok()) return 1;
+  }
+  Run(c, s->session_id(), context, 256, false, 5, 400);
+  Run(c, s->session_id(), context, 256, true, 5, 400);
+  return 0;
+}
