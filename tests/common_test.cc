@@ -3,6 +3,7 @@
 #include <random>
 
 #include "server/common/fp16.h"
+#include "server/common/vec.h"
 #include "server/common/size.h"
 #include "tests/test_util.h"
 
@@ -80,6 +81,55 @@ TEST(Fp16, FloatToHalfMatchesCompilerRounding) {
 TEST(Bf16, IsTheHighHalfOfFloat) {
   EXPECT_EQ(Bf16ToFloat(0x3f80), 1.0f);
   EXPECT_EQ(Bf16ToFloat(0xc040), -3.0f);
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// The dispatched path against the scalar reference, bit for bit, over odd widths and both
+// 2-byte formats (including infinities and subnormals in the inputs).
+TEST(AddRows, DispatchedPathEqualsScalar) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<uint32_t> any(0, 0xffff);
+  for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    for (int d : {1, 7, 8, 17, 64, 80, 128, 256}) {
+      for (int n : {1, 3, 16}) {
+        std::vector<uint16_t> rows(size_t(n) * d);
+        for (auto& h : rows) {
+          h = static_cast<uint16_t>(any(rng));
+          if ((h & 0x7c00) == 0x7c00) h &= 0x83ff;  // no NaN: NaN payloads need not match
+        }
+        std::vector<float> a(d, 0.5f), b(d, 0.5f);
+        AddRows(kind, rows.data(), n, d, a.data());
+        AddRowsScalar(kind, rows.data(), n, d, b.data());
+        for (int j = 0; j < d; ++j) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(a[j]), std::bit_cast<uint32_t>(b[j]))
+              << "d " << d << " n " << n << " j " << j;
+        }
+      }
+    }
+  }
+  std::printf("AddRows vectorized here: %s\n", AddRowsIsVectorized() ? "yes" : "no");
+}
+
+TEST(Dot, AgreesWithDoubleAcrossWidths) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> n(0, 1);
+  for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 129, 512}) {
+    std::vector<float> a(d), b(d);
+    double want = 0, mag = 0;
+    for (int j = 0; j < d; ++j) {
+      a[j] = n(rng);
+      b[j] = n(rng);
+      want += double(a[j]) * b[j];
+      mag += std::fabs(double(a[j]) * b[j]);
+    }
+    EXPECT_NEAR(Dot(a.data(), b.data(), d), want, 1e-6 * mag + 1e-7) << d;
+    EXPECT_NEAR(DotScalar(a.data(), b.data(), d), want, 1e-6 * mag + 1e-7) << d;
+  }
 }
 
 }  // namespace

@@ -48,8 +48,9 @@ TEST(ChunkRanker, MatchesBruteForceWithGqa) {
     std::vector<ChunkCandidate> cands;
     for (int c = 0; c < chunks; ++c) {
       for (auto& x : means[c]) x = n(rng);
-      tokens[c] = c % 7 == 0 ? 5 : 16;  // some short chunks exercise the skip
-      cands.push_back({static_cast<uint32_t>(c), tokens[c], means[c].data()});
+      // Odd trials: some short chunks exercise the skip; even: all whole (the partial sort).
+      tokens[c] = (trial % 2 == 1 && c % 7 == 0) ? 5 : 16;
+      cands.push_back({static_cast<uint32_t>(c), tokens[c], means[c].data(), 1.f});
     }
     const uint64_t budget = 16 * (trial % 10) + 3;
     auto got = SelectByMeanScore(q, group, d, cands, budget);
@@ -64,9 +65,13 @@ TEST(ChunkRanker, GqaTakesTheMaxOverQueryHeads) {
   const int d = 2;
   std::vector<float> q = {1, 0, 0, 1};  // head 0 likes x, head 1 likes y
   std::vector<float> a = {5, 0}, b = {0, 4}, c = {-1, -1};
-  std::vector<ChunkCandidate> cands = {{0, 16, a.data()}, {1, 16, b.data()}, {2, 16, c.data()}};
+  std::vector<ChunkCandidate> cands = {
+      {0, 16, a.data(), 1.f}, {1, 16, b.data(), 1.f}, {2, 16, c.data(), 1.f}};
   EXPECT_EQ(SelectByMeanScore(q, 2, d, cands, 32), (std::vector<uint32_t>{0, 1}));
-  EXPECT_FLOAT_EQ(MeanScore(q, 2, b.data(), d), 4.f);
+  EXPECT_FLOAT_EQ(MeanScore(q, 2, cands[1], d), 4.f);
+  // A sum and its scale: 8 tokens summing to (0, 32) score as the mean (0, 4).
+  std::vector<float> sum = {0, 32};
+  EXPECT_FLOAT_EQ(MeanScore(q, 2, {3, 8, sum.data(), 1.f / 8}, d), 4.f);
 }
 
 }  // namespace

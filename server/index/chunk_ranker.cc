@@ -3,17 +3,18 @@
 #include <algorithm>
 #include <limits>
 
+#include "server/common/vec.h"
+
 namespace kvtier {
 
-float MeanScore(std::span<const float> queries, int group, const float* mean, int head_dim) {
+float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
+                int head_dim) {
   float best = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < group; ++h) {
-    const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-    float s = 0.f;
-    for (int j = 0; j < head_dim; ++j) s += q[j] * mean[j];
-    best = std::max(best, s);
+    best = std::max(best, Dot(queries.data() + static_cast<size_t>(h) * head_dim, c.key_sum,
+                              head_dim));
   }
-  return best;
+  return best * c.scale;  // scale > 0 commutes with the max
 }
 
 std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group, int head_dim,
@@ -26,16 +27,28 @@ std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int grou
   std::vector<Scored> scored;
   scored.reserve(candidates.size());
   for (uint32_t i = 0; i < candidates.size(); ++i) {
-    scored.push_back({MeanScore(queries, group, candidates[i].mean, head_dim), i});
+    scored.push_back({MeanScore(queries, group, candidates[i], head_dim), i});
   }
-  std::sort(scored.begin(), scored.end(), [&](const Scored& a, const Scored& b) {
+  auto better = [&](const Scored& a, const Scored& b) {
     if (a.score != b.score) return a.score > b.score;
     return candidates[a.pos].index < candidates[b.pos].index;
+  };
+  // When every candidate has the same size (the usual case: whole chunks between the sinks
+  // and the window), the greedy answer is exactly the best budget/size: sort only those.
+  const bool uniform = std::all_of(candidates.begin(), candidates.end(), [&](const auto& c) {
+    return c.tokens == candidates.front().tokens;
   });
+  size_t sorted = scored.size();
+  if (uniform && !candidates.empty() && candidates.front().tokens > 0) {
+    sorted = std::min<size_t>(scored.size(), budget / candidates.front().tokens);
+    std::partial_sort(scored.begin(), scored.begin() + sorted, scored.end(), better);
+  } else {
+    std::sort(scored.begin(), scored.end(), better);
+  }
   std::vector<uint32_t> out;
   uint64_t used = 0;
-  for (const Scored& s : scored) {
-    const ChunkCandidate& c = candidates[s.pos];
+  for (size_t i = 0; i < sorted; ++i) {
+    const ChunkCandidate& c = candidates[scored[i].pos];
     if (used + c.tokens > budget) continue;
     used += c.tokens;
     out.push_back(c.index);

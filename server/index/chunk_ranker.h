@@ -12,13 +12,15 @@
 namespace kvtier {
 
 struct ChunkCandidate {
-  uint32_t index;      // the chunk's index in its stream
-  uint32_t tokens;     // tokens it would add to the selection
-  const float* mean;   // [head_dim] mean key
+  uint32_t index;         // the chunk's index in its stream
+  uint32_t tokens;        // tokens it would add to the selection
+  const float* key_sum;   // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
+  float scale;            // > 0: mean = scale * key_sum (1 / tokens for a sum)
 };
 
-// max over h of queries[h] . mean, queries [group][head_dim].
-float MeanScore(std::span<const float> queries, int group, const float* mean, int head_dim);
+// max over h of queries[h] . (scale * key_sum), queries [group][head_dim].
+float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
+                int head_dim);
 
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is

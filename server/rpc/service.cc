@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/descriptor.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
 #include "server/common/status_macros.h"
@@ -22,7 +23,27 @@ grpc::Status ToGrpcStatus(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {}
+KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
+  const auto* service = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+      v1::KvTier::service_full_name());
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string name = service->method(i)->name();
+    auto m = std::make_unique<MethodMetrics>();
+    m->latency = &env_.metrics->GetHistogram("kvtier_rpc_latency_seconds",
+                                             "Server-side RPC latency", metrics::LatencyBuckets(),
+                                             metrics::Labels{{"method", name}});
+    method_metrics_.emplace(name, std::move(m));
+  }
+}
+
+metrics::Counter& KvTierService::TenantCounter(const std::string& name, const std::string& help,
+                                               const std::string& tenant) {
+  const std::string key = name + '\0' + tenant;
+  MutexLock lock(&tenant_mu_);
+  auto [it, inserted] = tenant_counters_.try_emplace(key, nullptr);
+  if (inserted) it->second = &env_.metrics->GetCounter(name, help, {{"tenant", tenant}});
+  return *it->second;
+}
 
 std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) {
   const auto& md = ctx->client_metadata();
@@ -32,14 +53,17 @@ std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) {
 }
 
 void KvTierService::Record(const char* method, const absl::Status& s, absl::Duration elapsed) {
-  env_.metrics
-      ->GetCounter("kvtier_rpc_total", "RPCs finished, by method and status code",
-                   {{"method", method}, {"code", absl::StatusCodeToString(s.code())}})
-      .Inc();
-  env_.metrics
-      ->GetHistogram("kvtier_rpc_latency_seconds", "Server-side RPC latency",
-                     metrics::LatencyBuckets(), {{"method", method}})
-      .Observe(absl::ToDoubleSeconds(elapsed));
+  MethodMetrics& m = *method_metrics_.at(method);  // every method is registered up front
+  const size_t code = std::min<size_t>(static_cast<size_t>(s.code()), m.by_code.size() - 1);
+  metrics::Counter* counter = m.by_code[code].load(std::memory_order_acquire);
+  if (counter == nullptr) {  // first call with this code: the registry hands out one object
+    counter = &env_.metrics->GetCounter(
+        "kvtier_rpc_total", "RPCs finished, by method and status code",
+        {{"method", method}, {"code", absl::StatusCodeToString(s.code())}});
+    m.by_code[code].store(counter, std::memory_order_release);
+  }
+  counter->Inc();
+  m.latency->Observe(absl::ToDoubleSeconds(elapsed));
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     KVLOG(debug, "rpc.error", "method={} code={} message=\"{}\"", method,
           absl::StatusCodeToString(s.code()), std::string(s.message()));
@@ -126,9 +150,8 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
 
   void Done(const absl::Status& s) {
     svc_->Record("AppendKV", s, absl::Now() - start_);
-    svc_->env_.metrics
-        ->GetCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
-                     {{"tenant", tenant_}})
+    svc_->TenantCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
+                        tenant_)
         .Inc(static_cast<double>(tokens_));
     KVTIER_TSAN_RELEASE(this);
     Finish(ToGrpcStatus(s));
@@ -155,8 +178,7 @@ grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx
   return Unary(ctx, "Select", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
     RETURN_IF_ERROR(session->Select(*req, resp));
-    env_.metrics->GetCounter("kvtier_selects_total", "Select calls served", {{"tenant", tenant}})
-        .Inc();
+    TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
     return absl::OkStatus();
   });
 }
@@ -181,7 +203,7 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
         return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
       }
     }
-    env_.metrics->GetCounter("kvtier_selects_total", "Select calls served", {{"tenant", tenant}})
+    TenantCounter("kvtier_selects_total", "Select calls served", tenant)
         .Inc(req->requests_size());
     return absl::OkStatus();
   });

@@ -4,10 +4,12 @@
 #ifndef KVTIER_SERVER_RPC_SERVICE_H_
 #define KVTIER_SERVER_RPC_SERVICE_H_
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
@@ -96,8 +98,21 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
   static std::string Tenant(const grpc::CallbackServerContext* ctx);
+  // Per-tenant counter `name`, looked up once per tenant.
+  metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
+                                  const std::string& tenant);
+
+  // Metric handles per method, made once: a call touches no label maps or registry locks.
+  struct MethodMetrics {
+    metrics::Histogram* latency = nullptr;
+    std::array<std::atomic<metrics::Counter*>, 17> by_code{};  // absl::StatusCode 0..16
+  };
 
   ServiceEnv env_;
+  absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
+  absl::Mutex tenant_mu_;
+  absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_
+      ABSL_GUARDED_BY(tenant_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
 };

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/fp16.h"
+#include "server/common/vec.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
 #include "server/index/chunk_ranker.h"
@@ -102,22 +103,18 @@ uint64_t Session::MinTokens() const {
   return *std::min_element(layer_tokens_.begin(), layer_tokens_.end());
 }
 
-void Session::AddToSums(Chunk& c, const uint8_t* k_rows, const uint8_t* v_rows,
+void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, const uint8_t* v_rows,
                         uint32_t rows) const {
-  const int d = static_cast<int>(shape_.head_dim());
-  auto to_float = shape_.dtype() == v1::DTYPE_BF16 ? Bf16ToFloat : HalfToFloat;
-  if (c.key_sum.empty()) {
-    c.key_sum.assign(d, 0.f);
-    c.value_sum.assign(d, 0.f);
+  const size_t d = shape_.head_dim();
+  const HalfKind kind = shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16;
+  if (s.key_sums.size() < (index + 1) * d) {
+    s.key_sums.resize((index + 1) * d, 0.f);
+    s.value_sums.resize((index + 1) * d, 0.f);
   }
-  for (uint32_t r = 0; r < rows; ++r) {
-    const uint16_t* k = reinterpret_cast<const uint16_t*>(k_rows) + static_cast<size_t>(r) * d;
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(v_rows) + static_cast<size_t>(r) * d;
-    for (int j = 0; j < d; ++j) {
-      c.key_sum[j] += to_float(k[j]);
-      c.value_sum[j] += to_float(v[j]);
-    }
-  }
+  AddRows(kind, reinterpret_cast<const uint16_t*>(k_rows), static_cast<int>(rows),
+          static_cast<int>(d), &s.key_sums[index * d]);
+  AddRows(kind, reinterpret_cast<const uint16_t*>(v_rows), static_cast<int>(rows),
+          static_cast<int>(d), &s.value_sums[index * d]);
 }
 
 absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
@@ -128,7 +125,7 @@ absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t cou
   for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
     const Stream& s = stream(layer, h);
     for (uint64_t t = start; t < start + count; ++t) {
-      const Chunk& c = s[t / ct];
+      const Chunk& c = s.chunks[t / ct];
       const uint64_t row = t % ct;
       const uint8_t* base = c.host->data();
       const uint64_t in = (h * n + (t - start)) * rb;
@@ -191,7 +188,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   std::vector<bool> cow(kvh, false);
   for (uint32_t h = 0; h < kvh; ++h) {
     // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
-    cow[h] = partial_rows != 0 && stream(layer, h).back().host.use_count() > 1;
+    cow[h] = partial_rows != 0 && stream(layer, h).chunks.back().host.use_count() > 1;
   }
   const uint64_t slots_needed = kvh * fresh_per_head + std::count(cow.begin(), cow.end(), true);
   fresh.reserve(slots_needed);
@@ -208,7 +205,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
         reinterpret_cast<const uint8_t*>(req.values().data()) + (h * n + overlap) * rb;
     uint64_t left = add;
     if (partial_rows != 0) {
-      Chunk& c = s.back();
+      Chunk& c = s.chunks.back();
       const uint32_t m = c.num_tokens;
       const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(ct - m, left));
       const uint32_t grown = m + k;
@@ -224,7 +221,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       }
       std::memcpy(c.host->data() + m * rb, k_in, k * rb);
       std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
-      AddToSums(c, k_in, v_in, k);
+      AddToSums(s, s.chunks.size() - 1, k_in, v_in, k);
       c.num_tokens = grown;
       c.device.reset();  // the promoted copy is stale
       k_in += k * rb;
@@ -237,9 +234,9 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       c.host = std::move(fresh[next_fresh++]);
       std::memcpy(c.host->data(), k_in, k * rb);
       std::memcpy(c.host->data() + k * rb, v_in, k * rb);
-      AddToSums(c, k_in, v_in, k);
       c.num_tokens = k;
-      s.push_back(std::move(c));
+      s.chunks.push_back(std::move(c));
+      AddToSums(s, s.chunks.size() - 1, k_in, v_in, k);
       k_in += k * rb;
       v_in += k * rb;
       left -= k;
@@ -348,15 +345,12 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     Stream& s = stream(layer, h);
     std::vector<bool> take = mandatory;
     if (!everything) {
-      std::vector<std::vector<float>> means;
       std::vector<ChunkCandidate> cands;
-      means.reserve(nchunks);
+      cands.reserve(nchunks);
       for (uint32_t c = 0; c < nchunks; ++c) {
         if (mandatory[c]) continue;
-        std::vector<float> mu(s[c].key_sum);
-        for (float& x : mu) x /= static_cast<float>(s[c].num_tokens);
-        means.push_back(std::move(mu));
-        cands.push_back({c, s[c].num_tokens, means.back().data()});
+        cands.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
+                         1.f / static_cast<float>(s.chunks[c].num_tokens)});
       }
       std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
                                 static_cast<size_t>(group) * d);
@@ -375,7 +369,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     std::vector<std::pair<Chunk*, SlotRef>> promoted;
     for (uint32_t h = 0; h < kvh; ++h) {
       for (uint32_t c : chosen[h]) {
-        Chunk& ch = stream(layer, h)[c];
+        Chunk& ch = stream(layer, h).chunks[c];
         if (ch.device) continue;
         ASSIGN_OR_RETURN(SlotRef slot, env_.device->Allocate(tenant_, slot_bytes()));
         promoted.emplace_back(&ch, std::move(slot));
@@ -395,8 +389,9 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     v1::HeadSelection* hs = out->add_heads();
     hs->set_kv_head(h);
     for (uint32_t c : chosen[h]) {
-      const SlotRef& slot = target == env_.device ? s[c].device : s[c].host;
-      FillHandle(s[c], slot, EncodeChunkId({layer, h, c}), static_cast<int64_t>(c) * ct,
+      const Chunk& chunk = s.chunks[c];
+      const SlotRef& slot = target == env_.device ? chunk.device : chunk.host;
+      FillHandle(chunk, slot, EncodeChunkId({layer, h, c}), static_cast<int64_t>(c) * ct,
                  req.include_data(), hs->add_blocks());
       pinned.push_back(slot);
     }
@@ -408,15 +403,16 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
           continue;
         }
         // Until the cluster index lands each left-out chunk is its own cluster.
+        const uint32_t n = s.chunks[c].num_tokens;
         std::vector<float> mk(d), mv(d);
         for (int j = 0; j < d; ++j) {
-          mk[j] = s[c].key_sum[j] / s[c].num_tokens;
-          mv[j] = s[c].value_sum[j] / s[c].num_tokens;
+          mk[j] = s.key_sums[static_cast<size_t>(c) * d + j] / n;
+          mv[j] = s.value_sums[static_cast<size_t>(c) * d + j] / n;
         }
         v1::ClusterSummary* sum = hs->add_summaries();
         sum->set_mean_key(mk.data(), d * sizeof(float));
         sum->set_mean_value(mv.data(), d * sizeof(float));
-        sum->set_num_tokens(s[c].num_tokens);
+        sum->set_num_tokens(n);
       }
     }
   }
@@ -437,12 +433,13 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
   for (uint64_t id : ids) {
     ChunkAddress a = DecodeChunkId(id);
     if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
-        a.kv_head >= shape_.num_kv_heads() || a.index >= stream(a.layer, a.kv_head).size()) {
+        a.kv_head >= shape_.num_kv_heads() ||
+        a.index >= stream(a.layer, a.kv_head).chunks.size()) {
       return absl::NotFoundError(absl::StrFormat(
           "chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"", id, a.layer,
           a.kv_head, a.index, id_));
     }
-    const Chunk& c = stream(a.layer, a.kv_head)[a.index];
+    const Chunk& c = stream(a.layer, a.kv_head).chunks[a.index];
     FillHandle(c, c.host, id, static_cast<int64_t>(a.index) * ct, /*include_data=*/true,
                &out.emplace_back());
   }
@@ -475,16 +472,20 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
   for (size_t i = 0; i < streams_.size(); ++i) {
     const Stream& from = streams_[i];
     Stream& to = child->streams_[i];
-    to.assign(from.begin(), from.begin() + keep_full);
+    const size_t d = shape_.head_dim();
+    to.chunks.assign(from.chunks.begin(), from.chunks.begin() + keep_full);
+    to.key_sums.assign(from.key_sums.begin(), from.key_sums.begin() + keep_full * d);
+    to.value_sums.assign(from.value_sums.begin(), from.value_sums.begin() + keep_full * d);
     if (tail != 0) {
-      const Chunk& src = from[keep_full];
+      const Chunk& src = from.chunks[keep_full];
       Chunk c;
       c.host = std::move(copies[i]);
       std::memcpy(c.host->data(), src.host->data(), tail * rb);
       std::memcpy(c.host->data() + tail * rb, src.host->data() + src.num_tokens * rb, tail * rb);
-      AddToSums(c, c.host->data(), c.host->data() + tail * rb, tail);
       c.num_tokens = tail;
-      to.push_back(std::move(c));
+      to.chunks.push_back(std::move(c));
+      const uint8_t* copied = to.chunks.back().host->data();
+      AddToSums(to, keep_full, copied, copied + tail * rb, tail);
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
@@ -498,7 +499,7 @@ absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
     case v1::TIER_DEVICE: {
       uint64_t bytes = 0, chunks = 0;
       for (Stream& s : streams_) {
-        for (Chunk& c : s) {
+        for (Chunk& c : s.chunks) {
           if (!c.device) continue;
           bytes += c.device->bytes();
           ++chunks;
@@ -556,7 +557,7 @@ v1::SessionInfo Session::Info() const {
   info.mutable_labels()->insert(labels_.begin(), labels_.end());
   uint64_t host = 0, device = 0, chunks = 0;
   for (const Stream& s : streams_) {
-    for (const Chunk& c : s) {
+    for (const Chunk& c : s.chunks) {
       host += c.host->bytes();
       if (c.device) device += c.device->bytes();
       ++chunks;
@@ -582,9 +583,9 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
     if (layer.has_value() && *layer != l) continue;
     for (uint32_t h = 0; h < kvh; ++h) {
       const Stream& s = streams_[static_cast<size_t>(l) * kvh + h];
-      for (uint32_t i = 0; i < s.size(); ++i, ++total) {
+      for (uint32_t i = 0; i < s.chunks.size(); ++i, ++total) {
         if (out.chunks_size() >= static_cast<int>(limit)) continue;
-        const Chunk& c = s[i];
+        const Chunk& c = s.chunks[i];
         v1::ChunkInfo* info = out.add_chunks();
         info->set_chunk_id(EncodeChunkId({l, h, i}));
         info->set_layer(l);
@@ -616,7 +617,7 @@ std::vector<v1::LayerStats> Session::Layers() const {
     st.set_num_tokens(layer_tokens_[l]);
     uint64_t chunks = 0;
     for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
-      chunks += streams_[static_cast<size_t>(l) * shape_.num_kv_heads() + h].size();
+      chunks += streams_[static_cast<size_t>(l) * shape_.num_kv_heads() + h].chunks.size();
     }
     st.set_chunks(chunks);
     st.set_clusters(0);

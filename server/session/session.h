@@ -109,10 +109,13 @@ class Session {
     uint32_t num_tokens = 0;
     SlotRef host;    // the stored bytes
     SlotRef device;  // a promoted copy, or null; dropped whenever the chunk changes
-    std::vector<float> key_sum;    // [head_dim], over the chunk's tokens
-    std::vector<float> value_sum;  // [head_dim]
   };
-  using Stream = std::vector<Chunk>;
+  // One (layer, KV head). The sums sit in contiguous arrays so a Select scans them linearly.
+  struct Stream {
+    std::vector<Chunk> chunks;
+    std::vector<float> key_sums;    // [chunks][head_dim]: sum of each chunk's keys
+    std::vector<float> value_sums;  // [chunks][head_dim]
+  };
 
   Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
 
@@ -125,7 +128,9 @@ class Session {
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CompareStored(uint32_t layer, uint64_t start, uint64_t count,
                              const v1::AppendKVRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AddToSums(Chunk& c, const uint8_t* k_rows, const uint8_t* v_rows, uint32_t rows) const;
+  // Adds `rows` key and value rows into the sums of chunk `index` (grown as needed).
+  void AddToSums(Stream& s, size_t index, const uint8_t* k_rows, const uint8_t* v_rows,
+                 uint32_t rows) const;
   void FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id, int64_t first_position,
                   bool include_data, v1::BlockHandle* h) const;
 

@@ -1,0 +1,94 @@
+#include "server/common/vec.h"
+
+#include <immintrin.h>
+
+#include "server/common/fp16.h"
+
+namespace kvtier {
+namespace {
+
+__attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint16_t* rows, int n,
+                                                      int d, float* sum) {
+  int j = 0;
+  for (; j + 8 <= d; j += 8) {
+    __m256 acc = _mm256_loadu_ps(sum + j);
+    for (int r = 0; r < n; ++r) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + static_cast<size_t>(r) * d + j));
+      __m256 f = kind == HalfKind::kFp16
+                     ? _mm256_cvtph_ps(h)
+                     : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      acc = _mm256_add_ps(acc, f);
+    }
+    _mm256_storeu_ps(sum + j, acc);
+  }
+  if (j < d) {  // the last d % 8 channels
+    for (int r = 0; r < n; ++r) {
+      const uint16_t* row = rows + static_cast<size_t>(r) * d;
+      for (int k = j; k < d; ++k) {
+        sum[k] += kind == HalfKind::kFp16 ? HalfToFloat(row[k]) : Bf16ToFloat(row[k]);
+      }
+    }
+  }
+}
+
+bool HaveAvx2F16c() {
+  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return have;
+}
+
+bool HaveAvx2Fma() {
+  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return have;
+}
+
+__attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  for (; j + 8 <= n; j += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+  }
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  float out = _mm_cvtss_f32(s);
+  for (; j < n; ++j) out += a[j] * b[j];
+  return out;
+}
+
+}  // namespace
+
+void AddRowsScalar(HalfKind kind, const uint16_t* rows, int n, int d, float* sum) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* row = rows + static_cast<size_t>(r) * d;
+    for (int k = 0; k < d; ++k) {
+      sum[k] += kind == HalfKind::kFp16 ? HalfToFloat(row[k]) : Bf16ToFloat(row[k]);
+    }
+  }
+}
+
+void AddRows(HalfKind kind, const uint16_t* rows, int n, int d, float* sum) {
+  if (HaveAvx2F16c()) {
+    AddRowsAvx2(kind, rows, n, d, sum);
+  } else {
+    AddRowsScalar(kind, rows, n, d, sum);
+  }
+}
+
+bool AddRowsIsVectorized() { return HaveAvx2F16c(); }
+
+float DotScalar(const float* a, const float* b, int n) {
+  float s = 0.f;
+  for (int j = 0; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+
+float Dot(const float* a, const float* b, int n) {
+  return HaveAvx2Fma() ? DotAvx2(a, b, n) : DotScalar(a, b, n);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,32 @@
+// Vector helpers on the append and select paths. AVX2 (+F16C, +FMA) when the CPU has them,
+// chosen once at run time; scalar otherwise.
+//
+// AddRows adds rows of 2-byte floats (fp16 or bf16) into a float accumulator, the per-chunk
+// key and value sums behind the mean-key ranking. Both paths give the same sums bit for bit:
+// each lane adds its rows in order and the conversions are exact.
+#ifndef KVTIER_SERVER_COMMON_VEC_H_
+#define KVTIER_SERVER_COMMON_VEC_H_
+
+#include <cstdint>
+
+namespace kvtier {
+
+enum class HalfKind { kFp16, kBf16 };
+
+// sum[j] += value(rows[r * d + j]) for r in [0, n), j in [0, d).
+void AddRows(HalfKind kind, const uint16_t* rows, int n, int d, float* sum);
+
+// The scalar path, always available (the reference for tests).
+void AddRowsScalar(HalfKind kind, const uint16_t* rows, int n, int d, float* sum);
+
+// True when AddRows and Dot use the AVX2 paths on this machine.
+bool AddRowsIsVectorized();
+
+// a . b over n floats. The AVX2/FMA path sums in another order than the scalar one, so the
+// two agree to rounding, not bit for bit.
+float Dot(const float* a, const float* b, int n);
+float DotScalar(const float* a, const float* b, int n);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_COMMON_VEC_H_
