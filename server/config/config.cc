@@ -149,8 +149,8 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.tcp_listen = c.tcp_listen();
-  if (!IsName(c.instance(), "_.-", 48)) {
-    return InvalidField("instance", c.instance(), "must be 1..48 of [A-Za-z0-9_.-]");
+  if (!IsName(c.instance(), "_.-", 63)) {
+    return InvalidField("instance", c.instance(), "must be 1..63 of [A-Za-z0-9_.-]");
   }
   o.instance = c.instance();
   ASSIGN_OR_RETURN(o.device_capacity, ParseSize(c.device_capacity(), "device_capacity"));
