@@ -10,7 +10,7 @@ using namespace kvtier;
 using namespace kvtier::bench;
 
 int main() {
-  constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64, kTokens = 4096, kStep = 256;
+  constexpr int kLayers = 30, kKv = 3, kD = 64, kTokens = 4096, kStep = 256;  // SmolLm2Session
   Daemon d({"--host_capacity", "4G"});
   auto client = Client::Connect(d.address());
   if (!client.ok()) return 1;
@@ -23,12 +23,7 @@ int main() {
 
   std::vector<double> append_bw, memcpy_bw;
   for (int rep = 0; rep < 5; ++rep) {
-    v1::CreateSessionRequest create;
-    create.mutable_shape()->set_num_layers(kLayers);
-    create.mutable_shape()->set_num_q_heads(kQ);
-    create.mutable_shape()->set_num_kv_heads(kKv);
-    create.mutable_shape()->set_head_dim(kD);
-    auto s = c.CreateSession(create);
+    auto s = c.CreateSession(SmolLm2Session());
     if (!s.ok()) return 1;
     std::vector<v1::AppendKVRequest> reqs;
     for (int start = 0; start < kTokens; start += kStep) {

@@ -1,51 +1,24 @@
 #include "bench/bench_util.h"
 
-#include <signal.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <stdexcept>
-#include <thread>
 
 namespace kvtier::bench {
 
-Daemon::Daemon(const std::vector<std::string>& flags) {
-  char tmpl[] = "/tmp/kvtier-bench-XXXXXX";
-  dir_ = mkdtemp(tmpl);
-  socket_ = dir_ + "/kvtier.sock";
-  auto self = std::filesystem::read_symlink("/proc/self/exe").parent_path();
-  std::vector<std::string> args = {(self / "kvtierd").string(), "--listen", "unix:" + socket_,
-                                   "--instance", "bench-" + std::to_string(getpid()),
-                                   "--log_level", "warn"};
-  args.insert(args.end(), flags.begin(), flags.end());
-  pid_ = fork();
-  if (pid_ == 0) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  for (int i = 0; i < 200; ++i) {
-    struct stat st {};
-    if (stat(socket_.c_str(), &st) == 0) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  throw std::runtime_error("kvtierd did not start");
+Daemon::Daemon(const std::vector<std::string>& flags) : KvtierdProcess("bench", flags) {
+  if (!started()) throw std::runtime_error("kvtierd did not start: " + Log());
 }
 
-Daemon::~Daemon() {
-  if (pid_ > 0) {
-    kill(pid_, SIGTERM);
-    waitpid(pid_, nullptr, 0);
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(dir_, ec);
+v1::CreateSessionRequest SmolLm2Session() {
+  v1::CreateSessionRequest r;
+  r.mutable_shape()->set_num_layers(30);
+  r.mutable_shape()->set_num_q_heads(9);
+  r.mutable_shape()->set_num_kv_heads(3);
+  r.mutable_shape()->set_head_dim(64);
+  return r;
 }
 
 double Quantile(std::vector<double> v, double q) {

@@ -7,19 +7,19 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/v1/kvtier.pb.h"
+#include "tests/support/kvtierd_process.h"
+
 namespace kvtier::bench {
 
-// kvtierd (next to this binary) on a temporary Unix socket; SIGTERM on destruction.
-class Daemon {
+// kvtierd (next to this binary) on a temporary Unix socket; throws if it does not start.
+class Daemon : public testing::KvtierdProcess {
  public:
   explicit Daemon(const std::vector<std::string>& flags = {});
-  ~Daemon();
-  std::string address() const { return "unix:" + socket_; }
-
- private:
-  std::string dir_, socket_;
-  int pid_ = -1;
 };
+
+// CreateSession for SmolLM2-135M's shape: 30 layers, 9 query heads, 3 KV heads, head_dim 64.
+v1::CreateSessionRequest SmolLm2Session();
 
 inline double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())

@@ -76,12 +76,7 @@ int main(int argc, char** argv) {
   auto client = Client::Connect(d.address());
   if (!client.ok()) return 1;
   Client& c = **client;
-  v1::CreateSessionRequest create;
-  create.mutable_shape()->set_num_layers(kLayers);
-  create.mutable_shape()->set_num_q_heads(kQ);
-  create.mutable_shape()->set_num_kv_heads(kKv);
-  create.mutable_shape()->set_head_dim(kD);
-  auto s = c.CreateSession(create);
+  auto s = c.CreateSession(SmolLm2Session());
   if (!s.ok()) return 1;
   std::mt19937 rng(2);
   std::normal_distribution<float> n(0, 1);

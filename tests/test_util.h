@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/kvtierd_process.h"
 
 namespace kvtier::testing {
 
@@ -56,46 +57,13 @@ std::string AsBytes(const std::vector<uint16_t>& v);
 std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int total, int d,
                             int start, int n);
 
-// A directory under /tmp removed (recursively) on destruction.
-class TempDir {
+// A kvtierd process for a test: a failed start and an unclean exit are test failures.
+class DaemonProcess : public KvtierdProcess {
  public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-// Runs build/bin/kvtierd on a temporary Unix socket with a unique --instance.
-class DaemonProcess {
- public:
-  // `extra` flags are appended. Waits up to 10 s for the socket; ADD_FAILURE if it does not come.
-  explicit DaemonProcess(std::vector<std::string> extra = {});
-  // SIGTERM, then waits; ADD_FAILURE unless it exits 0.
+  explicit DaemonProcess(const std::vector<std::string>& extra = {});
+  // SIGTERM, then ADD_FAILURE unless it exits 0.
   ~DaemonProcess();
-
-  std::string address() const { return "unix:" + socket_; }
-  const std::string& socket() const { return socket_; }
-  const std::string& instance() const { return instance_; }
-  int pid() const { return pid_; }
-  bool started() const { return started_; }
-  // Sends SIGTERM and returns the exit status (or -1); the destructor then does nothing.
-  int Terminate();
-  // Waits up to `seconds` for the process to exit by itself; its exit status, or -1.
-  int WaitForExit(int seconds);
-  std::string Log() const;
-
- private:
-  TempDir dir_;
-  std::string socket_;
-  std::string instance_;
-  int pid_ = -1;
-  bool started_ = false;
 };
-
-// Path of a binary next to the test binaries (build/bin).
-std::string BinaryPath(const std::string& name);
 
 // Runs a command, returns (exit status, stdout+stderr).
 std::pair<int, std::string> RunCommand(const std::string& cmd);
