@@ -4,13 +4,15 @@
 SHELL := /bin/bash
 BUILD ?= build
 TSAN_BUILD ?= build-tsan
+CLANG_BUILD ?= build-clang
 CMAKE_FLAGS ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
-.PHONY: all deps venv configure build run test unit pytest tsan conformance bench benchmarks-md clean
+.PHONY: all deps venv configure build run test unit pytest tsan thread-safety conformance bench \
+        benchmarks-md clean
 
 all: build
 
@@ -43,7 +45,13 @@ unit: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
-pytest: build venv
+py# clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations fail.
+thread-safety: deps
+	cmake -S . -B $(CLANG_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
+	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
+	ninja -C $(CLANG_BUILD) -j $(JOBS) kvtierd kvtierctl
+
+test: build venv
 	$(PY) -m pytest -q client/python/tests
 
 conformance: build
@@ -58,12 +66,19 @@ tsan: deps
 	TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" \
 	  $(TSAN_BUILD)/bin/concurrency_test
 
+# clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations fail.
+thread-safety: deps
+	cmake -S . -B $(CLANG_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
+	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
+	ninja -C $(CLANG_BUILD) -j $(JOBS) kvtierd kvtierctl
+
 test: build venv
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory pytest
 	@if [ -x ../shared/conformance/run ]; then $(MAKE) --no-print-directory conformance; \
 	  else echo "conformance: ../shared/conformance/run not present, skipped"; fi
 	$(MAKE) --no-print-directory tsan
+	$(MAKE) --no-print-directory thread-safety
 
 bench: build venv
 	mkdir -p bench/out
@@ -76,4 +91,4 @@ benchmarks-md:
 	$(PY) scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md
 
 clean:
-	rm -rf $(BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(TSAN_BUILD) $(CLANG_BUILD) build-device .device

@@ -1,5 +1,6 @@
 #include "server/common/vec.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "server/common/fp16.h"
@@ -31,15 +32,38 @@ __attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint1
   }
 }
 
-bool HaveAvx2F16c() {
-  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return have;
+// cpuid leaf 1 ECX: FMA bit 12, OSXSAVE bit 27, F16C bit 29; leaf 7 EBX: AVX2 bit 5; and the
+// OS must save the YMM registers (XCR0 bits 1 and 2). Not __builtin_cpu_supports: clang 14
+// does not know "f16c".
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  CpuFeatures() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    const bool osxsave = c & (1u << 27);
+    fma = c & (1u << 12);
+    f16c = c & (1u << 29);
+    unsigned xcr0 = 0;
+    if (osxsave) {
+      unsigned hi;
+      __asm__("xgetbv" : "=a"(xcr0), "=d"(hi) : "c"(0));
+    }
+    const bool ymm = osxsave && (xcr0 & 6u) == 6u;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    avx2 = ymm && (b & (1u << 5));
+    fma = fma && ymm;
+    f16c = f16c && ymm;
+  }
+};
+
+const CpuFeatures& Cpu() {
+  static const CpuFeatures features;
+  return features;
 }
 
-bool HaveAvx2Fma() {
-  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return have;
-}
+bool HaveAvx2F16c() { return Cpu().avx2 && Cpu().f16c; }
+
+bool HaveAvx2Fma() { return Cpu().avx2 && Cpu().fma; }
 
 __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b, int n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();

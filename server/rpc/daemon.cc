@@ -45,7 +45,6 @@ std::string SocketPath(const std::string& listen) {
 
 Daemon::Daemon(const ServerOptions& options, const Clock* clock)
     : options_(options),
-      clock_(clock),
       host_(MakeTier(options_, v1::TIER_HOST)),
       device_(MakeTier(options_, v1::TIER_DEVICE)),
       leases_(clock),

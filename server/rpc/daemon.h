@@ -55,7 +55,6 @@ class Daemon {
   void ReapLeases();
 
   const ServerOptions options_;
-  const Clock* const clock_;
   metrics::Registry metrics_;
   // Destroyed in reverse order: sessions and leases drop their slots before the tiers go.
   Tier host_;

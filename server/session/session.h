@@ -123,7 +123,9 @@ class Session {
     return streams_[static_cast<size_t>(layer) * shape_.num_kv_heads() + head];
   }
   uint64_t row_bytes() const { return static_cast<uint64_t>(shape_.head_dim()) * 2; }
-  uint64_t slot_bytes() const { return row_bytes() * policy_.chunk_tokens() * 2; }
+  uint64_t slot_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return row_bytes() * policy_.chunk_tokens() * 2;
+  }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CompareStored(uint32_t layer, uint64_t start, uint64_t count,
