@@ -45,13 +45,7 @@ unit: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
-py# clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations fail.
-thread-safety: deps
-	cmake -S . -B $(CLANG_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
-	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
-	ninja -C $(CLANG_BUILD) -j $(JOBS) kvtierd kvtierctl
-
-test: build venv
+pytest: build venv
 	$(PY) -m pytest -q client/python/tests
 
 conformance: build
