@@ -1,0 +1,133 @@
+// CUDA quantize / dequantize of chunks, bit-identical to QuantizeChunkReference and
+// DequantizeChunkReference: the per-element math is the __host__ __device__ code of
+// quant_layout.h and half.h, and the library is built with --fmad=false.
+#include "kernels/chunk_layout.h"
+#include "kernels/quant.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr uint32_t kMaxHeadDim = 512;
+constexpr uint32_t kMaxGroupsPerChunk = 64 * (kMaxHeadDim / kValueGroup);  // n <= 64
+
+// One block per job. Phase 1: parameters (per key channel, per value token-group) into
+// shared memory. Phase 2: each thread writes whole code bytes, so no two threads share one.
+__global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
+  __shared__ float key_zero[kMaxHeadDim], key_inv[kMaxHeadDim];
+  __shared__ float value_zero[kMaxGroupsPerChunk], value_inv[kMaxGroupsPerChunk];
+  const QuantJob job = jobs[blockIdx.x];
+  const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups(), levels = L.levels();
+  const ChunkLayout fp{d, n};
+  const uint16_t* keys = reinterpret_cast<const uint16_t*>(job.fp16 + fp.key_offset(0));
+  const uint16_t* values = reinterpret_cast<const uint16_t*>(job.fp16 + fp.value_offset(0));
+  uint16_t* key_scale_h = reinterpret_cast<uint16_t*>(job.quant + L.key_scale());
+  uint16_t* key_zero_h = reinterpret_cast<uint16_t*>(job.quant + L.key_zero());
+  uint16_t* value_scale_h = reinterpret_cast<uint16_t*>(job.quant + L.value_scale());
+  uint16_t* value_zero_h = reinterpret_cast<uint16_t*>(job.quant + L.value_zero());
+
+  for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float mn = HalfToFloat(keys[j]), mx = mn;
+    for (uint32_t t = 1; t < n; ++t) {
+      float x = HalfToFloat(keys[t * d + j]);
+      mn = fminf(mn, x);
+      mx = fmaxf(mx, x);
+    }
+    QuantParams p = MakeQuantParams(mn, mx, levels);
+    key_scale_h[j] = p.scale_h;
+    key_zero_h[j] = p.zero_h;
+    key_zero[j] = p.zero;
+    key_inv[j] = p.inv_scale;
+  }
+  for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
+    const uint32_t t = tg / G, g = tg % G;
+    const uint32_t lo = g * kValueGroup, hi = min(d, lo + kValueGroup);
+    float mn = HalfToFloat(values[t * d + lo]), mx = mn;
+    for (uint32_t j = lo + 1; j < hi; ++j) {
+      float x = HalfToFloat(values[t * d + j]);
+      mn = fminf(mn, x);
+      mx = fmaxf(mx, x);
+    }
+    QuantParams p = MakeQuantParams(mn, mx, levels);
+    value_scale_h[tg] = p.scale_h;
+    value_zero_h[tg] = p.zero_h;
+    value_zero[tg] = p.zero;
+    value_inv[tg] = p.inv_scale;
+  }
+  // The alignment padding between sections is zero, as in the reference.
+  const uint64_t pad[6][2] = {
+      {2ull * d, L.key_zero()},
+      {L.key_zero() + 2ull * d, L.key_codes()},
+      {L.key_codes() + L.code_bytes(), L.value_scale()},
+      {L.value_scale() + 2ull * n * G, L.value_zero()},
+      {L.value_zero() + 2ull * n * G, L.value_codes()},
+      {L.value_codes() + L.code_bytes(), L.Bytes()}};
+  for (int r = 0; r < 6; ++r) {
+    for (uint64_t b = pad[r][0] + threadIdx.x; b < pad[r][1]; b += blockDim.x) job.quant[b] = 0;
+  }
+  __syncthreads();
+
+  const uint32_t per_byte = L.bits == 8 ? 1 : 2;
+  const uint64_t bytes = L.code_bytes();
+  for (uint64_t b = threadIdx.x; b < bytes; b += blockDim.x) {
+    uint32_t kbyte = 0, vbyte = 0;
+    for (uint32_t s = 0; s < per_byte; ++s) {
+      const uint64_t i = b * per_byte + s;
+      if (i >= uint64_t{n} * d) break;
+      const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
+      const uint32_t tg = t * G + j / kValueGroup;
+      QuantParams kp{0, 0, 0.f, key_zero[j], key_inv[j]};
+      QuantParams vp{0, 0, 0.f, value_zero[tg], value_inv[tg]};
+      kbyte |= QuantizeValue(HalfToFloat(keys[i]), kp, levels) << (4 * s);
+      vbyte |= QuantizeValue(HalfToFloat(values[i]), vp, levels) << (4 * s);
+    }
+    job.quant[L.key_codes() + b] = static_cast<uint8_t>(kbyte);
+    job.quant[L.value_codes() + b] = static_cast<uint8_t>(vbyte);
+  }
+}
+
+__global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
+  const QuantJob job = jobs[blockIdx.x];
+  const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
+  const ChunkLayout fp{d, n};
+  const uint8_t* in = job.quant;
+  const uint16_t* key_scale = reinterpret_cast<const uint16_t*>(in + L.key_scale());
+  const uint16_t* key_zero = reinterpret_cast<const uint16_t*>(in + L.key_zero());
+  const uint16_t* value_scale = reinterpret_cast<const uint16_t*>(in + L.value_scale());
+  const uint16_t* value_zero = reinterpret_cast<const uint16_t*>(in + L.value_zero());
+  uint16_t* keys = reinterpret_cast<uint16_t*>(job.fp16 + fp.key_offset(0));
+  uint16_t* values = reinterpret_cast<uint16_t*>(job.fp16 + fp.value_offset(0));
+  for (uint64_t i = threadIdx.x; i < uint64_t{n} * d; i += blockDim.x) {
+    const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
+    const uint32_t g = t * G + j / kValueGroup;
+    keys[i] = DequantizeValue(GetCode(in + L.key_codes(), i, L.bits), HalfToFloat(key_scale[j]),
+                              HalfToFloat(key_zero[j]));
+    values[i] = DequantizeValue(GetCode(in + L.value_codes(), i, L.bits),
+                                HalfToFloat(value_scale[g]), HalfToFloat(value_zero[g]));
+  }
+}
+
+bool Supported(const QuantLayout& L) {
+  return L.head_dim >= 1 && L.head_dim <= kMaxHeadDim && L.num_tokens >= 1 &&
+         L.num_tokens <= 64 && (L.bits == 4 || L.bits == 8);
+}
+
+}  // namespace
+
+cudaError_t QuantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+                           cudaStream_t stream) {
+  if (!Supported(layout)) return cudaErrorInvalidValue;
+  if (num_jobs <= 0) return cudaSuccess;
+  QuantizeKernel<<<num_jobs, kThreads, 0, stream>>>(jobs, layout);
+  return cudaGetLastError();
+}
+
+cudaError_t DequantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+                             cudaStream_t stream) {
+  if (!Supported(layout)) return cudaErrorInvalidValue;
+  if (num_jobs <= 0) return cudaSuccess;
+  DequantizeKernel<<<num_jobs, kThreads, 0, stream>>>(jobs, layout);
+  return cudaGetLastError();
+}
+
+}  // namespace kvtier

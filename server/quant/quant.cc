@@ -1,0 +1,193 @@
+#include "server/quant/quant.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "server/common/vec.h"
+
+namespace kvtier {
+namespace {
+
+// Eight channels' parameters, computed by the shared scalar code (so they match exactly).
+struct Params8 {
+  alignas(32) float zero[8];
+  alignas(32) float inv[8];
+};
+
+// 8 codes (uint32 lanes, each <= 15 or <= 255) packed into `out`: 4 bytes for 4 bits, 8 for 8.
+__attribute__((target("avx2"))) inline void Pack8(__m256i codes, uint32_t bits, uint8_t* out) {
+  alignas(32) uint32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), codes);
+  if (bits == 8) {
+    for (int k = 0; k < 8; ++k) out[k] = static_cast<uint8_t>(c[k]);
+  } else {
+    for (int k = 0; k < 4; ++k) out[k] = static_cast<uint8_t>(c[2 * k] | (c[2 * k + 1] << 4));
+  }
+}
+
+// 8 codes starting at element i (i a multiple of 8) as float lanes.
+__attribute__((target("avx2"))) inline __m256 Unpack8(const uint8_t* codes, uint64_t i,
+                                                      uint32_t bits) {
+  __m256i v;
+  if (bits == 8) {
+    v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+  } else {
+    uint32_t word;
+    std::memcpy(&word, codes + i / 2, 4);
+    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                         _mm256_set1_epi32(0xf));
+  }
+  return _mm256_cvtepi32_ps(v);
+}
+
+// Eight halves as floats.
+__attribute__((target("avx2,f16c"))) inline __m256 LoadHalf8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// code = clamp(rint((x - zero) * inv), 0, L), with the reference's operation order.
+__attribute__((target("avx2"))) inline __m256i Quantize8(__m256 x, __m256 zero, __m256 inv,
+                                                         __m256 levels) {
+  __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, zero), inv),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  q = _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), levels);
+  return _mm256_cvttps_epi32(q);
+}
+
+// fp16(clamp(code * scale + zero, +-65504)), multiply and add rounded separately.
+__attribute__((target("avx2,f16c"))) inline __m128i Dequantize8(__m256 code, __m256 scale,
+                                                                __m256 zero) {
+  __m256 y = _mm256_add_ps(_mm256_mul_ps(code, scale), zero);
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-65504.f)), _mm256_set1_ps(65504.f));
+  return _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+__attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
+                                                       const uint16_t* values,
+                                                       const QuantLayout& L, uint8_t* out) {
+  const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
+  std::memset(out, 0, L.Bytes());
+  const __m256 lv = _mm256_set1_ps(static_cast<float>(levels));
+  auto* key_scale = reinterpret_cast<uint16_t*>(out + L.key_scale());
+  auto* key_zero = reinterpret_cast<uint16_t*>(out + L.key_zero());
+  const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
+  for (uint32_t j = 0; j < d; j += 8) {  // keys: 8 channels at a time, over the tokens
+    __m256 mn = LoadHalf8(keys + j), mx = mn;
+    for (uint32_t t = 1; t < n; ++t) {
+      __m256 x = LoadHalf8(keys + t * d + j);
+      mn = _mm256_min_ps(mn, x);
+      mx = _mm256_max_ps(mx, x);
+    }
+    alignas(32) float mns[8], mxs[8];
+    _mm256_store_ps(mns, mn);
+    _mm256_store_ps(mxs, mx);
+    Params8 p8;
+    for (int k = 0; k < 8; ++k) {
+      QuantParams p = MakeQuantParams(mns[k], mxs[k], levels);
+      key_scale[j + k] = p.scale_h;
+      key_zero[j + k] = p.zero_h;
+      p8.zero[k] = p.zero;
+      p8.inv[k] = p.inv_scale;
+    }
+    const __m256 zero = _mm256_load_ps(p8.zero), inv = _mm256_load_ps(p8.inv);
+    for (uint32_t t = 0; t < n; ++t) {
+      Pack8(Quantize8(LoadHalf8(keys + t * d + j), zero, inv, lv), L.bits,
+            out + L.key_codes() + (uint64_t{t} * d + j) / 8 * code_step);
+    }
+  }
+  auto* value_scale = reinterpret_cast<uint16_t*>(out + L.value_scale());
+  auto* value_zero = reinterpret_cast<uint16_t*>(out + L.value_zero());
+  for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of 32 (d % 8 == 0 here)
+    for (uint32_t g = 0; g < G; ++g) {
+      const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
+      const uint16_t* row = values + t * d;
+      __m256 mn = LoadHalf8(row + lo), mx = mn;
+      for (uint32_t j = lo + 8; j < hi; j += 8) {
+        __m256 x = LoadHalf8(row + j);
+        mn = _mm256_min_ps(mn, x);
+        mx = _mm256_max_ps(mx, x);
+      }
+      alignas(32) float mns[8], mxs[8];
+      _mm256_store_ps(mns, mn);
+      _mm256_store_ps(mxs, mx);
+      const float gmn = *std::min_element(mns, mns + 8), gmx = *std::max_element(mxs, mxs + 8);
+      QuantParams p = MakeQuantParams(gmn, gmx, levels);
+      value_scale[t * G + g] = p.scale_h;
+      value_zero[t * G + g] = p.zero_h;
+      const __m256 zero = _mm256_set1_ps(p.zero), inv = _mm256_set1_ps(p.inv_scale);
+      for (uint32_t j = lo; j < hi; j += 8) {
+        Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits,
+              out + L.value_codes() + (uint64_t{t} * d + j) / 8 * code_step);
+      }
+    }
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, const QuantLayout& L,
+                                                         uint16_t* keys_out,
+                                                         uint16_t* values_out) {
+  const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
+  const auto* key_scale = reinterpret_cast<const uint16_t*>(in + L.key_scale());
+  const auto* key_zero = reinterpret_cast<const uint16_t*>(in + L.key_zero());
+  const auto* value_scale = reinterpret_cast<const uint16_t*>(in + L.value_scale());
+  const auto* value_zero = reinterpret_cast<const uint16_t*>(in + L.value_zero());
+  for (uint32_t j = 0; j < d; j += 8) {
+    const __m256 scale =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_scale + j)));
+    const __m256 zero =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_zero + j)));
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint64_t i = uint64_t{t} * d + j;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(keys_out + i),
+                       Dequantize8(Unpack8(in + L.key_codes(), i, L.bits), scale, zero));
+    }
+  }
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t g = 0; g < G; ++g) {
+      const __m256 scale = _mm256_set1_ps(HalfToFloat(value_scale[t * G + g]));
+      const __m256 zero = _mm256_set1_ps(HalfToFloat(value_zero[t * G + g]));
+      const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
+      for (uint32_t j = lo; j < hi; j += 8) {
+        const uint64_t i = uint64_t{t} * d + j;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(values_out + i),
+                         Dequantize8(Unpack8(in + L.value_codes(), i, L.bits), scale, zero));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool QuantIsVectorized(const QuantLayout& layout) {
+  return AddRowsIsVectorized() && layout.head_dim % 8 == 0;
+}
+
+void QuantizeChunk(const uint16_t* keys, const uint16_t* values, const QuantLayout& layout,
+                   uint8_t* out) {
+  if (QuantIsVectorized(layout)) {
+    QuantizeAvx2(keys, values, layout, out);
+  } else {
+    QuantizeChunkReference(keys, values, layout, out);
+  }
+}
+
+void DequantizeChunk(const uint8_t* in, const QuantLayout& layout, uint16_t* keys_out,
+                     uint16_t* values_out) {
+  if (QuantIsVectorized(layout)) {
+    DequantizeAvx2(in, layout, keys_out, values_out);
+  } else {
+    DequantizeChunkReference(in, layout, keys_out, values_out);
+  }
+}
+
+int64_t FindNonFinite(const uint16_t* h, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (HalfIsNonFinite(h[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,29 @@
+// Chunk quantization on the CPU: the AVX2 path when the CPU has AVX2 and F16C, else the
+// scalar reference (kernels/quant_ref.cc). Both give the same bytes; layout and rounding are
+// kernels/quant_layout.h.
+#ifndef KVTIER_SERVER_QUANT_QUANT_H_
+#define KVTIER_SERVER_QUANT_QUANT_H_
+
+#include <cstdint>
+
+#include "kernels/quant.h"
+
+namespace kvtier {
+
+// keys, values: finite fp16 [n][d]; out: layout.Bytes() bytes.
+void QuantizeChunk(const uint16_t* keys, const uint16_t* values, const QuantLayout& layout,
+                   uint8_t* out);
+
+// keys_out, values_out: fp16 [n][d].
+void DequantizeChunk(const uint8_t* in, const QuantLayout& layout, uint16_t* keys_out,
+                     uint16_t* values_out);
+
+// True when the calls above take the AVX2 path for `layout` on this machine.
+bool QuantIsVectorized(const QuantLayout& layout);
+
+// First non-finite (Inf or NaN) element of `n` halves, or -1.
+int64_t FindNonFinite(const uint16_t* halves, uint64_t n);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_QUANT_QUANT_H_

@@ -1,0 +1,133 @@
+// Quantization: the AVX2 path against the scalar reference (bit for bit), and every element's
+// error against the input within half a quantization step plus fp16 rounding, over head_dims,
+// token counts and hard inputs.
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kernels/quant.h"
+#include "server/common/fp16.h"
+#include "server/quant/quant.h"
+
+namespace kvtier {
+namespace {
+
+enum class Input { kNormal, kOutlierChannels, kConstant, kHuge, kExtremes, kDenormal, kMixedZero };
+
+std::vector<uint16_t> Make(Input kind, uint32_t n, uint32_t d, std::mt19937& rng) {
+  std::normal_distribution<float> g(0, 1);
+  std::uniform_int_distribution<uint32_t> sub(1, 0x3ff);
+  std::vector<uint16_t> x(size_t(n) * d);
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t j = 0; j < d; ++j) {
+      float v;
+      switch (kind) {
+        case Input::kNormal: v = g(rng); break;
+        case Input::kOutlierChannels: v = g(rng) * (j % 16 == 3 ? 40.f : 1.f); break;
+        case Input::kConstant: v = j % 2 ? 1.5f : -0.75f; break;  // zero range per channel
+        case Input::kHuge: v = std::clamp(g(rng) * 30000.f, -65504.f, 65504.f); break;
+        case Input::kExtremes: v = (t + j) % 2 ? 65504.f : -65504.f; break;
+        case Input::kDenormal: {
+          uint16_t h = static_cast<uint16_t>(sub(rng) | ((t + j) % 3 == 0 ? 0x8000 : 0));
+          x[size_t(t) * d + j] = h;
+          continue;
+        }
+        case Input::kMixedZero: v = (t * 7 + j) % 3 == 0 ? -0.f : ((t + j) % 3 == 1 ? 0.f : g(rng)); break;
+      }
+      x[size_t(t) * d + j] = FloatToHalf(v);
+    }
+  }
+  return x;
+}
+
+// Half an fp16 ulp at |y| (the rounding of the dequantized output).
+float HalfUlp(float y) {
+  uint16_t h = FloatToHalf(std::fabs(y));
+  return (HalfToFloat(HalfNextUp(h)) - HalfToFloat(h)) / 2;
+}
+
+class QuantTest : public ::testing::TestWithParam<std::tuple<uint32_t, uint32_t, uint32_t>> {};
+
+TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
+  const auto [d, n, bits] = GetParam();
+  const QuantLayout L{d, n, bits};
+  std::mt19937 rng(d * 131 + n * 7 + bits);
+  for (Input kind : {Input::kNormal, Input::kOutlierChannels, Input::kConstant, Input::kHuge,
+                     Input::kExtremes, Input::kDenormal, Input::kMixedZero}) {
+    auto k = Make(kind, n, d, rng), v = Make(kind, n, d, rng);
+    std::vector<uint8_t> ref(L.Bytes(), 0xee), vec(L.Bytes(), 0x11);
+    QuantizeChunkReference(k.data(), v.data(), L, ref.data());
+    QuantizeChunk(k.data(), v.data(), L, vec.data());
+    ASSERT_EQ(ref, vec) << "quantized bytes differ, input " << int(kind);
+    std::vector<uint16_t> kr(k.size()), vr(v.size()), kv(k.size()), vv(v.size());
+    DequantizeChunkReference(ref.data(), L, kr.data(), vr.data());
+    DequantizeChunk(ref.data(), L, kv.data(), vv.data());
+    ASSERT_EQ(kr, kv) << "dequantized keys differ, input " << int(kind);
+    ASSERT_EQ(vr, vv) << "dequantized values differ, input " << int(kind);
+    // The error bound, from the stored scales (independent of how they were chosen).
+    const auto* ks = reinterpret_cast<const uint16_t*>(ref.data() + L.key_scale());
+    const auto* vs = reinterpret_cast<const uint16_t*>(ref.data() + L.value_scale());
+    for (uint32_t t = 0; t < n; ++t) {
+      for (uint32_t j = 0; j < d; ++j) {
+        const size_t i = size_t(t) * d + j;
+        for (int which = 0; which < 2; ++which) {
+          const float x = HalfToFloat(which ? v[i] : k[i]);
+          const float y = HalfToFloat(which ? vr[i] : kr[i]);
+          const float scale = HalfToFloat(which ? vs[t * L.groups() + j / 32] : ks[j]);
+          ASSERT_TRUE(std::isfinite(y));
+          const float bound = scale / 2 * (1 + 1e-6f) + HalfUlp(y) + 1e-30f;
+          ASSERT_LE(std::fabs(x - y), bound)
+              << (which ? "value" : "key") << " t " << t << " j " << j << " x " << x << " y "
+              << y << " scale " << scale << " input " << int(kind);
+        }
+      }
+    }
+    if (kind == Input::kConstant) {  // zero range: exact
+      EXPECT_EQ(k, kr);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, QuantTest,
+                         ::testing::Combine(::testing::Values(64u, 80u, 128u, 256u, 36u),
+                                            ::testing::Values(1u, 3u, 7u, 16u),
+                                            ::testing::Values(4u, 8u)));
+
+TEST(QuantLayout, SizesAndAlignment) {
+  const QuantLayout L{64, 16, 4};
+  EXPECT_EQ(L.key_zero(), 128u);
+  EXPECT_EQ(L.key_codes(), 256u);
+  EXPECT_EQ(L.code_bytes(), 512u);
+  EXPECT_EQ(L.value_scale(), 768u);
+  EXPECT_EQ(L.value_zero(), 832u);   // 16 tokens x 2 groups x 2 bytes
+  EXPECT_EQ(L.value_codes(), 896u);
+  EXPECT_EQ(L.Bytes(), 1408u);       // vs 4096 bytes of fp16 K and V: 0.344x
+  const QuantLayout odd{36, 3, 4};
+  for (uint64_t off : {odd.key_zero(), odd.key_codes(), odd.value_scale(), odd.value_zero(),
+                       odd.value_codes(), odd.Bytes()}) {
+    EXPECT_EQ(off % 16, 0u);
+  }
+}
+
+TEST(QuantLayout, NibblesArePackedLowFirst) {
+  const QuantLayout L{2, 1, 4};
+  const uint16_t k[2] = {FloatToHalf(0.f), FloatToHalf(15.f)}, v[2] = {k[0], k[1]};
+  std::vector<uint8_t> out(L.Bytes());
+  QuantizeChunkReference(k, v, L, out.data());
+  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(out.data())[0]), 0.f);  // key_scale ch 0
+  EXPECT_EQ(out[L.value_codes()], 0xf0);  // element 0 -> low nibble 0, element 1 -> high 15
+}
+
+TEST(FindNonFinite, FindsInfAndNaN) {
+  std::vector<uint16_t> h(100, FloatToHalf(1.f));
+  EXPECT_EQ(FindNonFinite(h.data(), h.size()), -1);
+  h[37] = 0x7c00;  // +Inf
+  EXPECT_EQ(FindNonFinite(h.data(), h.size()), 37);
+  h[37] = FloatToHalf(1.f);
+  h[99] = 0xfe01;  // NaN
+  EXPECT_EQ(FindNonFinite(h.data(), h.size()), 99);
+}
+
+}  // namespace
+}  // namespace kvtier
