@@ -35,6 +35,7 @@ v1::CreateSessionRequest Shape(const std::string& id) {
   r.mutable_shape()->set_num_kv_heads(kKv);
   r.mutable_shape()->set_head_dim(kD);
   r.mutable_policy()->set_recent_window(32);
+  r.mutable_policy()->set_lossless(true);  // workers check bytes exactly
   return r;
 }
 

@@ -37,6 +37,7 @@ v1::CreateSessionRequest Shape(int layers = kLayers, int q = kQ, int kv = kKv, i
   r.mutable_shape()->set_num_kv_heads(kv);
   r.mutable_shape()->set_head_dim(d);
   r.mutable_shape()->set_dtype(v1::DTYPE_FP16);
+  r.mutable_policy()->set_lossless(true);  // these tests check bytes exactly
   return r;
 }
 

@@ -9,6 +9,7 @@
 #include "server/common/fp16.h"
 #include "server/config/policy.h"
 #include "server/session/session_manager.h"
+#include "kernels/quant_layout.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -57,8 +58,16 @@ struct Fixture {
   std::unique_ptr<Session> session;
 };
 
-Fixture Make(Env& e, int layers, int qh, int kvh, int d, int total, v1::SessionPolicy policy = {},
-             uint32_t seed = 1) {
+v1::SessionPolicy Lossless() {
+  v1::SessionPolicy p;
+  p.set_lossless(true);
+  return p;
+}
+
+// Sessions default to lossless here: these tests check bytes exactly. Cold chunks have their
+// own tests below.
+Fixture Make(Env& e, int layers, int qh, int kvh, int d, int total,
+             v1::SessionPolicy policy = Lossless(), uint32_t seed = 1) {
   Fixture f{layers, qh, kvh, d, total, {}, {}, nullptr};
   std::mt19937 rng(seed);
   for (int l = 0; l < layers; ++l) {
@@ -308,7 +317,7 @@ TEST(Session, SelectReturnsEverythingWhenItFitsOrTheLayerIsDense) {
 TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   for (int tokens : {1000, 1003}) {  // whole and partial last chunk
     Env e;
-    Fixture f = Make(e, 3, 6, 2, 64, tokens, {}, tokens);
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, Lossless(), tokens);
     ASSERT_OK(AppendAll(f, tokens, 128));
     for (uint32_t budget : {96u, 128u, 256u, 500u}) {
       for (uint32_t seed : {1u, 2u, 3u}) {
@@ -367,7 +376,7 @@ TEST(Session, SelectRejectsBadRequestsByField) {
 
 TEST(Session, DefaultBudgetComesFromThePolicy) {
   Env e;
-  v1::SessionPolicy p;
+  v1::SessionPolicy p = Lossless();
   p.set_default_budget(160);
   Fixture f = Make(e, 3, 2, 1, 16, 1000, p);
   ASSERT_OK(AppendAll(f, 1000, 500));
@@ -533,6 +542,164 @@ TEST(Session, ReadChunksRejectsUnknownIds) {
               StatusIs(Code::kNotFound, "chunk_ids"));
   EXPECT_THAT(f.session->ReadChunks({EncodeChunkId({1, 0, 0})}), StatusIs(Code::kNotFound));
   EXPECT_THAT(f.session->ReadChunks({~0ull}), StatusIs(Code::kNotFound));
+}
+
+// Default policy (int4 cold chunks), sinks 16, window 64, chunks of 16.
+v1::SessionPolicy Cold(v1::Precision p = v1::PRECISION_INT4) {
+  v1::SessionPolicy policy;
+  policy.set_cold_precision(p);
+  return policy;
+}
+
+// Half an fp16 ulp at |y|.
+float HalfUlpAt(float y) {
+  uint16_t h = FloatToHalf(std::fabs(y));
+  return (HalfToFloat(HalfNextUp(h)) - HalfToFloat(h)) / 2;
+}
+
+TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
+  for (auto [precision, levels] : {std::pair{v1::PRECISION_INT4, 15.f}, {v1::PRECISION_INT8, 255.f}}) {
+    Env e;
+    Fixture f = Make(e, 3, 4, 2, 64, 300, Cold(precision));
+    ASSERT_OK(AppendAll(f, 300, 37));
+    // Chunks wholly before token 300 - 64 = 236 (chunks 0..13) are cold, except the sink chunk.
+    auto chunks = f.session->ListChunks(2, 1000);
+    for (const auto& c : chunks.chunks()) {
+      const bool cold = c.index() >= 1 && c.index() <= 13;
+      EXPECT_EQ(c.precision(), cold ? precision : v1::PRECISION_FP16) << c.index();
+    }
+    const v1::SessionInfo info = f.session->Info();
+    EXPECT_EQ(info.chunks_by_precision().at(v1::Precision_Name(precision)), 3u * 2 * 13);
+    EXPECT_EQ(info.chunks_by_precision().at("PRECISION_FP16"), 3u * 2 * 6);
+    // Host bytes: 6 warm slots of 4 KiB and 13 cold slots per stream, no fp16 left for them.
+    const uint64_t cold_slot = QuantLayout{64, 16, levels == 15.f ? 4u : 8u}.Bytes();
+    EXPECT_EQ(info.bytes_by_tier().at("TIER_HOST"), 3u * 2 * (6 * 4096 + 13 * cold_slot));
+    EXPECT_EQ(e.host.Stats().used_bytes, 3u * 2 * (6 * 4096 + 13 * cold_slot));
+
+    v1::SelectResponse resp;
+    ASSERT_OK(f.session->Select(SelectReq(f, 2, 1000), &resp));
+    for (int h = 0; h < 2; ++h) {
+      for (const auto& b : resp.heads(h).blocks()) {
+        const uint32_t index = DecodeChunkId(b.chunk_id()).index;
+        const bool cold = index >= 1 && index <= 13;
+        EXPECT_EQ(b.precision(), v1::PRECISION_FP16);
+        EXPECT_EQ(b.stored_precision(), cold ? precision : v1::PRECISION_FP16);
+        auto want_k = HeadRows(f.k[2], f, h, b.positions(0), b.num_tokens());
+        auto want_v = HeadRows(f.v[2], f, h, b.positions(0), b.num_tokens());
+        const auto* k = reinterpret_cast<const uint16_t*>(b.keys().data());
+        const auto* v = reinterpret_cast<const uint16_t*>(b.values().data());
+        if (!cold) {
+          EXPECT_EQ(b.keys(), AsBytes(want_k));
+          continue;
+        }
+        // Keys per channel over the chunk, values per token over 32 channels: the step is at
+        // most the range over levels, rounded up to fp16.
+        for (uint32_t t = 0; t < b.num_tokens(); ++t) {
+          for (int j = 0; j < 64; ++j) {
+            float kmin = 1e9, kmax = -1e9, vmin = 1e9, vmax = -1e9;
+            for (uint32_t u = 0; u < b.num_tokens(); ++u) {
+              kmin = std::min(kmin, HalfToFloat(want_k[u * 64 + j]));
+              kmax = std::max(kmax, HalfToFloat(want_k[u * 64 + j]));
+            }
+            for (int i = j / 32 * 32; i < j / 32 * 32 + 32; ++i) {
+              vmin = std::min(vmin, HalfToFloat(want_v[t * 64 + i]));
+              vmax = std::max(vmax, HalfToFloat(want_v[t * 64 + i]));
+            }
+            const float kx = HalfToFloat(want_k[t * 64 + j]), ky = HalfToFloat(k[t * 64 + j]);
+            const float vx = HalfToFloat(want_v[t * 64 + j]), vy = HalfToFloat(v[t * 64 + j]);
+            EXPECT_LE(std::fabs(kx - ky), (kmax - kmin) / levels * 0.5f * 1.01f + HalfUlpAt(ky) + 1e-3f);
+            EXPECT_LE(std::fabs(vx - vy), (vmax - vmin) / levels * 0.5f * 1.01f + HalfUlpAt(vy) + 1e-3f);
+          }
+        }
+      }
+    }
+    // The dequantized copies are cached: a second Select promotes nothing new.
+    const uint64_t promotions = e.host.Stats().promotions;
+    EXPECT_EQ(promotions, 2u * 13);  // layer 2: 2 heads x 13 cold chunks, dequantized once
+    v1::SelectResponse again;
+    ASSERT_OK(f.session->Select(SelectReq(f, 2, 1000), &again));
+    EXPECT_EQ(e.host.Stats().promotions, promotions);
+  }
+}
+
+TEST(ColdChunks, LosslessAndBf16KeepEverythingExact) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 32, 400, Lossless());
+  ASSERT_OK(AppendAll(f, 400, 100));
+  EXPECT_EQ(f.session->Info().chunks_by_precision().size(), 1u);
+  EXPECT_EQ(f.session->Info().chunks_by_precision().at("PRECISION_FP16"), 25u);
+  ExpectStreamExact(f, 0, 0, 400);
+}
+
+TEST(ColdChunks, NonFiniteInputIsRefusedByField) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 2, 16, 64, Cold());
+  auto r = Req(f, 0, 0, 8);
+  std::string k = r.keys();
+  k[2 * (16 * 8 + 5) + 1] = 0x7c;  // kv_head 1, token 0, channel 5: +Inf (0x7c00)
+  k[2 * (16 * 8 + 5)] = 0x00;
+  r.set_keys(k);
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "keys: element 133 (kv_head 1, token 0, channel 5)"));
+  r = Req(f, 0, 0, 8);
+  std::string v = r.values();
+  v[7] = 0x7e;  // a NaN
+  r.set_values(v);
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "values"));
+  EXPECT_EQ(f.session->Info().num_tokens(), 0u);
+}
+
+TEST(ColdChunks, RewritesOfColdTokensAreCheckedAgainstTheQuantizationBound) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 64, 200, Cold());
+  ASSERT_OK(AppendAll(f, 200, 200));
+  ASSERT_TRUE(f.session->ListChunks(0, 100).chunks(3).precision() == v1::PRECISION_INT4);
+  // The same bytes again (a retried stream): a no-op.
+  ASSERT_OK_AND_ASSIGN(uint64_t n, f.session->Append(Req(f, 0, 40, 30)));
+  EXPECT_EQ(n, 200u);
+  // Other bytes in a cold chunk: refused.
+  auto bad = Req(f, 0, 48, 4);
+  std::string k = bad.keys();
+  reinterpret_cast<uint16_t*>(k.data())[3] = FloatToHalf(50.f);
+  bad.set_keys(k);
+  EXPECT_THAT(f.session->Append(bad), StatusIs(Code::kFailedPrecondition, "token 48"));
+}
+
+TEST(ColdChunks, DevicePlacementDequantizesIntoTheDeviceTier) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 64, 200, Cold());
+  ASSERT_OK(AppendAll(f, 200, 200));
+  auto host = SelectReq(f, 0, 1000);
+  auto device = host;
+  device.set_placement(v1::TIER_DEVICE);
+  v1::SelectResponse on_host, on_device;
+  ASSERT_OK(f.session->Select(host, &on_host));
+  ASSERT_OK(f.session->Select(device, &on_device));
+  ASSERT_EQ(on_host.heads(0).blocks_size(), on_device.heads(0).blocks_size());
+  for (int i = 0; i < on_host.heads(0).blocks_size(); ++i) {
+    const auto& a = on_host.heads(0).blocks(i);
+    const auto& b = on_device.heads(0).blocks(i);
+    EXPECT_EQ(b.tier(), v1::TIER_DEVICE);
+    EXPECT_EQ(a.keys(), b.keys());
+    EXPECT_EQ(a.values(), b.values());
+    EXPECT_EQ(a.stored_precision(), b.stored_precision());
+  }
+  // ReadChunks of a cold chunk hands back the same fp16 bytes.
+  ASSERT_OK_AND_ASSIGN(auto read, f.session->ReadChunks({EncodeChunkId({0, 0, 5})}));
+  EXPECT_EQ(read[0].keys(), on_host.heads(0).blocks(5).keys());
+  EXPECT_EQ(read[0].stored_precision(), v1::PRECISION_INT4);
+}
+
+TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 64, 200, Cold());
+  ASSERT_OK(AppendAll(f, 200, 200));
+  ASSERT_OK_AND_ASSIGN(auto child, f.session->Fork("c", 40));  // chunk 2 (32..47) is cold
+  ASSERT_OK_AND_ASSIGN(auto parent_rows, f.session->ReadChunks({EncodeChunkId({0, 0, 2})}));
+  ASSERT_OK_AND_ASSIGN(auto child_rows, child->ReadChunks({EncodeChunkId({0, 0, 2})}));
+  EXPECT_EQ(child_rows[0].num_tokens(), 8u);
+  EXPECT_EQ(child_rows[0].keys(), parent_rows[0].keys().substr(0, 8 * 64 * 2));
+  EXPECT_EQ(child_rows[0].stored_precision(), v1::PRECISION_FP16);
+  child->Close();
 }
 
 TEST(ResolveShape, ChecksEveryField) {

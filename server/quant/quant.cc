@@ -183,6 +183,33 @@ void DequantizeChunk(const uint8_t* in, const QuantLayout& layout, uint16_t* key
   }
 }
 
+bool MatchesQuantizedRow(const uint8_t* q, const QuantLayout& L, uint32_t row,
+                         const uint16_t* k_row, const uint16_t* v_row) {
+  const uint32_t d = L.head_dim, G = L.groups();
+  const auto* ks = reinterpret_cast<const uint16_t*>(q + L.key_scale());
+  const auto* kz = reinterpret_cast<const uint16_t*>(q + L.key_zero());
+  const auto* vs = reinterpret_cast<const uint16_t*>(q + L.value_scale());
+  const auto* vz = reinterpret_cast<const uint16_t*>(q + L.value_zero());
+  auto close = [](uint16_t stored, float scale, uint16_t given) {
+    const float y = HalfToFloat(stored), x = HalfToFloat(given);
+    const uint16_t a = FloatToHalf(y < 0 ? -y : y);
+    const float half_ulp = (HalfToFloat(HalfNextUp(a)) - HalfToFloat(a)) / 2;
+    const float diff = x > y ? x - y : y - x;
+    return diff <= scale / 2 * (1 + 1e-6f) + half_ulp;
+  };
+  for (uint32_t j = 0; j < d; ++j) {
+    const uint64_t i = uint64_t{row} * d + j;
+    const uint32_t g = row * G + j / kValueGroup;
+    const float kscale = HalfToFloat(ks[j]), vscale = HalfToFloat(vs[g]);
+    const uint16_t k = DequantizeValue(GetCode(q + L.key_codes(), i, L.bits), kscale,
+                                       HalfToFloat(kz[j]));
+    const uint16_t v = DequantizeValue(GetCode(q + L.value_codes(), i, L.bits), vscale,
+                                       HalfToFloat(vz[g]));
+    if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;
+  }
+  return true;
+}
+
 int64_t FindNonFinite(const uint16_t* h, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) {
     if (HalfIsNonFinite(h[i])) return static_cast<int64_t>(i);

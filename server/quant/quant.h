@@ -21,6 +21,12 @@ void DequantizeChunk(const uint8_t* in, const QuantLayout& layout, uint16_t* key
 // True when the calls above take the AVX2 path for `layout` on this machine.
 bool QuantIsVectorized(const QuantLayout& layout);
 
+// True when fp16 rows k_row and v_row (d values each) could have been row `row` of the
+// quantized chunk: every element within half a quantization step plus fp16 rounding of the
+// stored value. (A cold chunk keeps no exact bytes to compare a rewrite against.)
+bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& layout, uint32_t row,
+                         const uint16_t* k_row, const uint16_t* v_row);
+
 // First non-finite (Inf or NaN) element of `n` halves, or -1.
 int64_t FindNonFinite(const uint16_t* halves, uint64_t n);
 

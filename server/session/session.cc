@@ -12,6 +12,7 @@
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
 #include "server/index/chunk_ranker.h"
+#include "server/quant/quant.h"
 
 namespace kvtier {
 namespace {
@@ -84,7 +85,8 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
       policy_(std::move(policy)),
       last_access_ms_(created_ms_),
       layer_tokens_(shape_.num_layers(), 0),
-      streams_(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads()) {}
+      streams_(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads()),
+      cold_upto_(shape_.num_layers(), 0) {}
 
 Session::Session(const Session& parent, std::string new_id)
     : Session(std::move(new_id), parent.tenant_, parent.shape_,
@@ -129,8 +131,18 @@ absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t cou
       const uint64_t row = t % ct;
       const uint8_t* base = c.host->data();
       const uint64_t in = (h * n + (t - start)) * rb;
-      if (std::memcmp(base + row * rb, req.keys().data() + in, rb) != 0 ||
-          std::memcmp(base + (c.num_tokens + row) * rb, req.values().data() + in, rb) != 0) {
+      const bool same =
+          c.cold()
+              // The exact bytes are gone: accept what the stored codes could have come from.
+              ? MatchesQuantizedRow(base, QuantLayout{shape_.head_dim(), c.num_tokens,
+                                                      c.precision == v1::PRECISION_INT4 ? 4u : 8u},
+                                    static_cast<uint32_t>(row),
+                                    reinterpret_cast<const uint16_t*>(req.keys().data() + in),
+                                    reinterpret_cast<const uint16_t*>(req.values().data() + in))
+              : std::memcmp(base + row * rb, req.keys().data() + in, rb) == 0 &&
+                    std::memcmp(base + (c.num_tokens + row) * rb, req.values().data() + in, rb) ==
+                        0;
+      if (!same) {
         return absl::FailedPreconditionError(absl::StrFormat(
             "start_token: token %d of layer %d (kv_head %d) is stored with other bytes; "
             "a stored token is not rewritten",
@@ -161,6 +173,24 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   }
   if (req.token_ids_size() != 0 && static_cast<uint64_t>(req.token_ids_size()) != n) {
     return Invalid("token_ids", absl::StrFormat("%d ids for %d tokens", req.token_ids_size(), n));
+  }
+  for (const auto& [field, bytes] : {std::pair{"keys", &req.keys()}, {"values", &req.values()}}) {
+    const auto* h = reinterpret_cast<const uint16_t*>(bytes->data());
+    int64_t bad = -1;
+    if (shape_.dtype() == v1::DTYPE_BF16) {
+      for (uint64_t i = 0; i < bytes->size() / 2 && bad < 0; ++i) {
+        if ((h[i] & 0x7f80u) == 0x7f80u) bad = static_cast<int64_t>(i);
+      }
+    } else {
+      bad = FindNonFinite(h, bytes->size() / 2);
+    }
+    if (bad >= 0) {
+      const uint64_t d = shape_.head_dim();
+      return Invalid(field, absl::StrFormat("element %d (kv_head %d, token %d, channel %d) is "
+                                            "Inf or NaN",
+                                            bad, bad / (n * d), req.start_token() + bad / d % n,
+                                            bad % d));
+    }
   }
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
@@ -243,7 +273,67 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
     }
   }
   layer_tokens_[layer] = start + n;
+  QuantizeCold(layer);
   return MinTokens();
+}
+
+uint32_t Session::cold_bits() const {
+  if (policy_.lossless() || shape_.dtype() != v1::DTYPE_FP16) return 0;
+  switch (policy_.cold_precision()) {
+    case v1::PRECISION_INT4: return 4;
+    case v1::PRECISION_INT8: return 8;
+    default: return 0;
+  }
+}
+
+const uint16_t* Session::Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const {
+  if (!c.cold()) return reinterpret_cast<const uint16_t*>(c.host->data());
+  const uint32_t d = shape_.head_dim();
+  scratch.resize(2ull * c.num_tokens * d);
+  DequantizeChunk(c.host->data(),
+                  QuantLayout{d, c.num_tokens, c.precision == v1::PRECISION_INT4 ? 4u : 8u},
+                  scratch.data(), scratch.data() + uint64_t{c.num_tokens} * d);
+  return scratch.data();
+}
+
+void Session::QuantizeCold(uint32_t layer) {
+  const uint32_t bits = cold_bits();
+  if (bits == 0) return;
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint64_t total = layer_tokens_[layer];
+  const uint64_t window = policy_.recent_window();
+  // Chunks [0, limit) lie wholly before the recent window.
+  const uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  const QuantLayout layout = cold_layout();
+  const uint32_t d = shape_.head_dim();
+  const v1::Precision precision = bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
+  std::vector<uint16_t> rows(2ull * ct * d);
+  uint32_t c = cold_upto_[layer];
+  for (; c < limit; ++c) {
+    if (uint64_t{c} * ct < policy_.sink_tokens()) continue;  // sinks stay fp16
+    for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+      Stream& s = stream(layer, h);
+      Chunk& chunk = s.chunks[c];
+      if (chunk.cold()) continue;
+      auto slot = env_.host->Allocate(tenant_, layout.Bytes());
+      if (!slot.ok()) {
+        cold_upto_[layer] = c;  // retried on the next append
+        return;
+      }
+      const auto* k = reinterpret_cast<const uint16_t*>(chunk.host->data());
+      QuantizeChunk(k, k + uint64_t{ct} * d, layout, (*slot)->data());
+      chunk.host = *std::move(slot);  // the fp16 slot goes back (unless a lease or fork holds it)
+      chunk.precision = precision;
+      chunk.device.reset();
+      // The chunk's means describe what attention will now read: the dequantized keys.
+      DequantizeChunk(chunk.host->data(), layout, rows.data(), rows.data() + uint64_t{ct} * d);
+      std::fill_n(&s.key_sums[uint64_t{c} * d], d, 0.f);
+      std::fill_n(&s.value_sums[uint64_t{c} * d], d, 0.f);
+      AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()),
+                reinterpret_cast<const uint8_t*>(rows.data() + uint64_t{ct} * d), ct);
+    }
+  }
+  cold_upto_[layer] = c;
 }
 
 void Session::FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id,
@@ -256,6 +346,7 @@ void Session::FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id,
   h->set_offset(slot->offset());
   h->set_length(2 * half);
   h->set_precision(shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16);
+  h->set_stored_precision(c.cold() ? c.precision : h->precision());
   h->set_num_tokens(c.num_tokens);
   h->set_generation(slot->generation());
   h->set_layer(a.layer);
@@ -364,23 +455,52 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
   }
 
-  // Promote to the device tier where asked; allocate all first so a full tier changes nothing.
-  if (target == env_.device) {
-    std::vector<std::pair<Chunk*, SlotRef>> promoted;
-    for (uint32_t h = 0; h < kvh; ++h) {
-      for (uint32_t c : chosen[h]) {
-        Chunk& ch = stream(layer, h).chunks[c];
-        if (ch.device) continue;
-        ASSIGN_OR_RETURN(SlotRef slot, env_.device->Allocate(tenant_, slot_bytes()));
-        promoted.emplace_back(&ch, std::move(slot));
+  // Every chosen chunk must be readable in fp16 on the target tier. A warm chunk on the host
+  // already is; a cold one needs its dequantized copy there (`promoted`), and device
+  // placement needs a device copy. Allocate all first, so that a full tier changes nothing.
+  const bool to_device = target == env_.device;
+  std::vector<Chunk*> todo;
+  for (uint32_t h = 0; h < kvh; ++h) {
+    for (uint32_t c : chosen[h]) {
+      Chunk& ch = stream(layer, h).chunks[c];
+      if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo.push_back(&ch);
+    }
+  }
+  std::vector<SlotRef> slots;
+  auto allocate_all = [&]() -> absl::Status {
+    slots.clear();
+    for (size_t i = 0; i < todo.size(); ++i) {
+      ASSIGN_OR_RETURN(SlotRef slot, target->Allocate(tenant_, slot_bytes()));
+      slots.push_back(std::move(slot));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status allocated = allocate_all();
+  if (!allocated.ok() && !to_device) {
+    // Make room from this session's own dequantized copies that nobody is reading. (Tier-wide
+    // eviction policies come with tier management.)
+    for (Stream& st : streams_) {
+      for (Chunk& ch : st.chunks) {
+        if (ch.promoted && ch.promoted.use_count() == 1) ch.promoted.reset();
       }
     }
-    for (auto& [ch, slot] : promoted) {
-      std::memcpy(slot->data(), ch->host->data(), 2 * ch->num_tokens * row_bytes());
-      ch->device = std::move(slot);
-    }
-    env_.device->RecordPromotions(promoted.size());
+    allocated = allocate_all();
   }
+  RETURN_IF_ERROR(allocated);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    Chunk& ch = *todo[i];
+    if (ch.cold()) {
+      const uint32_t d = shape_.head_dim();
+      auto* k = reinterpret_cast<uint16_t*>(slots[i]->data());
+      DequantizeChunk(ch.host->data(),
+                      QuantLayout{d, ch.num_tokens, ch.precision == v1::PRECISION_INT4 ? 4u : 8u},
+                      k, k + uint64_t{ch.num_tokens} * d);
+    } else {
+      std::memcpy(slots[i]->data(), ch.host->data(), 2 * ch.num_tokens * row_bytes());
+    }
+    (to_device ? ch.device : ch.promoted) = std::move(slots[i]);
+  }
+  target->RecordPromotions(todo.size());
 
   std::vector<SlotRef> pinned;
   out->set_context_tokens(total);
@@ -390,7 +510,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     hs->set_kv_head(h);
     for (uint32_t c : chosen[h]) {
       const Chunk& chunk = s.chunks[c];
-      const SlotRef& slot = target == env_.device ? chunk.device : chunk.host;
+      const SlotRef& slot = to_device ? chunk.device : (chunk.cold() ? chunk.promoted : chunk.host);
       FillHandle(chunk, slot, EncodeChunkId({layer, h, c}), static_cast<int64_t>(c) * ct,
                  req.include_data(), hs->add_blocks());
       pinned.push_back(slot);
@@ -440,8 +560,29 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
           a.kv_head, a.index, id_));
     }
     const Chunk& c = stream(a.layer, a.kv_head).chunks[a.index];
-    FillHandle(c, c.host, id, static_cast<int64_t>(a.index) * ct, /*include_data=*/true,
-               &out.emplace_back());
+    const int64_t first = static_cast<int64_t>(a.index) * ct;
+    if (!c.cold() || c.promoted) {
+      FillHandle(c, c.cold() ? c.promoted : c.host, id, first, /*include_data=*/true,
+                 &out.emplace_back());
+      continue;
+    }
+    // A cold chunk with no fp16 copy: dequantized bytes inline only (segment_id 0).
+    std::vector<uint16_t> scratch;
+    const uint16_t* rows = Fp16Rows(c, scratch);
+    v1::BlockHandle& h = out.emplace_back();
+    const uint64_t half = c.num_tokens * row_bytes();
+    h.set_chunk_id(id);
+    h.set_tier(v1::TIER_HOST);
+    h.set_length(2 * half);
+    h.set_precision(v1::PRECISION_FP16);
+    h.set_stored_precision(c.precision);
+    h.set_num_tokens(c.num_tokens);
+    h.set_generation(c.host->generation());
+    h.set_layer(a.layer);
+    h.set_kv_head(a.kv_head);
+    for (uint32_t r = 0; r < c.num_tokens; ++r) h.add_positions(first + r);
+    h.set_keys(rows, half);
+    h.set_values(reinterpret_cast<const char*>(rows) + half, half);
   }
   return out;
 }
@@ -478,10 +619,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     to.value_sums.assign(from.value_sums.begin(), from.value_sums.begin() + keep_full * d);
     if (tail != 0) {
       const Chunk& src = from.chunks[keep_full];
+      std::vector<uint16_t> scratch;
+      const auto* rows = reinterpret_cast<const uint8_t*>(Fp16Rows(src, scratch));
       Chunk c;
       c.host = std::move(copies[i]);
-      std::memcpy(c.host->data(), src.host->data(), tail * rb);
-      std::memcpy(c.host->data() + tail * rb, src.host->data() + src.num_tokens * rb, tail * rb);
+      std::memcpy(c.host->data(), rows, tail * rb);
+      std::memcpy(c.host->data() + tail * rb, rows + src.num_tokens * rb, tail * rb);
       c.num_tokens = tail;
       to.chunks.push_back(std::move(c));
       const uint8_t* copied = to.chunks.back().host->data();
@@ -489,6 +632,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    child->cold_upto_[l] = std::min(cold_upto_[l], keep_full);
+  }
   return child;
 }
 
@@ -555,19 +701,19 @@ v1::SessionInfo Session::Info() const {
   info.set_created_unix_ms(created_ms_);
   info.set_last_access_unix_ms(last_access_ms_);
   info.mutable_labels()->insert(labels_.begin(), labels_.end());
-  uint64_t host = 0, device = 0, chunks = 0;
+  uint64_t host = 0, device = 0;
+  const v1::Precision warm =
+      shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
+  auto& by_precision = *info.mutable_chunks_by_precision();
   for (const Stream& s : streams_) {
     for (const Chunk& c : s.chunks) {
-      host += c.host->bytes();
+      host += c.host->bytes() + (c.promoted ? c.promoted->bytes() : 0);
       if (c.device) device += c.device->bytes();
-      ++chunks;
+      ++by_precision[v1::Precision_Name(c.cold() ? c.precision : warm)];
     }
   }
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_HOST)] = host;
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_DEVICE)] = device;
-  const v1::Precision stored =
-      shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
-  (*info.mutable_chunks_by_precision())[v1::Precision_Name(stored)] = chunks;
   info.set_active_leases(static_cast<uint32_t>(env_.leases->CountForSession(id_)));
   return info;
 }
@@ -593,9 +739,10 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
         info->set_index(i);
         info->set_num_tokens(c.num_tokens);
         info->set_first_position(static_cast<int64_t>(i) * ct);
-        info->set_precision(shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16
-                                                             : v1::PRECISION_FP16);
-        info->set_host_bytes(c.host->bytes());
+        info->set_precision(c.cold() ? c.precision
+                            : shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16
+                                                               : v1::PRECISION_FP16);
+        info->set_host_bytes(c.host->bytes() + (c.promoted ? c.promoted->bytes() : 0));
         info->set_device_bytes(c.device ? c.device->bytes() : 0);
         info->set_generation(c.host->generation());
         info->set_pinned(c.host->pinned());

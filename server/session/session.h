@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kvtier/v1/kvtier.pb.h"
+#include "kernels/quant_layout.h"
 #include "server/common/clock.h"
 #include "server/session/lease_table.h"
 #include "server/tier/tier.h"
@@ -107,8 +108,14 @@ class Session {
  private:
   struct Chunk {
     uint32_t num_tokens = 0;
-    SlotRef host;    // the stored bytes
-    SlotRef device;  // a promoted copy, or null; dropped whenever the chunk changes
+    // How `host` holds the chunk: fp16/bf16 (the ChunkLayout) or int4/int8 (QuantLayout).
+    v1::Precision precision = v1::PRECISION_FP16;
+    SlotRef host;      // the stored bytes
+    SlotRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
+    SlotRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
+    bool cold() const {
+      return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8;
+    }
   };
   // One (layer, KV head). The sums sit in contiguous arrays so a Select scans them linearly.
   struct Stream {
@@ -133,6 +140,17 @@ class Session {
   // Adds `rows` key and value rows into the sums of chunk `index` (grown as needed).
   void AddToSums(Stream& s, size_t index, const uint8_t* k_rows, const uint8_t* v_rows,
                  uint32_t rows) const;
+  // Bits of cold chunks under the current policy: 4, 8, or 0 (keep fp16).
+  uint32_t cold_bits() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  QuantLayout cold_layout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return QuantLayout{shape_.head_dim(), policy_.chunk_tokens(), cold_bits()};
+  }
+  // Quantizes the chunks of `layer` that have wholly left the recent window (sinks stay
+  // fp16). A chunk whose slot cannot be had stays fp16 and is retried on the next append.
+  void QuantizeCold(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The K and V of a chunk as fp16 rows, dequantizing a cold one into `scratch`.
+  const uint16_t* Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id, int64_t first_position,
                   bool include_data, v1::BlockHandle* h) const;
 
@@ -148,6 +166,7 @@ class Session {
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> layer_tokens_ ABSL_GUARDED_BY(mu_);  // [num_layers]
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);         // [num_layers * num_kv_heads]
+  std::vector<uint32_t> cold_upto_ ABSL_GUARDED_BY(mu_);     // [num_layers]: chunks examined
 };
 
 }  // namespace kvtier

@@ -40,6 +40,9 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   ASSIGN_OR_RETURN(v1::ModelShape shape, ResolveShape(req.shape()));
   ASSIGN_OR_RETURN(v1::SessionPolicy policy,
                    ResolvePolicy(req.policy(), options_.default_policy, "policy"));
+  // Cold chunks are quantized from fp16 (scales and zeros are fp16); a bf16 session keeps
+  // its chunks as they came, and says so in the effective policy.
+  if (shape.dtype() == v1::DTYPE_BF16) policy.set_lossless(true);
   MutexLock lock(&mu_);
   std::string id = req.session_id().empty() ? NewId() : req.session_id();
   RETURN_IF_ERROR(CheckNewId(id));

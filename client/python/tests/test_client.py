@@ -29,7 +29,7 @@ def client(daemon):
 def test_round_trip_through_shared_memory_is_exact_and_zero_copy(client):
     rng = np.random.default_rng(1)
     k, v = make_kv(rng, 600)
-    sid = client.create_session(L, QH, KVH, D).session_id
+    sid = client.create_session(L, QH, KVH, D, lossless=True).session_id
     assert client.append_layers(sid, 0, k[:, :, :350], v[:, :, :350]) == 350
     assert client.append_layers(sid, 350, k[:, :, 350:], v[:, :, 350:]) == 600
     sel = client.select(sid, L - 1, rng.standard_normal((QH, D)), budget_tokens=5000)
@@ -57,7 +57,7 @@ def test_round_trip_through_shared_memory_is_exact_and_zero_copy(client):
 def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
     rng = np.random.default_rng(2)
     k, v = make_kv(rng, 2000)
-    sid = client.create_session(L, QH, KVH, D).session_id
+    sid = client.create_session(L, QH, KVH, D, lossless=True).session_id
     client.append_layers(sid, 0, k, v)
     q = rng.standard_normal((QH, D))
     mapped = client.select(sid, 3, q, budget_tokens=256)
@@ -105,7 +105,8 @@ def test_errors_carry_code_and_field(client):
 def test_fork_read_chunks_and_admin(client):
     rng = np.random.default_rng(3)
     k, v = make_kv(rng, 100)
-    sid = client.create_session(L, QH, KVH, D, session_id="parent", labels={"team": "a"}).session_id
+    sid = client.create_session(L, QH, KVH, D, session_id="parent", labels={"team": "a"},
+                                lossless=True).session_id
     client.append_layers(sid, 0, k, v)
     child = client.fork_session(sid, 40, "child").session_id
     assert client.describe_session(child).info.num_tokens == 40
