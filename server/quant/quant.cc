@@ -10,21 +10,43 @@
 namespace kvtier {
 namespace {
 
-// Eight channels' parameters, computed by the shared scalar code (so they match exactly).
-struct Params8 {
-  alignas(32) float zero[8];
-  alignas(32) float inv[8];
-};
-
 // 8 codes (uint32 lanes, each <= 15 or <= 255) packed into `out`: 4 bytes for 4 bits, 8 for 8.
 __attribute__((target("avx2"))) inline void Pack8(__m256i codes, uint32_t bits, uint8_t* out) {
-  alignas(32) uint32_t c[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c), codes);
-  if (bits == 8) {
-    for (int k = 0; k < 8; ++k) out[k] = static_cast<uint8_t>(c[k]);
+  if (bits == 4) {
+    // Odd lanes move up a nibble; adjacent lanes add into one byte each: [c0|c1<<4, ...].
+    __m256i v = _mm256_sllv_epi32(codes, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    v = _mm256_hadd_epi32(v, v);  // per 128-bit half: b0 b1 b0 b1 | b2 b3 b2 b3
+    v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0));
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_castsi256_si128(v));
+    w = _mm_packus_epi16(w, w);
+    const uint32_t word = static_cast<uint32_t>(_mm_cvtsi128_si32(w));
+    std::memcpy(out, &word, 4);
   } else {
-    for (int k = 0; k < 4; ++k) out[k] = static_cast<uint8_t>(c[2 * k] | (c[2 * k + 1] << 4));
+    __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    __m128i w = _mm_packus_epi16(_mm_packus_epi32(lo, hi), _mm_setzero_si128());
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), w);
   }
+}
+
+// MakeQuantParams for 8 groups at once. F16C rounds towards -Inf / +Inf directly, which is
+// exactly FloatToHalfDown / FloatToHalfUp; the test checks the bytes against the reference.
+__attribute__((target("avx2,f16c"))) inline void MakeQuantParams8(__m256 mn, __m256 mx,
+                                                                   uint32_t levels,
+                                                                   uint16_t* scale_h,
+                                                                   uint16_t* zero_h, __m256* zero,
+                                                                   __m256* inv) {
+  const __m256 pz = _mm256_setzero_ps();
+  mn = _mm256_add_ps(mn, pz);  // -0 -> +0, as in MakeQuantParams
+  mx = _mm256_add_ps(mx, pz);
+  const __m128i zh = _mm256_cvtps_ph(mn, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  *zero = _mm256_cvtph_ps(zh);
+  const __m256 s = _mm256_div_ps(_mm256_sub_ps(mx, *zero), _mm256_set1_ps(float(levels)));
+  const __m128i sh = _mm256_cvtps_ph(s, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+  const __m256 scale = _mm256_cvtph_ps(sh);
+  const __m256 recip = _mm256_div_ps(_mm256_set1_ps(1.f), scale);
+  *inv = _mm256_blendv_ps(pz, recip, _mm256_cmp_ps(scale, pz, _CMP_GT_OQ));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scale_h), sh);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(zero_h), zh);
 }
 
 // 8 codes starting at element i (i a multiple of 8) as float lanes.
@@ -81,18 +103,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
       mn = _mm256_min_ps(mn, x);
       mx = _mm256_max_ps(mx, x);
     }
-    alignas(32) float mns[8], mxs[8];
-    _mm256_store_ps(mns, mn);
-    _mm256_store_ps(mxs, mx);
-    Params8 p8;
-    for (int k = 0; k < 8; ++k) {
-      QuantParams p = MakeQuantParams(mns[k], mxs[k], levels);
-      key_scale[j + k] = p.scale_h;
-      key_zero[j + k] = p.zero_h;
-      p8.zero[k] = p.zero;
-      p8.inv[k] = p.inv_scale;
-    }
-    const __m256 zero = _mm256_load_ps(p8.zero), inv = _mm256_load_ps(p8.inv);
+    __m256 zero, inv;
+    MakeQuantParams8(mn, mx, levels, key_scale + j, key_zero + j, &zero, &inv);
     for (uint32_t t = 0; t < n; ++t) {
       Pack8(Quantize8(LoadHalf8(keys + t * d + j), zero, inv, lv), L.bits,
             out + L.key_codes() + (uint64_t{t} * d + j) / 8 * code_step);
