@@ -79,6 +79,7 @@ bench: build venv
 	$(BUILD)/bin/select_bench | tee bench/out/select.jsonl
 	$(BUILD)/bin/append_bench | tee bench/out/append.jsonl
 	$(BUILD)/bin/ranker_bench --benchmark_min_time=0.2 2>/dev/null | tee bench/out/ranker.jsonl
+	$(BUILD)/bin/quant_bench | tee bench/out/quant.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
 
 benchmarks-md:

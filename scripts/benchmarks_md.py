@@ -2,6 +2,8 @@
 """Writes docs/BENCHMARKS.md from the JSON lines that bench/ prints (never typed by hand).
 
 usage: scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md
+GPU figures come from a GPU machine: copy $OUT/gpu-bench.jsonl of `scripts/device-check run`
+into bench/out/ before regenerating.
 """
 import json
 import platform
@@ -13,12 +15,24 @@ COMMANDS = {
     "select.jsonl": "build/bin/select_bench",
     "append.jsonl": "build/bin/append_bench",
     "ranker.jsonl": "build/bin/ranker_bench",
+    "quant.jsonl": "build/bin/quant_bench",
+    "gpu-bench.jsonl": "scripts/device-check run (GPU machine)",
 }
 
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
 TARGETS = [
     ("select_rpc_", "<=", 1.5, "Select RPC vs a bare echo of the same bytes, same channel"),
-    ("appendkv_ingest", ">=", 0.25, "AppendKV ingest vs memcpy of the same bytes"),
+    ("appendkv_ingest", ">=", 0.25, "AppendKV ingest (with int4 quantization of cold chunks) "
+     "vs memcpy of the same bytes"),
+    ("quantize_throughput", ">=", 0.5, "CPU int4/int8 quantize, fp16 bytes in, vs memcpy"),
+    ("dequantize_throughput", ">=", 0.5, "CPU dequantize, fp16 bytes out, vs memcpy"),
+    ("stored_bytes_per_old_token", "<=", 0.30, "bytes per cold token per stream (codes, "
+     "scales, zeros, index sums, chunk bookkeeping) vs fp16 K and V"),
+    ("attention_output_error_int4", None, None, "relative attention-output error of int4 "
+     "chunks vs fp16, against int4 with keys per token, on keys with outlier channels "
+     "(lower ratio: per-channel keys help)"),
+    ("gpu_quantize_throughput", ">=", 0.7, "GPU quantize kernel vs device-to-device copy"),
+    ("gpu_dequantize_throughput", ">=", 0.7, "GPU gather-dequantize kernel vs device-to-device copy"),
     ("select_compute_", None, None, "Select ranking compute vs an exact scan of every key "
      "(EVAL's target, <= 0.1x at 128K, also asks for oracle ratio >= 0.95, measured once the "
      "cluster index and the model judge land; reported here without a verdict)"),
@@ -66,8 +80,12 @@ def main(paths):
         ratio = r["ratio"]
         met = "" if target is None else ("yes" if (ratio <= target if op == "<=" else ratio >= target) else "**no**")
         label = r["name"]
-        if "context_tokens" in r["parameters"]:
-            label += f" ({r['parameters']['context_tokens']} tokens)"
+        p = r["parameters"]
+        tags = [f"{p['context_tokens']} tokens"] if "context_tokens" in p else []
+        if "bits" in p:
+            tags.append(f"d {p['head_dim']}, {p['bits']}-bit")
+        if tags:
+            label += f" ({', '.join(tags)})"
         goal = f"{op} {target}x" if target is not None else "reported"
         out.append(f"| {label} | {r['value']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
                    f"({r['baseline_name']}) | {ratio:.3f}x | {goal} | {met} | "
