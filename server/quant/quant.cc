@@ -112,24 +112,47 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
   }
   auto* value_scale = reinterpret_cast<uint16_t*>(out + L.value_scale());
   auto* value_zero = reinterpret_cast<uint16_t*>(out + L.value_zero());
-  for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of 32 (d % 8 == 0 here)
+  // Values: per token, groups of 32 channels (d % 8 == 0 here). First every group's range,
+  // then the parameters 8 groups at a time, then the codes.
+  const uint32_t groups = n * G, padded = (groups + 7) / 8 * 8;
+  alignas(32) float gmn[64 * 16 + 8], gmx[64 * 16 + 8], gzero[64 * 16 + 8], ginv[64 * 16 + 8];
+  alignas(16) uint16_t gscale_h[64 * 16 + 8], gzero_h[64 * 16 + 8];
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
-      const uint16_t* row = values + t * d;
       __m256 mn = LoadHalf8(row + lo), mx = mn;
       for (uint32_t j = lo + 8; j < hi; j += 8) {
         __m256 x = LoadHalf8(row + j);
         mn = _mm256_min_ps(mn, x);
         mx = _mm256_max_ps(mx, x);
       }
-      alignas(32) float mns[8], mxs[8];
-      _mm256_store_ps(mns, mn);
-      _mm256_store_ps(mxs, mx);
-      const float gmn = *std::min_element(mns, mns + 8), gmx = *std::max_element(mxs, mxs + 8);
-      QuantParams p = MakeQuantParams(gmn, gmx, levels);
-      value_scale[t * G + g] = p.scale_h;
-      value_zero[t * G + g] = p.zero_h;
-      const __m256 zero = _mm256_set1_ps(p.zero), inv = _mm256_set1_ps(p.inv_scale);
+      // Horizontal min and max of the 8 lanes.
+      __m128 m4 = _mm_min_ps(_mm256_castps256_ps128(mn), _mm256_extractf128_ps(mn, 1));
+      m4 = _mm_min_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_min_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      __m128 x4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      x4 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+      x4 = _mm_max_ss(x4, _mm_shuffle_ps(x4, x4, 1));
+      gmn[t * G + g] = _mm_cvtss_f32(m4);
+      gmx[t * G + g] = _mm_cvtss_f32(x4);
+    }
+  }
+  for (uint32_t i = groups; i < padded; ++i) gmn[i] = gmx[i] = 0.f;
+  for (uint32_t i = 0; i < padded; i += 8) {
+    __m256 zero, inv;
+    MakeQuantParams8(_mm256_load_ps(gmn + i), _mm256_load_ps(gmx + i), levels, gscale_h + i,
+                     gzero_h + i, &zero, &inv);
+    _mm256_store_ps(gzero + i, zero);
+    _mm256_store_ps(ginv + i, inv);
+  }
+  std::memcpy(value_scale, gscale_h, 2ull * groups);
+  std::memcpy(value_zero, gzero_h, 2ull * groups);
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint16_t* row = values + t * d;
+    for (uint32_t g = 0; g < G; ++g) {
+      const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
+      const __m256 zero = _mm256_set1_ps(gzero[t * G + g]), inv = _mm256_set1_ps(ginv[t * G + g]);
       for (uint32_t j = lo; j < hi; j += 8) {
         Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits,
               out + L.value_codes() + (uint64_t{t} * d + j) / 8 * code_step);
@@ -169,6 +192,18 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
       }
     }
   }
+}
+
+// The index of the first 16-half block with an Inf or NaN (exponent all ones), or n rounded
+// down to 16: everything before it is finite.
+__attribute__((target("avx2"))) uint64_t SkipFinite(const uint16_t* h, uint64_t n) {
+  const __m256i mask = _mm256_set1_epi16(0x7c00);
+  uint64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i)), mask);
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(v, mask)) != 0) return i;
+  }
+  return i;
 }
 
 }  // namespace
@@ -223,7 +258,9 @@ bool MatchesQuantizedRow(const uint8_t* q, const QuantLayout& L, uint32_t row,
 }
 
 int64_t FindNonFinite(const uint16_t* h, uint64_t n) {
-  for (uint64_t i = 0; i < n; ++i) {
+  uint64_t i = 0;
+  if (AddRowsIsVectorized()) i = SkipFinite(h, n);  // to the first block that holds one
+  for (; i < n; ++i) {
     if (HalfIsNonFinite(h[i])) return static_cast<int64_t>(i);
   }
   return -1;
