@@ -74,7 +74,7 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   const QuantLayout L{d, n, bits};
   const double codes = 2.0 * L.code_bytes();
   const double scales = double(L.Bytes()) - codes;  // scales, zeros and alignment padding
-  const double index = 2.0 * d * sizeof(float);     // per-chunk key and value sums
+  const double index = 1.0 * d * sizeof(float);     // per-chunk key sums (the ranking index)
   // Chunk record (count, precision, three slot refs) and the slot object with its shared
   // control block.
   const double bookkeeping = 64 + 96;

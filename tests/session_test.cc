@@ -374,6 +374,41 @@ TEST(Session, SelectRejectsBadRequestsByField) {
   EXPECT_EQ(e.leases.size(), 0u);
 }
 
+// Every chunk left out of a selection comes back as a summary: its mean key and mean value
+// (fp32) and token count, checked against means computed here from the appended rows.
+TEST(Session, SummariesDescribeEveryChunkLeftOut) {
+  Env e;
+  Fixture f = Make(e, 3, 4, 2, 32, 640);
+  ASSERT_OK(AppendAll(f, 640, 320));
+  auto req = SelectReq(f, 2, 160);
+  req.set_include_summaries(true);
+  v1::SelectResponse resp;
+  ASSERT_OK(f.session->Select(req, &resp));
+  for (int h = 0; h < 2; ++h) {
+    const auto& head = resp.heads(h);
+    std::set<uint32_t> chosen;
+    for (const auto& b : head.blocks()) chosen.insert(DecodeChunkId(b.chunk_id()).index);
+    ASSERT_EQ(head.summaries_size(), 40 - static_cast<int>(chosen.size()));
+    int next = 0;
+    for (uint32_t c = 0; c < 40; ++c) {
+      if (chosen.count(c)) continue;
+      const auto& sum = head.summaries(next++);
+      EXPECT_EQ(sum.num_tokens(), 16u);
+      const auto* mk = reinterpret_cast<const float*>(sum.mean_key().data());
+      const auto* mv = reinterpret_cast<const float*>(sum.mean_value().data());
+      for (int j = 0; j < 32; ++j) {
+        double k = 0, v = 0;
+        for (uint32_t t = c * 16; t < c * 16 + 16; ++t) {
+          k += HalfToFloat(f.k[2][(size_t(h) * 640 + t) * 32 + j]);
+          v += HalfToFloat(f.v[2][(size_t(h) * 640 + t) * 32 + j]);
+        }
+        EXPECT_NEAR(mk[j], k / 16, 1e-5) << "chunk " << c;
+        EXPECT_NEAR(mv[j], v / 16, 1e-5) << "chunk " << c;
+      }
+    }
+  }
+}
+
 TEST(Session, DefaultBudgetComesFromThePolicy) {
   Env e;
   v1::SessionPolicy p = Lossless();

@@ -105,18 +105,12 @@ uint64_t Session::MinTokens() const {
   return *std::min_element(layer_tokens_.begin(), layer_tokens_.end());
 }
 
-void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, const uint8_t* v_rows,
-                        uint32_t rows) const {
+void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t rows) const {
   const size_t d = shape_.head_dim();
   const HalfKind kind = shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16;
-  if (s.key_sums.size() < (index + 1) * d) {
-    s.key_sums.resize((index + 1) * d, 0.f);
-    s.value_sums.resize((index + 1) * d, 0.f);
-  }
+  if (s.key_sums.size() < (index + 1) * d) s.key_sums.resize((index + 1) * d, 0.f);
   AddRows(kind, reinterpret_cast<const uint16_t*>(k_rows), static_cast<int>(rows),
           static_cast<int>(d), &s.key_sums[index * d]);
-  AddRows(kind, reinterpret_cast<const uint16_t*>(v_rows), static_cast<int>(rows),
-          static_cast<int>(d), &s.value_sums[index * d]);
 }
 
 absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
@@ -251,7 +245,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       }
       std::memcpy(c.host->data() + m * rb, k_in, k * rb);
       std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
-      AddToSums(s, s.chunks.size() - 1, k_in, v_in, k);
+      AddToSums(s, s.chunks.size() - 1, k_in, k);
       c.num_tokens = grown;
       c.device.reset();  // the promoted copy is stale
       k_in += k * rb;
@@ -266,7 +260,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       std::memcpy(c.host->data() + k * rb, v_in, k * rb);
       c.num_tokens = k;
       s.chunks.push_back(std::move(c));
-      AddToSums(s, s.chunks.size() - 1, k_in, v_in, k);
+      AddToSums(s, s.chunks.size() - 1, k_in, k);
       k_in += k * rb;
       v_in += k * rb;
       left -= k;
@@ -325,12 +319,10 @@ void Session::QuantizeCold(uint32_t layer) {
       chunk.host = *std::move(slot);  // the fp16 slot goes back (unless a lease or fork holds it)
       chunk.precision = precision;
       chunk.device.reset();
-      // The chunk's means describe what attention will now read: the dequantized keys.
+      // The chunk's mean describes what attention will now read: the dequantized keys.
       DequantizeChunk(chunk.host->data(), layout, rows.data(), rows.data() + uint64_t{ct} * d);
       std::fill_n(&s.key_sums[uint64_t{c} * d], d, 0.f);
-      std::fill_n(&s.value_sums[uint64_t{c} * d], d, 0.f);
-      AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()),
-                reinterpret_cast<const uint8_t*>(rows.data() + uint64_t{ct} * d), ct);
+      AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()), ct);
     }
   }
   cold_upto_[layer] = c;
@@ -524,11 +516,13 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
         }
         // Until the cluster index lands each left-out chunk is its own cluster.
         const uint32_t n = s.chunks[c].num_tokens;
-        std::vector<float> mk(d), mv(d);
-        for (int j = 0; j < d; ++j) {
-          mk[j] = s.key_sums[static_cast<size_t>(c) * d + j] / n;
-          mv[j] = s.value_sums[static_cast<size_t>(c) * d + j] / n;
-        }
+        std::vector<float> mk(d), mv(d, 0.f);
+        for (int j = 0; j < d; ++j) mk[j] = s.key_sums[static_cast<size_t>(c) * d + j] / n;
+        std::vector<uint16_t> scratch;
+        const uint16_t* v_rows = Fp16Rows(s.chunks[c], scratch) + static_cast<size_t>(n) * d;
+        AddRows(shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16, v_rows,
+                static_cast<int>(n), d, mv.data());
+        for (float& x : mv) x /= n;
         v1::ClusterSummary* sum = hs->add_summaries();
         sum->set_mean_key(mk.data(), d * sizeof(float));
         sum->set_mean_value(mv.data(), d * sizeof(float));
@@ -616,7 +610,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     const size_t d = shape_.head_dim();
     to.chunks.assign(from.chunks.begin(), from.chunks.begin() + keep_full);
     to.key_sums.assign(from.key_sums.begin(), from.key_sums.begin() + keep_full * d);
-    to.value_sums.assign(from.value_sums.begin(), from.value_sums.begin() + keep_full * d);
     if (tail != 0) {
       const Chunk& src = from.chunks[keep_full];
       std::vector<uint16_t> scratch;
@@ -627,8 +620,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
       std::memcpy(c.host->data() + tail * rb, rows + src.num_tokens * rb, tail * rb);
       c.num_tokens = tail;
       to.chunks.push_back(std::move(c));
-      const uint8_t* copied = to.chunks.back().host->data();
-      AddToSums(to, keep_full, copied, copied + tail * rb, tail);
+      AddToSums(to, keep_full, to.chunks.back().host->data(), tail);
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);

@@ -117,11 +117,11 @@ class Session {
       return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8;
     }
   };
-  // One (layer, KV head). The sums sit in contiguous arrays so a Select scans them linearly.
+  // One (layer, KV head). The key sums sit in one contiguous array so a Select scans them
+  // linearly. (Value means, for summaries only, are computed when asked for.)
   struct Stream {
     std::vector<Chunk> chunks;
-    std::vector<float> key_sums;    // [chunks][head_dim]: sum of each chunk's keys
-    std::vector<float> value_sums;  // [chunks][head_dim]
+    std::vector<float> key_sums;  // [chunks][head_dim]: sum of each chunk's keys
   };
 
   Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
@@ -137,9 +137,8 @@ class Session {
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CompareStored(uint32_t layer, uint64_t start, uint64_t count,
                              const v1::AppendKVRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds `rows` key and value rows into the sums of chunk `index` (grown as needed).
-  void AddToSums(Stream& s, size_t index, const uint8_t* k_rows, const uint8_t* v_rows,
-                 uint32_t rows) const;
+  // Adds `rows` key rows into the key sum of chunk `index` (grown as needed).
+  void AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t rows) const;
   // Bits of cold chunks under the current policy: 4, 8, or 0 (keep fp16).
   uint32_t cold_bits() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   QuantLayout cold_layout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
