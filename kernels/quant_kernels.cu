@@ -21,10 +21,7 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   const ChunkLayout fp{d, n};
   const uint16_t* keys = reinterpret_cast<const uint16_t*>(job.fp16 + fp.key_offset(0));
   const uint16_t* values = reinterpret_cast<const uint16_t*>(job.fp16 + fp.value_offset(0));
-  uint16_t* key_scale_h = reinterpret_cast<uint16_t*>(job.quant + L.key_scale());
-  uint16_t* key_zero_h = reinterpret_cast<uint16_t*>(job.quant + L.key_zero());
-  uint16_t* value_scale_h = reinterpret_cast<uint16_t*>(job.quant + L.value_scale());
-  uint16_t* value_zero_h = reinterpret_cast<uint16_t*>(job.quant + L.value_zero());
+  const QuantSections<uint8_t> q(job.quant, L);
 
   for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
     float mn = HalfToFloat(keys[j]), mx = mn;
@@ -34,8 +31,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
       mx = fmaxf(mx, x);
     }
     QuantParams p = MakeQuantParams(mn, mx, levels);
-    key_scale_h[j] = p.scale_h;
-    key_zero_h[j] = p.zero_h;
+    q.key_scale[j] = p.scale_h;
+    q.key_zero[j] = p.zero_h;
     key_zero[j] = p.zero;
     key_inv[j] = p.inv_scale;
   }
@@ -49,8 +46,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
       mx = fmaxf(mx, x);
     }
     QuantParams p = MakeQuantParams(mn, mx, levels);
-    value_scale_h[tg] = p.scale_h;
-    value_zero_h[tg] = p.zero_h;
+    q.value_scale[tg] = p.scale_h;
+    q.value_zero[tg] = p.zero_h;
     value_zero[tg] = p.zero;
     value_inv[tg] = p.inv_scale;
   }
@@ -81,8 +78,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
       kbyte |= QuantizeValue(HalfToFloat(keys[i]), kp, levels) << (4 * s);
       vbyte |= QuantizeValue(HalfToFloat(values[i]), vp, levels) << (4 * s);
     }
-    job.quant[L.key_codes() + b] = static_cast<uint8_t>(kbyte);
-    job.quant[L.value_codes() + b] = static_cast<uint8_t>(vbyte);
+    q.key_codes[b] = static_cast<uint8_t>(kbyte);
+    q.value_codes[b] = static_cast<uint8_t>(vbyte);
   }
 }
 
@@ -90,20 +87,16 @@ __global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout 
   const QuantJob job = jobs[blockIdx.x];
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
   const ChunkLayout fp{d, n};
-  const uint8_t* in = job.quant;
-  const uint16_t* key_scale = reinterpret_cast<const uint16_t*>(in + L.key_scale());
-  const uint16_t* key_zero = reinterpret_cast<const uint16_t*>(in + L.key_zero());
-  const uint16_t* value_scale = reinterpret_cast<const uint16_t*>(in + L.value_scale());
-  const uint16_t* value_zero = reinterpret_cast<const uint16_t*>(in + L.value_zero());
+  const QuantSections<const uint8_t> q(job.quant, L);
   uint16_t* keys = reinterpret_cast<uint16_t*>(job.fp16 + fp.key_offset(0));
   uint16_t* values = reinterpret_cast<uint16_t*>(job.fp16 + fp.value_offset(0));
   for (uint64_t i = threadIdx.x; i < uint64_t{n} * d; i += blockDim.x) {
     const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
     const uint32_t g = t * G + j / kValueGroup;
-    keys[i] = DequantizeValue(GetCode(in + L.key_codes(), i, L.bits), HalfToFloat(key_scale[j]),
-                              HalfToFloat(key_zero[j]));
-    values[i] = DequantizeValue(GetCode(in + L.value_codes(), i, L.bits),
-                                HalfToFloat(value_scale[g]), HalfToFloat(value_zero[g]));
+    keys[i] = DequantizeValue(GetCode(q.key_codes, i, L.bits), HalfToFloat(q.key_scale[j]),
+                              HalfToFloat(q.key_zero[j]));
+    values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits), HalfToFloat(q.value_scale[g]),
+                                HalfToFloat(q.value_zero[g]));
   }
 }
 

@@ -30,6 +30,7 @@
 #define KVTIER_KERNELS_QUANT_LAYOUT_H_
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/half.h"
 
@@ -60,6 +61,26 @@ struct QuantLayout {
     return value_zero() + Align(2ull * num_tokens * groups());
   }
   KVTIER_HOST_DEVICE uint64_t Bytes() const { return value_codes() + Align(code_bytes()); }
+};
+
+// The sections of one quantized chunk at `base`, typed. `Byte` is uint8_t or const uint8_t.
+template <typename Byte>
+struct QuantSections {
+  using Half = std::conditional_t<std::is_const_v<Byte>, const uint16_t, uint16_t>;
+  Half* key_scale;    // [d]
+  Half* key_zero;     // [d]
+  Byte* key_codes;    // [n][d] packed
+  Half* value_scale;  // [n][G]
+  Half* value_zero;   // [n][G]
+  Byte* value_codes;  // [n][d] packed
+
+  KVTIER_HOST_DEVICE QuantSections(Byte* base, const QuantLayout& L)
+      : key_scale(reinterpret_cast<Half*>(base + L.key_scale())),
+        key_zero(reinterpret_cast<Half*>(base + L.key_zero())),
+        key_codes(base + L.key_codes()),
+        value_scale(reinterpret_cast<Half*>(base + L.value_scale())),
+        value_zero(reinterpret_cast<Half*>(base + L.value_zero())),
+        value_codes(base + L.value_codes()) {}
 };
 
 // Reads element i (row-major over [n][d]) of a packed code array.

@@ -7,16 +7,14 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/gpu_test_util.h"
 #include "kernels/chunk_layout.h"
 #include "kernels/gather_chunks.h"
 
 namespace kvtier {
 namespace {
 
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testing::HaveGpu;
 
 TEST(GatherChunksGpu, BitIdenticalToReference) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device here; the CPU twin is gather_chunks_test";

@@ -8,16 +8,14 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/gpu_test_util.h"
 #include "kernels/chunk_layout.h"
 #include "kernels/quant.h"
 
 namespace kvtier {
 namespace {
 
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testing::HaveGpu;
 
 TEST(QuantGpu, BitIdenticalToReference) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device here; the CPU twin is quant_test";

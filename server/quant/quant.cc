@@ -93,8 +93,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
   std::memset(out, 0, L.Bytes());
   const __m256 lv = _mm256_set1_ps(static_cast<float>(levels));
-  auto* key_scale = reinterpret_cast<uint16_t*>(out + L.key_scale());
-  auto* key_zero = reinterpret_cast<uint16_t*>(out + L.key_zero());
+  const QuantSections<uint8_t> q(out, L);
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
   for (uint32_t j = 0; j < d; j += 8) {  // keys: 8 channels at a time, over the tokens
     __m256 mn = LoadHalf8(keys + j), mx = mn;
@@ -104,14 +103,12 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
       mx = _mm256_max_ps(mx, x);
     }
     __m256 zero, inv;
-    MakeQuantParams8(mn, mx, levels, key_scale + j, key_zero + j, &zero, &inv);
+    MakeQuantParams8(mn, mx, levels, q.key_scale + j, q.key_zero + j, &zero, &inv);
     for (uint32_t t = 0; t < n; ++t) {
       Pack8(Quantize8(LoadHalf8(keys + t * d + j), zero, inv, lv), L.bits,
-            out + L.key_codes() + (uint64_t{t} * d + j) / 8 * code_step);
+            q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
     }
   }
-  auto* value_scale = reinterpret_cast<uint16_t*>(out + L.value_scale());
-  auto* value_zero = reinterpret_cast<uint16_t*>(out + L.value_zero());
   // Values: per token, groups of 32 channels (d % 8 == 0 here). First every group's range,
   // then the parameters 8 groups at a time, then the codes.
   const uint32_t groups = n * G, padded = (groups + 7) / 8 * 8;
@@ -146,8 +143,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
     _mm256_store_ps(gzero + i, zero);
     _mm256_store_ps(ginv + i, inv);
   }
-  std::memcpy(value_scale, gscale_h, 2ull * groups);
-  std::memcpy(value_zero, gzero_h, 2ull * groups);
+  std::memcpy(q.value_scale, gscale_h, 2ull * groups);
+  std::memcpy(q.value_zero, gzero_h, 2ull * groups);
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -155,7 +152,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
       const __m256 zero = _mm256_set1_ps(gzero[t * G + g]), inv = _mm256_set1_ps(ginv[t * G + g]);
       for (uint32_t j = lo; j < hi; j += 8) {
         Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits,
-              out + L.value_codes() + (uint64_t{t} * d + j) / 8 * code_step);
+              q.value_codes + (uint64_t{t} * d + j) / 8 * code_step);
       }
     }
   }
@@ -165,30 +162,25 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
                                                          uint16_t* keys_out,
                                                          uint16_t* values_out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
-  const auto* key_scale = reinterpret_cast<const uint16_t*>(in + L.key_scale());
-  const auto* key_zero = reinterpret_cast<const uint16_t*>(in + L.key_zero());
-  const auto* value_scale = reinterpret_cast<const uint16_t*>(in + L.value_scale());
-  const auto* value_zero = reinterpret_cast<const uint16_t*>(in + L.value_zero());
+  const QuantSections<const uint8_t> q(in, L);
   for (uint32_t j = 0; j < d; j += 8) {
-    const __m256 scale =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_scale + j)));
-    const __m256 zero =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_zero + j)));
+    const __m256 scale = LoadHalf8(q.key_scale + j);
+    const __m256 zero = LoadHalf8(q.key_zero + j);
     for (uint32_t t = 0; t < n; ++t) {
       const uint64_t i = uint64_t{t} * d + j;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(keys_out + i),
-                       Dequantize8(Unpack8(in + L.key_codes(), i, L.bits), scale, zero));
+                       Dequantize8(Unpack8(q.key_codes, i, L.bits), scale, zero));
     }
   }
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t g = 0; g < G; ++g) {
-      const __m256 scale = _mm256_set1_ps(HalfToFloat(value_scale[t * G + g]));
-      const __m256 zero = _mm256_set1_ps(HalfToFloat(value_zero[t * G + g]));
+      const __m256 scale = _mm256_set1_ps(HalfToFloat(q.value_scale[t * G + g]));
+      const __m256 zero = _mm256_set1_ps(HalfToFloat(q.value_zero[t * G + g]));
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       for (uint32_t j = lo; j < hi; j += 8) {
         const uint64_t i = uint64_t{t} * d + j;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(values_out + i),
-                         Dequantize8(Unpack8(in + L.value_codes(), i, L.bits), scale, zero));
+                         Dequantize8(Unpack8(q.value_codes, i, L.bits), scale, zero));
       }
     }
   }
@@ -230,13 +222,10 @@ void DequantizeChunk(const uint8_t* in, const QuantLayout& layout, uint16_t* key
   }
 }
 
-bool MatchesQuantizedRow(const uint8_t* q, const QuantLayout& L, uint32_t row,
+bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& L, uint32_t row,
                          const uint16_t* k_row, const uint16_t* v_row) {
   const uint32_t d = L.head_dim, G = L.groups();
-  const auto* ks = reinterpret_cast<const uint16_t*>(q + L.key_scale());
-  const auto* kz = reinterpret_cast<const uint16_t*>(q + L.key_zero());
-  const auto* vs = reinterpret_cast<const uint16_t*>(q + L.value_scale());
-  const auto* vz = reinterpret_cast<const uint16_t*>(q + L.value_zero());
+  const QuantSections<const uint8_t> q(quant, L);
   auto close = [](uint16_t stored, float scale, uint16_t given) {
     const float y = HalfToFloat(stored), x = HalfToFloat(given);
     const uint16_t a = FloatToHalf(y < 0 ? -y : y);
@@ -247,11 +236,11 @@ bool MatchesQuantizedRow(const uint8_t* q, const QuantLayout& L, uint32_t row,
   for (uint32_t j = 0; j < d; ++j) {
     const uint64_t i = uint64_t{row} * d + j;
     const uint32_t g = row * G + j / kValueGroup;
-    const float kscale = HalfToFloat(ks[j]), vscale = HalfToFloat(vs[g]);
-    const uint16_t k = DequantizeValue(GetCode(q + L.key_codes(), i, L.bits), kscale,
-                                       HalfToFloat(kz[j]));
-    const uint16_t v = DequantizeValue(GetCode(q + L.value_codes(), i, L.bits), vscale,
-                                       HalfToFloat(vz[g]));
+    const float kscale = HalfToFloat(q.key_scale[j]), vscale = HalfToFloat(q.value_scale[g]);
+    const uint16_t k =
+        DequantizeValue(GetCode(q.key_codes, i, L.bits), kscale, HalfToFloat(q.key_zero[j]));
+    const uint16_t v =
+        DequantizeValue(GetCode(q.value_codes, i, L.bits), vscale, HalfToFloat(q.value_zero[g]));
     if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;
   }
   return true;
