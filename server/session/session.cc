@@ -459,10 +459,11 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
   }
   std::vector<SlotRef> slots;
+  const uint64_t fp16_slot = slot_bytes();  // outside the lambda: the analysis sees mu_ held
   auto allocate_all = [&]() -> absl::Status {
     slots.clear();
     for (size_t i = 0; i < todo.size(); ++i) {
-      ASSIGN_OR_RETURN(SlotRef slot, target->Allocate(tenant_, slot_bytes()));
+      ASSIGN_OR_RETURN(SlotRef slot, target->Allocate(tenant_, fp16_slot));
       slots.push_back(std::move(slot));
     }
     return absl::OkStatus();
