@@ -724,6 +724,50 @@ TEST(ColdChunks, DevicePlacementDequantizesIntoTheDeviceTier) {
   EXPECT_EQ(read[0].stored_precision(), v1::PRECISION_INT4);
 }
 
+// A full host tier makes room from the session's unread dequantized copies, including those
+// of chunks this very Select chose again: they must be made anew, not handed out freed.
+TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {
+  // Two layers (layer 0 dense) of one stream, 400 tokens, d 64: chunk 0 (sink) and 21..24
+  // (window) fp16, 1..20 int4.
+  const uint64_t warm = 2 * 5 * 4096, cold = 2 * 20 * QuantLayout{64, 16, 4}.Bytes();
+  Env e(warm + cold + 6 * 4096);  // room for six dequantized copies
+  v1::SessionPolicy policy = Cold();
+  policy.set_dense_layers(1);
+  Fixture f = Make(e, 2, 1, 1, 64, 400, policy);
+  // Keys constant per chunk (exact under int4): channel 0 = chunk index, channel 1 = 100 for
+  // chunks 3, 4, 5. A query along channel 0 ranks 20, 19, ...; along (1, 1), 5, 4, 3, 20, 19.
+  for (int t = 0; t < 400; ++t) {
+    for (int j = 0; j < 64; ++j) {
+      const int c = t / 16;
+      f.k[1][t * 64 + j] = FloatToHalf(j == 0 ? c : (j == 1 && c >= 3 && c <= 5 ? 100.f : 0.f));
+    }
+  }
+  ASSERT_OK(AppendAll(f, 400, 16));  // 16 at a time: quantizing as it goes stays in capacity
+  ASSERT_EQ(e.host.Stats().used_bytes, warm + cold);
+  auto select = [&](float q1, std::set<uint32_t> want_cold) -> v1::SelectResponse {
+    std::vector<float> q(64, 0.f);
+    q[0] = 1.f;
+    q[1] = q1;
+    auto req = SelectReq(f, 1, 80 + 5 * 16);
+    req.set_query(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+    v1::SelectResponse resp;
+    EXPECT_OK(f.session->Select(req, &resp));
+    std::set<uint32_t> got;
+    for (const auto& b : resp.heads(0).blocks()) {
+      if (b.stored_precision() == v1::PRECISION_INT4) got.insert(DecodeChunkId(b.chunk_id()).index);
+      EXPECT_EQ(b.keys(), AsBytes(HeadRows(f.k[1], f, 0, b.positions(0), b.num_tokens())));
+    }
+    EXPECT_EQ(got, want_cold);
+    return resp;
+  };
+  v1::SelectResponse first = select(0.f, {16, 17, 18, 19, 20});
+  ASSERT_OK(e.leases.Release("t", first.lease_id()));
+  // Needs 3 new copies beside the 5 unread ones: room for 6, so the 5 go and 5 are made.
+  v1::SelectResponse second = select(1.f, {3, 4, 5, 19, 20});
+  EXPECT_LE(e.host.Stats().used_bytes, warm + cold + 6 * 4096);
+  ASSERT_OK(e.leases.Release("t", second.lease_id()));
+}
+
 TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {
   Env e;
   Fixture f = Make(e, 1, 2, 1, 64, 200, Cold());

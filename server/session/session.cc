@@ -107,9 +107,8 @@ uint64_t Session::MinTokens() const {
 
 void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t rows) const {
   const size_t d = shape_.head_dim();
-  const HalfKind kind = shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16;
   if (s.key_sums.size() < (index + 1) * d) s.key_sums.resize((index + 1) * d, 0.f);
-  AddRows(kind, reinterpret_cast<const uint16_t*>(k_rows), static_cast<int>(rows),
+  AddRows(half_kind(), reinterpret_cast<const uint16_t*>(k_rows), static_cast<int>(rows),
           static_cast<int>(d), &s.key_sums[index * d]);
 }
 
@@ -128,9 +127,7 @@ absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t cou
       const bool same =
           c.cold()
               // The exact bytes are gone: accept what the stored codes could have come from.
-              ? MatchesQuantizedRow(base, QuantLayout{shape_.head_dim(), c.num_tokens,
-                                                      c.precision == v1::PRECISION_INT4 ? 4u : 8u},
-                                    static_cast<uint32_t>(row),
+              ? MatchesQuantizedRow(base, ColdLayout(c), static_cast<uint32_t>(row),
                                     reinterpret_cast<const uint16_t*>(req.keys().data() + in),
                                     reinterpret_cast<const uint16_t*>(req.values().data() + in))
               : std::memcmp(base + row * rb, req.keys().data() + in, rb) == 0 &&
@@ -280,13 +277,20 @@ uint32_t Session::cold_bits() const {
   }
 }
 
+void Session::WriteFp16(const Chunk& c, uint8_t* dst) const {
+  if (!c.cold()) {
+    std::memcpy(dst, c.host->data(), 2 * c.num_tokens * row_bytes());
+    return;
+  }
+  auto* k = reinterpret_cast<uint16_t*>(dst);
+  DequantizeChunk(c.host->data(), ColdLayout(c), k,
+                  k + uint64_t{c.num_tokens} * shape_.head_dim());
+}
+
 const uint16_t* Session::Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const {
   if (!c.cold()) return reinterpret_cast<const uint16_t*>(c.host->data());
-  const uint32_t d = shape_.head_dim();
-  scratch.resize(2ull * c.num_tokens * d);
-  DequantizeChunk(c.host->data(),
-                  QuantLayout{d, c.num_tokens, c.precision == v1::PRECISION_INT4 ? 4u : 8u},
-                  scratch.data(), scratch.data() + uint64_t{c.num_tokens} * d);
+  scratch.resize(2ull * c.num_tokens * shape_.head_dim());
+  WriteFp16(c, reinterpret_cast<uint8_t*>(scratch.data()));
   return scratch.data();
 }
 
@@ -452,15 +456,16 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   // placement needs a device copy. Allocate all first, so that a full tier changes nothing.
   const bool to_device = target == env_.device;
   std::vector<Chunk*> todo;
-  for (uint32_t h = 0; h < kvh; ++h) {
-    for (uint32_t c : chosen[h]) {
-      Chunk& ch = stream(layer, h).chunks[c];
-      if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo.push_back(&ch);
-    }
-  }
   std::vector<SlotRef> slots;
   const uint64_t fp16_slot = slot_bytes();  // outside the lambda: the analysis sees mu_ held
   auto allocate_all = [&]() -> absl::Status {
+    todo.clear();
+    for (uint32_t h = 0; h < kvh; ++h) {
+      for (uint32_t c : chosen[h]) {
+        Chunk& ch = streams_[static_cast<size_t>(layer) * kvh + h].chunks[c];
+        if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo.push_back(&ch);
+      }
+    }
     slots.clear();
     for (size_t i = 0; i < todo.size(); ++i) {
       ASSIGN_OR_RETURN(SlotRef slot, target->Allocate(tenant_, fp16_slot));
@@ -470,8 +475,9 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   };
   absl::Status allocated = allocate_all();
   if (!allocated.ok() && !to_device) {
-    // Make room from this session's own dequantized copies that nobody is reading. (Tier-wide
-    // eviction policies come with tier management.)
+    // Make room from this session's own dequantized copies that nobody is reading, then
+    // start over: the chosen chunks whose copies went need them again. (Tier-wide eviction
+    // policies come with tier management.)
     for (Stream& st : streams_) {
       for (Chunk& ch : st.chunks) {
         if (ch.promoted && ch.promoted.use_count() == 1) ch.promoted.reset();
@@ -482,15 +488,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   RETURN_IF_ERROR(allocated);
   for (size_t i = 0; i < todo.size(); ++i) {
     Chunk& ch = *todo[i];
-    if (ch.cold()) {
-      const uint32_t d = shape_.head_dim();
-      auto* k = reinterpret_cast<uint16_t*>(slots[i]->data());
-      DequantizeChunk(ch.host->data(),
-                      QuantLayout{d, ch.num_tokens, ch.precision == v1::PRECISION_INT4 ? 4u : 8u},
-                      k, k + uint64_t{ch.num_tokens} * d);
-    } else {
-      std::memcpy(slots[i]->data(), ch.host->data(), 2 * ch.num_tokens * row_bytes());
-    }
+    WriteFp16(ch, slots[i]->data());
     (to_device ? ch.device : ch.promoted) = std::move(slots[i]);
   }
   target->RecordPromotions(todo.size());
@@ -521,8 +519,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
         for (int j = 0; j < d; ++j) mk[j] = s.key_sums[static_cast<size_t>(c) * d + j] / n;
         std::vector<uint16_t> scratch;
         const uint16_t* v_rows = Fp16Rows(s.chunks[c], scratch) + static_cast<size_t>(n) * d;
-        AddRows(shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16, v_rows,
-                static_cast<int>(n), d, mv.data());
+        AddRows(half_kind(), v_rows, static_cast<int>(n), d, mv.data());
         for (float& x : mv) x /= n;
         v1::ClusterSummary* sum = hs->add_summaries();
         sum->set_mean_key(mk.data(), d * sizeof(float));

@@ -31,6 +31,7 @@
 #include "kvtier/v1/kvtier.pb.h"
 #include "kernels/quant_layout.h"
 #include "server/common/clock.h"
+#include "server/common/vec.h"
 #include "server/session/lease_table.h"
 #include "server/tier/tier.h"
 
@@ -147,9 +148,18 @@ class Session {
   // Quantizes the chunks of `layer` that have wholly left the recent window (sinks stay
   // fp16). A chunk whose slot cannot be had stays fp16 and is retried on the next append.
   void QuantizeCold(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The layout of a cold chunk's bytes.
+  QuantLayout ColdLayout(const Chunk& c) const {
+    return QuantLayout{shape_.head_dim(), c.num_tokens,
+                       c.precision == v1::PRECISION_INT4 ? 4u : 8u};
+  }
+  // Writes a chunk's K then V as 2-byte rows (ChunkLayout) at `dst`, dequantizing a cold one.
+  void WriteFp16(const Chunk& c, uint8_t* dst) const;
   // The K and V of a chunk as fp16 rows, dequantizing a cold one into `scratch`.
-  const uint16_t* Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const uint16_t* Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const;
+  HalfKind half_kind() const {
+    return shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16;
+  }
   void FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id, int64_t first_position,
                   bool include_data, v1::BlockHandle* h) const;
 
