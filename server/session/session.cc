@@ -457,23 +457,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const bool to_device = target == env_.device;
   std::vector<Chunk*> todo;
   std::vector<SlotRef> slots;
-  const uint64_t fp16_slot = slot_bytes();  // outside the lambda: the analysis sees mu_ held
-  auto allocate_all = [&]() -> absl::Status {
-    todo.clear();
-    for (uint32_t h = 0; h < kvh; ++h) {
-      for (uint32_t c : chosen[h]) {
-        Chunk& ch = streams_[static_cast<size_t>(layer) * kvh + h].chunks[c];
-        if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo.push_back(&ch);
-      }
-    }
-    slots.clear();
-    for (size_t i = 0; i < todo.size(); ++i) {
-      ASSIGN_OR_RETURN(SlotRef slot, target->Allocate(tenant_, fp16_slot));
-      slots.push_back(std::move(slot));
-    }
-    return absl::OkStatus();
-  };
-  absl::Status allocated = allocate_all();
+  absl::Status allocated = AllocateCopies(layer, chosen, target, &todo, &slots);
   if (!allocated.ok() && !to_device) {
     // Make room from this session's own dequantized copies that nobody is reading, then
     // start over: the chosen chunks whose copies went need them again. (Tier-wide eviction
@@ -483,7 +467,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
         if (ch.promoted && ch.promoted.use_count() == 1) ch.promoted.reset();
       }
     }
-    allocated = allocate_all();
+    allocated = AllocateCopies(layer, chosen, target, &todo, &slots);
   }
   RETURN_IF_ERROR(allocated);
   for (size_t i = 0; i < todo.size(); ++i) {
@@ -531,6 +515,30 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   LeaseTable::Granted lease = env_.leases->Create(tenant_, id_, std::move(pinned), ttl);
   out->set_lease_id(lease.lease_id);
   out->set_lease_expires_unix_ms(lease.expires_unix_ms);
+  return absl::OkStatus();
+}
+
+absl::Status Session::AllocateCopies(uint32_t layer,
+                                     const std::vector<std::vector<uint32_t>>& chosen,
+                                     Tier* target, std::vector<Chunk*>* todo,
+                                     std::vector<SlotRef>* slots) {
+  const bool to_device = target == env_.device;
+  todo->clear();
+  slots->clear();
+  for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+    for (uint32_t c : chosen[h]) {
+      Chunk& ch = stream(layer, h).chunks[c];
+      if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo->push_back(&ch);
+    }
+  }
+  for (size_t i = 0; i < todo->size(); ++i) {
+    auto slot = target->Allocate(tenant_, slot_bytes());
+    if (!slot.ok()) {
+      slots->clear();  // gives back what was taken
+      return slot.status();
+    }
+    slots->push_back(*std::move(slot));
+  }
   return absl::OkStatus();
 }
 

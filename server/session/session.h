@@ -148,6 +148,12 @@ class Session {
   // Quantizes the chunks of `layer` that have wholly left the recent window (sinks stay
   // fp16). A chunk whose slot cannot be had stays fp16 and is retried on the next append.
   void QuantizeCold(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For the chunks of `chosen` ([kv_head] -> chunk indices of `layer`) that have no fp16 copy
+  // on `target`: the chunks and a fresh slot for each. All or nothing (RESOURCE_EXHAUSTED).
+  absl::Status AllocateCopies(uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen,
+                              Tier* target, std::vector<Chunk*>* todo,
+                              std::vector<SlotRef>* slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // The layout of a cold chunk's bytes.
   QuantLayout ColdLayout(const Chunk& c) const {
     return QuantLayout{shape_.head_dim(), c.num_tokens,
