@@ -28,6 +28,26 @@ __attribute__((target("avx2"))) inline void Pack8(__m256i codes, uint32_t bits, 
   }
 }
 
+// 32 consecutive codes (c0: elements 0..7, c1: 8..15, c2: 16..23, c3: 24..31) packed into
+// `out`: 16 bytes for 4 bits, 32 for 8. Same bytes as four Pack8 calls.
+__attribute__((target("avx2"))) inline void Pack32(__m256i c0, __m256i c1, __m256i c2,
+                                                   __m256i c3, uint32_t bits, uint8_t* out) {
+  // Saturating packs work within 128-bit lanes: bytes come out as dwords of elements
+  // [0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31]; one permute puts them in order.
+  const __m256i b = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (bits == 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+    return;
+  }
+  // Adjacent bytes into one: even + 16 * odd (the odd element in the high nibble).
+  const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));
+  const __m256i packed = _mm256_packus_epi16(pairs, pairs);  // per lane: 8 bytes, twice
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
 // MakeQuantParams for 8 groups at once. F16C rounds towards -Inf / +Inf directly, which is
 // exactly FloatToHalfDown / FloatToHalfUp; the test checks the bytes against the reference.
 __attribute__((target("avx2,f16c"))) inline void MakeQuantParams8(__m256 mn, __m256 mx,
@@ -79,6 +99,13 @@ __attribute__((target("avx2"))) inline __m256i Quantize8(__m256 x, __m256 zero, 
   return _mm256_cvttps_epi32(q);
 }
 
+// Codes of channels c..c+7 of one key row, with those channels' parameters.
+__attribute__((target("avx2,f16c"))) inline __m256i KeyCodes8(const uint16_t* row,
+                                                             const float* zero, const float* inv,
+                                                             uint32_t c, __m256 levels) {
+  return Quantize8(LoadHalf8(row + c), _mm256_load_ps(zero + c), _mm256_load_ps(inv + c), levels);
+}
+
 // fp16(clamp(code * scale + zero, +-65504)), multiply and add rounded separately.
 __attribute__((target("avx2,f16c"))) inline __m128i Dequantize8(__m256 code, __m256 scale,
                                                                 __m256 zero) {
@@ -95,7 +122,10 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
   const __m256 lv = _mm256_set1_ps(static_cast<float>(levels));
   const QuantSections<uint8_t> q(out, L);
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
-  for (uint32_t j = 0; j < d; j += 8) {  // keys: 8 channels at a time, over the tokens
+  // Keys: each channel's range over the tokens, 8 channels at a time; then each token row's
+  // codes, 32 channels at a time where d allows.
+  alignas(32) float kzero[512], kinv[512];
+  for (uint32_t j = 0; j < d; j += 8) {
     __m256 mn = LoadHalf8(keys + j), mx = mn;
     for (uint32_t t = 1; t < n; ++t) {
       __m256 x = LoadHalf8(keys + t * d + j);
@@ -104,8 +134,19 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
     }
     __m256 zero, inv;
     MakeQuantParams8(mn, mx, levels, q.key_scale + j, q.key_zero + j, &zero, &inv);
-    for (uint32_t t = 0; t < n; ++t) {
-      Pack8(Quantize8(LoadHalf8(keys + t * d + j), zero, inv, lv), L.bits,
+    _mm256_store_ps(kzero + j, zero);
+    _mm256_store_ps(kinv + j, inv);
+  }
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint16_t* row = keys + t * d;
+    uint32_t j = 0;
+    for (; j + 32 <= d; j += 32) {
+      Pack32(KeyCodes8(row, kzero, kinv, j, lv), KeyCodes8(row, kzero, kinv, j + 8, lv),
+             KeyCodes8(row, kzero, kinv, j + 16, lv), KeyCodes8(row, kzero, kinv, j + 24, lv),
+             L.bits, q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
+    }
+    for (; j < d; j += 8) {
+      Pack8(KeyCodes8(row, kzero, kinv, j, lv), L.bits,
             q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
     }
   }
@@ -150,9 +191,16 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
     for (uint32_t g = 0; g < G; ++g) {
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       const __m256 zero = _mm256_set1_ps(gzero[t * G + g]), inv = _mm256_set1_ps(ginv[t * G + g]);
-      for (uint32_t j = lo; j < hi; j += 8) {
-        Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits,
-              q.value_codes + (uint64_t{t} * d + j) / 8 * code_step);
+      uint8_t* dst = q.value_codes + (uint64_t{t} * d + lo) / 8 * code_step;
+      if (hi - lo == kValueGroup) {
+        Pack32(Quantize8(LoadHalf8(row + lo), zero, inv, lv),
+               Quantize8(LoadHalf8(row + lo + 8), zero, inv, lv),
+               Quantize8(LoadHalf8(row + lo + 16), zero, inv, lv),
+               Quantize8(LoadHalf8(row + lo + 24), zero, inv, lv), L.bits, dst);
+        continue;
+      }
+      for (uint32_t j = lo; j < hi; j += 8, dst += code_step) {
+        Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits, dst);
       }
     }
   }
