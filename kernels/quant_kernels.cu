@@ -52,15 +52,10 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
     value_inv[tg] = p.inv_scale;
   }
   // The alignment padding between sections is zero, as in the reference.
-  const uint64_t pad[6][2] = {
-      {2ull * d, L.key_zero()},
-      {L.key_zero() + 2ull * d, L.key_codes()},
-      {L.key_codes() + L.code_bytes(), L.value_scale()},
-      {L.value_scale() + 2ull * n * G, L.value_zero()},
-      {L.value_zero() + 2ull * n * G, L.value_codes()},
-      {L.value_codes() + L.code_bytes(), L.Bytes()}};
-  for (int r = 0; r < 6; ++r) {
-    for (uint64_t b = pad[r][0] + threadIdx.x; b < pad[r][1]; b += blockDim.x) job.quant[b] = 0;
+  for (int r = 0; r < QuantLayout::kPaddings; ++r) {
+    uint64_t begin, end;
+    L.Padding(r, &begin, &end);
+    for (uint64_t b = begin + threadIdx.x; b < end; b += blockDim.x) job.quant[b] = 0;
   }
   __syncthreads();
 

@@ -61,6 +61,19 @@ struct QuantLayout {
     return value_zero() + Align(2ull * num_tokens * groups());
   }
   KVTIER_HOST_DEVICE uint64_t Bytes() const { return value_codes() + Align(code_bytes()); }
+
+  // The alignment padding after each of the six sections, [begin, end); always zero bytes.
+  static constexpr int kPaddings = 6;
+  KVTIER_HOST_DEVICE void Padding(int r, uint64_t* begin, uint64_t* end) const {
+    const uint64_t scales = 2ull * num_tokens * groups();
+    const uint64_t starts[kPaddings] = {key_scale() + 2ull * head_dim, key_zero() + 2ull * head_dim,
+                                        key_codes() + code_bytes(),   value_scale() + scales,
+                                        value_zero() + scales,        value_codes() + code_bytes()};
+    const uint64_t ends[kPaddings] = {key_zero(),   key_codes(),   value_scale(),
+                                      value_zero(), value_codes(), Bytes()};
+    *begin = starts[r];
+    *end = ends[r];
+  }
 };
 
 // The sections of one quantized chunk at `base`, typed. `Byte` is uint8_t or const uint8_t.

@@ -118,7 +118,12 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
                                                        const uint16_t* values,
                                                        const QuantLayout& L, uint8_t* out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
-  std::memset(out, 0, L.Bytes());
+  // Every code and parameter is written below; only the padding needs zeroing.
+  for (int r = 0; r < QuantLayout::kPaddings; ++r) {
+    uint64_t begin, end;
+    L.Padding(r, &begin, &end);
+    std::memset(out + begin, 0, end - begin);
+  }
   const __m256 lv = _mm256_set1_ps(static_cast<float>(levels));
   const QuantSections<uint8_t> q(out, L);
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
