@@ -429,12 +429,14 @@ TEST(Session, LeasePinsUntilReleaseOrExpiry) {
   v1::SelectResponse resp;
   ASSERT_OK(f.session->Select(SelectReq(f, 2, 128), &resp));
   EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // 128 tokens = 8 slots of 1 KiB
+  EXPECT_EQ(f.session->Info().active_leases(), 1u);
   EXPECT_EQ(resp.lease_expires_unix_ms(), e.clock.NowMs() + 1000);
   EXPECT_THAT(e.leases.Release("other-tenant", resp.lease_id()),
               StatusIs(Code::kPermissionDenied));
   ASSERT_OK(e.leases.Release("t", resp.lease_id()));
   EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
   EXPECT_THAT(e.leases.Release("t", resp.lease_id()), StatusIs(Code::kNotFound, "lease_id"));
+  EXPECT_EQ(f.session->Info().active_leases(), 0u);
 
   auto r = SelectReq(f, 2, 128);
   r.set_lease_ms(3000);
@@ -444,6 +446,7 @@ TEST(Session, LeasePinsUntilReleaseOrExpiry) {
   e.clock.AdvanceMs(1);
   EXPECT_EQ(e.leases.ExpireDue(), 1);
   EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
+  EXPECT_EQ(f.session->Info().active_leases(), 0u);
   EXPECT_EQ(e.leases.size(), 0u);
 }
 

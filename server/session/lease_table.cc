@@ -16,6 +16,11 @@ void LeaseTable::Unpin(Lease& lease) {
   for (const SlotRef& s : lease.slots) s->Unpin();
 }
 
+void LeaseTable::Forget(const Lease& lease) {
+  auto it = per_session_.find(lease.session_id);
+  if (--it->second == 0) per_session_.erase(it);
+}
+
 LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::string& session_id,
                                        std::vector<SlotRef> slots, uint32_t ttl_ms) {
   for (const SlotRef& s : slots) s->Pin();
@@ -25,6 +30,7 @@ LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::str
   static thread_local absl::BitGen gen;
   std::string id = absl::StrFormat("l-%d-%016x", next_++, absl::Uniform<uint64_t>(gen));
   leases_.emplace(id, Lease{tenant, session_id, expires, std::move(slots)});
+  ++per_session_[session_id];
   return {id, expires};
 }
 
@@ -43,6 +49,7 @@ absl::Status LeaseTable::Release(const std::string& tenant, const std::string& l
     }
     ended = std::move(it->second);
     leases_.erase(it);
+    Forget(ended);
   }
   Unpin(ended);  // outside the lock: dropping the last ref frees into the tier
   return absl::OkStatus();
@@ -56,6 +63,7 @@ int LeaseTable::ExpireDue() {
     for (auto it = leases_.begin(); it != leases_.end();) {
       if (it->second.expires_ms <= now) {
         ended.push_back(std::move(it->second));
+        Forget(ended.back());
         leases_.erase(it++);
       } else {
         ++it;
@@ -73,9 +81,8 @@ size_t LeaseTable::size() const {
 
 size_t LeaseTable::CountForSession(const std::string& session_id) const {
   MutexLock lock(&mu_);
-  size_t n = 0;
-  for (const auto& [id, l] : leases_) n += (l.session_id == session_id);
-  return n;
+  auto it = per_session_.find(session_id);
+  return it == per_session_.end() ? 0 : it->second;
 }
 
 }  // namespace kvtier

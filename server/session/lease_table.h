@@ -48,10 +48,13 @@ class LeaseTable {
     std::vector<SlotRef> slots;
   };
   static void Unpin(Lease& lease);
+  void Forget(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* const clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  // Live leases per session, so a session's count is a lookup, not a scan of every lease.
+  absl::flat_hash_map<std::string, size_t> per_session_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
