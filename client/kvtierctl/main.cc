@@ -50,15 +50,13 @@ int64_t NowMs() {
 
 std::string Bytes(uint64_t b) { return FormatBytes(b); }
 
-std::string TierName(v1::Tier t) {
-  std::string n = v1::Tier_Name(t);
-  return n.rfind("TIER_", 0) == 0 ? absl::AsciiStrToLower(n.substr(5)) : n;
+// "TIER_HOST" -> "host", "PRECISION_INT4" -> "int4": an enum value name without its prefix.
+std::string Label(const std::string& enum_name) {
+  const auto cut = enum_name.find('_');
+  return cut == std::string::npos ? enum_name : absl::AsciiStrToLower(enum_name.substr(cut + 1));
 }
-
-std::string PrecisionName(v1::Precision p) {
-  std::string n = v1::Precision_Name(p);
-  return n.rfind("PRECISION_", 0) == 0 ? absl::AsciiStrToLower(n.substr(10)) : n;
-}
+std::string TierName(v1::Tier t) { return Label(v1::Tier_Name(t)); }
+std::string PrecisionName(v1::Precision p) { return Label(v1::Precision_Name(p)); }
 
 uint64_t MapGet(const google::protobuf::Map<std::string, uint64_t>& m, const std::string& k) {
   auto it = m.find(k);
@@ -137,10 +135,10 @@ int Run(const Args& a, Client& c) {
                                       p.lossless() ? ", lossless" : "")});
     kv.Add({"tokens", absl::StrCat(i.num_tokens())});
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
-      kv.Add({absl::StrCat("bytes ", absl::AsciiStrToLower(tier.substr(5))), Bytes(bytes)});
+      kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});
     }
     for (const auto& [prec, n] : i.chunks_by_precision()) {
-      kv.Add({absl::StrCat("chunks ", absl::AsciiStrToLower(prec.substr(10))), absl::StrCat(n)});
+      kv.Add({absl::StrCat("chunks ", Label(prec)), absl::StrCat(n)});
     }
     kv.Add({"leases", absl::StrCat(i.active_leases())});
     kv.Add({"last access", Age(i.last_access_unix_ms(), NowMs())});
