@@ -302,6 +302,7 @@ void Session::QuantizeCold(uint32_t layer) {
   const uint64_t window = policy_.recent_window();
   // Chunks [0, limit) lie wholly before the recent window.
   const uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  if (cold_upto_[layer] >= limit) return;  // most appends (a decode step) quantize nothing
   const QuantLayout layout = cold_layout();
   const uint32_t d = shape_.head_dim();
   const v1::Precision precision = bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
@@ -332,25 +333,26 @@ void Session::QuantizeCold(uint32_t layer) {
   cold_upto_[layer] = c;
 }
 
-void Session::FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id,
-                         int64_t first_position, bool include_data, v1::BlockHandle* h) const {
+void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
+                         uint64_t chunk_id, int64_t first_position, bool include_data,
+                         v1::BlockHandle* h) const {
   const uint64_t half = c.num_tokens * row_bytes();
   const ChunkAddress a = DecodeChunkId(chunk_id);
   h->set_chunk_id(chunk_id);
-  h->set_tier(slot->tier());
-  h->set_segment_id(slot->segment_id());
-  h->set_offset(slot->offset());
+  h->set_tier(slot ? slot->tier() : v1::TIER_HOST);
+  h->set_segment_id(slot ? slot->segment_id() : 0);
+  h->set_offset(slot ? slot->offset() : 0);
   h->set_length(2 * half);
   h->set_precision(shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16);
   h->set_stored_precision(c.cold() ? c.precision : h->precision());
   h->set_num_tokens(c.num_tokens);
-  h->set_generation(slot->generation());
+  h->set_generation((slot ? slot : c.host.get())->generation());
   h->set_layer(a.layer);
   h->set_kv_head(a.kv_head);
   for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(first_position + r);
   if (include_data) {
-    h->set_keys(slot->data(), half);
-    h->set_values(slot->data() + half, half);
+    h->set_keys(fp16, half);
+    h->set_values(fp16 + half, half);
   }
 }
 
@@ -486,8 +488,8 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     for (uint32_t c : chosen[h]) {
       const Chunk& chunk = s.chunks[c];
       const SlotRef& slot = to_device ? chunk.device : (chunk.cold() ? chunk.promoted : chunk.host);
-      FillHandle(chunk, slot, EncodeChunkId({layer, h, c}), static_cast<int64_t>(c) * ct,
-                 req.include_data(), hs->add_blocks());
+      FillHandle(chunk, slot.get(), slot->data(), EncodeChunkId({layer, h, c}),
+                 static_cast<int64_t>(c) * ct, req.include_data(), hs->add_blocks());
       pinned.push_back(slot);
     }
     if (req.include_summaries() && !everything) {
@@ -561,28 +563,12 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
     }
     const Chunk& c = stream(a.layer, a.kv_head).chunks[a.index];
     const int64_t first = static_cast<int64_t>(a.index) * ct;
-    if (!c.cold() || c.promoted) {
-      FillHandle(c, c.cold() ? c.promoted : c.host, id, first, /*include_data=*/true,
-                 &out.emplace_back());
-      continue;
-    }
-    // A cold chunk with no fp16 copy: dequantized bytes inline only (segment_id 0).
+    // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
+    const Slot* readable = (c.cold() ? c.promoted : c.host).get();
     std::vector<uint16_t> scratch;
-    const uint16_t* rows = Fp16Rows(c, scratch);
-    v1::BlockHandle& h = out.emplace_back();
-    const uint64_t half = c.num_tokens * row_bytes();
-    h.set_chunk_id(id);
-    h.set_tier(v1::TIER_HOST);
-    h.set_length(2 * half);
-    h.set_precision(v1::PRECISION_FP16);
-    h.set_stored_precision(c.precision);
-    h.set_num_tokens(c.num_tokens);
-    h.set_generation(c.host->generation());
-    h.set_layer(a.layer);
-    h.set_kv_head(a.kv_head);
-    for (uint32_t r = 0; r < c.num_tokens; ++r) h.add_positions(first + r);
-    h.set_keys(rows, half);
-    h.set_values(reinterpret_cast<const char*>(rows) + half, half);
+    const uint8_t* fp16 =
+        readable ? readable->data() : reinterpret_cast<const uint8_t*>(Fp16Rows(c, scratch));
+    FillHandle(c, readable, fp16, id, first, /*include_data=*/true, &out.emplace_back());
   }
   return out;
 }

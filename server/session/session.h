@@ -166,8 +166,10 @@ class Session {
   HalfKind half_kind() const {
     return shape_.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16;
   }
-  void FillHandle(const Chunk& c, const SlotRef& slot, uint64_t chunk_id, int64_t first_position,
-                  bool include_data, v1::BlockHandle* h) const;
+  // A handle for chunk `c` read at `slot` (null: inline only, segment_id 0), with `fp16`
+  // (its K then V rows) inline when `include_data`.
+  void FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16, uint64_t chunk_id,
+                  int64_t first_position, bool include_data, v1::BlockHandle* h) const;
 
   const std::string id_;
   const std::string tenant_;
