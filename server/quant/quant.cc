@@ -90,13 +90,14 @@ __attribute__((target("avx2,f16c"))) inline __m256 LoadHalf8(const uint16_t* p) 
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// code = clamp(rint((x - zero) * inv), 0, L), with the reference's operation order.
+// code = clamp(rint((x - zero) * inv), 0, L), with the reference's operation order. Clamping
+// before rounding gives the same code (0 and L are integers and rounding is monotonic), and
+// the conversion rounds to nearest even under the default MXCSR, as rint does.
 __attribute__((target("avx2"))) inline __m256i Quantize8(__m256 x, __m256 zero, __m256 inv,
                                                          __m256 levels) {
-  __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, zero), inv),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 q = _mm256_mul_ps(_mm256_sub_ps(x, zero), inv);
   q = _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), levels);
-  return _mm256_cvttps_epi32(q);
+  return _mm256_cvtps_epi32(q);
 }
 
 // Codes of channels c..c+7 of one key row, with those channels' parameters.
@@ -129,16 +130,29 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
   // Keys: each channel's range over the tokens, 8 channels at a time; then each token row's
   // codes, 32 channels at a time where d allows.
-  alignas(32) float kzero[512], kinv[512];
+  // The values are read after the keys: ask for them now, so their misses overlap the key work.
+  for (uint64_t b = 0; b < uint64_t{n} * d * 2; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(values) + b, _MM_HINT_T0);
+  }
+  // The ranges are taken row by row so that the chunk streams in address order.
+  alignas(32) float kzero[512], kinv[512], kmn[512], kmx[512];
   for (uint32_t j = 0; j < d; j += 8) {
-    __m256 mn = LoadHalf8(keys + j), mx = mn;
-    for (uint32_t t = 1; t < n; ++t) {
-      __m256 x = LoadHalf8(keys + t * d + j);
-      mn = _mm256_min_ps(mn, x);
-      mx = _mm256_max_ps(mx, x);
+    const __m256 x = LoadHalf8(keys + j);
+    _mm256_store_ps(kmn + j, x);
+    _mm256_store_ps(kmx + j, x);
+  }
+  for (uint32_t t = 1; t < n; ++t) {
+    const uint16_t* row = keys + t * d;
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x = LoadHalf8(row + j);
+      _mm256_store_ps(kmn + j, _mm256_min_ps(_mm256_load_ps(kmn + j), x));
+      _mm256_store_ps(kmx + j, _mm256_max_ps(_mm256_load_ps(kmx + j), x));
     }
+  }
+  for (uint32_t j = 0; j < d; j += 8) {
     __m256 zero, inv;
-    MakeQuantParams8(mn, mx, levels, q.key_scale + j, q.key_zero + j, &zero, &inv);
+    MakeQuantParams8(_mm256_load_ps(kmn + j), _mm256_load_ps(kmx + j), levels, q.key_scale + j,
+                     q.key_zero + j, &zero, &inv);
     _mm256_store_ps(kzero + j, zero);
     _mm256_store_ps(kinv + j, inv);
   }
