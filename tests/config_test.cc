@@ -106,6 +106,14 @@ TEST(Policy, ZeroTakesTheDefaultAndResultIsChecked) {
   EXPECT_EQ(p.recent_window(), 128u);
   EXPECT_EQ(p.sink_tokens(), 16u);
   EXPECT_EQ(p.default_budget(), 256u);
+  EXPECT_EQ(p.ranking(), v1::RANKING_LSE_PEAK);
+  req.set_ranking(v1::RANKING_MEAN);
+  ASSERT_OK_AND_ASSIGN(p, ResolvePolicy(req, BuiltinPolicy(), "policy"));
+  EXPECT_EQ(p.ranking(), v1::RANKING_MEAN);
+  req.set_ranking(static_cast<v1::Ranking>(7));
+  EXPECT_THAT(ResolvePolicy(req, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.ranking"));
+  req.set_ranking(v1::RANKING_UNSPECIFIED);
   req.set_chunk_tokens(100);
   EXPECT_THAT(ResolvePolicy(req, BuiltinPolicy(), "policy"),
               StatusIs(Code::kInvalidArgument, "policy.chunk_tokens"));

@@ -1,6 +1,7 @@
 #include "server/index/chunk_ranker.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -72,6 +73,79 @@ TEST(ChunkRanker, GqaTakesTheMaxOverQueryHeads) {
   // A sum and its scale: 8 tokens summing to (0, 32) score as the mean (0, 4).
   std::vector<float> sum = {0, 32};
   EXPECT_FLOAT_EQ(MeanScore(q, 2, {3, 8, sum.data(), 1.f / 8}, d), 4.f);
+}
+
+// The estimate in double, from its definition.
+double LsePeakExpected(const std::vector<float>& q, int group, int d, const float* mean,
+                       const float* peak, uint32_t tokens) {
+  double best = -1e300;
+  for (int h = 0; h < group; ++h) {
+    double a = 0, b = 0;
+    for (int j = 0; j < d; ++j) {
+      a += double(q[h * d + j]) * mean[j];
+      b += double(q[h * d + j]) * peak[j];
+    }
+    a /= std::sqrt(double(d));
+    b /= std::sqrt(double(d));
+    best = std::max(best, std::log((tokens - 1) * std::exp(a) + std::exp(b)));
+  }
+  return best;
+}
+
+TEST(ChunkRanker, LsePeakMatchesItsDefinition) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0, 1);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int d = 64, group = 1 + trial % 3;
+    const uint32_t tokens = 1 + trial % 16;
+    std::vector<float> q(group * d), sum(d), peak(d), mean(d);
+    for (auto& x : q) x = n(rng);
+    for (int j = 0; j < d; ++j) {
+      mean[j] = n(rng);
+      sum[j] = mean[j] * tokens;
+      peak[j] = mean[j] + 2 * n(rng);
+    }
+    const ChunkCandidate c{0, tokens, sum.data(), 1.f / tokens, peak.data()};
+    EXPECT_NEAR(LsePeakScore(q, group, c, d), LsePeakExpected(q, group, d, mean.data(),
+                                                               peak.data(), tokens),
+                1e-4)
+        << "trial " << trial;
+  }
+}
+
+// The case the peak term exists for: chunk A's mass sits on one key, chunk B's keys are all
+// mildly aligned with q. B has the higher mean score, A the larger true attention mass (by
+// brute force over every key); the mean ranking keeps B, the peak ranking keeps A.
+TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
+  const int d = 4, n = 16;
+  const std::vector<float> q = {8, 0, 0, 0};  // q.k / sqrt(d) = 4 k_0
+  std::vector<std::vector<float>> a(n, std::vector<float>(d, 0.f)), b = a;
+  a[7][0] = 3.f;                       // one key: logit 12
+  for (auto& k : b) k[0] = 0.6f;       // every key: logit 2.4
+  auto mass = [&](const std::vector<std::vector<float>>& keys) {
+    double m = 0;
+    for (const auto& k : keys) m += std::exp(q[0] * k[0] / 2.0);
+    return m;
+  };
+  ASSERT_GT(mass(a), mass(b));
+  auto stats = [&](const std::vector<std::vector<float>>& keys, std::vector<float>& sum,
+                   std::vector<float>& peak) {
+    sum.assign(d, 0.f);
+    for (const auto& k : keys) for (int j = 0; j < d; ++j) sum[j] += k[j];
+    float best = -1;
+    for (const auto& k : keys) {
+      float dist = 0;
+      for (int j = 0; j < d; ++j) dist += (k[j] - sum[j] / n) * (k[j] - sum[j] / n);
+      if (dist > best) best = dist, peak = k;
+    }
+  };
+  std::vector<float> sa, pa, sb, pb;
+  stats(a, sa, pa);
+  stats(b, sb, pb);
+  const std::vector<ChunkCandidate> cands = {{0, n, sa.data(), 1.f / n, pa.data()},
+                                             {1, n, sb.data(), 1.f / n, pb.data()}};
+  EXPECT_EQ(SelectChunks(v1::RANKING_MEAN, q, 1, d, cands, 16), (std::vector<uint32_t>{1}));
+  EXPECT_EQ(SelectChunks(v1::RANKING_LSE_PEAK, q, 1, d, cands, 16), (std::vector<uint32_t>{0}));
 }
 
 }  // namespace

@@ -175,9 +175,12 @@ v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget, uint32
 }
 
 // Independent expectation of one head's chunks: mandatory (sink/window) chunks, then the
-// best mean scores (computed here in double from the original fp16 data) within the budget.
+// best scores (computed here in double from the original fp16 data) within the budget: the
+// mean score, or log((n-1) e^(q.mu/sqrt d) + e^(q.peak/sqrt d)) with the peak the key
+// farthest from the mean.
 std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tokens,
-                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64) {
+                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64,
+                                  v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
   const int ct = 16, nchunks = (tokens + ct - 1) / ct, group = f.qh / f.kvh;
   std::vector<float> q;
   Query(f, seed, &q);
@@ -191,17 +194,32 @@ std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tok
       used += hi - lo;
       continue;
     }
+    auto key = [&](int t, int j) {
+      return double(HalfToFloat(f.k[layer][(size_t(head) * f.total + t) * f.d + j]));
+    };
+    std::vector<double> mu(f.d, 0.0);
+    for (int j = 0; j < f.d; ++j) {
+      for (int t = lo; t < hi; ++t) mu[j] += key(t, j);
+      mu[j] /= hi - lo;
+    }
+    int peak = lo;
+    double far = -1;
+    for (int t = lo; t < hi; ++t) {
+      double dist = 0;
+      for (int j = 0; j < f.d; ++j) dist += (key(t, j) - mu[j]) * (key(t, j) - mu[j]);
+      if (dist > far) far = dist, peak = t;
+    }
     double best = -1e300;
     for (int g = 0; g < group; ++g) {
-      double s = 0;
+      double a = 0, b = 0;
       for (int j = 0; j < f.d; ++j) {
-        double mu = 0;
-        for (int t = lo; t < hi; ++t) {
-          mu += HalfToFloat(f.k[layer][(size_t(head) * f.total + t) * f.d + j]);
-        }
-        s += q[(size_t(head) * group + g) * f.d + j] * (mu / (hi - lo));
+        a += q[(size_t(head) * group + g) * f.d + j] * mu[j];
+        b += q[(size_t(head) * group + g) * f.d + j] * key(peak, j);
       }
-      best = std::max(best, s);
+      const double rd = std::sqrt(double(f.d));
+      best = std::max(best, ranking == v1::RANKING_MEAN
+                                ? a
+                                : std::log((hi - lo - 1) * std::exp(a / rd) + std::exp(b / rd)));
     }
     scored.push_back({-best, uint32_t(c)});
   }
@@ -315,9 +333,13 @@ TEST(Session, SelectReturnsEverythingWhenItFitsOrTheLayerIsDense) {
 }
 
 TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
-  for (int tokens : {1000, 1003}) {  // whole and partial last chunk
+  for (auto [tokens, ranking] : {std::pair{1000, v1::RANKING_LSE_PEAK},  // whole last chunk
+                                 std::pair{1003, v1::RANKING_LSE_PEAK},  // partial last chunk
+                                 std::pair{1003, v1::RANKING_MEAN}}) {
     Env e;
-    Fixture f = Make(e, 3, 6, 2, 64, tokens, Lossless(), tokens);
+    v1::SessionPolicy policy = Lossless();
+    policy.set_ranking(ranking);
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, tokens);
     ASSERT_OK(AppendAll(f, tokens, 128));
     for (uint32_t budget : {96u, 128u, 256u, 500u}) {
       for (uint32_t seed : {1u, 2u, 3u}) {
@@ -339,8 +361,9 @@ TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
             EXPECT_EQ(b.keys(), AsBytes(HeadRows(f.k[2], f, h, p0, b.num_tokens())));
             EXPECT_EQ(b.values(), AsBytes(HeadRows(f.v[2], f, h, p0, b.num_tokens())));
           }
-          EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, tokens, budget, seed))
-              << "tokens " << tokens << " budget " << budget << " seed " << seed;
+          EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, tokens, budget, seed, 16, 64, ranking))
+              << "tokens " << tokens << " budget " << budget << " seed " << seed << " "
+              << v1::Ranking_Name(ranking);
         }
       }
     }
@@ -657,6 +680,37 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
     v1::SelectResponse again;
     ASSERT_OK(f.session->Select(SelectReq(f, 2, 1000), &again));
     EXPECT_EQ(e.host.Stats().promotions, promotions);
+  }
+}
+
+// A cold chunk is ranked on what attention reads: its dequantized keys. The expectation takes
+// those rows from a Select that returns everything, then ranks in double by brute force.
+TEST(ColdChunks, RankingUsesTheDequantizedKeys) {
+  Env e;
+  Fixture f = Make(e, 3, 6, 2, 64, 700, Cold(v1::PRECISION_INT4), 11);
+  ASSERT_OK(AppendAll(f, 700, 100));
+  v1::SelectResponse all;
+  ASSERT_OK(f.session->Select(SelectReq(f, 2, 700), &all));
+  Fixture read{f.layers, f.qh, f.kvh, f.d, f.total, f.k, f.v, nullptr};
+  for (int h = 0; h < 2; ++h) {
+    for (const auto& b : all.heads(h).blocks()) {
+      const auto* k = reinterpret_cast<const uint16_t*>(b.keys().data());
+      std::copy(k, k + b.num_tokens() * 64,
+                read.k[2].begin() + (size_t(h) * f.total + b.positions(0)) * f.d);
+    }
+  }
+  ASSERT_NE(read.k[2], f.k[2]) << "int4 should have changed some keys";
+  for (uint32_t budget : {96u, 160u, 256u}) {
+    for (uint32_t seed : {4u, 5u}) {
+      v1::SelectResponse resp;
+      ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
+      for (int h = 0; h < 2; ++h) {
+        std::set<uint32_t> chunks;
+        for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+        EXPECT_EQ(chunks, ExpectedChunks(read, 2, h, 700, budget, seed))
+            << "budget " << budget << " seed " << seed << " head " << h;
+      }
+    }
   }
 }
 

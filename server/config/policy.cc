@@ -15,6 +15,7 @@ v1::SessionPolicy BuiltinPolicy() {
   p.set_cold_precision(v1::PRECISION_INT4);
   p.set_chunking(v1::CHUNKING_CONTIGUOUS);
   p.set_chunk_tokens(16);
+  p.set_ranking(v1::RANKING_LSE_PEAK);
   return p;
 }
 
@@ -32,6 +33,7 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   }
   if (p.chunking() == v1::CHUNKING_UNSPECIFIED) p.set_chunking(defaults.chunking());
   if (p.chunk_tokens() == 0) p.set_chunk_tokens(defaults.chunk_tokens());
+  if (p.ranking() == v1::RANKING_UNSPECIFIED) p.set_ranking(defaults.ranking());
 
   auto bad = [&](absl::string_view name, const auto& value, absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": ", value, " ", why));
@@ -55,6 +57,10 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
     default:
       return bad("cold_precision", v1::Precision_Name(p.cold_precision()),
                  "is not one of PRECISION_FP16, PRECISION_INT8, PRECISION_INT4");
+  }
+  if (p.ranking() != v1::RANKING_MEAN && p.ranking() != v1::RANKING_LSE_PEAK) {
+    return bad("ranking", v1::Ranking_Name(p.ranking()),
+               "is not one of RANKING_MEAN, RANKING_LSE_PEAK");
   }
   if (p.chunking() != v1::CHUNKING_CONTIGUOUS) {
     // Boundary-aware and semantic chunking arrive with the cluster index; until then a

@@ -1,6 +1,7 @@
 #include "server/index/chunk_ranker.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "server/common/vec.h"
@@ -17,9 +18,28 @@ float MeanScore(std::span<const float> queries, int group, const ChunkCandidate&
   return best * c.scale;  // scale > 0 commutes with the max
 }
 
-std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group, int head_dim,
-                                        std::span<const ChunkCandidate> candidates,
-                                        uint64_t budget) {
+float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
+                   int head_dim) {
+  const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const float log_rest = c.tokens > 1 ? std::log(static_cast<float>(c.tokens - 1))
+                                      : -std::numeric_limits<float>::infinity();
+  float best = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < group; ++h) {
+    const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
+    const float a = Dot(q, c.key_sum, head_dim) * c.scale * inv_sqrt_d + log_rest;
+    const float b = Dot(q, c.peak, head_dim) * inv_sqrt_d;
+    const float hi = std::max(a, b), lo = std::min(a, b);
+    best = std::max(best, lo == -std::numeric_limits<float>::infinity()
+                              ? hi
+                              : hi + std::log1p(std::exp(lo - hi)));
+  }
+  return best;
+}
+
+std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
+                                   int group, int head_dim,
+                                   std::span<const ChunkCandidate> candidates, uint64_t budget) {
+  const bool peak = ranking == v1::RANKING_LSE_PEAK;
   struct Scored {
     float score;
     uint32_t pos;
@@ -27,7 +47,9 @@ std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int grou
   std::vector<Scored> scored;
   scored.reserve(candidates.size());
   for (uint32_t i = 0; i < candidates.size(); ++i) {
-    scored.push_back({MeanScore(queries, group, candidates[i], head_dim), i});
+    scored.push_back({peak ? LsePeakScore(queries, group, candidates[i], head_dim)
+                           : MeanScore(queries, group, candidates[i], head_dim),
+                      i});
   }
   auto better = [&](const Scored& a, const Scored& b) {
     if (a.score != b.score) return a.score > b.score;

@@ -1,13 +1,20 @@
-// Ranking of a stream's chunks for one decode query: the interim rule until the cluster
-// index lands. A chunk scores by its mean score, max over the KV head's query heads of
-// q . mu, mu the mean of its keys; ARCHITECTURE.md reports that the mean score came closest
-// to the chunk oracle on clustered keys. The scan is linear in the number of chunks.
+// Ranking of a stream's chunks for one decode query: a linear scan until the cluster index
+// lands. Two scores, chosen per session (SessionPolicy.ranking), both the max over the KV
+// head's query heads:
+//   RANKING_MEAN      q . mu, mu the mean of the chunk's keys;
+//   RANKING_LSE_PEAK  log((n - 1) e^(q.mu / sqrt d) + e^(q.k_peak / sqrt d)), k_peak the key
+//                     farthest from mu: the chunk's attention mass (log of sum of e^(q.k/sqrt d))
+//                     estimated as n - 1 keys at the mean plus the one key that sticks out.
+// Measured on SmolLM2's own tensors (bench/ranking/compare.py, docs/QUALITY.md): the mean
+// score loses chunks whose mass sits on one key (a delimiter, a name); the peak term keeps them.
 #ifndef KVTIER_SERVER_INDEX_CHUNK_RANKER_H_
 #define KVTIER_SERVER_INDEX_CHUNK_RANKER_H_
 
 #include <cstdint>
 #include <span>
 #include <vector>
+
+#include "kvtier/v1/kvtier.pb.h"
 
 namespace kvtier {
 
@@ -16,18 +23,31 @@ struct ChunkCandidate {
   uint32_t tokens;        // tokens it would add to the selection
   const float* key_sum;   // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
   float scale;            // > 0: mean = scale * key_sum (1 / tokens for a sum)
+  const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
 
 // max over h of queries[h] . (scale * key_sum), queries [group][head_dim].
 float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                 int head_dim);
 
+// max over h of log((tokens - 1) e^(a_h) + e^(b_h)), a_h = queries[h] . mean / sqrt(d),
+// b_h = queries[h] . peak / sqrt(d). A one-token chunk scores b.
+float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
+                   int head_dim);
+
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
 // deterministic.
-std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group, int head_dim,
-                                        std::span<const ChunkCandidate> candidates,
-                                        uint64_t budget);
+std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
+                                   int group, int head_dim,
+                                   std::span<const ChunkCandidate> candidates, uint64_t budget);
+
+inline std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group,
+                                               int head_dim,
+                                               std::span<const ChunkCandidate> candidates,
+                                               uint64_t budget) {
+  return SelectChunks(v1::RANKING_MEAN, queries, group, head_dim, candidates, budget);
+}
 
 }  // namespace kvtier
 

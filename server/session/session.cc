@@ -112,6 +112,29 @@ void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t
           static_cast<int>(d), &s.key_sums[index * d]);
 }
 
+void Session::UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_t n) const {
+  const size_t d = shape_.head_dim();
+  if (s.peaks.size() < (index + 1) * d) s.peaks.resize((index + 1) * d, 0.f);
+  const float* sum = &s.key_sums[index * d];
+  const float inv = 1.f / static_cast<float>(n);
+  std::vector<float> row(d);
+  float best = -1.f;
+  for (uint32_t r = 0; r < n; ++r) {
+    std::fill(row.begin(), row.end(), 0.f);
+    AddRows(half_kind(), reinterpret_cast<const uint16_t*>(k_rows) + r * d, 1,
+            static_cast<int>(d), row.data());
+    float dist = 0.f;
+    for (size_t j = 0; j < d; ++j) {
+      const float diff = row[j] - sum[j] * inv;
+      dist += diff * diff;
+    }
+    if (dist > best) {
+      best = dist;
+      std::copy(row.begin(), row.end(), s.peaks.begin() + static_cast<ptrdiff_t>(index * d));
+    }
+  }
+}
+
 absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
                                     const v1::AppendKVRequest& req) {
   const uint32_t ct = policy_.chunk_tokens();
@@ -243,6 +266,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       std::memcpy(c.host->data() + m * rb, k_in, k * rb);
       std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
       AddToSums(s, s.chunks.size() - 1, k_in, k);
+      UpdatePeak(s, s.chunks.size() - 1, c.host->data(), grown);
       c.num_tokens = grown;
       c.device.reset();  // the promoted copy is stale
       k_in += k * rb;
@@ -258,6 +282,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       c.num_tokens = k;
       s.chunks.push_back(std::move(c));
       AddToSums(s, s.chunks.size() - 1, k_in, k);
+      UpdatePeak(s, s.chunks.size() - 1, k_in, k);
       k_in += k * rb;
       v_in += k * rb;
       left -= k;
@@ -328,6 +353,7 @@ void Session::QuantizeCold(uint32_t layer) {
       DequantizeChunk(chunk.host->data(), layout, rows.data(), rows.data() + uint64_t{ct} * d);
       std::fill_n(&s.key_sums[uint64_t{c} * d], d, 0.f);
       AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()), ct);
+      UpdatePeak(s, c, reinterpret_cast<const uint8_t*>(rows.data()), ct);
     }
   }
   cold_upto_[layer] = c;
@@ -439,12 +465,13 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       for (uint32_t c = 0; c < nchunks; ++c) {
         if (mandatory[c]) continue;
         cands.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
-                         1.f / static_cast<float>(s.chunks[c].num_tokens)});
+                         1.f / static_cast<float>(s.chunks[c].num_tokens),
+                         &s.peaks[static_cast<size_t>(c) * d]});
       }
       std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
                                 static_cast<size_t>(group) * d);
-      for (uint32_t c : SelectByMeanScore(qh, static_cast<int>(group), d, cands,
-                                          budget - mandatory_tokens)) {
+      for (uint32_t c : SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, cands,
+                                     budget - mandatory_tokens)) {
         take[c] = true;
       }
     }
@@ -602,6 +629,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     const size_t d = shape_.head_dim();
     to.chunks.assign(from.chunks.begin(), from.chunks.begin() + keep_full);
     to.key_sums.assign(from.key_sums.begin(), from.key_sums.begin() + keep_full * d);
+    to.peaks.assign(from.peaks.begin(), from.peaks.begin() + keep_full * d);
     if (tail != 0) {
       const Chunk& src = from.chunks[keep_full];
       std::vector<uint16_t> scratch;
@@ -613,6 +641,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
       c.num_tokens = tail;
       to.chunks.push_back(std::move(c));
       AddToSums(to, keep_full, to.chunks.back().host->data(), tail);
+      UpdatePeak(to, keep_full, to.chunks.back().host->data(), tail);
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);

@@ -123,6 +123,9 @@ class Session {
   struct Stream {
     std::vector<Chunk> chunks;
     std::vector<float> key_sums;  // [chunks][head_dim]: sum of each chunk's keys
+    // [chunks][head_dim]: each chunk's key farthest from its mean (RANKING_LSE_PEAK), as
+    // attention reads it (dequantized for a cold chunk)
+    std::vector<float> peaks;
   };
 
   Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
@@ -135,6 +138,8 @@ class Session {
     return row_bytes() * policy_.chunk_tokens() * 2;
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Recomputes chunk `index`'s peak from its n key rows (session dtype), after its sum.
+  void UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_t n) const;
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CompareStored(uint32_t layer, uint64_t start, uint64_t count,
                              const v1::AppendKVRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
