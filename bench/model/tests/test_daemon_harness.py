@@ -1,0 +1,49 @@
+"""The harness's attention through kvtierd: the small variant of `make eval`."""
+import numpy as np
+import pytest
+
+from conftest import BIN
+from harness import prefill, run
+from policies import Daemon, Full, Quest, Window, mandatory_chunks
+
+
+@pytest.fixture(scope="module")
+def small(model, text_ids):
+    return prefill(model, text_ids, 1024, 32)
+
+
+@pytest.fixture
+def client(tmp_path):
+    import kvtier
+    from kvtier.daemon import LocalDaemon
+    with LocalDaemon(BIN / "kvtierd", tmp_path) as d:
+        with kvtier.Client(d.address) as c:
+            yield c
+        assert d.stop() == 0, d.log.read_text()
+
+
+def test_full_through_the_daemon_matches_the_harness(model, small, client):
+    """1K context, 32 scored tokens: every layer reads every token back from shared memory;
+    the logits must equal the harness's own full attention to float tolerance."""
+    ref = run(model, small, Full())
+    through = Daemon(client, "daemon-full", None, lossless=True, dense_layers=1 << 20)
+    got = run(model, small, through)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    assert got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)
+    assert through.inline_blocks == 0 and through.shm_blocks > 0
+    assert got["selects"] == model.config.num_layers * 32
+    assert client.list_sessions() == []  # the policy closed its session
+
+
+def test_selection_policies_keep_the_budget_and_score_below_the_oracle(model, small, client):
+    for policy in (Window(128), Quest(128), Daemon(client, "kvtier", 128)):
+        rec = run(model, small, policy)
+        assert 0 < rec["oracle_ratio_p10"] <= rec["oracle_ratio_mean"] <= 1 + 1e-6, rec
+        assert rec["chunk_oracle_ratio_mean"] <= 1 + 1e-6
+        assert rec["perplexity"] > 1
+
+
+def test_mandatory_chunks_follow_the_daemons_rule():
+    # 100 tokens, sinks 16, window 32: chunk 0 (sinks) and chunks 4..6 (tokens 68..99).
+    assert mandatory_chunks(100, 16, 32).tolist() == [0, 4, 5, 6]
+    assert mandatory_chunks(10, 16, 32).tolist() == [0]
