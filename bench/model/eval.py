@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -150,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "eval"))
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
+    # A SIGTERM unwinds like an exception, so the daemon this run started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 

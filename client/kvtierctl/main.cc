@@ -128,11 +128,11 @@ int Run(const Args& a, Client& c) {
                                      i.shape().num_kv_heads(), i.shape().head_dim(),
                                      v1::DType_Name(i.shape().dtype()))});
     kv.Add({"policy", absl::StrFormat("sinks %d, window %d, budget %d, dense layers %d, "
-                                      "chunk %d tokens, cold %s%s",
+                                      "chunk %d tokens, cold %s%s, ranking %s",
                                       p.sink_tokens(), p.recent_window(), p.default_budget(),
                                       p.dense_layers(), p.chunk_tokens(),
                                       PrecisionName(p.cold_precision()),
-                                      p.lossless() ? ", lossless" : "")});
+                                      p.lossless() ? ", lossless" : "", Label(v1::Ranking_Name(p.ranking())))});
     kv.Add({"tokens", absl::StrCat(i.num_tokens())});
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
       kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});
@@ -144,11 +144,17 @@ int Run(const Args& a, Client& c) {
     kv.Add({"last access", Age(i.last_access_unix_ms(), NowMs())});
     for (const auto& [k, v] : i.labels()) kv.Add({absl::StrCat("label ", k), v});
     std::cout << kv.Render() << "\n";
-    Table layers({"LAYER", "TOKENS", "CHUNKS", "CLUSTERS", "DEPTH"},
-                 {true, true, true, true, true});
+    Table layers({"LAYER", "TOKENS", "CHUNKS", "INDEXED", "CLUSTERS", "UNITS", "SCORED"},
+                 {true, true, true, true, true, true, true});
     for (const auto& l : r->layers()) {
+      // SCORED: the share of Select's candidate chunks whose score was computed.
+      const std::string scored =
+          l.select_candidates() ? absl::StrFormat("%.1f%%", 100.0 * l.select_chunks_scored() /
+                                                                l.select_candidates())
+                                : "-";
       layers.Add({absl::StrCat(l.layer()), absl::StrCat(l.num_tokens()), absl::StrCat(l.chunks()),
-                  absl::StrCat(l.clusters()), absl::StrCat(l.depth())});
+                  absl::StrCat(l.indexed_chunks()), absl::StrCat(l.clusters()),
+                  absl::StrCat(l.units()), scored});
     }
     std::cout << layers.Render();
     return 0;

@@ -86,7 +86,10 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
       last_access_ms_(created_ms_),
       layer_tokens_(shape_.num_layers(), 0),
       streams_(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads()),
-      cold_upto_(shape_.num_layers(), 0) {}
+      cold_upto_(shape_.num_layers(), 0),
+      indexed_upto_(shape_.num_layers(), 0),
+      select_candidates_(shape_.num_layers(), 0),
+      select_scored_(shape_.num_layers(), 0) {}
 
 Session::Session(const Session& parent, std::string new_id)
     : Session(std::move(new_id), parent.tenant_, parent.shape_,
@@ -290,6 +293,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   }
   layer_tokens_[layer] = start + n;
   QuantizeCold(layer);
+  IndexAgedOut(layer);
   return MinTokens();
 }
 
@@ -359,6 +363,25 @@ void Session::QuantizeCold(uint32_t layer) {
   cold_upto_[layer] = c;
 }
 
+void Session::IndexAgedOut(uint32_t layer) {
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint64_t total = layer_tokens_[layer];
+  const uint64_t window = policy_.recent_window();
+  uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  // A chunk that should be cold but is not yet (the host tier was full) waits: its statistics
+  // change when it is quantized, and the index keeps them fixed.
+  if (cold_bits() != 0) limit = std::min(limit, cold_upto_[layer]);
+  for (uint32_t c = indexed_upto_[layer]; c < limit; ++c) {
+    if (uint64_t{c} * ct < policy_.sink_tokens()) continue;  // sinks are always returned
+    for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+      Stream& s = stream(layer, h);
+      if (!s.index) s.index = std::make_unique<ClusterIndex>(static_cast<int>(shape_.head_dim()));
+      s.index->Add(c, s.chunks[c].num_tokens, s.arrays());
+    }
+  }
+  indexed_upto_[layer] = std::max(indexed_upto_[layer], limit);
+}
+
 void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
                          uint64_t chunk_id, int64_t first_position, bool include_data,
                          v1::BlockHandle* h) const {
@@ -380,6 +403,55 @@ void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
     h->set_keys(fp16, half);
     h->set_values(fp16 + half, half);
   }
+}
+
+std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const float> qh,
+                                              uint32_t group, const std::vector<bool>& mandatory,
+                                              uint64_t budget, uint32_t layer) {
+  const int d = static_cast<int>(shape_.head_dim());
+  const uint32_t ct = policy_.chunk_tokens();
+  std::vector<ChunkCandidate> extras;  // candidates the index does not hold
+  uint64_t candidates = 0;
+  bool uniform = true;
+  for (uint32_t c = 0; c < mandatory.size(); ++c) {
+    if (mandatory[c]) continue;
+    ++candidates;
+    uniform = uniform && s.chunks[c].num_tokens == ct;
+    if (s.index && s.index->contains(c)) continue;
+    extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
+                      1.f / static_cast<float>(s.chunks[c].num_tokens),
+                      &s.peaks[static_cast<size_t>(c) * d]});
+  }
+  select_candidates_[layer] += candidates;
+  if (!s.index || !uniform) {
+    // Nothing indexed yet, or chunks of several sizes (the greedy fill is not a top-k): scan.
+    select_scored_[layer] += candidates;
+    extras.clear();
+    for (uint32_t c = 0; c < mandatory.size(); ++c) {
+      if (mandatory[c]) continue;
+      extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
+                        1.f / static_cast<float>(s.chunks[c].num_tokens),
+                        &s.peaks[static_cast<size_t>(c) * d]});
+    }
+    return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, extras, budget);
+  }
+  // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its chunks;
+  // the few it does not hold yet (a policy change, a chunk waiting for room to be quantized)
+  // are scored here and merged by the same order.
+  const size_t k = budget / ct;
+  ClusterIndex::SearchStats stats;
+  std::vector<uint32_t> found = s.index->Search(policy_.ranking(), qh, static_cast<int>(group),
+                                                k, s.arrays(), mandatory, &stats);
+  select_scored_[layer] += stats.chunks_scored + extras.size();
+  if (extras.empty()) return found;
+  for (uint32_t c : found) {
+    extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
+                      1.f / static_cast<float>(s.chunks[c].num_tokens),
+                      &s.peaks[static_cast<size_t>(c) * d]});
+  }
+  std::sort(extras.begin(), extras.end(),
+            [](const ChunkCandidate& a, const ChunkCandidate& b) { return a.index < b.index; });
+  return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, extras, budget);
 }
 
 absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
@@ -460,18 +532,10 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     Stream& s = stream(layer, h);
     std::vector<bool> take = mandatory;
     if (!everything) {
-      std::vector<ChunkCandidate> cands;
-      cands.reserve(nchunks);
-      for (uint32_t c = 0; c < nchunks; ++c) {
-        if (mandatory[c]) continue;
-        cands.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
-                         1.f / static_cast<float>(s.chunks[c].num_tokens),
-                         &s.peaks[static_cast<size_t>(c) * d]});
-      }
       std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
                                 static_cast<size_t>(group) * d);
-      for (uint32_t c : SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, cands,
-                                     budget - mandatory_tokens)) {
+      for (uint32_t c : RankCandidates(s, qh, group, mandatory, budget - mandatory_tokens,
+                                       layer)) {
         take[c] = true;
       }
     }
@@ -647,6 +711,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     child->cold_upto_[l] = std::min(cold_upto_[l], keep_full);
+    child->IndexAgedOut(l);  // the child's own index, over the chunks it shares
   }
   return child;
 }
@@ -690,6 +755,8 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
         policy_.chunk_tokens(), next.chunk_tokens()));
   }
   policy_ = next;
+  // A smaller window or fewer sinks age chunks out now; the index takes them in.
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) IndexAgedOut(l);
   return policy_;
 }
 
@@ -780,8 +847,20 @@ std::vector<v1::LayerStats> Session::Layers() const {
       chunks += streams_[static_cast<size_t>(l) * shape_.num_kv_heads() + h].chunks.size();
     }
     st.set_chunks(chunks);
-    st.set_clusters(0);
-    st.set_depth(1);
+    uint64_t clusters = 0, units = 0, indexed = 0;
+    for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+      const auto& index = streams_[static_cast<size_t>(l) * shape_.num_kv_heads() + h].index;
+      if (!index) continue;
+      clusters += index->num_clusters();
+      units += index->num_units();
+      indexed += index->num_chunks();
+    }
+    st.set_clusters(clusters);
+    st.set_units(units);
+    st.set_indexed_chunks(indexed);
+    st.set_depth(indexed ? 2 : 0);  // coarse units, then fine clusters
+    st.set_select_candidates(select_candidates_[l]);
+    st.set_select_chunks_scored(select_scored_[l]);
   }
   return out;
 }

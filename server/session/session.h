@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@
 #include "kernels/quant_layout.h"
 #include "server/common/clock.h"
 #include "server/common/vec.h"
+#include "server/index/cluster_index.h"
 #include "server/session/lease_table.h"
 #include "server/tier/tier.h"
 
@@ -126,6 +128,10 @@ class Session {
     // [chunks][head_dim]: each chunk's key farthest from its mean (RANKING_LSE_PEAK), as
     // attention reads it (dequantized for a cold chunk)
     std::vector<float> peaks;
+    // The chunks that left the recent window (sinks excepted), once their statistics are
+    // final (after quantization); null until the first one.
+    std::unique_ptr<ClusterIndex> index;
+    ChunkArrays arrays() const { return {key_sums.data(), peaks.data()}; }
   };
 
   Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
@@ -138,6 +144,15 @@ class Session {
     return row_bytes() * policy_.chunk_tokens() * 2;
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The best candidates (not `mandatory`) of one stream within `budget` tokens, as
+  // SelectChunks ranks them, through the stream's cluster index; counts the work per layer.
+  std::vector<uint32_t> RankCandidates(const Stream& s, std::span<const float> qh,
+                                       uint32_t group, const std::vector<bool>& mandatory,
+                                       uint64_t budget, uint32_t layer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds to each head's cluster index the chunks of `layer` that left the recent window and
+  // whose statistics are final (quantized when the policy quantizes).
+  void IndexAgedOut(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes chunk `index`'s peak from its n key rows (session dtype), after its sum.
   void UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_t n) const;
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -189,6 +204,10 @@ class Session {
   std::vector<uint64_t> layer_tokens_ ABSL_GUARDED_BY(mu_);  // [num_layers]
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);         // [num_layers * num_kv_heads]
   std::vector<uint32_t> cold_upto_ ABSL_GUARDED_BY(mu_);     // [num_layers]: chunks examined
+  std::vector<uint32_t> indexed_upto_ ABSL_GUARDED_BY(mu_);  // [num_layers]: chunks examined
+  // [num_layers]: Select's candidate chunks and how many of them were scored, cumulative
+  std::vector<uint64_t> select_candidates_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> select_scored_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier

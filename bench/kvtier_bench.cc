@@ -1,0 +1,373 @@
+// kvtier-bench select: one stream's selection, every policy on the same keys and queries in
+// the same run: the time of one Select's ranking work per KV head and the attention mass the
+// policy keeps.
+//
+//   build/bin/kvtier-bench select --tokens 4096,32768,131072 --budget 256 --json
+//
+// One JSON line per (tokens, policy) with policy, tokens, budget, us_per_select (median over
+// the queries), oracle_ratio (mean and 10th percentile of kept mass over the exact top-budget
+// tokens' mass, softmax averaged over the GQA group), chunk_oracle_ratio (over the best
+// budget/16 whole chunks' mass), chunks_scored_fraction (chunks, or pages, whose bound or
+// keys were scored, over all chunks), and EVAL.md's figure fields (name, value, unit,
+// baseline = the exact scan's time, ratio). Then per policy the growth exponent of
+// us_per_select over the token counts (a log-log fit; below 1 is sub-linear).
+//
+// Policies: exact (score every key, keep the best tokens), quest (16-token pages by the
+// min/max box bound), window (sinks + most recent), kvtier-scan (the LSE-peak score over
+// every chunk), kvtier (the same score through the cluster index: the same answer, pruned),
+// kvtier-mean (the index with the mean score). Only contiguous chunking exists so far;
+// boundary and semantic chunking join this list when they land.
+//
+// Keys are synthetic and shaped like a model's: chunks drift between 48 topic directions
+// (neighbours share topics), every 16th channel is an outlier channel, and now and then one
+// key points hard at its topic (a delimiter, a name). Queries point at one or two topics.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "server/common/vec.h"
+#include "server/index/chunk_ranker.h"
+#include "server/index/cluster_index.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kD = 64, kGroup = 3, kChunk = 16, kSinks = 16, kWindow = 64, kTopics = 48;
+
+struct Stream {
+  int n = 0;
+  std::vector<float> keys;           // [n][kD]
+  std::vector<float> sums, peaks;    // [chunks][kD]
+  std::vector<float> lo, hi;         // [chunks][kD] per-channel box (Quest pages)
+  int chunks() const { return (n + kChunk - 1) / kChunk; }
+};
+
+Stream MakeStream(int n, const std::vector<float>& topics, std::mt19937& rng) {
+  Stream s;
+  s.n = n;
+  s.keys.resize(size_t(n) * kD);
+  std::normal_distribution<float> g(0, 1);
+  std::uniform_real_distribution<float> u(0, 1);
+  int topic = 0;
+  for (int c = 0; c < s.chunks(); ++c) {
+    if (u(rng) < 0.3f) topic = std::uniform_int_distribution<int>(0, kTopics - 1)(rng);
+    for (int t = c * kChunk; t < std::min(n, (c + 1) * kChunk); ++t) {
+      const float pull = u(rng) < 0.02f ? 3.f : 0.6f;  // the odd key that points hard
+      for (int j = 0; j < kD; ++j) {
+        const float x = pull * topics[topic * kD + j] + g(rng);
+        s.keys[size_t(t) * kD + j] = x * (j % 16 == 0 ? 6.f : 1.f);
+      }
+    }
+  }
+  s.sums.assign(size_t(s.chunks()) * kD, 0.f);
+  s.peaks.resize(s.sums.size());
+  s.lo.assign(s.sums.size(), 1e30f);
+  s.hi.assign(s.sums.size(), -1e30f);
+  for (int c = 0; c < s.chunks(); ++c) {
+    const int t0 = c * kChunk, t1 = std::min(n, t0 + kChunk);
+    float* sum = &s.sums[size_t(c) * kD];
+    for (int t = t0; t < t1; ++t) {
+      for (int j = 0; j < kD; ++j) {
+        const float x = s.keys[size_t(t) * kD + j];
+        sum[j] += x;
+        s.lo[size_t(c) * kD + j] = std::min(s.lo[size_t(c) * kD + j], x);
+        s.hi[size_t(c) * kD + j] = std::max(s.hi[size_t(c) * kD + j], x);
+      }
+    }
+    float far = -1;
+    for (int t = t0; t < t1; ++t) {
+      float dist = 0;
+      for (int j = 0; j < kD; ++j) {
+        const float x = s.keys[size_t(t) * kD + j] - sum[j] / (t1 - t0);
+        dist += x * x;
+      }
+      if (dist > far) {
+        far = dist;
+        std::copy_n(&s.keys[size_t(t) * kD], kD, &s.peaks[size_t(c) * kD]);
+      }
+    }
+  }
+  return s;
+}
+
+std::vector<float> MakeQuery(const std::vector<float>& topics, std::mt19937& rng) {
+  std::normal_distribution<float> g(0, 1);
+  const int a = std::uniform_int_distribution<int>(0, kTopics - 1)(rng);
+  const int b = std::uniform_int_distribution<int>(0, kTopics - 1)(rng);
+  std::vector<float> q(kGroup * kD);
+  for (int h = 0; h < kGroup; ++h) {
+    for (int j = 0; j < kD; ++j) {
+      const float dir = (h == 2 ? topics[b * kD + j] : topics[a * kD + j]);
+      q[h * kD + j] = (1.2f * dir + 0.3f * g(rng)) / (j % 16 == 0 ? 6.f : 1.f);
+    }
+  }
+  return q;
+}
+
+// Chunks overlapping the sinks or the window: always returned.
+std::vector<bool> Mandatory(const Stream& s) {
+  std::vector<bool> m(s.chunks(), false);
+  for (int c = 0; c < s.chunks(); ++c) {
+    const int lo = c * kChunk, hi = std::min(s.n, lo + kChunk);
+    m[c] = lo < kSinks || hi > s.n - kWindow;
+  }
+  return m;
+}
+
+struct Truth {
+  std::vector<double> p;  // group-mean softmax over every key
+  double oracle = 0;      // mass of the best `budget` tokens
+  double chunk_oracle = 0;  // mass of the best budget/16 chunks
+};
+
+Truth Exact(const Stream& s, const std::vector<float>& q, int budget) {
+  Truth t;
+  t.p.assign(s.n, 0.0);
+  std::vector<double> logit(s.n);
+  for (int h = 0; h < kGroup; ++h) {
+    double mx = -1e300;
+    for (int i = 0; i < s.n; ++i) {
+      double x = 0;
+      for (int j = 0; j < kD; ++j) x += double(q[h * kD + j]) * s.keys[size_t(i) * kD + j];
+      logit[i] = x / std::sqrt(double(kD));
+      mx = std::max(mx, logit[i]);
+    }
+    double z = 0;
+    for (int i = 0; i < s.n; ++i) z += std::exp(logit[i] - mx);
+    for (int i = 0; i < s.n; ++i) t.p[i] += std::exp(logit[i] - mx) / z / kGroup;
+  }
+  std::vector<double> sorted = t.p;
+  std::nth_element(sorted.begin(), sorted.begin() + budget, sorted.end(), std::greater<>());
+  for (int i = 0; i < budget; ++i) t.oracle += sorted[i];
+  std::vector<double> mass(s.chunks(), 0.0);
+  for (int i = 0; i < s.n; ++i) mass[i / kChunk] += t.p[i];
+  std::sort(mass.begin(), mass.end(), std::greater<>());
+  for (int c = 0; c < budget / kChunk; ++c) t.chunk_oracle += mass[c];
+  return t;
+}
+
+struct Result {
+  std::vector<double> us, ratio, chunk_ratio;
+  double scored = 0, total = 0;
+};
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / v.size();
+}
+
+// Mass of a chunk set plus the mandatory chunks.
+double ChunkMass(const Truth& t, const Stream& s, const std::vector<bool>& mandatory,
+                 const std::vector<uint32_t>& chosen) {
+  std::vector<bool> take = mandatory;
+  for (uint32_t c : chosen) take[c] = true;
+  double r = 0;
+  for (int i = 0; i < s.n; ++i) r += take[i / kChunk] ? t.p[i] : 0;
+  return r;
+}
+
+void Run(int tokens, int budget, int queries, uint32_t seed,
+         std::map<std::string, std::vector<std::pair<double, double>>>* growth) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> topics(kTopics * kD);
+  for (auto& x : topics) x = g(rng) * 0.9f;
+  const Stream s = MakeStream(tokens, topics, rng);
+  const std::vector<bool> mandatory = Mandatory(s);
+  int mandatory_tokens = 0;
+  for (int c = 0; c < s.chunks(); ++c) {
+    if (mandatory[c]) mandatory_tokens += std::min(kChunk, s.n - c * kChunk);
+  }
+  const uint64_t left = budget > mandatory_tokens ? budget - mandatory_tokens : 0;
+  const ChunkArrays arrays{s.sums.data(), s.peaks.data()};
+  ClusterIndex index(kD);
+  std::vector<ChunkCandidate> cands;
+  for (int c = 0; c < s.chunks(); ++c) {
+    if (mandatory[c]) continue;
+    index.Add(c, kChunk, arrays);
+    cands.push_back({uint32_t(c), uint32_t(kChunk), &s.sums[size_t(c) * kD], 1.f / kChunk,
+                     &s.peaks[size_t(c) * kD]});
+  }
+  std::map<std::string, Result> res;
+  std::vector<double> scores(s.n);
+  for (int qi = 0; qi < queries; ++qi) {
+    const std::vector<float> q = MakeQuery(topics, rng);
+    const Truth truth = Exact(s, q, budget);
+    auto record = [&](const std::string& name, double seconds, double kept, double scored) {
+      Result& r = res[name];
+      r.us.push_back(seconds * 1e6);
+      r.ratio.push_back(kept / truth.oracle);
+      r.chunk_ratio.push_back(kept / truth.chunk_oracle);
+      r.scored += scored;
+      r.total += s.chunks();
+    };
+    {  // exact: every key scored, the best tokens kept
+      const double t0 = bench::NowSeconds();
+      for (int i = 0; i < s.n; ++i) {
+        float best = -1e30f;
+        for (int h = 0; h < kGroup; ++h) {
+          best = std::max(best, Dot(&q[h * kD], &s.keys[size_t(i) * kD], kD));
+        }
+        scores[i] = best;
+      }
+      std::vector<int> order(s.n);
+      for (int i = 0; i < s.n; ++i) order[i] = i;
+      std::nth_element(order.begin(), order.begin() + budget, order.end(),
+                       [&](int a, int b) { return scores[a] > scores[b]; });
+      const double secs = bench::NowSeconds() - t0;
+      double kept = 0;
+      for (int i = 0; i < budget; ++i) kept += truth.p[order[i]];
+      record("exact", secs, kept, s.chunks());
+    }
+    {  // quest: the box bound of every page
+      const double t0 = bench::NowSeconds();
+      std::vector<std::pair<float, uint32_t>> pages;
+      for (int c = 0; c < s.chunks(); ++c) {
+        if (mandatory[c]) continue;
+        float best = -1e30f;
+        for (int h = 0; h < kGroup; ++h) {
+          float b = 0;
+          for (int j = 0; j < kD; ++j) {
+            b += std::max(q[h * kD + j] * s.lo[size_t(c) * kD + j],
+                          q[h * kD + j] * s.hi[size_t(c) * kD + j]);
+          }
+          best = std::max(best, b);
+        }
+        pages.push_back({-best, uint32_t(c)});
+      }
+      const size_t k = std::min<size_t>(pages.size(), left / kChunk);
+      std::partial_sort(pages.begin(), pages.begin() + k, pages.end());
+      std::vector<uint32_t> chosen;
+      for (size_t i = 0; i < k; ++i) chosen.push_back(pages[i].second);
+      const double secs = bench::NowSeconds() - t0;
+      record("quest", secs, ChunkMass(truth, s, mandatory, chosen), s.chunks());
+    }
+    {  // window: sinks and the most recent tokens, nothing scored
+      const double t0 = bench::NowSeconds();
+      double kept = 0;
+      for (int i = 0; i < s.n; ++i) {
+        kept += (i < kSinks || i >= s.n - (budget - kSinks)) ? truth.p[i] : 0;
+      }
+      record("window", bench::NowSeconds() - t0, kept, 0);
+    }
+    {  // kvtier-scan: the LSE-peak score of every chunk
+      const double t0 = bench::NowSeconds();
+      auto chosen = SelectChunks(v1::RANKING_LSE_PEAK, q, kGroup, kD, cands, left);
+      const double secs = bench::NowSeconds() - t0;
+      record("kvtier-scan", secs, ChunkMass(truth, s, mandatory, chosen), cands.size());
+    }
+    for (auto [name, ranking] : {std::pair<std::string, v1::Ranking>{"kvtier", v1::RANKING_LSE_PEAK},
+                                 {"kvtier-mean", v1::RANKING_MEAN}}) {
+      ClusterIndex::SearchStats st;
+      const double t0 = bench::NowSeconds();
+      auto chosen = index.Search(ranking, q, kGroup, left / kChunk, arrays, {}, &st);
+      const double secs = bench::NowSeconds() - t0;
+      // Work counts every bound computed as well as every chunk scored.
+      record(name, secs, ChunkMass(truth, s, mandatory, chosen),
+             double(st.chunks_scored + st.bounds_scored));
+    }
+  }
+  const double exact_us = bench::Median(res["exact"].us);
+  for (const std::string name : {"exact", "quest", "window", "kvtier-scan", "kvtier", "kvtier-mean"}) {
+    const Result& r = res[name];
+    const double us = bench::Median(r.us);
+    std::printf(
+        "{\"name\": \"select_policy_us\", \"value\": %.3f, \"unit\": \"us\", \"baseline\": "
+        "%.3f, \"baseline_name\": \"exact\", \"ratio\": %.4f, \"policy\": \"%s\", \"tokens\": %d, "
+        "\"budget\": %d, \"us_per_select\": %.3f, \"oracle_ratio\": %.4f, \"oracle_ratio_p10\": "
+        "%.4f, \"chunk_oracle_ratio\": %.4f, \"chunks_scored_fraction\": %.4f, \"parameters\": "
+        "{\"policy\": \"%s\", \"tokens\": %d, \"budget\": %d, \"queries\": %d, \"head_dim\": %d, "
+        "\"gqa_group\": %d, \"clusters\": %zu, \"units\": %zu, \"data\": \"synthetic topics\"}}\n",
+        us, exact_us, us / exact_us, name.c_str(), tokens, budget, us, Mean(r.ratio),
+        bench::Quantile(r.ratio, 0.1), Mean(r.chunk_ratio), r.total ? r.scored / r.total : 0.0,
+        name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(),
+        index.num_units());
+    (*growth)[name].push_back({double(tokens), us});
+  }
+  std::fflush(stdout);
+}
+
+int Main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "select") != 0) {
+    std::fprintf(stderr, "usage: kvtier-bench select [--tokens N[,N...]] [--budget B] "
+                         "[--queries Q] [--seed S] [--json]\n");
+    return 2;
+  }
+  std::vector<int> tokens = {4096, 32768, 131072};
+  int budget = 256, queries = 24;
+  uint32_t seed = 1;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--tokens") {
+      tokens.clear();
+      std::string v = next();
+      for (size_t p = 0; p <= v.size();) {
+        size_t e = v.find(',', p);
+        if (e == std::string::npos) e = v.size();
+        tokens.push_back(std::atoi(v.substr(p, e - p).c_str()));
+        p = e + 1;
+      }
+    } else if (a == "--budget") {
+      budget = std::atoi(next().c_str());
+    } else if (a == "--queries") {
+      queries = std::atoi(next().c_str());
+    } else if (a == "--seed") {
+      seed = static_cast<uint32_t>(std::atoi(next().c_str()));
+    } else if (a != "--json") {
+      std::fprintf(stderr, "unknown flag %s\n", a.c_str());
+      return 2;
+    }
+  }
+  for (int t : tokens) {
+    if (t < budget + kSinks + kWindow + 2 * kChunk) {
+      std::fprintf(stderr, "--tokens %d: must be above budget + sinks + window + 32\n", t);
+      return 2;
+    }
+  }
+  if (budget < kSinks + kWindow + kChunk || queries < 1) {
+    std::fprintf(stderr, "--budget must be >= %d and --queries >= 1\n", kSinks + kWindow + kChunk);
+    return 2;
+  }
+  std::map<std::string, std::vector<std::pair<double, double>>> growth;
+  for (int t : tokens) Run(t, budget, queries, seed, &growth);
+  if (tokens.size() >= 2) {
+    for (const auto& [name, pts] : growth) {
+      if (name == "window") continue;  // nothing scored: no growth to fit
+      double mx = 0, my = 0;
+      for (auto [x, y] : pts) mx += std::log(x), my += std::log(y);
+      mx /= pts.size();
+      my /= pts.size();
+      double sxy = 0, sxx = 0;
+      for (auto [x, y] : pts) {
+        sxy += (std::log(x) - mx) * (std::log(y) - my);
+        sxx += (std::log(x) - mx) * (std::log(x) - mx);
+      }
+      std::printf("{\"name\": \"select_growth_exponent\", \"value\": %.3f, \"unit\": \"exponent\", "
+                  "\"baseline\": 1.0, \"baseline_name\": \"linear\", \"ratio\": %.3f, "
+                  "\"policy\": \"%s\", \"parameters\": {\"policy\": \"%s\", \"tokens_from\": %d, "
+                  "\"tokens_to\": %d, \"budget\": %d}}\n",
+                  sxy / sxx, sxy / sxx, name.c_str(), name.c_str(), tokens.front(), tokens.back(),
+                  budget);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvtier
+
+int main(int argc, char** argv) { return kvtier::Main(argc, argv); }

@@ -1,0 +1,454 @@
+#include "server/index/cluster_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <queue>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "server/common/vec.h"
+#include "server/index/chunk_ranker.h"
+
+namespace kvtier {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double Norm(const float* x, int d) {
+  double s = 0;
+  for (int j = 0; j < d; ++j) s += double(x[j]) * x[j];
+  return std::sqrt(s);
+}
+
+double Dist(const float* x, const float* y, int d) {
+  double s = 0;
+  for (int j = 0; j < d; ++j) s += (double(x[j]) - y[j]) * (double(x[j]) - y[j]);
+  return std::sqrt(s);
+}
+
+double Cosine(const float* x, const float* y, int d) {
+  double dot = 0;
+  for (int j = 0; j < d; ++j) dot += double(x[j]) * y[j];
+  const double n = Norm(x, d) * Norm(y, d);
+  return n > 0 ? dot / n : 0;
+}
+
+
+}  // namespace
+
+ClusterIndex::ClusterIndex(int head_dim, Options options) : d_(head_dim), opt_(options) {}
+
+size_t ClusterIndex::num_clusters() const {
+  return std::count_if(clusters_.begin(), clusters_.end(), [](const Cluster& c) { return c.alive; });
+}
+
+size_t ClusterIndex::num_units() const {
+  return std::count_if(units_.begin(), units_.end(), [](const Unit& u) { return u.alive; });
+}
+
+void ClusterIndex::Mean(uint32_t chunk, const ChunkArrays& a, float* out) const {
+  const float inv = 1.f / static_cast<float>(tokens_[chunk]);
+  const float* s = a.key_sums + static_cast<size_t>(chunk) * d_;
+  for (int j = 0; j < d_; ++j) out[j] = s[j] * inv;
+}
+
+const float* ClusterIndex::Peak(uint32_t chunk, const ChunkArrays& a) const {
+  return a.peaks + static_cast<size_t>(chunk) * d_;
+}
+
+void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
+                           const ChunkArrays& a) const {
+  const size_t d = d_;
+  std::vector<double> mc(d, 0.0), pc(d, 0.0);
+  std::vector<float> mu(d);
+  b.mu_lo.assign(d, std::numeric_limits<float>::infinity());
+  b.mu_hi.assign(d, -std::numeric_limits<float>::infinity());
+  b.peak_lo = b.mu_lo;
+  b.peak_hi = b.mu_hi;
+  b.max_tokens = 0;
+  for (uint32_t c : chunks) {
+    Mean(c, a, mu.data());
+    const float* p = Peak(c, a);
+    for (size_t j = 0; j < d; ++j) {
+      mc[j] += mu[j];
+      pc[j] += p[j];
+      b.mu_lo[j] = std::min(b.mu_lo[j], mu[j]);
+      b.mu_hi[j] = std::max(b.mu_hi[j], mu[j]);
+      b.peak_lo[j] = std::min(b.peak_lo[j], p[j]);
+      b.peak_hi[j] = std::max(b.peak_hi[j], p[j]);
+    }
+    b.max_tokens = std::max(b.max_tokens, tokens_[c]);
+  }
+  b.mu_center.resize(d);
+  b.peak_center.resize(d);
+  for (size_t j = 0; j < d; ++j) {
+    b.mu_center[j] = static_cast<float>(mc[j] / chunks.size());
+    b.peak_center[j] = static_cast<float>(pc[j] / chunks.size());
+  }
+  b.mu_center_norm = static_cast<float>(Norm(b.mu_center.data(), d_));
+  b.peak_center_norm = static_cast<float>(Norm(b.peak_center.data(), d_));
+  b.mu_radius = b.peak_radius = 0;
+  for (uint32_t c : chunks) Widen(b, c, a);
+}
+
+void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const ChunkArrays& a) const {
+  std::vector<float> mu(d_);
+  Mean(chunk, a, mu.data());
+  const float* p = Peak(chunk, a);
+  // Rounded up so that float radii never undercut the distance they cover.
+  b.mu_radius = std::max(b.mu_radius,
+                         std::nextafter(static_cast<float>(Dist(mu.data(), b.mu_center.data(), d_)),
+                                        std::numeric_limits<float>::infinity()));
+  b.peak_radius = std::max(b.peak_radius,
+                           std::nextafter(static_cast<float>(Dist(p, b.peak_center.data(), d_)),
+                                          std::numeric_limits<float>::infinity()));
+  for (int j = 0; j < d_; ++j) {
+    b.mu_lo[j] = std::min(b.mu_lo[j], mu[j]);
+    b.mu_hi[j] = std::max(b.mu_hi[j], mu[j]);
+    b.peak_lo[j] = std::min(b.peak_lo[j], p[j]);
+    b.peak_hi[j] = std::max(b.peak_hi[j], p[j]);
+  }
+  b.max_tokens = std::max(b.max_tokens, tokens_[chunk]);
+  b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
+                                : -std::numeric_limits<float>::infinity();
+}
+
+ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int group) const {
+  Prepared p;
+  p.pos.resize(static_cast<size_t>(group) * d_);
+  p.neg.resize(p.pos.size());
+  for (size_t i = 0; i < p.pos.size(); ++i) {
+    p.pos[i] = std::max(queries[i], 0.f);
+    p.neg[i] = std::min(queries[i], 0.f);
+  }
+  for (int h = 0; h < group; ++h) {
+    p.norm.push_back(static_cast<float>(Norm(queries.data() + static_cast<size_t>(h) * d_, d_)));
+  }
+  return p;
+}
+
+float ClusterIndex::Bound(v1::Ranking ranking, const Bounds& b, std::span<const float> queries,
+                          const Prepared& p) const {
+  // Per head, q.x over the node is at most min(ball, box): ball = q.center + |q| R, box =
+  // sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi + min(q,0).lo. The margin covers float
+  // rounding of these and of the chunk's own score (each under 1e-5 of its magnitude),
+  // with the box corners at most sqrt(d) R from the center in norm.
+  const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
+  const float sqrt_d = std::sqrt(static_cast<float>(d_));
+  const int group = static_cast<int>(p.norm.size());
+  float best = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < group; ++h) {
+    const size_t off = static_cast<size_t>(h) * d_;
+    const float* q = queries.data() + off;
+    const float qn = p.norm[h];
+    const float a = std::min(Dot(q, b.mu_center.data(), d_) + qn * b.mu_radius,
+                             Dot(&p.pos[off], b.mu_hi.data(), d_) +
+                                 Dot(&p.neg[off], b.mu_lo.data(), d_));
+    const float margin_a = 1e-4f * (1 + qn * (b.mu_center_norm + sqrt_d * b.mu_radius));
+    if (ranking == v1::RANKING_MEAN) {
+      best = std::max(best, a + margin_a);
+      continue;
+    }
+    const float pk = std::min(Dot(q, b.peak_center.data(), d_) + qn * b.peak_radius,
+                              Dot(&p.pos[off], b.peak_hi.data(), d_) +
+                                  Dot(&p.neg[off], b.peak_lo.data(), d_));
+    const float margin_p = 1e-4f * (1 + qn * (b.peak_center_norm + sqrt_d * b.peak_radius));
+    const float x = (a + margin_a) * inv_sqrt_d + b.log_rest;
+    const float y = (pk + margin_p) * inv_sqrt_d;
+    const float hi = std::max(x, y), lo = std::min(x, y);
+    best = std::max(best, (lo == -std::numeric_limits<float>::infinity()
+                               ? hi
+                               : hi + std::log1p(std::exp(lo - hi))) +
+                              1e-5f * (1 + std::abs(hi)));
+  }
+  return best;
+}
+
+float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
+                               std::span<const float> queries, int group,
+                               const ChunkArrays& a) const {
+  const ChunkCandidate c{chunk, tokens_[chunk], a.key_sums + static_cast<size_t>(chunk) * d_,
+                         1.f / static_cast<float>(tokens_[chunk]), Peak(chunk, a)};
+  return ranking == v1::RANKING_LSE_PEAK ? LsePeakScore(queries, group, c, d_)
+                                         : MeanScore(queries, group, c, d_);
+}
+
+template <typename VecFn>
+void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, VecFn vec,
+                            std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
+  // Seeds: the point least like the first, then the point least like that one.
+  auto farthest = [&](const float* from) {
+    uint32_t best = ids[0];
+    double worst = kInf;
+    for (uint32_t id : ids) {
+      const double c = Cosine(vec(id), from, d_);
+      if (c < worst) worst = c, best = id;
+    }
+    return best;
+  };
+  const uint32_t s0 = farthest(vec(ids[0]));
+  const uint32_t s1 = farthest(vec(s0));
+  std::vector<float> c0(vec(s0), vec(s0) + d_), c1(vec(s1), vec(s1) + d_);
+  std::vector<int> side(ids.size(), 0);
+  for (int iter = 0; iter < 6; ++iter) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      side[i] = Cosine(vec(ids[i]), c1.data(), d_) > Cosine(vec(ids[i]), c0.data(), d_) ? 1 : 0;
+    }
+    std::vector<double> s0v(d_, 0.0), s1v(d_, 0.0);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const float* x = vec(ids[i]);
+      const double n = std::max(Norm(x, d_), 1e-30);  // spherical: unit vectors
+      for (int j = 0; j < d_; ++j) (side[i] ? s1v : s0v)[j] += x[j] / n;
+    }
+    for (int j = 0; j < d_; ++j) {
+      c0[j] = static_cast<float>(s0v[j]);
+      c1[j] = static_cast<float>(s1v[j]);
+    }
+  }
+  left->clear();
+  right->clear();
+  for (size_t i = 0; i < ids.size(); ++i) (side[i] ? right : left)->push_back(ids[i]);
+  if (left->empty() || right->empty()) {  // identical directions: split by position
+    std::vector<uint32_t> all = ids;
+    left->assign(all.begin(), all.begin() + all.size() / 2);
+    right->assign(all.begin() + all.size() / 2, all.end());
+  }
+}
+
+uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit,
+                                  const ChunkArrays& a) {
+  Cluster c;
+  c.chunks = std::move(chunks);
+  c.unit = unit;
+  Rebuild(c.b, c.chunks, a);
+  c.built_radius = c.b.mu_radius;
+  clusters_.push_back(std::move(c));
+  const uint32_t id = static_cast<uint32_t>(clusters_.size() - 1);
+  for (uint32_t ch : clusters_[id].chunks) node_of_[ch] = id;
+  return id;
+}
+
+std::vector<uint32_t> ClusterIndex::UnitChunks(const Unit& u) const {
+  std::vector<uint32_t> out;
+  for (uint32_t c : u.clusters) {
+    out.insert(out.end(), clusters_[c].chunks.begin(), clusters_[c].chunks.end());
+  }
+  return out;
+}
+
+void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
+  std::vector<float> means(clusters_[cluster].chunks.size() * d_);
+  std::vector<uint32_t> slot(node_of_.size(), 0);
+  for (size_t i = 0; i < clusters_[cluster].chunks.size(); ++i) {
+    const uint32_t ch = clusters_[cluster].chunks[i];
+    Mean(ch, a, &means[i * d_]);
+    slot[ch] = static_cast<uint32_t>(i);
+  }
+  std::vector<uint32_t> left, right;
+  TwoMeans(clusters_[cluster].chunks,
+           [&](uint32_t ch) { return &means[static_cast<size_t>(slot[ch]) * d_]; }, &left, &right);
+  const uint32_t unit = clusters_[cluster].unit;
+  clusters_[cluster].chunks = std::move(left);
+  Rebuild(clusters_[cluster].b, clusters_[cluster].chunks, a);
+  clusters_[cluster].built_radius = clusters_[cluster].b.mu_radius;
+  const uint32_t other = NewCluster(std::move(right), unit, a);
+  units_[unit].clusters.push_back(other);
+  // The unit's bounds already cover every chunk; its center stays until it is rebuilt.
+  if (units_[unit].clusters.size() > 2 * opt_.unit_clusters) SplitUnit(unit, a);
+}
+
+void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
+  std::vector<uint32_t> left, right;
+  TwoMeans(units_[unit].clusters,
+           [&](uint32_t cl) { return clusters_[cl].b.mu_center.data(); }, &left, &right);
+  units_[unit].clusters = std::move(left);
+  Rebuild(units_[unit].b, UnitChunks(units_[unit]), a);
+  Unit u;
+  u.clusters = std::move(right);
+  Rebuild(u.b, UnitChunks(u), a);
+  units_.push_back(std::move(u));
+  const uint32_t id = static_cast<uint32_t>(units_.size() - 1);
+  for (uint32_t cl : units_[id].clusters) clusters_[cl].unit = id;
+}
+
+void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
+  if (contains(chunk) || tokens == 0) return;
+  if (node_of_.size() <= chunk) {
+    node_of_.resize(chunk + 1, kNone);
+    tokens_.resize(chunk + 1, 0);
+  }
+  tokens_[chunk] = tokens;
+  ++num_chunks_;
+  std::vector<float> mu(d_);
+  Mean(chunk, a, mu.data());
+  if (units_.empty()) {
+    units_.emplace_back();
+    const uint32_t cl = NewCluster({chunk}, 0, a);
+    units_[0].clusters.push_back(cl);
+    Rebuild(units_[0].b, {chunk}, a);
+    return;
+  }
+  // Nearest unit, then its nearest cluster, by direction (spherical).
+  uint32_t best_unit = 0;
+  double best = -kInf;
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u].alive) continue;
+    const double c = Cosine(mu.data(), units_[u].b.mu_center.data(), d_);
+    if (c > best) best = c, best_unit = u;
+  }
+  uint32_t best_cluster = units_[best_unit].clusters[0];
+  best = -kInf;
+  for (uint32_t cl : units_[best_unit].clusters) {
+    const double c = Cosine(mu.data(), clusters_[cl].b.mu_center.data(), d_);
+    if (c > best) best = c, best_cluster = cl;
+  }
+  Cluster& cl = clusters_[best_cluster];
+  cl.chunks.push_back(chunk);
+  node_of_[chunk] = best_cluster;
+  Widen(cl.b, chunk, a);
+  Widen(units_[best_unit].b, chunk, a);
+  const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
+  const bool too_wide = cl.chunks.size() >= 4 && cl.built_radius > 0 &&
+                        cl.b.mu_radius > opt_.resplit_radius * cl.built_radius;
+  if (too_big || too_wide) SplitCluster(best_cluster, a);
+}
+
+std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const float> queries,
+                                           int group, size_t k, const ChunkArrays& a,
+                                           const std::vector<bool>& skip,
+                                           SearchStats* stats) const {
+  struct Scored {
+    float score;
+    uint32_t chunk;
+  };
+  // `worse(x, y)`: x ranks below y (lower score, or equal score and higher index).
+  auto worse = [](const Scored& x, const Scored& y) {
+    return x.score != y.score ? x.score < y.score : x.chunk > y.chunk;
+  };
+  // The k best so far, the worst on top.
+  auto best_first = [&](const Scored& x, const Scored& y) { return worse(y, x); };
+  std::priority_queue<Scored, std::vector<Scored>, decltype(best_first)> kept(best_first);
+  struct Node {
+    float bound;
+    bool is_unit;
+    uint32_t id;
+    bool operator<(const Node& o) const { return bound < o.bound; }
+  };
+  std::priority_queue<Node> open;
+  SearchStats local;
+  if (k == 0) return {};
+  const Prepared prep = Prepare(queries, group);
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u].alive) continue;
+    open.push({Bound(ranking, units_[u].b, queries, prep), true, u});
+    ++local.bounds_scored;
+  }
+  while (!open.empty()) {
+    const Node n = open.top();
+    // A chunk tying the k-th score with a lower index would still win: stop only below it.
+    if (kept.size() == k && n.bound < kept.top().score) break;
+    open.pop();
+    if (n.is_unit) {
+      for (uint32_t cl : units_[n.id].clusters) {
+        open.push({Bound(ranking, clusters_[cl].b, queries, prep), false, cl});
+        ++local.bounds_scored;
+      }
+      continue;
+    }
+    for (uint32_t ch : clusters_[n.id].chunks) {
+      if (ch < skip.size() && skip[ch]) continue;
+      const Scored s{ChunkScore(ranking, ch, queries, group, a), ch};
+      ++local.chunks_scored;
+      if (kept.size() < k) {
+        kept.push(s);
+      } else if (worse(kept.top(), s)) {
+        kept.pop();
+        kept.push(s);
+      }
+    }
+  }
+  std::vector<Scored> all;
+  while (!kept.empty()) {
+    all.push_back(kept.top());
+    kept.pop();
+  }
+  std::reverse(all.begin(), all.end());
+  std::vector<uint32_t> out;
+  for (const Scored& s : all) out.push_back(s.chunk);
+  if (stats) {
+    stats->chunks_scored += local.chunks_scored;
+    stats->bounds_scored += local.bounds_scored;
+  }
+  return out;
+}
+
+uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const float> queries,
+                                            int group, const ChunkArrays& a) const {
+  uint64_t violations = 0;
+  const Prepared prep = Prepare(queries, group);
+  for (const Cluster& cl : clusters_) {
+    if (!cl.alive) continue;
+    const float cb = Bound(ranking, cl.b, queries, prep);
+    const float ub = Bound(ranking, units_[cl.unit].b, queries, prep);
+    for (uint32_t ch : cl.chunks) {
+      const float s = ChunkScore(ranking, ch, queries, group, a);
+      violations += (s > cb) + (s > ub);
+    }
+  }
+  return violations;
+}
+
+std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
+  std::vector<int> seen(node_of_.size(), 0);
+  std::vector<float> mu(d_);
+  auto covers = [&](const Bounds& b, uint32_t ch) -> std::string {
+    Mean(ch, a, mu.data());
+    const float* p = Peak(ch, a);
+    if (Dist(mu.data(), b.mu_center.data(), d_) > b.mu_radius) return "mean outside radius";
+    if (Dist(p, b.peak_center.data(), d_) > b.peak_radius) return "peak outside radius";
+    for (int j = 0; j < d_; ++j) {
+      if (mu[j] < b.mu_lo[j] || mu[j] > b.mu_hi[j]) return "mean outside box";
+      if (p[j] < b.peak_lo[j] || p[j] > b.peak_hi[j]) return "peak outside box";
+    }
+    if (tokens_[ch] > b.max_tokens) return "tokens above max";
+    return "";
+  };
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u].alive) continue;
+    for (uint32_t cl : units_[u].clusters) {
+      if (clusters_[cl].unit != u) return absl::StrFormat("cluster %d's unit is not %d", cl, u);
+      if (clusters_[cl].chunks.empty()) return absl::StrFormat("cluster %d is empty", cl);
+      for (uint32_t ch : clusters_[cl].chunks) {
+        if (node_of_[ch] != cl) return absl::StrFormat("chunk %d's cluster is not %d", ch, cl);
+        ++seen[ch];
+        for (const Bounds* b : {&clusters_[cl].b, &units_[u].b}) {
+          const std::string why = covers(*b, ch);
+          if (!why.empty()) return absl::StrFormat("chunk %d: %s", ch, why);
+        }
+      }
+    }
+  }
+  size_t n = 0;
+  for (size_t ch = 0; ch < seen.size(); ++ch) {
+    if (seen[ch] > 1) return absl::StrFormat("chunk %d is in %d clusters", ch, seen[ch]);
+    if ((seen[ch] == 1) != (node_of_[ch] != kNone)) {
+      return absl::StrFormat("chunk %d is indexed but in no cluster", ch);
+    }
+    n += seen[ch];
+  }
+  if (n != num_chunks_) return absl::StrFormat("%d chunks in clusters, %d added", n, num_chunks_);
+  for (const Cluster& cl : clusters_) {
+    if (cl.alive && cl.chunks.size() > 2 * opt_.cluster_chunks) {
+      return absl::StrFormat("a cluster holds %d chunks", cl.chunks.size());
+    }
+  }
+  for (const Unit& u : units_) {
+    if (u.alive && u.clusters.size() > 2 * opt_.unit_clusters) {
+      return absl::StrFormat("a unit holds %d clusters", u.clusters.size());
+    }
+  }
+  return "";
+}
+
+}  // namespace kvtier

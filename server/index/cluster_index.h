@@ -1,0 +1,137 @@
+// A per-stream hierarchical cluster index over aged-out chunks: fine clusters (about 8
+// chunks) under coarse units (about 16 clusters), grown by spherical assignment and 2-means
+// re-splits. A Select's best-first search visits units and clusters in order of an upper
+// bound on the score of every chunk below them and stops when no unvisited node can beat the
+// k-th best chunk found, so its answer equals the linear scan's (SelectChunks) exactly while
+// scoring a fraction of the chunks.
+//
+// Bounds. For a node with center m, radius R (max |mu_c - m| over its chunks) and box
+// [lo, hi] of its chunks' means, and the same for their peaks, q . mu_c is at most
+// min(q.m + |q| R, sum_j max(q_j lo_j, q_j hi_j)); the LSE-peak score is increasing in
+// both dot products and in the token count, so the node bound is that score at the two
+// maxima and the node's largest count, plus a margin for float rounding. Radii and boxes only
+// grow between rebuilds (a chunk joining leaves the center where it was), so bounds stay
+// conservative; tests check that no chunk ever scores above a node's bound.
+//
+// The index keeps per chunk only its token count and its node; means and peaks stay in the
+// stream's own arrays (ChunkArrays), read under the session's lock.
+#ifndef KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
+#define KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvtier/v1/kvtier.pb.h"
+
+namespace kvtier {
+
+// Where a stream keeps its chunks' statistics: [chunks][head_dim] each.
+struct ChunkArrays {
+  const float* key_sums;  // sum of the chunk's keys (mean = sum / tokens)
+  const float* peaks;     // the key farthest from the mean
+};
+
+class ClusterIndex {
+ public:
+  struct Options {
+    uint32_t cluster_chunks = 8;   // target chunks per fine cluster (re-split past 2x)
+    uint32_t unit_clusters = 16;   // target clusters per coarse unit (re-split past 2x)
+    float resplit_radius = 1.5f;   // re-split a cluster past this times its built radius
+  };
+
+  struct SearchStats {
+    uint64_t chunks_scored = 0;   // chunks whose score was computed
+    uint64_t bounds_scored = 0;   // unit and cluster bounds computed
+  };
+
+  explicit ClusterIndex(int head_dim) : ClusterIndex(head_dim, Options{}) {}
+  ClusterIndex(int head_dim, Options options);
+
+  // Adds chunk `chunk` (not yet indexed) with `tokens` tokens; its sum and peak are at
+  // arrays[chunk]. Joins the nearest cluster of the nearest unit; re-splits what outgrew.
+  void Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& arrays);
+
+  // The k best indexed chunks by `ranking` for queries [group][head_dim] (score as
+  // SelectChunks computes it; ties to the lower index), best first. `skip[c]` (when c <
+  // skip.size()) leaves chunk c out.
+  std::vector<uint32_t> Search(v1::Ranking ranking, std::span<const float> queries, int group,
+                               size_t k, const ChunkArrays& arrays,
+                               const std::vector<bool>& skip, SearchStats* stats) const;
+
+  bool contains(uint32_t chunk) const {
+    return chunk < node_of_.size() && node_of_[chunk] != kNone;
+  }
+  size_t num_chunks() const { return num_chunks_; }
+  size_t num_clusters() const;
+  size_t num_units() const;
+
+  // Test hooks: bound violations for these queries (a chunk scoring above its cluster's or
+  // unit's bound), and structural invariants (every chunk in exactly one cluster, every
+  // cluster in one unit, radii and boxes covering their chunks). Empty string: all good.
+  uint64_t CountBoundViolations(v1::Ranking ranking, std::span<const float> queries, int group,
+                                const ChunkArrays& arrays) const;
+  std::string CheckInvariants(const ChunkArrays& arrays) const;
+
+ private:
+  static constexpr uint32_t kNone = ~0u;
+
+  // The bound fields shared by clusters and units.
+  struct Bounds {
+    std::vector<float> mu_center, peak_center;  // fixed between rebuilds
+    float mu_center_norm = 0, peak_center_norm = 0;
+    float mu_radius = 0, peak_radius = 0;
+    std::vector<float> mu_lo, mu_hi, peak_lo, peak_hi;
+    uint32_t max_tokens = 0;
+    float log_rest = 0;  // log(max_tokens - 1), -inf for one token
+  };
+  struct Cluster {
+    Bounds b;
+    std::vector<uint32_t> chunks;
+    uint32_t unit = kNone;
+    float built_radius = 0;
+    bool alive = true;
+  };
+  struct Unit {
+    Bounds b;
+    std::vector<uint32_t> clusters;
+    bool alive = true;
+  };
+
+  void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
+  const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
+  // Recomputes b from scratch over these chunks: centers, radii, boxes, max tokens.
+  void Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a) const;
+  // Widens b to cover one more chunk (the center stays).
+  void Widen(Bounds& b, uint32_t chunk, const ChunkArrays& a) const;
+  // A query group prepared for bounds: each head's q, |q|, and q split by sign.
+  struct Prepared {
+    std::vector<float> pos, neg;  // [group][d]: max(q, 0), min(q, 0)
+    std::vector<float> norm;      // [group]
+  };
+  Prepared Prepare(std::span<const float> queries, int group) const;
+  float Bound(v1::Ranking ranking, const Bounds& b, std::span<const float> queries,
+              const Prepared& p) const;
+  float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
+                   int group, const ChunkArrays& a) const;
+  std::vector<uint32_t> UnitChunks(const Unit& u) const;
+  // Splits a set of points (by id) in two by spherical 2-means over `vec(id)`.
+  template <typename VecFn>
+  void TwoMeans(const std::vector<uint32_t>& ids, VecFn vec, std::vector<uint32_t>* left,
+                std::vector<uint32_t>* right) const;
+  void SplitCluster(uint32_t cluster, const ChunkArrays& a);
+  void SplitUnit(uint32_t unit, const ChunkArrays& a);
+  uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkArrays& a);
+
+  int d_;
+  Options opt_;
+  std::vector<Cluster> clusters_;
+  std::vector<Unit> units_;
+  std::vector<uint32_t> node_of_;    // chunk -> cluster, kNone if not indexed
+  std::vector<uint32_t> tokens_;     // chunk -> tokens
+  size_t num_chunks_ = 0;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_

@@ -1,0 +1,176 @@
+#include "server/index/cluster_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "server/index/chunk_ranker.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kD = 64, kT = 16, kGroup = 3;
+
+// Chunks of 16 keys each with the session's statistics: key sums and the key farthest from
+// the mean.
+struct Stream {
+  std::vector<float> sums, peaks;
+  std::vector<uint32_t> tokens;
+  ChunkArrays arrays() const { return {sums.data(), peaks.data()}; }
+
+  void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
+    std::vector<float> sum(kD, 0.f), peak(kD);
+    for (uint32_t t = 0; t < n; ++t) for (int j = 0; j < kD; ++j) sum[j] += keys[t * kD + j];
+    float far = -1;
+    for (uint32_t t = 0; t < n; ++t) {
+      float dist = 0;
+      for (int j = 0; j < kD; ++j) {
+        const float x = keys[t * kD + j] - sum[j] / n;
+        dist += x * x;
+      }
+      if (dist > far) far = dist, std::copy(&keys[t * kD], &keys[t * kD] + kD, peak.begin());
+    }
+    sums.insert(sums.end(), sum.begin(), sum.end());
+    peaks.insert(peaks.end(), peak.begin(), peak.end());
+    tokens.push_back(n);
+  }
+};
+
+enum class Data { kGaussian, kClustered, kIdentical, kOutliers };
+
+std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<float>& centers) {
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> k(kT * kD);
+  switch (kind) {
+    case Data::kGaussian:
+      for (auto& x : k) x = n(rng);
+      break;
+    case Data::kClustered: {  // 32 directions, outlier channels every 16th, 8x
+      const int c = std::uniform_int_distribution<int>(0, 31)(rng);
+      for (int t = 0; t < kT; ++t) {
+        for (int j = 0; j < kD; ++j) {
+          k[t * kD + j] = (centers[c * kD + j] + 0.3f * n(rng)) * (j % 16 == 0 ? 8.f : 1.f);
+        }
+      }
+      break;
+    }
+    case Data::kIdentical:  // every chunk the same: ties everywhere
+      for (int t = 0; t < kT; ++t) for (int j = 0; j < kD; ++j) k[t * kD + j] = 0.25f * (j % 5);
+      break;
+    case Data::kOutliers:  // tiny keys, and now and then one huge key
+      for (auto& x : k) x = 1e-3f * n(rng);
+      if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
+        for (int j = 0; j < kD; ++j) k[(rng() % kT) * kD + j] = 300.f * n(rng);
+      }
+      break;
+  }
+  return k;
+}
+
+std::vector<float> Queries(std::mt19937& rng, float scale) {
+  std::normal_distribution<float> n(0, scale);
+  std::vector<float> q(kGroup * kD);
+  for (auto& x : q) x = n(rng);
+  return q;
+}
+
+// Brute force: the linear scan the index must agree with.
+std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, const Stream& s,
+                             size_t k, const std::vector<bool>& skip) {
+  std::vector<ChunkCandidate> cands;
+  for (uint32_t c = 0; c < s.tokens.size(); ++c) {
+    if (c < skip.size() && skip[c]) continue;
+    cands.push_back({c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c],
+                     &s.peaks[size_t(c) * kD]});
+  }
+  return SelectChunks(ranking, q, kGroup, kD, cands, k * kT);
+}
+
+class ClusterIndexTest : public ::testing::TestWithParam<Data> {};
+
+TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
+  std::mt19937 rng(static_cast<int>(GetParam()) + 1);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> centers(32 * kD);
+  for (auto& x : centers) x = n(rng);
+  Stream s;
+  ClusterIndex index(kD);
+  for (int step = 0; step < 6; ++step) {
+    for (int i = 0; i < 200; ++i) {
+      s.Push(ChunkKeys(GetParam(), rng, centers), kT);
+      index.Add(static_cast<uint32_t>(s.tokens.size() - 1), kT, s.arrays());
+    }
+    ASSERT_EQ(index.CheckInvariants(s.arrays()), "") << "after " << s.tokens.size();
+    for (int trial = 0; trial < 6; ++trial) {
+      const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
+      for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
+        EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.arrays()), 0u)
+            << v1::Ranking_Name(r) << " trial " << trial;
+        std::vector<bool> skip(s.tokens.size(), false);
+        for (size_t c = 0; c < skip.size(); c += 7) skip[c] = trial % 3 == 0;
+        for (size_t k : {1, 12, 60}) {
+          ClusterIndex::SearchStats stats;
+          EXPECT_EQ(index.Search(r, q, kGroup, k, s.arrays(), skip, &stats),
+                    Linear(r, q, s, k, skip))
+              << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
+              << s.tokens.size();
+          EXPECT_LE(stats.chunks_scored, s.tokens.size());
+        }
+      }
+    }
+  }
+  EXPECT_GE(index.num_clusters(), s.tokens.size() / 16);
+}
+
+INSTANTIATE_TEST_SUITE_P(Data, ClusterIndexTest,
+                         ::testing::Values(Data::kGaussian, Data::kClustered, Data::kIdentical,
+                                           Data::kOutliers));
+
+TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> centers(32 * kD);
+  for (auto& x : centers) x = n(rng);
+  Stream s;
+  ClusterIndex index(kD);
+  for (int i = 0; i < 4096; ++i) {
+    s.Push(ChunkKeys(Data::kClustered, rng, centers), kT);
+    index.Add(static_cast<uint32_t>(i), kT, s.arrays());
+  }
+  uint64_t scored = 0;
+  const int trials = 20;
+  for (int trial = 0; trial < trials; ++trial) {
+    // A query close to one direction, as a decode query is to the keys it attends to.
+    std::vector<float> q(kGroup * kD);
+    const int c = trial % 32;
+    for (int h = 0; h < kGroup; ++h) {
+      for (int j = 0; j < kD; ++j) q[h * kD + j] = 2.f * centers[c * kD + j] / (j % 16 ? 1 : 8);
+    }
+    ClusterIndex::SearchStats stats;
+    auto got = index.Search(v1::RANKING_LSE_PEAK, q, kGroup, 16, s.arrays(), {}, &stats);
+    EXPECT_EQ(got, Linear(v1::RANKING_LSE_PEAK, q, s, 16, {}));
+    scored += stats.chunks_scored;
+  }
+  // The scan scores all 4096 chunks every time; the index must skip most of them.
+  EXPECT_LT(double(scored) / trials, 0.5 * 4096);
+  std::printf("chunks scored per search: %.1f of 4096\n", double(scored) / trials);
+}
+
+TEST(ClusterIndex, AddingTwiceOrEmptyChunksChangesNothing) {
+  std::mt19937 rng(1);
+  Stream s;
+  ClusterIndex index(kD);
+  s.Push(ChunkKeys(Data::kGaussian, rng, {}), kT);
+  index.Add(0, kT, s.arrays());
+  index.Add(0, kT, s.arrays());
+  EXPECT_EQ(index.num_chunks(), 1u);
+  EXPECT_TRUE(index.contains(0));
+  EXPECT_FALSE(index.contains(1));
+  EXPECT_EQ(index.CheckInvariants(s.arrays()), "");
+  EXPECT_TRUE(index.Search(v1::RANKING_MEAN, Queries(rng, 1), kGroup, 0, s.arrays(), {}, nullptr)
+                  .empty());
+}
+
+}  // namespace
+}  // namespace kvtier
