@@ -370,6 +370,38 @@ TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   }
 }
 
+// Past 4096 candidate chunks Select searches the cluster index instead of scanning; the
+// chunks it returns must be the same as the brute-force ranking's.
+TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
+  Env e(160 << 20);
+  const int tokens = 70000;
+  Fixture f = Make(e, 3, 3, 1, 64, tokens, Lossless(), 21);
+  for (int s = 0; s < tokens; s += 4096) {
+    ASSERT_OK(f.session->Append(Req(f, 2, s, std::min(4096, tokens - s))).status());
+  }
+  const v1::LayerStats before = f.session->Layers()[2];
+  const uint64_t aged_out = (tokens - 64) / 16 - 1;  // wholly before the window, sink chunk out
+  EXPECT_EQ(before.indexed_chunks(), aged_out);
+  EXPECT_GT(before.clusters(), aged_out / 16);
+  EXPECT_GT(before.units(), 0u);
+  for (uint32_t budget : {256u, 1024u}) {
+    for (uint32_t seed : {1u, 2u}) {
+      v1::SelectResponse resp;
+      auto req = SelectReq(f, 2, budget, seed);
+      req.set_include_data(false);
+      ASSERT_OK(f.session->Select(req, &resp));
+      std::set<uint32_t> chunks;
+      for (const auto& b : resp.heads(0).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+      EXPECT_EQ(chunks, ExpectedChunks(f, 2, 0, tokens, budget, seed))
+          << "budget " << budget << " seed " << seed;
+    }
+  }
+  const v1::LayerStats after = f.session->Layers()[2];
+  EXPECT_EQ(after.select_candidates(), 4 * aged_out);
+  // The index pruned something, even on random keys (so it, not the scan, answered).
+  EXPECT_LT(after.select_chunks_scored(), after.select_candidates());
+}
+
 TEST(Session, SelectRejectsBadRequestsByField) {
   Env e;
   Fixture f = Make(e, 3, 4, 2, 32, 500);
