@@ -17,6 +17,7 @@ COMMANDS = {
     "ranker.jsonl": "build/bin/ranker_bench",
     "quant.jsonl": "build/bin/quant_bench",
     "gpu-bench.jsonl": "scripts/device-check run (GPU machine)",
+    "policies.jsonl": "build/bin/kvtier-bench select --tokens 4096,32768,131072 --json",
 }
 
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
@@ -33,6 +34,13 @@ TARGETS = [
      "(lower ratio: per-channel keys help)"),
     ("gpu_quantize_throughput", ">=", 0.7, "GPU quantize kernel vs device-to-device copy"),
     ("gpu_dequantize_throughput", ">=", 0.7, "GPU gather-dequantize kernel vs device-to-device copy"),
+    ("select_policy_us", None, None, "one stream's Select ranking work per policy (exact "
+     "scan, quest pages, window, kvtier scan, kvtier index, kvtier index with the mean score) "
+     "against the exact scan, on the same synthetic keys; oracle ratios and the share of "
+     "chunks scored are in the parameters of `kvtier-bench`'s own lines (EVAL's targets at "
+     "128K: <= 0.1x exact, <= 1/3 of quest, at oracle ratio >= 0.95)"),
+    ("select_growth_exponent", None, None, "exponent of a log-log fit of Select time "
+     "against context tokens, 4K to 128K (below 1: sub-linear)"),
     ("select_compute_", None, None, "Select ranking compute vs an exact scan of every key "
      "(EVAL's target, <= 0.1x at 128K, also asks for oracle ratio >= 0.95, measured once the "
      "cluster index and the model judge land; reported here without a verdict)"),
@@ -82,6 +90,10 @@ def main(paths):
         label = r["name"]
         p = r["parameters"]
         tags = [f"{p['context_tokens']} tokens"] if "context_tokens" in p else []
+        if "policy" in p:
+            tags.append(p["policy"])
+        if "tokens" in p:
+            tags.append(f"{p['tokens']} tokens")
         if "bits" in p:
             tags.append(f"d {p['head_dim']}, {p['bits']}-bit")
         if tags:

@@ -117,6 +117,28 @@ def main(src, docs):
             shutil.copyfile(src / png, docs / "img" / png)
             w(f"## {title}\n\n![{title}](img/{png})\n")
 
+    ranking = src / "ranking.jsonl"
+    if ranking.exists():
+        rows = [json.loads(l) for l in ranking.read_text().splitlines() if l.startswith("{")]
+        scores = sorted({r["parameters"]["score"] for r in rows})
+        w("## Ranking candidates on the model's own keys\n")
+        w("`bench/ranking/compare.py` over `bench/model/dump.py`'s tensors (4K context, queries "
+          "at the last 512 positions, every 8th): the attention mass of the chunks each score "
+          "keeps, over the mass of the best chunks (the chunk oracle), mean (10th percentile); "
+          "16 sinks and a budget/4 window taken first. `max` needs every key: it is the "
+          "reference a chunk summary tries to approach.\n")
+        w("| source | budget | " + " | ".join(scores) + " |")
+        w("| --- | ---: | " + " | ".join("---:" for _ in scores) + " |")
+        keyed = {}
+        for r in rows:
+            p = r["parameters"]
+            keyed.setdefault((p["source"], p["budget"]), {})[p["score"]] = (r["value"], p["p10"])
+        for (source, budget), by_score in keyed.items():
+            cells = [f"{by_score[x][0]:.3f} ({by_score[x][1]:.2f})" if x in by_score else ""
+                     for x in scores]
+            w(f"| {source} | {budget} | " + " | ".join(cells) + " |")
+        w("")
+
     notes = ROOT / "bench" / "model" / "FINDINGS.md"
     if notes.exists():
         w("## Findings\n")
