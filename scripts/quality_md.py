@@ -51,7 +51,8 @@ def main(src, docs):
       "chunk but the first and the partial last one stored int4 and read dequantized), "
       "`oracle` (the exact top-budget tokens per KV head by attention mass: the ceiling), "
       "`window` (16 sinks + the most recent tokens), `quest` (16-token pages by the min/max "
-      "bound, computed in the harness), and kvtierd's selection (`kvtier`: int4 cold chunks; "
+      "bound, computed in the harness), and kvtierd's selection (`kvtier`: int4 cold chunks, "
+      "the default LSE-peak ranking; `kvtier-mean`: the same with the mean-score ranking; "
       "`kvtier-fp16`: lossless; `kvtier-summaries`: int4 plus the left-out chunks' mean "
       "key/value as one weighted pseudo-token each). Budgeted policies keep 16 sinks and a "
       "recent window of budget/4 tokens (window: all of it), layers 0 and 1 dense.\n")

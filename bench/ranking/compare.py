@@ -11,7 +11,7 @@ k chunks by true mass (the chunk oracle). Scores, max over the group's query hea
   box         sum_j max(q_j lo_j, q_j hi_j)     (Quest's page bound)
   ball        q.mu + |q| r                      (r: max distance of a key from mu)
   mean+var    q.mu + (q^2 . var) / (2 sqrt(d))  (second-order estimate of log sum exp)
-  mean|peak   max(q.mu, q.k_peak)               (k_peak: the key farthest from mu)
+  max(mean,peak)  max(q.mu, q.k_peak)               (k_peak: the key farthest from mu)
   lse-peak    log(15 e^(q.mu/sqrt d) + e^(q.k_peak/sqrt d))
   max         max_k q.k                          (the true best key: needs every key)
 Prints one JSON line per (source, budget, score) with the mean and 10th percentile ratio.
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 CHUNK, SINKS = 16, 16
-SCORES = ["mean", "box", "ball", "mean+var", "mean|peak", "lse-peak", "max"]
+SCORES = ["mean", "box", "ball", "mean+var", "max(mean,peak)", "lse-peak", "max"]
 
 
 def chunk_stats(k: np.ndarray):
@@ -49,7 +49,7 @@ def scores(q: np.ndarray, k: np.ndarray, st: dict) -> dict:
         "box": np.maximum(q[:, None, :] * st["lo"][None], q[:, None, :] * st["hi"][None]).sum(-1),
         "ball": mean + qn * st["r"][None],
         "mean+var": mean + (q * q) @ st["var"].T / (2 * np.sqrt(d)),
-        "mean|peak": np.maximum(mean, q @ st["peak"].T),
+        "max(mean,peak)": np.maximum(mean, q @ st["peak"].T),
         "lse-peak": np.logaddexp(mean / np.sqrt(d) + np.log(CHUNK - 1),
                                  q @ st["peak"].T / np.sqrt(d)),
         "max": np.einsum("gd,ctd->gct", q, k).max(axis=2),
