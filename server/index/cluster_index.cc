@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "server/common/check.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 
@@ -27,17 +28,21 @@ double Dist(const float* x, const float* y, int d) {
   return std::sqrt(s);
 }
 
-double Cosine(const float* x, const float* y, int d) {
-  double dot = 0;
-  for (int j = 0; j < d; ++j) dot += double(x[j]) * y[j];
-  const double n = Norm(x, d) * Norm(y, d);
-  return n > 0 ? dot / n : 0;
-}
 
+
+// |x - c| in float, inflated past its rounding error (64 products and sums: well under
+// 1e-5 relative), so that a radius never undercuts the distance it covers.
+float RadiusTo(const float* x, const float* c, int d) {
+  float diff[512];
+  for (int j = 0; j < d; ++j) diff[j] = x[j] - c[j];
+  return std::sqrt(Dot(diff, diff, d)) * (1.f + 1e-5f) + 1e-30f;
+}
 
 }  // namespace
 
-ClusterIndex::ClusterIndex(int head_dim, Options options) : d_(head_dim), opt_(options) {}
+ClusterIndex::ClusterIndex(int head_dim, Options options) : d_(head_dim), opt_(options) {
+  CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim);
+}
 
 size_t ClusterIndex::num_clusters() const {
   return std::count_if(clusters_.begin(), clusters_.end(), [](const Cluster& c) { return c.alive; });
@@ -93,16 +98,11 @@ void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
 }
 
 void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const ChunkArrays& a) const {
-  std::vector<float> mu(d_);
-  Mean(chunk, a, mu.data());
+  float mu[kMaxHeadDim];
+  Mean(chunk, a, mu);
   const float* p = Peak(chunk, a);
-  // Rounded up so that float radii never undercut the distance they cover.
-  b.mu_radius = std::max(b.mu_radius,
-                         std::nextafter(static_cast<float>(Dist(mu.data(), b.mu_center.data(), d_)),
-                                        std::numeric_limits<float>::infinity()));
-  b.peak_radius = std::max(b.peak_radius,
-                           std::nextafter(static_cast<float>(Dist(p, b.peak_center.data(), d_)),
-                                          std::numeric_limits<float>::infinity()));
+  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, b.mu_center.data(), d_));
+  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, b.peak_center.data(), d_));
   for (int j = 0; j < d_; ++j) {
     b.mu_lo[j] = std::min(b.mu_lo[j], mu[j]);
     b.mu_hi[j] = std::max(b.mu_hi[j], mu[j]);
@@ -177,42 +177,47 @@ float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
 template <typename VecFn>
 void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, VecFn vec,
                             std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
+  // Unit vectors once; each cosine is then one dot product with a centroid of known norm.
+  const size_t n = ids.size(), d = d_;
+  std::vector<float> unit(n * d);
+  for (size_t i = 0; i < n; ++i) {
+    const float* x = vec(ids[i]);
+    const float norm = std::sqrt(Dot(x, x, d_));
+    for (size_t j = 0; j < d; ++j) unit[i * d + j] = norm > 0 ? x[j] / norm : 0.f;
+  }
   // Seeds: the point least like the first, then the point least like that one.
-  auto farthest = [&](const float* from) {
-    uint32_t best = ids[0];
-    double worst = kInf;
-    for (uint32_t id : ids) {
-      const double c = Cosine(vec(id), from, d_);
-      if (c < worst) worst = c, best = id;
+  auto farthest = [&](size_t from) {
+    size_t best = 0;
+    float worst = std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < n; ++i) {
+      const float c = Dot(&unit[i * d], &unit[from * d], d_);
+      if (c < worst) worst = c, best = i;
     }
     return best;
   };
-  const uint32_t s0 = farthest(vec(ids[0]));
-  const uint32_t s1 = farthest(vec(s0));
-  std::vector<float> c0(vec(s0), vec(s0) + d_), c1(vec(s1), vec(s1) + d_);
-  std::vector<int> side(ids.size(), 0);
+  const size_t s0 = farthest(0), s1 = farthest(s0);
+  std::vector<float> c0(&unit[s0 * d], &unit[s0 * d] + d), c1(&unit[s1 * d], &unit[s1 * d] + d);
+  std::vector<int> side(n, 0);
   for (int iter = 0; iter < 6; ++iter) {
-    for (size_t i = 0; i < ids.size(); ++i) {
-      side[i] = Cosine(vec(ids[i]), c1.data(), d_) > Cosine(vec(ids[i]), c0.data(), d_) ? 1 : 0;
+    const float n0 = std::sqrt(Dot(c0.data(), c0.data(), d_));
+    const float n1 = std::sqrt(Dot(c1.data(), c1.data(), d_));
+    for (size_t i = 0; i < n; ++i) {
+      // Compare cos to c1 with cos to c0 without dividing: x.c1 n0 > x.c0 n1.
+      side[i] = Dot(&unit[i * d], c1.data(), d_) * n0 > Dot(&unit[i * d], c0.data(), d_) * n1;
     }
-    std::vector<double> s0v(d_, 0.0), s1v(d_, 0.0);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const float* x = vec(ids[i]);
-      const double n = std::max(Norm(x, d_), 1e-30);  // spherical: unit vectors
-      for (int j = 0; j < d_; ++j) (side[i] ? s1v : s0v)[j] += x[j] / n;
-    }
-    for (int j = 0; j < d_; ++j) {
-      c0[j] = static_cast<float>(s0v[j]);
-      c1[j] = static_cast<float>(s1v[j]);
+    std::fill(c0.begin(), c0.end(), 0.f);
+    std::fill(c1.begin(), c1.end(), 0.f);
+    for (size_t i = 0; i < n; ++i) {
+      float* c = side[i] ? c1.data() : c0.data();
+      for (size_t j = 0; j < d; ++j) c[j] += unit[i * d + j];
     }
   }
   left->clear();
   right->clear();
-  for (size_t i = 0; i < ids.size(); ++i) (side[i] ? right : left)->push_back(ids[i]);
+  for (size_t i = 0; i < n; ++i) (side[i] ? right : left)->push_back(ids[i]);
   if (left->empty() || right->empty()) {  // identical directions: split by position
-    std::vector<uint32_t> all = ids;
-    left->assign(all.begin(), all.begin() + all.size() / 2);
-    right->assign(all.begin() + all.size() / 2, all.end());
+    left->assign(ids.begin(), ids.begin() + n / 2);
+    right->assign(ids.begin() + n / 2, ids.end());
   }
 }
 
@@ -289,18 +294,24 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     Rebuild(units_[0].b, {chunk}, a);
     return;
   }
-  // Nearest unit, then its nearest cluster, by direction (spherical).
+  // Nearest unit, then its nearest cluster, by direction (spherical); centers' norms are
+  // kept with them, so each comparison is one dot product.
+  const float mu_norm = std::sqrt(Dot(mu.data(), mu.data(), d_));
+  auto cosine = [&](const Bounds& b) {
+    const float n = mu_norm * b.mu_center_norm;
+    return n > 0 ? Dot(mu.data(), b.mu_center.data(), d_) / n : 0.f;
+  };
   uint32_t best_unit = 0;
-  double best = -kInf;
+  float best = -std::numeric_limits<float>::infinity();
   for (uint32_t u = 0; u < units_.size(); ++u) {
     if (!units_[u].alive) continue;
-    const double c = Cosine(mu.data(), units_[u].b.mu_center.data(), d_);
+    const float c = cosine(units_[u].b);
     if (c > best) best = c, best_unit = u;
   }
   uint32_t best_cluster = units_[best_unit].clusters[0];
-  best = -kInf;
+  best = -std::numeric_limits<float>::infinity();
   for (uint32_t cl : units_[best_unit].clusters) {
-    const double c = Cosine(mu.data(), clusters_[cl].b.mu_center.data(), d_);
+    const float c = cosine(clusters_[cl].b);
     if (c > best) best = c, best_cluster = cl;
   }
   Cluster& cl = clusters_[best_cluster];

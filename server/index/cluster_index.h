@@ -75,6 +75,7 @@ class ClusterIndex {
 
  private:
   static constexpr uint32_t kNone = ~0u;
+  static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
   // The bound fields shared by clusters and units.
   struct Bounds {

@@ -88,6 +88,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
       streams_(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads()),
       cold_upto_(shape_.num_layers(), 0),
       indexed_upto_(shape_.num_layers(), 0),
+      peaked_upto_(shape_.num_layers(), 0),
       select_candidates_(shape_.num_layers(), 0),
       select_scored_(shape_.num_layers(), 0) {}
 
@@ -120,17 +121,15 @@ void Session::UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_
   if (s.peaks.size() < (index + 1) * d) s.peaks.resize((index + 1) * d, 0.f);
   const float* sum = &s.key_sums[index * d];
   const float inv = 1.f / static_cast<float>(n);
-  std::vector<float> row(d);
+  std::vector<float> row(d), mean(d), diff(d);
+  for (size_t j = 0; j < d; ++j) mean[j] = sum[j] * inv;
   float best = -1.f;
   for (uint32_t r = 0; r < n; ++r) {
     std::fill(row.begin(), row.end(), 0.f);
     AddRows(half_kind(), reinterpret_cast<const uint16_t*>(k_rows) + r * d, 1,
             static_cast<int>(d), row.data());
-    float dist = 0.f;
-    for (size_t j = 0; j < d; ++j) {
-      const float diff = row[j] - sum[j] * inv;
-      dist += diff * diff;
-    }
+    for (size_t j = 0; j < d; ++j) diff[j] = row[j] - mean[j];
+    const float dist = Dot(diff.data(), diff.data(), static_cast<int>(d));
     if (dist > best) {
       best = dist;
       std::copy(row.begin(), row.end(), s.peaks.begin() + static_cast<ptrdiff_t>(index * d));
@@ -269,7 +268,6 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       std::memcpy(c.host->data() + m * rb, k_in, k * rb);
       std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
       AddToSums(s, s.chunks.size() - 1, k_in, k);
-      UpdatePeak(s, s.chunks.size() - 1, c.host->data(), grown);
       c.num_tokens = grown;
       c.device.reset();  // the promoted copy is stale
       k_in += k * rb;
@@ -285,7 +283,6 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       c.num_tokens = k;
       s.chunks.push_back(std::move(c));
       AddToSums(s, s.chunks.size() - 1, k_in, k);
-      UpdatePeak(s, s.chunks.size() - 1, k_in, k);
       k_in += k * rb;
       v_in += k * rb;
       left -= k;
@@ -368,6 +365,19 @@ void Session::IndexAgedOut(uint32_t layer) {
   const uint64_t total = layer_tokens_[layer];
   const uint64_t window = policy_.recent_window();
   uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
+  // computed here, once, rather than on every append to a growing chunk. A cold chunk got
+  // its peak from its dequantized rows when it was quantized.
+  std::vector<uint16_t> scratch;
+  for (uint32_t c = peaked_upto_[layer]; c < limit; ++c) {
+    for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+      Stream& s = stream(layer, h);
+      if (s.chunks[c].cold()) continue;
+      UpdatePeak(s, c, reinterpret_cast<const uint8_t*>(Fp16Rows(s.chunks[c], scratch)),
+                 s.chunks[c].num_tokens);
+    }
+  }
+  peaked_upto_[layer] = std::max(peaked_upto_[layer], limit);
   // A chunk that should be cold but is not yet (the host tier was full) waits: its statistics
   // change when it is quantized, and the index keeps them fixed.
   if (cold_bits() != 0) limit = std::min(limit, cold_upto_[layer]);
@@ -699,7 +709,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     const size_t d = shape_.head_dim();
     to.chunks.assign(from.chunks.begin(), from.chunks.begin() + keep_full);
     to.key_sums.assign(from.key_sums.begin(), from.key_sums.begin() + keep_full * d);
-    to.peaks.assign(from.peaks.begin(), from.peaks.begin() + keep_full * d);
+    // Peaks exist for the chunks that aged out in the parent; the child computes the rest.
+    to.peaks.assign(from.peaks.begin(),
+                    from.peaks.begin() + std::min(from.peaks.size(), size_t{keep_full} * d));
     if (tail != 0) {
       const Chunk& src = from.chunks[keep_full];
       std::vector<uint16_t> scratch;
@@ -711,12 +723,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
       c.num_tokens = tail;
       to.chunks.push_back(std::move(c));
       AddToSums(to, keep_full, to.chunks.back().host->data(), tail);
-      UpdatePeak(to, keep_full, to.chunks.back().host->data(), tail);
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     child->cold_upto_[l] = std::min(cold_upto_[l], keep_full);
+    child->peaked_upto_[l] = std::min(peaked_upto_[l], keep_full);
     child->IndexAgedOut(l);  // the child's own index, over the chunks it shares
   }
   return child;

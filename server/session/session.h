@@ -126,7 +126,7 @@ class Session {
     std::vector<Chunk> chunks;
     std::vector<float> key_sums;  // [chunks][head_dim]: sum of each chunk's keys
     // [chunks][head_dim]: each chunk's key farthest from its mean (RANKING_LSE_PEAK), as
-    // attention reads it (dequantized for a cold chunk)
+    // attention reads it (dequantized for a cold chunk); set once the chunk leaves the window
     std::vector<float> peaks;
     // The chunks that left the recent window (sinks excepted), once their statistics are
     // final (after quantization); null until the first one.
@@ -205,6 +205,7 @@ class Session {
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);         // [num_layers * num_kv_heads]
   std::vector<uint32_t> cold_upto_ ABSL_GUARDED_BY(mu_);     // [num_layers]: chunks examined
   std::vector<uint32_t> indexed_upto_ ABSL_GUARDED_BY(mu_);  // [num_layers]: chunks examined
+  std::vector<uint32_t> peaked_upto_ ABSL_GUARDED_BY(mu_);   // [num_layers]: chunks with peaks
   // [num_layers]: Select's candidate chunks and how many of them were scored, cumulative
   std::vector<uint64_t> select_candidates_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> select_scored_ ABSL_GUARDED_BY(mu_);
