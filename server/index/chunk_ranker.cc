@@ -29,6 +29,8 @@ float LsePeakScore(std::span<const float> queries, int group, const ChunkCandida
     const float a = Dot(q, c.key_sum, head_dim) * c.scale * inv_sqrt_d + log_rest;
     const float b = Dot(q, c.peak, head_dim) * inv_sqrt_d;
     const float hi = std::max(a, b), lo = std::min(a, b);
+    // log(e^a + e^b) <= hi + log 2: a head that cannot beat the best so far needs no exp.
+    if (hi + 0.6931472f + 1e-6f * (1 + std::abs(hi)) < best) continue;
     best = std::max(best, lo == -std::numeric_limits<float>::infinity()
                               ? hi
                               : hi + std::log1p(std::exp(lo - hi)));
