@@ -61,7 +61,7 @@ int main() {
          {{"tokens", std::to_string(kTokens)}, {"layers", std::to_string(kLayers)},
           {"kv_heads", std::to_string(kKv)}, {"head_dim", std::to_string(kD)},
           {"tokens_per_message", std::to_string(kStep)}, {"reps", "5"},
-          {"quantization", "none (fp16; int4 arrives with precision tiers)"},
+          {"policy", "default: int4 cold chunks, LSE-peak peaks, cluster index"},
           {"target_ratio", "0.25"}}});
   return 0;
 }
