@@ -6,6 +6,7 @@
 #include <queue>
 #include <string>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_format.h"
 #include "server/common/check.h"
 #include "server/common/vec.h"
@@ -129,38 +130,48 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
 }
 
 float ClusterIndex::Bound(v1::Ranking ranking, const Bounds& b, std::span<const float> queries,
-                          const Prepared& p) const {
+                          const Prepared& p, float threshold) const {
   // Per head, q.x over the node is at most min(ball, box): ball = q.center + |q| R, box =
   // sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi + min(q,0).lo. The margin covers float
   // rounding of these and of the chunk's own score (each under 1e-5 of its magnitude),
-  // with the box corners at most sqrt(d) R from the center in norm.
+  // with the box corners at most sqrt(d) R from the center in norm. The ball alone is
+  // already an upper bound: when it falls below `threshold` the box is not computed.
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const float sqrt_d = std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
-  float best = -std::numeric_limits<float>::infinity();
-  for (int h = 0; h < group; ++h) {
-    const size_t off = static_cast<size_t>(h) * d_;
-    const float* q = queries.data() + off;
-    const float qn = p.norm[h];
-    const float a = std::min(Dot(q, b.mu_center.data(), d_) + qn * b.mu_radius,
-                             Dot(&p.pos[off], b.mu_hi.data(), d_) +
-                                 Dot(&p.neg[off], b.mu_lo.data(), d_));
-    const float margin_a = 1e-4f * (1 + qn * (b.mu_center_norm + sqrt_d * b.mu_radius));
-    if (ranking == v1::RANKING_MEAN) {
-      best = std::max(best, a + margin_a);
-      continue;
-    }
-    const float pk = std::min(Dot(q, b.peak_center.data(), d_) + qn * b.peak_radius,
-                              Dot(&p.pos[off], b.peak_hi.data(), d_) +
-                                  Dot(&p.neg[off], b.peak_lo.data(), d_));
-    const float margin_p = 1e-4f * (1 + qn * (b.peak_center_norm + sqrt_d * b.peak_radius));
+  const bool lse = ranking == v1::RANKING_LSE_PEAK;
+  const float margin_scale_a = b.mu_center_norm + sqrt_d * b.mu_radius;
+  const float margin_scale_p = b.peak_center_norm + sqrt_d * b.peak_radius;
+  auto combine = [&](float a, float pk, float qn) {
+    const float margin_a = 1e-4f * (1 + qn * margin_scale_a);
+    if (!lse) return a + margin_a;
+    const float margin_p = 1e-4f * (1 + qn * margin_scale_p);
     const float x = (a + margin_a) * inv_sqrt_d + b.log_rest;
     const float y = (pk + margin_p) * inv_sqrt_d;
     const float hi = std::max(x, y), lo = std::min(x, y);
-    best = std::max(best, (lo == -std::numeric_limits<float>::infinity()
-                               ? hi
-                               : hi + std::log1p(std::exp(lo - hi))) +
-                              1e-5f * (1 + std::abs(hi)));
+    return (lo == -std::numeric_limits<float>::infinity() ? hi
+                                                          : hi + std::log1p(std::exp(lo - hi))) +
+           1e-5f * (1 + std::abs(hi));
+  };
+  absl::InlinedVector<float, 16> ball_a(group), ball_p(group);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < group; ++h) {
+    const float* q = queries.data() + static_cast<size_t>(h) * d_;
+    const float qn = p.norm[h];
+    ball_a[h] = Dot(q, b.mu_center.data(), d_) + qn * b.mu_radius;
+    ball_p[h] = lse ? Dot(q, b.peak_center.data(), d_) + qn * b.peak_radius : 0.f;
+    best = std::max(best, combine(ball_a[h], ball_p[h], qn));
+  }
+  if (best < threshold) return best;
+  best = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < group; ++h) {
+    const size_t off = static_cast<size_t>(h) * d_;
+    const float a = std::min(ball_a[h], Dot(&p.pos[off], b.mu_hi.data(), d_) +
+                                            Dot(&p.neg[off], b.mu_lo.data(), d_));
+    const float pk = lse ? std::min(ball_p[h], Dot(&p.pos[off], b.peak_hi.data(), d_) +
+                                                   Dot(&p.neg[off], b.peak_lo.data(), d_))
+                         : 0.f;
+    best = std::max(best, combine(a, pk, p.norm[h]));
   }
   return best;
 }
@@ -362,8 +373,11 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
     open.pop();
     if (n.is_unit) {
       for (uint32_t cl : units_[n.id].clusters) {
-        open.push({Bound(ranking, clusters_[cl].b, queries, prep), false, cl});
+        const float threshold = kept.size() == k ? kept.top().score
+                                                 : -std::numeric_limits<float>::infinity();
+        const float bound = Bound(ranking, clusters_[cl].b, queries, prep, threshold);
         ++local.bounds_scored;
+        if (bound >= threshold) open.push({bound, false, cl});  // else it cannot win
       }
       continue;
     }

@@ -19,6 +19,7 @@
 #define KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -111,8 +112,11 @@ class ClusterIndex {
     std::vector<float> norm;      // [group]
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
+  // An upper bound on the score of every chunk under `b`; when even its cheaper part falls
+  // below `threshold`, that looser bound is returned without the rest.
   float Bound(v1::Ranking ranking, const Bounds& b, std::span<const float> queries,
-              const Prepared& p) const;
+              const Prepared& p,
+              float threshold = -std::numeric_limits<float>::infinity()) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                    int group, const ChunkArrays& a) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
