@@ -60,6 +60,11 @@ class ClusterIndex {
                                size_t k, const ChunkArrays& arrays,
                                const std::vector<bool>& skip, SearchStats* stats) const;
 
+  static constexpr uint32_t kNoCluster = ~0u;
+  // The fine cluster holding `chunk`, kNoCluster if it is not indexed.
+  uint32_t cluster_of(uint32_t chunk) const {
+    return chunk < node_of_.size() ? node_of_[chunk] : kNoCluster;
+  }
   bool contains(uint32_t chunk) const {
     return chunk < node_of_.size() && node_of_[chunk] != kNone;
   }

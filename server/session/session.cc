@@ -2,6 +2,7 @@
 #include "server/session/session.h"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstring>
 
@@ -600,24 +601,44 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       pinned.push_back(slot);
     }
     if (req.include_summaries() && !everything) {
+      // One summary per cluster of the index over its left-out chunks; a left-out chunk the
+      // index does not hold is its own group. Groups come in the order of their first chunk.
+      struct Group {
+        uint32_t tokens = 0;
+        std::vector<float> key_sum, value_sum;
+      };
+      std::vector<Group> groups;
+      std::map<uint32_t, size_t> group_of_cluster;
+      std::vector<uint16_t> scratch;
       size_t next = 0;
       for (uint32_t c = 0; c < nchunks; ++c) {
         if (next < chosen[h].size() && chosen[h][next] == c) {
           ++next;
           continue;
         }
-        // Until the cluster index lands each left-out chunk is its own cluster.
+        const uint32_t cluster = s.index ? s.index->cluster_of(c) : ClusterIndex::kNoCluster;
+        size_t g = groups.size();
+        if (cluster != ClusterIndex::kNoCluster) {
+          g = group_of_cluster.emplace(cluster, groups.size()).first->second;
+        }
+        if (g == groups.size()) groups.push_back({0, std::vector<float>(d, 0.f),
+                                                  std::vector<float>(d, 0.f)});
+        Group& grp = groups[g];
         const uint32_t n = s.chunks[c].num_tokens;
-        std::vector<float> mk(d), mv(d, 0.f);
-        for (int j = 0; j < d; ++j) mk[j] = s.key_sums[static_cast<size_t>(c) * d + j] / n;
-        std::vector<uint16_t> scratch;
+        grp.tokens += n;
+        for (int j = 0; j < d; ++j) grp.key_sum[j] += s.key_sums[static_cast<size_t>(c) * d + j];
         const uint16_t* v_rows = Fp16Rows(s.chunks[c], scratch) + static_cast<size_t>(n) * d;
-        AddRows(half_kind(), v_rows, static_cast<int>(n), d, mv.data());
-        for (float& x : mv) x /= n;
+        AddRows(half_kind(), v_rows, static_cast<int>(n), d, grp.value_sum.data());
+      }
+      for (Group& grp : groups) {
+        for (int j = 0; j < d; ++j) {
+          grp.key_sum[j] /= static_cast<float>(grp.tokens);
+          grp.value_sum[j] /= static_cast<float>(grp.tokens);
+        }
         v1::ClusterSummary* sum = hs->add_summaries();
-        sum->set_mean_key(mk.data(), d * sizeof(float));
-        sum->set_mean_value(mv.data(), d * sizeof(float));
-        sum->set_num_tokens(n);
+        sum->set_mean_key(grp.key_sum.data(), d * sizeof(float));
+        sum->set_mean_value(grp.value_sum.data(), d * sizeof(float));
+        sum->set_num_tokens(grp.tokens);
       }
     }
   }
