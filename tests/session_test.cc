@@ -402,6 +402,51 @@ TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
   EXPECT_LT(after.select_chunks_scored(), after.select_candidates());
 }
 
+// A policy change mid-session moves the window: chunks that age out then must be ranked
+// (with their peaks) like any other, and the ranking itself may change.
+TEST(Session, SetPolicyWindowAndRankingChangesKeepSelectExact) {
+  Env e;
+  Fixture f = Make(e, 3, 6, 2, 64, 900, Lossless(), 17);
+  ASSERT_OK(AppendAll(f, 900, 300));
+  v1::SessionPolicy next;
+  next.set_recent_window(16);
+  next.set_ranking(v1::RANKING_MEAN);
+  ASSERT_OK(f.session->SetPolicy(next).status());
+  for (auto ranking : {v1::RANKING_MEAN, v1::RANKING_LSE_PEAK}) {
+    next.set_ranking(ranking);
+    ASSERT_OK(f.session->SetPolicy(next).status());
+    for (uint32_t budget : {64u, 200u}) {
+      v1::SelectResponse resp;
+      ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, 3), &resp));
+      for (int h = 0; h < 2; ++h) {
+        std::set<uint32_t> chunks;
+        for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+        EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, 900, budget, 3, 16, 16, ranking))
+            << v1::Ranking_Name(ranking) << " budget " << budget;
+      }
+    }
+  }
+}
+
+// A fork ranks its shared chunks with the parent's statistics and its own index.
+TEST(Session, ForkSelectsLikeBruteForceOnItsOwnTokens) {
+  Env e;
+  Fixture f = Make(e, 3, 6, 2, 64, 900, Lossless(), 19);
+  ASSERT_OK(AppendAll(f, 900, 300));
+  ASSERT_OK_AND_ASSIGN(auto child, f.session->Fork("c", 700));
+  for (uint32_t budget : {128u, 256u}) {
+    auto req = SelectReq(f, 2, budget, 6);
+    req.set_session_id("c");
+    v1::SelectResponse resp;
+    ASSERT_OK(child->Select(req, &resp));
+    for (int h = 0; h < 2; ++h) {
+      std::set<uint32_t> chunks;
+      for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+      EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, 700, budget, 6)) << "budget " << budget;
+    }
+  }
+}
+
 TEST(Session, SelectRejectsBadRequestsByField) {
   Env e;
   Fixture f = Make(e, 3, 4, 2, 32, 500);
