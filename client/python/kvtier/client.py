@@ -40,6 +40,7 @@ class SegmentMap:
     def __init__(self, client: "Client"):
         self._client = client
         self._maps: dict[int, mmap.mmap] = {}
+        self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
         self._lock = threading.Lock()
 
     def _segment(self, segment_id: int) -> mmap.mmap:
@@ -62,15 +63,28 @@ class SegmentMap:
                 return self._maps.setdefault(segment_id, m)
         raise KvTierError(grpc.StatusCode.NOT_FOUND, f"segment_id {segment_id} is not listed")
 
+    def halves(self, segment_id: int) -> np.ndarray:
+        """The whole segment as a read-only array of 2-byte elements (fp16 view)."""
+        a = self._halves.get(segment_id)
+        if a is None:
+            m = self._segment(segment_id)
+            a = np.frombuffer(m, dtype=np.float16, count=len(m) // 2)
+            with self._lock:
+                a = self._halves.setdefault(segment_id, a)
+        return a
+
     def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16):
         """K and V of `handle` as read-only arrays [num_tokens][head_dim] over shared memory."""
-        m = self._segment(handle.segment_id)
         n = handle.num_tokens * head_dim
-        if handle.offset + handle.length > len(m) or handle.length != 4 * n:
+        a = self.halves(handle.segment_id)
+        if handle.offset % 2 or handle.offset + handle.length > 2 * len(a) or \
+                handle.length != 4 * n:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
                               f"handle of chunk {handle.chunk_id} does not fit its segment")
-        k = np.frombuffer(m, dtype=dtype, count=n, offset=handle.offset)
-        v = np.frombuffer(m, dtype=dtype, count=n, offset=handle.offset + 2 * n)
+        o = handle.offset // 2
+        k, v = a[o:o + n], a[o + n:o + 2 * n]
+        if dtype is not np.float16:
+            k, v = k.view(dtype), v.view(dtype)
         return k.reshape(handle.num_tokens, head_dim), v.reshape(handle.num_tokens, head_dim)
 
 
@@ -169,19 +183,22 @@ class Client:
             if session_id is None:
                 raise ValueError("gather needs session_id or head_dim")
             head_dim = self._shape(session_id).head_dim
-        pos, ks, vs = [], [], []
-        for b in head.blocks:
-            pos.extend(b.positions)
+        blocks = head.blocks
+        total = sum(b.num_tokens for b in blocks)
+        pos = np.empty(total, np.int64)
+        keys = np.empty((total, head_dim), np.float16)
+        values = np.empty((total, head_dim), np.float16)
+        at = 0
+        for b in blocks:
+            n = b.num_tokens
+            pos[at:at + n] = b.positions
             if b.keys:
-                k = np.frombuffer(b.keys, np.float16).reshape(-1, head_dim)
-                v = np.frombuffer(b.values, np.float16).reshape(-1, head_dim)
+                keys[at:at + n] = np.frombuffer(b.keys, np.float16).reshape(n, head_dim)
+                values[at:at + n] = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
             else:
-                k, v = self.segments.view(b, head_dim)
-            ks.append(k)
-            vs.append(v)
-        empty = np.zeros((0, head_dim), np.float16)
-        return (np.asarray(pos, np.int64), np.concatenate(ks) if ks else empty,
-                np.concatenate(vs) if vs else empty)
+                keys[at:at + n], values[at:at + n] = self.segments.view(b, head_dim)
+            at += n
+        return pos, keys, values
 
     def view(self, handle: pb.BlockHandle, head_dim: int):
         """Zero-copy (K, V) of one handle over the daemon's shared memory."""
