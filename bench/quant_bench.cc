@@ -1,7 +1,7 @@
 // Precision tiers, measured on the CPU:
 //  - quantize / dequantize throughput (fp16 bytes per second) against memcpy of those bytes;
-//  - stored bytes per old token against fp16, with scales, zeros, index sums and chunk
-//    bookkeeping counted;
+//  - stored bytes per old token against fp16, with scales, zeros, the ranking index (sums,
+//    peaks, cluster bounds) and chunk bookkeeping counted;
 //  - attention-output error of int4 chunks (keys per channel) on keys with outlier channels,
 //    against the same error with keys quantized per token (the naive layout), same data.
 #include <chrono>
@@ -74,7 +74,11 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   const QuantLayout L{d, n, bits};
   const double codes = 2.0 * L.code_bytes();
   const double scales = double(L.Bytes()) - codes;  // scales, zeros and alignment padding
-  const double index = 1.0 * d * sizeof(float);     // per-chunk key sums (the ranking index)
+  // The ranking index per chunk: key sums and peak key (float each), the cluster index's
+  // per-chunk entries (node, tokens, membership), and a fine cluster's six bound vectors
+  // (centers and boxes of means and peaks, float) shared by its chunks (8 at the target
+  // size; units, 16 clusters each, add under a tenth of that).
+  const double index = 2.0 * d * sizeof(float) + 12 + 6.0 * d * sizeof(float) / 8;
   // Chunk record (count, precision, three slot refs) and the slot object with its shared
   // control block.
   const double bookkeeping = 64 + 96;
@@ -83,7 +87,7 @@ void StoredBytes(uint32_t d, uint32_t bits) {
          {{"head_dim", std::to_string(d)}, {"bits", std::to_string(bits)},
           {"chunk_tokens", "16"},
           {"codes", std::to_string(codes / n)}, {"scales_zeros", std::to_string(scales / n)},
-          {"index_sums", std::to_string(index / n)},
+          {"index", std::to_string(index / n)},
           {"bookkeeping", std::to_string(bookkeeping / n)},
           {"format_floor_ratio", std::to_string((codes + scales) / n / (4.0 * d))},
           {"target_ratio", "0.30"}}});

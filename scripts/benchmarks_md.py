@@ -28,7 +28,7 @@ TARGETS = [
     ("quantize_throughput", ">=", 0.5, "CPU int4/int8 quantize, fp16 bytes in, vs memcpy"),
     ("dequantize_throughput", ">=", 0.5, "CPU dequantize, fp16 bytes out, vs memcpy"),
     ("stored_bytes_per_old_token", "<=", 0.30, "bytes per cold token per stream (codes, "
-     "scales, zeros, index sums, chunk bookkeeping) vs fp16 K and V"),
+     "scales, zeros, ranking index (sums, peaks, cluster bounds), chunk bookkeeping) vs fp16 K and V"),
     ("attention_output_error_int4", None, None, "relative attention-output error of int4 "
      "chunks vs fp16, against int4 with keys per token, on keys with outlier channels "
      "(lower ratio: per-channel keys help)"),
