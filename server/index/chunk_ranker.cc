@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "server/common/vec.h"
 
@@ -18,11 +19,27 @@ float MeanScore(std::span<const float> queries, int group, const ChunkCandidate&
   return best * c.scale;  // scale > 0 commutes with the max
 }
 
+namespace {
+
+// log(n - 1) for chunk sizes n, -inf for n <= 1: the same values std::log gives, computed once.
+float LogRest(uint32_t n) {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1024);
+    for (uint32_t i = 0; i < t.size(); ++i) {
+      t[i] = i > 1 ? std::log(static_cast<float>(i - 1)) : -std::numeric_limits<float>::infinity();
+    }
+    return t;
+  }();
+  if (n < table.size()) return table[n];
+  return std::log(static_cast<float>(n - 1));
+}
+
+}  // namespace
+
 float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                    int head_dim) {
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
-  const float log_rest = c.tokens > 1 ? std::log(static_cast<float>(c.tokens - 1))
-                                      : -std::numeric_limits<float>::infinity();
+  const float log_rest = LogRest(c.tokens);
   float best = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < group; ++h) {
     const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
