@@ -24,13 +24,7 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   const QuantSections<uint8_t> q(job.quant, L);
 
   for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float mn = HalfToFloat(keys[j]), mx = mn;
-    for (uint32_t t = 1; t < n; ++t) {
-      float x = HalfToFloat(keys[t * d + j]);
-      mn = fminf(mn, x);
-      mx = fmaxf(mx, x);
-    }
-    QuantParams p = MakeQuantParams(mn, mx, levels);
+    const QuantParams p = GroupQuantParams(keys + j, n, d, levels);
     q.key_scale[j] = p.scale_h;
     q.key_zero[j] = p.zero_h;
     key_zero[j] = p.zero;
@@ -39,13 +33,7 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
     const uint32_t t = tg / G, g = tg % G;
     const uint32_t lo = g * kValueGroup, hi = min(d, lo + kValueGroup);
-    float mn = HalfToFloat(values[t * d + lo]), mx = mn;
-    for (uint32_t j = lo + 1; j < hi; ++j) {
-      float x = HalfToFloat(values[t * d + j]);
-      mn = fminf(mn, x);
-      mx = fmaxf(mx, x);
-    }
-    QuantParams p = MakeQuantParams(mn, mx, levels);
+    const QuantParams p = GroupQuantParams(values + t * d + lo, hi - lo, 1, levels);
     q.value_scale[tg] = p.scale_h;
     q.value_zero[tg] = p.zero_h;
     value_zero[tg] = p.zero;

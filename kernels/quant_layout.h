@@ -126,6 +126,19 @@ KVTIER_HOST_DEVICE inline QuantParams MakeQuantParams(float mn, float mx, uint32
   return p;
 }
 
+// MakeQuantParams over `count` halves starting at `h`, `stride` apart: a key channel over
+// a chunk's tokens (stride head_dim) or a value group within a token (stride 1).
+KVTIER_HOST_DEVICE inline QuantParams GroupQuantParams(const uint16_t* h, uint32_t count,
+                                                       uint32_t stride, uint32_t levels) {
+  float mn = HalfToFloat(h[0]), mx = mn;
+  for (uint32_t i = 1; i < count; ++i) {
+    const float x = HalfToFloat(h[i * stride]);
+    mn = x < mn ? x : mn;
+    mx = x > mx ? x : mx;
+  }
+  return MakeQuantParams(mn, mx, levels);
+}
+
 KVTIER_HOST_DEVICE inline uint32_t QuantizeValue(float x, const QuantParams& p, uint32_t levels) {
 #if defined(__CUDA_ARCH__)
   float q = rintf(__fmul_rn(__fsub_rn(x, p.zero), p.inv_scale));

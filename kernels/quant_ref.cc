@@ -22,13 +22,7 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values,
   std::memset(out, 0, L.Bytes());
   const QuantSections<uint8_t> q(out, L);
   for (uint32_t j = 0; j < d; ++j) {  // keys: per channel over the chunk's tokens
-    float mn = HalfToFloat(keys[j]), mx = mn;
-    for (uint32_t t = 1; t < n; ++t) {
-      float x = HalfToFloat(keys[t * d + j]);
-      mn = std::min(mn, x);
-      mx = std::max(mx, x);
-    }
-    QuantParams p = MakeQuantParams(mn, mx, levels);
+    const QuantParams p = GroupQuantParams(keys + j, n, d, levels);
     q.key_scale[j] = p.scale_h;
     q.key_zero[j] = p.zero_h;
     for (uint32_t t = 0; t < n; ++t) {
@@ -39,13 +33,7 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values,
   for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of 32 channels
     for (uint32_t g = 0; g < G; ++g) {
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
-      float mn = HalfToFloat(values[t * d + lo]), mx = mn;
-      for (uint32_t j = lo + 1; j < hi; ++j) {
-        float x = HalfToFloat(values[t * d + j]);
-        mn = std::min(mn, x);
-        mx = std::max(mx, x);
-      }
-      QuantParams p = MakeQuantParams(mn, mx, levels);
+      const QuantParams p = GroupQuantParams(values + t * d + lo, hi - lo, 1, levels);
       q.value_scale[t * G + g] = p.scale_h;
       q.value_zero[t * G + g] = p.zero_h;
       for (uint32_t j = lo; j < hi; ++j) {

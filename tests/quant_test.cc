@@ -21,7 +21,7 @@ std::vector<uint16_t> Make(Input kind, uint32_t n, uint32_t d, std::mt19937& rng
   std::vector<uint16_t> x(size_t(n) * d);
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t j = 0; j < d; ++j) {
-      float v;
+      float v = 0.f;
       switch (kind) {
         case Input::kNormal: v = g(rng); break;
         case Input::kOutlierChannels: v = g(rng) * (j % 16 == 3 ? 40.f : 1.f); break;
