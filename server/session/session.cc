@@ -325,10 +325,7 @@ void Session::QuantizeCold(uint32_t layer) {
   const uint32_t bits = cold_bits();
   if (bits == 0) return;
   const uint32_t ct = policy_.chunk_tokens();
-  const uint64_t total = layer_tokens_[layer];
-  const uint64_t window = policy_.recent_window();
-  // Chunks [0, limit) lie wholly before the recent window.
-  const uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  const uint32_t limit = AgedOutChunks(layer);
   if (cold_upto_[layer] >= limit) return;  // most appends (a decode step) quantize nothing
   const QuantLayout layout = cold_layout();
   const uint32_t d = shape_.head_dim();
@@ -361,11 +358,15 @@ void Session::QuantizeCold(uint32_t layer) {
   cold_upto_[layer] = c;
 }
 
-void Session::IndexAgedOut(uint32_t layer) {
-  const uint32_t ct = policy_.chunk_tokens();
+uint32_t Session::AgedOutChunks(uint32_t layer) const {
   const uint64_t total = layer_tokens_[layer];
   const uint64_t window = policy_.recent_window();
-  uint32_t limit = total > window ? static_cast<uint32_t>((total - window) / ct) : 0;
+  return total > window ? static_cast<uint32_t>((total - window) / policy_.chunk_tokens()) : 0;
+}
+
+void Session::IndexAgedOut(uint32_t layer) {
+  const uint32_t ct = policy_.chunk_tokens();
+  uint32_t limit = AgedOutChunks(layer);
   // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
   // computed here, once, rather than on every append to a growing chunk. A cold chunk got
   // its peak from its dequantized rows when it was quantized.
@@ -426,6 +427,11 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
                                               uint64_t budget, uint32_t layer) {
   const int d = static_cast<int>(shape_.head_dim());
   const uint32_t ct = policy_.chunk_tokens();
+  auto candidate = [&s, d](uint32_t c) {
+    const uint32_t n = s.chunks[c].num_tokens;
+    return ChunkCandidate{c, n, &s.key_sums[static_cast<size_t>(c) * d],
+                          1.f / static_cast<float>(n), &s.peaks[static_cast<size_t>(c) * d]};
+  };
   std::vector<ChunkCandidate> extras;  // candidates the index does not hold
   uint64_t candidates = 0;
   bool uniform = true;
@@ -433,24 +439,19 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
     if (mandatory[c]) continue;
     ++candidates;
     uniform = uniform && s.chunks[c].num_tokens == ct;
-    if (s.index && s.index->contains(c)) continue;
-    extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
-                      1.f / static_cast<float>(s.chunks[c].num_tokens),
-                      &s.peaks[static_cast<size_t>(c) * d]});
+    if (!s.index || !s.index->contains(c)) extras.push_back(candidate(c));
   }
   select_candidates_[layer] += candidates;
   if (!s.index || !uniform || candidates < kIndexMinCandidates) {
     // Nothing indexed yet, chunks of several sizes (the greedy fill is not a top-k), or too
     // few chunks for pruning to pay for its bounds: scan. The answer is the same.
     select_scored_[layer] += candidates;
-    extras.clear();
+    std::vector<ChunkCandidate> all;
+    all.reserve(candidates);
     for (uint32_t c = 0; c < mandatory.size(); ++c) {
-      if (mandatory[c]) continue;
-      extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
-                        1.f / static_cast<float>(s.chunks[c].num_tokens),
-                        &s.peaks[static_cast<size_t>(c) * d]});
+      if (!mandatory[c]) all.push_back(candidate(c));
     }
-    return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, extras, budget);
+    return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, all, budget);
   }
   // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its chunks;
   // the few it does not hold yet (a policy change, a chunk waiting for room to be quantized)
@@ -461,11 +462,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
                                                 k, s.arrays(), mandatory, &stats);
   select_scored_[layer] += stats.chunks_scored + extras.size();
   if (extras.empty()) return found;
-  for (uint32_t c : found) {
-    extras.push_back({c, s.chunks[c].num_tokens, &s.key_sums[static_cast<size_t>(c) * d],
-                      1.f / static_cast<float>(s.chunks[c].num_tokens),
-                      &s.peaks[static_cast<size_t>(c) * d]});
-  }
+  for (uint32_t c : found) extras.push_back(candidate(c));
   std::sort(extras.begin(), extras.end(),
             [](const ChunkCandidate& a, const ChunkCandidate& b) { return a.index < b.index; });
   return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, extras, budget);

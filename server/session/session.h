@@ -150,6 +150,8 @@ class Session {
                                        uint32_t group, const std::vector<bool>& mandatory,
                                        uint64_t budget, uint32_t layer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunks [0, n) of `layer` that lie wholly before the recent window.
+  uint32_t AgedOutChunks(uint32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds to each head's cluster index the chunks of `layer` that left the recent window and
   // whose statistics are final (quantized when the policy quantizes).
   void IndexAgedOut(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
