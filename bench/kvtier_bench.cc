@@ -80,18 +80,10 @@ Stream MakeStream(int n, const std::vector<float>& topics, std::mt19937& rng) {
         s.hi[size_t(c) * kD + j] = std::max(s.hi[size_t(c) * kD + j], x);
       }
     }
-    float far = -1;
-    for (int t = t0; t < t1; ++t) {
-      float dist = 0;
-      for (int j = 0; j < kD; ++j) {
-        const float x = s.keys[size_t(t) * kD + j] - sum[j] / (t1 - t0);
-        dist += x * x;
-      }
-      if (dist > far) {
-        far = dist;
-        std::copy_n(&s.keys[size_t(t) * kD], kD, &s.peaks[size_t(c) * kD]);
-      }
-    }
+    float mean[kD];
+    for (int j = 0; j < kD; ++j) mean[j] = sum[j] / (t1 - t0);
+    const float* peak = FarthestRow(&s.keys[size_t(t0) * kD], t1 - t0, kD, mean);
+    std::copy_n(peak, kD, &s.peaks[size_t(c) * kD]);
   }
   return s;
 }

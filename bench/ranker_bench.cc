@@ -39,16 +39,9 @@ const Data& Get(int tokens) {
       for (int t = 0; t < kChunk; ++t) {
         for (int j = 0; j < kD; ++j) d.means[c * kD + j] += d.keys[(c * kChunk + t) * kD + j] / kChunk;
       }
-      float best = -1;
-      for (int t = 0; t < kChunk; ++t) {
-        const float* k = &d.keys[(c * kChunk + t) * kD];
-        float dist = 0;
-        for (int j = 0; j < kD; ++j) dist += (k[j] - d.means[c * kD + j]) * (k[j] - d.means[c * kD + j]);
-        if (dist > best) {
-          best = dist;
-          std::copy(k, k + kD, &d.peaks[size_t(c) * kD]);
-        }
-      }
+      const float* peak = FarthestRow(&d.keys[size_t(c) * kChunk * kD], kChunk, kD,
+                                      &d.means[size_t(c) * kD]);
+      std::copy(peak, peak + kD, &d.peaks[size_t(c) * kD]);
       d.cands.push_back({uint32_t(c), kChunk, &d.means[size_t(c) * kD], 1.f, &d.peaks[size_t(c) * kD]});
     }
   }

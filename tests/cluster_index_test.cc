@@ -20,19 +20,12 @@ struct Stream {
   ChunkArrays arrays() const { return {sums.data(), peaks.data()}; }
 
   void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
-    std::vector<float> sum(kD, 0.f), peak(kD);
+    std::vector<float> sum(kD, 0.f), mean(kD);
     for (uint32_t t = 0; t < n; ++t) for (int j = 0; j < kD; ++j) sum[j] += keys[t * kD + j];
-    float far = -1;
-    for (uint32_t t = 0; t < n; ++t) {
-      float dist = 0;
-      for (int j = 0; j < kD; ++j) {
-        const float x = keys[t * kD + j] - sum[j] / n;
-        dist += x * x;
-      }
-      if (dist > far) far = dist, std::copy(&keys[t * kD], &keys[t * kD] + kD, peak.begin());
-    }
+    for (int j = 0; j < kD; ++j) mean[j] = sum[j] / n;
+    const float* peak = FarthestRow(keys.data(), n, kD, mean.data());
     sums.insert(sums.end(), sum.begin(), sum.end());
-    peaks.insert(peaks.end(), peak.begin(), peak.end());
+    peaks.insert(peaks.end(), peak, peak + kD);
     tokens.push_back(n);
   }
 };
@@ -87,13 +80,19 @@ std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, c
   return SelectChunks(ranking, q, kGroup, kD, cands, k * kT);
 }
 
+// 32 random directions for clustered keys.
+std::vector<float> Centers(std::mt19937& rng) {
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> centers(32 * kD);
+  for (auto& x : centers) x = n(rng);
+  return centers;
+}
+
 class ClusterIndexTest : public ::testing::TestWithParam<Data> {};
 
 TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
   std::mt19937 rng(static_cast<int>(GetParam()) + 1);
-  std::normal_distribution<float> n(0, 1);
-  std::vector<float> centers(32 * kD);
-  for (auto& x : centers) x = n(rng);
+  const std::vector<float> centers = Centers(rng);
   Stream s;
   ClusterIndex index(kD);
   for (int step = 0; step < 6; ++step) {
@@ -129,9 +128,7 @@ INSTANTIATE_TEST_SUITE_P(Data, ClusterIndexTest,
 
 TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
   std::mt19937 rng(7);
-  std::normal_distribution<float> n(0, 1);
-  std::vector<float> centers(32 * kD);
-  for (auto& x : centers) x = n(rng);
+  const std::vector<float> centers = Centers(rng);
   Stream s;
   ClusterIndex index(kD);
   for (int i = 0; i < 4096; ++i) {

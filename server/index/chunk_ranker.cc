@@ -9,6 +9,19 @@
 
 namespace kvtier {
 
+const float* FarthestRow(const float* rows, uint32_t n, int d, const float* mean) {
+  std::vector<float> diff(d);
+  const float* best_row = rows;
+  float best = -1.f;
+  for (uint32_t r = 0; r < n; ++r) {
+    const float* row = rows + static_cast<size_t>(r) * d;
+    for (int j = 0; j < d; ++j) diff[j] = row[j] - mean[j];
+    const float dist = Dot(diff.data(), diff.data(), d);
+    if (dist > best) best = dist, best_row = row;
+  }
+  return best_row;
+}
+
 float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                 int head_dim) {
   float best = -std::numeric_limits<float>::infinity();

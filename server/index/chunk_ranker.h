@@ -26,6 +26,10 @@ struct ChunkCandidate {
   const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
 
+// The row of rows [n][d] farthest from `mean` (squared Euclidean; the first of equals): a
+// chunk's peak key for RANKING_LSE_PEAK.
+const float* FarthestRow(const float* rows, uint32_t n, int d, const float* mean);
+
 // max over h of queries[h] . (scale * key_sum), queries [group][head_dim].
 float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                 int head_dim);

@@ -120,22 +120,15 @@ void Session::AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t
 void Session::UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_t n) const {
   const size_t d = shape_.head_dim();
   if (s.peaks.size() < (index + 1) * d) s.peaks.resize((index + 1) * d, 0.f);
-  const float* sum = &s.key_sums[index * d];
   const float inv = 1.f / static_cast<float>(n);
-  std::vector<float> row(d), mean(d), diff(d);
-  for (size_t j = 0; j < d; ++j) mean[j] = sum[j] * inv;
-  float best = -1.f;
-  for (uint32_t r = 0; r < n; ++r) {
-    std::fill(row.begin(), row.end(), 0.f);
+  std::vector<float> rows(n * d, 0.f), mean(d);
+  for (uint32_t r = 0; r < n; ++r) {  // the session's halves as floats, row by row
     AddRows(half_kind(), reinterpret_cast<const uint16_t*>(k_rows) + r * d, 1,
-            static_cast<int>(d), row.data());
-    for (size_t j = 0; j < d; ++j) diff[j] = row[j] - mean[j];
-    const float dist = Dot(diff.data(), diff.data(), static_cast<int>(d));
-    if (dist > best) {
-      best = dist;
-      std::copy(row.begin(), row.end(), s.peaks.begin() + static_cast<ptrdiff_t>(index * d));
-    }
+            static_cast<int>(d), &rows[r * d]);
   }
+  for (size_t j = 0; j < d; ++j) mean[j] = s.key_sums[index * d + j] * inv;
+  const float* peak = FarthestRow(rows.data(), n, static_cast<int>(d), mean.data());
+  std::copy(peak, peak + d, s.peaks.begin() + static_cast<ptrdiff_t>(index * d));
 }
 
 absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
