@@ -65,26 +65,17 @@ const float* ClusterIndex::Peak(uint32_t chunk, const ChunkArrays& a) const {
 
 void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
                            const ChunkArrays& a) const {
+  // Centers first (the means and peaks averaged), then every chunk widens the empty bounds.
   const size_t d = d_;
+  std::vector<float> means(chunks.size() * d);
   std::vector<double> mc(d, 0.0), pc(d, 0.0);
-  std::vector<float> mu(d);
-  b.mu_lo.assign(d, std::numeric_limits<float>::infinity());
-  b.mu_hi.assign(d, -std::numeric_limits<float>::infinity());
-  b.peak_lo = b.mu_lo;
-  b.peak_hi = b.mu_hi;
-  b.max_tokens = 0;
-  for (uint32_t c : chunks) {
-    Mean(c, a, mu.data());
-    const float* p = Peak(c, a);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Mean(chunks[i], a, &means[i * d]);
+    const float* p = Peak(chunks[i], a);
     for (size_t j = 0; j < d; ++j) {
-      mc[j] += mu[j];
+      mc[j] += means[i * d + j];
       pc[j] += p[j];
-      b.mu_lo[j] = std::min(b.mu_lo[j], mu[j]);
-      b.mu_hi[j] = std::max(b.mu_hi[j], mu[j]);
-      b.peak_lo[j] = std::min(b.peak_lo[j], p[j]);
-      b.peak_hi[j] = std::max(b.peak_hi[j], p[j]);
     }
-    b.max_tokens = std::max(b.max_tokens, tokens_[c]);
   }
   b.mu_center.resize(d);
   b.peak_center.resize(d);
@@ -95,12 +86,15 @@ void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
   b.mu_center_norm = static_cast<float>(Norm(b.mu_center.data(), d_));
   b.peak_center_norm = static_cast<float>(Norm(b.peak_center.data(), d_));
   b.mu_radius = b.peak_radius = 0;
-  for (uint32_t c : chunks) Widen(b, c, a);
+  b.mu_lo.assign(d, std::numeric_limits<float>::infinity());
+  b.mu_hi.assign(d, -std::numeric_limits<float>::infinity());
+  b.peak_lo = b.mu_lo;
+  b.peak_hi = b.mu_hi;
+  b.max_tokens = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) Widen(b, chunks[i], &means[i * d], a);
 }
 
-void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const ChunkArrays& a) const {
-  float mu[kMaxHeadDim];
-  Mean(chunk, a, mu);
+void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a) const {
   const float* p = Peak(chunk, a);
   b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, b.mu_center.data(), d_));
   b.peak_radius = std::max(b.peak_radius, RadiusTo(p, b.peak_center.data(), d_));
@@ -328,8 +322,8 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   Cluster& cl = clusters_[best_cluster];
   cl.chunks.push_back(chunk);
   node_of_[chunk] = best_cluster;
-  Widen(cl.b, chunk, a);
-  Widen(units_[best_unit].b, chunk, a);
+  Widen(cl.b, chunk, mu.data(), a);
+  Widen(units_[best_unit].b, chunk, mu.data(), a);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
   const bool too_wide = cl.chunks.size() >= 4 && cl.built_radius > 0 &&
                         cl.b.mu_radius > opt_.resplit_radius * cl.built_radius;

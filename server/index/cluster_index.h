@@ -109,8 +109,8 @@ class ClusterIndex {
   const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
   // Recomputes b from scratch over these chunks: centers, radii, boxes, max tokens.
   void Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a) const;
-  // Widens b to cover one more chunk (the center stays).
-  void Widen(Bounds& b, uint32_t chunk, const ChunkArrays& a) const;
+  // Widens b to cover one more chunk, whose mean key is `mu` (the center stays).
+  void Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a) const;
   // A query group prepared for bounds: each head's q, |q|, and q split by sign.
   struct Prepared {
     std::vector<float> pos, neg;  // [group][d]: max(q, 0), min(q, 0)
