@@ -37,7 +37,7 @@ ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier"
        "kvtier-mean", "kvtier-fp16", "kvtier-summaries"]
 
 
-def make_policies(names, budgets, client, context_plus, window_share=0.25):
+def make_policies(names, budgets, client, window_share=0.25):
     """Policies by name; the budgeted ones once per budget. kvtier's and quest's recent
     window is window_share of the budget."""
     out = []
@@ -188,8 +188,7 @@ def main(argv=None):
     records = []
     try:
         ref = None
-        for policy in make_policies(names, budgets, client, a.context + a.scored,
-                                    a.window_share):
+        for policy in make_policies(names, budgets, client, a.window_share):
             r = run(model, pre, policy)
             if ref is None:
                 ref = r

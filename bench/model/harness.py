@@ -66,17 +66,18 @@ class LayerMetrics:
             self.oracle_err[layer].append(np.linalg.norm(o_or - o) / norm)
 
     def summary(self, dense_layers: int) -> dict:
-        flat = [x for layer in self.ratio[dense_layers:] for x in layer]
-        if not flat:
-            return {}
+        def flat(rows):  # every (token, KV head) value of the layers that select
+            return [x for layer in rows[dense_layers:] for x in layer]
 
         def mean_of(rows):
-            v = [x for layer in rows[dense_layers:] for x in layer]
-            return float(np.mean(v))
+            return float(np.mean(flat(rows)))
 
+        ratios = flat(self.ratio)
+        if not ratios:
+            return {}
         return {
-            "oracle_ratio_mean": float(np.mean(flat)),
-            "oracle_ratio_p10": float(np.percentile(flat, 10)),
+            "oracle_ratio_mean": float(np.mean(ratios)),
+            "oracle_ratio_p10": float(np.percentile(ratios, 10)),
             "chunk_oracle_ratio_mean": mean_of(self.chunk_ratio),
             "output_error_mean": mean_of(self.err),
             "oracle_output_error_mean": mean_of(self.oracle_err),

@@ -80,7 +80,8 @@ class Policy:
 
 
 def attend_positions(q: np.ndarray, cache: KVCache, layer: int, selected) -> np.ndarray:
-    """Attention of q [heads][d] over the listed positions of each KV head."""
+    """Attention of q [heads][d] over the listed positions (an index array or a slice) of
+    each KV head."""
     H = cache.K.shape[1]
     g = q.shape[0] // H
     out = np.empty(q.shape, np.float32)
@@ -96,13 +97,7 @@ class Full(Policy):
     name = "full"
 
     def attend(self, layer, n, q, cache):
-        H = cache.K.shape[1]
-        g = q.shape[0] // H
-        out = np.empty(q.shape, np.float32)
-        for h in range(H):
-            out[h * g:(h + 1) * g] = attend(q[h * g:(h + 1) * g], cache.K[layer, h, :n],
-                                            cache.V[layer, h, :n])
-        return out, None
+        return attend_positions(q, cache, layer, [slice(0, n)] * cache.K.shape[1]), None
 
 
 class Window(Policy):
@@ -161,13 +156,7 @@ class Quest(Policy):
         self.lo[:, :, :full // CHUNK] = kf.min(axis=3)
         self.hi[:, :, :full // CHUNK] = kf.max(axis=3)
         for p in range(full, P):
-            self.on_append_all(p, K[:, :, p])
-
-    def on_append_all(self, pos, k):
-        c = pos // CHUNK
-        kf = k.astype(np.float32)
-        self.lo[:, :, c] = np.minimum(self.lo[:, :, c], kf)
-        self.hi[:, :, c] = np.maximum(self.hi[:, :, c], kf)
+            self.on_append(slice(None), p, K[:, :, p], None)  # every layer at once
 
     def on_append(self, layer, pos, k, v):
         c = pos // CHUNK
