@@ -57,7 +57,9 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"metrics_port: 70000", "metrics_port"},
       {"log_level: \"loud\"", "log_level"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},
-      {"default_policy { chunking: CHUNKING_SEMANTIC }", "default_policy.chunking"},
+      {"default_policy { chunking: CHUNKING_BOUNDARY }", "default_policy.delimiter_token_ids"},
+      {"default_policy { chunking: CHUNKING_BOUNDARY chunk_tokens: 40 delimiter_token_ids: 13 }",
+       "default_policy.chunk_tokens"},
       {"default_policy { cold_precision: PRECISION_BF16 }", "default_policy.cold_precision"},
   };
   for (const Case& c : cases) {

@@ -34,6 +34,9 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.chunking() == v1::CHUNKING_UNSPECIFIED) p.set_chunking(defaults.chunking());
   if (p.chunk_tokens() == 0) p.set_chunk_tokens(defaults.chunk_tokens());
   if (p.ranking() == v1::RANKING_UNSPECIFIED) p.set_ranking(defaults.ranking());
+  if (p.delimiter_token_ids().empty()) {
+    *p.mutable_delimiter_token_ids() = defaults.delimiter_token_ids();
+  }
 
   auto bad = [&](absl::string_view name, const auto& value, absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": ", value, " ", why));
@@ -62,11 +65,25 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
     return bad("ranking", v1::Ranking_Name(p.ranking()),
                "is not one of RANKING_MEAN, RANKING_LSE_PEAK");
   }
-  if (p.chunking() != v1::CHUNKING_CONTIGUOUS) {
-    // Boundary-aware and semantic chunking arrive with the cluster index; until then a
-    // request for them is refused rather than silently served contiguous chunks.
-    return bad("chunking", v1::Chunking_Name(p.chunking()),
-               "is not available in this build; use CHUNKING_CONTIGUOUS");
+  switch (p.chunking()) {
+    case v1::CHUNKING_CONTIGUOUS:
+    case v1::CHUNKING_SEMANTIC:
+      break;
+    case v1::CHUNKING_BOUNDARY:
+      if (p.chunk_tokens() > kMaxChunkTokens / 2) {
+        return bad("chunk_tokens", p.chunk_tokens(),
+                   absl::StrFormat("is above %d: boundary chunks grow to twice chunk_tokens, "
+                                   "at most %d",
+                                   kMaxChunkTokens / 2, kMaxChunkTokens));
+      }
+      if (p.delimiter_token_ids().empty()) {
+        return bad("delimiter_token_ids", "[]",
+                   "is empty; CHUNKING_BOUNDARY cuts chunks after these token ids");
+      }
+      break;
+    default:
+      return bad("chunking", v1::Chunking_Name(p.chunking()),
+                 "is not one of CHUNKING_CONTIGUOUS, CHUNKING_BOUNDARY, CHUNKING_SEMANTIC");
   }
   return p;
 }

@@ -8,11 +8,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/check.h"
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/semantic_chunker.h"
 #include "server/quant/quant.h"
 
 namespace kvtier {
@@ -90,6 +92,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
       cold_upto_(shape_.num_layers(), 0),
       indexed_upto_(shape_.num_layers(), 0),
       peaked_upto_(shape_.num_layers(), 0),
+      regrouped_upto_(shape_.num_layers(), 0),
       select_candidates_(shape_.num_layers(), 0),
       select_scored_(shape_.num_layers(), 0) {}
 
@@ -133,14 +136,13 @@ void Session::UpdatePeak(Stream& s, size_t index, const uint8_t* k_rows, uint32_
 
 absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t count,
                                     const v1::AppendKVRequest& req) {
-  const uint32_t ct = policy_.chunk_tokens();
   const uint64_t rb = row_bytes();
   const uint64_t n = req.num_tokens();
   for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
     const Stream& s = stream(layer, h);
     for (uint64_t t = start; t < start + count; ++t) {
-      const Chunk& c = s.chunks[t / ct];
-      const uint64_t row = t % ct;
+      const auto [index, row] = Locate(s, t);
+      const Chunk& c = s.chunks[index];
       const uint8_t* base = c.host->data();
       const uint64_t in = (h * n + (t - start)) * rb;
       const bool same =
@@ -161,6 +163,34 @@ absl::Status Session::CompareStored(uint32_t layer, uint64_t start, uint64_t cou
     }
   }
   return absl::OkStatus();
+}
+
+std::pair<uint32_t, uint32_t> Session::Locate(const Stream& s, uint64_t t) const {
+  // The last chunk starting at or before t; within a regrouped span (chunks sharing `first`)
+  // the one whose offsets hold t.
+  auto it = std::upper_bound(s.chunks.begin(), s.chunks.end(), t,
+                             [](uint64_t t, const Chunk& c) { return t < c.first; });
+  CHECK(it != s.chunks.begin());
+  for (auto c = it - 1;; --c) {
+    if (c->offsets.empty()) {
+      return {static_cast<uint32_t>(c - s.chunks.begin()), static_cast<uint32_t>(t - c->first)};
+    }
+    const auto o = std::lower_bound(c->offsets.begin(), c->offsets.end(), t - c->first);
+    if (o != c->offsets.end() && *o == t - c->first) {
+      return {static_cast<uint32_t>(c - s.chunks.begin()),
+              static_cast<uint32_t>(o - c->offsets.begin())};
+    }
+    CHECK(c != s.chunks.begin());
+  }
+}
+
+bool Session::Seals(uint32_t rows, const int32_t* id) const {
+  if (rows >= chunk_capacity()) return true;
+  if (policy_.chunking() != v1::CHUNKING_BOUNDARY) return false;
+  const uint32_t ct = policy_.chunk_tokens();
+  if (id == nullptr) return rows >= ct;  // no ids with this append: contiguous cuts
+  const auto& delim = policy_.delimiter_token_ids();
+  return rows >= std::max(1u, ct / 2) && std::find(delim.begin(), delim.end(), *id) != delim.end();
 }
 
 absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
@@ -205,7 +235,6 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
-  const uint32_t ct = policy_.chunk_tokens();
   const uint32_t layer = req.layer();
   const uint64_t stored = layer_tokens_[layer];
   const uint64_t start = req.start_token();
@@ -213,22 +242,51 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
     return absl::OutOfRangeError(absl::StrFormat(
         "start_token: %d leaves a gap; layer %d holds tokens [0, %d)", start, layer, stored));
   }
-  if (start + n > static_cast<uint64_t>(kMaxChunksPerStream) * ct) {
-    return Invalid("start_token", "the stream would exceed 2^28 chunks");
-  }
   const uint64_t overlap = std::min(stored, start + n) - start;
   RETURN_IF_ERROR(CompareStored(layer, start, overlap, req));
   const uint64_t add = n - overlap;
   if (add == 0) return MinTokens();
 
+  // How the new tokens fall into chunks, the same for every KV head: the first segment grows
+  // the stream's last chunk when that one is open, each other segment is a new chunk.
+  struct Segment {
+    uint32_t rows = 0;
+    bool sealed = false;
+  };
+  const Stream& head0 = stream(layer, 0);
+  const bool grow = !head0.chunks.empty() && !head0.chunks.back().sealed;
+  const uint32_t partial_rows = grow ? head0.chunks.back().num_tokens : 0;
+  std::vector<Segment> segments;
+  {
+    const int32_t* ids = req.token_ids_size() != 0 ? req.token_ids().data() : nullptr;
+    uint32_t rows = partial_rows;
+    bool open = grow;
+    if (grow) segments.emplace_back();
+    for (uint64_t i = overlap; i < n; ++i) {
+      if (!open) {
+        segments.emplace_back();
+        rows = 0;
+        open = true;
+      }
+      ++rows;
+      ++segments.back().rows;
+      if (Seals(rows, ids ? ids + i : nullptr)) {
+        segments.back().sealed = true;
+        open = false;
+      }
+    }
+  }
+  const uint64_t fresh_per_head = segments.size() - (grow ? 1 : 0);
+  if (head0.chunks.size() + fresh_per_head > kMaxChunksPerStream) {
+    return Invalid("start_token", "the stream would exceed 2^28 chunks");
+  }
+
   // Allocate every slot first, so a full tier leaves the session exactly as it was.
-  const uint32_t partial_rows = static_cast<uint32_t>(stored % ct);
-  const uint64_t fresh_per_head = (partial_rows + add + ct - 1) / ct - (partial_rows ? 1 : 0);
   std::vector<SlotRef> fresh;
   std::vector<bool> cow(kvh, false);
   for (uint32_t h = 0; h < kvh; ++h) {
     // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
-    cow[h] = partial_rows != 0 && stream(layer, h).chunks.back().host.use_count() > 1;
+    cow[h] = grow && stream(layer, h).chunks.back().host.use_count() > 1;
   }
   const uint64_t slots_needed = kvh * fresh_per_head + std::count(cow.begin(), cow.end(), true);
   fresh.reserve(slots_needed);
@@ -243,11 +301,26 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
     const uint8_t* k_in = reinterpret_cast<const uint8_t*>(req.keys().data()) + (h * n + overlap) * rb;
     const uint8_t* v_in =
         reinterpret_cast<const uint8_t*>(req.values().data()) + (h * n + overlap) * rb;
-    uint64_t left = add;
-    if (partial_rows != 0) {
+    uint64_t position = stored;
+    for (size_t seg = 0; seg < segments.size(); ++seg) {
+      const uint32_t k = segments[seg].rows;
+      if (seg > 0 || !grow) {
+        Chunk c;
+        c.host = std::move(fresh[next_fresh++]);
+        std::memcpy(c.host->data(), k_in, k * rb);
+        std::memcpy(c.host->data() + k * rb, v_in, k * rb);
+        c.num_tokens = k;
+        c.first = position;
+        c.sealed = segments[seg].sealed;
+        s.chunks.push_back(std::move(c));
+        AddToSums(s, s.chunks.size() - 1, k_in, k);
+        k_in += k * rb;
+        v_in += k * rb;
+        position += k;
+        continue;
+      }
       Chunk& c = s.chunks.back();
       const uint32_t m = c.num_tokens;
-      const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(ct - m, left));
       const uint32_t grown = m + k;
       if (cow[h]) {
         SlotRef copy = std::move(fresh[next_fresh++]);
@@ -263,26 +336,15 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
       std::memcpy(c.host->data() + (grown + m) * rb, v_in, k * rb);
       AddToSums(s, s.chunks.size() - 1, k_in, k);
       c.num_tokens = grown;
+      c.sealed = segments[seg].sealed;
       c.device.reset();  // the promoted copy is stale
       k_in += k * rb;
       v_in += k * rb;
-      left -= k;
-    }
-    while (left > 0) {
-      const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(ct, left));
-      Chunk c;
-      c.host = std::move(fresh[next_fresh++]);
-      std::memcpy(c.host->data(), k_in, k * rb);
-      std::memcpy(c.host->data() + k * rb, v_in, k * rb);
-      c.num_tokens = k;
-      s.chunks.push_back(std::move(c));
-      AddToSums(s, s.chunks.size() - 1, k_in, k);
-      k_in += k * rb;
-      v_in += k * rb;
-      left -= k;
+      position += k;
     }
   }
   layer_tokens_[layer] = start + n;
+  RegroupSpans(layer);
   QuantizeCold(layer);
   IndexAgedOut(layer);
   return MinTokens();
@@ -317,35 +379,36 @@ const uint16_t* Session::Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch
 void Session::QuantizeCold(uint32_t layer) {
   const uint32_t bits = cold_bits();
   if (bits == 0) return;
-  const uint32_t ct = policy_.chunk_tokens();
-  const uint32_t limit = AgedOutChunks(layer);
+  const uint32_t limit = FinalChunks(layer);
   if (cold_upto_[layer] >= limit) return;  // most appends (a decode step) quantize nothing
-  const QuantLayout layout = cold_layout();
   const uint32_t d = shape_.head_dim();
   const v1::Precision precision = bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
-  std::vector<uint16_t> rows(2ull * ct * d);
+  std::vector<uint16_t> rows;
   uint32_t c = cold_upto_[layer];
   for (; c < limit; ++c) {
-    if (uint64_t{c} * ct < policy_.sink_tokens()) continue;  // sinks stay fp16
     for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
       Stream& s = stream(layer, h);
       Chunk& chunk = s.chunks[c];
+      if (chunk.first < policy_.sink_tokens()) break;  // sinks stay fp16
       if (chunk.cold()) continue;
+      const uint32_t n = chunk.num_tokens;
+      const QuantLayout layout{d, n, bits};
       auto slot = env_.host->Allocate(tenant_, layout.Bytes());
       if (!slot.ok()) {
         cold_upto_[layer] = c;  // retried on the next append
         return;
       }
       const auto* k = reinterpret_cast<const uint16_t*>(chunk.host->data());
-      QuantizeChunk(k, k + uint64_t{ct} * d, layout, (*slot)->data());
+      QuantizeChunk(k, k + uint64_t{n} * d, layout, (*slot)->data());
       chunk.host = *std::move(slot);  // the fp16 slot goes back (unless a lease or fork holds it)
       chunk.precision = precision;
       chunk.device.reset();
       // The chunk's mean describes what attention will now read: the dequantized keys.
-      DequantizeChunk(chunk.host->data(), layout, rows.data(), rows.data() + uint64_t{ct} * d);
+      rows.resize(2ull * n * d);
+      DequantizeChunk(chunk.host->data(), layout, rows.data(), rows.data() + uint64_t{n} * d);
       std::fill_n(&s.key_sums[uint64_t{c} * d], d, 0.f);
-      AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()), ct);
-      UpdatePeak(s, c, reinterpret_cast<const uint8_t*>(rows.data()), ct);
+      AddToSums(s, c, reinterpret_cast<const uint8_t*>(rows.data()), n);
+      UpdatePeak(s, c, reinterpret_cast<const uint8_t*>(rows.data()), n);
     }
   }
   cold_upto_[layer] = c;
@@ -354,15 +417,91 @@ void Session::QuantizeCold(uint32_t layer) {
 uint32_t Session::AgedOutChunks(uint32_t layer) const {
   const uint64_t total = layer_tokens_[layer];
   const uint64_t window = policy_.recent_window();
-  return total > window ? static_cast<uint32_t>((total - window) / policy_.chunk_tokens()) : 0;
+  if (total <= window) return 0;
+  const uint64_t window_start = total - window;
+  // Every chunk before the last one that starts by window_start ends by it; that one too
+  // when its last row does (it is then sealed: a later chunk holds the window).
+  const std::vector<Chunk>& chunks = stream(layer, 0).chunks;
+  auto it = std::upper_bound(chunks.begin(), chunks.end(), window_start,
+                             [](uint64_t t, const Chunk& c) { return t < c.first; });
+  if (it == chunks.begin()) return 0;
+  const auto n = static_cast<uint32_t>(it - chunks.begin());
+  return (it - 1)->end() <= window_start ? n : n - 1;
+}
+
+uint32_t Session::FinalChunks(uint32_t layer) const {
+  const uint32_t aged = AgedOutChunks(layer);
+  return policy_.chunking() == v1::CHUNKING_SEMANTIC ? std::min(aged, regrouped_upto_[layer])
+                                                    : aged;
+}
+
+void Session::RegroupSpans(uint32_t layer) {
+  if (policy_.chunking() != v1::CHUNKING_SEMANTIC) return;
+  const uint32_t kvh = shape_.num_kv_heads();
+  const uint32_t d = shape_.head_dim();
+  const uint32_t ct = policy_.chunk_tokens();
+  const uint32_t aged = AgedOutChunks(layer);
+  const std::vector<Chunk>& head0 = stream(layer, 0).chunks;
+  uint32_t r = regrouped_upto_[layer];
+  while (r < aged && head0[r].first < policy_.sink_tokens()) ++r;  // sinks stay as they are
+  regrouped_upto_[layer] = r;
+  const uint32_t span_rows = kSemanticSpanChunks * ct;
+  std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
+  std::vector<float> key_floats(keys.size());
+  for (; r + kSemanticSpanChunks <= aged; r += kSemanticSpanChunks) {
+    std::vector<SlotRef> slots;
+    for (uint32_t i = 0; i < kvh * kSemanticSpanChunks; ++i) {
+      auto slot = env_.host->Allocate(tenant_, slot_bytes());
+      if (!slot.ok()) return;  // retried on the next append; the span stays contiguous
+      slots.push_back(*std::move(slot));
+    }
+    const uint64_t base = head0[r].first;
+    for (uint32_t h = 0; h < kvh; ++h) {
+      Stream& s = stream(layer, h);
+      // The span's rows in position order (its chunks are contiguous and full).
+      for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
+        const Chunk& c = s.chunks[r + i];
+        CHECK(c.offsets.empty() && c.num_tokens == ct && c.first == base + i * ct);
+        const uint16_t* rows = Fp16Rows(c, scratch);
+        std::copy_n(rows, size_t{ct} * d, keys.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+        std::copy_n(rows + size_t{ct} * d, size_t{ct} * d,
+                    values.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+      }
+      std::fill(key_floats.begin(), key_floats.end(), 0.f);
+      for (uint32_t row = 0; row < span_rows; ++row) {
+        AddRows(half_kind(), keys.data() + size_t{row} * d, 1, static_cast<int>(d),
+                key_floats.data() + size_t{row} * d);
+      }
+      const auto groups = BalancedGroups(key_floats.data(), span_rows, static_cast<int>(d), ct);
+      for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
+        Chunk c;
+        c.host = std::move(slots[h * kSemanticSpanChunks + g]);
+        c.num_tokens = ct;
+        c.first = base;
+        c.sealed = true;
+        uint8_t* dst = c.host->data();
+        for (uint32_t j = 0; j < ct; ++j) {
+          const uint32_t row = groups[g][j];
+          c.offsets.push_back(static_cast<uint16_t>(row));
+          std::memcpy(dst + size_t{j} * row_bytes(), keys.data() + size_t{row} * d, row_bytes());
+          std::memcpy(dst + size_t{ct + j} * row_bytes(), values.data() + size_t{row} * d,
+                      row_bytes());
+        }
+        s.chunks[r + g] = std::move(c);  // the old slot goes back (unless a lease holds it)
+        std::fill_n(&s.key_sums[uint64_t{r + g} * d], d, 0.f);
+        AddToSums(s, r + g, dst, ct);
+        UpdatePeak(s, r + g, dst, ct);
+      }
+    }
+    regrouped_upto_[layer] = r + kSemanticSpanChunks;
+  }
 }
 
 void Session::IndexAgedOut(uint32_t layer) {
-  const uint32_t ct = policy_.chunk_tokens();
   uint32_t limit = AgedOutChunks(layer);
   // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
   // computed here, once, rather than on every append to a growing chunk. A cold chunk got
-  // its peak from its dequantized rows when it was quantized.
+  // its peak from its dequantized rows when it was quantized, a regrouped one when regrouped.
   std::vector<uint16_t> scratch;
   for (uint32_t c = peaked_upto_[layer]; c < limit; ++c) {
     for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
@@ -373,13 +512,15 @@ void Session::IndexAgedOut(uint32_t layer) {
     }
   }
   peaked_upto_[layer] = std::max(peaked_upto_[layer], limit);
-  // A chunk that should be cold but is not yet (the host tier was full) waits: its statistics
-  // change when it is quantized, and the index keeps them fixed.
+  // The index keeps a chunk's statistics fixed, so it takes a chunk only once they are final:
+  // regrouped (semantic chunking) and quantized (a chunk that should be cold but is not yet,
+  // because the host tier was full, waits).
+  limit = FinalChunks(layer);
   if (cold_bits() != 0) limit = std::min(limit, cold_upto_[layer]);
   for (uint32_t c = indexed_upto_[layer]; c < limit; ++c) {
-    if (uint64_t{c} * ct < policy_.sink_tokens()) continue;  // sinks are always returned
     for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
       Stream& s = stream(layer, h);
+      if (s.chunks[c].first < policy_.sink_tokens()) break;  // sinks are always returned
       if (!s.index) s.index = std::make_unique<ClusterIndex>(static_cast<int>(shape_.head_dim()));
       s.index->Add(c, s.chunks[c].num_tokens, s.arrays());
     }
@@ -388,8 +529,7 @@ void Session::IndexAgedOut(uint32_t layer) {
 }
 
 void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
-                         uint64_t chunk_id, int64_t first_position, bool include_data,
-                         v1::BlockHandle* h) const {
+                         uint64_t chunk_id, bool include_data, v1::BlockHandle* h) const {
   const uint64_t half = c.num_tokens * row_bytes();
   const ChunkAddress a = DecodeChunkId(chunk_id);
   h->set_chunk_id(chunk_id);
@@ -403,7 +543,7 @@ void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
   h->set_generation((slot ? slot : c.host.get())->generation());
   h->set_layer(a.layer);
   h->set_kv_head(a.kv_head);
-  for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(first_position + r);
+  for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(static_cast<int64_t>(c.position(r)));
   if (include_data) {
     h->set_keys(fp16, half);
     h->set_values(fp16 + half, half);
@@ -419,7 +559,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
                                               uint32_t group, const std::vector<bool>& mandatory,
                                               uint64_t budget, uint32_t layer) {
   const int d = static_cast<int>(shape_.head_dim());
-  const uint32_t ct = policy_.chunk_tokens();
+  const uint32_t ct = policy_.chunk_tokens();  // semantic chunks have it too; boundary vary
   auto candidate = [&s, d](uint32_t c) {
     const uint32_t n = s.chunks[c].num_tokens;
     return ChunkCandidate{c, n, &s.key_sums[static_cast<size_t>(c) * d],
@@ -505,38 +645,37 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
   const uint64_t total = layer_tokens_[layer];
-  const uint32_t ct = policy_.chunk_tokens();
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
-  const uint32_t nchunks = static_cast<uint32_t>((total + ct - 1) / ct);
   const bool everything = layer < policy_.dense_layers() || total <= budget;
+  const uint64_t sink_end = std::min<uint64_t>(policy_.sink_tokens(), total);
+  const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
 
-  // Chunks always returned: those overlapping the sinks or the recent window.
-  std::vector<bool> mandatory(nchunks, everything);
-  uint64_t mandatory_tokens = 0;
-  if (!everything) {
-    const uint64_t sink_end = std::min<uint64_t>(policy_.sink_tokens(), total);
-    const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
-    for (uint32_t c = 0; c < nchunks; ++c) {
-      const uint64_t lo = static_cast<uint64_t>(c) * ct;
-      const uint64_t hi = std::min<uint64_t>(lo + ct, total);
-      if (lo < sink_end || hi > window_start) {
-        mandatory[c] = true;
-        mandatory_tokens += hi - lo;
-      }
-    }
-    if (mandatory_tokens > budget) {
-      return Invalid("budget_tokens",
-                     absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
-                                     "chunks (sink_tokens %d, recent_window %d, chunk_tokens %d)",
-                                     budget, mandatory_tokens, policy_.sink_tokens(),
-                                     policy_.recent_window(), ct));
-    }
-  }
-
-  // Per head: which chunks, in position order.
+  // Per head: which chunks, in position order. Always returned: every chunk with a row among
+  // the sinks or in the recent window (a regrouped chunk counts by its first and last rows).
   std::vector<std::vector<uint32_t>> chosen(kvh);
   for (uint32_t h = 0; h < kvh; ++h) {
     Stream& s = stream(layer, h);
+    const auto nchunks = static_cast<uint32_t>(s.chunks.size());
+    std::vector<bool> mandatory(nchunks, everything);
+    uint64_t mandatory_tokens = 0;
+    if (!everything) {
+      for (uint32_t c = 0; c < nchunks; ++c) {
+        const Chunk& ch = s.chunks[c];
+        if (ch.position(0) < sink_end || ch.end() > window_start) {
+          mandatory[c] = true;
+          mandatory_tokens += ch.num_tokens;
+        }
+      }
+      if (mandatory_tokens > budget) {
+        return Invalid("budget_tokens",
+                       absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
+                                       "chunks (sink_tokens %d, recent_window %d, chunk_tokens "
+                                       "%d, %s)",
+                                       budget, mandatory_tokens, policy_.sink_tokens(),
+                                       policy_.recent_window(), policy_.chunk_tokens(),
+                                       v1::Chunking_Name(policy_.chunking())));
+      }
+    }
     std::vector<bool> take = mandatory;
     if (!everything) {
       std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
@@ -587,7 +726,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       const Chunk& chunk = s.chunks[c];
       const SlotRef& slot = to_device ? chunk.device : (chunk.cold() ? chunk.promoted : chunk.host);
       FillHandle(chunk, slot.get(), slot->data(), EncodeChunkId({layer, h, c}),
-                 static_cast<int64_t>(c) * ct, req.include_data(), hs->add_blocks());
+                 req.include_data(), hs->add_blocks());
       pinned.push_back(slot);
     }
     if (req.include_summaries() && !everything) {
@@ -601,7 +740,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       std::map<uint32_t, size_t> group_of_cluster;
       std::vector<uint16_t> scratch;
       size_t next = 0;
-      for (uint32_t c = 0; c < nchunks; ++c) {
+      for (uint32_t c = 0; c < s.chunks.size(); ++c) {
         if (next < chosen[h].size() && chosen[h][next] == c) {
           ++next;
           continue;
@@ -669,7 +808,6 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
   last_access_ms_ = env_.clock->NowMs();
   std::vector<v1::BlockHandle> out;
   out.reserve(ids.size());
-  const uint32_t ct = policy_.chunk_tokens();
   for (uint64_t id : ids) {
     ChunkAddress a = DecodeChunkId(id);
     if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
@@ -680,13 +818,12 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
           a.kv_head, a.index, id_));
     }
     const Chunk& c = stream(a.layer, a.kv_head).chunks[a.index];
-    const int64_t first = static_cast<int64_t>(a.index) * ct;
     // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
     const Slot* readable = (c.cold() ? c.promoted : c.host).get();
     std::vector<uint16_t> scratch;
     const uint8_t* fp16 =
         readable ? readable->data() : reinterpret_cast<const uint8_t*>(Fp16Rows(c, scratch));
-    FillHandle(c, readable, fp16, id, first, /*include_data=*/true, &out.emplace_back());
+    FillHandle(c, readable, fp16, id, /*include_data=*/true, &out.emplace_back());
   }
   return out;
 }
@@ -701,45 +838,83 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     return Invalid("num_tokens", absl::StrFormat("%d is above the %d tokens stored in every layer",
                                                  num_tokens, have));
   }
-  const uint32_t ct = policy_.chunk_tokens();
+  const uint32_t kvh = shape_.num_kv_heads();
   const uint64_t rb = row_bytes();
-  const uint32_t keep_full = static_cast<uint32_t>(num_tokens / ct);
-  const uint32_t tail = static_cast<uint32_t>(num_tokens % ct);
-  // A chunk wholly below num_tokens is shared; the one that straddles it is copied.
-  std::vector<SlotRef> copies;
-  if (tail != 0) {
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, slot_bytes()));
-      copies.push_back(std::move(s));
+  const size_t d = shape_.head_dim();
+  // Per layer, the chunks wholly below num_tokens are shared (a regrouped span only whole);
+  // the rows from `from` up to num_tokens are copied, in position order, into fresh chunks
+  // of at most `piece` rows. Chunk boundaries are the same for every KV head of a layer.
+  const uint32_t piece = policy_.chunking() == v1::CHUNKING_BOUNDARY ? chunk_capacity()
+                                                                     : policy_.chunk_tokens();
+  std::vector<uint32_t> keep(shape_.num_layers(), 0);
+  std::vector<uint64_t> from(shape_.num_layers(), 0);
+  uint64_t slots_needed = 0;
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    const std::vector<Chunk>& chunks = stream(l, 0).chunks;
+    uint32_t k = 0;
+    while (k < chunks.size()) {
+      uint32_t span_end = k + 1;  // a regrouped span goes whole or not at all
+      while (span_end < chunks.size() && !chunks[k].offsets.empty() &&
+             chunks[span_end].first == chunks[k].first) {
+        ++span_end;
+      }
+      bool below = true;
+      for (uint32_t c = k; c < span_end; ++c) below = below && chunks[c].end() <= num_tokens;
+      if (!below) break;
+      k = span_end;
     }
+    keep[l] = k;
+    from[l] = k < chunks.size() ? chunks[k].first : num_tokens;
+    slots_needed += kvh * ((num_tokens - from[l] + piece - 1) / piece);
   }
+  std::vector<SlotRef> copies;
+  for (uint64_t i = 0; i < slots_needed; ++i) {
+    ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, slot_bytes()));
+    copies.push_back(std::move(s));
+  }
+  size_t next_copy = 0;
   MutexLock child_lock(&child->mu_);  // not yet visible to anyone else
-  for (size_t i = 0; i < streams_.size(); ++i) {
-    const Stream& from = streams_[i];
-    Stream& to = child->streams_[i];
-    const size_t d = shape_.head_dim();
-    to.chunks.assign(from.chunks.begin(), from.chunks.begin() + keep_full);
-    to.key_sums.assign(from.key_sums.begin(), from.key_sums.begin() + keep_full * d);
-    // Peaks exist for the chunks that aged out in the parent; the child computes the rest.
-    to.peaks.assign(from.peaks.begin(),
-                    from.peaks.begin() + std::min(from.peaks.size(), size_t{keep_full} * d));
-    if (tail != 0) {
-      const Chunk& src = from.chunks[keep_full];
-      std::vector<uint16_t> scratch;
-      const auto* rows = reinterpret_cast<const uint8_t*>(Fp16Rows(src, scratch));
-      Chunk c;
-      c.host = std::move(copies[i]);
-      std::memcpy(c.host->data(), rows, tail * rb);
-      std::memcpy(c.host->data() + tail * rb, rows + src.num_tokens * rb, tail * rb);
-      c.num_tokens = tail;
-      to.chunks.push_back(std::move(c));
-      AddToSums(to, keep_full, to.chunks.back().host->data(), tail);
+  std::vector<uint16_t> scratch;
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    for (uint32_t h = 0; h < kvh; ++h) {
+      const Stream& src = stream(l, h);
+      Stream& to = child->stream(l, h);
+      const uint32_t k = keep[l];
+      to.chunks.assign(src.chunks.begin(), src.chunks.begin() + k);
+      to.key_sums.assign(src.key_sums.begin(), src.key_sums.begin() + k * d);
+      // Peaks exist for the chunks that aged out in the parent; the child computes the rest.
+      to.peaks.assign(src.peaks.begin(),
+                      src.peaks.begin() + std::min(src.peaks.size(), size_t{k} * d));
+      for (uint64_t p = from[l]; p < num_tokens;) {
+        const auto rows = static_cast<uint32_t>(std::min<uint64_t>(piece, num_tokens - p));
+        Chunk c;
+        c.host = std::move(copies[next_copy++]);
+        c.first = p;
+        c.num_tokens = rows;
+        c.sealed = rows == policy_.chunk_tokens() &&
+                   policy_.chunking() != v1::CHUNKING_BOUNDARY;  // a boundary copy stays open
+        uint32_t read = ~0u;  // the chunk whose fp16 rows `fp16` holds
+        const uint8_t* fp16 = nullptr;
+        for (uint32_t r = 0; r < rows; ++r, ++p) {
+          const auto [index, row] = Locate(src, p);
+          const Chunk& at = src.chunks[index];
+          if (index != read) {
+            fp16 = reinterpret_cast<const uint8_t*>(Fp16Rows(at, scratch));
+            read = index;
+          }
+          std::memcpy(c.host->data() + r * rb, fp16 + row * rb, rb);
+          std::memcpy(c.host->data() + (rows + r) * rb, fp16 + (at.num_tokens + row) * rb, rb);
+        }
+        to.chunks.push_back(std::move(c));
+        AddToSums(to, to.chunks.size() - 1, to.chunks.back().host->data(), rows);
+      }
     }
   }
   std::fill(child->layer_tokens_.begin(), child->layer_tokens_.end(), num_tokens);
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
-    child->cold_upto_[l] = std::min(cold_upto_[l], keep_full);
-    child->peaked_upto_[l] = std::min(peaked_upto_[l], keep_full);
+    child->cold_upto_[l] = std::min(cold_upto_[l], keep[l]);
+    child->peaked_upto_[l] = std::min(peaked_upto_[l], keep[l]);
+    child->regrouped_upto_[l] = std::min(regrouped_upto_[l], keep[l]);
     child->IndexAgedOut(l);  // the child's own index, over the chunks it shares
   }
   return child;
@@ -782,6 +957,11 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
     return absl::FailedPreconditionError(absl::StrFormat(
         "policy.chunk_tokens: cannot change from %d to %d once tokens are stored",
         policy_.chunk_tokens(), next.chunk_tokens()));
+  }
+  if (stored && next.chunking() != policy_.chunking()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy.chunking: cannot change from ", v1::Chunking_Name(policy_.chunking()), " to ",
+        v1::Chunking_Name(next.chunking()), " once tokens are stored"));
   }
   policy_ = next;
   // A smaller window or fewer sinks age chunks out now; the index takes them in.
@@ -832,7 +1012,6 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
   v1::ListChunksResponse out;
   if (closed_) return out;
   const uint32_t kvh = shape_.num_kv_heads();
-  const uint32_t ct = policy_.chunk_tokens();
   uint64_t total = 0;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     if (layer.has_value() && *layer != l) continue;
@@ -847,7 +1026,7 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
         info->set_kv_head(h);
         info->set_index(i);
         info->set_num_tokens(c.num_tokens);
-        info->set_first_position(static_cast<int64_t>(i) * ct);
+        info->set_first_position(static_cast<int64_t>(c.position(0)));
         info->set_precision(c.cold() ? c.precision
                             : shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16
                                                                : v1::PRECISION_FP16);

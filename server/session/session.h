@@ -1,5 +1,15 @@
-// One sequence's KV cache: per (layer, KV head) stream, a list of chunks of up to
-// `chunk_tokens` tokens, each chunk's K and V in one slot of the host tier.
+// One sequence's KV cache: per (layer, KV head) stream, a list of chunks, each chunk's K and
+// V in one slot of the host tier. How tokens become chunks is the policy's `chunking`:
+//   CHUNKING_CONTIGUOUS  chunk_tokens consecutive tokens;
+//   CHUNKING_BOUNDARY    consecutive tokens, a chunk ending after a delimiter token id once it
+//                        holds chunk_tokens / 2, and at 2 * chunk_tokens in any case (the
+//                        same cuts for every KV head of a layer);
+//   CHUNKING_SEMANTIC    contiguous chunks while in the recent window; once a span of
+//                        kSemanticSpanChunks of them has left it, each KV head's rows of the
+//                        span are regrouped by balanced k-means into as many chunks of nearby
+//                        keys, each row keeping its position (Chunk::offsets).
+// Chunks of a stream are ordered by `first`, their first position (a regrouped span's chunks
+// share the span's first position).
 //
 // Slot layout (what a BlockHandle points at), for a chunk of n tokens, head_dim d, and the
 // session's 2-byte dtype:
@@ -48,6 +58,9 @@ struct SessionEnv {
   uint32_t lease_ttl_ms = 30'000;
   uint32_t max_lease_ms = 600'000;
 };
+
+// Semantic chunking regroups spans of this many aged-out chunks.
+inline constexpr uint32_t kSemanticSpanChunks = 8;
 
 // chunk_id = layer << 40 | kv_head << 28 | index: ReadChunks decodes it without a map.
 struct ChunkAddress {
@@ -111,6 +124,10 @@ class Session {
  private:
   struct Chunk {
     uint32_t num_tokens = 0;
+    uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk
+    // A regrouped chunk's row positions, first + offsets[r], ascending; empty: contiguous
+    std::vector<uint16_t> offsets;
+    bool sealed = false;  // takes no more rows
     // How `host` holds the chunk: fp16/bf16 (the ChunkLayout) or int4/int8 (QuantLayout).
     v1::Precision precision = v1::PRECISION_FP16;
     SlotRef host;      // the stored bytes
@@ -119,6 +136,8 @@ class Session {
     bool cold() const {
       return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8;
     }
+    uint64_t position(uint32_t r) const { return first + (offsets.empty() ? r : offsets[r]); }
+    uint64_t end() const { return position(num_tokens - 1) + 1; }  // past the last row
   };
   // One (layer, KV head). The key sums sit in one contiguous array so a Select scans them
   // linearly. (Value means, for summaries only, are computed when asked for.)
@@ -139,10 +158,26 @@ class Session {
   Stream& stream(uint32_t layer, uint32_t head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return streams_[static_cast<size_t>(layer) * shape_.num_kv_heads() + head];
   }
-  uint64_t row_bytes() const { return static_cast<uint64_t>(shape_.head_dim()) * 2; }
-  uint64_t slot_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return row_bytes() * policy_.chunk_tokens() * 2;
+  const Stream& stream(uint32_t layer, uint32_t head) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return streams_[static_cast<size_t>(layer) * shape_.num_kv_heads() + head];
   }
+  uint64_t row_bytes() const { return static_cast<uint64_t>(shape_.head_dim()) * 2; }
+  // The most rows a chunk may hold: 2 * chunk_tokens for boundary chunking, else chunk_tokens.
+  uint32_t chunk_capacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return policy_.chunk_tokens() * (policy_.chunking() == v1::CHUNKING_BOUNDARY ? 2 : 1);
+  }
+  uint64_t slot_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return row_bytes() * chunk_capacity() * 2;
+  }
+  // Whether a chunk of `rows` rows whose last token has id `*id` (null: none given) ends.
+  bool Seals(uint32_t rows, const int32_t* id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunk and row of stream `s` that hold position `t` (stored).
+  std::pair<uint32_t, uint32_t> Locate(const Stream& s, uint64_t t) const;
+  // The chunks [0, n) of `layer` whose rows are final: aged out, and regrouped when semantic.
+  uint32_t FinalChunks(uint32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Semantic chunking: regroups every whole span of aged-out chunks not yet regrouped. A span
+  // whose slots cannot be had waits for the next append.
+  void RegroupSpans(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The best candidates (not `mandatory`) of one stream within `budget` tokens, as
   // SelectChunks ranks them, through the stream's cluster index; counts the work per layer.
@@ -150,7 +185,7 @@ class Session {
                                        uint32_t group, const std::vector<bool>& mandatory,
                                        uint64_t budget, uint32_t layer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The chunks [0, n) of `layer` that lie wholly before the recent window.
+  // The chunks [0, n) of `layer` that lie wholly before the recent window (and are sealed).
   uint32_t AgedOutChunks(uint32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds to each head's cluster index the chunks of `layer` that left the recent window and
   // whose statistics are final (quantized when the policy quantizes).
@@ -164,9 +199,6 @@ class Session {
   void AddToSums(Stream& s, size_t index, const uint8_t* k_rows, uint32_t rows) const;
   // Bits of cold chunks under the current policy: 4, 8, or 0 (keep fp16).
   uint32_t cold_bits() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  QuantLayout cold_layout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return QuantLayout{shape_.head_dim(), policy_.chunk_tokens(), cold_bits()};
-  }
   // Quantizes the chunks of `layer` that have wholly left the recent window (sinks stay
   // fp16). A chunk whose slot cannot be had stays fp16 and is retried on the next append.
   void QuantizeCold(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -191,7 +223,7 @@ class Session {
   // A handle for chunk `c` read at `slot` (null: inline only, segment_id 0), with `fp16`
   // (its K then V rows) inline when `include_data`.
   void FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16, uint64_t chunk_id,
-                  int64_t first_position, bool include_data, v1::BlockHandle* h) const;
+                  bool include_data, v1::BlockHandle* h) const;
 
   const std::string id_;
   const std::string tenant_;
@@ -208,6 +240,7 @@ class Session {
   std::vector<uint32_t> cold_upto_ ABSL_GUARDED_BY(mu_);     // [num_layers]: chunks examined
   std::vector<uint32_t> indexed_upto_ ABSL_GUARDED_BY(mu_);  // [num_layers]: chunks examined
   std::vector<uint32_t> peaked_upto_ ABSL_GUARDED_BY(mu_);   // [num_layers]: chunks with peaks
+  std::vector<uint32_t> regrouped_upto_ ABSL_GUARDED_BY(mu_);  // [num_layers]: semantic spans
   // [num_layers]: Select's candidate chunks and how many of them were scored, cumulative
   std::vector<uint64_t> select_candidates_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> select_scored_ ABSL_GUARDED_BY(mu_);
