@@ -1,4 +1,5 @@
 #include "server/index/chunk_ranker.h"
+#include "server/index/semantic_chunker.h"
 
 #include <algorithm>
 #include <cmath>
@@ -146,6 +147,47 @@ TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
                                              {1, n, sb.data(), 1.f / n, pb.data()}};
   EXPECT_EQ(SelectChunks(v1::RANKING_MEAN, q, 1, d, cands, 16), (std::vector<uint32_t>{1}));
   EXPECT_EQ(SelectChunks(v1::RANKING_LSE_PEAK, q, 1, d, cands, 16), (std::vector<uint32_t>{0}));
+}
+
+
+// Semantic chunking's grouping: a partition into equal groups, deterministic, that finds
+// planted clusters however their rows are interleaved.
+TEST(BalancedGroups, PartitionsIntoEqualGroupsAndRecoversPlantedClusters) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0, 1);
+  for (auto [rows, size, d] : {std::tuple{128u, 16u, 64}, std::tuple{96u, 32u, 8},
+                               std::tuple{7u, 7u, 4}, std::tuple{64u, 1u, 3}}) {
+    std::vector<float> x(size_t(rows) * d);
+    for (auto& v : x) v = n(rng);
+    const auto groups = BalancedGroups(x.data(), rows, d, size);
+    ASSERT_EQ(groups.size(), rows / size);
+    std::vector<int> seen(rows, 0);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ASSERT_EQ(groups[g].size(), size);
+      EXPECT_TRUE(std::is_sorted(groups[g].begin(), groups[g].end()));
+      if (g > 0) EXPECT_LT(groups[g - 1].front(), groups[g].front());
+      for (uint32_t r : groups[g]) ++seen[r];
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), int(rows));
+    EXPECT_EQ(groups, BalancedGroups(x.data(), rows, d, size)) << "deterministic";
+  }
+  // 8 planted clusters of 16 rows, rows dealt out in a scrambled order.
+  const int d = 32;
+  std::vector<float> centers(8 * d), x(128 * d);
+  for (auto& c : centers) c = 2 * n(rng);
+  std::vector<int> cluster(128);
+  for (int r = 0; r < 128; ++r) cluster[r] = (r * 5 + r / 16) % 8;
+  for (int r = 0; r < 128; ++r) {
+    for (int j = 0; j < d; ++j) x[r * d + j] = centers[cluster[r] * d + j] + 0.3f * n(rng);
+  }
+  const auto groups = BalancedGroups(x.data(), 128, d, 16);
+  for (const auto& g : groups) {
+    for (uint32_t r : g) EXPECT_EQ(cluster[r], cluster[g.front()]);
+  }
+  std::vector<std::vector<uint32_t>> contiguous(8);
+  for (uint32_t r = 0; r < 128; ++r) contiguous[r / 16].push_back(r);
+  EXPECT_LT(WithinGroupSquares(x.data(), d, groups),
+            0.1 * WithinGroupSquares(x.data(), d, contiguous));
 }
 
 }  // namespace

@@ -174,37 +174,42 @@ v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget, uint32
   return r;
 }
 
-// Independent expectation of one head's chunks: mandatory (sink/window) chunks, then the
-// best scores (computed here in double from the original fp16 data) within the budget: the
-// mean score, or log((n-1) e^(q.mu/sqrt d) + e^(q.peak/sqrt d)) with the peak the key
-// farthest from the mean.
-std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tokens,
-                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64,
-                                  v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
-  const int ct = 16, nchunks = (tokens + ct - 1) / ct, group = f.qh / f.kvh;
+// Independent expectation of one head's chunks, for any chunking (`chunks`: each chunk's
+// positions, by chunk index): the chunks with a row among the sinks or in the window, then
+// the best scores (computed here in double from the original fp16 data) that fit in the
+// budget, greedily: the mean score, or log((n-1) e^(q.mu/sqrt d) + e^(q.peak/sqrt d)) with
+// the peak the key farthest from the mean.
+std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int head, int tokens,
+                                     const std::vector<std::vector<int64_t>>& chunks,
+                                     uint32_t budget, uint32_t seed, int sink = 16,
+                                     int window = 64,
+                                     v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
+  const int group = f.qh / f.kvh;
   std::vector<float> q;
   Query(f, seed, &q);
   std::set<uint32_t> out;
   uint64_t used = 0;
   std::vector<std::pair<double, uint32_t>> scored;
-  for (int c = 0; c < nchunks; ++c) {
-    const int lo = c * ct, hi = std::min(lo + ct, tokens);
+  for (uint32_t c = 0; c < chunks.size(); ++c) {
+    const std::vector<int64_t>& rows = chunks[c];
+    const int64_t lo = *std::min_element(rows.begin(), rows.end());
+    const int64_t hi = *std::max_element(rows.begin(), rows.end()) + 1;
     if (lo < sink || hi > tokens - window) {
       out.insert(c);
-      used += hi - lo;
+      used += rows.size();
       continue;
     }
-    auto key = [&](int t, int j) {
+    auto key = [&](int64_t t, int j) {
       return double(HalfToFloat(f.k[layer][(size_t(head) * f.total + t) * f.d + j]));
     };
     std::vector<double> mu(f.d, 0.0);
     for (int j = 0; j < f.d; ++j) {
-      for (int t = lo; t < hi; ++t) mu[j] += key(t, j);
-      mu[j] /= hi - lo;
+      for (int64_t t : rows) mu[j] += key(t, j);
+      mu[j] /= double(rows.size());
     }
-    int peak = lo;
+    int64_t peak = rows[0];
     double far = -1;
-    for (int t = lo; t < hi; ++t) {
+    for (int64_t t : rows) {
       double dist = 0;
       for (int j = 0; j < f.d; ++j) dist += (key(t, j) - mu[j]) * (key(t, j) - mu[j]);
       if (dist > far) far = dist, peak = t;
@@ -219,17 +224,30 @@ std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tok
       const double rd = std::sqrt(double(f.d));
       best = std::max(best, ranking == v1::RANKING_MEAN
                                 ? a
-                                : std::log((hi - lo - 1) * std::exp(a / rd) + std::exp(b / rd)));
+                                : std::log(double(rows.size() - 1) * std::exp(a / rd) +
+                                           std::exp(b / rd)));
     }
-    scored.push_back({-best, uint32_t(c)});
+    scored.push_back({-best, c});
   }
   std::sort(scored.begin(), scored.end());
   for (auto [neg, c] : scored) {
-    if (used + ct > budget) break;  // middle chunks are all full
-    used += ct;
+    if (used + chunks[c].size() > budget) continue;
+    used += chunks[c].size();
     out.insert(c);
   }
   return out;
+}
+
+// The same for contiguous 16-token chunks.
+std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tokens,
+                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64,
+                                  v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
+  std::vector<std::vector<int64_t>> chunks;
+  for (int lo = 0; lo < tokens; lo += 16) {
+    chunks.emplace_back();
+    for (int t = lo; t < std::min(lo + 16, tokens); ++t) chunks.back().push_back(t);
+  }
+  return ExpectedSelection(f, layer, head, tokens, chunks, budget, seed, sink, window, ranking);
 }
 
 TEST(Session, AppendThenReadBackIsExactAcrossChunkBoundaries) {
@@ -928,6 +946,316 @@ TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {
   EXPECT_EQ(child_rows[0].keys(), parent_rows[0].keys().substr(0, 8 * 64 * 2));
   EXPECT_EQ(child_rows[0].stored_precision(), v1::PRECISION_FP16);
   child->Close();
+}
+
+// ---- Boundary and semantic chunking ----
+
+v1::AppendKVRequest ReqIds(const Fixture& f, int layer, int start, int n,
+                           const std::vector<int32_t>& ids) {
+  v1::AppendKVRequest r = Req(f, layer, start, n);
+  for (int t = start; t < start + n; ++t) r.add_token_ids(ids[t]);
+  return r;
+}
+
+// Every chunk of one stream, read back through ListChunks' ids and ReadChunks.
+std::vector<v1::BlockHandle> StreamHandles(Fixture& f, int layer, int head) {
+  std::vector<uint64_t> ids;
+  const v1::ListChunksResponse listed = f.session->ListChunks(layer, 1u << 30);
+  for (const auto& c : listed.chunks()) {
+    if (int(c.kv_head()) == head) ids.push_back(c.chunk_id());
+  }
+  auto handles = f.session->ReadChunks(ids);
+  EXPECT_TRUE(handles.ok()) << handles.status();
+  return handles.ok() ? *handles : std::vector<v1::BlockHandle>{};
+}
+
+// Checks that a stream's chunks hold each position of [0, tokens) exactly once, every row
+// within `tolerance` of what was appended at its position (0: the same bytes), and returns
+// each chunk's positions.
+std::vector<std::vector<int64_t>> ExpectRowsAtTheirPositions(Fixture& f, int layer, int head,
+                                                             int tokens, float tolerance = 0) {
+  std::vector<std::vector<int64_t>> chunks;
+  std::vector<int> seen(tokens, 0);
+  for (const v1::BlockHandle& h : StreamHandles(f, layer, head)) {
+    chunks.emplace_back(h.positions().begin(), h.positions().end());
+    const auto* k = reinterpret_cast<const uint16_t*>(h.keys().data());
+    const auto* v = reinterpret_cast<const uint16_t*>(h.values().data());
+    for (int r = 0; r < int(h.num_tokens()); ++r) {
+      const int64_t t = h.positions(r);
+      if (t < 0 || t >= tokens) {
+        ADD_FAILURE() << "position " << t;
+        continue;
+      }
+      ++seen[t];
+      auto same = [&](uint16_t got, uint16_t want) {
+        return tolerance == 0 ? got == want
+                              : std::abs(HalfToFloat(got) - HalfToFloat(want)) <= tolerance;
+      };
+      for (int j = 0; j < f.d; ++j) {
+        const size_t at = (size_t(head) * f.total + t) * f.d + j;
+        if (!same(k[r * f.d + j], f.k[layer][at]) || !same(v[r * f.d + j], f.v[layer][at])) {
+          ADD_FAILURE() << "row " << r << " of chunk " << chunks.size() - 1 << " differs from "
+                        << "position " << t << " at channel " << j;
+          break;
+        }
+      }
+    }
+  }
+  for (int t = 0; t < tokens; ++t) EXPECT_EQ(seen[t], 1) << "position " << t;
+  return chunks;
+}
+
+constexpr int32_t kDelimiter = 7;
+
+v1::SessionPolicy BoundaryPolicy(bool lossless) {
+  v1::SessionPolicy p;
+  p.set_lossless(lossless);
+  p.set_chunking(v1::CHUNKING_BOUNDARY);
+  p.add_delimiter_token_ids(kDelimiter);
+  p.add_delimiter_token_ids(kDelimiter + 1);
+  return p;
+}
+
+// Token ids with a delimiter about one token in eight.
+std::vector<int32_t> TokenIds(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = rng() % 8 == 0 ? kDelimiter + int32_t(rng() % 2) : 20 + int32_t(rng() % 100);
+  return ids;
+}
+
+// The boundary rule, written out: a chunk ends after a delimiter once it holds 8 tokens, and
+// at 32 tokens in any case.
+std::vector<std::vector<int64_t>> BoundaryChunks(const std::vector<int32_t>& ids, int tokens) {
+  std::vector<std::vector<int64_t>> chunks;
+  bool open = false;
+  for (int t = 0; t < tokens; ++t) {
+    if (!open) chunks.emplace_back(), open = true;
+    chunks.back().push_back(t);
+    const size_t n = chunks.back().size();
+    if (n == 32 || (n >= 8 && (ids[t] == kDelimiter || ids[t] == kDelimiter + 1))) open = false;
+  }
+  return chunks;
+}
+
+TEST(Chunking, BoundaryCutsAfterDelimitersHoweverTheTokensArrive) {
+  const int tokens = 700;
+  const std::vector<int32_t> ids = TokenIds(tokens, 5);
+  const auto want = BoundaryChunks(ids, tokens);
+  std::set<size_t> sizes;
+  for (const auto& c : want) sizes.insert(c.size());
+  ASSERT_GT(sizes.size(), 5u) << "the ids should give chunks of many sizes";
+  for (int step : {1, 5, 64, 700}) {
+    Env e;
+    Fixture f = Make(e, 3, 4, 2, 32, tokens, BoundaryPolicy(true), 3);
+    for (int s = 0; s < tokens; s += step) {
+      for (int l = 0; l < 3; ++l) {
+        ASSERT_OK(f.session->Append(ReqIds(f, l, s, std::min(step, tokens - s), ids)).status());
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      EXPECT_EQ(ExpectRowsAtTheirPositions(f, 2, h, tokens), want) << "step " << step;
+    }
+    // The ranking over chunks of many sizes, greedy within the budget, as brute force has it.
+    for (uint32_t budget : {128u, 256u}) {
+      for (uint32_t seed : {1u, 2u}) {
+        v1::SelectResponse resp;
+        ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
+        for (int h = 0; h < 2; ++h) {
+          std::set<uint32_t> chunks;
+          uint64_t used = 0;
+          for (const auto& b : resp.heads(h).blocks()) {
+            chunks.insert(DecodeChunkId(b.chunk_id()).index);
+            used += b.num_tokens();
+          }
+          EXPECT_LE(used, budget);
+          EXPECT_EQ(chunks, ExpectedSelection(f, 2, h, tokens, want, budget, seed))
+              << "step " << step << " budget " << budget << " seed " << seed;
+        }
+      }
+    }
+  }
+}
+
+TEST(Chunking, BoundaryWithoutIdsCutsEveryChunkTokensAndColdChunksOfAnySizeQuantize) {
+  Env e;
+  const int tokens = 400;
+  const std::vector<int32_t> ids = TokenIds(tokens, 8);
+  Fixture f = Make(e, 3, 4, 2, 64, tokens, BoundaryPolicy(false), 4);
+  // Layer 2 gets ids, layer 1 none: its cuts fall every 16 tokens.
+  for (int s = 0; s < tokens; s += 50) {
+    ASSERT_OK(f.session->Append(ReqIds(f, 2, s, 50, ids)).status());
+    ASSERT_OK(f.session->Append(Req(f, 1, s, 50)).status());
+    ASSERT_OK(f.session->Append(Req(f, 0, s, 50)).status());
+  }
+  const auto plain = ExpectRowsAtTheirPositions(f, 1, 0, tokens, 0.3f);
+  for (size_t c = 0; c < plain.size(); ++c) {
+    EXPECT_EQ(plain[c].front(), int64_t(c) * 16);
+    EXPECT_EQ(plain[c].size(), std::min<size_t>(16, tokens - c * 16));
+  }
+  // Int4 rows of every chunk size come back within the quantization bound.
+  EXPECT_EQ(ExpectRowsAtTheirPositions(f, 2, 1, tokens, 0.3f), BoundaryChunks(ids, tokens));
+  const auto info = f.session->Info();
+  EXPECT_GT(info.chunks_by_precision().at("PRECISION_INT4"), 0u);
+  v1::SelectResponse resp;
+  ASSERT_OK(f.session->Select(SelectReq(f, 2, 160, 3), &resp));
+  for (const auto& b : resp.heads(0).blocks()) {
+    EXPECT_EQ(b.precision(), v1::PRECISION_FP16);
+    EXPECT_EQ(b.keys().size(), b.num_tokens() * 64u * 2);
+  }
+}
+
+TEST(Chunking, PolicyChecksNameTheField) {
+  Env e;
+  v1::SessionPolicy p = BoundaryPolicy(true);
+  p.clear_delimiter_token_ids();
+  EXPECT_THAT(ResolvePolicy(p, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.delimiter_token_ids"));
+  p = BoundaryPolicy(true);
+  p.set_chunk_tokens(33);
+  EXPECT_THAT(ResolvePolicy(p, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.chunk_tokens"));
+  Fixture f = Make(e, 1, 2, 1, 16, 64);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 8)).status());
+  v1::SessionPolicy next;
+  next.set_chunking(v1::CHUNKING_SEMANTIC);
+  EXPECT_THAT(f.session->SetPolicy(next), StatusIs(Code::kFailedPrecondition, "policy.chunking"));
+}
+
+v1::SessionPolicy SemanticPolicy(bool lossless) {
+  v1::SessionPolicy p;
+  p.set_lossless(lossless);
+  p.set_chunking(v1::CHUNKING_SEMANTIC);
+  return p;
+}
+
+// Keys planted in 8 clusters, position t (past the sinks) in cluster (5t + head) % 8: every
+// contiguous chunk mixes all 8, every 128-token span holds 16 of each.
+int PlantedCluster(int64_t t, int head) { return int((5 * t + head) % 8); }
+
+void PlantClusters(Fixture& f, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  for (int l = 0; l < f.layers; ++l) {
+    std::vector<float> centers(8 * f.d);
+    for (auto& c : centers) c = 2.f * n(rng);
+    for (int h = 0; h < f.kvh; ++h) {
+      for (int t = 0; t < f.total; ++t) {
+        for (int j = 0; j < f.d; ++j) {
+          f.k[l][(size_t(h) * f.total + t) * f.d + j] =
+              FloatToHalf(centers[PlantedCluster(t, h) * f.d + j] + 0.2f * n(rng));
+        }
+      }
+    }
+  }
+}
+
+TEST(Chunking, SemanticRegroupsAgedOutSpansIntoTightChunks) {
+  Env e;
+  const int tokens = 16 + 3 * 128 + 64 + 20;  // sinks, three spans, window, and a partial
+  Fixture f = Make(e, 3, 4, 2, 32, tokens, SemanticPolicy(true), 6);
+  PlantClusters(f, 6);
+  ASSERT_OK(AppendAll(f, tokens, 37));
+  for (int h = 0; h < 2; ++h) {
+    const auto chunks = ExpectRowsAtTheirPositions(f, 2, h, tokens);
+    int regrouped = 0;
+    for (const auto& c : chunks) {
+      ASSERT_EQ(c.size(), std::min<size_t>(16, tokens - c.front()));
+      if (c.front() < 16 || c.back() >= 16 + 3 * 128) {
+        for (size_t r = 1; r < c.size(); ++r) EXPECT_EQ(c[r], c[r - 1] + 1);  // contiguous
+        continue;
+      }
+      ++regrouped;
+      const int64_t span = (c.front() - 16) / 128;
+      for (int64_t t : c) {
+        EXPECT_EQ((t - 16) / 128, span) << "rows stay within their span";
+        EXPECT_EQ(PlantedCluster(t, h), PlantedCluster(c.front(), h)) << "one cluster per chunk";
+      }
+    }
+    EXPECT_EQ(regrouped, 3 * 8);
+    for (uint32_t budget : {128u, 224u}) {
+      for (uint32_t seed : {1u, 4u}) {
+        v1::SelectResponse resp;
+        ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
+        std::set<uint32_t> got;
+        for (const auto& b : resp.heads(h).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+        EXPECT_EQ(got, ExpectedSelection(f, 2, h, tokens, chunks, budget, seed))
+            << "budget " << budget << " seed " << seed;
+      }
+    }
+  }
+  // The index holds the regrouped chunks; the aged-out chunk of the unfinished span waits.
+  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), 2u * 3 * 8);
+  const auto listed = f.session->ListChunks(2, 100);
+  EXPECT_EQ(listed.chunks(1).first_position(), 16);
+  // Rewrites of regrouped tokens are checked against the rows where they went.
+  ASSERT_OK(f.session->Append(Req(f, 2, 20, 100)).status());
+  auto bad = Req(f, 2, 100, 3);
+  std::string keys = bad.keys();
+  keys[2 * 32 * 2 + 1] ^= 0x40;  // head 0, third token
+  bad.set_keys(keys);
+  EXPECT_THAT(f.session->Append(bad), StatusIs(Code::kFailedPrecondition, "token 102"));
+}
+
+TEST(Chunking, SemanticForkInsideASpanKeepsBothSidesExact) {
+  Env e;
+  const int tokens = 16 + 3 * 128 + 64;
+  Fixture f = Make(e, 3, 4, 2, 32, tokens, SemanticPolicy(true), 7);
+  PlantClusters(f, 7);
+  ASSERT_OK(AppendAll(f, 16 + 2 * 128 + 64 + 8, 64));  // two spans regrouped
+  for (int at : {100, 16 + 128, 16 + 128 + 50}) {
+    ASSERT_OK_AND_ASSIGN(auto child, f.session->Fork("c" + std::to_string(at), at));
+    Fixture view{f.layers, f.qh, f.kvh, f.d, f.total, f.k, f.v, std::move(child)};
+    for (int h = 0; h < 2; ++h) ExpectRowsAtTheirPositions(view, 2, h, at);
+    // The child goes on to the end and regroups its own spans.
+    for (int s = at; s < tokens; s += 64) {
+      for (int l = 0; l < 3; ++l) {
+        ASSERT_OK(view.session->Append(Req(view, l, s, std::min(64, tokens - s))).status());
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (const auto& c : ExpectRowsAtTheirPositions(view, 2, h, tokens)) {
+        if (c.front() < 16 || c.back() >= 16 + 3 * 128) continue;
+        for (int64_t t : c) EXPECT_EQ(PlantedCluster(t, h), PlantedCluster(c.front(), h));
+      }
+    }
+    EXPECT_EQ(view.session->Layers()[2].indexed_chunks(), 2u * 3 * 8) << "fork at " << at;
+  }
+  for (int h = 0; h < 2; ++h) ExpectRowsAtTheirPositions(f, 2, h, 16 + 2 * 128 + 64 + 8);
+}
+
+TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
+  Env e(160 << 20);
+  const int tokens = 70000;
+  Fixture f = Make(e, 3, 3, 1, 64, tokens, SemanticPolicy(true), 23);
+  for (int s = 0; s < tokens; s += 4096) {
+    ASSERT_OK(f.session->Append(Req(f, 2, s, std::min(4096, tokens - s))).status());
+  }
+  const uint64_t aged_out = (tokens - 64) / 16 - 1;
+  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), aged_out / 8 * 8);
+  const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
+  for (uint32_t budget : {256u, 1024u}) {
+    v1::SelectResponse resp;
+    auto req = SelectReq(f, 2, budget, 2);
+    req.set_include_data(false);
+    ASSERT_OK(f.session->Select(req, &resp));
+    std::set<uint32_t> got;
+    for (const auto& b : resp.heads(0).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+    EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 2)) << "budget " << budget;
+  }
+  const v1::LayerStats st = f.session->Layers()[2];
+  EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
+
+  // The default int4 policy: regrouped chunks are quantized, and read back within the bound.
+  Env e2;
+  Fixture g = Make(e2, 3, 4, 2, 32, 16 + 2 * 128 + 64, SemanticPolicy(false), 8);
+  PlantClusters(g, 8);
+  ASSERT_OK(AppendAll(g, g.total, 50));
+  EXPECT_EQ(g.session->Info().chunks_by_precision().at("PRECISION_INT4"), 3u * 2 * 16);
+  for (const auto& c : ExpectRowsAtTheirPositions(g, 2, 1, g.total, 0.3f)) {
+    if (c.front() < 16 || c.back() >= 16 + 2 * 128) continue;
+    for (int64_t t : c) EXPECT_EQ(PlantedCluster(t, 1), PlantedCluster(c.front(), 1));
+  }
 }
 
 TEST(ResolveShape, ChecksEveryField) {
