@@ -15,11 +15,15 @@
 // Policies: exact (score every key, keep the best tokens), quest (16-token pages by the
 // min/max box bound), window (sinks + most recent), kvtier-scan (the LSE-peak score over
 // every chunk), kvtier (the same score through the cluster index: the same answer, pruned),
-// kvtier-mean (the index with the mean score). Only contiguous chunking exists so far;
-// boundary and semantic chunking join this list when they land.
+// kvtier-mean (the index with the mean score), and the other chunking modes with the
+// LSE-peak score as the daemon runs them: kvtier-boundary (chunks cut after delimiter
+// tokens, 8 to 32 tokens: sizes vary, so the daemon scans them with the greedy fill) and
+// kvtier-semantic (spans of 8 aged-out chunks regrouped by balanced k-means, then indexed).
+// chunk_oracle_ratio is over the best whole chunks of the policy's own chunking.
 //
-// Keys are synthetic and shaped like a model's: chunks drift between 48 topic directions
-// (neighbours share topics), every 16th channel is an outlier channel, and now and then one
+// Keys are synthetic and shaped like a model's: text comes in sentences of 4 to 30 tokens,
+// each ending in a delimiter token; a sentence may move to another of 48 topic directions
+// (neighbours share topics); every 16th channel is an outlier channel, and now and then one
 // key points hard at its topic (a delimiter, a name). Queries point at one or two topics.
 #include <algorithm>
 #include <cmath>
@@ -33,6 +37,7 @@
 #include "bench/bench_util.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunking.h"
 #include "server/index/cluster_index.h"
 
 namespace kvtier {
@@ -42,50 +47,113 @@ constexpr int kD = 64, kGroup = 3, kChunk = 16, kSinks = 16, kWindow = 64, kTopi
 
 struct Stream {
   int n = 0;
-  std::vector<float> keys;           // [n][kD]
-  std::vector<float> sums, peaks;    // [chunks][kD]
-  std::vector<float> lo, hi;         // [chunks][kD] per-channel box (Quest pages)
-  int chunks() const { return (n + kChunk - 1) / kChunk; }
+  std::vector<float> keys;        // [n][kD]
+  std::vector<bool> delimiter;    // [n]: the token ends a sentence
 };
 
 Stream MakeStream(int n, const std::vector<float>& topics, std::mt19937& rng) {
   Stream s;
   s.n = n;
   s.keys.resize(size_t(n) * kD);
+  s.delimiter.assign(n, false);
   std::normal_distribution<float> g(0, 1);
   std::uniform_real_distribution<float> u(0, 1);
   int topic = 0;
-  for (int c = 0; c < s.chunks(); ++c) {
+  for (int t = 0; t < n;) {
     if (u(rng) < 0.3f) topic = std::uniform_int_distribution<int>(0, kTopics - 1)(rng);
-    for (int t = c * kChunk; t < std::min(n, (c + 1) * kChunk); ++t) {
+    const int end = std::min(n, t + std::uniform_int_distribution<int>(4, 30)(rng));
+    for (; t < end; ++t) {
       const float pull = u(rng) < 0.02f ? 3.f : 0.6f;  // the odd key that points hard
       for (int j = 0; j < kD; ++j) {
         const float x = pull * topics[topic * kD + j] + g(rng);
         s.keys[size_t(t) * kD + j] = x * (j % 16 == 0 ? 6.f : 1.f);
       }
     }
+    s.delimiter[end - 1] = true;
   }
-  s.sums.assign(size_t(s.chunks()) * kD, 0.f);
-  s.peaks.resize(s.sums.size());
-  s.lo.assign(s.sums.size(), 1e30f);
-  s.hi.assign(s.sums.size(), -1e30f);
-  for (int c = 0; c < s.chunks(); ++c) {
-    const int t0 = c * kChunk, t1 = std::min(n, t0 + kChunk);
-    float* sum = &s.sums[size_t(c) * kD];
-    for (int t = t0; t < t1; ++t) {
+  return s;
+}
+
+// One chunking of a stream: each chunk's rows (positions, ascending) and the statistics the
+// rankings read.
+struct Layout {
+  std::vector<std::vector<int>> rows;
+  std::vector<float> sums, peaks;  // [chunks][kD]
+  std::vector<float> lo, hi;       // [chunks][kD] per-channel box (Quest pages)
+  std::vector<bool> mandatory;     // a row among the sinks or in the window
+  int mandatory_tokens = 0;
+  size_t chunks() const { return rows.size(); }
+};
+
+Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
+  Layout l;
+  l.rows = std::move(rows);
+  const size_t nc = l.rows.size();
+  l.sums.assign(nc * kD, 0.f);
+  l.peaks.resize(nc * kD);
+  l.lo.assign(nc * kD, 1e30f);
+  l.hi.assign(nc * kD, -1e30f);
+  l.mandatory.assign(nc, false);
+  std::vector<float> chunk_keys;
+  for (size_t c = 0; c < nc; ++c) {
+    const std::vector<int>& r = l.rows[c];
+    chunk_keys.clear();
+    float* sum = &l.sums[c * kD];
+    for (int t : r) {
       for (int j = 0; j < kD; ++j) {
         const float x = s.keys[size_t(t) * kD + j];
+        chunk_keys.push_back(x);
         sum[j] += x;
-        s.lo[size_t(c) * kD + j] = std::min(s.lo[size_t(c) * kD + j], x);
-        s.hi[size_t(c) * kD + j] = std::max(s.hi[size_t(c) * kD + j], x);
+        l.lo[c * kD + j] = std::min(l.lo[c * kD + j], x);
+        l.hi[c * kD + j] = std::max(l.hi[c * kD + j], x);
       }
     }
     float mean[kD];
-    for (int j = 0; j < kD; ++j) mean[j] = sum[j] / (t1 - t0);
-    const float* peak = FarthestRow(&s.keys[size_t(t0) * kD], t1 - t0, kD, mean);
-    std::copy_n(peak, kD, &s.peaks[size_t(c) * kD]);
+    for (int j = 0; j < kD; ++j) mean[j] = sum[j] / float(r.size());
+    const float* peak = FarthestRow(chunk_keys.data(), uint32_t(r.size()), kD, mean);
+    std::copy_n(peak, kD, &l.peaks[c * kD]);
+    l.mandatory[c] = r.front() < kSinks || r.back() >= s.n - kWindow;
+    if (l.mandatory[c]) l.mandatory_tokens += int(r.size());
   }
-  return s;
+  return l;
+}
+
+std::vector<std::vector<int>> ContiguousRows(int n) {
+  std::vector<std::vector<int>> rows;
+  for (int t = 0; t < n; ++t) {
+    if (t % kChunk == 0) rows.emplace_back();
+    rows.back().push_back(t);
+  }
+  return rows;
+}
+
+Layout Boundary(const Stream& s) {
+  std::vector<std::vector<int>> rows;
+  bool open = false;
+  for (int t = 0; t < s.n; ++t) {
+    if (!open) rows.emplace_back(), open = true;
+    rows.back().push_back(t);
+    if (EndsChunk(uint32_t(rows.back().size()), kChunk, true, s.delimiter[t])) open = false;
+  }
+  return Finish(s, std::move(rows));
+}
+
+// Spans of 8 contiguous chunks between the sinks and the window, regrouped as the daemon does.
+Layout Semantic(const Stream& s) {
+  std::vector<std::vector<int>> rows = ContiguousRows(s.n);
+  const int first = (kSinks + kChunk - 1) / kChunk;
+  const int aged = (s.n - kWindow) / kChunk;
+  std::vector<float> span_keys(size_t(8) * kChunk * kD);
+  for (int c = first; c + 8 <= aged; c += 8) {
+    const int base = rows[c].front();
+    std::copy_n(&s.keys[size_t(base) * kD], span_keys.size(), span_keys.begin());
+    const auto groups = BalancedGroups(span_keys.data(), 8 * kChunk, kD, kChunk);
+    for (int g = 0; g < 8; ++g) {
+      rows[c + g].clear();
+      for (uint32_t r : groups[g]) rows[c + g].push_back(base + int(r));
+    }
+  }
+  return Finish(s, std::move(rows));
 }
 
 std::vector<float> MakeQuery(const std::vector<float>& topics, std::mt19937& rng) {
@@ -102,20 +170,9 @@ std::vector<float> MakeQuery(const std::vector<float>& topics, std::mt19937& rng
   return q;
 }
 
-// Chunks overlapping the sinks or the window: always returned.
-std::vector<bool> Mandatory(const Stream& s) {
-  std::vector<bool> m(s.chunks(), false);
-  for (int c = 0; c < s.chunks(); ++c) {
-    const int lo = c * kChunk, hi = std::min(s.n, lo + kChunk);
-    m[c] = lo < kSinks || hi > s.n - kWindow;
-  }
-  return m;
-}
-
 struct Truth {
   std::vector<double> p;  // group-mean softmax over every key
   double oracle = 0;      // mass of the best `budget` tokens
-  double chunk_oracle = 0;  // mass of the best budget/16 chunks
 };
 
 Truth Exact(const Stream& s, const std::vector<float>& q, int budget) {
@@ -137,11 +194,27 @@ Truth Exact(const Stream& s, const std::vector<float>& q, int budget) {
   std::vector<double> sorted = t.p;
   std::nth_element(sorted.begin(), sorted.begin() + budget, sorted.end(), std::greater<>());
   for (int i = 0; i < budget; ++i) t.oracle += sorted[i];
-  std::vector<double> mass(s.chunks(), 0.0);
-  for (int i = 0; i < s.n; ++i) mass[i / kChunk] += t.p[i];
-  std::sort(mass.begin(), mass.end(), std::greater<>());
-  for (int c = 0; c < budget / kChunk; ++c) t.chunk_oracle += mass[c];
   return t;
+}
+
+// The mass of the best whole chunks of a layout within the budget (greedy by mass; exact
+// for chunks of one size).
+double ChunkOracle(const Truth& t, const Layout& l, int budget) {
+  std::vector<std::pair<double, size_t>> mass;
+  for (size_t c = 0; c < l.chunks(); ++c) {
+    double m = 0;
+    for (int r : l.rows[c]) m += t.p[r];
+    mass.push_back({m, c});
+  }
+  std::sort(mass.begin(), mass.end(), std::greater<>());
+  double kept = 0;
+  int used = 0;
+  for (auto [m, c] : mass) {
+    if (used + int(l.rows[c].size()) > budget) continue;
+    used += int(l.rows[c].size());
+    kept += m;
+  }
+  return kept;
 }
 
 struct Result {
@@ -156,13 +229,28 @@ double Mean(const std::vector<double>& v) {
 }
 
 // Mass of a chunk set plus the mandatory chunks.
-double ChunkMass(const Truth& t, const Stream& s, const std::vector<bool>& mandatory,
-                 const std::vector<uint32_t>& chosen) {
-  std::vector<bool> take = mandatory;
+double ChunkMass(const Truth& t, const Layout& l, const std::vector<uint32_t>& chosen) {
+  std::vector<bool> take = l.mandatory;
   for (uint32_t c : chosen) take[c] = true;
   double r = 0;
-  for (int i = 0; i < s.n; ++i) r += take[i / kChunk] ? t.p[i] : 0;
+  for (size_t c = 0; c < l.chunks(); ++c) {
+    if (!take[c]) continue;
+    for (int row : l.rows[c]) r += t.p[row];
+  }
   return r;
+}
+
+// A layout's candidates (not mandatory) and, when `index` is given, its cluster index.
+std::vector<ChunkCandidate> Candidates(const Layout& l, ClusterIndex* index) {
+  std::vector<ChunkCandidate> cands;
+  const ChunkArrays arrays{l.sums.data(), l.peaks.data()};
+  for (size_t c = 0; c < l.chunks(); ++c) {
+    if (l.mandatory[c]) continue;
+    const auto n = uint32_t(l.rows[c].size());
+    if (index) index->Add(uint32_t(c), n, arrays);
+    cands.push_back({uint32_t(c), n, &l.sums[c * kD], 1.f / float(n), &l.peaks[c * kD]});
+  }
+  return cands;
 }
 
 void Run(int tokens, int budget, int queries, uint32_t seed,
@@ -172,33 +260,31 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
   std::vector<float> topics(kTopics * kD);
   for (auto& x : topics) x = g(rng) * 0.9f;
   const Stream s = MakeStream(tokens, topics, rng);
-  const std::vector<bool> mandatory = Mandatory(s);
-  int mandatory_tokens = 0;
-  for (int c = 0; c < s.chunks(); ++c) {
-    if (mandatory[c]) mandatory_tokens += std::min(kChunk, s.n - c * kChunk);
-  }
-  const uint64_t left = budget > mandatory_tokens ? budget - mandatory_tokens : 0;
-  const ChunkArrays arrays{s.sums.data(), s.peaks.data()};
-  ClusterIndex index(kD);
-  std::vector<ChunkCandidate> cands;
-  for (int c = 0; c < s.chunks(); ++c) {
-    if (mandatory[c]) continue;
-    index.Add(c, kChunk, arrays);
-    cands.push_back({uint32_t(c), uint32_t(kChunk), &s.sums[size_t(c) * kD], 1.f / kChunk,
-                     &s.peaks[size_t(c) * kD]});
-  }
+  const Layout contiguous = Finish(s, ContiguousRows(s.n));
+  const Layout boundary = Boundary(s);
+  const Layout semantic = Semantic(s);
+  auto left = [budget](const Layout& l) -> uint64_t {
+    return budget > l.mandatory_tokens ? budget - l.mandatory_tokens : 0;
+  };
+  ClusterIndex index(kD), semantic_index(kD);
+  const std::vector<ChunkCandidate> cands = Candidates(contiguous, &index);
+  const std::vector<ChunkCandidate> boundary_cands = Candidates(boundary, nullptr);
+  Candidates(semantic, &semantic_index);
   std::map<std::string, Result> res;
   std::vector<double> scores(s.n);
   for (int qi = 0; qi < queries; ++qi) {
     const std::vector<float> q = MakeQuery(topics, rng);
     const Truth truth = Exact(s, q, budget);
-    auto record = [&](const std::string& name, double seconds, double kept, double scored) {
+    std::map<const Layout*, double> chunk_oracle;
+    auto record = [&](const std::string& name, double seconds, double kept, double scored,
+                      const Layout& l) {
       Result& r = res[name];
+      if (!chunk_oracle.count(&l)) chunk_oracle[&l] = ChunkOracle(truth, l, budget);
       r.us.push_back(seconds * 1e6);
       r.ratio.push_back(kept / truth.oracle);
-      r.chunk_ratio.push_back(kept / truth.chunk_oracle);
+      r.chunk_ratio.push_back(kept / chunk_oracle[&l]);
       r.scored += scored;
-      r.total += s.chunks();
+      r.total += double(l.chunks());
     };
     {  // exact: every key scored, the best tokens kept
       const double t0 = bench::NowSeconds();
@@ -216,30 +302,30 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
       const double secs = bench::NowSeconds() - t0;
       double kept = 0;
       for (int i = 0; i < budget; ++i) kept += truth.p[order[i]];
-      record("exact", secs, kept, s.chunks());
+      record("exact", secs, kept, double(contiguous.chunks()), contiguous);
     }
     {  // quest: the box bound of every page
+      const Layout& l = contiguous;
       const double t0 = bench::NowSeconds();
       std::vector<std::pair<float, uint32_t>> pages;
-      for (int c = 0; c < s.chunks(); ++c) {
-        if (mandatory[c]) continue;
+      for (size_t c = 0; c < l.chunks(); ++c) {
+        if (l.mandatory[c]) continue;
         float best = -1e30f;
         for (int h = 0; h < kGroup; ++h) {
           float b = 0;
           for (int j = 0; j < kD; ++j) {
-            b += std::max(q[h * kD + j] * s.lo[size_t(c) * kD + j],
-                          q[h * kD + j] * s.hi[size_t(c) * kD + j]);
+            b += std::max(q[h * kD + j] * l.lo[c * kD + j], q[h * kD + j] * l.hi[c * kD + j]);
           }
           best = std::max(best, b);
         }
         pages.push_back({-best, uint32_t(c)});
       }
-      const size_t k = std::min<size_t>(pages.size(), left / kChunk);
+      const size_t k = std::min<size_t>(pages.size(), left(l) / kChunk);
       std::partial_sort(pages.begin(), pages.begin() + k, pages.end());
       std::vector<uint32_t> chosen;
       for (size_t i = 0; i < k; ++i) chosen.push_back(pages[i].second);
       const double secs = bench::NowSeconds() - t0;
-      record("quest", secs, ChunkMass(truth, s, mandatory, chosen), s.chunks());
+      record("quest", secs, ChunkMass(truth, l, chosen), double(l.chunks()), l);
     }
     {  // window: sinks and the most recent tokens, nothing scored
       const double t0 = bench::NowSeconds();
@@ -247,27 +333,35 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
       for (int i = 0; i < s.n; ++i) {
         kept += (i < kSinks || i >= s.n - (budget - kSinks)) ? truth.p[i] : 0;
       }
-      record("window", bench::NowSeconds() - t0, kept, 0);
+      record("window", bench::NowSeconds() - t0, kept, 0, contiguous);
     }
-    {  // kvtier-scan: the LSE-peak score of every chunk
+    // The LSE-peak score of every chunk: contiguous, and boundary chunks (the daemon's path
+    // for chunks of several sizes).
+    for (auto [name, layout, candidates] :
+         {std::tuple{"kvtier-scan", &contiguous, &cands},
+          std::tuple{"kvtier-boundary", &boundary, &boundary_cands}}) {
       const double t0 = bench::NowSeconds();
-      auto chosen = SelectChunks(v1::RANKING_LSE_PEAK, q, kGroup, kD, cands, left);
+      auto chosen = SelectChunks(v1::RANKING_LSE_PEAK, q, kGroup, kD, *candidates, left(*layout));
       const double secs = bench::NowSeconds() - t0;
-      record("kvtier-scan", secs, ChunkMass(truth, s, mandatory, chosen), cands.size());
+      record(name, secs, ChunkMass(truth, *layout, chosen), double(candidates->size()), *layout);
     }
-    for (auto [name, ranking] : {std::pair<std::string, v1::Ranking>{"kvtier", v1::RANKING_LSE_PEAK},
-                                 {"kvtier-mean", v1::RANKING_MEAN}}) {
+    for (auto [name, ranking, layout, idx] :
+         {std::tuple{"kvtier", v1::RANKING_LSE_PEAK, &contiguous, &index},
+          std::tuple{"kvtier-mean", v1::RANKING_MEAN, &contiguous, &index},
+          std::tuple{"kvtier-semantic", v1::RANKING_LSE_PEAK, &semantic, &semantic_index}}) {
+      const ChunkArrays arrays{layout->sums.data(), layout->peaks.data()};
       ClusterIndex::SearchStats st;
       const double t0 = bench::NowSeconds();
-      auto chosen = index.Search(ranking, q, kGroup, left / kChunk, arrays, {}, &st);
+      auto chosen = idx->Search(ranking, q, kGroup, left(*layout) / kChunk, arrays, {}, &st);
       const double secs = bench::NowSeconds() - t0;
       // Work counts every bound computed as well as every chunk scored.
-      record(name, secs, ChunkMass(truth, s, mandatory, chosen),
-             double(st.chunks_scored + st.bounds_scored));
+      record(name, secs, ChunkMass(truth, *layout, chosen),
+             double(st.chunks_scored + st.bounds_scored), *layout);
     }
   }
   const double exact_us = bench::Median(res["exact"].us);
-  for (const std::string name : {"exact", "quest", "window", "kvtier-scan", "kvtier", "kvtier-mean"}) {
+  for (const std::string name : {"exact", "quest", "window", "kvtier-scan", "kvtier", "kvtier-mean",
+                                 "kvtier-boundary", "kvtier-semantic"}) {
     const Result& r = res[name];
     const double us = bench::Median(r.us);
     std::printf(

@@ -1,5 +1,5 @@
 #include "server/index/chunk_ranker.h"
-#include "server/index/semantic_chunker.h"
+#include "server/index/chunking.h"
 
 #include <algorithm>
 #include <cmath>

@@ -34,10 +34,10 @@ from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
-       "kvtier-mean", "kvtier-fp16", "kvtier-summaries"]
+       "kvtier-mean", "kvtier-fp16", "kvtier-summaries", "kvtier-boundary", "kvtier-semantic"]
 
 
-def make_policies(names, budgets, client, window_share=0.25):
+def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
     """Policies by name; the budgeted ones once per budget. kvtier's and quest's recent
     window is window_share of the budget."""
     out = []
@@ -70,6 +70,12 @@ def make_policies(names, budgets, client, window_share=0.25):
                                       ranking=pb.RANKING_MEAN))
                 elif name == "kvtier-fp16":
                     out.append(Daemon(client, "kvtier-fp16", b, window=window(b), lossless=True))
+                elif name == "kvtier-boundary":
+                    out.append(Daemon(client, "kvtier-boundary", b, window=window(b),
+                                      chunking=pb.CHUNKING_BOUNDARY, delimiters=delimiters))
+                elif name == "kvtier-semantic":
+                    out.append(Daemon(client, "kvtier-semantic", b, window=window(b),
+                                      chunking=pb.CHUNKING_SEMANTIC))
                 elif name == "kvtier-summaries":
                     out.append(Daemon(client, "kvtier-summaries", b, window=window(b),
                                       summaries=True))
@@ -188,7 +194,8 @@ def main(argv=None):
     records = []
     try:
         ref = None
-        for policy in make_policies(names, budgets, client, a.window_share):
+        for policy in make_policies(names, budgets, client, a.window_share,
+                                    delimiters=model.tokenizer.delimiter_ids()):
             r = run(model, pre, policy)
             if ref is None:
                 ref = r

@@ -92,6 +92,7 @@ def run(model: Model, pre: Prefill, policy: Policy, measure: bool = True) -> dic
     P, S = pre.context, pre.scored
     t0 = time.perf_counter()
     cache = KVCache(pre.K, pre.V, P + S)
+    policy.token_ids = pre.ids
     policy.begin(c, pre.K, pre.V)
     metrics = LayerMetrics(c.num_layers)
     try:

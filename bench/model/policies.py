@@ -61,6 +61,7 @@ class Policy:
     name = "policy"
     budget: int | None = None
     dense_layers = 2
+    token_ids: np.ndarray | None = None  # the text's ids, set by the harness before begin
 
     def begin(self, config, prefill_k: np.ndarray, prefill_v: np.ndarray) -> None:
         """config: the model's Config; prefill K, V [layers][kv_heads][P][d] fp16."""
@@ -198,7 +199,7 @@ class Daemon(Policy):
     def __init__(self, client, name: str, budget: int | None, *, lossless: bool = False,
                  cold_precision: int = 0, sinks: int = SINKS, window: int | None = None,
                  dense_layers: int = 2, summaries: bool = False, placement: str | None = None,
-                 ranking: int = 0):
+                 ranking: int = 0, chunking: int = 0, delimiters: list[int] | None = None):
         self.client = client
         self.name = name
         self.budget = budget
@@ -206,7 +207,9 @@ class Daemon(Policy):
                            recent_window=window if window else max(1, (budget or 256) // 4),
                            dense_layers=dense_layers, lossless=lossless,
                            cold_precision=cold_precision, ranking=ranking,
-                           default_budget=budget or 256)
+                           default_budget=budget or 256, chunking=chunking,
+                           delimiter_token_ids=delimiters or [])
+        self.send_ids = bool(delimiters)  # boundary chunking cuts at the ids sent
         self.dense_layers = dense_layers
         self.summaries = summaries
         self.placement = placement
@@ -223,11 +226,13 @@ class Daemon(Policy):
                                        **self.policy)
         self.sid = s.session_id
         self.effective_policy = s.policy
+        ids = self.token_ids[:P] if self.send_ids else None
         for layer in range(L):
-            self.client.append_kv(self.sid, [(layer, 0, K[layer], V[layer])])
+            self.client.append_kv(self.sid, [(layer, 0, K[layer], V[layer], ids)])
 
     def on_append(self, layer, pos, k, v):
-        self.client.append_kv(self.sid, [(layer, pos, k[:, None, :], v[:, None, :])])
+        ids = self.token_ids[pos:pos + 1] if self.send_ids else None
+        self.client.append_kv(self.sid, [(layer, pos, k[:, None, :], v[:, None, :], ids)])
 
     def attend(self, layer, n, q, cache):
         t0 = time.perf_counter()

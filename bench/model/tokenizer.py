@@ -90,3 +90,17 @@ class Tokenizer:
     def decode(self, ids) -> str:
         data = bytes(self._byte_dec[c] for i in ids for c in self.tokens[int(i)])
         return data.decode("utf-8", errors="replace")
+
+    def delimiter_ids(self, marks: str = ".,;:!?\n") -> list[int]:
+        """Ids of the tokens that end in a punctuation mark or a newline (surrounding
+        whitespace aside): where boundary chunking may cut."""
+        out = []
+        for i, t in enumerate(self.tokens):
+            try:
+                text = bytes(self._byte_dec[c] for c in t).decode("utf-8")
+            except (KeyError, UnicodeDecodeError):
+                continue  # special and partial-byte tokens
+            stripped = text.rstrip(" \t")
+            if stripped and (stripped[-1] in marks or "\n" in text):
+                out.append(i)
+        return out

@@ -14,7 +14,7 @@
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
 #include "server/index/chunk_ranker.h"
-#include "server/index/semantic_chunker.h"
+#include "server/index/chunking.h"
 #include "server/quant/quant.h"
 
 namespace kvtier {
@@ -185,12 +185,10 @@ std::pair<uint32_t, uint32_t> Session::Locate(const Stream& s, uint64_t t) const
 }
 
 bool Session::Seals(uint32_t rows, const int32_t* id) const {
-  if (rows >= chunk_capacity()) return true;
-  if (policy_.chunking() != v1::CHUNKING_BOUNDARY) return false;
-  const uint32_t ct = policy_.chunk_tokens();
-  if (id == nullptr) return rows >= ct;  // no ids with this append: contiguous cuts
+  if (policy_.chunking() != v1::CHUNKING_BOUNDARY) return rows >= policy_.chunk_tokens();
   const auto& delim = policy_.delimiter_token_ids();
-  return rows >= std::max(1u, ct / 2) && std::find(delim.begin(), delim.end(), *id) != delim.end();
+  return EndsChunk(rows, policy_.chunk_tokens(), id != nullptr,
+                   id != nullptr && std::find(delim.begin(), delim.end(), *id) != delim.end());
 }
 
 absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {

@@ -145,10 +145,13 @@ class Client:
 
     def append_kv(self, session_id: str,
                   items: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> int:
-        """Streams (layer, start_token, keys, values), keys/values [kv_heads][n][head_dim]
-        in the session's dtype; returns the tokens now stored in every layer."""
+        """Streams (layer, start_token, keys, values[, token_ids]), keys/values
+        [kv_heads][n][head_dim] in the session's dtype, token_ids [n] (they feed boundary
+        chunking); returns the tokens now stored in every layer."""
         def requests() -> Iterator[pb.AppendKVRequest]:
-            for layer, start, k, v in items:
+            for item in items:
+                layer, start, k, v = item[:4]
+                ids = item[4] if len(item) > 4 else None
                 k = np.ascontiguousarray(k)
                 v = np.ascontiguousarray(v)
                 if k.shape != v.shape or k.ndim != 3:
@@ -156,7 +159,9 @@ class Client:
                                      "[kv_heads][tokens][head_dim]")
                 yield pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
                                          num_tokens=k.shape[1], keys=k.tobytes(),
-                                         values=v.tobytes())
+                                         values=v.tobytes(),
+                                         token_ids=[] if ids is None else
+                                         [int(i) for i in ids])
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 

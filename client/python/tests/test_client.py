@@ -77,6 +77,44 @@ def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
     assert all(sum(b.num_tokens for b in h.blocks) == 2000 for h in dense.heads)
 
 
+def test_token_ids_drive_boundary_chunks_and_semantic_chunks_keep_positions(client):
+    rng = np.random.default_rng(4)
+    k, v = make_kv(rng, 400)
+    ids = np.where(rng.random(400) < 0.15, 13, 100 + rng.integers(0, 50, 400))
+    sid = client.create_session(L, QH, KVH, D, lossless=True, chunking=pb.CHUNKING_BOUNDARY,
+                                delimiter_token_ids=[13]).session_id
+    for start in range(0, 400, 90):
+        end = min(400, start + 90)
+        client.append_kv(sid, [(layer, start, k[layer, :, start:end], v[layer, :, start:end],
+                                ids[start:end]) for layer in range(L)])
+    # The rule, written out: cut after id 13 from 8 tokens on, and at 32.
+    sizes, n = [], 0
+    for t in range(400):
+        n += 1
+        if n == 32 or (n >= 8 and ids[t] == 13):
+            sizes.append(n)
+            n = 0
+    if n:
+        sizes.append(n)
+    listed = client.list_chunks(sid, layer=2)
+    assert [c.num_tokens for c in listed.chunks if c.kv_head == 0] == sizes
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.create_session(L, QH, KVH, D, chunking=pb.CHUNKING_BOUNDARY)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "policy.delimiter_token_ids" in str(e.value)
+
+    sid = client.create_session(L, QH, KVH, D, lossless=True,
+                                chunking=pb.CHUNKING_SEMANTIC).session_id
+    client.append_layers(sid, 0, k, v)
+    sel = client.select(sid, L - 1, rng.standard_normal((QH, D)), budget_tokens=5000)
+    for head in sel.heads:
+        pos, hk, hv = client.gather(head, sid)
+        assert sorted(pos.tolist()) == list(range(400))
+        np.testing.assert_array_equal(hk, k[L - 1, head.kv_head][pos])
+        np.testing.assert_array_equal(hv, v[L - 1, head.kv_head][pos])
+    client.release(sel.lease_id)
+
+
 def test_errors_carry_code_and_field(client):
     sid = client.create_session(L, QH, KVH, D).session_id
     with pytest.raises(kvtier.KvTierError) as e:

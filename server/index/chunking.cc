@@ -1,4 +1,4 @@
-#include "server/index/semantic_chunker.h"
+#include "server/index/chunking.h"
 
 #include <algorithm>
 #include <limits>
