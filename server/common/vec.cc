@@ -111,8 +111,13 @@ float DotScalar(const float* a, const float* b, int n) {
   return s;
 }
 
+namespace {
+// Chosen once, at load: a Select calls Dot tens of thousands of times.
+float (*const kDot)(const float*, const float*, int) = HaveAvx2Fma() ? DotAvx2 : DotScalar;
+}  // namespace
+
 float Dot(const float* a, const float* b, int n) {
-  return HaveAvx2Fma() ? DotAvx2(a, b, n) : DotScalar(a, b, n);
+  return kDot(a, b, n);
 }
 
 }  // namespace kvtier

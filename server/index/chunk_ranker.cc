@@ -61,9 +61,7 @@ float LsePeakScore(std::span<const float> queries, int group, const ChunkCandida
     const float hi = std::max(a, b), lo = std::min(a, b);
     // log(e^a + e^b) <= hi + log 2: a head that cannot beat the best so far needs no exp.
     if (hi + 0.6931472f + 1e-6f * (1 + std::abs(hi)) < best) continue;
-    best = std::max(best, lo == -std::numeric_limits<float>::infinity()
-                              ? hi
-                              : hi + std::log1p(std::exp(lo - hi)));
+    best = std::max(best, LogAddExp(hi, lo));
   }
   return best;
 }

@@ -10,7 +10,9 @@
 #ifndef KVTIER_SERVER_INDEX_CHUNK_RANKER_H_
 #define KVTIER_SERVER_INDEX_CHUNK_RANKER_H_
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -25,6 +27,16 @@ struct ChunkCandidate {
   float scale;            // > 0: mean = scale * key_sum (1 / tokens for a sum)
   const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
+
+// log(e^hi + e^lo) for hi >= lo (lo may be -inf): the one formula behind both the LSE-peak
+// score and the index's bounds on it, so that a bound and the score it covers round alike.
+// logf(1 + e) rather than log1pf: glibc's log1pf costs several times more (a third of a
+// Select's ranking time), and its extra precision (under 2^-24 of 1 + e) is far below the
+// rounding of hi + that term.
+inline float LogAddExp(float hi, float lo) {
+  return lo == -std::numeric_limits<float>::infinity() ? hi
+                                                       : hi + std::log(1.f + std::exp(lo - hi));
+}
 
 // The row of rows [n][d] farthest from `mean` (squared Euclidean; the first of equals): a
 // chunk's peak key for RANKING_LSE_PEAK.

@@ -143,9 +143,7 @@ float ClusterIndex::Bound(v1::Ranking ranking, const Bounds& b, std::span<const 
     const float x = (a + margin_a) * inv_sqrt_d + b.log_rest;
     const float y = (pk + margin_p) * inv_sqrt_d;
     const float hi = std::max(x, y), lo = std::min(x, y);
-    return (lo == -std::numeric_limits<float>::infinity() ? hi
-                                                          : hi + std::log1p(std::exp(lo - hi))) +
-           1e-5f * (1 + std::abs(hi));
+    return LogAddExp(hi, lo) + 1e-5f * (1 + std::abs(hi));
   };
   absl::InlinedVector<float, 16> ball_a(group), ball_p(group);
   float best = -std::numeric_limits<float>::infinity();
