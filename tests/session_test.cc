@@ -39,6 +39,8 @@ struct Env {
         device(TierOpts(v1::TIER_DEVICE, device_capacity)) {
     env.host = &host;
     env.device = &device;
+    env.host_copies = &host_copies;
+    env.device_copies = &device_copies;
     env.leases = &leases;
     env.clock = &clock;
     env.lease_ttl_ms = 1000;
@@ -47,6 +49,8 @@ struct Env {
   ManualClock clock;
   Tier host;
   Tier device;
+  PromotionCache host_copies{&host, &clock, MakeLruPolicy()};
+  PromotionCache device_copies{&device, &clock, MakeLruPolicy()};
   LeaseTable leases{&clock};
   SessionEnv env;
 };

@@ -121,6 +121,9 @@ v1::Config DefaultConfig() {
   c.set_max_message_size("64M");
   c.set_drain_timeout_ms(o.drain_timeout_ms);
   c.set_log_level(o.log_level);
+  c.set_eviction_policy(o.eviction_policy);
+  c.set_eviction_half_life_ms(o.eviction_half_life_ms);
+  c.set_prefetch(o.prefetch ? "on" : "off");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -192,6 +195,17 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   o.max_sessions = c.max_sessions();
   o.drain_timeout_ms = c.drain_timeout_ms();
   o.log_level = c.log_level();
+  o.eviction_policy = c.eviction_policy();
+  if (o.eviction_policy != "lru" && o.eviction_policy != "frequency" &&
+      o.eviction_policy != "cost") {
+    return InvalidField("eviction_policy", o.eviction_policy,
+                        "is not one of lru, frequency, cost");
+  }
+  o.eviction_half_life_ms = c.eviction_half_life_ms();
+  if (c.prefetch() != "on" && c.prefetch() != "off") {
+    return InvalidField("prefetch", c.prefetch(), "is not on or off");
+  }
+  o.prefetch = c.prefetch() == "on";
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error",
                                                   "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {

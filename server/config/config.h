@@ -42,6 +42,10 @@ struct ServerOptions {
   // Time in-flight calls get to finish after SIGTERM or Drain.
   uint32_t drain_timeout_ms = 10'000;
   std::string log_level = "info";
+  // Promotion caches: eviction order, and prefetch after each Select.
+  std::string eviction_policy = "lru";
+  uint32_t eviction_half_life_ms = 10'000;
+  bool prefetch = true;
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;
 };

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/common/check.h"
 #include "server/common/log.h"
 
 namespace kvtier {
@@ -25,11 +26,20 @@ TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
   return t;
 }
 
-SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, Tier* device, LeaseTable* leases,
-                          const Clock* clock) {
+std::unique_ptr<EvictionPolicy> MakePolicy(const ServerOptions& o) {
+  auto policy = MakeEvictionPolicy(o.eviction_policy, o.eviction_half_life_ms);
+  CHECK(policy.ok());  // Validate checked the name
+  return *std::move(policy);
+}
+
+SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, Tier* device,
+                          PromotionCache* host_copies, PromotionCache* device_copies,
+                          LeaseTable* leases, const Clock* clock) {
   SessionEnv env;
   env.host = host;
   env.device = device;
+  env.host_copies = host_copies;
+  env.device_copies = device_copies;
   env.leases = leases;
   env.clock = clock;
   env.lease_ttl_ms = o.lease_ttl_ms;
@@ -47,8 +57,13 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
     : options_(options),
       host_(MakeTier(options_, v1::TIER_HOST)),
       device_(MakeTier(options_, v1::TIER_DEVICE)),
+      host_copies_(&host_, clock, MakePolicy(options_),
+                   {.half_life_ms = options_.eviction_half_life_ms}),
+      device_copies_(&device_, clock, MakePolicy(options_),
+                     {.half_life_ms = options_.eviction_half_life_ms}),
       leases_(clock),
-      sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &leases_, clock)),
+      sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &host_copies_,
+                                         &device_copies_, &leases_, clock)),
       service_(ServiceEnv{.sessions = &sessions_,
                           .leases = &leases_,
                           .host = &host_,

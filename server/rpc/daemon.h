@@ -21,6 +21,7 @@
 #include "server/metrics/registry.h"
 #include "server/rpc/service.h"
 #include "server/session/session_manager.h"
+#include "server/tier/promotion_cache.h"
 #include "server/tier/tier.h"
 
 namespace kvtier {
@@ -59,6 +60,8 @@ class Daemon {
   // Destroyed in reverse order: sessions and leases drop their slots before the tiers go.
   Tier host_;
   Tier device_;
+  PromotionCache host_copies_;
+  PromotionCache device_copies_;
   LeaseTable leases_;
   SessionManager sessions_;
   KvTierService service_;

@@ -24,6 +24,12 @@ constexpr uint32_t kMaxLayers = 1u << 12;
 constexpr uint32_t kMaxKvHeads = 1u << 12;
 constexpr uint32_t kMaxChunksPerStream = 1u << 28;
 
+// The bytes of a cached copy, 0 when there is none.
+uint64_t CopyBytes(const PromotionCache* cache, const CopyRef& copy) {
+  const SlotRef slot = cache->Peek(copy);
+  return slot ? slot->bytes() : 0;
+}
+
 absl::Status Invalid(absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
@@ -688,31 +694,12 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
   }
 
-  // Every chosen chunk must be readable in fp16 on the target tier. A warm chunk on the host
-  // already is; a cold one needs its dequantized copy there (`promoted`), and device
-  // placement needs a device copy. Allocate all first, so that a full tier changes nothing.
+  // Every chosen chunk must be readable in fp16 on the target tier: a warm chunk on the host
+  // already is; a cold one needs its dequantized copy there, and device placement a device
+  // copy. Copies come from the tier's promotion cache, which makes room by its eviction policy.
   const bool to_device = target == env_.device;
-  std::vector<Chunk*> todo;
-  std::vector<SlotRef> slots;
-  absl::Status allocated = AllocateCopies(layer, chosen, target, &todo, &slots);
-  if (!allocated.ok() && !to_device) {
-    // Make room from this session's own dequantized copies that nobody is reading, then
-    // start over: the chosen chunks whose copies went need them again. (Tier-wide eviction
-    // policies come with tier management.)
-    for (Stream& st : streams_) {
-      for (Chunk& ch : st.chunks) {
-        if (ch.promoted && ch.promoted.use_count() == 1) ch.promoted.reset();
-      }
-    }
-    allocated = AllocateCopies(layer, chosen, target, &todo, &slots);
-  }
-  RETURN_IF_ERROR(allocated);
-  for (size_t i = 0; i < todo.size(); ++i) {
-    Chunk& ch = *todo[i];
-    WriteFp16(ch, slots[i]->data());
-    (to_device ? ch.device : ch.promoted) = std::move(slots[i]);
-  }
-  target->RecordPromotions(todo.size());
+  ASSIGN_OR_RETURN(std::vector<std::vector<SlotRef>> readable,
+                   Readable(layer, chosen, to_device, /*prefetch=*/false));
 
   std::vector<SlotRef> pinned;
   out->set_context_tokens(total);
@@ -720,10 +707,10 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     Stream& s = stream(layer, h);
     v1::HeadSelection* hs = out->add_heads();
     hs->set_kv_head(h);
-    for (uint32_t c : chosen[h]) {
-      const Chunk& chunk = s.chunks[c];
-      const SlotRef& slot = to_device ? chunk.device : (chunk.cold() ? chunk.promoted : chunk.host);
-      FillHandle(chunk, slot.get(), slot->data(), EncodeChunkId({layer, h, c}),
+    for (size_t i = 0; i < chosen[h].size(); ++i) {
+      const uint32_t c = chosen[h][i];
+      const SlotRef& slot = readable[h][i];
+      FillHandle(s.chunks[c], slot.get(), slot->data(), EncodeChunkId({layer, h, c}),
                  req.include_data(), hs->add_blocks());
       pinned.push_back(slot);
     }
@@ -775,28 +762,44 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   return absl::OkStatus();
 }
 
-absl::Status Session::AllocateCopies(uint32_t layer,
-                                     const std::vector<std::vector<uint32_t>>& chosen,
-                                     Tier* target, std::vector<Chunk*>* todo,
-                                     std::vector<SlotRef>* slots) {
-  const bool to_device = target == env_.device;
-  todo->clear();
-  slots->clear();
-  for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
-    for (uint32_t c : chosen[h]) {
-      Chunk& ch = stream(layer, h).chunks[c];
-      if (to_device ? !ch.device : (ch.cold() && !ch.promoted)) todo->push_back(&ch);
+namespace {
+
+// What it costs to remake an evicted copy, for the cost-aware eviction policy: a copy at
+// about 10 GB/s; dequantizing int4 or int8 first, about 4 times that (quant_bench).
+double RemakeCostUs(uint64_t bytes, bool cold) {
+  return static_cast<double>(bytes) * 1e-4 * (cold ? 4 : 1);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
+    uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen, bool to_device,
+    bool prefetch) {
+  PromotionCache* cache = copies(to_device);
+  // Holding every slot found keeps the cache from evicting it while room is made.
+  std::vector<std::vector<SlotRef>> out(chosen.size());
+  std::vector<std::pair<uint32_t, size_t>> todo;  // (kv_head, position in chosen[h])
+  for (uint32_t h = 0; h < chosen.size(); ++h) {
+    for (size_t i = 0; i < chosen[h].size(); ++i) {
+      const Chunk& ch = stream(layer, h).chunks[chosen[h][i]];
+      SlotRef slot = to_device ? cache->Read(ch.device)
+                               : ch.cold() ? cache->Read(ch.promoted) : ch.host;
+      if (!slot) todo.emplace_back(h, i);
+      out[h].push_back(std::move(slot));
     }
   }
-  for (size_t i = 0; i < todo->size(); ++i) {
-    auto slot = target->Allocate(tenant_, slot_bytes());
-    if (!slot.ok()) {
-      slots->clear();  // gives back what was taken
-      return slot.status();
-    }
-    slots->push_back(*std::move(slot));
+  ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
+                   cache->Allocate(tenant_, slot_bytes(), todo.size()));
+  for (size_t j = 0; j < todo.size(); ++j) {
+    const auto [h, i] = todo[j];
+    Chunk& ch = stream(layer, h).chunks[chosen[h][i]];
+    WriteFp16(ch, slots[j]->data());
+    const double cost = RemakeCostUs(2 * ch.num_tokens * row_bytes(), ch.cold());
+    (to_device ? ch.device : ch.promoted) = cache->Insert(slots[j], cost, prefetch);
+    out[h][i] = std::move(slots[j]);
   }
-  return absl::OkStatus();
+  cache->tier()->RecordPromotions(todo.size());
+  return out;
 }
 
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
@@ -817,7 +820,8 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
     }
     const Chunk& c = stream(a.layer, a.kv_head).chunks[a.index];
     // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
-    const Slot* readable = (c.cold() ? c.promoted : c.host).get();
+    const SlotRef promoted = c.cold() ? env_.host_copies->Peek(c.promoted) : nullptr;
+    const Slot* readable = c.cold() ? promoted.get() : c.host.get();
     std::vector<uint16_t> scratch;
     const uint8_t* fp16 =
         readable ? readable->data() : reinterpret_cast<const uint8_t*>(Fp16Rows(c, scratch));
@@ -927,8 +931,9 @@ absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
       for (Stream& s : streams_) {
         for (Chunk& c : s.chunks) {
           if (!c.device) continue;
-          bytes += c.device->bytes();
-          ++chunks;
+          const uint64_t b = env_.device_copies->Drop(c.device);
+          bytes += b;
+          chunks += b > 0;
           c.device.reset();  // a lease still holding it keeps the memory until released
         }
       }
@@ -994,8 +999,8 @@ v1::SessionInfo Session::Info() const {
   auto& by_precision = *info.mutable_chunks_by_precision();
   for (const Stream& s : streams_) {
     for (const Chunk& c : s.chunks) {
-      host += c.host->bytes() + (c.promoted ? c.promoted->bytes() : 0);
-      if (c.device) device += c.device->bytes();
+      host += c.host->bytes() + CopyBytes(env_.host_copies, c.promoted);
+      device += CopyBytes(env_.device_copies, c.device);
       ++by_precision[v1::Precision_Name(c.cold() ? c.precision : warm)];
     }
   }
@@ -1028,8 +1033,8 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
         info->set_precision(c.cold() ? c.precision
                             : shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16
                                                                : v1::PRECISION_FP16);
-        info->set_host_bytes(c.host->bytes() + (c.promoted ? c.promoted->bytes() : 0));
-        info->set_device_bytes(c.device ? c.device->bytes() : 0);
+        info->set_host_bytes(c.host->bytes() + CopyBytes(env_.host_copies, c.promoted));
+        info->set_device_bytes(CopyBytes(env_.device_copies, c.device));
         info->set_generation(c.host->generation());
         info->set_pinned(c.host->pinned());
         info->set_shared(c.host.use_count() > 1);

@@ -45,6 +45,7 @@
 #include "server/common/vec.h"
 #include "server/index/cluster_index.h"
 #include "server/session/lease_table.h"
+#include "server/tier/promotion_cache.h"
 #include "server/tier/tier.h"
 
 namespace kvtier {
@@ -53,6 +54,10 @@ namespace kvtier {
 struct SessionEnv {
   Tier* host = nullptr;
   Tier* device = nullptr;
+  // The fp16 copies Select makes: dequantized cold chunks on the host, any chunk on the
+  // device. Over `host` and `device` respectively.
+  PromotionCache* host_copies = nullptr;
+  PromotionCache* device_copies = nullptr;
   LeaseTable* leases = nullptr;
   const Clock* clock = nullptr;
   uint32_t lease_ttl_ms = 30'000;
@@ -131,8 +136,8 @@ class Session {
     // How `host` holds the chunk: fp16/bf16 (the ChunkLayout) or int4/int8 (QuantLayout).
     v1::Precision precision = v1::PRECISION_FP16;
     SlotRef host;      // the stored bytes
-    SlotRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
-    SlotRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
+    CopyRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
+    CopyRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
     bool cold() const {
       return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8;
     }
@@ -202,11 +207,16 @@ class Session {
   // Quantizes the chunks of `layer` that have wholly left the recent window (sinks stay
   // fp16). A chunk whose slot cannot be had stays fp16 and is retried on the next append.
   void QuantizeCold(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // For the chunks of `chosen` ([kv_head] -> chunk indices of `layer`) that have no fp16 copy
-  // on `target`: the chunks and a fresh slot for each. All or nothing (RESOURCE_EXHAUSTED).
-  absl::Status AllocateCopies(uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen,
-                              Tier* target, std::vector<Chunk*>* todo,
-                              std::vector<SlotRef>* slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The fp16-readable slot of each chunk of `chosen` ([kv_head] -> chunk indices of `layer`)
+  // on the device (`to_device`) or the host, promoting the chunks that have none: all or
+  // nothing (RESOURCE_EXHAUSTED when the cache cannot make room). `prefetch` marks the new
+  // copies as promoted ahead.
+  absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
+      uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen, bool to_device,
+      bool prefetch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PromotionCache* copies(bool to_device) const {
+    return to_device ? env_.device_copies : env_.host_copies;
+  }
 
   // The layout of a cold chunk's bytes.
   QuantLayout ColdLayout(const Chunk& c) const {

@@ -1,0 +1,202 @@
+#include "server/tier/promotion_cache.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/mutex.h"
+
+namespace kvtier {
+
+double DecayedFrequency(const CopyStats& s, int64_t now_ms, int64_t half_life_ms) {
+  const double age = static_cast<double>(std::max<int64_t>(0, now_ms - s.frequency_ms));
+  return s.frequency * std::exp2(-age / static_cast<double>(std::max<int64_t>(1, half_life_ms)));
+}
+
+namespace {
+
+class LruPolicy final : public EvictionPolicy {
+ public:
+  const char* name() const override { return "lru"; }
+  double Keep(const CopyStats& s, int64_t) const override {
+    return static_cast<double>(s.last_access_ms);
+  }
+};
+
+class FrequencyPolicy final : public EvictionPolicy {
+ public:
+  explicit FrequencyPolicy(int64_t half_life_ms) : half_life_ms_(half_life_ms) {}
+  const char* name() const override { return "frequency"; }
+  double Keep(const CopyStats& s, int64_t now_ms) const override {
+    return DecayedFrequency(s, now_ms, half_life_ms_);
+  }
+
+ private:
+  const int64_t half_life_ms_;
+};
+
+class CostAwarePolicy final : public EvictionPolicy {
+ public:
+  explicit CostAwarePolicy(int64_t half_life_ms) : half_life_ms_(half_life_ms) {}
+  const char* name() const override { return "cost"; }
+  double Keep(const CopyStats& s, int64_t now_ms) const override {
+    return DecayedFrequency(s, now_ms, half_life_ms_) * s.cost_us /
+           static_cast<double>(std::max<uint64_t>(1, s.bytes));
+  }
+
+ private:
+  const int64_t half_life_ms_;
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPolicy>(); }
+std::unique_ptr<EvictionPolicy> MakeFrequencyPolicy(int64_t half_life_ms) {
+  return std::make_unique<FrequencyPolicy>(half_life_ms);
+}
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(int64_t half_life_ms) {
+  return std::make_unique<CostAwarePolicy>(half_life_ms);
+}
+
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const std::string& name,
+                                                                   int64_t half_life_ms) {
+  if (name == "lru") return MakeLruPolicy();
+  if (name == "frequency") return MakeFrequencyPolicy(half_life_ms);
+  if (name == "cost") return MakeCostAwarePolicy(half_life_ms);
+  return absl::InvalidArgumentError(
+      absl::StrCat("eviction_policy: \"", name, "\" is not one of lru, frequency, cost"));
+}
+
+PromotionCache::PromotionCache(Tier* tier, const Clock* clock,
+                               std::unique_ptr<EvictionPolicy> policy, Options options)
+    : tier_(tier), clock_(clock), policy_(std::move(policy)), options_(options) {}
+
+void PromotionCache::Touch(CachedCopy& c, int64_t now) const {
+  c.stats_.frequency = DecayedFrequency(c.stats_, now, options_.half_life_ms) + 1;
+  c.stats_.frequency_ms = now;
+  c.stats_.last_access_ms = now;
+}
+
+SlotRef PromotionCache::Read(const CopyRef& copy) {
+  if (!copy) return nullptr;
+  MutexLock lock(&mu_);
+  if (!copy->slot_) return nullptr;
+  Touch(*copy, clock_->NowMs());
+  ++counters_.hits;
+  if (copy->prefetched_) {
+    copy->prefetched_ = false;
+    ++counters_.prefetch_hits;
+  }
+  return copy->slot_;
+}
+
+SlotRef PromotionCache::Peek(const CopyRef& copy) const {
+  if (!copy) return nullptr;
+  MutexLock lock(&mu_);
+  return copy->slot_;
+}
+
+CopyRef PromotionCache::Insert(SlotRef slot, double cost_us, bool prefetched) {
+  const int64_t now = clock_->NowMs();
+  CopyStats stats;
+  stats.bytes = slot->bytes();
+  stats.inserted_ms = now;
+  stats.cost_us = cost_us;
+  auto copy = CopyRef(new CachedCopy(std::move(slot), stats, prefetched));
+  MutexLock lock(&mu_);
+  Touch(*copy, now);
+  ++(prefetched ? counters_.prefetched : counters_.misses);
+  // Forget copies whose chunks dropped them, now and then, so the list stays near the live set.
+  if (copies_.size() >= 64 && copies_.size() == copies_.capacity()) {
+    copies_.erase(std::remove_if(copies_.begin(), copies_.end(),
+                                 [](const std::weak_ptr<CachedCopy>& w) { return w.expired(); }),
+                  copies_.end());
+  }
+  copies_.push_back(copy);
+  return copy;
+}
+
+uint64_t PromotionCache::Drop(const CopyRef& copy) {
+  if (!copy) return 0;
+  MutexLock lock(&mu_);
+  if (!copy->slot_) return 0;
+  const uint64_t bytes = copy->slot_->bytes();
+  copy->slot_.reset();  // a lease still holding the slot keeps its memory until released
+  return bytes;
+}
+
+uint64_t PromotionCache::MakeRoom(uint64_t bytes) {
+  const TierSnapshot st = tier_->Stats();
+  const uint64_t free = st.capacity_bytes > st.used_bytes ? st.capacity_bytes - st.used_bytes : 0;
+  if (free >= bytes) return 0;
+  const int64_t now = clock_->NowMs();
+  struct Candidate {
+    double keep;
+    size_t at;
+  };
+  std::vector<CopyRef> live;
+  std::vector<Candidate> order;
+  size_t kept = 0;
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    CopyRef c = copies_[i].lock();
+    if (!c || !c->slot_) continue;  // dropped by its chunk, or evicted: forget it
+    copies_[kept++] = copies_[i];
+    // Evictable only when the cache's reference is the last: no lease, no Select in flight.
+    if (c->slot_.use_count() == 1 && !c->slot_->pinned()) {
+      order.push_back({policy_->Keep(c->stats_, now), live.size()});
+      live.push_back(std::move(c));
+    }
+  }
+  copies_.resize(kept);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const Candidate& a, const Candidate& b) { return a.keep < b.keep; });
+  uint64_t freed = 0, evicted = 0;
+  for (const Candidate& o : order) {
+    if (free + freed >= bytes) break;
+    CachedCopy& c = *live[o.at];
+    freed += c.slot_->bytes();
+    c.slot_.reset();  // the last reference: the slot goes back to the tier now
+    ++evicted;
+  }
+  counters_.evictions += evicted;
+  counters_.evicted_bytes += freed;
+  tier_->RecordEvictions(evicted);
+  return freed;
+}
+
+absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const std::string& tenant,
+                                                              uint64_t bytes, size_t n) {
+  std::vector<SlotRef> out;
+  out.reserve(n);
+  while (out.size() < n) {
+    auto slot = tier_->Allocate(tenant, bytes);
+    if (!slot.ok() && absl::IsResourceExhausted(slot.status())) {
+      uint64_t freed;
+      {
+        MutexLock lock(&mu_);
+        freed = MakeRoom((n - out.size()) * bytes);
+      }
+      if (freed > 0) slot = tier_->Allocate(tenant, bytes);
+    }
+    if (!slot.ok()) return slot.status();  // what was taken goes back with `out`
+    out.push_back(*std::move(slot));
+  }
+  return out;
+}
+
+PromotionCache::Counters PromotionCache::counters() const {
+  MutexLock lock(&mu_);
+  return counters_;
+}
+
+size_t PromotionCache::size() const {
+  MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& w : copies_) {
+    CopyRef c = w.lock();
+    n += c && c->slot_;
+  }
+  return n;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,135 @@
+// The fp16 copies that Select promotes onto a tier (device copies of any chunk, dequantized
+// host copies of cold chunks), held as a cache bounded by the tier's capacity. When a
+// promotion does not fit, the cache evicts copies nobody is reading, in the order its
+// EvictionPolicy gives; a copy under a lease (or held by a Select in progress) is never
+// evicted. A chunk keeps a CachedCopy; the cache keeps only a weak reference to it, so a
+// chunk that changes or goes away drops its copy without telling the cache.
+//
+// Lock order: Session::mu_ -> PromotionCache::mu_ -> Tier::mu_.
+#ifndef KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
+#define KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/common/clock.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+// What a policy knows of one cached copy.
+struct CopyStats {
+  uint64_t bytes = 0;
+  int64_t inserted_ms = 0;
+  int64_t last_access_ms = 0;
+  double frequency = 0;   // accesses, decayed (halved every half-life), as of frequency_ms
+  int64_t frequency_ms = 0;
+  double cost_us = 0;     // the estimated time to bring the copy back once evicted
+};
+
+// Orders copies for eviction: the lowest Keep value goes first.
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual const char* name() const = 0;
+  virtual double Keep(const CopyStats& s, int64_t now_ms) const = 0;
+};
+
+// The frequency as of now_ms: halved every half_life_ms since it was last updated.
+double DecayedFrequency(const CopyStats& s, int64_t now_ms, int64_t half_life_ms);
+
+// Least recently used.
+std::unique_ptr<EvictionPolicy> MakeLruPolicy();
+// Selection frequency with exponential decay: the least often selected lately goes first.
+std::unique_ptr<EvictionPolicy> MakeFrequencyPolicy(int64_t half_life_ms);
+// Cost-aware (GreedyDual-Size-Frequency): decayed frequency times the cost to bring the copy
+// back, per byte; a copy that is cheap to remake (a plain copy) goes before one that needs
+// dequantizing or a remote fetch.
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(int64_t half_life_ms);
+// "lru", "frequency", "cost"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const std::string& name,
+                                                                   int64_t half_life_ms);
+
+class PromotionCache;
+
+// One cached copy, owned by the chunk it copies.
+class CachedCopy {
+ public:
+  CachedCopy(const CachedCopy&) = delete;
+  CachedCopy& operator=(const CachedCopy&) = delete;
+
+ private:
+  friend class PromotionCache;
+  CachedCopy(SlotRef slot, CopyStats stats, bool prefetched)
+      : slot_(std::move(slot)), stats_(stats), prefetched_(prefetched) {}
+  SlotRef slot_;  // null once evicted; guarded by the cache's mutex
+  CopyStats stats_;
+  bool prefetched_;  // promoted ahead by a prefetch and not read since
+};
+using CopyRef = std::shared_ptr<CachedCopy>;
+
+class PromotionCache {
+ public:
+  struct Options {
+    int64_t half_life_ms = 10'000;
+  };
+  PromotionCache(Tier* tier, const Clock* clock, std::unique_ptr<EvictionPolicy> policy,
+                 Options options);
+  PromotionCache(Tier* tier, const Clock* clock, std::unique_ptr<EvictionPolicy> policy)
+      : PromotionCache(tier, clock, std::move(policy), Options{}) {}
+
+  Tier* tier() const { return tier_; }
+  const EvictionPolicy& policy() const { return *policy_; }
+
+  // The copy's slot while it is cached, recording a read (and a prefetch hit on the first
+  // read of a prefetched copy); null when `copy` is null or was evicted.
+  SlotRef Read(const CopyRef& copy);
+  // As Read, without recording anything.
+  SlotRef Peek(const CopyRef& copy) const;
+
+  // `n` slots of `bytes` for `tenant`, all or nothing. When the tier is full, evicts
+  // unpinned copies that nobody else holds, by the policy, until they fit;
+  // RESOURCE_EXHAUSTED when even that leaves too little room.
+  absl::StatusOr<std::vector<SlotRef>> Allocate(const std::string& tenant, uint64_t bytes,
+                                                size_t n);
+
+  // Registers a filled slot as a cached copy that would cost `cost_us` to remake.
+  CopyRef Insert(SlotRef slot, double cost_us, bool prefetched);
+
+  // Drops a copy now (a session's Evict); returns its bytes, 0 if it was not cached.
+  uint64_t Drop(const CopyRef& copy);
+
+  struct Counters {
+    uint64_t hits = 0;             // reads that found their copy cached
+    uint64_t misses = 0;           // copies made because a Select needed them
+    uint64_t evictions = 0;        // copies evicted to make room
+    uint64_t evicted_bytes = 0;
+    uint64_t prefetched = 0;       // copies promoted ahead
+    uint64_t prefetch_hits = 0;    // prefetched copies later read by a Select
+  };
+  Counters counters() const;
+  size_t size() const;  // copies currently cached
+
+ private:
+  // Evicts until `bytes` more would fit (or nothing evictable is left); returns bytes freed.
+  uint64_t MakeRoom(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Touch(CachedCopy& c, int64_t now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Tier* const tier_;
+  const Clock* const clock_;
+  const std::unique_ptr<EvictionPolicy> policy_;
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::vector<std::weak_ptr<CachedCopy>> copies_ ABSL_GUARDED_BY(mu_);
+  Counters counters_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_TIER_PROMOTION_CACHE_H_

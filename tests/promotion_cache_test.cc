@@ -1,0 +1,169 @@
+// The promotion cache: eviction order under each policy as time is driven through a
+// ManualClock, and the copies it must never evict.
+#include "server/tier/promotion_cache.h"
+
+#include <unistd.h>
+
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+using Code = absl::StatusCode;
+constexpr uint64_t kSlot = 4096;
+
+TierOptions Room(int slots) {
+  static int n = 0;
+  TierOptions o;
+  o.tier = v1::TIER_DEVICE;
+  o.emulated = true;
+  o.instance = "cachetest-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  o.capacity_bytes = slots * kSlot;
+  o.segment_bytes = 1 << 20;
+  return o;
+}
+
+// A tier with room for `slots` slots and a cache over it.
+struct Fixture {
+  Fixture(int slots, std::unique_ptr<EvictionPolicy> policy)
+      : tier(Room(slots)), cache(&tier, &clock, std::move(policy), {.half_life_ms = 1000}) {}
+  // A new copy whose first byte is `tag`.
+  CopyRef Add(uint8_t tag, double cost_us = 1, bool prefetched = false) {
+    auto slots = cache.Allocate("t", kSlot, 1);
+    EXPECT_TRUE(slots.ok()) << slots.status();
+    (*slots)[0]->data()[0] = tag;
+    return cache.Insert((*slots)[0], cost_us, prefetched);
+  }
+  ManualClock clock;
+  Tier tier;
+  PromotionCache cache;
+};
+
+bool Cached(const Fixture& f, const CopyRef& c) { return f.cache.Peek(c) != nullptr; }
+
+TEST(PromotionCache, LruEvictsTheLeastRecentlyRead) {
+  Fixture f(3, MakeLruPolicy());
+  CopyRef a = f.Add(1);
+  f.clock.AdvanceMs(10);
+  CopyRef b = f.Add(2);
+  f.clock.AdvanceMs(10);
+  CopyRef c = f.Add(3);
+  f.clock.AdvanceMs(10);
+  ASSERT_NE(f.cache.Read(a), nullptr);  // a is now the most recent
+  f.clock.AdvanceMs(10);
+  CopyRef d = f.Add(4);  // the tier is full: b goes
+  EXPECT_TRUE(Cached(f, a));
+  EXPECT_FALSE(Cached(f, b));
+  EXPECT_TRUE(Cached(f, c));
+  EXPECT_EQ(f.cache.Read(d)->data()[0], 4);
+  EXPECT_EQ(f.cache.Read(a)->data()[0], 1);
+  EXPECT_EQ(f.tier.Stats().used_bytes, 3 * kSlot);
+  EXPECT_EQ(f.cache.counters().evictions, 1u);
+  EXPECT_EQ(f.tier.Stats().evictions, 1u);
+}
+
+TEST(PromotionCache, FrequencyDecaysWithTime) {
+  // Read often long ago versus read twice just now: with 1 s half-lives the old counts fade.
+  for (int64_t gap : {0, 10'000}) {
+    Fixture f(2, MakeFrequencyPolicy(1000));
+    CopyRef often = f.Add(1);
+    for (int i = 0; i < 5; ++i) f.cache.Read(often);
+    f.clock.AdvanceMs(gap);
+    CopyRef recent = f.Add(2);
+    f.cache.Read(recent);
+    f.Add(3);
+    if (gap == 0) {  // 6 reads against 2: the recent one goes
+      EXPECT_TRUE(Cached(f, often));
+      EXPECT_FALSE(Cached(f, recent));
+    } else {  // 6 * 2^-10 against 2
+      EXPECT_FALSE(Cached(f, often));
+      EXPECT_TRUE(Cached(f, recent));
+    }
+  }
+  CopyStats s;
+  s.frequency = 8;
+  s.frequency_ms = 0;
+  EXPECT_DOUBLE_EQ(DecayedFrequency(s, 3000, 1000), 1.0);
+}
+
+TEST(PromotionCache, CostAwareKeepsWhatIsDearToRemake) {
+  Fixture f(2, MakeCostAwarePolicy(1000));
+  CopyRef dear = f.Add(1, /*cost_us=*/40);  // say, a dequantized int4 chunk
+  CopyRef cheap = f.Add(2, /*cost_us=*/10);
+  f.cache.Read(cheap);  // read twice as often, but a quarter of the cost
+  f.Add(3);
+  EXPECT_TRUE(Cached(f, dear));
+  EXPECT_FALSE(Cached(f, cheap));
+  // The same reads under LRU evict the other one.
+  Fixture g(2, MakeLruPolicy());
+  CopyRef first = g.Add(1, 40);
+  g.clock.AdvanceMs(1);
+  CopyRef second = g.Add(2, 10);
+  g.cache.Read(second);
+  g.Add(3);
+  EXPECT_FALSE(Cached(g, first));
+  EXPECT_TRUE(Cached(g, second));
+}
+
+TEST(PromotionCache, LeasedOrHeldCopiesAreNeverEvicted) {
+  Fixture f(2, MakeLruPolicy());
+  CopyRef leased = f.Add(1);
+  CopyRef held = f.Add(2);
+  SlotRef lease_view = f.cache.Read(leased);
+  lease_view->Pin();  // as a lease does
+  SlotRef reader = f.cache.Read(held);  // as a Select in flight does
+  lease_view.reset();
+  EXPECT_THAT(f.cache.Allocate("t", kSlot, 1), StatusIs(Code::kResourceExhausted));
+  EXPECT_TRUE(Cached(f, leased));
+  EXPECT_TRUE(Cached(f, held));
+  reader.reset();
+  ASSERT_OK(f.cache.Allocate("t", kSlot, 1).status());  // `held` can go now
+  EXPECT_FALSE(Cached(f, held));
+  EXPECT_TRUE(Cached(f, leased));
+  f.cache.Peek(leased)->Unpin();
+}
+
+TEST(PromotionCache, AllOrNothingAndDroppedCopiesFreeTheirSlots) {
+  Fixture f(3, MakeLruPolicy());
+  CopyRef a = f.Add(1);
+  {
+    CopyRef gone = f.Add(2);  // its chunk lets go of it: the memory returns at once
+  }
+  EXPECT_EQ(f.tier.Stats().used_bytes, kSlot);
+  SlotRef pin = f.cache.Read(a);
+  EXPECT_THAT(f.cache.Allocate("t", kSlot, 3), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(f.tier.Stats().used_bytes, kSlot) << "nothing kept from a refused allocation";
+  ASSERT_OK(f.cache.Allocate("t", kSlot, 2).status());
+  EXPECT_EQ(f.cache.Drop(a), kSlot);
+  EXPECT_EQ(f.cache.Drop(a), 0u);
+  EXPECT_EQ(pin->data()[0], 1) << "a reader keeps the bytes of a dropped copy";
+}
+
+TEST(PromotionCache, CountsHitsMissesAndPrefetchHits) {
+  Fixture f(4, MakeLruPolicy());
+  CopyRef wanted = f.Add(1);
+  CopyRef ahead = f.Add(2, 1, /*prefetched=*/true);
+  CopyRef unused = f.Add(3, 1, /*prefetched=*/true);
+  f.cache.Read(wanted);
+  f.cache.Read(ahead);
+  f.cache.Read(ahead);
+  const auto c = f.cache.counters();
+  EXPECT_EQ(c.misses, 1u);
+  EXPECT_EQ(c.prefetched, 2u);
+  EXPECT_EQ(c.hits, 3u);
+  EXPECT_EQ(c.prefetch_hits, 1u);  // the first read of `ahead` only
+  EXPECT_EQ(f.cache.size(), 3u);
+}
+
+TEST(EvictionPolicy, NamesAreChecked) {
+  for (const char* name : {"lru", "frequency", "cost"}) {
+    ASSERT_OK_AND_ASSIGN(auto p, MakeEvictionPolicy(name, 1000));
+    EXPECT_STREQ(p->name(), name);
+  }
+  EXPECT_THAT(MakeEvictionPolicy("fifo", 1000),
+              StatusIs(Code::kInvalidArgument, "eviction_policy"));
+}
+
+}  // namespace
+}  // namespace kvtier
