@@ -895,8 +895,8 @@ TEST(ColdChunks, DevicePlacementDequantizesIntoTheDeviceTier) {
   EXPECT_EQ(read[0].stored_precision(), v1::PRECISION_INT4);
 }
 
-// A full host tier makes room from the session's unread dequantized copies, including those
-// of chunks this very Select chose again: they must be made anew, not handed out freed.
+// A full host tier makes room by evicting dequantized copies nobody is reading (the host
+// promotion cache); the copies this very Select chose again are held and never evicted.
 TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {
   // Two layers (layer 0 dense) of one stream, 400 tokens, d 64: chunk 0 (sink) and 21..24
   // (window) fp16, 1..20 int4.
@@ -937,6 +937,60 @@ TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {
   v1::SelectResponse second = select(1.f, {3, 4, 5, 19, 20});
   EXPECT_LE(e.host.Stats().used_bytes, warm + cold + 6 * 4096);
   ASSERT_OK(e.leases.Release("t", second.lease_id()));
+}
+
+// The device tier is one cache for every session: a session's promotion evicts another's
+// unleased copies (least recently used first) instead of failing, and the evicted chunks
+// come back exact when selected again.
+TEST(ColdChunks, DeviceCopiesOfOneSessionMakeRoomForAnother) {
+  // d 64, 1 KV head: a device slot is 16 * 64 * 4 = 4 KiB; room for 20.
+  Env e(64 << 20, 20 * 4096);
+  Fixture a = Make(e, 1, 2, 1, 64, 256, Cold(), 1);
+  Fixture b = Make(e, 1, 2, 1, 64, 256, Cold(), 2);
+  ASSERT_OK(AppendAll(a, 256, 64));
+  ASSERT_OK(AppendAll(b, 256, 64));
+  auto on_device = [&](Fixture& f) {
+    auto req = SelectReq(f, 0, 160);  // dense layer 0: all 16 chunks
+    req.set_placement(v1::TIER_DEVICE);
+    v1::SelectResponse resp;
+    EXPECT_OK(f.session->Select(req, &resp));
+    for (const auto& blk : resp.heads(0).blocks()) {
+      EXPECT_EQ(blk.tier(), v1::TIER_DEVICE);
+      const auto want = HeadRows(f.k[0], f, 0, blk.positions(0), blk.num_tokens());
+      for (size_t i = 0; i < want.size(); ++i) {  // int4 rows: within the quantization bound
+        EXPECT_NEAR(HalfToFloat(reinterpret_cast<const uint16_t*>(blk.keys().data())[i]),
+                    HalfToFloat(want[i]), 0.3f);
+      }
+    }
+    EXPECT_OK(e.leases.Release("t", resp.lease_id()));
+    return resp;
+  };
+  on_device(a);
+  EXPECT_EQ(a.session->Info().bytes_by_tier().at("TIER_DEVICE"), 16u * 4096);
+  e.clock.AdvanceMs(10);
+  on_device(b);  // 16 more copies: 12 of a's go
+  EXPECT_EQ(e.device.Stats().used_bytes, 20u * 4096);
+  EXPECT_EQ(a.session->Info().bytes_by_tier().at("TIER_DEVICE"), 4u * 4096);
+  EXPECT_EQ(b.session->Info().bytes_by_tier().at("TIER_DEVICE"), 16u * 4096);
+  EXPECT_EQ(e.device.Stats().evictions, 12u);
+  EXPECT_EQ(e.device_copies.counters().evictions, 12u);
+  e.clock.AdvanceMs(10);
+  on_device(a);  // a's 4 survivors are hits; 12 are made again, evicting b's oldest
+  EXPECT_EQ(e.device_copies.counters().hits, 4u);
+  EXPECT_EQ(e.device_copies.counters().misses, 16u + 16u + 12u);
+  // A lease keeps its copies: with every copy leased, a promotion fails and changes nothing.
+  auto req = SelectReq(b, 0, 160);
+  req.set_placement(v1::TIER_DEVICE);
+  v1::SelectResponse held_b;
+  ASSERT_OK(b.session->Select(req, &held_b));
+  auto req_a = SelectReq(a, 0, 160);
+  req_a.set_placement(v1::TIER_DEVICE);
+  v1::SelectResponse held_a;
+  EXPECT_THAT(a.session->Select(req_a, &held_a), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(e.device.Stats().used_bytes, 20u * 4096);
+  ASSERT_OK(e.leases.Release("t", held_b.lease_id()));
+  ASSERT_OK(a.session->Select(req_a, &held_a));
+  ASSERT_OK(e.leases.Release("t", held_a.lease_id()));
 }
 
 TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {
