@@ -8,6 +8,7 @@
 
 #include "server/common/fp16.h"
 #include "server/config/policy.h"
+#include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
 #include "kernels/quant_layout.h"
 #include "tests/test_util.h"
@@ -991,6 +992,76 @@ TEST(ColdChunks, DeviceCopiesOfOneSessionMakeRoomForAnother) {
   ASSERT_OK(e.leases.Release("t", held_b.lease_id()));
   ASSERT_OK(a.session->Select(req_a, &held_a));
   ASSERT_OK(e.leases.Release("t", held_a.lease_id()));
+}
+
+// Prefetch promotes what a 25% larger budget would add: a Select with that budget then finds
+// every chunk cached, and the prefetch itself reads nothing and counts no Select work.
+TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
+  for (auto placement : {v1::TIER_DEVICE, v1::TIER_HOST}) {
+    Env e;
+    Fixture f = Make(e, 3, 4, 2, 64, 1200, Cold(), 5);
+    ASSERT_OK(AppendAll(f, 1200, 300));
+    PromotionCache& cache = placement == v1::TIER_DEVICE ? e.device_copies : e.host_copies;
+    auto req = SelectReq(f, 2, 256, 7);
+    req.set_placement(placement);
+    v1::SelectResponse first;
+    ASSERT_OK(f.session->Select(req, &first));
+    const uint64_t made_first = cache.counters().misses;
+    const auto stats_before = f.session->Layers()[2];
+    ASSERT_OK_AND_ASSIGN(uint64_t prefetched, f.session->Prefetch(req, 25));
+    EXPECT_GT(prefetched, 0u);
+    EXPECT_EQ(cache.counters().prefetched, prefetched);
+    EXPECT_EQ(cache.counters().hits, 0u) << "a prefetch is not a read";
+    EXPECT_EQ(f.session->Layers()[2].select_candidates(), stats_before.select_candidates());
+    // The larger selection: everything is cached now, the prefetched copies are hits.
+    auto bigger = req;
+    bigger.set_budget_tokens(320);
+    v1::SelectResponse second;
+    ASSERT_OK(f.session->Select(bigger, &second));
+    EXPECT_EQ(cache.counters().misses, made_first) << v1::Tier_Name(placement);
+    EXPECT_EQ(cache.counters().prefetch_hits, prefetched);
+    // Which chunks: those of the 320-token choice that the 256-token one left out.
+    std::set<uint64_t> small, large;
+    for (const auto& h : first.heads()) {
+      for (const auto& b : h.blocks()) small.insert(b.chunk_id());
+    }
+    size_t needs_copy = 0;
+    for (const auto& h : second.heads()) {
+      for (const auto& b : h.blocks()) {
+        large.insert(b.chunk_id());
+        const bool copied = placement == v1::TIER_DEVICE || b.stored_precision() == v1::PRECISION_INT4;
+        needs_copy += copied && !small.count(b.chunk_id());
+      }
+    }
+    EXPECT_EQ(prefetched, needs_copy);
+    EXPECT_TRUE(std::includes(large.begin(), large.end(), small.begin(), small.end()));
+    ASSERT_OK(e.leases.Release("t", first.lease_id()));
+    ASSERT_OK(e.leases.Release("t", second.lease_id()));
+  }
+}
+
+TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
+  Env e;
+  Fixture f = Make(e, 3, 4, 2, 64, 1200, Cold(), 6);
+  ASSERT_OK(AppendAll(f, 1200, 400));
+  std::shared_ptr<Session> session(std::move(f.session));
+  Prefetcher prefetcher(25, /*max_queue=*/64);
+  auto req = SelectReq(f, 2, 256, 3);
+  req.set_placement(v1::TIER_DEVICE);
+  for (uint32_t seed = 0; seed < 4; ++seed) {
+    req.set_query(Query(f, seed));
+    prefetcher.Enqueue(session, req);
+  }
+  prefetcher.WaitIdle();
+  auto c = prefetcher.counters();
+  EXPECT_EQ(c.tasks, 4u);
+  EXPECT_EQ(c.failed, 0u);
+  EXPECT_EQ(c.copies, e.device_copies.counters().prefetched);
+  EXPECT_GT(c.copies, 0u);
+  session->Close();
+  prefetcher.Enqueue(session, req);
+  prefetcher.WaitIdle();
+  EXPECT_EQ(prefetcher.counters().failed, 1u);  // NOT_FOUND, quietly
 }
 
 TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {

@@ -62,6 +62,7 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       device_copies_(&device_, clock, MakePolicy(options_),
                      {.half_life_ms = options_.eviction_half_life_ms}),
       leases_(clock),
+      prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
       sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &host_copies_,
                                          &device_copies_, &leases_, clock)),
       service_(ServiceEnv{.sessions = &sessions_,
@@ -69,6 +70,7 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .host = &host_,
                           .device = &device_,
                           .metrics = &metrics_,
+                          .prefetcher = prefetcher_.get(),
                           .on_drain = [this] { RequestShutdown(); }}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
@@ -138,6 +140,34 @@ void Daemon::RegisterGauges() {
       metrics_.GetCounter("kvtier_tier_allocation_failures_total",
                           "Allocations refused (tier full or shm error)", l)
           .IncreaseTo(s.allocation_failures);
+    }
+    for (const PromotionCache* c : {&host_copies_, &device_copies_}) {
+      const PromotionCache::Counters n = c->counters();
+      metrics::Labels l{{"tier", TierShortName(c->tier()->options().tier)},
+                        {"policy", c->policy().name()}};
+      metrics_.GetGauge("kvtier_cache_copies", "Promoted fp16 copies cached on the tier", l)
+          .Set(static_cast<double>(c->size()));
+      metrics_.GetCounter("kvtier_cache_hits_total", "Selected chunks whose copy was cached", l)
+          .IncreaseTo(n.hits);
+      metrics_.GetCounter("kvtier_cache_misses_total", "Selected chunks promoted on demand", l)
+          .IncreaseTo(n.misses);
+      metrics_.GetCounter("kvtier_cache_evictions_total", "Copies evicted to make room", l)
+          .IncreaseTo(n.evictions);
+      metrics_.GetCounter("kvtier_prefetched_total", "Copies promoted ahead of a Select", l)
+          .IncreaseTo(n.prefetched);
+      metrics_.GetCounter("kvtier_prefetch_hits_total",
+                          "Prefetched copies that a later Select read", l)
+          .IncreaseTo(n.prefetch_hits);
+    }
+    if (prefetcher_) {
+      const Prefetcher::Counters p = prefetcher_->counters();
+      metrics_.GetCounter("kvtier_prefetch_tasks_total", "Prefetches run after a Select")
+          .IncreaseTo(p.tasks);
+      metrics_.GetCounter("kvtier_prefetch_dropped_total", "Prefetches dropped, queue full")
+          .IncreaseTo(p.dropped);
+      metrics_.GetCounter("kvtier_prefetch_failed_total",
+                          "Prefetches that ended early (full tier, closed session)")
+          .IncreaseTo(p.failed);
     }
     metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());
     metrics_.GetGauge("kvtier_leases", "Live leases").Set(leases_.size());

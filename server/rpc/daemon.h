@@ -63,6 +63,7 @@ class Daemon {
   PromotionCache host_copies_;
   PromotionCache device_copies_;
   LeaseTable leases_;
+  std::unique_ptr<Prefetcher> prefetcher_;  // null when prefetch is off
   SessionManager sessions_;
   KvTierService service_;
   std::unique_ptr<grpc::Server> server_;

@@ -178,6 +178,7 @@ grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx
   return Unary(ctx, "Select", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
     RETURN_IF_ERROR(session->Select(*req, resp));
+    if (env_.prefetcher) env_.prefetcher->Enqueue(std::move(session), *req);
     TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
     return absl::OkStatus();
   });
@@ -192,7 +193,9 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
       const v1::SelectRequest& r = req->requests(i);
       absl::Status s = [&]() -> absl::Status {
         ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, r.session_id()));
-        return session->Select(r, resp->add_responses());
+        RETURN_IF_ERROR(session->Select(r, resp->add_responses()));
+        if (env_.prefetcher) env_.prefetcher->Enqueue(std::move(session), r);
+        return absl::OkStatus();
       }();
       if (!s.ok()) {
         // All or nothing: end the leases already granted in this batch.

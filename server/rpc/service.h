@@ -13,6 +13,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
+#include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
 
 namespace kvtier {
@@ -29,6 +30,8 @@ struct ServiceEnv {
   Tier* host = nullptr;
   Tier* device = nullptr;
   metrics::Registry* metrics = nullptr;
+  // Null: no prefetch after Select.
+  Prefetcher* prefetcher = nullptr;
   // Called once by the Drain RPC, after its reply is queued.
   std::function<void()> on_drain;
 };

@@ -578,11 +578,12 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
     uniform = uniform && s.chunks[c].num_tokens == ct;
     if (!s.index || !s.index->contains(c)) extras.push_back(candidate(c));
   }
-  select_candidates_[layer] += candidates;
+  const bool record = layer != kNoLayer;
+  if (record) select_candidates_[layer] += candidates;
   if (!s.index || !uniform || candidates < kIndexMinCandidates) {
     // Nothing indexed yet, chunks of several sizes (the greedy fill is not a top-k), or too
     // few chunks for pruning to pay for its bounds: scan. The answer is the same.
-    select_scored_[layer] += candidates;
+    if (record) select_scored_[layer] += candidates;
     std::vector<ChunkCandidate> all;
     all.reserve(candidates);
     for (uint32_t c = 0; c < mandatory.size(); ++c) {
@@ -597,7 +598,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
   ClusterIndex::SearchStats stats;
   std::vector<uint32_t> found = s.index->Search(policy_.ranking(), qh, static_cast<int>(group),
                                                 k, s.arrays(), mandatory, &stats);
-  select_scored_[layer] += stats.chunks_scored + extras.size();
+  if (record) select_scored_[layer] += stats.chunks_scored + extras.size();
   if (extras.empty()) return found;
   for (uint32_t c : found) extras.push_back(candidate(c));
   std::sort(extras.begin(), extras.end(),
@@ -605,9 +606,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
   return SelectChunks(policy_.ranking(), qh, static_cast<int>(group), d, extras, budget);
 }
 
-absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
-  const uint32_t kvh = shape_.num_kv_heads();
-  const uint32_t group = shape_.num_q_heads() / kvh;
+absl::StatusOr<std::vector<float>> Session::CheckSelect(const v1::SelectRequest& req) const {
   const int d = static_cast<int>(shape_.head_dim());
   if (req.layer() >= shape_.num_layers()) {
     return Invalid("layer", absl::StrFormat("%d is outside [0, %d)", req.layer(),
@@ -625,13 +624,10 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       return Invalid("query", absl::StrFormat("element %d is not finite", i));
     }
   }
-  Tier* target = env_.host;
   switch (req.placement()) {
     case v1::TIER_UNSPECIFIED:
     case v1::TIER_HOST:
-      break;
     case v1::TIER_DEVICE:
-      target = env_.device;
       break;
     default:
       return Invalid("placement", absl::StrCat(v1::Tier_Name(req.placement()),
@@ -643,20 +639,23 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     return Invalid("lease_ms", absl::StrFormat("%d is above the daemon's max_lease_ms %d", ttl,
                                                env_.max_lease_ms));
   }
+  return q;
+}
 
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpen());
-  last_access_ms_ = env_.clock->NowMs();
-  const uint32_t layer = req.layer();
+absl::StatusOr<bool> Session::Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
+                                     bool record,
+                                     std::vector<std::vector<uint32_t>>* chosen) {
+  const uint32_t kvh = shape_.num_kv_heads();
+  const uint32_t group = shape_.num_q_heads() / kvh;
+  const int d = static_cast<int>(shape_.head_dim());
   const uint64_t total = layer_tokens_[layer];
-  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
   const bool everything = layer < policy_.dense_layers() || total <= budget;
   const uint64_t sink_end = std::min<uint64_t>(policy_.sink_tokens(), total);
   const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
 
   // Per head: which chunks, in position order. Always returned: every chunk with a row among
   // the sinks or in the recent window (a regrouped chunk counts by its first and last rows).
-  std::vector<std::vector<uint32_t>> chosen(kvh);
+  chosen->assign(kvh, {});
   for (uint32_t h = 0; h < kvh; ++h) {
     Stream& s = stream(layer, h);
     const auto nchunks = static_cast<uint32_t>(s.chunks.size());
@@ -682,22 +681,39 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
     std::vector<bool> take = mandatory;
     if (!everything) {
-      std::span<const float> qh(q.data() + static_cast<size_t>(h) * group * d,
-                                static_cast<size_t>(group) * d);
+      std::span<const float> qh = q.subspan(static_cast<size_t>(h) * group * d,
+                                            static_cast<size_t>(group) * d);
       for (uint32_t c : RankCandidates(s, qh, group, mandatory, budget - mandatory_tokens,
-                                       layer)) {
+                                       record ? layer : kNoLayer)) {
         take[c] = true;
       }
     }
     for (uint32_t c = 0; c < nchunks; ++c) {
-      if (take[c]) chosen[h].push_back(c);
+      if (take[c]) (*chosen)[h].push_back(c);
     }
   }
+  return everything;
+}
+
+absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
+  ASSIGN_OR_RETURN(const std::vector<float> q, CheckSelect(req));
+  const uint32_t kvh = shape_.num_kv_heads();
+  const int d = static_cast<int>(shape_.head_dim());
+  const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
+  const bool to_device = req.placement() == v1::TIER_DEVICE;
+
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  last_access_ms_ = env_.clock->NowMs();
+  const uint32_t layer = req.layer();
+  const uint64_t total = layer_tokens_[layer];
+  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
+  std::vector<std::vector<uint32_t>> chosen;
+  ASSIGN_OR_RETURN(const bool everything, Choose(layer, q, budget, /*record=*/true, &chosen));
 
   // Every chosen chunk must be readable in fp16 on the target tier: a warm chunk on the host
   // already is; a cold one needs its dequantized copy there, and device placement a device
   // copy. Copies come from the tier's promotion cache, which makes room by its eviction policy.
-  const bool to_device = target == env_.device;
   ASSIGN_OR_RETURN(std::vector<std::vector<SlotRef>> readable,
                    Readable(layer, chosen, to_device, /*prefetch=*/false));
 
@@ -782,8 +798,11 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
   for (uint32_t h = 0; h < chosen.size(); ++h) {
     for (size_t i = 0; i < chosen[h].size(); ++i) {
       const Chunk& ch = stream(layer, h).chunks[chosen[h][i]];
-      SlotRef slot = to_device ? cache->Read(ch.device)
-                               : ch.cold() ? cache->Read(ch.promoted) : ch.host;
+      // A prefetch only looks: it is not a read of the copies already there.
+      const CopyRef& copy = to_device ? ch.device : ch.promoted;
+      SlotRef slot = !to_device && !ch.cold() ? ch.host
+                     : prefetch              ? cache->Peek(copy)
+                                             : cache->Read(copy);
       if (!slot) todo.emplace_back(h, i);
       out[h].push_back(std::move(slot));
     }
@@ -800,6 +819,23 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
   }
   cache->tier()->RecordPromotions(todo.size());
   return out;
+}
+
+absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req,
+                                           uint32_t extra_percent) {
+  ASSIGN_OR_RETURN(const std::vector<float> q, CheckSelect(req));
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
+  std::vector<std::vector<uint32_t>> chosen;
+  ASSIGN_OR_RETURN(const bool everything,
+                   Choose(req.layer(), q, budget + budget * extra_percent / 100,
+                          /*record=*/false, &chosen));
+  if (everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
+  const bool to_device = req.placement() == v1::TIER_DEVICE;
+  const uint64_t before = copies(to_device)->counters().prefetched;
+  RETURN_IF_ERROR(Readable(req.layer(), chosen, to_device, /*prefetch=*/true).status());
+  return copies(to_device)->counters().prefetched - before;
 }
 
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(

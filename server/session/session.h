@@ -101,6 +101,12 @@ class Session {
   // window chunks; RESOURCE_EXHAUSTED when the device tier cannot take a promotion.
   absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
 
+  // Promotes ahead, onto the request's placement tier, the chunks that `req` would choose
+  // with a budget `extra_percent` larger (those it chose are cached already), so that the
+  // next step's Select finds them. Returns the copies made. Errors as Select's; a full tier
+  // is RESOURCE_EXHAUSTED and changes nothing.
+  absl::StatusOr<uint64_t> Prefetch(const v1::SelectRequest& req, uint32_t extra_percent);
+
   // Handles with data for `chunk_ids`. NOT_FOUND names an id that is not in the session.
   absl::StatusOr<std::vector<v1::BlockHandle>> ReadChunks(const std::vector<uint64_t>& ids);
 
@@ -184,8 +190,18 @@ class Session {
   // whose slots cannot be had waits for the next append.
   void RegroupSpans(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A Select's checks that need no lock; returns the query as floats.
+  absl::StatusOr<std::vector<float>> CheckSelect(const v1::SelectRequest& req) const;
+  // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
+  // the best by the ranking (counted in the layer's stats when `record`). Returns whether the
+  // whole layer was chosen (dense, or it fits).
+  absl::StatusOr<bool> Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
+                              bool record, std::vector<std::vector<uint32_t>>* chosen)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr uint32_t kNoLayer = ~0u;
   // The best candidates (not `mandatory`) of one stream within `budget` tokens, as
-  // SelectChunks ranks them, through the stream's cluster index; counts the work per layer.
+  // SelectChunks ranks them, through the stream's cluster index; counts the work per layer
+  // (none for kNoLayer).
   std::vector<uint32_t> RankCandidates(const Stream& s, std::span<const float> qh,
                                        uint32_t group, const std::vector<bool>& mandatory,
                                        uint64_t budget, uint32_t layer)

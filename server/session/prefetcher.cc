@@ -1,0 +1,73 @@
+#include "server/session/prefetcher.h"
+
+#include "server/common/mutex.h"
+
+namespace kvtier {
+
+Prefetcher::Prefetcher(uint32_t extra_percent, size_t max_queue)
+    : extra_percent_(extra_percent), max_queue_(max_queue), worker_([this] { Run(); }) {}
+
+Prefetcher::~Prefetcher() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  worker_.join();
+}
+
+void Prefetcher::Enqueue(std::shared_ptr<Session> session, const v1::SelectRequest& req) {
+  MutexLock lock(&mu_);
+  if (stop_) return;
+  if (queue_.size() >= max_queue_) {  // the oldest guess is the least useful now
+    queue_.pop_front();
+    ++counters_.dropped;
+  }
+  Task t{std::move(session), req};
+  t.req.clear_query();  // the query is kept below without the copy of the whole message
+  t.req.set_query(req.query());
+  queue_.push_back(std::move(t));
+}
+
+void Prefetcher::WaitIdle() {
+  MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](Prefetcher* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
+        return p->stop_ || (p->queue_.empty() && !p->busy_);
+      },
+      this));
+}
+
+Prefetcher::Counters Prefetcher::counters() const {
+  MutexLock lock(&mu_);
+  return counters_;
+}
+
+void Prefetcher::Run() {
+  for (;;) {
+    Task task;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Prefetcher* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
+            return p->stop_ || !p->queue_.empty();
+          },
+          this));
+      if (stop_) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    absl::StatusOr<uint64_t> made = task.session->Prefetch(task.req, extra_percent_);
+    task.session.reset();  // a closed session's last reference goes here, off the lock
+    MutexLock lock(&mu_);
+    busy_ = false;
+    ++counters_.tasks;
+    if (made.ok()) {
+      counters_.copies += *made;
+    } else {
+      ++counters_.failed;
+    }
+  }
+}
+
+}  // namespace kvtier
