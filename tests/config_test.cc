@@ -56,6 +56,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"max_lease_ms: 90000000", "max_lease_ms"},
       {"metrics_port: 70000", "metrics_port"},
       {"log_level: \"loud\"", "log_level"},
+      {"eviction_policy: \"fifo\"", "eviction_policy"},
+      {"prefetch: \"maybe\"", "prefetch"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},
       {"default_policy { chunking: CHUNKING_BOUNDARY }", "default_policy.delimiter_token_ids"},
       {"default_policy { chunking: CHUNKING_BOUNDARY chunk_tokens: 40 delimiter_token_ids: 13 }",

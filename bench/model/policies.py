@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from llama import attend, softmax
+from kvtier.v1 import kvtier_pb2 as pb
 
 CHUNK = 16   # tokens per chunk: the daemon's contiguous chunking and Quest's page size
 SINKS = 16
@@ -226,6 +227,7 @@ class Daemon(Policy):
                                        **self.policy)
         self.sid = s.session_id
         self.effective_policy = s.policy
+        self.tiers_before = self._cache_counts()
         ids = self.token_ids[:P] if self.send_ids else None
         for layer in range(L):
             self.client.append_kv(self.sid, [(layer, 0, K[layer], V[layer], ids)])
@@ -270,7 +272,19 @@ class Daemon(Policy):
         self.client.release(r.lease_id)
         return out, (None if everything else sel)
 
+    def _cache_counts(self):
+        """The promotion cache's counters of the tier this policy reads from."""
+        want = pb.TIER_DEVICE if self.placement == "device" else pb.TIER_HOST
+        for t in self.client.tier_stats():
+            if t.tier == want:
+                return {k: getattr(t, k) for k in
+                        ("cache_hits", "cache_misses", "prefetched", "prefetch_hits")}
+        return {}
+
     def end(self):
+        if self.sid and self.budget:
+            after = self._cache_counts()
+            self.cache = {k: after[k] - self.tiers_before[k] for k in after}
         if self.sid:
             self.client.close_session(self.sid)
             self.sid = None
@@ -279,5 +293,13 @@ class Daemon(Policy):
         if not self.select_seconds:
             return {}
         ms = np.asarray(self.select_seconds) * 1e3
-        return {"select_ms_p50": float(np.median(ms)), "select_ms_p99": float(np.percentile(ms, 99)),
-                "selects": len(ms)}
+        out = {"select_ms_p50": float(np.median(ms)), "select_ms_p99": float(np.percentile(ms, 99)),
+               "selects": len(ms)}
+        c = getattr(self, "cache", None)
+        if c and c["cache_hits"] + c["cache_misses"]:
+            # Of the selected chunks that needed an fp16 copy (cold ones, on the host), the
+            # share already promoted: by an earlier step, or by the prefetch after it.
+            out["cache_hit_rate"] = c["cache_hits"] / (c["cache_hits"] + c["cache_misses"])
+            out["prefetch_hits"] = c["prefetch_hits"]
+            out["prefetched"] = c["prefetched"]
+        return out

@@ -23,7 +23,8 @@ commands:
   health                 the daemon's gRPC health (exit 0 when SERVING)
   sessions               every session: tenant, shape, tokens, bytes per tier, leases
   session ID             one session: policy, usage, per-layer index statistics
-  tiers                  capacity, use, pins, promotions and evictions per tier
+  tiers                  capacity, use, pins, promotions, evictions; the copy cache's
+                         policy, hit rate and prefetches, per tier
   segments               shared-memory segments: names a worker maps, sizes, owners
   chunks ID [--layer L] [--limit N]
                          chunks of a session: positions, precision, bytes, generation
@@ -167,14 +168,19 @@ int Run(const Args& a, Client& c) {
       return 0;
     }
     Table t({"TIER", "CAPACITY", "USED", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
-             "EVICTIONS"},
-            {false, true, true, true, true, true, true, true, true});
+             "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
+            {false, true, true, true, true, true, true, true, true, false, true, true, true,
+             true});
     for (const auto& s : r->tiers()) {
       double pct = s.capacity_bytes() ? 100.0 * s.used_bytes() / s.capacity_bytes() : 0.0;
+      const uint64_t reads = s.cache_hits() + s.cache_misses();
       t.Add({TierName(s.tier()) + (s.emulated() ? " (emulated)" : ""), Bytes(s.capacity_bytes()),
              Bytes(s.used_bytes()), absl::StrFormat("%.1f", pct), Bytes(s.pinned_bytes()),
              absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
-             absl::StrCat(s.promotions()), absl::StrCat(s.evictions())});
+             absl::StrCat(s.promotions()), absl::StrCat(s.evictions()), s.eviction_policy(),
+             absl::StrCat(s.cached_copies()),
+             reads ? absl::StrFormat("%.1f", 100.0 * s.cache_hits() / reads) : "-",
+             absl::StrCat(s.prefetched()), absl::StrCat(s.prefetch_hits())});
     }
     std::cout << t.Render();
     return 0;

@@ -69,6 +69,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .leases = &leases_,
                           .host = &host_,
                           .device = &device_,
+                          .host_copies = &host_copies_,
+                          .device_copies = &device_copies_,
                           .metrics = &metrics_,
                           .prefetcher = prefetcher_.get(),
                           .on_drain = [this] { RequestShutdown(); }}) {}

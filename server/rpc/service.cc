@@ -336,9 +336,17 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
                                                       const v1::GetTierStatsRequest*,
                                                       v1::GetTierStatsResponse* resp) {
   return Unary(ctx, "GetTierStats", [&] {
-    for (const Tier* t : {env_.device, env_.host}) {
+    for (const PromotionCache* cache : {env_.device_copies, env_.host_copies}) {
+      const Tier* t = cache->tier();
       TierSnapshot s = t->Stats();
       v1::TierStats* out = resp->add_tiers();
+      const PromotionCache::Counters c = cache->counters();
+      out->set_cached_copies(cache->size());
+      out->set_cache_hits(c.hits);
+      out->set_cache_misses(c.misses);
+      out->set_prefetched(c.prefetched);
+      out->set_prefetch_hits(c.prefetch_hits);
+      out->set_eviction_policy(cache->policy().name());
       out->set_tier(s.tier);
       out->set_capacity_bytes(s.capacity_bytes);
       out->set_used_bytes(s.used_bytes);

@@ -29,6 +29,8 @@ struct ServiceEnv {
   LeaseTable* leases = nullptr;
   Tier* host = nullptr;
   Tier* device = nullptr;
+  PromotionCache* host_copies = nullptr;
+  PromotionCache* device_copies = nullptr;
   metrics::Registry* metrics = nullptr;
   // Null: no prefetch after Select.
   Prefetcher* prefetcher = nullptr;

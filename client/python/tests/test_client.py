@@ -2,6 +2,7 @@
 import json
 import mmap
 import os
+import time
 import urllib.request
 
 import grpc
@@ -113,6 +114,37 @@ def test_token_ids_drive_boundary_chunks_and_semantic_chunks_keep_positions(clie
         np.testing.assert_array_equal(hk, k[L - 1, head.kv_head][pos])
         np.testing.assert_array_equal(hv, v[L - 1, head.kv_head][pos])
     client.release(sel.lease_id)
+
+
+def test_cold_copies_are_cached_and_prefetched(client):
+    rng = np.random.default_rng(5)
+    k, v = make_kv(rng, 1500)
+    sid = client.create_session(L, QH, KVH, D).session_id  # int4 cold chunks
+    client.append_layers(sid, 0, k, v)
+
+    def host():
+        return next(t for t in client.tier_stats() if t.tier == pb.TIER_HOST)
+
+    before = host()
+    assert before.eviction_policy == "lru"
+    q = rng.standard_normal((QH, D))
+    first = client.select(sid, L - 1, q, budget_tokens=256)
+    client.release(first.lease_id)
+    mid = host()
+    assert mid.cache_misses > before.cache_misses  # cold chunks dequantized on demand
+    # The prefetch after the first Select runs in the background; the same query again finds
+    # every copy cached.
+    for _ in range(100):
+        if host().prefetched > before.prefetched:
+            break
+        time.sleep(0.01)
+    second = client.select(sid, L - 1, q, budget_tokens=256)
+    client.release(second.lease_id)
+    after = host()
+    assert after.cache_misses == mid.cache_misses
+    assert after.cache_hits > mid.cache_hits
+    assert after.prefetched > before.prefetched
+    assert after.cached_copies > 0
 
 
 def test_errors_carry_code_and_field(client):
