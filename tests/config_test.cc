@@ -58,6 +58,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"log_level: \"loud\"", "log_level"},
       {"eviction_policy: \"fifo\"", "eviction_policy"},
       {"prefetch: \"maybe\"", "prefetch"},
+      {"quotas { key: \"a b\" value { } }", "quotas[\"a b\"]"},
+      {"quotas { key: \"alice\" value { host_bytes: \"lots\" } }", "quotas[\"alice\"].host_bytes"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},
       {"default_policy { chunking: CHUNKING_BOUNDARY }", "default_policy.delimiter_token_ids"},
       {"default_policy { chunking: CHUNKING_BOUNDARY chunk_tokens: 40 delimiter_token_ids: 13 }",
@@ -75,6 +77,20 @@ TEST(Config, EveryBadFieldIsNamed) {
 TEST(Config, RemoteTierIsRefusedUntilItExists) {
   ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText("remote: \"redis://127.0.0.1:6379\""));
   EXPECT_THAT(Validate(c), StatusIs(Code::kUnimplemented, "remote"));
+}
+
+TEST(Config, QuotasParsePerTenantWithAWildcard) {
+  ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText(
+      "quotas { key: \"alice\" value { host_bytes: \"64M\" max_sessions: 3 } }\n"
+      "quotas { key: \"*\" value { device_bytes: \"1G\" } }\n"));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
+  EXPECT_EQ(o.QuotaFor("alice").host_bytes, 64u << 20);
+  EXPECT_EQ(o.QuotaFor("alice").device_bytes, 0u);
+  EXPECT_EQ(o.QuotaFor("alice").max_sessions, 3u);
+  EXPECT_EQ(o.QuotaFor("bob").device_bytes, 1u << 30);
+  EXPECT_EQ(o.QuotaFor("bob").host_bytes, 0u);
+  ASSERT_OK_AND_ASSIGN(ServerOptions none, Validate(v1::Config()));
+  EXPECT_EQ(none.QuotaFor("anyone").host_bytes, 0u);
 }
 
 TEST(CommandLine, FlagsOverrideTheFile) {

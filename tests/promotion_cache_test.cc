@@ -33,7 +33,7 @@ struct Fixture {
     auto slots = cache.Allocate("t", kSlot, 1);
     EXPECT_TRUE(slots.ok()) << slots.status();
     (*slots)[0]->data()[0] = tag;
-    return cache.Insert((*slots)[0], cost_us, prefetched);
+    return cache.Insert((*slots)[0], "t", cost_us, prefetched);
   }
   ManualClock clock;
   Tier tier;
@@ -154,6 +154,31 @@ TEST(PromotionCache, CountsHitsMissesAndPrefetchHits) {
   EXPECT_EQ(c.hits, 3u);
   EXPECT_EQ(c.prefetch_hits, 1u);  // the first read of `ahead` only
   EXPECT_EQ(f.cache.size(), 3u);
+}
+
+// A tenant at its quota makes room from its own copies only, even when another tenant's
+// copy is older.
+TEST(PromotionCache, QuotaBoundTenantEvictsItsOwnCopies) {
+  TierOptions o = Room(8);
+  o.tenant_limit = [](const std::string& t) -> uint64_t { return t == "a" ? 2 * kSlot : 0; };
+  Tier tier(o);
+  ManualClock clock;
+  PromotionCache cache(&tier, &clock, MakeLruPolicy());
+  auto add = [&](const std::string& tenant) {
+    auto slots = cache.Allocate(tenant, kSlot, 1);
+    EXPECT_TRUE(slots.ok()) << slots.status();
+    clock.AdvanceMs(1);
+    return cache.Insert((*slots)[0], tenant, 1, false);
+  };
+  CopyRef b_old = add("b");
+  CopyRef a1 = add("a");
+  CopyRef a2 = add("a");
+  CopyRef a3 = add("a");  // a's quota binds: a1 goes, not b's older copy
+  EXPECT_NE(cache.Peek(b_old), nullptr);
+  EXPECT_EQ(cache.Peek(a1), nullptr);
+  EXPECT_NE(cache.Peek(a2), nullptr);
+  EXPECT_NE(cache.Peek(a3), nullptr);
+  EXPECT_THAT(cache.Allocate("a", kSlot, 3), StatusIs(Code::kResourceExhausted, "quota"));
 }
 
 TEST(EvictionPolicy, NamesAreChecked) {

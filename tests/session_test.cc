@@ -1415,6 +1415,7 @@ TEST(SessionManager, LimitsIdsAndTenants) {
   ServerOptions o;
   o.max_sessions = 2;
   o.default_policy = BuiltinPolicy();
+  o.quotas["carol"].max_sessions = 1;
   SessionManager m(o, e.env);
   v1::CreateSessionRequest req;
   req.mutable_shape()->set_num_layers(1);
@@ -1431,6 +1432,20 @@ TEST(SessionManager, LimitsIdsAndTenants) {
   ASSERT_OK(m.Create("bob", req).status());
   req.set_session_id("third");
   EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kResourceExhausted, "max_sessions"));
+  {  // a tenant's own quota, below the daemon's limit
+    ServerOptions q = o;
+    q.max_sessions = 100;
+    SessionManager quota(q, e.env);
+    req.set_session_id("c1");
+    ASSERT_OK(quota.Create("carol", req).status());
+    req.set_session_id("c2");
+    EXPECT_THAT(quota.Create("carol", req),
+                StatusIs(Code::kResourceExhausted, "quota: tenant \"carol\" max_sessions 1"));
+    ASSERT_OK(quota.Create("dave", req).status());
+    v1::ForkSessionRequest fork;
+    fork.set_session_id("c1");
+    EXPECT_THAT(quota.Fork("carol", fork), StatusIs(Code::kResourceExhausted, "quota"));
+  }
   EXPECT_THAT(m.Get("alice", "bob-1"), StatusIs(Code::kPermissionDenied));
   EXPECT_OK(m.Get("", "bob-1").status());  // the admin view
   EXPECT_THAT(m.Get("alice", "nope"), StatusIs(Code::kNotFound, "nope"));

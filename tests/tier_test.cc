@@ -149,6 +149,33 @@ TEST(Tier, AnotherProcessReadsTheBytesByName) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "2: cannot open, 3: bytes differ";
 }
 
+TEST(Tier, TenantQuotaLimitsOneTenantOnly) {
+  TierOptions o = Options(16 * 4096);
+  o.tenant_limit = [](const std::string& t) -> uint64_t { return t == "small" ? 3 * 4096 : 0; };
+  Tier tier(o);
+  std::vector<SlotRef> held;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("small", 4096));
+    held.push_back(s);
+  }
+  EXPECT_EQ(tier.RoomFor("small"), 0u);
+  EXPECT_TRUE(tier.QuotaBound("small"));
+  EXPECT_THAT(tier.Allocate("small", 4096),
+              StatusIs(Code::kResourceExhausted, "quota: tenant \"small\" host_bytes 12.0 KiB"));
+  for (int i = 0; i < 10; ++i) {  // another tenant is not limited by it
+    ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("big", 4096));
+    held.push_back(s);
+  }
+  EXPECT_FALSE(tier.QuotaBound("big"));
+  EXPECT_EQ(tier.RoomFor("big"), 3u * 4096);
+  EXPECT_EQ(tier.TenantUsed("small"), 3u * 4096);
+  held.erase(held.begin());  // one of small's slots goes back
+  EXPECT_EQ(tier.TenantUsed("small"), 2u * 4096);
+  ASSERT_OK(tier.Allocate("small", 4096).status());
+  held.clear();
+  EXPECT_EQ(tier.TenantUsed("small"), 0u);
+}
+
 TEST(ShmSegment, RemoveStaleTakesOnlyThePrefix) {
   const std::string prefix = "/kvtier-staletest-" + std::to_string(getpid()) + "-";
   {

@@ -206,6 +206,21 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("prefetch", c.prefetch(), "is not on or off");
   }
   o.prefetch = c.prefetch() == "on";
+  for (const auto& [tenant, q] : raw.quotas()) {
+    const std::string field = absl::StrCat("quotas[\"", tenant, "\"]");
+    if (tenant != "*" && !IsName(tenant, "_.:-", 128)) {
+      return InvalidField(field, tenant, "is neither \"*\" nor a tenant name [A-Za-z0-9_.:-]");
+    }
+    ServerOptions::Quota quota;
+    if (!q.host_bytes().empty()) {
+      ASSIGN_OR_RETURN(quota.host_bytes, ParseSize(q.host_bytes(), field + ".host_bytes"));
+    }
+    if (!q.device_bytes().empty()) {
+      ASSIGN_OR_RETURN(quota.device_bytes, ParseSize(q.device_bytes(), field + ".device_bytes"));
+    }
+    quota.max_sessions = q.max_sessions();
+    o.quotas[tenant] = quota;
+  }
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error",
                                                   "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {

@@ -5,6 +5,7 @@
 #define KVTIER_SERVER_CONFIG_CONFIG_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,19 @@ struct ServerOptions {
   std::string eviction_policy = "lru";
   uint32_t eviction_half_life_ms = 10'000;
   bool prefetch = true;
+  // Tenant quotas (0: no limit); "*" for every tenant not named.
+  struct Quota {
+    uint64_t host_bytes = 0;
+    uint64_t device_bytes = 0;
+    uint32_t max_sessions = 0;
+  };
+  std::map<std::string, Quota> quotas;
+  // The quota that applies to `tenant`: its own, else "*", else none.
+  Quota QuotaFor(const std::string& tenant) const {
+    auto it = quotas.find(tenant);
+    if (it == quotas.end()) it = quotas.find("*");
+    return it == quotas.end() ? Quota{} : it->second;
+  }
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;
 };

@@ -23,6 +23,12 @@ TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
   t.segment_bytes = o.segment_size;
   // The daemon does not drive a GPU yet: the device tier is host shared memory, same path.
   t.emulated = tier == v1::TIER_DEVICE;
+  if (!o.quotas.empty()) {
+    t.tenant_limit = [&o, tier](const std::string& tenant) {
+      const ServerOptions::Quota q = o.QuotaFor(tenant);
+      return tier == v1::TIER_HOST ? q.host_bytes : q.device_bytes;
+    };
+  }
   return t;
 }
 

@@ -814,7 +814,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
     Chunk& ch = stream(layer, h).chunks[chosen[h][i]];
     WriteFp16(ch, slots[j]->data());
     const double cost = RemakeCostUs(2 * ch.num_tokens * row_bytes(), ch.cold());
-    (to_device ? ch.device : ch.promoted) = cache->Insert(slots[j], cost, prefetch);
+    (to_device ? ch.device : ch.promoted) = cache->Insert(slots[j], tenant_, cost, prefetch);
     out[h][i] = std::move(slots[j]);
   }
   cache->tier()->RecordPromotions(todo.size());

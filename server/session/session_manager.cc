@@ -14,7 +14,7 @@ namespace kvtier {
 
 SessionManager::~SessionManager() { CloseAll(); }
 
-absl::Status SessionManager::CheckNewId(const std::string& id) const {
+absl::Status SessionManager::CheckNewId(const std::string& id, const std::string& tenant) const {
   if (!IsName(id, "_.:-", 128)) {
     return absl::InvalidArgumentError(
         absl::StrCat("session_id: \"", id, "\" must be 1..128 of [A-Za-z0-9_.:-]"));
@@ -26,6 +26,15 @@ absl::Status SessionManager::CheckNewId(const std::string& id) const {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
         options_.max_sessions));
+  }
+  if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
+    size_t held = 0;
+    for (const auto& [_, s] : sessions_) held += s->tenant() == tenant;
+    if (held >= quota) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "quota: tenant \"%s\" max_sessions %d reached (session_id \"%s\")", tenant, quota,
+          id));
+    }
   }
   return absl::OkStatus();
 }
@@ -45,7 +54,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   if (shape.dtype() == v1::DTYPE_BF16) policy.set_lossless(true);
   MutexLock lock(&mu_);
   std::string id = req.session_id().empty() ? NewId() : req.session_id();
-  RETURN_IF_ERROR(CheckNewId(id));
+  RETURN_IF_ERROR(CheckNewId(id, tenant));
   std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
   sessions_.emplace(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),
                                                   env_));
@@ -97,7 +106,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
   {
     MutexLock lock(&mu_);
     id = req.new_session_id().empty() ? NewId() : req.new_session_id();
-    absl::Status s = CheckNewId(id);
+    absl::Status s = CheckNewId(id, tenant);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("new_", s.message()));
     }
@@ -107,7 +116,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
   resp.set_session_id(id);
   *resp.mutable_policy() = child->Info().policy();
   MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckNewId(id));  // taken meanwhile?
+  RETURN_IF_ERROR(CheckNewId(id, tenant));  // taken meanwhile?
   sessions_.emplace(id, std::move(child));
   KVLOG(info, "session.fork", "session={} parent={} tokens={}", id, req.session_id(),
         req.num_tokens());

@@ -45,7 +45,9 @@ class SessionManager {
   void CloseAll();
 
  private:
-  absl::Status CheckNewId(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Id syntax and uniqueness, then the daemon's max_sessions and `tenant`'s quota.
+  absl::Status CheckNewId(const std::string& id, const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ServerOptions& options_;

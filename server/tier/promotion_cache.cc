@@ -96,13 +96,14 @@ SlotRef PromotionCache::Peek(const CopyRef& copy) const {
   return copy->slot_;
 }
 
-CopyRef PromotionCache::Insert(SlotRef slot, double cost_us, bool prefetched) {
+CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double cost_us,
+                               bool prefetched) {
   const int64_t now = clock_->NowMs();
   CopyStats stats;
   stats.bytes = slot->bytes();
   stats.inserted_ms = now;
   stats.cost_us = cost_us;
-  auto copy = CopyRef(new CachedCopy(std::move(slot), stats, prefetched));
+  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched));
   MutexLock lock(&mu_);
   Touch(*copy, now);
   ++(prefetched ? counters_.prefetched : counters_.misses);
@@ -125,9 +126,14 @@ uint64_t PromotionCache::Drop(const CopyRef& copy) {
   return bytes;
 }
 
-uint64_t PromotionCache::MakeRoom(uint64_t bytes) {
-  const TierSnapshot st = tier_->Stats();
-  const uint64_t free = st.capacity_bytes > st.used_bytes ? st.capacity_bytes - st.used_bytes : 0;
+uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
+  uint64_t free;
+  if (tenant != nullptr) {
+    free = tier_->RoomFor(*tenant);
+  } else {
+    const TierSnapshot st = tier_->Stats();
+    free = st.capacity_bytes > st.used_bytes ? st.capacity_bytes - st.used_bytes : 0;
+  }
   if (free >= bytes) return 0;
   const int64_t now = clock_->NowMs();
   struct Candidate {
@@ -142,7 +148,8 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes) {
     if (!c || !c->slot_) continue;  // dropped by its chunk, or evicted: forget it
     copies_[kept++] = copies_[i];
     // Evictable only when the cache's reference is the last: no lease, no Select in flight.
-    if (c->slot_.use_count() == 1 && !c->slot_->pinned()) {
+    if (c->slot_.use_count() == 1 && !c->slot_->pinned() &&
+        (tenant == nullptr || c->tenant_ == *tenant)) {
       order.push_back({policy_->Keep(c->stats_, now), live.size()});
       live.push_back(std::move(c));
     }
@@ -172,9 +179,10 @@ absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const std::string&
     auto slot = tier_->Allocate(tenant, bytes);
     if (!slot.ok() && absl::IsResourceExhausted(slot.status())) {
       uint64_t freed;
+      const bool own = tier_->QuotaBound(tenant);
       {
         MutexLock lock(&mu_);
-        freed = MakeRoom((n - out.size()) * bytes);
+        freed = MakeRoom((n - out.size()) * bytes, own ? &tenant : nullptr);
       }
       if (freed > 0) slot = tier_->Allocate(tenant, bytes);
     }

@@ -66,9 +66,11 @@ class CachedCopy {
 
  private:
   friend class PromotionCache;
-  CachedCopy(SlotRef slot, CopyStats stats, bool prefetched)
-      : slot_(std::move(slot)), stats_(stats), prefetched_(prefetched) {}
+  CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched)
+      : slot_(std::move(slot)), tenant_(std::move(tenant)), stats_(stats),
+        prefetched_(prefetched) {}
   SlotRef slot_;  // null once evicted; guarded by the cache's mutex
+  const std::string tenant_;
   CopyStats stats_;
   bool prefetched_;  // promoted ahead by a prefetch and not read since
 };
@@ -94,13 +96,14 @@ class PromotionCache {
   SlotRef Peek(const CopyRef& copy) const;
 
   // `n` slots of `bytes` for `tenant`, all or nothing. When the tier is full, evicts
-  // unpinned copies that nobody else holds, by the policy, until they fit;
-  // RESOURCE_EXHAUSTED when even that leaves too little room.
+  // unpinned copies that nobody else holds, by the policy, until they fit (only the tenant's
+  // own copies when its quota is what binds); RESOURCE_EXHAUSTED when even that leaves too
+  // little room.
   absl::StatusOr<std::vector<SlotRef>> Allocate(const std::string& tenant, uint64_t bytes,
                                                 size_t n);
 
   // Registers a filled slot as a cached copy that would cost `cost_us` to remake.
-  CopyRef Insert(SlotRef slot, double cost_us, bool prefetched);
+  CopyRef Insert(SlotRef slot, const std::string& tenant, double cost_us, bool prefetched);
 
   // Drops a copy now (a session's Evict); returns its bytes, 0 if it was not cached.
   uint64_t Drop(const CopyRef& copy);
@@ -118,7 +121,8 @@ class PromotionCache {
 
  private:
   // Evicts until `bytes` more would fit (or nothing evictable is left); returns bytes freed.
-  uint64_t MakeRoom(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With `tenant` (its quota binds), only that tenant's copies go.
+  uint64_t MakeRoom(uint64_t bytes, const std::string* tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(CachedCopy& c, int64_t now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Tier* const tier_;

@@ -64,6 +64,15 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
         "slot of %d bytes does not fit a %d-byte segment", slot_bytes, options_.segment_bytes));
   }
   MutexLock lock(&mu_);
+  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
+  uint64_t& tenant_used = tenant_used_[tenant];
+  if (limit != 0 && tenant_used + slot_bytes > limit) {
+    ++allocation_failures_;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes needed",
+        tenant, TierShortName(options_.tier), FormatBytes(limit), FormatBytes(tenant_used),
+        slot_bytes));
+  }
   if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
     ++allocation_failures_;
     return absl::ResourceExhaustedError(absl::StrFormat(
@@ -106,6 +115,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   ++seg->used;
   used_bytes_ += slot_bytes;
+  tenant_used += slot_bytes;
   ++num_slots_;
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
   // Not make_shared: the constructor is private to Tier.
@@ -119,6 +129,7 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
   CHECK(it != segments_.end()) << "slot freed into unknown segment " << segment_id;
   Segment* seg = it->second.get();
   used_bytes_ -= bytes;
+  if ((tenant_used_[seg->tenant] -= bytes) == 0) tenant_used_.erase(seg->tenant);
   --num_slots_;
   if (--seg->used == 0) {
     auto& ids = classes_[{seg->tenant, seg->slot_bytes}];
@@ -128,6 +139,36 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
     return;
   }
   seg->free.push_back(index);
+}
+
+uint64_t Tier::TenantUsed(const std::string& tenant) const {
+  MutexLock lock(&mu_);
+  auto it = tenant_used_.find(tenant);
+  return it == tenant_used_.end() ? 0 : it->second;
+}
+
+uint64_t Tier::RoomFor(const std::string& tenant) const {
+  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
+  MutexLock lock(&mu_);
+  uint64_t room = options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
+  if (limit != 0) {
+    auto it = tenant_used_.find(tenant);
+    const uint64_t used = it == tenant_used_.end() ? 0 : it->second;
+    room = std::min(room, limit > used ? limit - used : 0);
+  }
+  return room;
+}
+
+bool Tier::QuotaBound(const std::string& tenant) const {
+  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
+  if (limit == 0) return false;
+  MutexLock lock(&mu_);
+  auto it = tenant_used_.find(tenant);
+  const uint64_t used = it == tenant_used_.end() ? 0 : it->second;
+  const uint64_t quota_room = limit > used ? limit - used : 0;
+  const uint64_t tier_room =
+      options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
+  return quota_room < tier_room;
 }
 
 TierSnapshot Tier::Stats() const {

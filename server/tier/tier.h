@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +39,8 @@ struct TierOptions {
   uint64_t segment_bytes = 64ull << 20;
   // A device tier held in host shared memory because no GPU is in use.
   bool emulated = false;
+  // The bytes of slots one tenant may hold (its quota); 0 or unset: no limit.
+  std::function<uint64_t(const std::string& tenant)> tenant_limit;
 };
 
 class Tier;
@@ -115,9 +118,17 @@ class Tier {
   Tier& operator=(const Tier&) = delete;
 
   // A slot of `slot_bytes` in one of `tenant`'s segments. The bytes are not cleared.
-  // RESOURCE_EXHAUSTED when the tier is full; INVALID_ARGUMENT when a slot cannot fit in a
-  // segment; INTERNAL when shared memory cannot be created.
+  // RESOURCE_EXHAUSTED when the tier is full or the tenant's quota would be exceeded (the
+  // message names the quota); INVALID_ARGUMENT when a slot cannot fit in a segment;
+  // INTERNAL when shared memory cannot be created.
   absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
+
+  // Bytes `tenant` may still take before its quota, or the tier's free bytes when that is
+  // less (or the tenant has no quota).
+  uint64_t RoomFor(const std::string& tenant) const;
+  // Whether `tenant`'s quota, not the tier's capacity, is what limits it now.
+  bool QuotaBound(const std::string& tenant) const;
+  uint64_t TenantUsed(const std::string& tenant) const;
 
   TierSnapshot Stats() const;
   std::vector<SegmentInfo> Segments() const;
@@ -151,6 +162,7 @@ class Tier {
   std::map<uint64_t, std::unique_ptr<Segment>> segments_ ABSL_GUARDED_BY(mu_);
   std::map<ClassKey, std::vector<uint64_t>> classes_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, uint64_t> tenant_used_ ABSL_GUARDED_BY(mu_);
   uint64_t num_slots_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> next_generation_{1};

@@ -147,6 +147,28 @@ def test_cold_copies_are_cached_and_prefetched(client):
     assert after.cached_copies > 0
 
 
+def test_tenant_quotas_name_the_quota(start_daemon, tmp_path):
+    config = tmp_path / "quota.conf"
+    config.write_text('quotas { key: "small" value { host_bytes: "512K" max_sessions: 1 } }\n')
+    d = start_daemon("--config", str(config))
+    rng = np.random.default_rng(6)
+    k, v = make_kv(rng, 300)  # 4 layers x 3 heads x 19 chunks of 4 KiB: 912 KiB
+    with kvtier.Client(d.address, tenant="small") as small, \
+            kvtier.Client(d.address, tenant="big") as big:
+        sid = small.create_session(L, QH, KVH, D, lossless=True).session_id
+        with pytest.raises(kvtier.KvTierError) as e:
+            small.create_session(L, QH, KVH, D)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert 'quota: tenant "small" max_sessions 1' in str(e.value)
+        with pytest.raises(kvtier.KvTierError) as e:
+            small.append_layers(sid, 0, k, v)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert 'quota: tenant "small" host_bytes 512.0 KiB' in str(e.value)
+        # Another tenant is not held to it.
+        other = big.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert big.append_layers(other, 0, k, v) == 300
+
+
 def test_errors_carry_code_and_field(client):
     sid = client.create_session(L, QH, KVH, D).session_id
     with pytest.raises(kvtier.KvTierError) as e:
