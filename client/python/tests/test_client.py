@@ -2,6 +2,9 @@
 import json
 import mmap
 import os
+import subprocess
+import sys
+from pathlib import Path
 import time
 import urllib.request
 
@@ -167,6 +170,51 @@ def test_tenant_quotas_name_the_quota(start_daemon, tmp_path):
         # Another tenant is not held to it.
         other = big.create_session(L, QH, KVH, D, lossless=True).session_id
         assert big.append_layers(other, 0, k, v) == 300
+
+
+WORKER = """
+import sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+import kvtier
+c = kvtier.Client(sys.argv[1])
+sel = c.select(sys.argv[2], 3, np.ones((9, 64), np.float32), budget_tokens=256,
+               lease_ms=600)
+pos, k, v = c.gather(sel.heads[0], sys.argv[2])  # reads through shared memory
+print(sel.lease_id, flush=True)
+time.sleep(600)  # holds the lease until killed
+"""
+
+
+def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_path):
+    d = start_daemon("--lease_ttl_ms", "600")
+    rng = np.random.default_rng(7)
+    k, v = make_kv(rng, 1000)
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        c.append_layers(sid, 0, k, v)
+        script = tmp_path / "worker.py"
+        script.write_text(WORKER)
+        worker = subprocess.Popen(
+            [sys.executable, str(script), d.address, sid,
+             str(Path(kvtier.__file__).resolve().parents[1])],
+            stdout=subprocess.PIPE, text=True)
+        lease = worker.stdout.readline().strip()
+        assert lease, "the worker printed no lease"
+
+        def pinned():
+            return sum(t.pinned_bytes for t in c.tier_stats())
+
+        assert pinned() > 0
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 10
+        while pinned() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pinned() == 0, "the dead worker's pins outlived its lease"
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.release(lease)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def test_errors_carry_code_and_field(client):
