@@ -146,6 +146,40 @@ TEST(Daemon, HandlesAreReadableFromThisProcessThroughSharedMemory) {
   }
 }
 
+// Each slot's generation lives in shared memory: a reader holding a handle whose slot was
+// freed, or freed and reused by another session, finds out after copying, never uses it.
+TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  Data data = MakeData(200);
+  v1::CreateSessionRequest req = Shape();
+  req.mutable_policy()->set_lossless(true);  // every chunk in the same slot size
+  ASSERT_OK_AND_ASSIGN(auto keep, c->CreateSession(req));  // keeps the segment alive
+  ASSERT_OK(c->AppendKV(AllLayers(keep.session_id(), data, 0, 200)).status());
+  ASSERT_OK_AND_ASSIGN(auto a, c->CreateSession(req));
+  ASSERT_OK(c->AppendKV(AllLayers(a.session_id(), data, 0, 200)).status());
+  ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(a.session_id(), 3, 1000)));
+  SegmentMap segments;
+  const v1::BlockHandle h = sel.heads(0).blocks(2);
+  std::vector<uint16_t> k(h.num_tokens() * kD), v(k.size());
+  ASSERT_OK(segments.CopyOut(*c, h, k, v));
+  const auto want = Slice(data.k[3], kKv, 200, kD, 32, 16);  // [kv_heads][16][d]: head 0 first
+  EXPECT_TRUE(std::equal(k.begin(), k.end(), want.begin()));
+  ASSERT_OK(c->Release(sel.lease_id()));
+  ASSERT_OK(c->CloseSession(a.session_id()).status());  // its slots go back: generation 0
+  EXPECT_THAT(segments.Recheck(h), StatusIs(Code::kAborted, "freed"));
+  EXPECT_THAT(segments.View(*c, h), StatusIs(Code::kAborted, "stale handle"));
+  ASSERT_OK_AND_ASSIGN(auto b, c->CreateSession(req));  // takes the freed slots again
+  ASSERT_OK(c->AppendKV(AllLayers(b.session_id(), data, 0, 200)).status());
+  EXPECT_THAT(segments.Recheck(h), StatusIs(Code::kAborted, "now holds generation"));
+  EXPECT_THAT(segments.CopyOut(*c, h, k, v), StatusIs(Code::kAborted));
+  // A live handle checks clean.
+  ASSERT_OK_AND_ASSIGN(auto fresh, c->Select(Select(b.session_id(), 3, 1000)));
+  ASSERT_OK(segments.CopyOut(*c, fresh.heads(0).blocks(2), k, v));
+  ASSERT_OK(c->Release(fresh.lease_id()));
+}
+
 TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   DaemonProcess d({"--max_sessions", "3", "--max_message_size", "1M", "--host_capacity", "400K"});
   ASSERT_TRUE(d.started());

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -36,7 +37,8 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
     if (p == MAP_FAILED) {
       return absl::InternalError(absl::StrCat("mmap ", seg.shm_name(), ": ", std::strerror(errno)));
     }
-    Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes()};
+    Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
+              seg.generation_table_offset()};
     MutexLock lock(&mu_);
     auto [it, inserted] = maps_.emplace(segment_id, m);
     if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
@@ -52,9 +54,59 @@ absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle
     return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(), " + length ",
                                               h.length(), " exceeds segment ", h.segment_id()));
   }
+  if (absl::Status s = CheckGeneration(*m, h); !s.ok()) return s;
   const uint64_t half = h.length() / 2;
   const uint16_t* base = reinterpret_cast<const uint16_t*>(m->data + h.offset());
   return ChunkView{{base, half / 2}, {base + half / 2, half / 2}};
+}
+
+absl::Status SegmentMap::CheckGeneration(const Mapping& m, const v1::BlockHandle& h) {
+  if (m.slot_bytes == 0) return absl::OkStatus();  // a daemon without generation tables
+  const uint64_t cell = m.table_offset + 8 * (h.offset() / m.slot_bytes);
+  if (cell + 8 > m.size) {
+    return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(),
+                                              " has no generation cell in segment ",
+                                              h.segment_id()));
+  }
+  const uint64_t now = std::atomic_ref<const uint64_t>(
+                           *reinterpret_cast<const uint64_t*>(m.data + cell))
+                           .load(std::memory_order_acquire);
+  if (now != h.generation()) {
+    return absl::AbortedError(absl::StrCat(
+        "stale handle: chunk ", h.chunk_id(), " (segment ", h.segment_id(), ", offset ",
+        h.offset(), ") names generation ", h.generation(), " but the slot now holds ",
+        now == 0 ? std::string("nothing (freed)") : absl::StrCat("generation ", now),
+        "; its bytes are not the chunk's"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SegmentMap::Recheck(const v1::BlockHandle& h) {
+  Mapping m;
+  {
+    MutexLock lock(&mu_);
+    auto it = maps_.find(h.segment_id());
+    if (it == maps_.end()) {
+      return absl::NotFoundError(absl::StrCat("segment_id: ", h.segment_id(), " is not mapped"));
+    }
+    m = it->second;
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the copy happened before the check
+  return CheckGeneration(m, h);
+}
+
+absl::Status SegmentMap::CopyOut(Client& client, const v1::BlockHandle& h,
+                                 std::span<uint16_t> keys, std::span<uint16_t> values) {
+  auto view = View(client, h);
+  if (!view.ok()) return view.status();
+  if (keys.size() != view->keys.size() || values.size() != view->values.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("keys/values: ", keys.size(), "/",
+                                                   values.size(), " elements for a handle of ",
+                                                   view->keys.size()));
+  }
+  std::memcpy(keys.data(), view->keys.data(), keys.size_bytes());
+  std::memcpy(values.data(), view->values.data(), values.size_bytes());
+  return Recheck(h);
 }
 
 }  // namespace kvtier

@@ -374,6 +374,7 @@ grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContex
         out->set_size_bytes(s.size_bytes);
         out->set_device(-1);  // host shared memory (the device tier here is emulated)
         out->set_generation(s.generation);
+        out->set_generation_table_offset(s.generation_table_offset);
         out->set_tenant(s.tenant);
         out->set_slot_bytes(s.slot_bytes);
       }

@@ -24,6 +24,7 @@ const char* TierShortName(v1::Tier tier) {
 }
 
 Slot::~Slot() {
+  Publish(0);  // free: a reader holding an old handle sees it at once
   if (pins_.load(std::memory_order_acquire) > 0) tier_->AddPinned(-static_cast<int64_t>(bytes_));
   tier_->Free(segment_id_, index_, bytes_);
 }
@@ -31,8 +32,9 @@ Slot::~Slot() {
 v1::Tier Slot::tier() const { return tier_->options().tier; }
 
 void Slot::Renew() {
-  generation_.store(tier_->next_generation_.fetch_add(1, std::memory_order_relaxed),
-                    std::memory_order_release);
+  const uint64_t g = tier_->next_generation_.fetch_add(1, std::memory_order_relaxed);
+  generation_.store(g, std::memory_order_release);
+  Publish(g);
 }
 
 void Slot::Pin() {
@@ -59,9 +61,16 @@ std::string Tier::ShmPrefix() const {
 }
 
 absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
-  if (slot_bytes == 0 || slot_bytes > options_.segment_bytes) {
+  // Slots, then the generation table at a 64-byte boundary.
+  uint64_t num_slots = slot_bytes == 0 ? 0 : options_.segment_bytes / slot_bytes;
+  auto table_at = [slot_bytes](uint64_t n) { return (n * slot_bytes + 63) / 64 * 64; };
+  while (num_slots > 0 && table_at(num_slots) + 8 * num_slots > options_.segment_bytes) {
+    --num_slots;
+  }
+  if (num_slots == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "slot of %d bytes does not fit a %d-byte segment", slot_bytes, options_.segment_bytes));
+        "slot of %d bytes does not fit a %d-byte segment with its generation", slot_bytes,
+        options_.segment_bytes));
   }
   MutexLock lock(&mu_);
   const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
@@ -99,7 +108,8 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
         .id = id,
         .tenant = tenant,
         .slot_bytes = slot_bytes,
-        .num_slots = static_cast<uint32_t>(options_.segment_bytes / slot_bytes),
+        .num_slots = static_cast<uint32_t>(num_slots),
+        .table_offset = table_at(num_slots),
         .shm = *std::move(shm),
         .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
     seg = s.get();
@@ -119,8 +129,10 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   ++num_slots_;
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
   // Not make_shared: the constructor is private to Tier.
+  auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
   return SlotRef(new Slot(this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
-                          next_generation_.fetch_add(1, std::memory_order_relaxed)));
+                          next_generation_.fetch_add(1, std::memory_order_relaxed),
+                          table + index));
 }
 
 void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
@@ -200,6 +212,7 @@ std::vector<SegmentInfo> Tier::Segments() const {
         .slot_bytes = s->slot_bytes,
         .tenant = s->tenant,
         .generation = s->generation,
+        .generation_table_offset = s->table_offset,
     });
   }
   return out;

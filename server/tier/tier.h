@@ -11,7 +11,15 @@
 // more than a page per segment.
 //
 // Every allocation takes a fresh tier-wide generation number, so a handle that names a
-// slot's generation detects reuse of that memory.
+// slot's generation detects reuse of that memory. The generation is also written into the
+// segment itself, in a table after the slots (0 while a slot is free), so that a worker
+// reading through shared memory can check, after copying, that the slot still holds what
+// its handle named:
+//
+//   0          slot_bytes   2*slot_bytes    n*slot_bytes  table (64-aligned)    size
+//   +----------+------------+-----  ...  --+-------------+---------------------+----+
+//   | slot 0   | slot 1     |              | (pad)       | u64 gen[n]          |    |
+//   +----------+------------+-----  ...  --+-------------+---------------------+----+
 #ifndef KVTIER_SERVER_TIER_TIER_H_
 #define KVTIER_SERVER_TIER_TIER_H_
 
@@ -70,9 +78,15 @@ class Slot {
  private:
   friend class Tier;
   Slot(Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
-       uint64_t offset, uint64_t generation)
+       uint64_t offset, uint64_t generation, uint64_t* shared_generation)
       : tier_(tier), segment_id_(segment_id), index_(index), data_(data), bytes_(bytes),
-        offset_(offset), generation_(generation) {}
+        offset_(offset), generation_(generation), shared_generation_(shared_generation) {
+    Publish(generation);
+  }
+  // Writes the generation where readers of the segment see it.
+  void Publish(uint64_t generation) {
+    std::atomic_ref<uint64_t>(*shared_generation_).store(generation, std::memory_order_release);
+  }
 
   Tier* const tier_;
   const uint64_t segment_id_;
@@ -81,6 +95,7 @@ class Slot {
   const uint64_t bytes_;
   const uint64_t offset_;
   std::atomic<uint64_t> generation_;
+  uint64_t* const shared_generation_;  // this slot's cell of its segment's generation table
   std::atomic<int32_t> pins_{0};
 };
 
@@ -107,6 +122,7 @@ struct SegmentInfo {
   uint64_t slot_bytes;
   std::string tenant;
   uint64_t generation;
+  uint64_t generation_table_offset;
 };
 
 class Tier {
@@ -146,6 +162,7 @@ class Tier {
     std::string tenant;
     uint64_t slot_bytes;
     uint32_t num_slots;
+    uint64_t table_offset;  // the generation table: uint64 [num_slots]
     uint32_t next_unused = 0;  // slots below this have been handed out at least once
     uint32_t used = 0;
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)

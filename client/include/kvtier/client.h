@@ -104,14 +104,27 @@ class SegmentMap {
 
   // Maps the segment of `handle` (asking `client` for segment names when it is new) and
   // returns spans over its bytes. NOT_FOUND when the daemon lists no such segment;
-  // OUT_OF_RANGE when the handle does not fit inside it.
+  // OUT_OF_RANGE when the handle does not fit inside it; ABORTED when the slot no longer
+  // holds the handle's generation (a stale handle).
   absl::StatusOr<ChunkView> View(Client& client, const v1::BlockHandle& handle);
+
+  // After reading through a view: OK when the slot still holds the handle's generation, so
+  // what was read is what the handle named; ABORTED when it was freed or reused meanwhile
+  // (the copy must be thrown away). NOT_FOUND when the segment was never mapped.
+  absl::Status Recheck(const v1::BlockHandle& handle);
+
+  // View, copy K and V out (each num_tokens * head_dim elements), then Recheck.
+  absl::Status CopyOut(Client& client, const v1::BlockHandle& handle, std::span<uint16_t> keys,
+                       std::span<uint16_t> values);
 
  private:
   struct Mapping {
     const uint8_t* data;
     uint64_t size;
+    uint64_t slot_bytes;
+    uint64_t table_offset;  // the segment's generation table
   };
+  static absl::Status CheckGeneration(const Mapping& m, const v1::BlockHandle& handle);
   absl::StatusOr<Mapping> Find(Client& client, uint64_t segment_id);
 
   absl::Mutex mu_;

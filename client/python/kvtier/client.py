@@ -40,6 +40,7 @@ class SegmentMap:
     def __init__(self, client: "Client"):
         self._client = client
         self._maps: dict[int, mmap.mmap] = {}
+        self._tables: dict[int, tuple[int, int]] = {}  # (slot_bytes, generation table offset)
         self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
         self._lock = threading.Lock()
 
@@ -60,6 +61,7 @@ class SegmentMap:
             finally:
                 os.close(fd)
             with self._lock:
+                self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
                 return self._maps.setdefault(segment_id, m)
         raise KvTierError(grpc.StatusCode.NOT_FOUND, f"segment_id {segment_id} is not listed")
 
@@ -73,10 +75,31 @@ class SegmentMap:
                 a = self._halves.setdefault(segment_id, a)
         return a
 
+    def check(self, handle: pb.BlockHandle) -> None:
+        """Raises ABORTED unless the handle's slot still holds the handle's generation: call
+        after copying out of a view, so that bytes of a freed or reused slot are never used."""
+        m = self._segment(handle.segment_id)
+        slot_bytes, table = self._tables.get(handle.segment_id, (0, 0))
+        if not slot_bytes:
+            return  # a daemon without generation tables
+        cell = table + 8 * (handle.offset // slot_bytes)
+        if cell + 8 > len(m):
+            raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"handle of chunk {handle.chunk_id} has no generation cell")
+        now = int.from_bytes(m[cell:cell + 8], "little")
+        if now != handle.generation:
+            held = "nothing (freed)" if now == 0 else f"generation {now}"
+            raise KvTierError(grpc.StatusCode.ABORTED,
+                              f"stale handle: chunk {handle.chunk_id} (segment "
+                              f"{handle.segment_id}, offset {handle.offset}) names generation "
+                              f"{handle.generation} but the slot now holds {held}")
+
     def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16):
-        """K and V of `handle` as read-only arrays [num_tokens][head_dim] over shared memory."""
+        """K and V of `handle` as read-only arrays [num_tokens][head_dim] over shared memory.
+        Checked against the slot's generation first; call check() again after reading."""
         n = handle.num_tokens * head_dim
         a = self.halves(handle.segment_id)
+        self.check(handle)
         if handle.offset % 2 or handle.offset + handle.length > 2 * len(a) or \
                 handle.length != 4 * n:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
@@ -202,6 +225,7 @@ class Client:
                 values[at:at + n] = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
             else:
                 keys[at:at + n], values[at:at + n] = self.segments.view(b, head_dim)
+                self.segments.check(b)  # the copy is the chunk's only if the slot is unchanged
             at += n
         return pos, keys, values
 

@@ -217,6 +217,26 @@ def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_p
         assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_stale_handle_is_reported_not_read(client):
+    rng = np.random.default_rng(8)
+    k, v = make_kv(rng, 200)
+    keep = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(keep, 0, k, v)  # keeps the segment mapped in the daemon
+    a = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(a, 0, k, v)
+    sel = client.select(a, L - 1, rng.standard_normal((QH, D)), budget_tokens=1000)
+    pos, hk, _ = client.gather(sel.heads[0], a)
+    np.testing.assert_array_equal(hk, k[L - 1, 0][pos])
+    client.release(sel.lease_id)
+    client.close_session(a)
+    b = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(b, 0, k[:, :, ::-1].copy(), v)  # other bytes in the reused slots
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.gather(sel.heads[0], head_dim=D)
+    assert e.value.code == grpc.StatusCode.ABORTED
+    assert "stale handle" in str(e.value)
+
+
 def test_errors_carry_code_and_field(client):
     sid = client.create_session(L, QH, KVH, D).session_id
     with pytest.raises(kvtier.KvTierError) as e:
