@@ -74,9 +74,12 @@ TEST(Config, EveryBadFieldIsNamed) {
   }
 }
 
-TEST(Config, RemoteTierIsRefusedUntilItExists) {
+TEST(Config, RemoteAddressIsChecked) {
   ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText("remote: \"redis://127.0.0.1:6379\""));
-  EXPECT_THAT(Validate(c), StatusIs(Code::kUnimplemented, "remote"));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
+  EXPECT_EQ(o.remote, "redis://127.0.0.1:6379");
+  ASSERT_OK_AND_ASSIGN(c, ParseConfigText("remote: \"memcached://x\""));
+  EXPECT_THAT(Validate(c), StatusIs(Code::kInvalidArgument, "remote"));
 }
 
 TEST(Config, QuotasParsePerTenantWithAWildcard) {

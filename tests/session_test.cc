@@ -10,6 +10,7 @@
 #include "server/config/policy.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
+#include "server/session/session_record.h"
 #include "kernels/quant_layout.h"
 #include "tests/test_util.h"
 
@@ -1385,6 +1386,108 @@ TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
     if (c.front() < 16 || c.back() >= 16 + 2 * 128) continue;
     for (int64_t t : c) EXPECT_EQ(PlantedCluster(t, 1), PlantedCluster(c.front(), 1));
   }
+}
+
+// ---- The remote tier's records ----
+
+// Every chunk of every stream, as ReadChunks returns it (ids from ListChunks).
+std::vector<v1::BlockHandle> AllChunks(Session& s) {
+  std::vector<uint64_t> ids;
+  const v1::ListChunksResponse listed = s.ListChunks(std::nullopt, 1u << 30);
+  for (const auto& c : listed.chunks()) ids.push_back(c.chunk_id());
+  auto r = s.ReadChunks(ids);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : std::vector<v1::BlockHandle>{};
+}
+
+TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
+  std::vector<std::pair<std::string, v1::SessionPolicy>> policies = {
+      {"lossless", Lossless()}, {"int4", Cold()}, {"semantic", SemanticPolicy(false)},
+      {"boundary", BoundaryPolicy(false)}};
+  for (const auto& [name, policy] : policies) {
+    Env e;
+    Fixture f = Make(e, 3, 4, 2, 64, 700, policy, 11);
+    const std::vector<int32_t> ids = TokenIds(700, 12);
+    for (int s = 0; s < 700; s += 100) {
+      for (int l = 0; l < 3; ++l) ASSERT_OK(f.session->Append(ReqIds(f, l, s, 100, ids)).status());
+    }
+    const std::vector<v1::BlockHandle> before = AllChunks(*f.session);
+    const uint64_t indexed = f.session->Layers()[2].indexed_chunks();
+    std::vector<v1::SelectResponse> selected(3);
+    for (uint32_t q = 0; q < 3; ++q) {
+      ASSERT_OK(f.session->Select(SelectReq(f, 2, 200, q), &selected[q]));
+      ASSERT_OK(e.leases.Release("t", selected[q].lease_id()));
+    }
+    std::string stored;
+    ASSERT_OK_AND_ASSIGN(uint64_t bytes, f.session->Demote([&](const v1::SessionRecord& r) {
+      stored = EncodeRecord(r);
+      return absl::OkStatus();
+    }));
+    EXPECT_GT(bytes, 0u);
+    EXPECT_EQ(e.host.Stats().used_bytes, 0u) << name << ": the demoted session's slots went back";
+    v1::SelectResponse late;
+    EXPECT_THAT(f.session->Select(SelectReq(f, 2, 200, 0), &late),
+                StatusIs(Code::kUnavailable, "remote tier"));
+    ASSERT_OK_AND_ASSIGN(v1::SessionRecord record, DecodeRecord(stored, "k"));
+    EXPECT_EQ(record.shape().head_dim(), 64u);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> back, Session::Import(record, e.env));
+    const std::vector<v1::BlockHandle> after = AllChunks(*back);
+    ASSERT_EQ(after.size(), before.size()) << name;
+    for (size_t i = 0; i < after.size(); ++i) {
+      EXPECT_EQ(after[i].keys(), before[i].keys()) << name << " chunk " << i;
+      EXPECT_EQ(after[i].values(), before[i].values()) << name << " chunk " << i;
+      EXPECT_EQ(after[i].stored_precision(), before[i].stored_precision());
+      EXPECT_EQ(std::vector<int64_t>(after[i].positions().begin(), after[i].positions().end()),
+                std::vector<int64_t>(before[i].positions().begin(), before[i].positions().end()));
+    }
+    EXPECT_EQ(back->Info().num_tokens(), 700u);
+    EXPECT_EQ(back->Layers()[2].indexed_chunks(), indexed) << name << ": the index is rebuilt";
+    EXPECT_EQ(back->Info().policy().chunking(), policy.chunking() ? policy.chunking()
+                                                                  : v1::CHUNKING_CONTIGUOUS);
+    for (uint32_t q = 0; q < 3; ++q) {
+      v1::SelectResponse again;
+      auto req = SelectReq(f, 2, 200, q);
+      ASSERT_OK(back->Select(req, &again));
+      for (int h = 0; h < 2; ++h) {
+        ASSERT_EQ(again.heads(h).blocks_size(), selected[q].heads(h).blocks_size()) << name;
+        for (int b = 0; b < again.heads(h).blocks_size(); ++b) {
+          EXPECT_EQ(again.heads(h).blocks(b).chunk_id(), selected[q].heads(h).blocks(b).chunk_id());
+          EXPECT_EQ(again.heads(h).blocks(b).keys(), selected[q].heads(h).blocks(b).keys());
+        }
+      }
+      ASSERT_OK(e.leases.Release("t", again.lease_id()));
+    }
+  }
+}
+
+TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 100);
+  ASSERT_OK(AppendAll(f, 100, 100));
+  v1::SelectResponse held;
+  ASSERT_OK(f.session->Select(SelectReq(f, 0, 100), &held));
+  auto keep = [](const v1::SessionRecord&) { return absl::OkStatus(); };
+  EXPECT_THAT(f.session->Demote(keep), StatusIs(Code::kFailedPrecondition, "1 active leases"));
+  ASSERT_OK(e.leases.Release("t", held.lease_id()));
+  std::string stored;
+  auto fail = [](const v1::SessionRecord&) { return absl::UnavailableError("redis down"); };
+  EXPECT_THAT(f.session->Demote(fail), StatusIs(Code::kUnavailable, "redis down"));
+  ExpectStreamExact(f, 0, 0, 100);  // a failed store leaves the session as it was
+  ASSERT_OK(f.session->Demote([&](const v1::SessionRecord& r) {
+    stored = EncodeRecord(r);
+    return absl::OkStatus();
+  }).status());
+  std::string flipped = stored;
+  flipped[flipped.size() / 2] ^= 0x10;
+  EXPECT_THAT(DecodeRecord(flipped, "kvtier:session:s"), StatusIs(Code::kDataLoss, "checksum"));
+  std::string versioned = stored;
+  versioned[4] = 9;
+  EXPECT_THAT(DecodeRecord(versioned, "k"), StatusIs(Code::kFailedPrecondition, "version 9"));
+  EXPECT_THAT(DecodeRecord("KVT", "k"), StatusIs(Code::kDataLoss, "not a kvtier record"));
+  ASSERT_OK_AND_ASSIGN(v1::SessionRecord r, DecodeRecord(stored, "k"));
+  r.mutable_streams(0)->mutable_chunks(0)->mutable_data()->pop_back();
+  EXPECT_THAT(Session::Import(r, e.env), StatusIs(Code::kInvalidArgument, "bytes"));
+  EXPECT_EQ(e.host.Stats().used_bytes, 0u);
 }
 
 TEST(ResolveShape, ChecksEveryField) {

@@ -173,11 +173,8 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     if (!absl::StartsWith(c.remote(), "redis://") && !absl::StartsWith(c.remote(), "unix:")) {
       return InvalidField("remote", c.remote(), "is neither redis://HOST:PORT nor unix:PATH");
     }
-    // The Redis tier is its own piece of work (tier management); a daemon that accepted the
-    // flag and then never used it would lose the operator's intent silently.
-    return absl::UnimplementedError(absl::StrCat(
-        "remote: \"", c.remote(), "\": the remote (Redis) tier is not available in this build"));
   }
+  o.remote = c.remote();
   o.max_lease_ms = c.max_lease_ms();
   if (o.max_lease_ms > 86'400'000) {
     return InvalidField("max_lease_ms", absl::StrCat(o.max_lease_ms), "is above 24 hours");

@@ -38,10 +38,16 @@ std::unique_ptr<EvictionPolicy> MakePolicy(const ServerOptions& o) {
   return *std::move(policy);
 }
 
+absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& o) {
+  if (o.remote.empty()) return std::unique_ptr<RemoteStore>();
+  return RemoteStore::Connect(o.remote);
+}
+
 SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, Tier* device,
                           PromotionCache* host_copies, PromotionCache* device_copies,
-                          LeaseTable* leases, const Clock* clock) {
+                          RemoteStore* remote, LeaseTable* leases, const Clock* clock) {
   SessionEnv env;
+  env.remote = remote;
   env.host = host;
   env.device = device;
   env.host_copies = host_copies;
@@ -67,10 +73,12 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                    {.half_life_ms = options_.eviction_half_life_ms}),
       device_copies_(&device_, clock, MakePolicy(options_),
                      {.half_life_ms = options_.eviction_half_life_ms}),
+      remote_(ConnectRemote(options_)),
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
       sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &host_copies_,
-                                         &device_copies_, &leases_, clock)),
+                                         &device_copies_, remote_.ok() ? remote_->get() : nullptr,
+                                         &leases_, clock)),
       service_(ServiceEnv{.sessions = &sessions_,
                           .leases = &leases_,
                           .host = &host_,
@@ -85,6 +93,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                       const Clock* clock) {
   auto d = std::unique_ptr<Daemon>(new Daemon(options, clock));
   const ServerOptions& o = d->options_;
+  if (!d->remote_.ok()) return d->remote_.status();
+  if (*d->remote_) KVLOG(info, "remote.connected", "address={}", o.remote);
   int stale = ShmSegment::RemoveStale(absl::StrCat("/kvtier-", o.instance, "-"));
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
 
@@ -176,6 +186,23 @@ void Daemon::RegisterGauges() {
       metrics_.GetCounter("kvtier_prefetch_failed_total",
                           "Prefetches that ended early (full tier, closed session)")
           .IncreaseTo(p.failed);
+    }
+    if (sessions_.has_remote()) {
+      const SessionManager::RemoteCounters r = sessions_.remote_counters();
+      metrics_.GetCounter("kvtier_remote_demotions_total", "Sessions moved to the remote tier")
+          .IncreaseTo(r.demotions);
+      metrics_.GetCounter("kvtier_remote_demoted_bytes_total", "Record bytes written to it")
+          .IncreaseTo(r.demoted_bytes);
+      metrics_.GetCounter("kvtier_remote_restores_total", "Sessions restored from it")
+          .IncreaseTo(r.restores);
+      metrics_.GetCounter("kvtier_remote_restored_bytes_total", "Record bytes read back")
+          .IncreaseTo(r.restored_bytes);
+      metrics_.GetCounter("kvtier_remote_restore_seconds_total",
+                          "Time spent restoring (divide by restores for the mean latency)")
+          .IncreaseTo(r.restore_seconds);
+      metrics_.GetCounter("kvtier_remote_corrupt_records_total",
+                          "Records refused for a bad checksum or format (never served)")
+          .IncreaseTo(r.corrupt);
     }
     metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());
     metrics_.GetGauge("kvtier_leases", "Live leases").Set(leases_.size());

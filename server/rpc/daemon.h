@@ -22,6 +22,7 @@
 #include "server/rpc/service.h"
 #include "server/session/session_manager.h"
 #include "server/tier/promotion_cache.h"
+#include "server/tier/remote_store.h"
 #include "server/tier/tier.h"
 
 namespace kvtier {
@@ -62,6 +63,8 @@ class Daemon {
   Tier device_;
   PromotionCache host_copies_;
   PromotionCache device_copies_;
+  // The remote tier (--remote), or null; connected when the daemon is built.
+  absl::StatusOr<std::unique_ptr<RemoteStore>> remote_;
   LeaseTable leases_;
   std::unique_ptr<Prefetcher> prefetcher_;  // null when prefetch is off
   SessionManager sessions_;

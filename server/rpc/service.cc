@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
@@ -139,11 +140,17 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   }
 
   absl::Status Apply() {
-    if (session_ == nullptr || session_->id() != req_.session_id()) {
-      ASSIGN_OR_RETURN(session_, svc_->env_.sessions->Get(tenant_, req_.session_id()));
+    if (session_ != nullptr && (session_->id() != req_.session_id() || session_->demoted())) {
+      session_ = nullptr;
     }
-    ASSIGN_OR_RETURN(uint64_t stored, session_->Append(req_));
-    resp_->set_num_tokens(stored);
+    absl::StatusOr<uint64_t> stored;
+    RETURN_IF_ERROR(svc_->WithSession(tenant_, req_.session_id(),
+                                      [&](const std::shared_ptr<Session>& s) {
+                                        session_ = s;
+                                        stored = s->Append(req_);
+                                        return stored.status();
+                                      }));
+    resp_->set_num_tokens(*stored);
     tokens_ += req_.num_tokens();
     return absl::OkStatus();
   }
@@ -171,14 +178,36 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
   return new AppendReactor(this, ctx, resp);
 }
 
+absl::Status KvTierService::WithSession(
+    const std::string& tenant, const std::string& session_id,
+    const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn) {
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Session> session, env_.sessions->Get(tenant, session_id));
+    absl::Status s = fn(session);
+    if (s.ok() || attempt >= 16) return s;
+    // Moved to the remote tier while this call waited: the next Get restores it.
+    if (absl::IsUnavailable(s) && session->demoted()) continue;
+    // The host tier is full (not a quota): with a remote tier below, the least recently used
+    // idle session moves down to make room.
+    if (absl::IsResourceExhausted(s) && absl::StrContains(s.message(), "host tier full") &&
+        env_.sessions->DemoteIdle(session_id)) {
+      continue;
+    }
+    return s;
+  }
+}
+
 grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
                                                 const v1::SelectRequest* req,
                                                 v1::SelectResponse* resp) {
   std::string tenant = Tenant(ctx);
   return Unary(ctx, "Select", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
-    RETURN_IF_ERROR(session->Select(*req, resp));
-    if (env_.prefetcher) env_.prefetcher->Enqueue(std::move(session), *req);
+    RETURN_IF_ERROR(WithSession(tenant, req->session_id(), [&](const auto& session) {
+      resp->Clear();
+      RETURN_IF_ERROR(session->Select(*req, resp));
+      if (env_.prefetcher) env_.prefetcher->Enqueue(session, *req);
+      return absl::OkStatus();
+    }));
     TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
     return absl::OkStatus();
   });
@@ -192,10 +221,13 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
     for (int i = 0; i < req->requests_size(); ++i) {
       const v1::SelectRequest& r = req->requests(i);
       absl::Status s = [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, r.session_id()));
-        RETURN_IF_ERROR(session->Select(r, resp->add_responses()));
-        if (env_.prefetcher) env_.prefetcher->Enqueue(std::move(session), r);
-        return absl::OkStatus();
+        v1::SelectResponse* out = resp->add_responses();
+        return WithSession(tenant, r.session_id(), [&](const auto& session) {
+          out->Clear();
+          RETURN_IF_ERROR(session->Select(r, out));
+          if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
+          return absl::OkStatus();
+        });
       }();
       if (!s.ok()) {
         // All or nothing: end the leases already granted in this batch.
@@ -357,6 +389,13 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
       out->set_num_segments(s.num_segments);
       out->set_emulated(s.emulated);
     }
+    if (env_.sessions->has_remote()) {  // what moved down and came back, as whole sessions
+      const SessionManager::RemoteCounters r = env_.sessions->remote_counters();
+      v1::TierStats* out = resp->add_tiers();
+      out->set_tier(v1::TIER_REMOTE);
+      out->set_promotions(r.restores);
+      out->set_evictions(r.demotions);
+    }
     return absl::OkStatus();
   });
 }
@@ -387,6 +426,11 @@ grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
                                                const v1::EvictRequest* req,
                                                v1::EvictResponse* resp) {
   return Unary(ctx, "Evict", [&]() -> absl::Status {
+    if (req->tier() == v1::TIER_HOST) {  // the whole session, down to the remote tier
+      ASSIGN_OR_RETURN(uint64_t bytes, env_.sessions->Demote(Tenant(ctx), req->session_id()));
+      resp->set_bytes_moved(bytes);
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Tenant(ctx), req->session_id()));
     ASSIGN_OR_RETURN(uint64_t bytes, session->Evict(req->tier()));
     resp->set_bytes_moved(bytes);

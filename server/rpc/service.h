@@ -103,6 +103,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
   static std::string Tenant(const grpc::CallbackServerContext* ctx);
+  // Runs `fn` on the session, restoring it from the remote tier when it is there, and again
+  // when it moved there meanwhile, or when the host tier was full and an idle session could
+  // be demoted to make room.
+  absl::Status WithSession(const std::string& tenant, const std::string& session_id,
+                           const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn);
+
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
                                   const std::string& tenant);

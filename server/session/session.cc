@@ -111,6 +111,11 @@ Session::Session(const Session& parent, std::string new_id)
               parent.labels_, parent.env_) {}
 
 absl::Status Session::CheckOpen() const {
+  if (demoted_) {
+    return absl::UnavailableError(absl::StrCat(
+        "session_id: \"", id_, "\" moved to the remote tier while this call waited; retry "
+        "(the next call restores it)"));
+  }
   if (closed_) return absl::NotFoundError(absl::StrCat("session_id: \"", id_, "\" is closed"));
   return absl::OkStatus();
 }
@@ -1016,6 +1021,136 @@ void Session::Close() {
     dropped.swap(streams_);
   }
   // Slots go back to their tiers here, outside the session lock.
+}
+
+bool Session::demoted() const {
+  MutexLock lock(&mu_);
+  return demoted_;
+}
+
+int64_t Session::last_access_ms() const {
+  MutexLock lock(&mu_);
+  return last_access_ms_;
+}
+
+v1::SessionRecord Session::Export() const {
+  v1::SessionRecord r;
+  r.set_session_id(id_);
+  r.set_tenant(tenant_);
+  *r.mutable_shape() = shape_;
+  *r.mutable_policy() = policy_;
+  r.mutable_labels()->insert(labels_.begin(), labels_.end());
+  r.set_created_unix_ms(created_ms_);
+  for (uint64_t t : layer_tokens_) r.add_layer_tokens(t);
+  for (const Stream& s : streams_) {
+    v1::StreamRecord* sr = r.add_streams();
+    for (const Chunk& c : s.chunks) {
+      v1::ChunkRecord* cr = sr->add_chunks();
+      cr->set_num_tokens(c.num_tokens);
+      cr->set_first(c.first);
+      if (!c.offsets.empty()) {
+        std::string off(c.offsets.size() * 2, '\0');
+        for (size_t i = 0; i < c.offsets.size(); ++i) {
+          off[2 * i] = static_cast<char>(c.offsets[i] & 0xff);
+          off[2 * i + 1] = static_cast<char>(c.offsets[i] >> 8);
+        }
+        cr->set_offsets(std::move(off));
+      }
+      cr->set_sealed(c.sealed);
+      const v1::Precision warm =
+          shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
+      cr->set_precision(c.cold() ? c.precision : warm);
+      const uint64_t bytes = c.cold() ? ColdLayout(c).Bytes() : 2 * c.num_tokens * row_bytes();
+      cr->set_data(c.host->data(), bytes);
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<uint64_t> Session::Demote(
+    const std::function<absl::Status(const v1::SessionRecord&)>& store) {
+  std::vector<Stream> dropped;
+  uint64_t bytes;
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckOpen());
+    if (size_t leases = env_.leases->CountForSession(id_); leases > 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session_id: \"%s\" has %d active leases; leased chunks are not moved", id_, leases));
+    }
+    const v1::SessionRecord record = Export();
+    bytes = record.ByteSizeLong();
+    RETURN_IF_ERROR(store(record));
+    demoted_ = closed_ = true;
+    dropped.swap(streams_);
+  }
+  return bytes;  // the slots go back to their tiers here, outside the lock
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord& r,
+                                                         const SessionEnv& env) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("record of session \"", r.session_id(), "\": ", why));
+  };
+  const v1::ModelShape& shape = r.shape();
+  const size_t streams = static_cast<size_t>(shape.num_layers()) * shape.num_kv_heads();
+  if (shape.num_layers() == 0 || r.streams_size() != static_cast<int>(streams) ||
+      r.layer_tokens_size() != static_cast<int>(shape.num_layers())) {
+    return bad("streams or layer_tokens do not match its shape");
+  }
+  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, r.policy(),
+                                     std::map<std::string, std::string>(r.labels().begin(),
+                                                                        r.labels().end()),
+                                     env);
+  MutexLock lock(&s->mu_);
+  const uint64_t rb = s->row_bytes();
+  const uint32_t d = shape.head_dim();
+  std::vector<uint16_t> scratch;
+  for (size_t i = 0; i < streams; ++i) {
+    Stream& st = s->streams_[i];
+    for (const v1::ChunkRecord& cr : r.streams(static_cast<int>(i)).chunks()) {
+      Chunk c;
+      c.num_tokens = cr.num_tokens();
+      c.first = cr.first();
+      c.sealed = cr.sealed();
+      c.precision = cr.precision();
+      if (c.num_tokens == 0 || c.num_tokens > s->chunk_capacity() ||
+          cr.offsets().size() % 2 != 0 ||
+          (!cr.offsets().empty() && cr.offsets().size() != 2 * c.num_tokens)) {
+        return bad("a chunk's size or offsets are out of range");
+      }
+      for (size_t j = 0; j < cr.offsets().size(); j += 2) {
+        c.offsets.push_back(static_cast<uint16_t>(static_cast<uint8_t>(cr.offsets()[j]) |
+                                                  static_cast<uint8_t>(cr.offsets()[j + 1]) << 8));
+      }
+      const uint64_t bytes = c.cold() ? QuantLayout{d, c.num_tokens,
+                                                    c.precision == v1::PRECISION_INT4 ? 4u : 8u}
+                                            .Bytes()
+                                      : 2 * c.num_tokens * rb;
+      if (cr.data().size() != bytes) return bad("a chunk's bytes do not match its size");
+      ASSIGN_OR_RETURN(c.host, env.host->Allocate(r.tenant(), c.cold() ? bytes : s->slot_bytes()));
+      std::memcpy(c.host->data(), cr.data().data(), bytes);
+      st.chunks.push_back(std::move(c));
+      const size_t index = st.chunks.size() - 1;
+      const auto* rows = reinterpret_cast<const uint8_t*>(s->Fp16Rows(st.chunks.back(), scratch));
+      s->AddToSums(st, index, rows, st.chunks.back().num_tokens);
+      s->UpdatePeak(st, index, rows, st.chunks.back().num_tokens);
+    }
+  }
+  s->created_ms_ = r.created_unix_ms();
+  for (uint32_t l = 0; l < shape.num_layers(); ++l) {
+    s->layer_tokens_[l] = r.layer_tokens(static_cast<int>(l));
+    const std::vector<Chunk>& chunks = s->stream(l, 0).chunks;
+    s->peaked_upto_[l] = static_cast<uint32_t>(chunks.size());  // every peak computed above
+    for (uint32_t c = 0; c < chunks.size(); ++c) {
+      if (!chunks[c].offsets.empty()) s->regrouped_upto_[l] = c + 1;
+    }
+    s->RegroupSpans(l);
+    s->QuantizeCold(l);
+    s->IndexAgedOut(l);  // the index, rebuilt over the chunks that had left the window
+  }
+  return s;
 }
 
 v1::SessionInfo Session::Info() const {

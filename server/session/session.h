@@ -30,6 +30,7 @@
 #define KVTIER_SERVER_SESSION_SESSION_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -40,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kvtier/v1/kvtier.pb.h"
+#include "kvtier/v1/record.pb.h"
 #include "kernels/quant_layout.h"
 #include "server/common/clock.h"
 #include "server/common/vec.h"
@@ -60,6 +62,8 @@ struct SessionEnv {
   PromotionCache* device_copies = nullptr;
   LeaseTable* leases = nullptr;
   const Clock* clock = nullptr;
+  // The remote tier (Redis), or null. The session manager demotes idle sessions to it.
+  class RemoteStore* remote = nullptr;
   uint32_t lease_ttl_ms = 30'000;
   uint32_t max_lease_ms = 600'000;
 };
@@ -126,6 +130,19 @@ class Session {
   // Frees every chunk not held by a lease or a fork; later calls get NOT_FOUND.
   void Close();
 
+  // Remote tier. Demote: the whole session as a record, handed to `store` (which puts it in
+  // Redis) under the session's lock, so no append is lost; once stored, the session closes
+  // and later calls on this object get UNAVAILABLE (retry: the next lookup restores it).
+  // FAILED_PRECONDITION while a lease holds any of its chunks. Returns the record's size.
+  absl::StatusOr<uint64_t> Demote(const std::function<absl::Status(const v1::SessionRecord&)>& store);
+  // A session rebuilt from a record (host slots allocated, statistics and index recomputed).
+  // RESOURCE_EXHAUSTED when the host tier cannot hold it; INVALID_ARGUMENT for a record
+  // whose contents do not fit its shape.
+  static absl::StatusOr<std::unique_ptr<Session>> Import(const v1::SessionRecord& record,
+                                                         const SessionEnv& env);
+  bool demoted() const;
+  int64_t last_access_ms() const;
+
   // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
   v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;
 
@@ -165,6 +182,7 @@ class Session {
   };
 
   Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
+  v1::SessionRecord Export() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Stream& stream(uint32_t layer, uint32_t head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return streams_[static_cast<size_t>(layer) * shape_.num_kv_heads() + head];
@@ -256,10 +274,11 @@ class Session {
   const v1::ModelShape shape_;
   const std::map<std::string, std::string> labels_;
   const SessionEnv env_;
-  const int64_t created_ms_;
+  int64_t created_ms_;  // set once, before the session is shared (Import restores it)
   mutable absl::Mutex mu_;
   v1::SessionPolicy policy_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool demoted_ ABSL_GUARDED_BY(mu_) = false;  // closed because it moved to the remote tier
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> layer_tokens_ ABSL_GUARDED_BY(mu_);  // [num_layers]
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);         // [num_layers * num_kv_heads]

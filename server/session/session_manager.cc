@@ -5,10 +5,14 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "server/common/log.h"
 #include "server/common/names.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
+#include "server/session/session_record.h"
+#include "server/tier/remote_store.h"
 
 namespace kvtier {
 
@@ -67,7 +71,19 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(
-    const std::string& tenant, const std::string& session_id) const {
+    const std::string& tenant, const std::string& session_id) {
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end() && !it->second->demoted()) {
+      if (!tenant.empty() && it->second->tenant() != tenant) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+      }
+      return it->second;
+    }
+  }
+  if (env_.remote != nullptr) return Restore(tenant, session_id);
   MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
@@ -86,7 +102,18 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
   {
     MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
-    if (it == sessions_.end()) return false;
+    if (it == sessions_.end()) {
+      if (env_.remote == nullptr) return false;
+      // A demoted session is closed where it lies.
+      ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(RecordKey(session_id)));
+      if (!bytes) return false;
+      auto record = DecodeRecord(*bytes, RecordKey(session_id));
+      if (record.ok() && !tenant.empty() && record->tenant() != tenant) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+      }
+      return env_.remote->Delete(RecordKey(session_id));
+    }
     if (!tenant.empty() && it->second->tenant() != tenant) {
       return absl::PermissionDeniedError(
           absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
@@ -121,6 +148,107 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
   KVLOG(info, "session.fork", "session={} parent={} tokens={}", id, req.session_id(),
         req.num_tokens());
   return resp;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::string& tenant,
+                                                                 const std::string& session_id) {
+  MutexLock restoring(&restore_mu_);
+  {
+    MutexLock lock(&mu_);  // restored by another call while this one waited?
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end() && !it->second->demoted()) {
+      if (!tenant.empty() && it->second->tenant() != tenant) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+      }
+      return it->second;
+    }
+  }
+  const std::string key = RecordKey(session_id);
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(key));
+  if (!bytes) {
+    return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+  }
+  auto record = DecodeRecord(*bytes, key);
+  if (!record.ok()) {
+    KVLOG(error, "remote.corrupt", "session={} key={} error=\"{}\"", session_id, key,
+          std::string(record.status().message()));
+    MutexLock lock(&mu_);
+    ++remote_counters_.corrupt;
+    return record.status();
+  }
+  if (!tenant.empty() && record->tenant() != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+  }
+  auto session = Session::Import(*record, env_);
+  // A full host tier makes room by demoting idle sessions, then tries again.
+  while (!session.ok() && absl::IsResourceExhausted(session.status()) &&
+         !absl::StrContains(session.status().message(), "quota") && DemoteIdle(session_id)) {
+    session = Session::Import(*record, env_);
+  }
+  if (!session.ok()) return session.status();
+  std::shared_ptr<Session> restored = *std::move(session);
+  {
+    MutexLock lock(&mu_);
+    sessions_[session_id] = restored;
+    ++remote_counters_.restores;
+    remote_counters_.restored_bytes += bytes->size();
+    remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  // This daemon owns it now; the remote copy would otherwise be served twice.
+  if (auto deleted = env_.remote->Delete(key); !deleted.ok()) {
+    KVLOG(warn, "remote.delete", "session={} error=\"{}\"", session_id,
+          std::string(deleted.status().message()));
+  }
+  KVLOG(info, "session.restore", "session={} bytes={} ms={:.1f}", session_id, bytes->size(),
+        absl::ToDoubleMilliseconds(absl::Now() - start));
+  return restored;
+}
+
+absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
+                                                const std::string& session_id) {
+  if (env_.remote == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tier: TIER_HOST cannot be evicted: no remote tier is configured and session \"",
+        session_id, "\" is live"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(tenant, session_id));
+  const std::string key = RecordKey(session_id);
+  ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
+    return env_.remote->Put(key, EncodeRecord(r));
+  }));
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it != sessions_.end() && it->second == s) sessions_.erase(it);
+  ++remote_counters_.demotions;
+  remote_counters_.demoted_bytes += bytes;
+  KVLOG(info, "session.demote", "session={} bytes={}", session_id, bytes);
+  return bytes;
+}
+
+bool SessionManager::DemoteIdle(const std::string& keep) {
+  if (env_.remote == nullptr) return false;
+  std::vector<std::pair<int64_t, std::shared_ptr<Session>>> idle;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (id != keep && !s->demoted()) idle.emplace_back(s->last_access_ms(), s);
+    }
+  }
+  std::sort(idle.begin(), idle.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [_, s] : idle) {
+    if (env_.leases->CountForSession(s->id()) > 0) continue;  // leased chunks stay
+    if (Demote("", s->id()).ok()) return true;
+  }
+  return false;
+}
+
+SessionManager::RemoteCounters SessionManager::remote_counters() const {
+  MutexLock lock(&mu_);
+  return remote_counters_;
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::List() const {

@@ -27,9 +27,27 @@ class SessionManager {
                                                    const v1::CreateSessionRequest& req);
 
   // NOT_FOUND for an unknown id; PERMISSION_DENIED for another tenant's session. An empty
-  // tenant is the admin view and sees every session.
+  // tenant is the admin view and sees every session. With a remote tier, a session that is
+  // not here but stored there (demoted by this daemon or another) is restored first;
+  // DATA_LOSS when its record fails its checksum (it is then not served).
   absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& tenant,
-                                               const std::string& session_id) const;
+                                               const std::string& session_id);
+
+  // Remote tier. Moves one session there whole (Evict to TIER_HOST); returns the record's
+  // bytes. FAILED_PRECONDITION without a remote tier or while leases hold its chunks.
+  absl::StatusOr<uint64_t> Demote(const std::string& tenant, const std::string& session_id);
+  // Demotes the least recently used session other than `keep` that no lease holds; false
+  // when there is none (or no remote tier). Called when the host tier is full.
+  bool DemoteIdle(const std::string& keep);
+
+  struct RemoteCounters {
+    uint64_t demotions = 0, demoted_bytes = 0;
+    uint64_t restores = 0, restored_bytes = 0;
+    double restore_seconds = 0;   // summed over restores
+    uint64_t corrupt = 0;         // records refused for a bad checksum or format
+  };
+  RemoteCounters remote_counters() const;
+  bool has_remote() const { return env_.remote != nullptr; }
 
   // Idempotent: false when there was no such session. PERMISSION_DENIED for another's.
   absl::StatusOr<bool> Close(const std::string& tenant, const std::string& session_id);
@@ -54,6 +72,11 @@ class SessionManager {
   const SessionEnv env_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Restores one at a time, so that two calls for one demoted session restore it once.
+  absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
+  absl::StatusOr<std::shared_ptr<Session>> Restore(const std::string& tenant,
+                                                   const std::string& session_id);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -1,0 +1,73 @@
+#include "server/session/session_record.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvtier {
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'T', 'R'};
+constexpr size_t kHeader = 16;
+
+void PutLe(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t GetLe(std::string_view in, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(in[at + i])} << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+std::string RecordKey(const std::string& session_id) {
+  return absl::StrCat("kvtier:session:", session_id);
+}
+
+uint64_t Fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+std::string EncodeRecord(const v1::SessionRecord& record) {
+  const std::string payload = record.SerializeAsString();
+  std::string out(kMagic, sizeof(kMagic));
+  out.reserve(kHeader + payload.size());
+  PutLe(out, kRecordVersion, 4);
+  PutLe(out, Fnv1a64(payload), 8);
+  out += payload;
+  return out;
+}
+
+absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key) {
+  if (bytes.size() < kHeader || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    return absl::DataLossError(absl::StrCat("remote record ", key, ": not a kvtier record"));
+  }
+  const uint32_t version = static_cast<uint32_t>(GetLe(bytes, 4, 4));
+  if (version != kRecordVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "remote record %s: format version %d; this kvtierd reads version %d", key, version,
+        kRecordVersion));
+  }
+  const std::string_view payload = bytes.substr(kHeader);
+  const uint64_t want = GetLe(bytes, 8, 8), got = Fnv1a64(payload);
+  if (want != got) {
+    return absl::DataLossError(absl::StrFormat(
+        "remote record %s: checksum %016x, the bytes give %016x; it is not served", key, want,
+        got));
+  }
+  v1::SessionRecord r;
+  if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::DataLossError(absl::StrCat("remote record ", key, ": payload does not parse"));
+  }
+  return r;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,34 @@
+// How a session is stored on the remote tier: one Redis value per session,
+//
+//   offset 0      4          8                     16
+//   +-------------+----------+---------------------+------------------------------+
+//   | "KVTR"      | version  | FNV-1a 64 of payload| payload: v1.SessionRecord    |
+//   +-------------+----------+---------------------+------------------------------+
+//   (version and checksum little-endian)
+//
+// under the key "kvtier:session:<session_id>". The record carries the model shape and the
+// policy; a record whose magic or checksum is wrong is DATA_LOSS and is never served.
+#ifndef KVTIER_SERVER_SESSION_SESSION_RECORD_H_
+#define KVTIER_SERVER_SESSION_SESSION_RECORD_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "kvtier/v1/record.pb.h"
+
+namespace kvtier {
+
+inline constexpr uint32_t kRecordVersion = 1;
+
+std::string RecordKey(const std::string& session_id);
+uint64_t Fnv1a64(std::string_view bytes);
+std::string EncodeRecord(const v1::SessionRecord& record);
+// DATA_LOSS for a wrong magic, a checksum mismatch or an unparsable payload;
+// FAILED_PRECONDITION for a version this build does not read. `key` names the record.
+absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_SESSION_RECORD_H_
