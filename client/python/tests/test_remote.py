@@ -1,0 +1,137 @@
+"""The remote tier against a real redis-server started here: demotion by Evict and by a full
+host tier, transparent restore, migration to a second kvtierd, and corrupt records."""
+import shutil
+import subprocess
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.v1 import kvtier_pb2 as pb
+
+L, QH, KVH, D = 4, 9, 3, 64
+
+
+@pytest.fixture
+def redis(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is missing: scripts/install-deps installs it")
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock),
+                             "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("redis-server did not start")
+        time.sleep(0.02)
+    yield sock
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def cli(sock, *args):
+    return subprocess.run(["redis-cli", "-s", str(sock), *args], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def make_kv(seed, tokens):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    v = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    return k, v
+
+
+def expect_exact(client, sid, k, v, tokens):
+    sel = client.select(sid, L - 1, np.ones((QH, D), np.float32), budget_tokens=1 << 20)
+    assert sel.context_tokens == tokens
+    for head in sel.heads:
+        pos, hk, hv = client.gather(head, head_dim=D)
+        assert sorted(pos.tolist()) == list(range(tokens))
+        np.testing.assert_array_equal(hk, k[L - 1, head.kv_head][pos])
+        np.testing.assert_array_equal(hv, v[L - 1, head.kv_head][pos])
+    client.release(sel.lease_id)
+
+
+def remote_row(client):
+    return next(t for t in client.tier_stats() if t.tier == pb.TIER_REMOTE)
+
+
+def test_a_session_evicted_by_one_daemon_is_served_by_another(redis, start_daemon):
+    a = start_daemon("--remote", f"unix:{redis}", "--instance", "remote-a")
+    b = start_daemon("--remote", f"unix:{redis}", "--instance", "remote-b")
+    k, v = make_kv(1, 500)
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        sid = ca.create_session(L, QH, KVH, D, lossless=True, session_id="moving").session_id
+        ca.append_layers(sid, 0, k, v)
+        moved = ca.evict(sid, "host")
+        assert moved > 2 * L * KVH * 500 * D * 2  # every K and V byte went down
+        assert cli(redis, "EXISTS", "kvtier:session:moving") == "1"
+        assert ca.tier_stats()[0].used_bytes == 0
+        # The second daemon restores it on first use, bytes exact, and takes it over.
+        expect_exact(cb, sid, k, v, 500)
+        assert remote_row(cb).promotions == 1
+        assert cli(redis, "EXISTS", "kvtier:session:moving") == "0"
+        with pytest.raises(kvtier.KvTierError) as e:
+            ca.describe_session(sid)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        # It carries on there: appends extend it.
+        k2, v2 = make_kv(2, 40)
+        assert cb.append_layers(sid, 500, k2, v2) == 540
+
+
+def test_a_full_host_tier_demotes_the_least_recent_idle_session(redis, start_daemon):
+    # Each session: 4 layers x 3 heads x 32 chunks of 4 KiB = 1.5 MiB; room for one and a half.
+    d = start_daemon("--remote", f"unix:{redis}", "--host_capacity", "2M",
+                     "--segment_size", "1M")
+    k1, v1 = make_kv(3, 512)
+    k2, v2 = make_kv(4, 512)
+    with kvtier.Client(d.address) as c:
+        s1 = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(s1, 0, k1, v1)
+        s2 = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(s2, 0, k2, v2)  # needs room: s1 moves down
+        assert remote_row(c).evictions == 1
+        assert cli(redis, "EXISTS", f"kvtier:session:{s1}") == "1"
+        expect_exact(c, s1, k1, v1, 512)  # restored transparently; s2 moves down for it
+        assert remote_row(c).promotions == 1
+        assert remote_row(c).evictions == 2
+        expect_exact(c, s2, k2, v2, 512)
+        assert c.describe_session(s1).info.num_tokens == 512
+
+
+def test_without_a_remote_tier_a_full_host_refuses_and_keeps_what_it_has(start_daemon):
+    d = start_daemon("--host_capacity", "2M", "--segment_size", "1M")
+    k1, v1 = make_kv(5, 512)
+    with kvtier.Client(d.address) as c:
+        s1 = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(s1, 0, k1, v1)
+        s2 = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.append_layers(s2, 0, k1, v1)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        expect_exact(c, s1, k1, v1, 512)
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.evict(s1, "host")
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_corrupt_record_is_reported_and_never_served(redis, start_daemon):
+    d = start_daemon("--remote", f"unix:{redis}")
+    k, v = make_kv(6, 200)
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(sid, 0, k, v)
+        c.evict(sid, "host")
+        key = f"kvtier:session:{sid}"
+        cli(redis, "SETRANGE", key, "5000", "garbage")
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.describe_session(sid)
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        assert "checksum" in str(e.value)
+        assert cli(redis, "EXISTS", key) == "1"  # kept for the operator, not served
+        assert c.close_session(sid)  # closing a demoted session deletes its record
+        assert cli(redis, "EXISTS", key) == "0"
