@@ -54,7 +54,9 @@ def main(src, docs):
       "bound, computed in the harness), and kvtierd's selection (`kvtier`: int4 cold chunks, "
       "the default LSE-peak ranking; `kvtier-mean`: the same with the mean-score ranking; "
       "`kvtier-fp16`: lossless; `kvtier-summaries`: int4 plus the left-out chunks' mean "
-      "key/value as one weighted pseudo-token each). Budgeted policies keep 16 sinks and a "
+      "key/value as one weighted pseudo-token each; `kvtier-boundary`: chunks cut after "
+      "punctuation and newline tokens, 8 to 32 tokens; `kvtier-semantic`: each aged-out span of "
+      "8 chunks regrouped by balanced k-means on the keys). Budgeted policies keep 16 sinks and a "
       "recent window of budget/4 tokens (window: all of it), layers 0 and 1 dense.\n")
 
     w("## Targets (EVAL.md)\n")
