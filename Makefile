@@ -81,6 +81,7 @@ bench: build venv
 	$(BUILD)/bin/append_bench | tee bench/out/append.jsonl
 	$(BUILD)/bin/ranker_bench --benchmark_min_time=0.2 2>/dev/null | tee bench/out/ranker.jsonl
 	$(BUILD)/bin/quant_bench | tee bench/out/quant.jsonl
+	$(BUILD)/bin/tier_bench | tee bench/out/tier.jsonl
 	$(BUILD)/bin/kvtier-bench select --tokens 4096,32768,131072 --json | tee bench/out/policies.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
 
