@@ -49,6 +49,15 @@ class ABSL_SCOPED_LOCKABLE MutexLock {
   absl::Mutex* const mu_;
 };
 
+// cv->Wait(mu) with the TSAN edges of the unlock and relock it does inside Abseil. Callers
+// test their condition in their own code, in a loop, after it returns (never through an
+// absl::Condition, which Abseil evaluates where TSAN cannot see the lock).
+inline void WaitOn(absl::CondVar* cv, absl::Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  KVTIER_TSAN_RELEASE(mu);
+  cv->Wait(mu);
+  KVTIER_TSAN_ACQUIRE(mu);
+}
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_MUTEX_H_

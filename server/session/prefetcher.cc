@@ -11,6 +11,8 @@ Prefetcher::~Prefetcher() {
   {
     MutexLock lock(&mu_);
     stop_ = true;
+    work_.SignalAll();
+    idle_.SignalAll();
   }
   worker_.join();
 }
@@ -26,15 +28,12 @@ void Prefetcher::Enqueue(std::shared_ptr<Session> session, const v1::SelectReque
   t.req.clear_query();  // the query is kept below without the copy of the whole message
   t.req.set_query(req.query());
   queue_.push_back(std::move(t));
+  work_.Signal();
 }
 
 void Prefetcher::WaitIdle() {
   MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](Prefetcher* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-        return p->stop_ || (p->queue_.empty() && !p->busy_);
-      },
-      this));
+  while (!Idle()) WaitOn(&idle_, &mu_);
 }
 
 Prefetcher::Counters Prefetcher::counters() const {
@@ -47,11 +46,7 @@ void Prefetcher::Run() {
     Task task;
     {
       MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](Prefetcher* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stop_ || !p->queue_.empty();
-          },
-          this));
+      while (!stop_ && queue_.empty()) WaitOn(&work_, &mu_);
       if (stop_) return;
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -67,6 +62,7 @@ void Prefetcher::Run() {
     } else {
       ++counters_.failed;
     }
+    if (Idle()) idle_.SignalAll();
   }
 }
 

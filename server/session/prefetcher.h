@@ -42,10 +42,16 @@ class Prefetcher {
     v1::SelectRequest req;
   };
   void Run();
+  // Whether no task is queued or running (or the worker is stopping).
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stop_ || (queue_.empty() && !busy_);
+  }
 
   const uint32_t extra_percent_;
   const size_t max_queue_;
   mutable absl::Mutex mu_;
+  absl::CondVar work_;  // a task was queued, or stop
+  absl::CondVar idle_;  // the queue emptied with no task in hand
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
