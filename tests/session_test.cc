@@ -662,6 +662,36 @@ TEST(Session, ForkSharesWholeChunksAndCopiesTheStraddlingOne) {
   c.session->Close();
 }
 
+// Copy on write both ways: a fork of everything shares every chunk, the partial last one
+// included; whichever side appends first grows its own copy, and closing the parent leaves
+// the child whole.
+TEST(Session, ForkIsCopyOnWriteBothWaysAndOutlivesItsParent) {
+  Env e;
+  Fixture f = Make(e, 2, 2, 1, 16, 100);
+  ASSERT_OK(AppendAll(f, 40, 40));  // chunks 0, 1 whole, chunk 2 holds 8 tokens
+  const uint64_t used = e.host.Stats().used_bytes;
+  ASSERT_OK_AND_ASSIGN(auto child, f.session->Fork("c", 0));
+  EXPECT_EQ(e.host.Stats().used_bytes, used) << "a fork of whole and partial chunks copies nothing";
+  Fixture c{f.layers, f.qh, f.kvh, f.d, f.total, f.k, f.v, std::move(child)};
+  std::mt19937 rng(7);
+  for (int l = 0; l < 2; ++l) {  // the child's continuation differs from the parent's
+    auto other = RandomHalfs(size_t(60) * 16, rng);
+    std::copy(other.begin(), other.end(), c.k[l].begin() + 40 * 16);
+    std::copy(other.begin(), other.end(), c.v[l].begin() + 40 * 16);
+  }
+  for (int l = 0; l < 2; ++l) ASSERT_OK(f.session->Append(Req(f, l, 40, 20)).status());
+  for (int l = 0; l < 2; ++l) ExpectStreamExact(c, l, 0, 40);  // the parent's append: unseen
+  for (int l = 0; l < 2; ++l) ASSERT_OK(c.session->Append(Req(c, l, 40, 30)).status());
+  for (int l = 0; l < 2; ++l) {
+    ExpectStreamExact(f, l, 0, 60);
+    ExpectStreamExact(c, l, 0, 70);
+  }
+  f.session->Close();
+  for (int l = 0; l < 2; ++l) ExpectStreamExact(c, l, 0, 70);
+  c.session->Close();
+  EXPECT_EQ(e.host.Stats().used_bytes, 0u);
+}
+
 TEST(Session, DevicePlacementPromotesCopiesAndEvictDropsThem) {
   Env e(64 << 20, 3 * 1024);  // room for three promoted chunks
   Fixture f = Make(e, 1, 2, 1, 16, 64);
