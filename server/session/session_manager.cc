@@ -56,8 +56,19 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   // Cold chunks are quantized from fp16 (scales and zeros are fp16); a bf16 session keeps
   // its chunks as they came, and says so in the effective policy.
   if (shape.dtype() == v1::DTYPE_BF16) policy.set_lossless(true);
+  std::string id;
+  {
+    MutexLock lock(&mu_);
+    id = req.session_id().empty() ? NewId() : req.session_id();
+  }
+  if (env_.remote != nullptr) {  // a session lying in the remote tier keeps its id
+    ASSIGN_OR_RETURN(bool taken, env_.remote->Exists(RecordKey(id)));
+    if (taken) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("session_id: \"", id, "\" already exists (in the remote tier)"));
+    }
+  }
   MutexLock lock(&mu_);
-  std::string id = req.session_id().empty() ? NewId() : req.session_id();
   RETURN_IF_ERROR(CheckNewId(id, tenant));
   std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
   sessions_.emplace(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),

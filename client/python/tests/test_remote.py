@@ -78,6 +78,12 @@ def test_a_session_evicted_by_one_daemon_is_served_by_another(redis, start_daemo
         with pytest.raises(kvtier.KvTierError) as e:
             ca.describe_session(sid)
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+        # Its id stays taken while it lies in Redis.
+        sid2 = ca.create_session(L, QH, KVH, D, session_id="parked").session_id
+        ca.evict(sid2, "host")
+        with pytest.raises(kvtier.KvTierError) as e:
+            cb.create_session(L, QH, KVH, D, session_id="parked")
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
         # It carries on there: appends extend it.
         k2, v2 = make_kv(2, 40)
         assert cb.append_layers(sid, 500, k2, v2) == 540
