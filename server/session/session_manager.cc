@@ -225,7 +225,23 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
         "tier: TIER_HOST cannot be evicted: no remote tier is configured and session \"",
         session_id, "\" is live"));
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(tenant, session_id));
+  // Only a session held here moves: looking it up must never restore it (DemoteIdle runs
+  // inside a restore, which holds restore_mu_).
+  std::shared_ptr<Session> s;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end() && !it->second->demoted()) s = it->second;
+  }
+  if (s == nullptr) {
+    ASSIGN_OR_RETURN(bool there, env_.remote->Exists(RecordKey(session_id)));
+    if (there) return 0;  // already in the remote tier
+    return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+  }
+  if (!tenant.empty() && s->tenant() != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+  }
   const std::string key = RecordKey(session_id);
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
     return env_.remote->Put(key, EncodeRecord(r));

@@ -81,6 +81,7 @@ def test_a_session_evicted_by_one_daemon_is_served_by_another(redis, start_daemo
         # Its id stays taken while it lies in Redis.
         sid2 = ca.create_session(L, QH, KVH, D, session_id="parked").session_id
         ca.evict(sid2, "host")
+        assert ca.evict(sid2, "host") == 0  # already there: nothing moves, nothing restored
         with pytest.raises(kvtier.KvTierError) as e:
             cb.create_session(L, QH, KVH, D, session_id="parked")
         assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
