@@ -122,6 +122,48 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
   EXPECT_GE(index.num_clusters(), s.tokens.size() / 16);
 }
 
+// Chunks of 8 to 32 tokens (boundary chunking): the greedy fill through the index, with
+// candidates it does not hold scored beside it, equals SelectChunks over them all.
+TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
+  std::mt19937 rng(static_cast<int>(GetParam()) + 11);
+  const std::vector<float> centers = Centers(rng);
+  Stream s;
+  ClusterIndex index(kD);
+  std::vector<bool> indexed;
+  for (int i = 0; i < 900; ++i) {
+    const uint32_t n = 8 + rng() % 25;
+    std::vector<float> keys = ChunkKeys(GetParam(), rng, centers);  // 16 rows; grow or cut
+    keys.resize(size_t(n) * kD);
+    for (size_t j = size_t(kT) * kD; j < keys.size(); ++j) keys[j] = keys[j % (kT * kD)];
+    s.Push(keys, n);
+    const bool add = rng() % 10 != 0;  // a tenth stays outside, as extras
+    if (add) index.Add(static_cast<uint32_t>(s.tokens.size() - 1), n, s.arrays());
+    indexed.push_back(add);
+  }
+  ASSERT_EQ(index.CheckInvariants(s.arrays()), "");
+  for (int trial = 0; trial < 8; ++trial) {
+    const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
+    std::vector<bool> skip(s.tokens.size(), false);
+    for (size_t c = 0; c < skip.size(); c += 5) skip[c] = trial % 3 == 0;
+    std::vector<ChunkCandidate> all, extras;
+    for (uint32_t c = 0; c < s.tokens.size(); ++c) {
+      if (skip[c]) continue;
+      const ChunkCandidate cand{c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c],
+                                &s.peaks[size_t(c) * kD]};
+      all.push_back(cand);
+      if (!indexed[c]) extras.push_back(cand);
+    }
+    for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
+      for (uint64_t budget : {7u, 40u, 176u, 1000u}) {
+        ClusterIndex::SearchStats stats;
+        EXPECT_EQ(index.SearchGreedy(r, q, kGroup, budget, s.arrays(), skip, extras, &stats),
+                  SelectChunks(r, q, kGroup, kD, all, budget))
+            << v1::Ranking_Name(r) << " budget " << budget << " trial " << trial;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Data, ClusterIndexTest,
                          ::testing::Values(Data::kGaussian, Data::kClustered, Data::kIdentical,
                                            Data::kOutliers));

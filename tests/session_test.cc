@@ -1265,6 +1265,32 @@ TEST(Chunking, BoundaryWithoutIdsCutsEveryChunkTokensAndColdChunksOfAnySizeQuant
   }
 }
 
+// Past 4096 candidates, boundary chunks (many sizes) are chosen through the index's greedy
+// fill: the same chunks as brute force, with fewer scored.
+TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
+  Env e(160 << 20);
+  const int tokens = 72000;  // chunks of 15 tokens on average
+  const std::vector<int32_t> ids = TokenIds(tokens, 13);
+  Fixture f = Make(e, 3, 3, 1, 64, tokens, BoundaryPolicy(true), 24);
+  for (int s = 0; s < tokens; s += 4096) {
+    ASSERT_OK(f.session->Append(ReqIds(f, 2, s, std::min(4096, tokens - s), ids)).status());
+  }
+  const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
+  ASSERT_GT(chunks.size(), 4300u);
+  for (uint32_t budget : {256u, 1024u}) {
+    v1::SelectResponse resp;
+    auto req = SelectReq(f, 2, budget, 5);
+    req.set_include_data(false);
+    ASSERT_OK(f.session->Select(req, &resp));
+    std::set<uint32_t> got;
+    for (const auto& b : resp.heads(0).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+    EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 5)) << "budget " << budget;
+  }
+  const v1::LayerStats st = f.session->Layers()[2];
+  EXPECT_GT(st.indexed_chunks(), 4000u);
+  EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
+}
+
 TEST(Chunking, PolicyChecksNameTheField) {
   Env e;
   v1::SessionPolicy p = BoundaryPolicy(true);

@@ -91,6 +91,7 @@ void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
   b.peak_lo = b.mu_lo;
   b.peak_hi = b.mu_hi;
   b.max_tokens = 0;
+  b.min_tokens = std::numeric_limits<uint32_t>::max();
   for (size_t i = 0; i < chunks.size(); ++i) Widen(b, chunks[i], &means[i * d], a);
 }
 
@@ -105,6 +106,7 @@ void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const Chunk
     b.peak_hi[j] = std::max(b.peak_hi[j], p[j]);
   }
   b.max_tokens = std::max(b.max_tokens, tokens_[chunk]);
+  b.min_tokens = std::min(b.min_tokens, tokens_[chunk]);
   b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
                                 : -std::numeric_limits<float>::infinity();
 }
@@ -393,6 +395,78 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   std::reverse(all.begin(), all.end());
   std::vector<uint32_t> out;
   for (const Scored& s : all) out.push_back(s.chunk);
+  if (stats) {
+    stats->chunks_scored += local.chunks_scored;
+    stats->bounds_scored += local.bounds_scored;
+  }
+  return out;
+}
+
+std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
+                                                 std::span<const float> queries, int group,
+                                                 uint64_t budget, const ChunkArrays& a,
+                                                 const std::vector<bool>& skip,
+                                                 std::span<const ChunkCandidate> extras,
+                                                 SearchStats* stats) const {
+  enum Kind : uint8_t { kUnit, kCluster, kChunk };
+  struct Item {
+    float value;  // a node's bound, a chunk's score
+    Kind kind;
+    uint32_t id;      // unit, cluster or chunk index
+    uint32_t tokens;  // a chunk's
+  };
+  // Highest value first; at equal values a node before a chunk (it may hold an equal chunk
+  // with a lower index), and chunks by index: the order SelectChunks takes them in.
+  auto below = [](const Item& x, const Item& y) {
+    if (x.value != y.value) return x.value < y.value;
+    if ((x.kind == kChunk) != (y.kind == kChunk)) return x.kind == kChunk;
+    return x.id > y.id;
+  };
+  std::priority_queue<Item, std::vector<Item>, decltype(below)> open(below);
+  SearchStats local;
+  const Prepared prep = Prepare(queries, group);
+  uint32_t smallest = std::numeric_limits<uint32_t>::max();
+  for (const ChunkCandidate& c : extras) {
+    open.push({ranking == v1::RANKING_LSE_PEAK ? LsePeakScore(queries, group, c, d_)
+                                               : MeanScore(queries, group, c, d_),
+               kChunk, c.index, c.tokens});
+    smallest = std::min(smallest, c.tokens);
+    ++local.chunks_scored;
+  }
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u].alive || units_[u].b.min_tokens > budget) continue;
+    open.push({Bound(ranking, units_[u].b, queries, prep), kUnit, u, 0});
+    smallest = std::min(smallest, units_[u].b.min_tokens);
+    ++local.bounds_scored;
+  }
+  std::vector<uint32_t> out;
+  uint64_t left = budget;
+  while (!open.empty() && left >= smallest) {
+    const Item it = open.top();
+    open.pop();
+    switch (it.kind) {
+      case kChunk:
+        if (it.tokens <= left) {
+          out.push_back(it.id);
+          left -= it.tokens;
+        }
+        break;
+      case kUnit:
+        for (uint32_t cl : units_[it.id].clusters) {
+          if (clusters_[cl].b.min_tokens > left) continue;  // nothing in it fits any more
+          open.push({Bound(ranking, clusters_[cl].b, queries, prep), kCluster, cl, 0});
+          ++local.bounds_scored;
+        }
+        break;
+      case kCluster:
+        for (uint32_t ch : clusters_[it.id].chunks) {
+          if ((ch < skip.size() && skip[ch]) || tokens_[ch] > left) continue;
+          open.push({ChunkScore(ranking, ch, queries, group, a), kChunk, ch, tokens_[ch]});
+          ++local.chunks_scored;
+        }
+        break;
+    }
+  }
   if (stats) {
     stats->chunks_scored += local.chunks_scored;
     stats->bounds_scored += local.bounds_scored;

@@ -60,6 +60,17 @@ class ClusterIndex {
                                size_t k, const ChunkArrays& arrays,
                                const std::vector<bool>& skip, SearchStats* stats) const;
 
+  // The greedy fill of SelectChunks over the indexed chunks plus `extras` (candidates the
+  // index does not hold), for chunks of any sizes: best score first (ties to the lower
+  // index), each taken when it still fits in `budget` tokens. Equal to SelectChunks over the
+  // same candidates; it stops once nothing left can fit, and never opens a node whose
+  // smallest chunk is larger than what is left of the budget.
+  std::vector<uint32_t> SearchGreedy(v1::Ranking ranking, std::span<const float> queries,
+                                     int group, uint64_t budget, const ChunkArrays& arrays,
+                                     const std::vector<bool>& skip,
+                                     std::span<const struct ChunkCandidate> extras,
+                                     SearchStats* stats) const;
+
   static constexpr uint32_t kNoCluster = ~0u;
   // The fine cluster holding `chunk`, kNoCluster if it is not indexed.
   uint32_t cluster_of(uint32_t chunk) const {
@@ -90,6 +101,7 @@ class ClusterIndex {
     float mu_radius = 0, peak_radius = 0;
     std::vector<float> mu_lo, mu_hi, peak_lo, peak_hi;
     uint32_t max_tokens = 0;
+    uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
   };
   struct Cluster {

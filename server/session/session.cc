@@ -585,9 +585,19 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
   }
   const bool record = layer != kNoLayer;
   if (record) select_candidates_[layer] += candidates;
+  if (s.index && !uniform && candidates >= kIndexMinCandidates) {
+    // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras
+    // scored beside it. The answer is the scan's.
+    ClusterIndex::SearchStats stats;
+    std::vector<uint32_t> found = s.index->SearchGreedy(policy_.ranking(), qh,
+                                                        static_cast<int>(group), budget,
+                                                        s.arrays(), mandatory, extras, &stats);
+    if (record) select_scored_[layer] += stats.chunks_scored;
+    return found;
+  }
   if (!s.index || !uniform || candidates < kIndexMinCandidates) {
-    // Nothing indexed yet, chunks of several sizes (the greedy fill is not a top-k), or too
-    // few chunks for pruning to pay for its bounds: scan. The answer is the same.
+    // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
+    // answer is the same.
     if (record) select_scored_[layer] += candidates;
     std::vector<ChunkCandidate> all;
     all.reserve(candidates);
