@@ -165,7 +165,9 @@ TEST(BalancedGroups, PartitionsIntoEqualGroupsAndRecoversPlantedClusters) {
     for (size_t g = 0; g < groups.size(); ++g) {
       ASSERT_EQ(groups[g].size(), size);
       EXPECT_TRUE(std::is_sorted(groups[g].begin(), groups[g].end()));
-      if (g > 0) EXPECT_LT(groups[g - 1].front(), groups[g].front());
+      if (g > 0) {
+        EXPECT_LT(groups[g - 1].front(), groups[g].front());
+      }
       for (uint32_t r : groups[g]) ++seen[r];
     }
     EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), int(rows));

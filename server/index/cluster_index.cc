@@ -15,7 +15,6 @@
 namespace kvtier {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 double Norm(const float* x, int d) {
   double s = 0;

@@ -110,6 +110,9 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
         .slot_bytes = slot_bytes,
         .num_slots = static_cast<uint32_t>(num_slots),
         .table_offset = table_at(num_slots),
+        .next_unused = 0,
+        .used = 0,
+        .free = {},
         .shm = *std::move(shm),
         .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
     seg = s.get();
