@@ -1103,13 +1103,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
     return absl::InvalidArgumentError(
         absl::StrCat("record of session \"", r.session_id(), "\": ", why));
   };
-  const v1::ModelShape& shape = r.shape();
+  auto resolved = ResolveShape(r.shape());
+  if (!resolved.ok()) return bad(resolved.status().message());
+  const v1::ModelShape& shape = *resolved;
   const size_t streams = static_cast<size_t>(shape.num_layers()) * shape.num_kv_heads();
-  if (shape.num_layers() == 0 || r.streams_size() != static_cast<int>(streams) ||
+  if ( r.streams_size() != static_cast<int>(streams) ||
       r.layer_tokens_size() != static_cast<int>(shape.num_layers())) {
     return bad("streams or layer_tokens do not match its shape");
   }
-  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, r.policy(),
+  auto policy = ResolvePolicy(r.policy(), BuiltinPolicy(), "policy");
+  if (!policy.ok()) return bad(policy.status().message());
+  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy,
                                      std::map<std::string, std::string>(r.labels().begin(),
                                                                         r.labels().end()),
                                      env);
