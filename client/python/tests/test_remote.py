@@ -2,6 +2,7 @@
 host tier, transparent restore, migration to a second kvtierd, and corrupt records."""
 import shutil
 import subprocess
+import threading
 import time
 
 import grpc
@@ -142,3 +143,43 @@ def test_a_corrupt_record_is_reported_and_never_served(redis, start_daemon):
         assert cli(redis, "EXISTS", key) == "1"  # kept for the operator, not served
         assert c.close_session(sid)  # closing a demoted session deletes its record
         assert cli(redis, "EXISTS", key) == "0"
+
+
+def test_sessions_moving_down_and_back_under_concurrent_calls_stay_exact(redis, start_daemon):
+    # Room for about two of the four sessions: every append and select may demote another
+    # session or restore its own, while the other threads do the same.
+    d = start_daemon("--remote", f"unix:{redis}", "--host_capacity", "3M",
+                     "--segment_size", "1M", "--prefetch", "off")
+    tokens, step = 384, 64
+    data = [make_kv(10 + i, tokens) for i in range(4)]
+    errors = []
+
+    def worker(i):
+        try:
+            with kvtier.Client(d.address) as c:
+                sid = c.create_session(L, QH, KVH, D, lossless=True,
+                                       session_id=f"w{i}").session_id
+                k, v = data[i]
+                for s in range(0, tokens, step):
+                    for attempt in range(20):
+                        try:
+                            c.append_layers(sid, s, k[:, :, s:s + step], v[:, :, s:s + step])
+                            break
+                        except kvtier.KvTierError as e:  # caught mid-move: retry, as documented
+                            if e.code != grpc.StatusCode.UNAVAILABLE:
+                                raise
+                    sel = c.select(sid, L - 1, np.ones((QH, D), np.float32), budget_tokens=128)
+                    c.release(sel.lease_id)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"worker {i}: {e!r}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    with kvtier.Client(d.address) as c:
+        assert remote_row(c).evictions > 0, "the host tier never filled: the test tests nothing"
+        for i in range(4):
+            expect_exact(c, f"w{i}", *data[i], tokens)
