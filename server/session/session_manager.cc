@@ -81,30 +81,40 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   return resp;
 }
 
+namespace {
+
+absl::Status NotFound(const std::string& session_id) {
+  return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+}
+
+// PERMISSION_DENIED unless `tenant` (empty: the admin view) may use a session of `owner`.
+absl::Status CheckTenant(const std::string& tenant, const std::string& owner,
+                         const std::string& session_id) {
+  if (tenant.empty() || owner == tenant) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
+}
+
+}  // namespace
+
+std::shared_ptr<Session> SessionManager::Held(const std::string& session_id) const {
+  auto it = sessions_.find(session_id);
+  return it != sessions_.end() && !it->second->demoted() ? it->second : nullptr;
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(
     const std::string& tenant, const std::string& session_id) {
+  std::shared_ptr<Session> s;
   {
     MutexLock lock(&mu_);
-    auto it = sessions_.find(session_id);
-    if (it != sessions_.end() && !it->second->demoted()) {
-      if (!tenant.empty() && it->second->tenant() != tenant) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-      }
-      return it->second;
-    }
+    s = Held(session_id);
   }
-  if (env_.remote != nullptr) return Restore(tenant, session_id);
-  MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+  if (s == nullptr) {
+    if (env_.remote != nullptr) return Restore(tenant, session_id);
+    return NotFound(session_id);
   }
-  if (!tenant.empty() && it->second->tenant() != tenant) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-  }
-  return it->second;
+  RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
+  return s;
 }
 
 absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
@@ -119,16 +129,10 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
       ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(RecordKey(session_id)));
       if (!bytes) return false;
       auto record = DecodeRecord(*bytes, RecordKey(session_id));
-      if (record.ok() && !tenant.empty() && record->tenant() != tenant) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-      }
+      if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
       return env_.remote->Delete(RecordKey(session_id));
     }
-    if (!tenant.empty() && it->second->tenant() != tenant) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-    }
+    RETURN_IF_ERROR(CheckTenant(tenant, it->second->tenant(), session_id));
     s = std::move(it->second);
     sessions_.erase(it);
   }
@@ -164,23 +168,19 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::string& tenant,
                                                                  const std::string& session_id) {
   MutexLock restoring(&restore_mu_);
+  std::shared_ptr<Session> held;
   {
     MutexLock lock(&mu_);  // restored by another call while this one waited?
-    auto it = sessions_.find(session_id);
-    if (it != sessions_.end() && !it->second->demoted()) {
-      if (!tenant.empty() && it->second->tenant() != tenant) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-      }
-      return it->second;
-    }
+    held = Held(session_id);
+  }
+  if (held != nullptr) {
+    RETURN_IF_ERROR(CheckTenant(tenant, held->tenant(), session_id));
+    return held;
   }
   const std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(key));
-  if (!bytes) {
-    return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
-  }
+  if (!bytes) return NotFound(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
     KVLOG(error, "remote.corrupt", "session={} key={} error=\"{}\"", session_id, key,
@@ -189,10 +189,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     ++remote_counters_.corrupt;
     return record.status();
   }
-  if (!tenant.empty() && record->tenant() != tenant) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-  }
+  RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
   auto session = Session::Import(*record, env_);
   // A full host tier makes room by demoting idle sessions, then tries again.
   while (!session.ok() && absl::IsResourceExhausted(session.status()) &&
@@ -230,18 +227,14 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   std::shared_ptr<Session> s;
   {
     MutexLock lock(&mu_);
-    auto it = sessions_.find(session_id);
-    if (it != sessions_.end() && !it->second->demoted()) s = it->second;
+    s = Held(session_id);
   }
   if (s == nullptr) {
     ASSIGN_OR_RETURN(bool there, env_.remote->Exists(RecordKey(session_id)));
     if (there) return 0;  // already in the remote tier
-    return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+    return NotFound(session_id);
   }
-  if (!tenant.empty() && s->tenant() != tenant) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", session_id, "\" belongs to another tenant"));
-  }
+  RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
   const std::string key = RecordKey(session_id);
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
     return env_.remote->Put(key, EncodeRecord(r));

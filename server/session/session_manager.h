@@ -77,6 +77,9 @@ class SessionManager {
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
   absl::StatusOr<std::shared_ptr<Session>> Restore(const std::string& tenant,
                                                    const std::string& session_id);
+  // The session held here under `session_id` (not moved to the remote tier), or null.
+  std::shared_ptr<Session> Held(const std::string& session_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
