@@ -24,10 +24,7 @@ void Prefetcher::Enqueue(std::shared_ptr<Session> session, const v1::SelectReque
     queue_.pop_front();
     ++counters_.dropped;
   }
-  Task t{std::move(session), req};
-  t.req.clear_query();  // the query is kept below without the copy of the whole message
-  t.req.set_query(req.query());
-  queue_.push_back(std::move(t));
+  queue_.push_back(Task{std::move(session), req});
   work_.Signal();
 }
 

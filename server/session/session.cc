@@ -805,7 +805,7 @@ double RemakeCostUs(uint64_t bytes, bool cold) {
 
 absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
     uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen, bool to_device,
-    bool prefetch) {
+    bool prefetch, size_t* promoted) {
   PromotionCache* cache = copies(to_device);
   // Holding every slot found keeps the cache from evicting it while room is made.
   std::vector<std::vector<SlotRef>> out(chosen.size());
@@ -833,6 +833,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Session::Readable(
     out[h][i] = std::move(slots[j]);
   }
   cache->tier()->RecordPromotions(todo.size());
+  if (promoted) *promoted = todo.size();
   return out;
 }
 
@@ -848,9 +849,9 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req,
                           /*record=*/false, &chosen));
   if (everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
   const bool to_device = req.placement() == v1::TIER_DEVICE;
-  const uint64_t before = copies(to_device)->counters().prefetched;
-  RETURN_IF_ERROR(Readable(req.layer(), chosen, to_device, /*prefetch=*/true).status());
-  return copies(to_device)->counters().prefetched - before;
+  size_t made = 0;
+  RETURN_IF_ERROR(Readable(req.layer(), chosen, to_device, /*prefetch=*/true, &made).status());
+  return made;
 }
 
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
@@ -1070,8 +1071,7 @@ v1::SessionRecord Session::Export() const {
       const v1::Precision warm =
           shape_.dtype() == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
       cr->set_precision(c.cold() ? c.precision : warm);
-      const uint64_t bytes = c.cold() ? ColdLayout(c).Bytes() : 2 * c.num_tokens * row_bytes();
-      cr->set_data(c.host->data(), bytes);
+      cr->set_data(c.host->data(), StoredBytes(c));
     }
   }
   return r;
@@ -1118,8 +1118,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
                                                                         r.labels().end()),
                                      env);
   MutexLock lock(&s->mu_);
-  const uint64_t rb = s->row_bytes();
-  const uint32_t d = shape.head_dim();
   std::vector<uint16_t> scratch;
   for (size_t i = 0; i < streams; ++i) {
     Stream& st = s->streams_[i];
@@ -1138,10 +1136,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
         c.offsets.push_back(static_cast<uint16_t>(static_cast<uint8_t>(cr.offsets()[j]) |
                                                   static_cast<uint8_t>(cr.offsets()[j + 1]) << 8));
       }
-      const uint64_t bytes = c.cold() ? QuantLayout{d, c.num_tokens,
-                                                    c.precision == v1::PRECISION_INT4 ? 4u : 8u}
-                                            .Bytes()
-                                      : 2 * c.num_tokens * rb;
+      const uint64_t bytes = s->StoredBytes(c);
       if (cr.data().size() != bytes) return bad("a chunk's bytes do not match its size");
       ASSIGN_OR_RETURN(c.host, env.host->Allocate(r.tenant(), c.cold() ? bytes : s->slot_bytes()));
       std::memcpy(c.host->data(), cr.data().data(), bytes);

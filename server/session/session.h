@@ -244,10 +244,10 @@ class Session {
   // The fp16-readable slot of each chunk of `chosen` ([kv_head] -> chunk indices of `layer`)
   // on the device (`to_device`) or the host, promoting the chunks that have none: all or
   // nothing (RESOURCE_EXHAUSTED when the cache cannot make room). `prefetch` marks the new
-  // copies as promoted ahead.
+  // copies as promoted ahead; `promoted`, when given, receives how many were made.
   absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
       uint32_t layer, const std::vector<std::vector<uint32_t>>& chosen, bool to_device,
-      bool prefetch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      bool prefetch, size_t* promoted = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   PromotionCache* copies(bool to_device) const {
     return to_device ? env_.device_copies : env_.host_copies;
   }
@@ -256,6 +256,10 @@ class Session {
   QuantLayout ColdLayout(const Chunk& c) const {
     return QuantLayout{shape_.head_dim(), c.num_tokens,
                        c.precision == v1::PRECISION_INT4 ? 4u : 8u};
+  }
+  // The bytes a chunk's host slot holds: K then V rows, or the quantized layout of a cold one.
+  uint64_t StoredBytes(const Chunk& c) const {
+    return c.cold() ? ColdLayout(c).Bytes() : 2 * c.num_tokens * row_bytes();
   }
   // Writes a chunk's K then V as 2-byte rows (ChunkLayout) at `dst`, dequantizing a cold one.
   void WriteFp16(const Chunk& c, uint8_t* dst) const;
