@@ -162,28 +162,28 @@ uint64_t Tier::TenantUsed(const std::string& tenant) const {
   return it == tenant_used_.end() ? 0 : it->second;
 }
 
-uint64_t Tier::RoomFor(const std::string& tenant) const {
+Tier::Room Tier::RoomLocked(const std::string& tenant) const {
   const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
-  MutexLock lock(&mu_);
-  uint64_t room = options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
+  Room r;
+  r.tier = options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
   if (limit != 0) {
     auto it = tenant_used_.find(tenant);
     const uint64_t used = it == tenant_used_.end() ? 0 : it->second;
-    room = std::min(room, limit > used ? limit - used : 0);
+    r.quota = limit > used ? limit - used : 0;
   }
-  return room;
+  return r;
+}
+
+uint64_t Tier::RoomFor(const std::string& tenant) const {
+  MutexLock lock(&mu_);
+  const Room r = RoomLocked(tenant);
+  return std::min(r.tier, r.quota);
 }
 
 bool Tier::QuotaBound(const std::string& tenant) const {
-  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
-  if (limit == 0) return false;
   MutexLock lock(&mu_);
-  auto it = tenant_used_.find(tenant);
-  const uint64_t used = it == tenant_used_.end() ? 0 : it->second;
-  const uint64_t quota_room = limit > used ? limit - used : 0;
-  const uint64_t tier_room =
-      options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
-  return quota_room < tier_room;
+  const Room r = RoomLocked(tenant);
+  return r.quota < r.tier;
 }
 
 TierSnapshot Tier::Stats() const {

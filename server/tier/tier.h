@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -172,6 +173,12 @@ class Tier {
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
   void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
+  // What is left of the capacity, and of `tenant`'s quota (the most a uint64 holds: none).
+  struct Room {
+    uint64_t tier = 0;
+    uint64_t quota = std::numeric_limits<uint64_t>::max();
+  };
+  Room RoomLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
   const TierOptions options_;
