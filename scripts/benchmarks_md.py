@@ -37,7 +37,7 @@ TARGETS = [
     ("gpu_dequantize_throughput", ">=", 0.7, "GPU gather-dequantize kernel vs device-to-device copy"),
     ("select_policy_us", None, None, "one stream's Select ranking work per policy (exact "
      "scan, quest pages, window, kvtier scan, kvtier index, kvtier index with the mean score, "
-     "boundary chunks (scanned), semantic chunks (indexed)) "
+     "boundary chunks (the index's greedy fill), semantic chunks (indexed)) "
      "against the exact scan, on the same synthetic keys; oracle ratios and the share of "
      "chunks scored are in the parameters of `kvtier-bench`'s own lines (EVAL's targets at "
      "128K: <= 0.1x exact, <= 1/3 of quest, at oracle ratio >= 0.95)"),

@@ -145,6 +145,13 @@ Gathered Gather(const google::protobuf::RepeatedPtrField<v1::BlockHandle>& handl
   return g;
 }
 
+// The chunk indices of one KV head's selection.
+std::set<uint32_t> ChunkIndices(const v1::HeadSelection& head) {
+  std::set<uint32_t> out;
+  for (const auto& b : head.blocks()) out.insert(DecodeChunkId(b.chunk_id()).index);
+  return out;
+}
+
 // Reads a stream back through ReadChunks and compares every row with what was appended.
 void ExpectStreamExact(Fixture& f, int layer, int head, int tokens) {
   ASSERT_OK_AND_ASSIGN(auto handles, f.session->ReadChunks(AllChunkIds(f, layer, head, tokens)));
@@ -414,8 +421,7 @@ TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
       auto req = SelectReq(f, 2, budget, seed);
       req.set_include_data(false);
       ASSERT_OK(f.session->Select(req, &resp));
-      std::set<uint32_t> chunks;
-      for (const auto& b : resp.heads(0).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+      const std::set<uint32_t> chunks = ChunkIndices(resp.heads(0));
       EXPECT_EQ(chunks, ExpectedChunks(f, 2, 0, tokens, budget, seed))
           << "budget " << budget << " seed " << seed;
     }
@@ -443,8 +449,7 @@ TEST(Session, SetPolicyWindowAndRankingChangesKeepSelectExact) {
       v1::SelectResponse resp;
       ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, 3), &resp));
       for (int h = 0; h < 2; ++h) {
-        std::set<uint32_t> chunks;
-        for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+        const std::set<uint32_t> chunks = ChunkIndices(resp.heads(h));
         EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, 900, budget, 3, 16, 16, ranking))
             << v1::Ranking_Name(ranking) << " budget " << budget;
       }
@@ -464,8 +469,7 @@ TEST(Session, ForkSelectsLikeBruteForceOnItsOwnTokens) {
     v1::SelectResponse resp;
     ASSERT_OK(child->Select(req, &resp));
     for (int h = 0; h < 2; ++h) {
-      std::set<uint32_t> chunks;
-      for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+      const std::set<uint32_t> chunks = ChunkIndices(resp.heads(h));
       EXPECT_EQ(chunks, ExpectedChunks(f, 2, h, 700, budget, 6)) << "budget " << budget;
     }
   }
@@ -513,8 +517,7 @@ TEST(Session, SummariesDescribeEveryLeftOutTokenByCluster) {
   ASSERT_OK(f.session->Select(req, &resp));
   for (int h = 0; h < 2; ++h) {
     const auto& head = resp.heads(h);
-    std::set<uint32_t> chosen;
-    for (const auto& b : head.blocks()) chosen.insert(DecodeChunkId(b.chunk_id()).index);
+    const std::set<uint32_t> chosen = ChunkIndices(head);
     const int left_out = 40 - static_cast<int>(chosen.size());
     ASSERT_GT(left_out, 0);
     EXPECT_GT(head.summaries_size(), 0);
@@ -851,8 +854,7 @@ TEST(ColdChunks, RankingUsesTheDequantizedKeys) {
       v1::SelectResponse resp;
       ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
       for (int h = 0; h < 2; ++h) {
-        std::set<uint32_t> chunks;
-        for (const auto& b : resp.heads(h).blocks()) chunks.insert(DecodeChunkId(b.chunk_id()).index);
+        const std::set<uint32_t> chunks = ChunkIndices(resp.heads(h));
         EXPECT_EQ(chunks, ExpectedChunks(read, 2, h, 700, budget, seed))
             << "budget " << budget << " seed " << seed << " head " << h;
       }
@@ -1282,8 +1284,7 @@ TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
     auto req = SelectReq(f, 2, budget, 5);
     req.set_include_data(false);
     ASSERT_OK(f.session->Select(req, &resp));
-    std::set<uint32_t> got;
-    for (const auto& b : resp.heads(0).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+    const std::set<uint32_t> got = ChunkIndices(resp.heads(0));
     EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 5)) << "budget " << budget;
   }
   const v1::LayerStats st = f.session->Layers()[2];
@@ -1363,8 +1364,7 @@ TEST(Chunking, SemanticRegroupsAgedOutSpansIntoTightChunks) {
       for (uint32_t seed : {1u, 4u}) {
         v1::SelectResponse resp;
         ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
-        std::set<uint32_t> got;
-        for (const auto& b : resp.heads(h).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+        const std::set<uint32_t> got = ChunkIndices(resp.heads(h));
         EXPECT_EQ(got, ExpectedSelection(f, 2, h, tokens, chunks, budget, seed))
             << "budget " << budget << " seed " << seed;
       }
@@ -1425,8 +1425,7 @@ TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
     auto req = SelectReq(f, 2, budget, 2);
     req.set_include_data(false);
     ASSERT_OK(f.session->Select(req, &resp));
-    std::set<uint32_t> got;
-    for (const auto& b : resp.heads(0).blocks()) got.insert(DecodeChunkId(b.chunk_id()).index);
+    const std::set<uint32_t> got = ChunkIndices(resp.heads(0));
     EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 2)) << "budget " << budget;
   }
   const v1::LayerStats st = f.session->Layers()[2];
