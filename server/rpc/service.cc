@@ -140,16 +140,14 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   }
 
   absl::Status Apply() {
-    if (session_ != nullptr && (session_->id() != req_.session_id() || session_->demoted())) {
-      session_ = nullptr;
-    }
     absl::StatusOr<uint64_t> stored;
-    RETURN_IF_ERROR(svc_->WithSession(tenant_, req_.session_id(),
-                                      [&](const std::shared_ptr<Session>& s) {
-                                        session_ = s;
-                                        stored = s->Append(req_);
-                                        return stored.status();
-                                      }));
+    RETURN_IF_ERROR(svc_->WithSession(
+        tenant_, req_.session_id(),
+        [&](const std::shared_ptr<Session>& s) {
+          stored = s->Append(req_);
+          return stored.status();
+        },
+        &session_));
     resp_->set_num_tokens(*stored);
     tokens_ += req_.num_tokens();
     return absl::OkStatus();
@@ -180,9 +178,17 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
 
 absl::Status KvTierService::WithSession(
     const std::string& tenant, const std::string& session_id,
-    const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn) {
+    const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
+    std::shared_ptr<Session>* cached) {
   for (int attempt = 0;; ++attempt) {
-    ASSIGN_OR_RETURN(std::shared_ptr<Session> session, env_.sessions->Get(tenant, session_id));
+    std::shared_ptr<Session> session;
+    if (attempt == 0 && cached != nullptr && *cached != nullptr &&
+        (*cached)->id() == session_id && !(*cached)->demoted()) {
+      session = *cached;  // looked up, tenant checked, by an earlier message of this stream
+    } else {
+      ASSIGN_OR_RETURN(session, env_.sessions->Get(tenant, session_id));
+      if (cached != nullptr) *cached = session;
+    }
     absl::Status s = fn(session);
     if (s.ok() || attempt >= 16) return s;
     // Moved to the remote tier while this call waited: the next Get restores it.

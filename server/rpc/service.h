@@ -106,8 +106,11 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // Runs `fn` on the session, restoring it from the remote tier when it is there, and again
   // when it moved there meanwhile, or when the host tier was full and an idle session could
   // be demoted to make room.
+  // `cached`, when given and still the live session of that id, is tried first (a stream's
+  // appends look the session up once), and holds the session used afterwards.
   absl::Status WithSession(const std::string& tenant, const std::string& session_id,
-                           const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn);
+                           const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
+                           std::shared_ptr<Session>* cached = nullptr);
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,

@@ -217,10 +217,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
 
 absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
                                                 const std::string& session_id) {
-  if (env_.remote == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tier: TIER_HOST cannot be evicted: no remote tier is configured and session \"",
-        session_id, "\" is live"));
+  if (env_.remote == nullptr) {  // nothing below the host tier: the session says so
+    ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(tenant, session_id));
+    return s->Evict(v1::TIER_HOST);
   }
   // Only a session held here moves: looking it up must never restore it (DemoteIdle runs
   // inside a restore, which holds restore_mu_).
