@@ -62,10 +62,14 @@ const float* ClusterIndex::Peak(uint32_t chunk, const ChunkArrays& a) const {
   return a.peaks + static_cast<size_t>(chunk) * d_;
 }
 
-void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
-                           const ChunkArrays& a) const {
+void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a) {
   // Centers first (the means and peaks averaged), then every chunk widens the empty bounds.
   const size_t d = d_;
+  if (b.slot == kNone) {
+    std::vector<float>& arena = b.unit ? unit_arena_ : cluster_arena_;
+    b.slot = static_cast<uint32_t>(arena.size() / (kParts * d));
+    arena.resize(arena.size() + kParts * d);
+  }
   std::vector<float> means(chunks.size() * d);
   std::vector<double> mc(d, 0.0), pc(d, 0.0);
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -76,33 +80,33 @@ void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks,
       pc[j] += p[j];
     }
   }
-  b.mu_center.resize(d);
-  b.peak_center.resize(d);
+  float* mu_center = Part(b, kMuCenter);
+  float* peak_center = Part(b, kPeakCenter);
   for (size_t j = 0; j < d; ++j) {
-    b.mu_center[j] = static_cast<float>(mc[j] / chunks.size());
-    b.peak_center[j] = static_cast<float>(pc[j] / chunks.size());
+    mu_center[j] = static_cast<float>(mc[j] / chunks.size());
+    peak_center[j] = static_cast<float>(pc[j] / chunks.size());
   }
-  b.mu_center_norm = static_cast<float>(Norm(b.mu_center.data(), d_));
-  b.peak_center_norm = static_cast<float>(Norm(b.peak_center.data(), d_));
+  b.mu_center_norm = static_cast<float>(Norm(mu_center, d_));
+  b.peak_center_norm = static_cast<float>(Norm(peak_center, d_));
   b.mu_radius = b.peak_radius = 0;
-  b.mu_lo.assign(d, std::numeric_limits<float>::infinity());
-  b.mu_hi.assign(d, -std::numeric_limits<float>::infinity());
-  b.peak_lo = b.mu_lo;
-  b.peak_hi = b.mu_hi;
+  for (int part : {kMuLo, kPeakLo}) std::fill_n(Part(b, part), d, std::numeric_limits<float>::infinity());
+  for (int part : {kMuHi, kPeakHi}) std::fill_n(Part(b, part), d, -std::numeric_limits<float>::infinity());
   b.max_tokens = 0;
   b.min_tokens = std::numeric_limits<uint32_t>::max();
   for (size_t i = 0; i < chunks.size(); ++i) Widen(b, chunks[i], &means[i * d], a);
 }
 
-void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a) const {
+void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a) {
   const float* p = Peak(chunk, a);
-  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, b.mu_center.data(), d_));
-  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, b.peak_center.data(), d_));
+  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, Part(b, kMuCenter), d_));
+  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, Part(b, kPeakCenter), d_));
+  float *mu_lo = Part(b, kMuLo), *mu_hi = Part(b, kMuHi);
+  float *peak_lo = Part(b, kPeakLo), *peak_hi = Part(b, kPeakHi);
   for (int j = 0; j < d_; ++j) {
-    b.mu_lo[j] = std::min(b.mu_lo[j], mu[j]);
-    b.mu_hi[j] = std::max(b.mu_hi[j], mu[j]);
-    b.peak_lo[j] = std::min(b.peak_lo[j], p[j]);
-    b.peak_hi[j] = std::max(b.peak_hi[j], p[j]);
+    mu_lo[j] = std::min(mu_lo[j], mu[j]);
+    mu_hi[j] = std::max(mu_hi[j], mu[j]);
+    peak_lo[j] = std::min(peak_lo[j], p[j]);
+    peak_hi[j] = std::max(peak_hi[j], p[j]);
   }
   b.max_tokens = std::max(b.max_tokens, tokens_[chunk]);
   b.min_tokens = std::min(b.min_tokens, tokens_[chunk]);
@@ -112,14 +116,15 @@ void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const Chunk
 
 ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int group) const {
   Prepared p;
-  p.pos.resize(static_cast<size_t>(group) * d_);
-  p.neg.resize(p.pos.size());
-  for (size_t i = 0; i < p.pos.size(); ++i) {
-    p.pos[i] = std::max(queries[i], 0.f);
-    p.neg[i] = std::min(queries[i], 0.f);
-  }
+  p.pos_neg.resize(static_cast<size_t>(group) * 2 * d_);
   for (int h = 0; h < group; ++h) {
-    p.norm.push_back(static_cast<float>(Norm(queries.data() + static_cast<size_t>(h) * d_, d_)));
+    const float* q = queries.data() + static_cast<size_t>(h) * d_;
+    float* pn = &p.pos_neg[static_cast<size_t>(h) * 2 * d_];
+    for (int j = 0; j < d_; ++j) {
+      pn[j] = std::max(q[j], 0.f);
+      pn[d_ + j] = std::min(q[j], 0.f);
+    }
+    p.norm.push_back(static_cast<float>(Norm(q, d_)));
   }
   return p;
 }
@@ -131,42 +136,58 @@ float ClusterIndex::Bound(v1::Ranking ranking, const Bounds& b, std::span<const 
   // rounding of these and of the chunk's own score (each under 1e-5 of its magnitude),
   // with the box corners at most sqrt(d) R from the center in norm. The ball alone is
   // already an upper bound: when it falls below `threshold` the box is not computed.
+  //
+  // LSE-peak: log(e^x + e^y) lies in [hi, hi + log 2] (hi = max(x, y)), so a head whose
+  // hi + log 2 is below the best head so far cannot raise the maximum and needs no exp or
+  // log, and when even the largest hi + log 2 is below `threshold` that value is returned.
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const float sqrt_d = std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
+  const int rows = lse ? 2 : 1;  // the mean's part, then the peak's
   const float margin_scale_a = b.mu_center_norm + sqrt_d * b.mu_radius;
   const float margin_scale_p = b.peak_center_norm + sqrt_d * b.peak_radius;
-  auto combine = [&](float a, float pk, float qn) {
-    const float margin_a = 1e-4f * (1 + qn * margin_scale_a);
-    if (!lse) return a + margin_a;
-    const float margin_p = 1e-4f * (1 + qn * margin_scale_p);
-    const float x = (a + margin_a) * inv_sqrt_d + b.log_rest;
-    const float y = (pk + margin_p) * inv_sqrt_d;
-    const float hi = std::max(x, y), lo = std::min(x, y);
-    return LogAddExp(hi, lo) + 1e-5f * (1 + std::abs(hi));
+  constexpr float kLog2 = 0.6931472f;
+  // The two LSE arguments of head h, from its bounds on q.mu and q.peak.
+  absl::InlinedVector<float, 16> x(group), y(group);
+  auto finish = [&](const float* a, const float* pk, float limit) {
+    float best = -std::numeric_limits<float>::infinity();
+    if (!lse) {
+      for (int h = 0; h < group; ++h) best = std::max(best, a[h] + 1e-4f * (1 + p.norm[h] * margin_scale_a));
+      return best;
+    }
+    float cheap = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < group; ++h) {
+      x[h] = (a[h] + 1e-4f * (1 + p.norm[h] * margin_scale_a)) * inv_sqrt_d + b.log_rest;
+      y[h] = (pk[h] + 1e-4f * (1 + p.norm[h] * margin_scale_p)) * inv_sqrt_d;
+      const float hi = std::max(x[h], y[h]);
+      cheap = std::max(cheap, hi + kLog2 + 1e-5f * (1 + std::abs(hi)));
+    }
+    if (cheap < limit) return cheap;
+    for (int h = 0; h < group; ++h) {
+      const float hi = std::max(x[h], y[h]), lo = std::min(x[h], y[h]);
+      if (hi + kLog2 + 1e-5f * (1 + std::abs(hi)) < best) continue;
+      best = std::max(best, LogAddExp(hi, lo) + 1e-5f * (1 + std::abs(hi)));
+    }
+    return best;
   };
+  const float* node = Part(b, 0);
   absl::InlinedVector<float, 16> ball_a(group), ball_p(group);
-  float best = -std::numeric_limits<float>::infinity();
+  float dots[2];
   for (int h = 0; h < group; ++h) {
-    const float* q = queries.data() + static_cast<size_t>(h) * d_;
-    const float qn = p.norm[h];
-    ball_a[h] = Dot(q, b.mu_center.data(), d_) + qn * b.mu_radius;
-    ball_p[h] = lse ? Dot(q, b.peak_center.data(), d_) + qn * b.peak_radius : 0.f;
-    best = std::max(best, combine(ball_a[h], ball_p[h], qn));
+    DotRows(queries.data() + static_cast<size_t>(h) * d_, node + kMuCenter * d_, rows, d_, dots);
+    ball_a[h] = dots[0] + p.norm[h] * b.mu_radius;
+    ball_p[h] = lse ? dots[1] + p.norm[h] * b.peak_radius : 0.f;
   }
-  if (best < threshold) return best;
-  best = -std::numeric_limits<float>::infinity();
+  const float ball = finish(ball_a.data(), ball_p.data(), threshold);
+  if (ball < threshold) return ball;
   for (int h = 0; h < group; ++h) {
-    const size_t off = static_cast<size_t>(h) * d_;
-    const float a = std::min(ball_a[h], Dot(&p.pos[off], b.mu_hi.data(), d_) +
-                                            Dot(&p.neg[off], b.mu_lo.data(), d_));
-    const float pk = lse ? std::min(ball_p[h], Dot(&p.pos[off], b.peak_hi.data(), d_) +
-                                                   Dot(&p.neg[off], b.peak_lo.data(), d_))
-                         : 0.f;
-    best = std::max(best, combine(a, pk, p.norm[h]));
+    // [pos | neg] against [hi | lo] of the mean, then of the peak.
+    DotRows(&p.pos_neg[static_cast<size_t>(h) * 2 * d_], node + kMuHi * d_, rows, 2 * d_, dots);
+    ball_a[h] = std::min(ball_a[h], dots[0]);
+    ball_p[h] = lse ? std::min(ball_p[h], dots[1]) : 0.f;
   }
-  return best;
+  return finish(ball_a.data(), ball_p.data(), -std::numeric_limits<float>::infinity());
 }
 
 float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
@@ -270,10 +291,11 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
 void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
   std::vector<uint32_t> left, right;
   TwoMeans(units_[unit].clusters,
-           [&](uint32_t cl) { return clusters_[cl].b.mu_center.data(); }, &left, &right);
+           [&](uint32_t cl) { return Part(clusters_[cl].b, kMuCenter); }, &left, &right);
   units_[unit].clusters = std::move(left);
   Rebuild(units_[unit].b, UnitChunks(units_[unit]), a);
   Unit u;
+  u.b.unit = true;
   u.clusters = std::move(right);
   Rebuild(u.b, UnitChunks(u), a);
   units_.push_back(std::move(u));
@@ -293,6 +315,7 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   Mean(chunk, a, mu.data());
   if (units_.empty()) {
     units_.emplace_back();
+    units_[0].b.unit = true;
     const uint32_t cl = NewCluster({chunk}, 0, a);
     units_[0].clusters.push_back(cl);
     Rebuild(units_[0].b, {chunk}, a);
@@ -303,7 +326,7 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   const float mu_norm = std::sqrt(Dot(mu.data(), mu.data(), d_));
   auto cosine = [&](const Bounds& b) {
     const float n = mu_norm * b.mu_center_norm;
-    return n > 0 ? Dot(mu.data(), b.mu_center.data(), d_) / n : 0.f;
+    return n > 0 ? Dot(mu.data(), Part(b, kMuCenter), d_) / n : 0.f;
   };
   uint32_t best_unit = 0;
   float best = -std::numeric_limits<float>::infinity();
@@ -495,11 +518,11 @@ std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
   auto covers = [&](const Bounds& b, uint32_t ch) -> std::string {
     Mean(ch, a, mu.data());
     const float* p = Peak(ch, a);
-    if (Dist(mu.data(), b.mu_center.data(), d_) > b.mu_radius) return "mean outside radius";
-    if (Dist(p, b.peak_center.data(), d_) > b.peak_radius) return "peak outside radius";
+    if (Dist(mu.data(), Part(b, kMuCenter), d_) > b.mu_radius) return "mean outside radius";
+    if (Dist(p, Part(b, kPeakCenter), d_) > b.peak_radius) return "peak outside radius";
     for (int j = 0; j < d_; ++j) {
-      if (mu[j] < b.mu_lo[j] || mu[j] > b.mu_hi[j]) return "mean outside box";
-      if (p[j] < b.peak_lo[j] || p[j] > b.peak_hi[j]) return "peak outside box";
+      if (mu[j] < Part(b, kMuLo)[j] || mu[j] > Part(b, kMuHi)[j]) return "mean outside box";
+      if (p[j] < Part(b, kPeakLo)[j] || p[j] > Part(b, kPeakHi)[j]) return "peak outside box";
     }
     if (tokens_[ch] > b.max_tokens) return "tokens above max";
     return "";

@@ -36,8 +36,10 @@ struct ChunkArrays {
 class ClusterIndex {
  public:
   struct Options {
-    uint32_t cluster_chunks = 8;   // target chunks per fine cluster (re-split past 2x)
-    uint32_t unit_clusters = 16;   // target clusters per coarse unit (re-split past 2x)
+    // Sizes chosen by the work they leave a search (bench/kvtier_bench.cc at 128K tokens:
+    // bounds and chunks scored 0.085 of the chunks, against 0.17 with 8 and 16).
+    uint32_t cluster_chunks = 4;   // target chunks per fine cluster (re-split past 2x)
+    uint32_t unit_clusters = 8;    // target clusters per coarse unit (re-split past 2x)
     float resplit_radius = 1.5f;   // re-split a cluster past this times its built radius
   };
 
@@ -94,16 +96,26 @@ class ClusterIndex {
   static constexpr uint32_t kNone = ~0u;
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
-  // The bound fields shared by clusters and units.
+  // The bound fields shared by clusters and units. The node's vectors lie together in
+  // arena_ (one cold read streams them): [mu_center | peak_center | mu_hi | mu_lo | peak_hi |
+  // peak_lo], head_dim floats each; centers stay fixed between rebuilds. Units have an arena
+  // of their own, so the search's first pass over every unit streams through memory.
+  enum Part { kMuCenter, kPeakCenter, kMuHi, kMuLo, kPeakHi, kPeakLo, kParts };
   struct Bounds {
-    std::vector<float> mu_center, peak_center;  // fixed between rebuilds
+    uint32_t slot = kNone;  // the node's place in its arena
+    bool unit = false;      // units_arena_ (all units together: every search reads them all)
     float mu_center_norm = 0, peak_center_norm = 0;
     float mu_radius = 0, peak_radius = 0;
-    std::vector<float> mu_lo, mu_hi, peak_lo, peak_hi;
     uint32_t max_tokens = 0;
     uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
   };
+  float* Part(const Bounds& b, int part) {
+    return &(b.unit ? unit_arena_ : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
+  }
+  const float* Part(const Bounds& b, int part) const {
+    return &(b.unit ? unit_arena_ : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
+  }
   struct Cluster {
     Bounds b;
     std::vector<uint32_t> chunks;
@@ -120,13 +132,14 @@ class ClusterIndex {
   void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
   const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
   // Recomputes b from scratch over these chunks: centers, radii, boxes, max tokens.
-  void Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a) const;
+  void Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a);
   // Widens b to cover one more chunk, whose mean key is `mu` (the center stays).
-  void Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a) const;
-  // A query group prepared for bounds: each head's q, |q|, and q split by sign.
+  void Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a);
+  // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
+  // a node's [hi | lo] pairs in one pass.
   struct Prepared {
-    std::vector<float> pos, neg;  // [group][d]: max(q, 0), min(q, 0)
-    std::vector<float> norm;      // [group]
+    std::vector<float> pos_neg;  // [group][2 * d]: max(q, 0), then min(q, 0)
+    std::vector<float> norm;     // [group]
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
   // An upper bound on the score of every chunk under `b`; when even its cheaper part falls
@@ -137,6 +150,7 @@ class ClusterIndex {
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                    int group, const ChunkArrays& a) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
+
   // Splits a set of points (by id) in two by spherical 2-means over `vec(id)`.
   template <typename VecFn>
   void TwoMeans(const std::vector<uint32_t>& ids, VecFn vec, std::vector<uint32_t>* left,
@@ -149,6 +163,7 @@ class ClusterIndex {
   Options opt_;
   std::vector<Cluster> clusters_;
   std::vector<Unit> units_;
+  std::vector<float> cluster_arena_, unit_arena_;  // nodes' vectors, kParts * d_ per slot
   std::vector<uint32_t> node_of_;    // chunk -> cluster, kNone if not indexed
   std::vector<uint32_t> tokens_;     // chunk -> tokens
   size_t num_chunks_ = 0;
