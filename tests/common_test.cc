@@ -154,5 +154,37 @@ TEST(DotRows, EachRowAgreesWithDouble) {
   }
 }
 
+TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0, 1);
+  for (int d : {1, 2, 7, 64, 128}) {
+    for (int lanes : {1, 5, 8, 9, 16, 17, 23, 40, 70}) {
+      for (int m : {1, 2, 3, 4, 5, 9}) {
+        const int stride = (lanes + 7) / 8 * 8;  // no room past the last group of 8
+        const int a_stride = d + 3, out_stride = lanes + 1;
+        std::vector<float> a(static_cast<size_t>(m) * a_stride);
+        std::vector<float> cols(static_cast<size_t>(d) * stride);
+        std::vector<float> out(static_cast<size_t>(m) * out_stride, -7.f);
+        for (float& x : a) x = n(rng);
+        for (float& x : cols) x = n(rng);
+        DotColumns(a.data(), m, a_stride, cols.data(), d, stride, lanes, out.data(), out_stride);
+        for (int h = 0; h < m; ++h) {
+          for (int i = 0; i < lanes; ++i) {
+            double want = 0, mag = 0;
+            for (int j = 0; j < d; ++j) {
+              const double x = double(a[h * a_stride + j]) * cols[static_cast<size_t>(j) * stride + i];
+              want += x;
+              mag += std::fabs(x);
+            }
+            EXPECT_NEAR(out[h * out_stride + i], want, 1e-6 * mag + 1e-7)
+                << "d " << d << " lanes " << lanes << " m " << m << " h " << h << " i " << i;
+          }
+          EXPECT_EQ(out[h * out_stride + lanes], -7.f) << "wrote past lane " << lanes - 1;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -117,6 +117,88 @@ __attribute__((target("avx2,fma"))) void DotRowsAvx2(const float* a, const float
   if (r < m) DotRowsAvx2Fixed<1>(a, rows + static_cast<size_t>(r) * n, n, out + r);
 }
 
+// H vectors against G groups of 8 lanes in one pass over the rows: H * G independent
+// accumulators, so each row's cache line is read once for every vector.
+template <int H, int G>
+__attribute__((target("avx2,fma"))) inline void DotColumnsTile(const float* a, int a_stride,
+                                                               const float* cols, int n,
+                                                               int stride, float* out,
+                                                               int out_stride) {
+  // Fully unrolled, so that the accumulators live in registers.
+  __m256 acc[H][G];
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[h][g] = _mm256_setzero_ps();
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* row = cols + static_cast<size_t>(j) * stride;
+    __m256 c[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) c[g] = _mm256_loadu_ps(row + 8 * g);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const __m256 x = _mm256_set1_ps(a[static_cast<size_t>(h) * a_stride + j]);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[h][g] = _mm256_fmadd_ps(x, c[g], acc[h][g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + h * out_stride + 8 * g, acc[h][g]);
+  }
+}
+
+// Tiles of kG groups (8 to 12 accumulators), then the last lanes in as many groups as they
+// need: every load stays below the lanes rounded up to 8.
+template <int H>
+__attribute__((target("avx2,fma"))) void DotColumnsHeads(const float* a, int a_stride,
+                                                         const float* cols, int n, int stride,
+                                                         int lanes, float* out, int out_stride) {
+  constexpr int kG = H <= 2 ? 4 : 2;
+  alignas(32) float sum[H * 8 * kG];
+  for (int i = 0; i < lanes; i += 8 * kG) {
+    const int take = std::min(lanes - i, 8 * kG);
+    const float* c = cols + i;
+    switch ((take + 7) / 8) {
+      case 1: DotColumnsTile<H, 1>(a, a_stride, c, n, stride, sum, 8 * kG); break;
+      case 2: DotColumnsTile<H, 2>(a, a_stride, c, n, stride, sum, 8 * kG); break;
+      case 3: DotColumnsTile<H, 3>(a, a_stride, c, n, stride, sum, 8 * kG); break;
+      default: DotColumnsTile<H, kG>(a, a_stride, c, n, stride, sum, 8 * kG); break;
+    }
+    for (int h = 0; h < H; ++h) std::copy_n(sum + h * 8 * kG, take, out + h * out_stride + i);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void DotColumnsAvx2(const float* a, int m, int a_stride,
+                                                        const float* cols, int n, int stride,
+                                                        int lanes, float* out, int out_stride) {
+  for (int h = 0; h < m;) {
+    const float* ah = a + static_cast<size_t>(h) * a_stride;
+    float* oh = out + static_cast<size_t>(h) * out_stride;
+    switch (std::min(4, m - h)) {
+      case 1: DotColumnsHeads<1>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 1; break;
+      case 2: DotColumnsHeads<2>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 2; break;
+      case 3: DotColumnsHeads<3>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 3; break;
+      default: DotColumnsHeads<4>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 4; break;
+    }
+  }
+}
+
+void DotColumnsScalar(const float* a, int m, int a_stride, const float* cols, int n, int stride,
+                      int lanes, float* out, int out_stride) {
+  for (int h = 0; h < m; ++h) {
+    for (int i = 0; i < lanes; ++i) {
+      float s = 0;
+      for (int j = 0; j < n; ++j) {
+        s += a[static_cast<size_t>(h) * a_stride + j] * cols[static_cast<size_t>(j) * stride + i];
+      }
+      out[static_cast<size_t>(h) * out_stride + i] = s;
+    }
+  }
+}
+
 void DotRowsScalar(const float* a, const float* rows, int m, int n, float* out) {
   for (int r = 0; r < m; ++r) out[r] = DotScalar(a, rows + static_cast<size_t>(r) * n, n);
 }
@@ -161,6 +243,13 @@ void DotRows(const float* a, const float* rows, int m, int n, float* out) {
   static void (*const impl)(const float*, const float*, int, int, float*) =
       HaveAvx2Fma() ? DotRowsAvx2 : DotRowsScalar;
   impl(a, rows, m, n, out);
+}
+
+void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
+                int lanes, float* out, int out_stride) {
+  static void (*const impl)(const float*, int, int, const float*, int, int, int, float*, int) =
+      HaveAvx2Fma() ? DotColumnsAvx2 : DotColumnsScalar;
+  impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
 }
 
 }  // namespace kvtier

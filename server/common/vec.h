@@ -32,6 +32,14 @@ float DotScalar(const float* a, const float* b, int n);
 // centers, or against its boxes).
 void DotRows(const float* a, const float* rows, int m, int n, float* out);
 
+// out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
+// i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j
+// at cols[j * stride + i]). One pass over the columns serves up to four of the m vectors,
+// eight lanes per vector operation. stride is a multiple of 8, at least lanes: loads reach
+// the lanes rounded up to 8.
+void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
+                int lanes, float* out, int out_stride);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_VEC_H_

@@ -44,13 +44,9 @@ ClusterIndex::ClusterIndex(int head_dim, Options options) : d_(head_dim), opt_(o
   CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim);
 }
 
-size_t ClusterIndex::num_clusters() const {
-  return std::count_if(clusters_.begin(), clusters_.end(), [](const Cluster& c) { return c.alive; });
-}
+size_t ClusterIndex::num_clusters() const { return clusters_.size(); }
 
-size_t ClusterIndex::num_units() const {
-  return std::count_if(units_.begin(), units_.end(), [](const Unit& u) { return u.alive; });
-}
+size_t ClusterIndex::num_units() const { return units_.size(); }
 
 void ClusterIndex::Mean(uint32_t chunk, const ChunkArrays& a, float* out) const {
   const float inv = 1.f / static_cast<float>(tokens_[chunk]);
@@ -129,65 +125,92 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
   return p;
 }
 
-float ClusterIndex::Bound(v1::Ranking ranking, const Bounds& b, std::span<const float> queries,
-                          const Prepared& p, float threshold) const {
-  // Per head, q.x over the node is at most min(ball, box): ball = q.center + |q| R, box =
-  // sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi + min(q,0).lo. The margin covers float
-  // rounding of these and of the chunk's own score (each under 1e-5 of its magnitude),
-  // with the box corners at most sqrt(d) R from the center in norm. The ball alone is
-  // already an upper bound: when it falls below `threshold` the box is not computed.
+void ClusterIndex::SetLane(Block& blk, uint32_t lane, const Bounds& b) const {
+  const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
+  while (lane >= blk.cap) {  // one more tile; the others stay where they are
+    blk.data.resize(blk.data.size() + BlockRows() * kTile, 0.f);
+    blk.cap += kTile;
+  }
+  const float* v = Part(b, kMuHi);
+  float* out = &blk.data[BlockIndex(lane, 0)];  // row r at out[r * kTile]
+  for (size_t r = 0; r < vec_rows; ++r) out[r * kTile] = v[r];
+  // The rounding margins scale with the largest corner of each box: at most the center's
+  // norm plus sqrt(d) times the radius.
+  const float sqrt_d = std::sqrt(static_cast<float>(d_));
+  out[(vec_rows + kMarginA) * kTile] = b.mu_center_norm + sqrt_d * b.mu_radius;
+  out[(vec_rows + kMarginP) * kTile] = b.peak_center_norm + sqrt_d * b.peak_radius;
+  out[(vec_rows + kLogRest) * kTile] = b.log_rest;
+}
+
+void ClusterIndex::SyncUnit(uint32_t unit) {
+  Unit& u = units_[unit];
+  for (uint32_t i = 0; i < u.clusters.size(); ++i) {
+    clusters_[u.clusters[i]].lane = i;
+    SetLane(u.block, i, clusters_[u.clusters[i]].b);
+  }
+  SetLane(units_block_, unit, u.b);
+}
+
+void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
+                               std::span<const float> queries, const Prepared& p,
+                               float threshold, float* out) const {
+  // Per head, q.x over the node's box is at most sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi
+  // + min(q,0).lo: the [pos | neg] query meets the node's [hi | lo] rows. The margin covers
+  // float rounding of this and of the chunk's own score (each under 1e-5 of its magnitude).
   //
   // LSE-peak: log(e^x + e^y) lies in [hi, hi + log 2] (hi = max(x, y)), so a head whose
   // hi + log 2 is below the best head so far cannot raise the maximum and needs no exp or
   // log, and when even the largest hi + log 2 is below `threshold` that value is returned.
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
-  const float sqrt_d = std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
-  const int rows = lse ? 2 : 1;  // the mean's part, then the peak's
-  const float margin_scale_a = b.mu_center_norm + sqrt_d * b.mu_radius;
-  const float margin_scale_p = b.peak_center_norm + sqrt_d * b.peak_radius;
   constexpr float kLog2 = 0.6931472f;
-  // The two LSE arguments of head h, from its bounds on q.mu and q.peak.
+  // [2][group][lanes]: the box bound of q.mu, then of q.peak. One pass over each tile's
+  // rows serves every head.
+  std::vector<float> dots(2 * static_cast<size_t>(group) * lanes);
+  auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * lanes]; };
+  const int n = static_cast<int>(lanes);
+  for (uint32_t t = 0; t < lanes; t += kTile) {
+    const float* tile = &blk.data[BlockIndex(t, 0)];
+    const int in_tile = static_cast<int>(std::min(kTile, lanes - t));
+    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, in_tile, at(0, 0) + t, n);
+    if (lse) {
+      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * kTile,
+                 2 * d_, kTile, in_tile, at(1, 0) + t, n);
+    }
+  }
+  const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
+  auto scalar = [&](uint32_t lane, int s) { return blk.data[BlockIndex(lane, vec_rows + s)]; };
   absl::InlinedVector<float, 16> x(group), y(group);
-  auto finish = [&](const float* a, const float* pk, float limit) {
+  for (uint32_t i = 0; i < lanes; ++i) {
+    const float margin_a = scalar(i, kMarginA), margin_p = scalar(i, kMarginP);
     float best = -std::numeric_limits<float>::infinity();
     if (!lse) {
-      for (int h = 0; h < group; ++h) best = std::max(best, a[h] + 1e-4f * (1 + p.norm[h] * margin_scale_a));
-      return best;
+      for (int h = 0; h < group; ++h) {
+        best = std::max(best, at(0, h)[i] + 1e-4f * (1 + p.norm[h] * margin_a));
+      }
+      out[i] = best;
+      continue;
     }
+    const float log_rest = scalar(i, kLogRest);
     float cheap = -std::numeric_limits<float>::infinity();
     for (int h = 0; h < group; ++h) {
-      x[h] = (a[h] + 1e-4f * (1 + p.norm[h] * margin_scale_a)) * inv_sqrt_d + b.log_rest;
-      y[h] = (pk[h] + 1e-4f * (1 + p.norm[h] * margin_scale_p)) * inv_sqrt_d;
+      x[h] = (at(0, h)[i] + 1e-4f * (1 + p.norm[h] * margin_a)) * inv_sqrt_d + log_rest;
+      y[h] = (at(1, h)[i] + 1e-4f * (1 + p.norm[h] * margin_p)) * inv_sqrt_d;
       const float hi = std::max(x[h], y[h]);
       cheap = std::max(cheap, hi + kLog2 + 1e-5f * (1 + std::abs(hi)));
     }
-    if (cheap < limit) return cheap;
+    if (cheap < threshold) {
+      out[i] = cheap;
+      continue;
+    }
     for (int h = 0; h < group; ++h) {
       const float hi = std::max(x[h], y[h]), lo = std::min(x[h], y[h]);
       if (hi + kLog2 + 1e-5f * (1 + std::abs(hi)) < best) continue;
       best = std::max(best, LogAddExp(hi, lo) + 1e-5f * (1 + std::abs(hi)));
     }
-    return best;
-  };
-  const float* node = Part(b, 0);
-  absl::InlinedVector<float, 16> ball_a(group), ball_p(group);
-  float dots[2];
-  for (int h = 0; h < group; ++h) {
-    DotRows(queries.data() + static_cast<size_t>(h) * d_, node + kMuCenter * d_, rows, d_, dots);
-    ball_a[h] = dots[0] + p.norm[h] * b.mu_radius;
-    ball_p[h] = lse ? dots[1] + p.norm[h] * b.peak_radius : 0.f;
+    out[i] = best;
   }
-  const float ball = finish(ball_a.data(), ball_p.data(), threshold);
-  if (ball < threshold) return ball;
-  for (int h = 0; h < group; ++h) {
-    // [pos | neg] against [hi | lo] of the mean, then of the peak.
-    DotRows(&p.pos_neg[static_cast<size_t>(h) * 2 * d_], node + kMuHi * d_, rows, 2 * d_, dots);
-    ball_a[h] = std::min(ball_a[h], dots[0]);
-    ball_p[h] = lse ? std::min(ball_p[h], dots[1]) : 0.f;
-  }
-  return finish(ball_a.data(), ball_p.data(), -std::numeric_limits<float>::infinity());
 }
 
 float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
@@ -284,6 +307,7 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
   clusters_[cluster].built_radius = clusters_[cluster].b.mu_radius;
   const uint32_t other = NewCluster(std::move(right), unit, a);
   units_[unit].clusters.push_back(other);
+  SyncUnit(unit);
   // The unit's bounds already cover every chunk; its center stays until it is rebuilt.
   if (units_[unit].clusters.size() > 2 * opt_.unit_clusters) SplitUnit(unit, a);
 }
@@ -301,6 +325,8 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
   units_.push_back(std::move(u));
   const uint32_t id = static_cast<uint32_t>(units_.size() - 1);
   for (uint32_t cl : units_[id].clusters) clusters_[cl].unit = id;
+  SyncUnit(unit);
+  SyncUnit(id);
 }
 
 void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
@@ -319,6 +345,7 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     const uint32_t cl = NewCluster({chunk}, 0, a);
     units_[0].clusters.push_back(cl);
     Rebuild(units_[0].b, {chunk}, a);
+    SyncUnit(0);
     return;
   }
   // Nearest unit, then its nearest cluster, by direction (spherical); centers' norms are
@@ -331,7 +358,6 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   uint32_t best_unit = 0;
   float best = -std::numeric_limits<float>::infinity();
   for (uint32_t u = 0; u < units_.size(); ++u) {
-    if (!units_[u].alive) continue;
     const float c = cosine(units_[u].b);
     if (c > best) best = c, best_unit = u;
   }
@@ -346,6 +372,8 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   node_of_[chunk] = best_cluster;
   Widen(cl.b, chunk, mu.data(), a);
   Widen(units_[best_unit].b, chunk, mu.data(), a);
+  SetLane(units_[best_unit].block, cl.lane, cl.b);
+  SetLane(units_block_, best_unit, units_[best_unit].b);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
   const bool too_wide = cl.chunks.size() >= 4 && cl.built_radius > 0 &&
                         cl.b.mu_radius > opt_.resplit_radius * cl.built_radius;
@@ -377,23 +405,26 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   SearchStats local;
   if (k == 0) return {};
   const Prepared prep = Prepare(queries, group);
-  for (uint32_t u = 0; u < units_.size(); ++u) {
-    if (!units_[u].alive) continue;
-    open.push({Bound(ranking, units_[u].b, queries, prep), true, u});
-    ++local.bounds_scored;
-  }
+  std::vector<float> bounds(units_.size());
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
+              -std::numeric_limits<float>::infinity(), bounds.data());
+  for (uint32_t u = 0; u < units_.size(); ++u) open.push({bounds[u], true, u});
+  local.bounds_scored += units_.size();
   while (!open.empty()) {
     const Node n = open.top();
     // A chunk tying the k-th score with a lower index would still win: stop only below it.
     if (kept.size() == k && n.bound < kept.top().score) break;
     open.pop();
     if (n.is_unit) {
-      for (uint32_t cl : units_[n.id].clusters) {
-        const float threshold = kept.size() == k ? kept.top().score
-                                                 : -std::numeric_limits<float>::infinity();
-        const float bound = Bound(ranking, clusters_[cl].b, queries, prep, threshold);
-        ++local.bounds_scored;
-        if (bound >= threshold) open.push({bound, false, cl});  // else it cannot win
+      const Unit& u = units_[n.id];
+      const float threshold = kept.size() == k ? kept.top().score
+                                               : -std::numeric_limits<float>::infinity();
+      bounds.resize(u.clusters.size());
+      BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
+                  threshold, bounds.data());
+      local.bounds_scored += u.clusters.size();
+      for (size_t i = 0; i < u.clusters.size(); ++i) {
+        if (bounds[i] >= threshold) open.push({bounds[i], false, u.clusters[i]});  // else it cannot win
       }
       continue;
     }
@@ -455,11 +486,14 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
     smallest = std::min(smallest, c.tokens);
     ++local.chunks_scored;
   }
+  std::vector<float> bounds(units_.size());
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
+              -std::numeric_limits<float>::infinity(), bounds.data());
+  local.bounds_scored += units_.size();
   for (uint32_t u = 0; u < units_.size(); ++u) {
-    if (!units_[u].alive || units_[u].b.min_tokens > budget) continue;
-    open.push({Bound(ranking, units_[u].b, queries, prep), kUnit, u, 0});
+    if (units_[u].b.min_tokens > budget) continue;
+    open.push({bounds[u], kUnit, u, 0});
     smallest = std::min(smallest, units_[u].b.min_tokens);
-    ++local.bounds_scored;
   }
   std::vector<uint32_t> out;
   uint64_t left = budget;
@@ -473,13 +507,19 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
           left -= it.tokens;
         }
         break;
-      case kUnit:
-        for (uint32_t cl : units_[it.id].clusters) {
+      case kUnit: {
+        const Unit& u = units_[it.id];
+        bounds.resize(u.clusters.size());
+        BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
+                    -std::numeric_limits<float>::infinity(), bounds.data());
+        local.bounds_scored += u.clusters.size();
+        for (size_t i = 0; i < u.clusters.size(); ++i) {
+          const uint32_t cl = u.clusters[i];
           if (clusters_[cl].b.min_tokens > left) continue;  // nothing in it fits any more
-          open.push({Bound(ranking, clusters_[cl].b, queries, prep), kCluster, cl, 0});
-          ++local.bounds_scored;
+          open.push({bounds[i], kCluster, cl, 0});
         }
         break;
+      }
       case kCluster:
         for (uint32_t ch : clusters_[it.id].chunks) {
           if ((ch < skip.size() && skip[ch]) || tokens_[ch] > left) continue;
@@ -498,15 +538,24 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
 
 uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const float> queries,
                                             int group, const ChunkArrays& a) const {
+  // The bounds as the searches compute them: every unit's from units_block_, each unit's
+  // clusters' from its block.
   uint64_t violations = 0;
   const Prepared prep = Prepare(queries, group);
-  for (const Cluster& cl : clusters_) {
-    if (!cl.alive) continue;
-    const float cb = Bound(ranking, cl.b, queries, prep);
-    const float ub = Bound(ranking, units_[cl.unit].b, queries, prep);
-    for (uint32_t ch : cl.chunks) {
-      const float s = ChunkScore(ranking, ch, queries, group, a);
-      violations += (s > cb) + (s > ub);
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<float> unit_bounds(units_.size()), cluster_bounds;
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep, none,
+              unit_bounds.data());
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    const std::vector<uint32_t>& cls = units_[u].clusters;
+    cluster_bounds.resize(cls.size());
+    BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), queries, prep, none,
+                cluster_bounds.data());
+    for (size_t i = 0; i < cls.size(); ++i) {
+      for (uint32_t ch : clusters_[cls[i]].chunks) {
+        const float s = ChunkScore(ranking, ch, queries, group, a);
+        violations += (s > cluster_bounds[i]) + (s > unit_bounds[u]);
+      }
     }
   }
   return violations;
@@ -527,8 +576,31 @@ std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
     if (tokens_[ch] > b.max_tokens) return "tokens above max";
     return "";
   };
+  // A block lane must equal its node's Bounds exactly: the searches read only the blocks.
+  auto mirrors = [&](const Block& blk, uint32_t lane, const Bounds& b) {
+    if (lane >= blk.cap) return false;
+    const float* v = Part(b, kMuHi);
+    const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
+    for (size_t r = 0; r < vec_rows; ++r) {
+      if (blk.data[BlockIndex(lane, r)] != v[r]) return false;
+    }
+    const float sqrt_d = std::sqrt(static_cast<float>(d_));
+    return blk.data[BlockIndex(lane, vec_rows + kMarginA)] ==
+               b.mu_center_norm + sqrt_d * b.mu_radius &&
+           blk.data[BlockIndex(lane, vec_rows + kMarginP)] ==
+               b.peak_center_norm + sqrt_d * b.peak_radius &&
+           blk.data[BlockIndex(lane, vec_rows + kLogRest)] == b.log_rest;
+  };
   for (uint32_t u = 0; u < units_.size(); ++u) {
-    if (!units_[u].alive) continue;
+    if (!mirrors(units_block_, u, units_[u].b)) {
+      return absl::StrFormat("unit %d's lane differs from its bounds", u);
+    }
+    for (uint32_t i = 0; i < units_[u].clusters.size(); ++i) {
+      const uint32_t cl = units_[u].clusters[i];
+      if (clusters_[cl].lane != i || !mirrors(units_[u].block, i, clusters_[cl].b)) {
+        return absl::StrFormat("cluster %d's lane in unit %d differs from its bounds", cl, u);
+      }
+    }
     for (uint32_t cl : units_[u].clusters) {
       if (clusters_[cl].unit != u) return absl::StrFormat("cluster %d's unit is not %d", cl, u);
       if (clusters_[cl].chunks.empty()) return absl::StrFormat("cluster %d is empty", cl);
@@ -552,12 +624,12 @@ std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
   }
   if (n != num_chunks_) return absl::StrFormat("%d chunks in clusters, %d added", n, num_chunks_);
   for (const Cluster& cl : clusters_) {
-    if (cl.alive && cl.chunks.size() > 2 * opt_.cluster_chunks) {
+    if (cl.chunks.size() > 2 * opt_.cluster_chunks) {
       return absl::StrFormat("a cluster holds %d chunks", cl.chunks.size());
     }
   }
   for (const Unit& u : units_) {
-    if (u.alive && u.clusters.size() > 2 * opt_.unit_clusters) {
+    if (u.clusters.size() > 2 * opt_.unit_clusters) {
       return absl::StrFormat("a unit holds %d clusters", u.clusters.size());
     }
   }
