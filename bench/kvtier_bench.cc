@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 #include "server/index/chunking.h"
@@ -116,6 +117,29 @@ Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
     if (l.mandatory[c]) l.mandatory_tokens += int(r.size());
   }
   return l;
+}
+
+// Vectors [n][rows] as IEEE halves in channel-major tiles of kTile: tile t holds
+// [rows][kTile], the layout DotColumns reads (as the cluster index lays out its bounds).
+constexpr int kTile = 16;
+struct Tiles {
+  int rows = 0;
+  std::vector<uint16_t> data;
+  const uint16_t* At(int first) const { return &data[size_t(first / kTile) * rows * kTile]; }
+};
+
+// round(x, row) gives the half for row `row` of a vector.
+template <typename Round>
+Tiles MakeTiles(const float* v, int n, int rows, Round round) {
+  Tiles t;
+  t.rows = rows;
+  t.data.assign(size_t((n + kTile - 1) / kTile) * rows * kTile, 0);
+  for (int i = 0; i < n; ++i) {
+    for (int r = 0; r < rows; ++r) {
+      t.data[(size_t(i / kTile) * rows + r) * kTile + i % kTile] = round(v[size_t(i) * rows + r], r);
+    }
+  }
+  return t;
 }
 
 std::vector<std::vector<int>> ContiguousRows(int n) {
@@ -267,9 +291,25 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
     return budget > l.mandatory_tokens ? budget - l.mandatory_tokens : 0;
   };
   ClusterIndex index(kD), semantic_index(kD), boundary_index(kD);
+  ClusterIndex::Options by_mean;  // as the daemon clusters a session with the mean ranking
+  by_mean.cluster_by_peak = false;
+  ClusterIndex mean_index(kD, by_mean);
   const std::vector<ChunkCandidate> cands = Candidates(contiguous, &index);
+  Candidates(contiguous, &mean_index);
   Candidates(boundary, &boundary_index);
   Candidates(semantic, &semantic_index);
+  // The baselines' inputs, laid out once as an index is built once: keys as fp16, and each
+  // page's [hi | lo] rounded outwards (hi up, lo down).
+  const Tiles key_tiles = MakeTiles(s.keys.data(), s.n, kD, [](float x, int) { return FloatToHalf(x); });
+  std::vector<float> hi_lo(contiguous.chunks() * 2 * kD);
+  for (size_t c = 0; c < contiguous.chunks(); ++c) {
+    std::copy_n(&contiguous.hi[c * kD], kD, &hi_lo[c * 2 * kD]);
+    std::copy_n(&contiguous.lo[c * kD], kD, &hi_lo[c * 2 * kD + kD]);
+  }
+  const Tiles page_tiles =
+      MakeTiles(hi_lo.data(), int(contiguous.chunks()), 2 * kD,
+                [](float x, int r) { return r < kD ? FloatToHalfUp(x) : FloatToHalfDown(x); });
+  std::vector<float> scratch;
   std::map<std::string, Result> res;
   std::vector<double> scores(s.n);
   for (int qi = 0; qi < queries; ++qi) {
@@ -286,14 +326,18 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
       r.scored += scored;
       r.total += double(l.chunks());
     };
-    {  // exact: every key scored, the best tokens kept
+    {  // exact: every key scored, the best tokens kept. Keys as the daemon stores them (fp16),
+       // in channel-major tiles, scored by the index's own kernel (DotColumns), every head
+       // in one pass.
       const double t0 = bench::NowSeconds();
+      std::vector<float>& dots = scratch;
+      dots.resize(size_t(kGroup) * s.n);
+      for (int t = 0; t < s.n; t += kTile) {
+        DotColumns(q.data(), kGroup, kD, key_tiles.At(t), kD, kTile, std::min(kTile, s.n - t),
+                   dots.data() + t, s.n);
+      }
       for (int i = 0; i < s.n; ++i) {
-        float best = -1e30f;
-        for (int h = 0; h < kGroup; ++h) {
-          best = std::max(best, Dot(&q[h * kD], &s.keys[size_t(i) * kD], kD));
-        }
-        scores[i] = best;
+        scores[i] = std::max({dots[i], dots[size_t(s.n) + i], dots[2 * size_t(s.n) + i]});
       }
       std::vector<int> order(s.n);
       for (int i = 0; i < s.n; ++i) order[i] = i;
@@ -304,29 +348,36 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
       for (int i = 0; i < budget; ++i) kept += truth.p[order[i]];
       record("exact", secs, kept, double(contiguous.chunks()), contiguous);
     }
-    {  // quest: the box bound of every page, sum_j max(q_j lo_j, q_j hi_j), computed as
-       // max(q, 0) . hi + min(q, 0) . lo with the same vectorized Dot as every other policy
+    {  // quest: the box bound of every page, sum_j max(q_j lo_j, q_j hi_j) = max(q, 0) . hi +
+       // min(q, 0) . lo, with the index's own layout and kernel: pages' [hi | lo] as halves
+       // rounded outwards, in channel-major tiles, every head in one pass.
       const Layout& l = contiguous;
+      const int pages = int(l.chunks());
       const double t0 = bench::NowSeconds();
-      float pos[kGroup * kD], neg[kGroup * kD];
-      for (int i = 0; i < kGroup * kD; ++i) {
-        pos[i] = std::max(q[i], 0.f);
-        neg[i] = std::min(q[i], 0.f);
-      }
-      std::vector<std::pair<float, uint32_t>> pages;
-      for (size_t c = 0; c < l.chunks(); ++c) {
-        if (l.mandatory[c]) continue;
-        float best = -1e30f;
-        for (int h = 0; h < kGroup; ++h) {
-          best = std::max(best, Dot(&pos[h * kD], &l.hi[c * kD], kD) +
-                                    Dot(&neg[h * kD], &l.lo[c * kD], kD));
+      float pos_neg[kGroup * 2 * kD];
+      for (int h = 0; h < kGroup; ++h) {
+        for (int j = 0; j < kD; ++j) {
+          pos_neg[h * 2 * kD + j] = std::max(q[h * kD + j], 0.f);
+          pos_neg[h * 2 * kD + kD + j] = std::min(q[h * kD + j], 0.f);
         }
-        pages.push_back({-best, uint32_t(c)});
       }
-      const size_t k = std::min<size_t>(pages.size(), left(l) / kChunk);
-      std::partial_sort(pages.begin(), pages.begin() + k, pages.end());
+      std::vector<float>& dots = scratch;
+      dots.resize(size_t(kGroup) * pages);
+      for (int t = 0; t < pages; t += kTile) {
+        DotColumns(pos_neg, kGroup, 2 * kD, page_tiles.At(t), 2 * kD, kTile,
+                   std::min(kTile, pages - t), dots.data() + t, pages);
+      }
+      std::vector<std::pair<float, uint32_t>> ranked;
+      for (int c = 0; c < pages; ++c) {
+        if (l.mandatory[c]) continue;
+        const float best =
+            std::max({dots[c], dots[size_t(pages) + c], dots[2 * size_t(pages) + c]});
+        ranked.push_back({-best, uint32_t(c)});
+      }
+      const size_t k = std::min<size_t>(ranked.size(), left(l) / kChunk);
+      std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end());
       std::vector<uint32_t> chosen;
-      for (size_t i = 0; i < k; ++i) chosen.push_back(pages[i].second);
+      for (size_t i = 0; i < k; ++i) chosen.push_back(ranked[i].second);
       const double secs = bench::NowSeconds() - t0;
       record("quest", secs, ChunkMass(truth, l, chosen), double(l.chunks()), l);
     }
@@ -357,7 +408,7 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
     }
     for (auto [name, ranking, layout, idx] :
          {std::tuple{"kvtier", v1::RANKING_LSE_PEAK, &contiguous, &index},
-          std::tuple{"kvtier-mean", v1::RANKING_MEAN, &contiguous, &index},
+          std::tuple{"kvtier-mean", v1::RANKING_MEAN, &contiguous, &mean_index},
           std::tuple{"kvtier-semantic", v1::RANKING_LSE_PEAK, &semantic, &semantic_index}}) {
       const ChunkArrays arrays{layout->sums.data(), layout->peaks.data()};
       ClusterIndex::SearchStats st;

@@ -30,7 +30,7 @@ struct Stream {
   }
 };
 
-enum class Data { kGaussian, kClustered, kIdentical, kOutliers };
+enum class Data { kGaussian, kClustered, kIdentical, kOutliers, kBeyondHalf };
 
 std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<float>& centers) {
   std::normal_distribution<float> n(0, 1);
@@ -55,6 +55,13 @@ std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<flo
       for (auto& x : k) x = 1e-3f * n(rng);
       if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
         for (int j = 0; j < kD; ++j) k[(rng() % kT) * kD + j] = 300.f * n(rng);
+      }
+      break;
+    case Data::kBeyondHalf:  // now and then a key past the half range (a bf16 stream can hold
+                             // one): its nodes' boxes do not fit the index's halves
+      for (auto& x : k) x = n(rng);
+      if (std::uniform_int_distribution<int>(0, 7)(rng) == 0) {
+        for (int j = 0; j < kD; ++j) k[(rng() % kT) * kD + j] = 1e5f * n(rng);
       }
       break;
   }
@@ -91,10 +98,14 @@ std::vector<float> Centers(std::mt19937& rng) {
 class ClusterIndexTest : public ::testing::TestWithParam<Data> {};
 
 TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
+  for (bool by_peak : {true, false}) {
+  SCOPED_TRACE(by_peak ? "clustered by mean and peak" : "clustered by mean");
   std::mt19937 rng(static_cast<int>(GetParam()) + 1);
   const std::vector<float> centers = Centers(rng);
   Stream s;
-  ClusterIndex index(kD);
+  ClusterIndex::Options options;
+  options.cluster_by_peak = by_peak;
+  ClusterIndex index(kD, options);
   for (int step = 0; step < 6; ++step) {
     for (int i = 0; i < 200; ++i) {
       s.Push(ChunkKeys(GetParam(), rng, centers), kT);
@@ -120,6 +131,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
     }
   }
   EXPECT_GE(index.num_clusters(), s.tokens.size() / 16);
+  }
 }
 
 // Chunks of 8 to 32 tokens (boundary chunking): the greedy fill through the index, with
@@ -166,7 +178,7 @@ TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
 
 INSTANTIATE_TEST_SUITE_P(Data, ClusterIndexTest,
                          ::testing::Values(Data::kGaussian, Data::kClustered, Data::kIdentical,
-                                           Data::kOutliers));
+                                           Data::kOutliers, Data::kBeyondHalf));
 
 TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
   std::mt19937 rng(7);

@@ -167,19 +167,36 @@ TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
         std::vector<float> out(static_cast<size_t>(m) * out_stride, -7.f);
         for (float& x : a) x = n(rng);
         for (float& x : cols) x = n(rng);
-        DotColumns(a.data(), m, a_stride, cols.data(), d, stride, lanes, out.data(), out_stride);
-        for (int h = 0; h < m; ++h) {
-          for (int i = 0; i < lanes; ++i) {
-            double want = 0, mag = 0;
-            for (int j = 0; j < d; ++j) {
-              const double x = double(a[h * a_stride + j]) * cols[static_cast<size_t>(j) * stride + i];
-              want += x;
-              mag += std::fabs(x);
-            }
-            EXPECT_NEAR(out[h * out_stride + i], want, 1e-6 * mag + 1e-7)
-                << "d " << d << " lanes " << lanes << " m " << m << " h " << h << " i " << i;
+        // The same columns as halves, and those halves widened: both overloads.
+        std::vector<uint16_t> halves(cols.size());
+        for (size_t i = 0; i < cols.size(); ++i) {
+          halves[i] = FloatToHalf(cols[i]);
+          cols[i] = HalfToFloat(halves[i]);
+        }
+        for (bool half : {false, true}) {
+          std::fill(out.begin(), out.end(), -7.f);
+          if (half) {
+            DotColumns(a.data(), m, a_stride, halves.data(), d, stride, lanes, out.data(),
+                       out_stride);
+          } else {
+            DotColumns(a.data(), m, a_stride, cols.data(), d, stride, lanes, out.data(),
+                       out_stride);
           }
-          EXPECT_EQ(out[h * out_stride + lanes], -7.f) << "wrote past lane " << lanes - 1;
+          for (int h = 0; h < m; ++h) {
+            for (int i = 0; i < lanes; ++i) {
+              double want = 0, mag = 0;
+              for (int j = 0; j < d; ++j) {
+                const double x =
+                    double(a[h * a_stride + j]) * cols[static_cast<size_t>(j) * stride + i];
+                want += x;
+                mag += std::fabs(x);
+              }
+              EXPECT_NEAR(out[h * out_stride + i], want, 1e-6 * mag + 1e-7)
+                  << "half " << half << " d " << d << " lanes " << lanes << " m " << m << " h "
+                  << h << " i " << i;
+            }
+            EXPECT_EQ(out[h * out_stride + lanes], -7.f) << "wrote past lane " << lanes - 1;
+          }
         }
       }
     }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -117,6 +118,23 @@ TEST(ChunkRanker, LsePeakMatchesItsDefinition) {
 // The case the peak term exists for: chunk A's mass sits on one key, chunk B's keys are all
 // mildly aligned with q. B has the higher mean score, A the larger true attention mass (by
 // brute force over every key); the mean ranking keeps B, the peak ranking keeps A.
+TEST(ChunkRanker, SoftplusUpperBoundCoversLogAddExpAndStaysClose) {
+  // Against log(1 + e^t) in double, and against LogAddExp as the score computes it in float.
+  double worst = 0;
+  for (int i = 0; i <= 200000; ++i) {
+    const float t = -40.f * static_cast<float>(i) / 200000.f;
+    const double want = std::log1p(std::exp(static_cast<double>(t)));
+    const float got = SoftplusUpperBound(t);
+    ASSERT_GE(got, want - 1e-7) << t;
+    for (float hi : {-30.f, -1.f, 0.f, 2.5f, 40.f}) {
+      ASSERT_GE(hi + got + 1e-5f * (1 + std::abs(hi)), LogAddExp(hi, hi + t)) << hi << " " << t;
+    }
+    worst = std::max(worst, got - want);
+  }
+  EXPECT_LT(worst, 0.023);
+  EXPECT_EQ(SoftplusUpperBound(-std::numeric_limits<float>::infinity()), 0.f);
+}
+
 TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
   const int d = 4, n = 16;
   const std::vector<float> q = {8, 0, 0, 0};  // q.k / sqrt(d) = 4 k_0

@@ -117,13 +117,21 @@ __attribute__((target("avx2,fma"))) void DotRowsAvx2(const float* a, const float
   if (r < m) DotRowsAvx2Fixed<1>(a, rows + static_cast<size_t>(r) * n, n, out + r);
 }
 
+// Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // H vectors against G groups of 8 lanes in one pass over the rows: H * G independent
 // accumulators, so each row's cache line is read once for every vector.
-template <int H, int G>
-__attribute__((target("avx2,fma"))) inline void DotColumnsTile(const float* a, int a_stride,
-                                                               const float* cols, int n,
-                                                               int stride, float* out,
-                                                               int out_stride) {
+template <int H, int G, typename T>
+__attribute__((target("avx2,fma,f16c"))) inline void DotColumnsTile(const float* a, int a_stride,
+                                                                    const T* cols, int n,
+                                                                    int stride, float* out,
+                                                                    int out_stride) {
   // Fully unrolled, so that the accumulators live in registers.
   __m256 acc[H][G];
 #pragma GCC unroll 4
@@ -132,10 +140,10 @@ __attribute__((target("avx2,fma"))) inline void DotColumnsTile(const float* a, i
     for (int g = 0; g < G; ++g) acc[h][g] = _mm256_setzero_ps();
   }
   for (int j = 0; j < n; ++j) {
-    const float* row = cols + static_cast<size_t>(j) * stride;
+    const T* row = cols + static_cast<size_t>(j) * stride;
     __m256 c[G];
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) c[g] = _mm256_loadu_ps(row + 8 * g);
+    for (int g = 0; g < G; ++g) c[g] = Load8(row + 8 * g);
 #pragma GCC unroll 4
     for (int h = 0; h < H; ++h) {
       const __m256 x = _mm256_set1_ps(a[static_cast<size_t>(h) * a_stride + j]);
@@ -152,15 +160,16 @@ __attribute__((target("avx2,fma"))) inline void DotColumnsTile(const float* a, i
 
 // Tiles of kG groups (8 to 12 accumulators), then the last lanes in as many groups as they
 // need: every load stays below the lanes rounded up to 8.
-template <int H>
-__attribute__((target("avx2,fma"))) void DotColumnsHeads(const float* a, int a_stride,
-                                                         const float* cols, int n, int stride,
-                                                         int lanes, float* out, int out_stride) {
+template <int H, typename T>
+__attribute__((target("avx2,fma,f16c"))) void DotColumnsHeads(const float* a, int a_stride,
+                                                              const T* cols, int n, int stride,
+                                                              int lanes, float* out,
+                                                              int out_stride) {
   constexpr int kG = H <= 2 ? 4 : 2;
   alignas(32) float sum[H * 8 * kG];
   for (int i = 0; i < lanes; i += 8 * kG) {
     const int take = std::min(lanes - i, 8 * kG);
-    const float* c = cols + i;
+    const T* c = cols + i;
     switch ((take + 7) / 8) {
       case 1: DotColumnsTile<H, 1>(a, a_stride, c, n, stride, sum, 8 * kG); break;
       case 2: DotColumnsTile<H, 2>(a, a_stride, c, n, stride, sum, 8 * kG); break;
@@ -171,9 +180,11 @@ __attribute__((target("avx2,fma"))) void DotColumnsHeads(const float* a, int a_s
   }
 }
 
-__attribute__((target("avx2,fma"))) void DotColumnsAvx2(const float* a, int m, int a_stride,
-                                                        const float* cols, int n, int stride,
-                                                        int lanes, float* out, int out_stride) {
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int m, int a_stride,
+                                                             const T* cols, int n, int stride,
+                                                             int lanes, float* out,
+                                                             int out_stride) {
   for (int h = 0; h < m;) {
     const float* ah = a + static_cast<size_t>(h) * a_stride;
     float* oh = out + static_cast<size_t>(h) * out_stride;
@@ -186,13 +197,18 @@ __attribute__((target("avx2,fma"))) void DotColumnsAvx2(const float* a, int m, i
   }
 }
 
-void DotColumnsScalar(const float* a, int m, int a_stride, const float* cols, int n, int stride,
+inline float ColumnValue(float x) { return x; }
+inline float ColumnValue(uint16_t h) { return HalfToFloat(h); }
+
+template <typename T>
+void DotColumnsScalar(const float* a, int m, int a_stride, const T* cols, int n, int stride,
                       int lanes, float* out, int out_stride) {
   for (int h = 0; h < m; ++h) {
     for (int i = 0; i < lanes; ++i) {
       float s = 0;
       for (int j = 0; j < n; ++j) {
-        s += a[static_cast<size_t>(h) * a_stride + j] * cols[static_cast<size_t>(j) * stride + i];
+        s += a[static_cast<size_t>(h) * a_stride + j] *
+             ColumnValue(cols[static_cast<size_t>(j) * stride + i]);
       }
       out[static_cast<size_t>(h) * out_stride + i] = s;
     }
@@ -247,8 +263,15 @@ void DotRows(const float* a, const float* rows, int m, int n, float* out) {
 
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
                 int lanes, float* out, int out_stride) {
-  static void (*const impl)(const float*, int, int, const float*, int, int, int, float*, int) =
-      HaveAvx2Fma() ? DotColumnsAvx2 : DotColumnsScalar;
+  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<float>
+                                                        : DotColumnsScalar<float>;
+  impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
+}
+
+void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
+                int lanes, float* out, int out_stride) {
+  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<uint16_t>
+                                                        : DotColumnsScalar<uint16_t>;
   impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
 }
 

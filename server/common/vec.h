@@ -39,6 +39,9 @@ void DotRows(const float* a, const float* rows, int m, int n, float* out);
 // the lanes rounded up to 8.
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
+// The same over columns of IEEE halves (exactly widened to float).
+void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
+                int lanes, float* out, int out_stride);
 
 }  // namespace kvtier
 

@@ -9,6 +9,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_format.h"
 #include "server/common/check.h"
+#include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 
@@ -125,21 +126,50 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
   return p;
 }
 
-void ClusterIndex::SetLane(Block& blk, uint32_t lane, const Bounds& b) const {
-  const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
-  while (lane >= blk.cap) {  // one more tile; the others stay where they are
-    blk.data.resize(blk.data.size() + BlockRows() * kTile, 0.f);
-    blk.cap += kTile;
+bool ClusterIndex::LaneValues(const Bounds& b, uint16_t* box, float* scalars) const {
+  bool finite = true;
+  for (int part = kMuHi; part < kParts; ++part) {
+    const bool hi = part == kMuHi || part == kPeakHi;
+    const float* v = Part(b, part);
+    uint16_t* out = box + static_cast<size_t>(part - kMuHi) * d_;
+    for (int j = 0; j < d_; ++j) {
+      out[j] = hi ? FloatToHalfUp(v[j]) : FloatToHalfDown(v[j]);
+      finite = finite && !HalfIsNonFinite(out[j]);
+    }
   }
-  const float* v = Part(b, kMuHi);
-  float* out = &blk.data[BlockIndex(lane, 0)];  // row r at out[r * kTile]
-  for (size_t r = 0; r < vec_rows; ++r) out[r * kTile] = v[r];
   // The rounding margins scale with the largest corner of each box: at most the center's
   // norm plus sqrt(d) times the radius.
   const float sqrt_d = std::sqrt(static_cast<float>(d_));
-  out[(vec_rows + kMarginA) * kTile] = b.mu_center_norm + sqrt_d * b.mu_radius;
-  out[(vec_rows + kMarginP) * kTile] = b.peak_center_norm + sqrt_d * b.peak_radius;
-  out[(vec_rows + kLogRest) * kTile] = b.log_rest;
+  scalars[kMarginA] = b.mu_center_norm + sqrt_d * b.mu_radius;
+  scalars[kMarginP] = b.peak_center_norm + sqrt_d * b.peak_radius;
+  scalars[kLogRest] = b.log_rest;
+  scalars[kUnbounded] = finite ? 0.f : 1.f;
+  if (!finite) std::fill_n(box, BoxRows(), uint16_t{0});  // no inf * 0 in the dot products
+  return finite;
+}
+
+void ClusterIndex::SetLane(Block& blk, uint32_t lane, const Bounds& b) const {
+  while (lane >= blk.cap) {  // one more tile; the others stay where they are
+    blk.box.resize(blk.box.size() + BoxRows() * kTile, 0);
+    blk.scalars.resize(blk.scalars.size() + kScalars * kTile, 0.f);
+    blk.cap += kTile;
+  }
+  std::vector<uint16_t> box(BoxRows());
+  float scalars[kScalars];
+  LaneValues(b, box.data(), scalars);
+  for (size_t r = 0; r < box.size(); ++r) blk.box[BoxIndex(lane, r)] = box[r];
+  for (int k = 0; k < kScalars; ++k) blk.scalars[ScalarIndex(lane, k)] = scalars[k];
+}
+
+void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkArrays& a) const {
+  for (uint32_t ch : c.chunks) {
+    const char* sum = reinterpret_cast<const char*>(a.key_sums + static_cast<size_t>(ch) * d_);
+    const char* peak = reinterpret_cast<const char*>(Peak(ch, a));
+    for (size_t off = 0; off < d_ * sizeof(float); off += 64) {
+      __builtin_prefetch(sum + off);
+      __builtin_prefetch(peak + off);
+    }
+  }
 }
 
 void ClusterIndex::SyncUnit(uint32_t unit) {
@@ -167,11 +197,12 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   constexpr float kLog2 = 0.6931472f;
   // [2][group][lanes]: the box bound of q.mu, then of q.peak. One pass over each tile's
   // rows serves every head.
-  std::vector<float> dots(2 * static_cast<size_t>(group) * lanes);
+  std::vector<float>& dots = p.dots;
+  dots.resize(2 * static_cast<size_t>(group) * lanes);
   auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * lanes]; };
   const int n = static_cast<int>(lanes);
   for (uint32_t t = 0; t < lanes; t += kTile) {
-    const float* tile = &blk.data[BlockIndex(t, 0)];
+    const uint16_t* tile = &blk.box[BoxIndex(t, 0)];
     const int in_tile = static_cast<int>(std::min(kTile, lanes - t));
     DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, in_tile, at(0, 0) + t, n);
     if (lse) {
@@ -179,10 +210,13 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
                  2 * d_, kTile, in_tile, at(1, 0) + t, n);
     }
   }
-  const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
-  auto scalar = [&](uint32_t lane, int s) { return blk.data[BlockIndex(lane, vec_rows + s)]; };
+  auto scalar = [&](uint32_t lane, int s) { return blk.scalars[ScalarIndex(lane, s)]; };
   absl::InlinedVector<float, 16> x(group), y(group);
   for (uint32_t i = 0; i < lanes; ++i) {
+    if (scalar(i, kUnbounded) != 0.f) {
+      out[i] = std::numeric_limits<float>::infinity();
+      continue;
+    }
     const float margin_a = scalar(i, kMarginA), margin_p = scalar(i, kMarginP);
     float best = -std::numeric_limits<float>::infinity();
     if (!lse) {
@@ -207,7 +241,7 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
     for (int h = 0; h < group; ++h) {
       const float hi = std::max(x[h], y[h]), lo = std::min(x[h], y[h]);
       if (hi + kLog2 + 1e-5f * (1 + std::abs(hi)) < best) continue;
-      best = std::max(best, LogAddExp(hi, lo) + 1e-5f * (1 + std::abs(hi)));
+      best = std::max(best, hi + SoftplusUpperBound(lo - hi) + 1e-5f * (1 + std::abs(hi)));
     }
     out[i] = best;
   }
@@ -223,10 +257,10 @@ float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
 }
 
 template <typename VecFn>
-void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, VecFn vec,
+void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, int dim, VecFn vec,
                             std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
   // Unit vectors once; each cosine is then one dot product with a centroid of known norm.
-  const size_t n = ids.size(), d = d_;
+  const size_t n = ids.size(), d = dim;
   std::vector<float> unit(n * d);
   for (size_t i = 0; i < n; ++i) {
     const float* x = vec(ids[i]);
@@ -238,7 +272,7 @@ void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, VecFn vec,
     size_t best = 0;
     float worst = std::numeric_limits<float>::infinity();
     for (size_t i = 0; i < n; ++i) {
-      const float c = Dot(&unit[i * d], &unit[from * d], d_);
+      const float c = Dot(&unit[i * d], &unit[from * d], dim);
       if (c < worst) worst = c, best = i;
     }
     return best;
@@ -299,8 +333,19 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
     slot[ch] = static_cast<uint32_t>(i);
   }
   std::vector<uint32_t> left, right;
-  TwoMeans(clusters_[cluster].chunks,
-           [&](uint32_t ch) { return &means[static_cast<size_t>(slot[ch]) * d_]; }, &left, &right);
+  if (!opt_.cluster_by_peak) {
+    TwoMeans(clusters_[cluster].chunks, d_,
+             [&](uint32_t ch) { return &means[static_cast<size_t>(slot[ch]) * d_]; }, &left,
+             &right);
+  } else {
+    std::vector<float> pairs(clusters_[cluster].chunks.size() * 2 * d_);
+    for (size_t i = 0; i < clusters_[cluster].chunks.size(); ++i) {
+      Pair(&means[i * d_], Peak(clusters_[cluster].chunks[i], a), &pairs[i * 2 * d_]);
+    }
+    TwoMeans(clusters_[cluster].chunks, 2 * d_,
+             [&](uint32_t ch) { return &pairs[static_cast<size_t>(slot[ch]) * 2 * d_]; }, &left,
+             &right);
+  }
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks = std::move(left);
   Rebuild(clusters_[cluster].b, clusters_[cluster].chunks, a);
@@ -314,8 +359,22 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
 
 void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
   std::vector<uint32_t> left, right;
-  TwoMeans(units_[unit].clusters,
-           [&](uint32_t cl) { return Part(clusters_[cl].b, kMuCenter); }, &left, &right);
+  const std::vector<uint32_t>& cls = units_[unit].clusters;
+  if (!opt_.cluster_by_peak) {
+    TwoMeans(cls, d_, [&](uint32_t cl) { return Part(clusters_[cl].b, kMuCenter); }, &left,
+             &right);
+  } else {
+    std::vector<float> pairs(cls.size() * 2 * d_);
+    std::vector<uint32_t> slot(clusters_.size());
+    for (size_t i = 0; i < cls.size(); ++i) {
+      slot[cls[i]] = static_cast<uint32_t>(i);
+      Pair(Part(clusters_[cls[i]].b, kMuCenter), Part(clusters_[cls[i]].b, kPeakCenter),
+           &pairs[i * 2 * d_]);
+    }
+    TwoMeans(cls, 2 * d_,
+             [&](uint32_t cl) { return &pairs[static_cast<size_t>(slot[cl]) * 2 * d_]; }, &left,
+             &right);
+  }
   units_[unit].clusters = std::move(left);
   Rebuild(units_[unit].b, UnitChunks(units_[unit]), a);
   Unit u;
@@ -351,9 +410,15 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   // Nearest unit, then its nearest cluster, by direction (spherical); centers' norms are
   // kept with them, so each comparison is one dot product.
   const float mu_norm = std::sqrt(Dot(mu.data(), mu.data(), d_));
+  // With cluster_by_peak, the cosine of the peaks is added to that of the means.
+  const float* pk = Peak(chunk, a);
+  const float pk_norm = std::sqrt(Dot(pk, pk, d_));
   auto cosine = [&](const Bounds& b) {
     const float n = mu_norm * b.mu_center_norm;
-    return n > 0 ? Dot(mu.data(), Part(b, kMuCenter), d_) / n : 0.f;
+    const float cm = n > 0 ? Dot(mu.data(), Part(b, kMuCenter), d_) / n : 0.f;
+    if (!opt_.cluster_by_peak) return cm;
+    const float np = pk_norm * b.peak_center_norm;
+    return cm + (np > 0 ? Dot(pk, Part(b, kPeakCenter), d_) / np : 0.f);
   };
   uint32_t best_unit = 0;
   float best = -std::numeric_limits<float>::infinity();
@@ -424,7 +489,9 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
                   threshold, bounds.data());
       local.bounds_scored += u.clusters.size();
       for (size_t i = 0; i < u.clusters.size(); ++i) {
-        if (bounds[i] >= threshold) open.push({bounds[i], false, u.clusters[i]});  // else it cannot win
+        if (bounds[i] < threshold) continue;  // it cannot win
+        open.push({bounds[i], false, u.clusters[i]});
+        PrefetchChunks(clusters_[u.clusters[i]], a);  // it may be opened soon
       }
       continue;
     }
@@ -577,19 +644,18 @@ std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
     return "";
   };
   // A block lane must equal its node's Bounds exactly: the searches read only the blocks.
+  std::vector<uint16_t> box(BoxRows());
+  float scalars[kScalars];
   auto mirrors = [&](const Block& blk, uint32_t lane, const Bounds& b) {
     if (lane >= blk.cap) return false;
-    const float* v = Part(b, kMuHi);
-    const size_t vec_rows = static_cast<size_t>(kBoxParts) * d_;
-    for (size_t r = 0; r < vec_rows; ++r) {
-      if (blk.data[BlockIndex(lane, r)] != v[r]) return false;
+    LaneValues(b, box.data(), scalars);
+    for (size_t r = 0; r < box.size(); ++r) {
+      if (blk.box[BoxIndex(lane, r)] != box[r]) return false;
     }
-    const float sqrt_d = std::sqrt(static_cast<float>(d_));
-    return blk.data[BlockIndex(lane, vec_rows + kMarginA)] ==
-               b.mu_center_norm + sqrt_d * b.mu_radius &&
-           blk.data[BlockIndex(lane, vec_rows + kMarginP)] ==
-               b.peak_center_norm + sqrt_d * b.peak_radius &&
-           blk.data[BlockIndex(lane, vec_rows + kLogRest)] == b.log_rest;
+    for (int k = 0; k < kScalars; ++k) {
+      if (blk.scalars[ScalarIndex(lane, k)] != scalars[k]) return false;
+    }
+    return true;
   };
   for (uint32_t u = 0; u < units_.size(); ++u) {
     if (!mirrors(units_block_, u, units_[u].b)) {

@@ -18,12 +18,14 @@
 #ifndef KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 #define KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <span>
 #include <vector>
 
 #include "kvtier/v1/kvtier.pb.h"
+#include "server/common/vec.h"
 
 namespace kvtier {
 
@@ -40,6 +42,13 @@ class ClusterIndex {
     // bounds and chunks scored 0.085 of the chunks, against 0.17 with 8 and 16).
     uint32_t cluster_chunks = 4;   // target chunks per fine cluster (re-split past 2x)
     uint32_t unit_clusters = 8;    // target clusters per coarse unit (re-split past 2x)
+    // Group chunks by the directions of their mean and of their peak together (joins by the
+    // sum of the two cosines, splits by 2-means on both), so that the peak boxes the LSE-peak
+    // bound reads stay tight; false: by the mean alone, for the mean ranking. Only the
+    // search's work depends on it, never its answer. At 128K tokens (kvtier-bench) it took
+    // the LSE-peak search's work from 0.10 to 0.08 of the chunks, and doubled the mean
+    // ranking's.
+    bool cluster_by_peak = true;
     float resplit_radius = 1.5f;   // re-split a cluster past this times its built radius
   };
 
@@ -117,28 +126,37 @@ class ClusterIndex {
   }
 
   // What a search reads of a set of nodes (every unit; one unit's clusters), copied from
-  // their Bounds and laid out channel-major in tiles of kTile lanes: tile t holds rows
-  // [rows][kTile] contiguously, the rows being the boxes' channels [mu_hi | mu_lo | peak_hi |
-  // peak_lo] and then kScalars scalars. One pass over a tile bounds its nodes eight per
-  // vector operation (DotColumns) and reads memory in order.
+  // their Bounds and laid out channel-major in tiles of kTile lanes, so that one pass over a
+  // tile bounds its nodes eight per vector operation (DotColumns) and reads memory in order.
+  // Tile t holds box[t][kBoxParts * d][kTile]: the boxes' channels [mu_hi | mu_lo | peak_hi |
+  // peak_lo] as IEEE halves rounded outwards (hi up, lo down), so they still cover every
+  // chunk, in half the bytes; and scalars[t][kScalars][kTile]. A box beyond the half range
+  // (|x| > 65504) marks its lane unbounded: its bound is +inf.
   //
   // The searches bound by the box alone. The ball (q.center + |q| R) was measured beside it:
   // on SmolLM2's keys (bench/out/qkv.npz, 5 layers, clusters of 4 chunks) it was the tighter
   // of the two for 2.3% of (node, query) pairs and took 0.3% off the box's slack, and at
   // 128K synthetic tokens dropping it changed no search's work, while it cost a third of
   // the reads. Centers and radii still steer clustering and re-splits.
-  enum Scalar { kMarginA, kMarginP, kLogRest, kScalars };
+  enum Scalar { kMarginA, kMarginP, kLogRest, kUnbounded, kScalars };
   static constexpr int kBoxParts = kParts - kMuHi;  // the four box parts, from kMuHi on
   static constexpr uint32_t kTile = 16;
   struct Block {
     uint32_t cap = 0;  // lanes allocated, a multiple of kTile
-    std::vector<float> data;
+    std::vector<uint16_t> box;
+    std::vector<float> scalars;
   };
-  size_t BlockRows() const { return static_cast<size_t>(kBoxParts) * d_ + kScalars; }
-  // Row r of lane `lane`.
-  size_t BlockIndex(uint32_t lane, size_t r) const {
-    return ((lane / kTile) * BlockRows() + r) * kTile + lane % kTile;
+  size_t BoxRows() const { return static_cast<size_t>(kBoxParts) * d_; }
+  // Where row r of lane `lane` lies in a block's box (rows < BoxRows()) or scalars.
+  size_t BoxIndex(uint32_t lane, size_t r) const {
+    return ((lane / kTile) * BoxRows() + r) * kTile + lane % kTile;
   }
+  static size_t ScalarIndex(uint32_t lane, int s) {
+    return ((lane / kTile) * kScalars + s) * kTile + lane % kTile;
+  }
+  // The values lane `lane` of a block holds for b: its box rows outward-rounded and its
+  // scalars. False when the box is beyond the half range.
+  bool LaneValues(const Bounds& b, uint16_t* box, float* scalars) const;
   // Copies b into lane `lane` of blk, growing it as needed.
   void SetLane(Block& blk, uint32_t lane, const Bounds& b) const;
   // Rewrites unit u's lane in units_block_ and its own block from the clusters' Bounds, and
@@ -169,6 +187,7 @@ class ClusterIndex {
   struct Prepared {
     std::vector<float> pos_neg;  // [group][2 * d]: max(q, 0), then min(q, 0)
     std::vector<float> norm;     // [group]
+    mutable std::vector<float> dots;  // BlockBounds' scratch, kept for the whole search
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
   // Upper bounds on the score of every chunk under each of the first `lanes` nodes of blk:
@@ -180,11 +199,21 @@ class ClusterIndex {
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                    int group, const ChunkArrays& a) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
+  // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
+  // and mostly from outside the cache.
+  void PrefetchChunks(const Cluster& c, const ChunkArrays& a) const;
 
   // Splits a set of points (by id) in two by spherical 2-means over `vec(id)`.
   template <typename VecFn>
-  void TwoMeans(const std::vector<uint32_t>& ids, VecFn vec, std::vector<uint32_t>* left,
+  void TwoMeans(const std::vector<uint32_t>& ids, int dim, VecFn vec, std::vector<uint32_t>* left,
                 std::vector<uint32_t>* right) const;
+  void Pair(const float* x, const float* y, float* out) const {
+    const float nx = std::sqrt(Dot(x, x, d_)), ny = std::sqrt(Dot(y, y, d_));
+    for (int j = 0; j < d_; ++j) {
+      out[j] = nx > 0 ? x[j] / nx : 0.f;
+      out[d_ + j] = ny > 0 ? y[j] / ny : 0.f;
+    }
+  }
   void SplitCluster(uint32_t cluster, const ChunkArrays& a);
   void SplitUnit(uint32_t unit, const ChunkArrays& a);
   uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkArrays& a);

@@ -530,7 +530,13 @@ void Session::IndexAgedOut(uint32_t layer) {
     for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
       Stream& s = stream(layer, h);
       if (s.chunks[c].first < policy_.sink_tokens()) break;  // sinks are always returned
-      if (!s.index) s.index = std::make_unique<ClusterIndex>(static_cast<int>(shape_.head_dim()));
+      if (!s.index) {
+        // Clustered for the ranking the session has now; a later change of ranking leaves
+        // the answers exact, only the search's work tuned for the other.
+        ClusterIndex::Options options;
+        options.cluster_by_peak = policy_.ranking() == v1::RANKING_LSE_PEAK;
+        s.index = std::make_unique<ClusterIndex>(static_cast<int>(shape_.head_dim()), options);
+      }
       s.index->Add(c, s.chunks[c].num_tokens, s.arrays());
     }
   }
