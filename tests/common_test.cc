@@ -1,6 +1,8 @@
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <random>
+#include <vector>
 
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
@@ -129,6 +131,18 @@ TEST(Dot, AgreesWithDoubleAcrossWidths) {
     }
     EXPECT_NEAR(Dot(a.data(), b.data(), d), want, 1e-6 * mag + 1e-7) << d;
     EXPECT_NEAR(DotScalar(a.data(), b.data(), d), want, 1e-6 * mag + 1e-7) << d;
+  }
+}
+
+TEST(ExpInPlace, WithinAMillionthOfTheTrueValue) {
+  std::vector<float> x, want;
+  for (int i = 0; i <= 200000; ++i) x.push_back(-100.f + 200.f * float(i) / 200000.f);
+  for (float v : {-std::numeric_limits<float>::infinity(), 0.f, -0.f, 1e-30f}) x.push_back(v);
+  for (float v : x) want.push_back(float(std::exp(double(std::min(std::max(v, -87.f), 88.f)))));
+  std::vector<float> got = x;
+  ExpInPlace(got.data(), int(got.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-6 * want[i]) << "x " << x[i];
   }
 }
 

@@ -1,6 +1,7 @@
 #include "server/common/vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -215,6 +216,38 @@ void DotColumnsScalar(const float* a, int m, int a_stride, const T* cols, int n,
   }
 }
 
+// e^x = 2^k e^r with k = round(x / ln 2) and |r| <= ln 2 / 2; ln 2 split in two parts so that
+// r is exact, and e^r by Cephes' expf polynomial.
+__attribute__((target("avx2,fma"))) void ExpInPlaceAvx2(float* x, int n) {
+  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f);
+  const __m256 p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f);
+  const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+  const __m256 one = _mm256_set1_ps(1.f);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_fnmadd_ps(k, c1, v);
+    v = _mm256_fnmadd_ps(k, c2, v);
+    __m256 y = _mm256_fmadd_ps(p0, v, p1);
+    y = _mm256_fmadd_ps(y, v, p2);
+    y = _mm256_fmadd_ps(y, v, p3);
+    y = _mm256_fmadd_ps(y, v, p4);
+    y = _mm256_fmadd_ps(y, v, p5);
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, one));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  }
+  for (; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
+}
+
+void ExpInPlaceScalar(float* x, int n) {
+  for (int i = 0; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
+}
+
 void DotRowsScalar(const float* a, const float* rows, int m, int n, float* out) {
   for (int r = 0; r < m; ++r) out[r] = DotScalar(a, rows + static_cast<size_t>(r) * n, n);
 }
@@ -259,6 +292,11 @@ void DotRows(const float* a, const float* rows, int m, int n, float* out) {
   static void (*const impl)(const float*, const float*, int, int, float*) =
       HaveAvx2Fma() ? DotRowsAvx2 : DotRowsScalar;
   impl(a, rows, m, n, out);
+}
+
+void ExpInPlace(float* x, int n) {
+  static void (*const impl)(float*, int) = HaveAvx2Fma() ? ExpInPlaceAvx2 : ExpInPlaceScalar;
+  impl(x, n);
 }
 
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,

@@ -43,6 +43,11 @@ void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, i
 void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
 
+// x[i] = e^x[i] for i in [0, n), each input first clamped to [-87, 88] (so that results stay
+// normal floats); relative error under 1e-6 (AVX2: Cephes' expf polynomial after range
+// reduction, eight at a time).
+void ExpInPlace(float* x, int n);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_VEC_H_

@@ -59,7 +59,7 @@ const float* ClusterIndex::Peak(uint32_t chunk, const ChunkArrays& a) const {
   return a.peaks + static_cast<size_t>(chunk) * d_;
 }
 
-void ClusterIndex::Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a) {
+void ClusterIndex::Rebuild(Bounds& b, std::span<const uint32_t> chunks, const ChunkArrays& a) {
   // Centers first (the means and peaks averaged), then every chunk widens the empty bounds.
   const size_t d = d_;
   if (b.slot == kNone) {
@@ -183,18 +183,14 @@ void ClusterIndex::SyncUnit(uint32_t unit) {
 
 void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
                                std::span<const float> queries, const Prepared& p,
-                               float threshold, float* out) const {
+                               float* out) const {
   // Per head, q.x over the node's box is at most sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi
   // + min(q,0).lo: the [pos | neg] query meets the node's [hi | lo] rows. The margin covers
-  // float rounding of this and of the chunk's own score (each under 1e-5 of its magnitude).
-  //
-  // LSE-peak: log(e^x + e^y) lies in [hi, hi + log 2] (hi = max(x, y)), so a head whose
-  // hi + log 2 is below the best head so far cannot raise the maximum and needs no exp or
-  // log, and when even the largest hi + log 2 is below `threshold` that value is returned.
+  // float rounding of this and of the chunk's own score (each under 1e-5 of its magnitude,
+  // the 1e-6 of ExpInPlace included).
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
-  constexpr float kLog2 = 0.6931472f;
   // [2][group][lanes]: the box bound of q.mu, then of q.peak. One pass over each tile's
   // rows serves every head.
   std::vector<float>& dots = p.dots;
@@ -210,40 +206,64 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
                  2 * d_, kTile, in_tile, at(1, 0) + t, n);
     }
   }
-  auto scalar = [&](uint32_t lane, int s) { return blk.scalars[ScalarIndex(lane, s)]; };
-  absl::InlinedVector<float, 16> x(group), y(group);
+  // Then lane by lane, every step a plain loop over the lanes (the compiler vectorizes them;
+  // the exponentials go eight at a time through ExpInPlace).
+  std::vector<float>& best = p.best;
+  best.assign(lanes, -std::numeric_limits<float>::infinity());
+  std::vector<float>& lane_scalars = p.lane_scalars;
+  lane_scalars.resize(3 * static_cast<size_t>(lanes));
   for (uint32_t i = 0; i < lanes; ++i) {
-    if (scalar(i, kUnbounded) != 0.f) {
-      out[i] = std::numeric_limits<float>::infinity();
-      continue;
-    }
-    const float margin_a = scalar(i, kMarginA), margin_p = scalar(i, kMarginP);
-    float best = -std::numeric_limits<float>::infinity();
-    if (!lse) {
-      for (int h = 0; h < group; ++h) {
-        best = std::max(best, at(0, h)[i] + 1e-4f * (1 + p.norm[h] * margin_a));
+    lane_scalars[i] = blk.scalars[ScalarIndex(i, kMarginA)];
+    lane_scalars[lanes + i] = blk.scalars[ScalarIndex(i, kMarginP)];
+    lane_scalars[2 * static_cast<size_t>(lanes) + i] = blk.scalars[ScalarIndex(i, kLogRest)];
+  }
+  const float* margin_a = &lane_scalars[0];
+  const float* margin_p = &lane_scalars[lanes];
+  const float* log_rest = &lane_scalars[2 * static_cast<size_t>(lanes)];
+  if (!lse) {
+    for (int h = 0; h < group; ++h) {
+      const float* a = at(0, h);
+      const float qn = p.norm[h];
+      for (uint32_t i = 0; i < lanes; ++i) {
+        best[i] = std::max(best[i], a[i] + 1e-4f * (1 + qn * margin_a[i]));
       }
-      out[i] = best;
-      continue;
     }
-    const float log_rest = scalar(i, kLogRest);
-    float cheap = -std::numeric_limits<float>::infinity();
+  } else {
+    // Per head: hi = max(x, y), t = min(x, y) - hi <= 0, and the bound hi +
+    // SoftplusUpperBound(t, e^t) plus the rounding margin. t is clamped at -87: the bound
+    // then covers log(1 + e^t) for any smaller t too.
+    std::vector<float>& hi = p.hi;
+    std::vector<float>& t = p.t;
+    std::vector<float>& e = p.e;
+    hi.resize(static_cast<size_t>(group) * lanes);
+    t.resize(hi.size());
     for (int h = 0; h < group; ++h) {
-      x[h] = (at(0, h)[i] + 1e-4f * (1 + p.norm[h] * margin_a)) * inv_sqrt_d + log_rest;
-      y[h] = (at(1, h)[i] + 1e-4f * (1 + p.norm[h] * margin_p)) * inv_sqrt_d;
-      const float hi = std::max(x[h], y[h]);
-      cheap = std::max(cheap, hi + kLog2 + 1e-5f * (1 + std::abs(hi)));
+      const float* a = at(0, h);
+      const float* pk = at(1, h);
+      const float qn = p.norm[h];
+      float* hh = &hi[static_cast<size_t>(h) * lanes];
+      float* th = &t[static_cast<size_t>(h) * lanes];
+      for (uint32_t i = 0; i < lanes; ++i) {
+        const float x = (a[i] + 1e-4f * (1 + qn * margin_a[i])) * inv_sqrt_d + log_rest[i];
+        const float y = (pk[i] + 1e-4f * (1 + qn * margin_p[i])) * inv_sqrt_d;
+        hh[i] = std::max(x, y);
+        th[i] = std::max(std::min(x, y) - hh[i], -87.f);
+      }
     }
-    if (cheap < threshold) {
-      out[i] = cheap;
-      continue;
-    }
+    e = t;
+    ExpInPlace(e.data(), static_cast<int>(e.size()));
     for (int h = 0; h < group; ++h) {
-      const float hi = std::max(x[h], y[h]), lo = std::min(x[h], y[h]);
-      if (hi + kLog2 + 1e-5f * (1 + std::abs(hi)) < best) continue;
-      best = std::max(best, hi + SoftplusUpperBound(lo - hi) + 1e-5f * (1 + std::abs(hi)));
+      const size_t off = static_cast<size_t>(h) * lanes;
+      for (uint32_t i = 0; i < lanes; ++i) {
+        const float bound = hi[off + i] + SoftplusUpperBound(t[off + i], e[off + i]) +
+                            1e-5f * (1 + std::abs(hi[off + i]));
+        best[i] = std::max(best[i], bound);
+      }
     }
-    out[i] = best;
+  }
+  for (uint32_t i = 0; i < lanes; ++i) {
+    out[i] = blk.scalars[ScalarIndex(i, kUnbounded)] != 0.f ? std::numeric_limits<float>::infinity()
+                                                            : best[i];
   }
 }
 
@@ -257,7 +277,7 @@ float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
 }
 
 template <typename VecFn>
-void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, int dim, VecFn vec,
+void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
                             std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
   // Unit vectors once; each cosine is then one dot product with a centroid of known norm.
   const size_t n = ids.size(), d = dim;
@@ -306,7 +326,7 @@ void ClusterIndex::TwoMeans(const std::vector<uint32_t>& ids, int dim, VecFn vec
 uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit,
                                   const ChunkArrays& a) {
   Cluster c;
-  c.chunks = std::move(chunks);
+  c.chunks.assign(chunks.begin(), chunks.end());
   c.unit = unit;
   Rebuild(c.b, c.chunks, a);
   c.built_radius = c.b.mu_radius;
@@ -347,7 +367,7 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
              &right);
   }
   const uint32_t unit = clusters_[cluster].unit;
-  clusters_[cluster].chunks = std::move(left);
+  clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, clusters_[cluster].chunks, a);
   clusters_[cluster].built_radius = clusters_[cluster].b.mu_radius;
   const uint32_t other = NewCluster(std::move(right), unit, a);
@@ -403,7 +423,7 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     units_[0].b.unit = true;
     const uint32_t cl = NewCluster({chunk}, 0, a);
     units_[0].clusters.push_back(cl);
-    Rebuild(units_[0].b, {chunk}, a);
+    Rebuild(units_[0].b, std::span<const uint32_t>(&chunk, 1), a);
     SyncUnit(0);
     return;
   }
@@ -472,7 +492,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   const Prepared prep = Prepare(queries, group);
   std::vector<float> bounds(units_.size());
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
-              -std::numeric_limits<float>::infinity(), bounds.data());
+              bounds.data());
   for (uint32_t u = 0; u < units_.size(); ++u) open.push({bounds[u], true, u});
   local.bounds_scored += units_.size();
   while (!open.empty()) {
@@ -486,7 +506,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
                                                : -std::numeric_limits<float>::infinity();
       bounds.resize(u.clusters.size());
       BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
-                  threshold, bounds.data());
+                  bounds.data());
       local.bounds_scored += u.clusters.size();
       for (size_t i = 0; i < u.clusters.size(); ++i) {
         if (bounds[i] < threshold) continue;  // it cannot win
@@ -555,7 +575,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
   }
   std::vector<float> bounds(units_.size());
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
-              -std::numeric_limits<float>::infinity(), bounds.data());
+              bounds.data());
   local.bounds_scored += units_.size();
   for (uint32_t u = 0; u < units_.size(); ++u) {
     if (units_[u].b.min_tokens > budget) continue;
@@ -578,7 +598,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
         const Unit& u = units_[it.id];
         bounds.resize(u.clusters.size());
         BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
-                    -std::numeric_limits<float>::infinity(), bounds.data());
+                    bounds.data());
         local.bounds_scored += u.clusters.size();
         for (size_t i = 0; i < u.clusters.size(); ++i) {
           const uint32_t cl = u.clusters[i];
@@ -609,14 +629,13 @@ uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const
   // clusters' from its block.
   uint64_t violations = 0;
   const Prepared prep = Prepare(queries, group);
-  const float none = -std::numeric_limits<float>::infinity();
   std::vector<float> unit_bounds(units_.size()), cluster_bounds;
-  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep, none,
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
               unit_bounds.data());
   for (uint32_t u = 0; u < units_.size(); ++u) {
     const std::vector<uint32_t>& cls = units_[u].clusters;
     cluster_bounds.resize(cls.size());
-    BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), queries, prep, none,
+    BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), queries, prep,
                 cluster_bounds.data());
     for (size_t i = 0; i < cls.size(); ++i) {
       for (uint32_t ch : clusters_[cls[i]].chunks) {

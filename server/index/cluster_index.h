@@ -24,6 +24,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/common/vec.h"
 
@@ -165,7 +166,9 @@ class ClusterIndex {
 
   struct Cluster {
     Bounds b;
-    std::vector<uint32_t> chunks;
+    // Held in the struct up to twice the default cluster size (one read when the search opens
+    // the cluster, not two).
+    absl::InlinedVector<uint32_t, 9> chunks;
     uint32_t unit = kNone;
     uint32_t lane = 0;  // its place in the unit's clusters and block
     float built_radius = 0;
@@ -179,7 +182,7 @@ class ClusterIndex {
   void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
   const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
   // Recomputes b from scratch over these chunks: centers, radii, boxes, max tokens.
-  void Rebuild(Bounds& b, const std::vector<uint32_t>& chunks, const ChunkArrays& a);
+  void Rebuild(Bounds& b, std::span<const uint32_t> chunks, const ChunkArrays& a);
   // Widens b to cover one more chunk, whose mean key is `mu` (the center stays).
   void Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
@@ -187,15 +190,14 @@ class ClusterIndex {
   struct Prepared {
     std::vector<float> pos_neg;  // [group][2 * d]: max(q, 0), then min(q, 0)
     std::vector<float> norm;     // [group]
-    mutable std::vector<float> dots;  // BlockBounds' scratch, kept for the whole search
+    // BlockBounds' scratch, kept for the whole search.
+    mutable std::vector<float> dots, best, lane_scalars, hi, t, e;
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
   // Upper bounds on the score of every chunk under each of the first `lanes` nodes of blk:
-  // out[i] for lane i. A lane whose bound falls below `threshold` may get a looser value
-  // that is still below it.
+  // out[i] for lane i.
   void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
-                   std::span<const float> queries, const Prepared& p, float threshold,
-                   float* out) const;
+                   std::span<const float> queries, const Prepared& p, float* out) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                    int group, const ChunkArrays& a) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
@@ -205,7 +207,7 @@ class ClusterIndex {
 
   // Splits a set of points (by id) in two by spherical 2-means over `vec(id)`.
   template <typename VecFn>
-  void TwoMeans(const std::vector<uint32_t>& ids, int dim, VecFn vec, std::vector<uint32_t>* left,
+  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, std::vector<uint32_t>* left,
                 std::vector<uint32_t>* right) const;
   void Pair(const float* x, const float* y, float* out) const {
     const float nx = std::sqrt(Dot(x, x, d_)), ny = std::sqrt(Dot(y, y, d_));
