@@ -127,35 +127,57 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint16_t* p) 
 }
 
 // H vectors against G groups of 8 lanes in one pass over the rows: H * G independent
-// accumulators, so each row's cache line is read once for every vector.
+// accumulators, so each row's cache line is read once for every vector. When registers allow,
+// even and odd rows go to separate accumulators, halving the chains of dependent FMAs.
 template <int H, int G, typename T>
 __attribute__((target("avx2,fma,f16c"))) inline void DotColumnsTile(const float* a, int a_stride,
                                                                     const T* cols, int n,
                                                                     int stride, float* out,
                                                                     int out_stride) {
+  constexpr int kSplit = H * G * 2 <= 12 ? 2 : 1;
   // Fully unrolled, so that the accumulators live in registers.
-  __m256 acc[H][G];
+  __m256 acc[kSplit][H][G];
+#pragma GCC unroll 2
+  for (int s = 0; s < kSplit; ++s) {
 #pragma GCC unroll 4
-  for (int h = 0; h < H; ++h) {
+    for (int h = 0; h < H; ++h) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) acc[h][g] = _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) acc[s][h][g] = _mm256_setzero_ps();
+    }
   }
-  for (int j = 0; j < n; ++j) {
-    const T* row = cols + static_cast<size_t>(j) * stride;
-    __m256 c[G];
+  int j = 0;
+  for (; j + kSplit <= n; j += kSplit) {
+#pragma GCC unroll 2
+    for (int s = 0; s < kSplit; ++s) {
+      const T* row = cols + static_cast<size_t>(j + s) * stride;
+      __m256 c[G];
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) c[g] = Load8(row + 8 * g);
+      for (int g = 0; g < G; ++g) c[g] = Load8(row + 8 * g);
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) {
+        const __m256 x = _mm256_set1_ps(a[static_cast<size_t>(h) * a_stride + j + s]);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[s][h][g] = _mm256_fmadd_ps(x, c[g], acc[s][h][g]);
+      }
+    }
+  }
+  for (; j < n; ++j) {  // an odd last row
+    const T* row = cols + static_cast<size_t>(j) * stride;
 #pragma GCC unroll 4
     for (int h = 0; h < H; ++h) {
       const __m256 x = _mm256_set1_ps(a[static_cast<size_t>(h) * a_stride + j]);
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[h][g] = _mm256_fmadd_ps(x, c[g], acc[h][g]);
+      for (int g = 0; g < G; ++g) acc[0][h][g] = _mm256_fmadd_ps(x, Load8(row + 8 * g), acc[0][h][g]);
     }
   }
 #pragma GCC unroll 4
   for (int h = 0; h < H; ++h) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + h * out_stride + 8 * g, acc[h][g]);
+    for (int g = 0; g < G; ++g) {
+      __m256 sum = acc[0][h][g];
+      if constexpr (kSplit == 2) sum = _mm256_add_ps(sum, acc[1][h][g]);
+      _mm256_storeu_ps(out + h * out_stride + 8 * g, sum);
+    }
   }
 }
 
