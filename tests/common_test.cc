@@ -134,6 +134,27 @@ TEST(Dot, AgreesWithDoubleAcrossWidths) {
   }
 }
 
+TEST(FloatsToHalvesDirected, SameBitsAsTheScalarRounding) {
+  // Random magnitudes from subnormal halves to past the half range, both signs, and exact
+  // halves; n not a multiple of 8, so the scalar tail runs too.
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> e(-30.f, 18.f);
+  std::vector<float> x;
+  for (int i = 0; i < 100003; ++i) {
+    const float m = std::exp2(e(rng)) * (rng() % 2 ? 1.f : -1.f);
+    x.push_back(i % 5 == 0 ? HalfToFloat(FloatToHalf(m)) : m);
+  }
+  for (float v : {0.f, -0.f, 65504.f, -65504.f, 65520.f, -65520.f, 1e-8f, -1e-8f}) x.push_back(v);
+  for (bool up : {true, false}) {
+    std::vector<uint16_t> got(x.size());
+    FloatsToHalvesDirected(x.data(), int(x.size()), up, got.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(got[i], up ? FloatToHalfUp(x[i]) : FloatToHalfDown(x[i]))
+          << "x " << x[i] << " up " << up;
+    }
+  }
+}
+
 TEST(ExpInPlace, WithinAMillionthOfTheTrueValue) {
   std::vector<float> x, want;
   for (int i = 0; i <= 200000; ++i) x.push_back(-100.f + 200.f * float(i) / 200000.f);

@@ -266,6 +266,22 @@ __attribute__((target("avx2,fma"))) void ExpInPlaceAvx2(float* x, int n) {
   for (; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
 }
 
+__attribute__((target("avx2,f16c"))) void FloatsToHalvesDirectedF16c(const float* x, int n,
+                                                                     bool up, uint16_t* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m128i h = up ? _mm256_cvtps_ph(v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)
+                         : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  for (; i < n; ++i) out[i] = up ? FloatToHalfUp(x[i]) : FloatToHalfDown(x[i]);
+}
+
+void FloatsToHalvesDirectedScalar(const float* x, int n, bool up, uint16_t* out) {
+  for (int i = 0; i < n; ++i) out[i] = up ? FloatToHalfUp(x[i]) : FloatToHalfDown(x[i]);
+}
+
 void ExpInPlaceScalar(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
 }
@@ -314,6 +330,12 @@ void DotRows(const float* a, const float* rows, int m, int n, float* out) {
   static void (*const impl)(const float*, const float*, int, int, float*) =
       HaveAvx2Fma() ? DotRowsAvx2 : DotRowsScalar;
   impl(a, rows, m, n, out);
+}
+
+void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {
+  static void (*const impl)(const float*, int, bool, uint16_t*) =
+      HaveAvx2F16c() ? FloatsToHalvesDirectedF16c : FloatsToHalvesDirectedScalar;
+  impl(x, n, up, out);
 }
 
 void ExpInPlace(float* x, int n) {

@@ -43,6 +43,10 @@ void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, i
 void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
 
+// out[i] = x[i] as an IEEE half rounded towards +Inf (up) or towards -Inf (!up): the same bits
+// as FloatToHalfUp / FloatToHalfDown (F16C's directed rounding, eight at a time).
+void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
+
 // x[i] = e^x[i] for i in [0, n), each input first clamped to [-87, 88] (so that results stay
 // normal floats); relative error under 1e-6 (AVX2: Cephes' expf polynomial after range
 // reduction, eight at a time).

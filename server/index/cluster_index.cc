@@ -105,10 +105,12 @@ void ClusterIndex::Widen(Bounds& b, uint32_t chunk, const float* mu, const Chunk
     peak_lo[j] = std::min(peak_lo[j], p[j]);
     peak_hi[j] = std::max(peak_hi[j], p[j]);
   }
-  b.max_tokens = std::max(b.max_tokens, tokens_[chunk]);
+  if (tokens_[chunk] > b.max_tokens || b.max_tokens == 0) {
+    b.max_tokens = tokens_[chunk];
+    b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
+                                  : -std::numeric_limits<float>::infinity();
+  }
   b.min_tokens = std::min(b.min_tokens, tokens_[chunk]);
-  b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
-                                : -std::numeric_limits<float>::infinity();
 }
 
 ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int group) const {
@@ -130,12 +132,9 @@ bool ClusterIndex::LaneValues(const Bounds& b, uint16_t* box, float* scalars) co
   bool finite = true;
   for (int part = kMuHi; part < kParts; ++part) {
     const bool hi = part == kMuHi || part == kPeakHi;
-    const float* v = Part(b, part);
     uint16_t* out = box + static_cast<size_t>(part - kMuHi) * d_;
-    for (int j = 0; j < d_; ++j) {
-      out[j] = hi ? FloatToHalfUp(v[j]) : FloatToHalfDown(v[j]);
-      finite = finite && !HalfIsNonFinite(out[j]);
-    }
+    FloatsToHalvesDirected(Part(b, part), d_, hi, out);
+    for (int j = 0; j < d_; ++j) finite = finite && !HalfIsNonFinite(out[j]);
   }
   // The rounding margins scale with the largest corner of each box: at most the center's
   // norm plus sqrt(d) times the radius.
@@ -154,10 +153,11 @@ void ClusterIndex::SetLane(Block& blk, uint32_t lane, const Bounds& b) const {
     blk.scalars.resize(blk.scalars.size() + kScalars * kTile, 0.f);
     blk.cap += kTile;
   }
-  std::vector<uint16_t> box(BoxRows());
+  uint16_t box[kBoxParts * kMaxHeadDim];
   float scalars[kScalars];
-  LaneValues(b, box.data(), scalars);
-  for (size_t r = 0; r < box.size(); ++r) blk.box[BoxIndex(lane, r)] = box[r];
+  LaneValues(b, box, scalars);
+  uint16_t* out = &blk.box[BoxIndex(lane, 0)];  // row r at out[r * kTile]
+  for (size_t r = 0; r < BoxRows(); ++r) out[r * kTile] = box[r];
   for (int k = 0; k < kScalars; ++k) blk.scalars[ScalarIndex(lane, k)] = scalars[k];
 }
 
@@ -179,6 +179,16 @@ void ClusterIndex::SyncUnit(uint32_t unit) {
     SetLane(u.block, i, clusters_[u.clusters[i]].b);
   }
   SetLane(units_block_, unit, u.b);
+  const size_t rows = 2 * static_cast<size_t>(d_);
+  while (unit_dirs_.size() <= (unit / kTile) * rows * kTile) unit_dirs_.resize(unit_dirs_.size() + rows * kTile, 0.f);
+  float* dir = &unit_dirs_[((unit / kTile) * rows) * kTile + unit % kTile];  // row r at dir[r * kTile]
+  for (int part : {kMuCenter, kPeakCenter}) {
+    const float* c = Part(u.b, part);
+    const float norm = part == kMuCenter ? u.b.mu_center_norm : u.b.peak_center_norm;
+    for (int j = 0; j < d_; ++j) {
+      dir[(static_cast<size_t>(part - kMuCenter) * d_ + j) * kTile] = norm > 0 ? c[j] / norm : 0.f;
+    }
+  }
 }
 
 void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
@@ -346,16 +356,18 @@ std::vector<uint32_t> ClusterIndex::UnitChunks(const Unit& u) const {
 
 void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
   std::vector<float> means(clusters_[cluster].chunks.size() * d_);
-  std::vector<uint32_t> slot(node_of_.size(), 0);
+  // A chunk's place in the cluster (at most a few dozen: a scan, not a table over all chunks).
+  auto slot = [&](uint32_t ch) {
+    const auto& chunks = clusters_[cluster].chunks;
+    return static_cast<size_t>(std::find(chunks.begin(), chunks.end(), ch) - chunks.begin());
+  };
   for (size_t i = 0; i < clusters_[cluster].chunks.size(); ++i) {
-    const uint32_t ch = clusters_[cluster].chunks[i];
-    Mean(ch, a, &means[i * d_]);
-    slot[ch] = static_cast<uint32_t>(i);
+    Mean(clusters_[cluster].chunks[i], a, &means[i * d_]);
   }
   std::vector<uint32_t> left, right;
   if (!opt_.cluster_by_peak) {
     TwoMeans(clusters_[cluster].chunks, d_,
-             [&](uint32_t ch) { return &means[static_cast<size_t>(slot[ch]) * d_]; }, &left,
+             [&](uint32_t ch) { return &means[slot(ch) * d_]; }, &left,
              &right);
   } else {
     std::vector<float> pairs(clusters_[cluster].chunks.size() * 2 * d_);
@@ -363,7 +375,7 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
       Pair(&means[i * d_], Peak(clusters_[cluster].chunks[i], a), &pairs[i * 2 * d_]);
     }
     TwoMeans(clusters_[cluster].chunks, 2 * d_,
-             [&](uint32_t ch) { return &pairs[static_cast<size_t>(slot[ch]) * 2 * d_]; }, &left,
+             [&](uint32_t ch) { return &pairs[slot(ch) * 2 * d_]; }, &left,
              &right);
   }
   const uint32_t unit = clusters_[cluster].unit;
@@ -371,9 +383,12 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
   Rebuild(clusters_[cluster].b, clusters_[cluster].chunks, a);
   clusters_[cluster].built_radius = clusters_[cluster].b.mu_radius;
   const uint32_t other = NewCluster(std::move(right), unit, a);
+  // Two lanes moved: the split cluster's, and the new one's at the end; the unit's bounds
+  // already cover every chunk (its center stays until it is rebuilt).
   units_[unit].clusters.push_back(other);
-  SyncUnit(unit);
-  // The unit's bounds already cover every chunk; its center stays until it is rebuilt.
+  clusters_[other].lane = static_cast<uint32_t>(units_[unit].clusters.size() - 1);
+  SetLane(units_[unit].block, clusters_[cluster].lane, clusters_[cluster].b);
+  SetLane(units_[unit].block, clusters_[other].lane, clusters_[other].b);
   if (units_[unit].clusters.size() > 2 * opt_.unit_clusters) SplitUnit(unit, a);
 }
 
@@ -427,12 +442,26 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     SyncUnit(0);
     return;
   }
-  // Nearest unit, then its nearest cluster, by direction (spherical); centers' norms are
-  // kept with them, so each comparison is one dot product.
+  // Nearest unit, then its nearest cluster, by direction (spherical): the cosine of the means,
+  // plus that of the peaks with cluster_by_peak. Units are scanned in one pass over
+  // unit_dirs_ (rows [mu | peak], the peak rows only with cluster_by_peak).
   const float mu_norm = std::sqrt(Dot(mu.data(), mu.data(), d_));
-  // With cluster_by_peak, the cosine of the peaks is added to that of the means.
   const float* pk = Peak(chunk, a);
   const float pk_norm = std::sqrt(Dot(pk, pk, d_));
+  std::vector<float> dir(2 * static_cast<size_t>(d_));
+  Pair(mu.data(), pk, dir.data());
+  const int dir_rows = opt_.cluster_by_peak ? 2 * d_ : d_;
+  std::vector<float> cosines(units_.size());
+  for (uint32_t t = 0; t < units_.size(); t += kTile) {
+    DotColumns(dir.data(), 1, dir_rows, &unit_dirs_[(t / kTile) * 2 * d_ * kTile], dir_rows,
+               kTile, static_cast<int>(std::min<size_t>(kTile, units_.size() - t)), &cosines[t],
+               static_cast<int>(units_.size()));
+  }
+  uint32_t best_unit = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (cosines[u] > best) best = cosines[u], best_unit = u;
+  }
   auto cosine = [&](const Bounds& b) {
     const float n = mu_norm * b.mu_center_norm;
     const float cm = n > 0 ? Dot(mu.data(), Part(b, kMuCenter), d_) / n : 0.f;
@@ -440,12 +469,6 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     const float np = pk_norm * b.peak_center_norm;
     return cm + (np > 0 ? Dot(pk, Part(b, kPeakCenter), d_) / np : 0.f);
   };
-  uint32_t best_unit = 0;
-  float best = -std::numeric_limits<float>::infinity();
-  for (uint32_t u = 0; u < units_.size(); ++u) {
-    const float c = cosine(units_[u].b);
-    if (c > best) best = c, best_unit = u;
-  }
   uint32_t best_cluster = units_[best_unit].clusters[0];
   best = -std::numeric_limits<float>::infinity();
   for (uint32_t cl : units_[best_unit].clusters) {
