@@ -154,21 +154,32 @@ def test_sessions_moving_down_and_back_under_concurrent_calls_stay_exact(redis, 
     data = [make_kv(10 + i, tokens) for i in range(4)]
     errors = []
 
+    def retrying(call):
+        # As documented: UNAVAILABLE when the call was caught while its session moved, and
+        # "host tier full" while every other session is leased (between a Select and its
+        # Release); both clear on their own, so the worker waits a little and retries.
+        for attempt in range(200):
+            try:
+                return call()
+            except kvtier.KvTierError as e:
+                full = (e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and "host tier full" in str(e))
+                if e.code != grpc.StatusCode.UNAVAILABLE and not full:
+                    raise
+                time.sleep(0.01 * (attempt % 5))
+        raise AssertionError("no progress after 200 tries")
+
     def worker(i):
         try:
             with kvtier.Client(d.address) as c:
-                sid = c.create_session(L, QH, KVH, D, lossless=True,
-                                       session_id=f"w{i}").session_id
+                sid = retrying(lambda: c.create_session(L, QH, KVH, D, lossless=True,
+                                                        session_id=f"w{i}").session_id)
                 k, v = data[i]
                 for s in range(0, tokens, step):
-                    for attempt in range(20):
-                        try:
-                            c.append_layers(sid, s, k[:, :, s:s + step], v[:, :, s:s + step])
-                            break
-                        except kvtier.KvTierError as e:  # caught mid-move: retry, as documented
-                            if e.code != grpc.StatusCode.UNAVAILABLE:
-                                raise
-                    sel = c.select(sid, L - 1, np.ones((QH, D), np.float32), budget_tokens=128)
+                    retrying(lambda: c.append_layers(sid, s, k[:, :, s:s + step],
+                                                     v[:, :, s:s + step]))
+                    sel = retrying(lambda: c.select(sid, L - 1, np.ones((QH, D), np.float32),
+                                                    budget_tokens=128))
                     c.release(sel.lease_id)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"worker {i}: {e!r}")
