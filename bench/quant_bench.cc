@@ -75,13 +75,13 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   const double codes = 2.0 * L.code_bytes();
   const double scales = double(L.Bytes()) - codes;  // scales, zeros and alignment padding
   // The ranking index per chunk: key sums and peak key (float each) and the cluster index's
-  // per-chunk entries (node, tokens, membership); then each fine cluster's six bound vectors
-  // (centers and boxes of means and peaks, float), its search lane (the four boxes as halves,
-  // four float scalars) and its record (about 112 bytes with its inline chunk list), shared
-  // by its chunks; and each unit's the same plus its two center directions (float) for
-  // assignment. Chunks per cluster and per unit as kvtier-bench's 128K-token index has them
-  // (8192 chunks in 1961 clusters and 222 units).
-  const double cluster = 6.0 * d * sizeof(float) + 4.0 * d * 2 + 16 + 112;
+  // per-chunk entries (node, tokens, membership); then each fine cluster's two centers
+  // (float), its lane (the four boxes as halves, four float scalars: the only copy of the
+  // boxes) and its record (about 112 bytes with its inline chunk list), shared by its
+  // chunks; and each unit's the same plus its two center directions (float) for assignment.
+  // Chunks per cluster and per unit as kvtier-bench's 128K-token index has them (8192
+  // chunks in 1961 clusters and 222 units).
+  const double cluster = 2.0 * d * sizeof(float) + 4.0 * d * 2 + 16 + 112;
   const double unit = cluster + 2.0 * d * sizeof(float);
   const double index = 2.0 * d * sizeof(float) + 12 + cluster * 1961 / 8192 + unit * 222 / 8192;
   // Chunk record (count, precision, three slot refs) and the slot object with its shared

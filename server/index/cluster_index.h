@@ -109,10 +109,10 @@ class ClusterIndex {
   static constexpr uint32_t kNone = ~0u;
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
-  // The bound fields shared by clusters and units. The node's vectors lie together in an
-  // arena: [mu_center | peak_center | mu_hi | mu_lo | peak_hi | peak_lo], head_dim floats
-  // each; centers stay fixed between rebuilds. Units and clusters have arenas of their own.
-  enum Part { kMuCenter, kPeakCenter, kMuHi, kMuLo, kPeakHi, kPeakLo, kParts };
+  // The bound fields shared by clusters and units. A node's two centers lie together in an
+  // arena, [mu_center | peak_center], head_dim floats each, fixed between rebuilds; units and
+  // clusters have arenas of their own. Its boxes live only in its lane of a block (below).
+  enum Part { kMuCenter, kPeakCenter, kParts };
   struct Bounds {
     uint32_t slot = kNone;  // the node's place in its arena
     bool unit = false;      // in unit_arena_, else cluster_arena_
@@ -129,21 +129,22 @@ class ClusterIndex {
     return &(b.unit ? unit_arena_ : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
   }
 
-  // What a search reads of a set of nodes (every unit; one unit's clusters), copied from
-  // their Bounds and laid out channel-major in tiles of kTile lanes, so that one pass over a
-  // tile bounds its nodes eight per vector operation (DotColumns) and reads memory in order.
-  // Tile t holds box[t][kBoxParts * d][kTile]: the boxes' channels [mu_hi | mu_lo | peak_hi |
-  // peak_lo] as IEEE halves rounded outwards (hi up, lo down), so they still cover every
-  // chunk, in half the bytes; and scalars[t][kScalars][kTile]. A box beyond the half range
-  // (|x| > 65504) marks its lane unbounded: its bound is +inf.
+  // Blocks: what a search reads of a set of nodes (every unit; one unit's clusters), laid out
+  // channel-major in tiles of kTile lanes, so that one pass over a tile bounds its nodes eight
+  // per vector operation (DotColumns) and reads memory in order. Tile t holds
+  // box[t][kBoxParts * d][kTile]: a node's per-channel boxes of its chunks' means and peaks,
+  // [mu_hi | mu_lo | peak_hi | peak_lo], as IEEE halves rounded outwards (hi up, lo down), so
+  // they cover every chunk in half the bytes of floats; and scalars[t][kScalars][kTile]. The
+  // lane is the only copy of a node's boxes. A box beyond the half range (|x| > 65504) marks
+  // its lane unbounded: its bound is +inf.
   //
   // The searches bound by the box alone. The ball (q.center + |q| R) was measured beside it:
   // on SmolLM2's keys (bench/out/qkv.npz, 5 layers, clusters of 4 chunks) it was the tighter
   // of the two for 2.3% of (node, query) pairs and took 0.3% off the box's slack, and at
   // 128K synthetic tokens dropping it changed no search's work, while it cost a third of
   // the reads. Centers and radii still steer clustering and re-splits.
+  enum BoxPart { kMuHi, kMuLo, kPeakHi, kPeakLo, kBoxParts };
   enum Scalar { kMarginA, kMarginP, kLogRest, kUnbounded, kScalars };
-  static constexpr int kBoxParts = kParts - kMuHi;  // the four box parts, from kMuHi on
   static constexpr uint32_t kTile = 16;
   struct Block {
     uint32_t cap = 0;  // lanes allocated, a multiple of kTile
@@ -158,14 +159,26 @@ class ClusterIndex {
   static size_t ScalarIndex(uint32_t lane, int s) {
     return ((lane / kTile) * kScalars + s) * kTile + lane % kTile;
   }
-  // The values lane `lane` of a block holds for b: its box rows outward-rounded and its
-  // scalars. False when the box is beyond the half range.
-  bool LaneValues(const Bounds& b, uint16_t* box, float* scalars) const;
-  // Copies b into lane `lane` of blk, growing it as needed.
-  void SetLane(Block& blk, uint32_t lane, const Bounds& b) const;
-  // Rewrites unit u's lane in units_block_ and its own block from the clusters' Bounds, and
-  // numbers its clusters' lanes.
-  void SyncUnit(uint32_t unit);
+  // A node's lane: its boxes and scalars. Taken afresh where used (units_ may grow).
+  struct Lane {
+    Block* blk;
+    uint32_t lane;
+  };
+  Lane ClusterLane(uint32_t cluster);
+  Lane UnitLane(uint32_t unit) { return {&units_block_, unit}; }
+  // Grows blk to hold `lane`; the tiles there stay where they are.
+  void Reserve(Block& blk, uint32_t lane) const;
+  // Writes a lane's boxes from floats [kBoxParts][d], rounding outwards, and marks it
+  // unbounded if they leave the half range.
+  void StoreBoxes(Lane l, const float* box) const;
+  // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards.
+  void WidenBoxes(Lane l, const float* mu, const float* peak) const;
+  // Writes the lane's scalars from b (the unbounded mark stays).
+  void SetScalars(Lane l, const Bounds& b) const;
+  // Copies lane `from` of src (boxes and scalars) to lane `to` of dst.
+  void CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const;
+  // Writes unit u's center directions into unit_dirs_.
+  void SetDirections(uint32_t unit);
 
   struct Cluster {
     Bounds b;
@@ -184,10 +197,12 @@ class ClusterIndex {
 
   void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
   const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
-  // Recomputes b from scratch over these chunks: centers, radii, boxes, max tokens.
-  void Rebuild(Bounds& b, std::span<const uint32_t> chunks, const ChunkArrays& a);
-  // Widens b to cover one more chunk, whose mean key is `mu` (the center stays).
-  void Widen(Bounds& b, uint32_t chunk, const float* mu, const ChunkArrays& a);
+  // Recomputes b and its lane from scratch over these chunks: centers, radii, boxes, tokens.
+  void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkArrays& a);
+  // Widens b and its lane to cover one more chunk, whose mean key is `mu` (the center stays).
+  void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkArrays& a);
+  // The part of Widen on b alone: radii and token counts, for mean `mu` and peak `p`.
+  void WidenBounds(Bounds& b, uint32_t chunk, const float* mu, const float* p);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
   // a node's [hi | lo] pairs in one pass.
   struct Prepared {
@@ -221,6 +236,7 @@ class ClusterIndex {
   }
   void SplitCluster(uint32_t cluster, const ChunkArrays& a);
   void SplitUnit(uint32_t unit, const ChunkArrays& a);
+  // A cluster over these chunks, appended to the unit's clusters (and lanes).
   uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkArrays& a);
 
   int d_;
