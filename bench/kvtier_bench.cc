@@ -15,11 +15,17 @@
 // Policies: exact (score every key, keep the best tokens), quest (16-token pages by the
 // min/max box bound), window (sinks + most recent), kvtier-scan (the LSE-peak score over
 // every chunk), kvtier (the same score through the cluster index: the same answer, pruned),
-// kvtier-mean (the index with the mean score), and the other chunking modes with the
+// kvtier-mean (the index with the mean score, clustered by means as the daemon does for that
+// ranking), and the other chunking modes with the
 // LSE-peak score as the daemon runs them: kvtier-boundary (chunks cut after delimiter
 // tokens, 8 to 32 tokens: sizes vary, so the index runs the greedy fill) and
 // kvtier-semantic (spans of 8 aged-out chunks regrouped by balanced k-means, then indexed).
 // chunk_oracle_ratio is over the best whole chunks of the policy's own chunking.
+//
+// The baselines get the index's own kernel: exact reads the keys as fp16 (as the daemon
+// stores them) and quest the pages' [hi | lo] as outward-rounded halves, both in channel-major
+// tiles through DotColumns, every query head in one pass. Their inputs are laid out before
+// the timing, as an index is built before it is searched.
 //
 // Keys are synthetic and shaped like a model's: text comes in sentences of 4 to 30 tokens,
 // each ending in a delimiter token; a sentence may move to another of 48 topic directions

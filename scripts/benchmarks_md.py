@@ -38,7 +38,8 @@ TARGETS = [
     ("select_policy_us", None, None, "one stream's Select ranking work per policy (exact "
      "scan, quest pages, window, kvtier scan, kvtier index, kvtier index with the mean score, "
      "boundary chunks (the index's greedy fill), semantic chunks (indexed)) "
-     "against the exact scan, on the same synthetic keys; oracle ratios and the share of "
+     "against the exact scan, on the same synthetic keys (exact and quest read fp16 tiles "
+     "through the index's own DotColumns kernel); oracle ratios and the share of "
      "chunks scored are in the parameters of `kvtier-bench`'s own lines (EVAL's targets at "
      "128K: <= 0.1x exact, <= 1/3 of quest, at oracle ratio >= 0.95)"),
     ("select_growth_exponent", None, None, "exponent of a log-log fit of Select time "

@@ -1,17 +1,17 @@
-// A per-stream hierarchical cluster index over aged-out chunks: fine clusters (about 8
-// chunks) under coarse units (about 16 clusters), grown by spherical assignment and 2-means
+// A per-stream hierarchical cluster index over aged-out chunks: fine clusters (target 8
+// chunks) under coarse units (target 8 clusters), grown by spherical assignment and 2-means
 // re-splits. A Select's best-first search visits units and clusters in order of an upper
 // bound on the score of every chunk below them and stops when no unvisited node can beat the
 // k-th best chunk found, so its answer equals the linear scan's (SelectChunks) exactly while
 // scoring a fraction of the chunks.
 //
-// Bounds. For a node with center m, radius R (max |mu_c - m| over its chunks) and box
-// [lo, hi] of its chunks' means, and the same for their peaks, q . mu_c is at most
-// min(q.m + |q| R, sum_j max(q_j lo_j, q_j hi_j)); the LSE-peak score is increasing in
+// Bounds. For a node with box [lo, hi] of its chunks' means, and the same for their peaks,
+// q . mu_c is at most sum_j max(q_j lo_j, q_j hi_j); the LSE-peak score is increasing in
 // both dot products and in the token count, so the node bound is that score at the two
-// maxima and the node's largest count, plus a margin for float rounding. Radii and boxes only
-// grow between rebuilds (a chunk joining leaves the center where it was), so bounds stay
-// conservative; tests check that no chunk ever scores above a node's bound.
+// maxima and the node's largest count, plus a margin for float rounding. Boxes only grow
+// between rebuilds, and are stored rounded outwards, so bounds stay conservative; tests check
+// that no chunk ever scores above a node's bound. Each node also keeps centers and radii
+// (max |mu_c - m|), which steer clustering and re-splits.
 //
 // The index keeps per chunk only its token count and its node; means and peaks stay in the
 // stream's own arrays (ChunkArrays), read under the session's lock.
