@@ -401,7 +401,7 @@ TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   }
 }
 
-// Past 4096 candidate chunks Select searches the cluster index instead of scanning; the
+// Past 1024 candidate chunks Select searches the cluster index instead of scanning; the
 // chunks it returns must be the same as the brute-force ranking's.
 TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
   Env e(160 << 20);
@@ -1267,7 +1267,7 @@ TEST(Chunking, BoundaryWithoutIdsCutsEveryChunkTokensAndColdChunksOfAnySizeQuant
   }
 }
 
-// Past 4096 candidates, boundary chunks (many sizes) are chosen through the index's greedy
+// Past 1024 candidates, boundary chunks (many sizes) are chosen through the index's greedy
 // fill: the same chunks as brute force, with fewer scored.
 TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
   Env e(160 << 20);
