@@ -167,28 +167,6 @@ TEST(ExpInPlace, WithinAMillionthOfTheTrueValue) {
   }
 }
 
-TEST(DotRows, EachRowAgreesWithDouble) {
-  std::mt19937 rng(10);
-  std::normal_distribution<float> n(0, 1);
-  for (int d : {1, 7, 8, 16, 17, 64, 128, 129}) {
-    for (int m : {1, 2, 3, 5}) {
-      std::vector<float> a(d), rows(static_cast<size_t>(m) * d), out(m + 1, -7.f);
-      for (float& x : a) x = n(rng);
-      for (float& x : rows) x = n(rng);
-      DotRows(a.data(), rows.data(), m, d, out.data());
-      for (int r = 0; r < m; ++r) {
-        double want = 0, mag = 0;
-        for (int j = 0; j < d; ++j) {
-          want += double(a[j]) * rows[static_cast<size_t>(r) * d + j];
-          mag += std::fabs(double(a[j]) * rows[static_cast<size_t>(r) * d + j]);
-        }
-        EXPECT_NEAR(out[r], want, 1e-6 * mag + 1e-7) << "d " << d << " m " << m << " r " << r;
-      }
-      EXPECT_EQ(out[m], -7.f) << "wrote past row " << m - 1;
-    }
-  }
-}
-
 TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
   std::mt19937 rng(11);
   std::normal_distribution<float> n(0, 1);

@@ -86,38 +86,6 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b
   return out;
 }
 
-// M rows at once, each with its own accumulator kept in a register.
-template <int M>
-__attribute__((target("avx2,fma"))) inline void DotRowsAvx2Fixed(const float* a,
-                                                                 const float* rows, int n,
-                                                                 float* out) {
-  __m256 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 x = _mm256_loadu_ps(a + j);
-    for (int r = 0; r < M; ++r) {
-      acc[r] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows + static_cast<size_t>(r) * n + j), acc[r]);
-    }
-  }
-  for (int r = 0; r < M; ++r) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    float v = _mm_cvtss_f32(s);
-    const float* row = rows + static_cast<size_t>(r) * n;
-    for (int k = j; k < n; ++k) v += a[k] * row[k];
-    out[r] = v;
-  }
-}
-
-__attribute__((target("avx2,fma"))) void DotRowsAvx2(const float* a, const float* rows, int m,
-                                                     int n, float* out) {
-  int r = 0;
-  for (; r + 2 <= m; r += 2) DotRowsAvx2Fixed<2>(a, rows + static_cast<size_t>(r) * n, n, out + r);
-  if (r < m) DotRowsAvx2Fixed<1>(a, rows + static_cast<size_t>(r) * n, n, out + r);
-}
-
 // Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -286,9 +254,6 @@ void ExpInPlaceScalar(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
 }
 
-void DotRowsScalar(const float* a, const float* rows, int m, int n, float* out) {
-  for (int r = 0; r < m; ++r) out[r] = DotScalar(a, rows + static_cast<size_t>(r) * n, n);
-}
 
 }  // namespace
 
@@ -326,11 +291,6 @@ float Dot(const float* a, const float* b, int n) {
   return kDot(a, b, n);
 }
 
-void DotRows(const float* a, const float* rows, int m, int n, float* out) {
-  static void (*const impl)(const float*, const float*, int, int, float*) =
-      HaveAvx2Fma() ? DotRowsAvx2 : DotRowsScalar;
-  impl(a, rows, m, n, out);
-}
 
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {
   static void (*const impl)(const float*, int, bool, uint16_t*) =

@@ -27,10 +27,6 @@ bool AddRowsIsVectorized();
 float Dot(const float* a, const float* b, int n);
 float DotScalar(const float* a, const float* b, int n);
 
-// out[r] = a . rows[r * n .. r * n + n) for r in [0, m): m dot products against rows that lie
-// one after another, reading `a` once (the cluster index's bounds: a query against a node's
-// centers, or against its boxes).
-void DotRows(const float* a, const float* rows, int m, int n, float* out);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j
