@@ -27,7 +27,6 @@ bool AddRowsIsVectorized();
 float Dot(const float* a, const float* b, int n);
 float DotScalar(const float* a, const float* b, int n);
 
-
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j
 // at cols[j * stride + i]). One pass over the columns serves up to four of the m vectors,
