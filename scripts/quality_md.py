@@ -31,8 +31,8 @@ def main(src, docs):
     full = next(r for r in recs if r["policy"] == "full")
     by = {(r["policy"], r["budget"]): r for r in recs}
     budgets = meta["budgets"]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    # The commit the run measured, as eval.py recorded it (not the tree this page is made in).
+    commit = meta.get("commit", "(not recorded by this run)")
     when = datetime.fromtimestamp(meta["unix_time"], timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = []
     w = out.append

