@@ -1267,6 +1267,20 @@ TEST(Chunking, BoundaryWithoutIdsCutsEveryChunkTokensAndColdChunksOfAnySizeQuant
   }
 }
 
+// Layer 2, head 0 of a long session: Selects at budgets 256 and 1024 (query `seed`, handles
+// without data) return the chunks brute force picks.
+void ExpectLongContextSelections(Fixture& f, int tokens,
+                                 const std::vector<std::vector<int64_t>>& chunks, uint32_t seed) {
+  for (uint32_t budget : {256u, 1024u}) {
+    v1::SelectResponse resp;
+    auto req = SelectReq(f, 2, budget, seed);
+    req.set_include_data(false);
+    ASSERT_OK(f.session->Select(req, &resp));
+    EXPECT_EQ(ChunkIndices(resp.heads(0)), ExpectedSelection(f, 2, 0, tokens, chunks, budget, seed))
+        << "budget " << budget;
+  }
+}
+
 // Past 1024 candidates, boundary chunks (many sizes) are chosen through the index's greedy
 // fill: the same chunks as brute force, with fewer scored.
 TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
@@ -1279,14 +1293,7 @@ TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
   }
   const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
   ASSERT_GT(chunks.size(), 4300u);
-  for (uint32_t budget : {256u, 1024u}) {
-    v1::SelectResponse resp;
-    auto req = SelectReq(f, 2, budget, 5);
-    req.set_include_data(false);
-    ASSERT_OK(f.session->Select(req, &resp));
-    const std::set<uint32_t> got = ChunkIndices(resp.heads(0));
-    EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 5)) << "budget " << budget;
-  }
+  ExpectLongContextSelections(f, tokens, chunks, 5);
   const v1::LayerStats st = f.session->Layers()[2];
   EXPECT_GT(st.indexed_chunks(), 4000u);
   EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
@@ -1420,14 +1427,7 @@ TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
   const uint64_t aged_out = (tokens - 64) / 16 - 1;
   EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), aged_out / 8 * 8);
   const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
-  for (uint32_t budget : {256u, 1024u}) {
-    v1::SelectResponse resp;
-    auto req = SelectReq(f, 2, budget, 2);
-    req.set_include_data(false);
-    ASSERT_OK(f.session->Select(req, &resp));
-    const std::set<uint32_t> got = ChunkIndices(resp.heads(0));
-    EXPECT_EQ(got, ExpectedSelection(f, 2, 0, tokens, chunks, budget, 2)) << "budget " << budget;
-  }
+  ExpectLongContextSelections(f, tokens, chunks, 2);
   const v1::LayerStats st = f.session->Layers()[2];
   EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
 
