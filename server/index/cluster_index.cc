@@ -350,7 +350,7 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
   std::vector<float> unit(n * d);
   for (size_t i = 0; i < n; ++i) {
     const float* x = vec(ids[i]);
-    const float norm = std::sqrt(Dot(x, x, d_));
+    const float norm = std::sqrt(Dot(x, x, dim));
     for (size_t j = 0; j < d; ++j) unit[i * d + j] = norm > 0 ? x[j] / norm : 0.f;
   }
   // Seeds: the point least like the first, then the point least like that one.
