@@ -92,7 +92,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   b.min_tokens = std::numeric_limits<uint32_t>::max();
   float box[kBoxParts * kMaxHeadDim];
   for (int part = 0; part < kBoxParts; ++part) {
-    const bool hi = part == kMuHi || part == kPeakHi;
+    const bool hi = IsUpper(part);
     std::fill_n(&box[part * d], d, hi ? -std::numeric_limits<float>::infinity()
                                       : std::numeric_limits<float>::infinity());
   }
@@ -170,8 +170,7 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   Reserve(*l.blk, l.lane);
   uint16_t rounded[kBoxParts * kMaxHeadDim];
   for (int part = 0; part < kBoxParts; ++part) {
-    FloatsToHalvesDirected(&box[part * d_], d_, part == kMuHi || part == kPeakHi,
-                           &rounded[part * d_]);
+    FloatsToHalvesDirected(&box[part * d_], d_, IsUpper(part), &rounded[part * d_]);
   }
   uint16_t* out = &l.blk->box[BoxIndex(l.lane, 0)];  // row r at out[r * kTile]
   bool finite = true;
@@ -191,7 +190,7 @@ void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak) const 
   uint16_t* box = &l.blk->box[BoxIndex(l.lane, 0)];  // row r at box[r * kTile]
   bool finite = true;
   for (int part = 0; part < kBoxParts; ++part) {
-    const bool hi = part == kMuHi || part == kPeakHi;
+    const bool hi = IsUpper(part);
     for (int j = 0; j < d_; ++j) {
       const size_t r = static_cast<size_t>(part) * d_ + j;
       uint16_t& v = box[r * kTile];
@@ -349,7 +348,7 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
   const size_t n = ids.size(), d = dim;
   std::vector<float> unit(n * d);
   for (size_t i = 0; i < n; ++i) {
-    const float* x = vec(ids[i]);
+    const float* x = vec(i);
     const float norm = std::sqrt(Dot(x, x, dim));
     for (size_t j = 0; j < d; ++j) unit[i * d + j] = norm > 0 ? x[j] / norm : 0.f;
   }
@@ -413,29 +412,15 @@ std::vector<uint32_t> ClusterIndex::UnitChunks(const Unit& u) const {
 }
 
 void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
-  std::vector<float> means(clusters_[cluster].chunks.size() * d_);
-  // A chunk's place in the cluster (at most a few dozen: a scan, not a table over all chunks).
-  auto slot = [&](uint32_t ch) {
-    const auto& chunks = clusters_[cluster].chunks;
-    return static_cast<size_t>(std::find(chunks.begin(), chunks.end(), ch) - chunks.begin());
-  };
-  for (size_t i = 0; i < clusters_[cluster].chunks.size(); ++i) {
-    Mean(clusters_[cluster].chunks[i], a, &means[i * d_]);
+  const auto& chunks = clusters_[cluster].chunks;
+  const size_t stride = 2 * static_cast<size_t>(d_);
+  std::vector<float> mean(d_), points(chunks.size() * stride);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Mean(chunks[i], a, mean.data());
+    Point(mean.data(), Peak(chunks[i], a), &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
-  if (!opt_.cluster_by_peak) {
-    TwoMeans(clusters_[cluster].chunks, d_,
-             [&](uint32_t ch) { return &means[slot(ch) * d_]; }, &left,
-             &right);
-  } else {
-    std::vector<float> pairs(clusters_[cluster].chunks.size() * 2 * d_);
-    for (size_t i = 0; i < clusters_[cluster].chunks.size(); ++i) {
-      Pair(&means[i * d_], Peak(clusters_[cluster].chunks[i], a), &pairs[i * 2 * d_]);
-    }
-    TwoMeans(clusters_[cluster].chunks, 2 * d_,
-             [&](uint32_t ch) { return &pairs[slot(ch) * 2 * d_]; }, &left,
-             &right);
-  }
+  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, &left, &right);
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
@@ -447,23 +432,15 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
 }
 
 void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
-  std::vector<uint32_t> left, right;
   const std::vector<uint32_t>& cls = units_[unit].clusters;
-  if (!opt_.cluster_by_peak) {
-    TwoMeans(cls, d_, [&](uint32_t cl) { return Part(clusters_[cl].b, kMuCenter); }, &left,
-             &right);
-  } else {
-    std::vector<float> pairs(cls.size() * 2 * d_);
-    std::vector<uint32_t> slot(clusters_.size());
-    for (size_t i = 0; i < cls.size(); ++i) {
-      slot[cls[i]] = static_cast<uint32_t>(i);
-      Pair(Part(clusters_[cls[i]].b, kMuCenter), Part(clusters_[cls[i]].b, kPeakCenter),
-           &pairs[i * 2 * d_]);
-    }
-    TwoMeans(cls, 2 * d_,
-             [&](uint32_t cl) { return &pairs[static_cast<size_t>(slot[cl]) * 2 * d_]; }, &left,
-             &right);
+  const size_t stride = 2 * static_cast<size_t>(d_);
+  std::vector<float> points(cls.size() * stride);
+  for (size_t i = 0; i < cls.size(); ++i) {
+    const Bounds& b = clusters_[cls[i]].b;
+    Point(Part(b, kMuCenter), Part(b, kPeakCenter), &points[i * stride]);
   }
+  std::vector<uint32_t> left, right;
+  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, &left, &right);
   // The clusters' lanes are their only boxes: copied from the old block into their new
   // places, in this unit (renumbered) and in the new one.
   const uint32_t id = static_cast<uint32_t>(units_.size());

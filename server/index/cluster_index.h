@@ -18,6 +18,7 @@
 #ifndef KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 #define KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -144,6 +145,8 @@ class ClusterIndex {
   // 128K synthetic tokens dropping it changed no search's work, while it cost a third of
   // the reads. Centers and radii still steer clustering and re-splits.
   enum BoxPart { kMuHi, kMuLo, kPeakHi, kPeakLo, kBoxParts };
+  // The parts that bound from above (rounded up; widened upwards).
+  static constexpr bool IsUpper(int part) { return part == kMuHi || part == kPeakHi; }
   enum Scalar { kMarginA, kMarginP, kLogRest, kUnbounded, kScalars };
   static constexpr uint32_t kTile = 16;
   struct Block {
@@ -223,10 +226,23 @@ class ClusterIndex {
   // and mostly from outside the cache.
   void PrefetchChunks(const Cluster& c, const ChunkArrays& a) const;
 
-  // Splits a set of points (by id) in two by spherical 2-means over `vec(id)`.
+  // Splits ids in two by spherical 2-means over their points, vec(i) the `dim` floats of
+  // ids[i]'s.
   template <typename VecFn>
   void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, std::vector<uint32_t>* left,
                 std::vector<uint32_t>* right) const;
+  // What a chunk or a node is split by: its mean (`mu`; scaled as given), or with
+  // cluster_by_peak the directions of its mean and of its peak side by side (Pair).
+  // PointDim() floats of `out` are written.
+  int PointDim() const { return opt_.cluster_by_peak ? 2 * d_ : d_; }
+  void Point(const float* mu, const float* peak, float* out) const {
+    if (opt_.cluster_by_peak) {
+      Pair(mu, peak, out);
+    } else {
+      std::copy_n(mu, d_, out);
+    }
+  }
+  // [x / |x| | y / |y|] (zeros for a zero vector): 2 * head_dim floats.
   void Pair(const float* x, const float* y, float* out) const {
     const float nx = std::sqrt(Dot(x, x, d_)), ny = std::sqrt(Dot(y, y, d_));
     for (int j = 0; j < d_; ++j) {
