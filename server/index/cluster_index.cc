@@ -147,6 +147,12 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
 
 namespace {
 
+// Starts the loads of n bytes from p.
+void PrefetchBytes(const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off);
+}
+
 // Halves in an order that integer comparison keeps (finite values and infinities).
 inline uint16_t HalfKey(uint16_t h) {
   return (h & 0x8000u) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000u);
@@ -256,79 +262,59 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
-  // [2][group][lanes]: the box bound of q.mu, then of q.peak. One pass over each tile's
-  // rows serves every head.
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // Tile by tile: [kind][group][kTile], the box bound of q.mu, then of q.peak, one pass over
+  // the tile's rows serving every head (a tile's unused lanes are zeros, bounded and never
+  // reported); then the bounds in fixed loops of kTile lanes, which the compiler vectorizes,
+  // the exponentials eight at a time through ExpInPlace.
   std::vector<float>& dots = p.dots;
-  dots.resize(2 * static_cast<size_t>(group) * lanes);
-  auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * lanes]; };
-  const int n = static_cast<int>(lanes);
+  dots.resize(2 * static_cast<size_t>(group) * kTile);
+  auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * kTile]; };
+  const size_t tile_halves = BoxRows() * kTile;
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint16_t* tile = &blk.box[BoxIndex(t, 0)];
-    const int in_tile = static_cast<int>(std::min(kTile, lanes - t));
-    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, in_tile, at(0, 0) + t, n);
+    if (t + kTile < lanes) PrefetchBytes(tile + tile_halves, tile_halves * sizeof(uint16_t));
+    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, kTile, at(0, 0), kTile);
     if (lse) {
       DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * kTile,
-                 2 * d_, kTile, in_tile, at(1, 0) + t, n);
+                 2 * d_, kTile, kTile, at(1, 0), kTile);
     }
-  }
-  // Then lane by lane, every step a plain loop over the lanes (the compiler vectorizes them;
-  // the exponentials go eight at a time through ExpInPlace).
-  std::vector<float>& best = p.best;
-  best.assign(lanes, -std::numeric_limits<float>::infinity());
-  std::vector<float>& lane_scalars = p.lane_scalars;
-  lane_scalars.resize(3 * static_cast<size_t>(lanes));
-  for (uint32_t i = 0; i < lanes; ++i) {
-    lane_scalars[i] = blk.scalars[ScalarIndex(i, kMarginA)];
-    lane_scalars[lanes + i] = blk.scalars[ScalarIndex(i, kMarginP)];
-    lane_scalars[2 * static_cast<size_t>(lanes) + i] = blk.scalars[ScalarIndex(i, kLogRest)];
-  }
-  const float* margin_a = &lane_scalars[0];
-  const float* margin_p = &lane_scalars[lanes];
-  const float* log_rest = &lane_scalars[2 * static_cast<size_t>(lanes)];
-  if (!lse) {
+    const float* sc = &blk.scalars[ScalarIndex(t, 0)];  // scalar s of lane i: sc[s * kTile + i]
+    const float* margin_a = sc + kMarginA * kTile;
+    const float* margin_p = sc + kMarginP * kTile;
+    const float* log_rest = sc + kLogRest * kTile;
+    float best[kTile];
+    std::fill_n(best, kTile, -kInf);
     for (int h = 0; h < group; ++h) {
       const float* a = at(0, h);
       const float qn = p.norm[h];
-      for (uint32_t i = 0; i < lanes; ++i) {
-        best[i] = std::max(best[i], a[i] + 1e-4f * (1 + qn * margin_a[i]));
+      if (!lse) {
+        for (uint32_t i = 0; i < kTile; ++i) {
+          best[i] = std::max(best[i], a[i] + 1e-4f * (1 + qn * margin_a[i]));
+        }
+        continue;
       }
-    }
-  } else {
-    // Per head: hi = max(x, y), t = min(x, y) - hi <= 0, and the bound hi +
-    // SoftplusUpperBound(t, e^t) plus the rounding margin. t is clamped at -87: the bound
-    // then covers log(1 + e^t) for any smaller t too.
-    std::vector<float>& hi = p.hi;
-    std::vector<float>& t = p.t;
-    std::vector<float>& e = p.e;
-    hi.resize(static_cast<size_t>(group) * lanes);
-    t.resize(hi.size());
-    for (int h = 0; h < group; ++h) {
-      const float* a = at(0, h);
+      // hi = max(x, y), t = min(x, y) - hi <= 0, and the bound hi + SoftplusUpperBound(t,
+      // e^t) plus the rounding margin. t is clamped at -87: the bound then covers
+      // log(1 + e^t) for any smaller t too.
       const float* pk = at(1, h);
-      const float qn = p.norm[h];
-      float* hh = &hi[static_cast<size_t>(h) * lanes];
-      float* th = &t[static_cast<size_t>(h) * lanes];
-      for (uint32_t i = 0; i < lanes; ++i) {
+      float hi[kTile], tt[kTile], e[kTile];
+      for (uint32_t i = 0; i < kTile; ++i) {
         const float x = (a[i] + 1e-4f * (1 + qn * margin_a[i])) * inv_sqrt_d + log_rest[i];
         const float y = (pk[i] + 1e-4f * (1 + qn * margin_p[i])) * inv_sqrt_d;
-        hh[i] = std::max(x, y);
-        th[i] = std::max(std::min(x, y) - hh[i], -87.f);
+        hi[i] = std::max(x, y);
+        tt[i] = std::max(std::min(x, y) - hi[i], -87.f);
+        e[i] = tt[i];
       }
-    }
-    e = t;
-    ExpInPlace(e.data(), static_cast<int>(e.size()));
-    for (int h = 0; h < group; ++h) {
-      const size_t off = static_cast<size_t>(h) * lanes;
-      for (uint32_t i = 0; i < lanes; ++i) {
-        const float bound = hi[off + i] + SoftplusUpperBound(t[off + i], e[off + i]) +
-                            1e-5f * (1 + std::abs(hi[off + i]));
+      ExpInPlace(e, kTile);
+      for (uint32_t i = 0; i < kTile; ++i) {
+        const float bound = hi[i] + SoftplusUpperBound(tt[i], e[i]) + 1e-5f * (1 + std::abs(hi[i]));
         best[i] = std::max(best[i], bound);
       }
     }
-  }
-  for (uint32_t i = 0; i < lanes; ++i) {
-    out[i] = blk.scalars[ScalarIndex(i, kUnbounded)] != 0.f ? std::numeric_limits<float>::infinity()
-                                                            : best[i];
+    const float* unbounded = sc + kUnbounded * kTile;
+    const uint32_t in_tile = std::min(kTile, lanes - t);
+    for (uint32_t i = 0; i < in_tile; ++i) out[t + i] = unbounded[i] != 0.f ? kInf : best[i];
   }
 }
 

@@ -212,7 +212,7 @@ class ClusterIndex {
     std::vector<float> pos_neg;  // [group][2 * d]: max(q, 0), then min(q, 0)
     std::vector<float> norm;     // [group]
     // BlockBounds' scratch, kept for the whole search.
-    mutable std::vector<float> dots, best, lane_scalars, hi, t, e;
+    mutable std::vector<float> dots;
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
   // Upper bounds on the score of every chunk under each of the first `lanes` nodes of blk:
