@@ -167,6 +167,48 @@ TEST(ExpInPlace, WithinAMillionthOfTheTrueValue) {
   }
 }
 
+TEST(LogInPlace, WithinTwoUlpsOfDouble) {
+  // A dense grid over [1, 2] (what the LSE-peak score takes the log of), then values across
+  // the whole range of normal floats.
+  std::vector<float> x;
+  for (int i = 0; i <= 200000; ++i) x.push_back(1.f + float(i) / 200000.f);
+  for (float v = std::numeric_limits<float>::min(); v < 1e38f; v *= 1.37f) x.push_back(v);
+  for (float v : {1.f, 2.f, 0.5f, 0.70710677f, 0.70710683f, 1.4142135f}) x.push_back(v);
+  std::vector<float> got = x;
+  LogInPlace(got.data(), int(got.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = std::log(double(x[i]));
+    ASSERT_NEAR(got[i], want, 2e-7 * std::abs(want) + 1e-7) << "x " << x[i];
+  }
+  EXPECT_EQ(got[x.size() - 6], 0.f) << "log 1 is exactly 0";
+}
+
+TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
+  // The same values at every offset and in arrays of every length give the same bits: the
+  // LSE-peak score relies on it to be equal whether chunks are scored one by one or in blocks.
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> u(-20.f, 0.f);
+  std::vector<float> values(40);
+  for (float& v : values) v = u(rng);
+  std::vector<float> exp_all = values, log_all = values;
+  ExpInPlace(exp_all.data(), int(exp_all.size()));
+  for (size_t i = 0; i < values.size(); ++i) log_all[i] = 1.f + exp_all[i];
+  LogInPlace(log_all.data(), int(log_all.size()));
+  for (int n = 1; n <= 17; ++n) {
+    for (int first = 0; first + n <= int(values.size()); first += 3) {
+      std::vector<float> e(values.begin() + first, values.begin() + first + n);
+      ExpInPlace(e.data(), n);
+      std::vector<float> l(n);
+      for (int i = 0; i < n; ++i) l[i] = 1.f + e[i];
+      LogInPlace(l.data(), n);
+      for (int i = 0; i < n; ++i) {
+        ASSERT_EQ(e[i], exp_all[first + i]) << "n " << n << " first " << first << " i " << i;
+        ASSERT_EQ(l[i], log_all[first + i]) << "n " << n << " first " << first << " i " << i;
+      }
+    }
+  }
+}
+
 TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
   std::mt19937 rng(11);
   std::normal_distribution<float> n(0, 1);

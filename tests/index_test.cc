@@ -115,6 +115,36 @@ TEST(ChunkRanker, LsePeakMatchesItsDefinition) {
   }
 }
 
+TEST(ChunkRanker, LsePeakScoresEqualsOneByOne) {
+  // Blocks of every size, for groups up to many heads: each score has the bits LsePeakScore
+  // gives that chunk alone (the scan scores in blocks, the index cluster by cluster).
+  std::mt19937 rng(6);
+  std::normal_distribution<float> n(0, 1);
+  const int d = 64;
+  for (int group : {1, 3, 8, 100}) {
+    const int chunks = 150;
+    std::vector<float> q(group * d), sums(chunks * d), peaks(chunks * d);
+    for (auto& x : q) x = n(rng);
+    for (auto& x : sums) x = 4 * n(rng);
+    for (auto& x : peaks) x = 2 * n(rng);
+    std::vector<ChunkCandidate> cands;
+    for (int c = 0; c < chunks; ++c) {
+      const uint32_t tokens = 1 + c % 20;
+      cands.push_back({uint32_t(c), tokens, &sums[c * d], 1.f / tokens, &peaks[c * d]});
+    }
+    std::vector<float> all(chunks);
+    LsePeakScores(q, group, cands, d, all.data());
+    for (int c = 0; c < chunks; ++c) {
+      ASSERT_EQ(all[c], LsePeakScore(q, group, cands[c], d)) << "group " << group << " chunk " << c;
+      std::vector<float> mean(d);
+      for (int j = 0; j < d; ++j) mean[j] = sums[c * d + j] / cands[c].tokens;
+      ASSERT_NEAR(all[c], LsePeakExpected(q, group, d, mean.data(), &peaks[c * d], cands[c].tokens),
+                  1e-4 * (1 + std::abs(all[c])))
+          << "group " << group << " chunk " << c;
+    }
+  }
+}
+
 // The case the peak term exists for: chunk A's mass sits on one key, chunk B's keys are all
 // mildly aligned with q. B has the higher mean score, A the larger true attention mass (by
 // brute force over every key); the mean ranking keeps B, the peak ranking keeps A.

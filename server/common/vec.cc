@@ -208,17 +208,32 @@ void DotColumnsScalar(const float* a, int m, int a_stride, const T* cols, int n,
 
 // e^x = 2^k e^r with k = round(x / ln 2) and |r| <= ln 2 / 2; ln 2 split in two parts so that
 // r is exact, and e^r by Cephes' expf polynomial.
-__attribute__((target("avx2,fma"))) void ExpInPlaceAvx2(float* x, int n) {
-  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f);
-  const __m256 p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f);
-  const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
-  const __m256 one = _mm256_set1_ps(1.f);
+// Eight at a time, every element by the same instructions: a tail shorter than eight goes
+// through the same vector code in a padded copy, so that no result depends on its place.
+template <typename Eight>
+__attribute__((target("avx2,fma"))) inline void EightAtATime(float* x, int n, float pad,
+                                                             const Eight& eight) {
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, eight(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    alignas(32) float tail[8];
+    std::fill_n(tail, 8, pad);
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, eight(_mm256_load_ps(tail)));
+    std::copy(tail, tail + (n - i), x + i);
+  }
+}
+
+struct ExpEight {
+  __attribute__((target("avx2,fma"))) __m256 operator()(__m256 v) const {
+    const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f);
+    const __m256 p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f);
+    const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+    const __m256 one = _mm256_set1_ps(1.f);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm256_fnmadd_ps(k, c1, v);
     v = _mm256_fnmadd_ps(k, c2, v);
@@ -229,9 +244,47 @@ __attribute__((target("avx2,fma"))) void ExpInPlaceAvx2(float* x, int n) {
     y = _mm256_fmadd_ps(y, v, p5);
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, one));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    _mm256_storeu_ps(x + i, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   }
-  for (; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
+};
+
+__attribute__((target("avx2,fma"))) void ExpInPlaceAvx2(float* x, int n) {
+  EightAtATime(x, n, 0.f, ExpEight());
+}
+
+// log x = log m + e log 2 for x = m 2^e, m in [sqrt(1/2), sqrt(2)): Cephes' logf polynomial
+// in m - 1, log 2 split in two parts.
+struct LogEight {
+  __attribute__((target("avx2,fma"))) __m256 operator()(__m256 v) const {
+    const __m256i bits = _mm256_castps_si256(v);
+    // v = m 2^e with m in [0.5, 1), then m in [sqrt(1/2), sqrt(2)) by one doubling.
+    __m256 e = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    e = _mm256_sub_ps(e, _mm256_and_ps(small, one));
+    m = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(small, m)), one);
+    const __m256 z = _mm256_mul_ps(m, m);
+    __m256 y = _mm256_set1_ps(7.0376836292E-2f);
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993E-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174E-1f));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+  }
+};
+
+__attribute__((target("avx2,fma"))) void LogInPlaceAvx2(float* x, int n) {
+  EightAtATime(x, n, 1.f, LogEight());
 }
 
 __attribute__((target("avx2,f16c"))) void FloatsToHalvesDirectedF16c(const float* x, int n,
@@ -252,6 +305,10 @@ void FloatsToHalvesDirectedScalar(const float* x, int n, bool up, uint16_t* out)
 
 void ExpInPlaceScalar(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
+}
+
+void LogInPlaceScalar(float* x, int n) {
+  for (int i = 0; i < n; ++i) x[i] = std::log(x[i]);
 }
 
 
@@ -300,6 +357,11 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {
 
 void ExpInPlace(float* x, int n) {
   static void (*const impl)(float*, int) = HaveAvx2Fma() ? ExpInPlaceAvx2 : ExpInPlaceScalar;
+  impl(x, n);
+}
+
+void LogInPlace(float* x, int n) {
+  static void (*const impl)(float*, int) = HaveAvx2Fma() ? LogInPlaceAvx2 : LogInPlaceScalar;
   impl(x, n);
 }
 

@@ -44,8 +44,12 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 
 // x[i] = e^x[i] for i in [0, n), each input first clamped to [-87, 88] (so that results stay
 // normal floats); relative error under 1e-6 (AVX2: Cephes' expf polynomial after range
-// reduction, eight at a time).
+// reduction, eight at a time). Each result depends only on its input, not on n or i.
 void ExpInPlace(float* x, int n);
+
+// x[i] = log x[i] for positive normal floats; error under 2e-7 (AVX2: Cephes' logf
+// polynomial, eight at a time). Each result depends only on its input, not on n or i.
+void LogInPlace(float* x, int n);
 
 }  // namespace kvtier
 

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "server/common/check.h"
 #include "server/common/vec.h"
 
 namespace kvtier {
@@ -49,21 +50,55 @@ float LogRest(uint32_t n) {
 
 }  // namespace
 
+float LogAddExp(float hi, float lo) {
+  float e = lo - hi;
+  ExpInPlace(&e, 1);
+  float u = 1.f + e;
+  LogInPlace(&u, 1);
+  return hi + u;
+}
+
+void LsePeakScores(std::span<const float> queries, int group,
+                   std::span<const ChunkCandidate> candidates, int head_dim, float* out) {
+  // Blocks of candidates, each head's hi = max(a, b) and t = min(a, b) - hi laid out
+  // [block][head]; then e^t, log(1 + e^t) and hi + that for the whole block at once: the
+  // steps of LogAddExp, value by value.
+  constexpr int kScratch = 1024;
+  const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
+  CHECK(group >= 1 && group <= kScratch);  // the session allows 256 query heads per KV head
+  const int block = kScratch / group;
+  float hi[kScratch], t[kScratch];
+  for (size_t first = 0; first < candidates.size(); first += block) {
+    const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
+    for (int i = 0; i < n; ++i) {
+      const ChunkCandidate& c = candidates[first + i];
+      const float log_rest = LogRest(c.tokens);
+      for (int h = 0; h < group; ++h) {
+        const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
+        const float a = Dot(q, c.key_sum, head_dim) * c.scale * inv_sqrt_d + log_rest;
+        const float b = Dot(q, c.peak, head_dim) * inv_sqrt_d;
+        const int k = i * group + h;
+        hi[k] = std::max(a, b);
+        t[k] = std::min(a, b) - hi[k];
+      }
+    }
+    const int m = n * group;
+    ExpInPlace(t, m);
+    for (int k = 0; k < m; ++k) t[k] += 1.f;
+    LogInPlace(t, m);
+    for (int i = 0; i < n; ++i) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int h = 0; h < group; ++h) best = std::max(best, hi[i * group + h] + t[i * group + h]);
+      out[first + i] = best;
+    }
+  }
+}
+
 float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                    int head_dim) {
-  const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
-  const float log_rest = LogRest(c.tokens);
-  float best = -std::numeric_limits<float>::infinity();
-  for (int h = 0; h < group; ++h) {
-    const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-    const float a = Dot(q, c.key_sum, head_dim) * c.scale * inv_sqrt_d + log_rest;
-    const float b = Dot(q, c.peak, head_dim) * inv_sqrt_d;
-    const float hi = std::max(a, b), lo = std::min(a, b);
-    // log(e^a + e^b) <= hi + log 2: a head that cannot beat the best so far needs no exp.
-    if (hi + 0.6931472f + 1e-6f * (1 + std::abs(hi)) < best) continue;
-    best = std::max(best, LogAddExp(hi, lo));
-  }
-  return best;
+  float score;
+  LsePeakScores(queries, group, std::span<const ChunkCandidate>(&c, 1), head_dim, &score);
+  return score;
 }
 
 std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
@@ -74,13 +109,17 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
     float score;
     uint32_t pos;
   };
+  std::vector<float> scores(candidates.size());
+  if (peak) {
+    LsePeakScores(queries, group, candidates, head_dim, scores.data());
+  } else {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      scores[i] = MeanScore(queries, group, candidates[i], head_dim);
+    }
+  }
   std::vector<Scored> scored;
   scored.reserve(candidates.size());
-  for (uint32_t i = 0; i < candidates.size(); ++i) {
-    scored.push_back({peak ? LsePeakScore(queries, group, candidates[i], head_dim)
-                           : MeanScore(queries, group, candidates[i], head_dim),
-                      i});
-  }
+  for (uint32_t i = 0; i < candidates.size(); ++i) scored.push_back({scores[i], i});
   auto better = [&](const Scored& a, const Scored& b) {
     if (a.score != b.score) return a.score > b.score;
     return candidates[a.pos].index < candidates[b.pos].index;

@@ -1,6 +1,7 @@
-// Ranking of a stream's chunks for one decode query: a linear scan until the cluster index
-// lands. Two scores, chosen per session (SessionPolicy.ranking), both the max over the KV
-// head's query heads:
+// Ranking of a stream's chunks for one decode query: the scores, and the linear scan a
+// session runs below IndexMinCandidates (the cluster index computes the same scores). Two
+// scores, chosen per session (SessionPolicy.ranking), both the max over the KV head's query
+// heads:
 //   RANKING_MEAN      q . mu, mu the mean of the chunk's keys;
 //   RANKING_LSE_PEAK  log((n - 1) e^(q.mu / sqrt d) + e^(q.k_peak / sqrt d)), k_peak the key
 //                     farthest from mu: the chunk's attention mass (log of sum of e^(q.k/sqrt d))
@@ -29,15 +30,12 @@ struct ChunkCandidate {
   const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
 
-// log(e^hi + e^lo) for hi >= lo (lo may be -inf): the one formula behind both the LSE-peak
-// score and the index's bounds on it, so that a bound and the score it covers round alike.
-// logf(1 + e) rather than log1pf: glibc's log1pf costs several times more (a third of a
-// Select's ranking time), and its extra precision (under 2^-24 of 1 + e) is far below the
-// rounding of hi + that term.
-inline float LogAddExp(float hi, float lo) {
-  return lo == -std::numeric_limits<float>::infinity() ? hi
-                                                       : hi + std::log(1.f + std::exp(lo - hi));
-}
+// log(e^hi + e^lo) for hi >= lo (lo may be -inf), as the LSE-peak score computes it: hi +
+// log(1 + e^(lo - hi)) through ExpInPlace and LogInPlace, whose results do not depend on how
+// many values go together, so that a chunk scores the same alone (LsePeakScore) and in a
+// block (LsePeakScores). log(1 + e) rather than log1p: its extra precision (under 2^-24 of
+// 1 + e) is far below the rounding of hi + that term.
+float LogAddExp(float hi, float lo);
 
 // An upper bound on log(1 + e^t) for t <= 0, given exp_t = e^t (to within 1e-6), with no
 // log, for the index's bounds on the LSE-peak score: log(1 + u) <= u, and log(1 + e^t) =
@@ -60,6 +58,10 @@ float MeanScore(std::span<const float> queries, int group, const ChunkCandidate&
 // b_h = queries[h] . peak / sqrt(d). A one-token chunk scores b.
 float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                    int head_dim);
+// LsePeakScore of every candidate into out[i], the same bits, with the exponentials and
+// logarithms of many candidates and heads eight at a time.
+void LsePeakScores(std::span<const float> queries, int group,
+                   std::span<const ChunkCandidate> candidates, int head_dim, float* out);
 
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is

@@ -221,6 +221,10 @@ class ClusterIndex {
                    std::span<const float> queries, const Prepared& p, float* out) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                    int group, const ChunkArrays& a) const;
+  // ChunkScore of each of `chunks` into out[i], the same values, computed together.
+  void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
+                   std::span<const float> queries, int group, const ChunkArrays& a,
+                   float* out) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
   // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
   // and mostly from outside the cache.
