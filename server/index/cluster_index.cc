@@ -264,20 +264,24 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // Tile by tile: [kind][group][kTile], the box bound of q.mu, then of q.peak, one pass over
-  // the tile's rows serving every head (a tile's unused lanes are zeros, bounded and never
-  // reported); then the bounds in fixed loops of kTile lanes, which the compiler vectorizes,
-  // the exponentials eight at a time through ExpInPlace.
+  // the tile's rows serving every head; then the bounds in fixed loops of kTile lanes (those
+  // without a node are bounded too, never reported), which the compiler vectorizes, the
+  // exponentials eight at a time through ExpInPlace.
   std::vector<float>& dots = p.dots;
-  dots.resize(2 * static_cast<size_t>(group) * kTile);
+  dots.resize(2 * static_cast<size_t>(group) * kTile, 0.f);
   auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * kTile]; };
   const size_t tile_halves = BoxRows() * kTile;
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint16_t* tile = &blk.box[BoxIndex(t, 0)];
     if (t + kTile < lanes) PrefetchBytes(tile + tile_halves, tile_halves * sizeof(uint16_t));
-    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, kTile, at(0, 0), kTile);
+    // Only the groups of eight lanes that hold nodes are computed; the others keep what they
+    // held (bounded, never reported).
+    const uint32_t in_tile = std::min(kTile, lanes - t);
+    const int computed = static_cast<int>((in_tile + 7) / 8 * 8);
+    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, computed, at(0, 0), kTile);
     if (lse) {
       DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * kTile,
-                 2 * d_, kTile, kTile, at(1, 0), kTile);
+                 2 * d_, kTile, computed, at(1, 0), kTile);
     }
     const float* sc = &blk.scalars[ScalarIndex(t, 0)];  // scalar s of lane i: sc[s * kTile + i]
     const float* margin_a = sc + kMarginA * kTile;
@@ -313,7 +317,6 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
       }
     }
     const float* unbounded = sc + kUnbounded * kTile;
-    const uint32_t in_tile = std::min(kTile, lanes - t);
     for (uint32_t i = 0; i < in_tile; ++i) out[t + i] = unbounded[i] != 0.f ? kInf : best[i];
   }
 }
