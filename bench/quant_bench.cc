@@ -80,10 +80,10 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   // boxes) and its record (about 112 bytes with its inline chunk list), shared by its
   // chunks; and each unit's the same plus its two center directions (float) for assignment.
   // Chunks per cluster and per unit as kvtier-bench's 128K-token index has them (8192
-  // chunks in 1961 clusters and 222 units).
+  // chunks in 2348 clusters and 280 units).
   const double cluster = 2.0 * d * sizeof(float) + 4.0 * d * 2 + 16 + 112;
   const double unit = cluster + 2.0 * d * sizeof(float);
-  const double index = 2.0 * d * sizeof(float) + 12 + cluster * 1961 / 8192 + unit * 222 / 8192;
+  const double index = 2.0 * d * sizeof(float) + 12 + cluster * 2348 / 8192 + unit * 280 / 8192;
   // Chunk record (count, precision, three slot refs) and the slot object with its shared
   // control block.
   const double bookkeeping = 64 + 96;
