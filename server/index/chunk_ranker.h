@@ -1,5 +1,5 @@
 // Ranking of a stream's chunks for one decode query: the scores, and the linear scan a
-// session runs below IndexMinCandidates (the cluster index computes the same scores). Two
+// session runs below kIndexMinCandidates (the cluster index computes the same scores). Two
 // scores, chosen per session (SessionPolicy.ranking), both the max over the KV head's query
 // heads:
 //   RANKING_MEAN      q . mu, mu the mean of the chunk's keys;

@@ -566,13 +566,12 @@ void Session::FillHandle(const Chunk& c, const Slot* slot, const uint8_t* fp16,
 }
 
 // Below this many candidate chunks a linear scan beats the index's best-first search.
-// Measured with kvtier-bench select (16-token chunks, head_dim 64, budget 256): the scan
-// against the index took 68 against 95 us at 512 chunks (8K tokens), 116 against 96 at 1024
-// and 175 against 65 at 2048. Semantic chunks, whose regrouped chunks score more alike,
-// cross later: 116 against 254 at 1024, 175 against 142 at 2048.
-static uint64_t IndexMinCandidates(v1::Chunking chunking) {
-  return chunking == v1::CHUNKING_SEMANTIC ? 2048 : 1024;
-}
+// Measured with kvtier-bench select (16-token chunks, head_dim 64, budget 256; three runs,
+// in us): the scan against the index took 51-58 against 90-116 at 512 chunks (8K tokens),
+// 74-111 against 102-126 at 1024, and 196-222 against 104-120 at 2048; the index with
+// semantic chunks took 168-195 at 2048. (Before the scan scored its candidates' exponentials
+// and logarithms eight at a time, the index won from 1024 contiguous chunks.)
+constexpr uint64_t kIndexMinCandidates = 2048;
 
 std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const float> qh,
                                               uint32_t group, const std::vector<bool>& mandatory,
@@ -595,8 +594,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
   }
   const bool record = layer != kNoLayer;
   if (record) select_candidates_[layer] += candidates;
-  const uint64_t index_min = IndexMinCandidates(policy_.chunking());
-  if (s.index && !uniform && candidates >= index_min) {
+  if (s.index && !uniform && candidates >= kIndexMinCandidates) {
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras
     // scored beside it. The answer is the scan's.
     ClusterIndex::SearchStats stats;
@@ -606,7 +604,7 @@ std::vector<uint32_t> Session::RankCandidates(const Stream& s, std::span<const f
     if (record) select_scored_[layer] += stats.chunks_scored;
     return found;
   }
-  if (!s.index || !uniform || candidates < index_min) {
+  if (!s.index || !uniform || candidates < kIndexMinCandidates) {
     // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
     // answer is the same.
     if (record) select_scored_[layer] += candidates;
