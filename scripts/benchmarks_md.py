@@ -42,6 +42,10 @@ TARGETS = [
      "through the index's own DotColumns kernel); oracle ratios and the share of "
      "chunks scored are in the parameters of `kvtier-bench`'s own lines (EVAL's targets at "
      "128K: <= 0.1x exact, <= 1/3 of quest, at oracle ratio >= 0.95)"),
+    ("select_vs_quest", "<=", 0.333, "kvtier's Select ranking time (the cluster index, "
+     "128K tokens) against Quest's page scan: the median over queries of each query's ratio, "
+     "both timed on that query moments apart (the ratio of the medians is in the parameters); "
+     "EVAL's target <= 1/3"),
     ("select_growth_exponent", None, None, "exponent of a log-log fit of Select time "
      "against context tokens, 4K to 128K (below 1: sub-linear)"),
     ("remote_demote_throughput", None, None, "a whole int4 session (SmolLM2 shape, 4096 "

@@ -547,14 +547,16 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
     uint32_t id;
     bool operator<(const Node& o) const { return bound < o.bound; }
   };
-  std::priority_queue<Node> open;
   SearchStats local;
   if (k == 0) return {};
   const Prepared prep = Prepare(queries, group);
   std::vector<float> bounds(units_.size());
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
               bounds.data());
-  for (uint32_t u = 0; u < units_.size(); ++u) open.push({bounds[u], true, u});
+  std::vector<Node> units;  // heaped at once rather than pushed one by one
+  units.reserve(units_.size() + 64);
+  for (uint32_t u = 0; u < units_.size(); ++u) units.push_back({bounds[u], true, u});
+  std::priority_queue<Node> open(std::less<Node>(), std::move(units));
   local.bounds_scored += units_.size();
   while (!open.empty()) {
     const Node n = open.top();
