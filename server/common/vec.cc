@@ -206,8 +206,6 @@ void DotColumnsScalar(const float* a, int m, int a_stride, const T* cols, int n,
   }
 }
 
-// e^x = 2^k e^r with k = round(x / ln 2) and |r| <= ln 2 / 2; ln 2 split in two parts so that
-// r is exact, and e^r by Cephes' expf polynomial.
 // Eight at a time, every element by the same instructions: a tail shorter than eight goes
 // through the same vector code in a padded copy, so that no result depends on its place.
 template <typename Eight>
@@ -224,6 +222,8 @@ __attribute__((target("avx2,fma"))) inline void EightAtATime(float* x, int n, fl
   }
 }
 
+// e^x = 2^k e^r with k = round(x / ln 2) and |r| <= ln 2 / 2; ln 2 split in two parts so that
+// r is exact, and e^r by Cephes' expf polynomial.
 struct ExpEight {
   __attribute__((target("avx2,fma"))) __m256 operator()(__m256 v) const {
     const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
@@ -311,7 +311,6 @@ void LogInPlaceScalar(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::log(x[i]);
 }
 
-
 }  // namespace
 
 void AddRowsScalar(HalfKind kind, const uint16_t* rows, int n, int d, float* sum) {
@@ -347,7 +346,6 @@ float (*const kDot)(const float*, const float*, int) = HaveAvx2Fma() ? DotAvx2 :
 float Dot(const float* a, const float* b, int n) {
   return kDot(a, b, n);
 }
-
 
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {
   static void (*const impl)(const float*, int, bool, uint16_t*) =

@@ -30,11 +30,11 @@ struct ChunkCandidate {
   const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
 
-// log(e^hi + e^lo) for hi >= lo (lo may be -inf), as the LSE-peak score computes it: hi +
-// log(1 + e^(lo - hi)) through ExpInPlace and LogInPlace, whose results do not depend on how
-// many values go together, so that a chunk scores the same alone (LsePeakScore) and in a
-// block (LsePeakScores). log(1 + e) rather than log1p: its extra precision (under 2^-24 of
-// 1 + e) is far below the rounding of hi + that term.
+// log(e^hi + e^lo) for hi >= lo (lo may be -inf) for one pair, by the steps LsePeakScores
+// takes for every (chunk, head) at once: hi + log(1 + e^(lo - hi)) through ExpInPlace and
+// LogInPlace, whose results do not depend on how many values go together, so both give the
+// same bits (the index's bound is tested against it). log(1 + e) rather than log1p: its extra
+// precision (under 2^-24 of 1 + e) is far below the rounding of hi + that term.
 float LogAddExp(float hi, float lo);
 
 // An upper bound on log(1 + e^t) for t <= 0, given exp_t = e^t (to within 1e-6), with no

@@ -227,12 +227,8 @@ void ClusterIndex::CopyLane(const Block& src, uint32_t from, Block& dst, uint32_
 
 void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkArrays& a) const {
   for (uint32_t ch : c.chunks) {
-    const char* sum = reinterpret_cast<const char*>(a.key_sums + static_cast<size_t>(ch) * d_);
-    const char* peak = reinterpret_cast<const char*>(Peak(ch, a));
-    for (size_t off = 0; off < d_ * sizeof(float); off += 64) {
-      __builtin_prefetch(sum + off);
-      __builtin_prefetch(peak + off);
-    }
+    PrefetchBytes(a.key_sums + static_cast<size_t>(ch) * d_, d_ * sizeof(float));
+    PrefetchBytes(Peak(ch, a), d_ * sizeof(float));
   }
 }
 
@@ -342,6 +338,22 @@ void ClusterIndex::ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> ch
   } else {
     for (size_t i = 0; i < cands.size(); ++i) out[i] = MeanScore(queries, group, cands[i], d_);
   }
+}
+
+void ClusterIndex::ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next,
+                                uint64_t max_tokens, const std::vector<bool>& skip,
+                                std::span<const float> queries, int group, const ChunkArrays& a,
+                                ClusterChunks* chunks, ClusterScores* scores) const {
+  // This cluster's chunks' loads all start at once, and the next cluster's too. (Started for
+  // every cluster as its unit was opened, they were mostly wasted: kvtier-bench at 128K,
+  // kvtier over quest 0.332 against 0.360, medians of 5 runs.)
+  PrefetchChunks(clusters_[cluster], a);
+  if (next) PrefetchChunks(*next, a);
+  for (uint32_t ch : clusters_[cluster].chunks) {
+    if ((ch >= skip.size() || !skip[ch]) && tokens_[ch] <= max_tokens) chunks->push_back(ch);
+  }
+  scores->resize(chunks->size());
+  ScoreChunks(ranking, *chunks, queries, group, a, scores->data());
 }
 
 template <typename VecFn>
@@ -577,18 +589,11 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
       }
       continue;
     }
-    // This cluster's chunks' loads all start at once, and the next cluster's too. (Started
-    // for every cluster as its unit was opened, they were mostly wasted: kvtier-bench at 128K,
-    // kvtier over quest 0.332 against 0.360, medians of 5 runs.)
-    PrefetchChunks(clusters_[n.id], a);
-    if (!open.empty() && !open.top().is_unit) PrefetchChunks(clusters_[open.top().id], a);
-    // The cluster's chunks scored together (their exponentials and logarithms in one pass).
-    absl::InlinedVector<uint32_t, 32> chunks;
-    for (uint32_t ch : clusters_[n.id].chunks) {
-      if (ch >= skip.size() || !skip[ch]) chunks.push_back(ch);
-    }
-    absl::InlinedVector<float, 32> scores(chunks.size());
-    ScoreChunks(ranking, chunks, queries, group, a, scores.data());
+    const Node* next = open.empty() || open.top().is_unit ? nullptr : &open.top();
+    ClusterChunks chunks;
+    ClusterScores scores;
+    ScoreCluster(ranking, n.id, next ? &clusters_[next->id] : nullptr,
+                 std::numeric_limits<uint32_t>::max(), skip, queries, group, a, &chunks, &scores);
     local.chunks_scored += chunks.size();
     for (size_t i = 0; i < chunks.size(); ++i) {
       const Scored s{scores[i], chunks[i]};
@@ -681,16 +686,11 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
         break;
       }
       case kCluster: {
-        PrefetchChunks(clusters_[it.id], a);  // as in Search
-        if (!open.empty() && open.top().kind == kCluster) {
-          PrefetchChunks(clusters_[open.top().id], a);
-        }
-        absl::InlinedVector<uint32_t, 32> chunks;
-        for (uint32_t ch : clusters_[it.id].chunks) {
-          if ((ch >= skip.size() || !skip[ch]) && tokens_[ch] <= left) chunks.push_back(ch);
-        }
-        absl::InlinedVector<float, 32> scores(chunks.size());
-        ScoreChunks(ranking, chunks, queries, group, a, scores.data());
+        const Item* next = open.empty() || open.top().kind != kCluster ? nullptr : &open.top();
+        ClusterChunks chunks;
+        ClusterScores scores;
+        ScoreCluster(ranking, it.id, next ? &clusters_[next->id] : nullptr, left, skip, queries,
+                     group, a, &chunks, &scores);
         local.chunks_scored += chunks.size();
         for (size_t i = 0; i < chunks.size(); ++i) {
           open.push({scores[i], kChunk, chunks[i], tokens_[chunks[i]]});

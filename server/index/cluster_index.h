@@ -227,6 +227,15 @@ class ClusterIndex {
   void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
                    std::span<const float> queries, int group, const ChunkArrays& a,
                    float* out) const;
+  // A searched cluster's chunks and their scores: those not in `skip` and of at most
+  // max_tokens tokens, scored together (their exponentials and logarithms in one pass). Its
+  // chunks' loads start first, and those of `next` (the cluster the search may open next).
+  using ClusterChunks = absl::InlinedVector<uint32_t, 32>;
+  using ClusterScores = absl::InlinedVector<float, 32>;
+  void ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next,
+                    uint64_t max_tokens, const std::vector<bool>& skip,
+                    std::span<const float> queries, int group, const ChunkArrays& a,
+                    ClusterChunks* chunks, ClusterScores* scores) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
   // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
   // and mostly from outside the cache.
