@@ -39,6 +39,8 @@ struct ChunkArrays {
 
 class ClusterIndex {
  public:
+  // The default target of chunks per fine cluster (Options::cluster_chunks).
+  static constexpr uint32_t kClusterChunks = 6;
   struct Options {
     // Sizes chosen by measurement (kvtier-bench at 128K tokens): units of 8 clusters rather
     // than 16 halve a search's work (bounds and chunks scored 0.083 of the chunks, against
@@ -47,7 +49,7 @@ class ClusterIndex {
     // (2348 against 1961 for 8192 chunks: the index's memory per old token 56.9 bytes
     // against 52.8 at head_dim 64). Clusters of 4 cost a third more memory than 8 for
     // little more speed.
-    uint32_t cluster_chunks = 6;   // target chunks per fine cluster (re-split past 2x)
+    uint32_t cluster_chunks = kClusterChunks;  // target per fine cluster (re-split past 2x)
     uint32_t unit_clusters = 8;    // target clusters per coarse unit (re-split past 2x)
     // Group chunks by the directions of their mean and of their peak together (joins by the
     // sum of the two cosines, splits by 2-means on both), so that the peak boxes the LSE-peak
@@ -187,9 +189,9 @@ class ClusterIndex {
 
   struct Cluster {
     Bounds b;
-    // Held in the struct up to twice the default cluster size (one read when the search opens
-    // the cluster, not two).
-    absl::InlinedVector<uint32_t, 17> chunks;
+    // Held in the struct up to twice the default cluster size and the one chunk that makes it
+    // split (one read when the search opens the cluster, not two).
+    absl::InlinedVector<uint32_t, 2 * kClusterChunks + 1> chunks;
     uint32_t unit = kNone;
     uint32_t lane = 0;  // its place in the unit's clusters and block
     float built_radius = 0;
