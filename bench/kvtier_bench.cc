@@ -317,6 +317,10 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
                 [](float x, int r) { return r < kD ? FloatToHalfUp(x) : FloatToHalfDown(x); });
   std::vector<float> scratch;
   std::map<std::string, Result> res;
+  struct {
+    double opened = 0, reaching = 0, needed = 0, clusters_in_needed = 0, chunks_scored = 0;
+    int searches = 0;
+  } units;  // kvtier's unit level, summed over queries
   std::vector<double> scores(s.n);
   for (int qi = 0; qi < queries; ++qi) {
     const std::vector<float> q = MakeQuery(topics, rng);
@@ -424,6 +428,20 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
       // Work counts every bound computed as well as every chunk scored.
       record(name, secs, ChunkMass(truth, *layout, chosen),
              double(st.chunks_scored + st.bounds_scored), *layout);
+      if (idx == &index && !chosen.empty()) {  // the unit level against the k-th score
+        const uint32_t last = chosen.back();
+        const auto n = uint32_t(layout->rows[last].size());
+        const float kth = LsePeakScore(
+            q, kGroup, {last, n, &layout->sums[last * kD], 1.f / float(n), &layout->peaks[last * kD]},
+            kD);
+        const ClusterIndex::UnitProfile p = index.ProfileUnits(ranking, q, kGroup, kth);
+        units.opened += double(st.units_opened);
+        units.reaching += double(p.units_reaching);
+        units.needed += double(p.units_needed);
+        units.clusters_in_needed += double(p.clusters_in_needed);
+        units.chunks_scored += double(st.chunks_scored);
+        units.searches += 1;
+      }
     }
   }
   const double exact_us = bench::Median(res["exact"].us);
@@ -443,6 +461,25 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
         name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(),
         index.num_units());
     (*growth)[name].push_back({double(tokens), us});
+  }
+  // How loose the unit level is: the units a search opened against those holding a cluster
+  // whose bound reaches the k-th score (all it would open were each unit's bound the largest
+  // of its clusters'), and the work it would then do (the units' bounds, the clusters' bounds
+  // of the units needed, the chunks scored) beside the work it did.
+  if (units.searches > 0) {
+    const double m = units.searches, chunks = double(contiguous.chunks());
+    std::printf(
+        "{\"name\": \"select_units_opened\", \"value\": %.2f, \"unit\": \"units\", "
+        "\"baseline\": %.2f, \"baseline_name\": \"units holding a cluster reaching the k-th "
+        "score\", \"ratio\": %.3f, \"policy\": \"kvtier\", \"tokens\": %d, \"parameters\": "
+        "{\"policy\": \"kvtier\", \"tokens\": %d, \"budget\": %d, \"queries\": %d, "
+        "\"units\": %zu, \"units_reaching\": %.2f, \"work\": %.4f, "
+        "\"work_with_exact_unit_bounds\": %.4f}}\n",
+        units.opened / m, units.needed / m, units.opened / std::max(units.needed, 1.0), tokens,
+        tokens, budget, queries, index.num_units(), units.reaching / m,
+        res["kvtier"].total ? res["kvtier"].scored / res["kvtier"].total : 0.0,
+        (double(index.num_units()) + units.clusters_in_needed / m + units.chunks_scored / m) /
+            chunks);
   }
   // EVAL's target against Quest at 128K tokens, as the median over queries of each query's
   // kvtier time over its quest time: both measured on that query moments apart, so that the

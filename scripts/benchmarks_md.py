@@ -46,6 +46,10 @@ TARGETS = [
      "128K tokens) against Quest's page scan: the median over queries of each query's ratio, "
      "both timed on that query moments apart (the ratio of the medians is in the parameters); "
      "EVAL's target <= 1/3"),
+    ("select_units_opened", None, None, "units a kvtier search opened per query against "
+     "the units holding a cluster whose bound reaches the k-th score (all it would open were "
+     "each unit's bound the largest of its clusters'); the parameters give the work done and "
+     "the work it would then do (EVAL's target: <= 10% at 32K)"),
     ("select_growth_exponent", None, None, "exponent of a log-log fit of Select time "
      "against context tokens, 4K to 128K (below 1: sub-linear)"),
     ("remote_demote_throughput", None, None, "a whole int4 session (SmolLM2 shape, 4096 "

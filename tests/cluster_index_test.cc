@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <set>
 
 #include "gtest/gtest.h"
 #include "server/index/chunk_ranker.h"
@@ -126,6 +127,23 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
               << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
               << s.tokens.size();
           EXPECT_LE(stats.chunks_scored, s.tokens.size());
+          // The unit level against the k-th score: a search opens every unit whose bound
+          // reaches it, and the clusters of the answer all reach it.
+          const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
+          if (answer.size() == k) {
+            const uint32_t last = answer.back();
+            const ChunkCandidate c{last, s.tokens[last], &s.sums[size_t(last) * kD],
+                                   1.f / s.tokens[last], &s.peaks[size_t(last) * kD]};
+            const float kth = r == v1::RANKING_LSE_PEAK ? LsePeakScore(q, kGroup, c, kD)
+                                                        : MeanScore(q, kGroup, c, kD);
+            const ClusterIndex::UnitProfile profile = index.ProfileUnits(r, q, kGroup, kth);
+            EXPECT_GE(stats.units_opened, profile.units_reaching);
+            std::set<uint32_t> clusters;
+            for (uint32_t ch : answer) clusters.insert(index.cluster_of(ch));
+            EXPECT_GE(profile.clusters_reaching, clusters.size());
+            EXPECT_LE(profile.units_needed, index.num_units());
+            EXPECT_GE(profile.clusters_in_needed, profile.clusters_reaching);
+          }
         }
       }
     }

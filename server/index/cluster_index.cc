@@ -583,6 +583,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
       BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
                   bounds.data());
       local.bounds_scored += u.clusters.size();
+      ++local.units_opened;
       for (size_t i = 0; i < u.clusters.size(); ++i) {
         if (bounds[i] < threshold) continue;  // it cannot win
         open.push({bounds[i], false, u.clusters[i]});
@@ -616,6 +617,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   if (stats) {
     stats->chunks_scored += local.chunks_scored;
     stats->bounds_scored += local.bounds_scored;
+    stats->units_opened += local.units_opened;
   }
   return out;
 }
@@ -678,6 +680,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
         BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
                     bounds.data());
         local.bounds_scored += u.clusters.size();
+        ++local.units_opened;
         for (size_t i = 0; i < u.clusters.size(); ++i) {
           const uint32_t cl = u.clusters[i];
           if (clusters_[cl].b.min_tokens > left) continue;  // nothing in it fits any more
@@ -702,6 +705,30 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
   if (stats) {
     stats->chunks_scored += local.chunks_scored;
     stats->bounds_scored += local.bounds_scored;
+    stats->units_opened += local.units_opened;
+  }
+  return out;
+}
+
+ClusterIndex::UnitProfile ClusterIndex::ProfileUnits(v1::Ranking ranking,
+                                                     std::span<const float> queries, int group,
+                                                     float threshold) const {
+  UnitProfile out;
+  const Prepared prep = Prepare(queries, group);
+  std::vector<float> unit_bounds(units_.size()), bounds;
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
+              unit_bounds.data());
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = units_[u];
+    bounds.resize(unit.clusters.size());
+    BlockBounds(ranking, unit.block, static_cast<uint32_t>(unit.clusters.size()), queries, prep,
+                bounds.data());
+    const auto reaching = static_cast<uint64_t>(
+        std::count_if(bounds.begin(), bounds.end(), [&](float b) { return b >= threshold; }));
+    out.units_reaching += unit_bounds[u] >= threshold;
+    out.units_needed += reaching > 0;
+    out.clusters_in_needed += reaching > 0 ? unit.clusters.size() : 0;
+    out.clusters_reaching += reaching;
   }
   return out;
 }

@@ -64,6 +64,7 @@ class ClusterIndex {
   struct SearchStats {
     uint64_t chunks_scored = 0;   // chunks whose score was computed
     uint64_t bounds_scored = 0;   // unit and cluster bounds computed
+    uint64_t units_opened = 0;    // units whose clusters' bounds were computed
   };
 
   explicit ClusterIndex(int head_dim) : ClusterIndex(head_dim, Options{}) {}
@@ -102,6 +103,19 @@ class ClusterIndex {
   size_t num_chunks() const { return num_chunks_; }
   size_t num_clusters() const;
   size_t num_units() const;
+
+  // How tight the unit level is for a query whose k-th best score is `threshold`: units whose
+  // bound reaches it (a search opens at least these), units holding a cluster whose bound
+  // reaches it (all a search would need to open, were each unit's bound the largest of its
+  // clusters'), the clusters those hold, and the clusters whose bound reaches it.
+  struct UnitProfile {
+    uint64_t units_reaching = 0;
+    uint64_t units_needed = 0;
+    uint64_t clusters_in_needed = 0;
+    uint64_t clusters_reaching = 0;
+  };
+  UnitProfile ProfileUnits(v1::Ranking ranking, std::span<const float> queries, int group,
+                           float threshold) const;
 
   // Test hooks: bound violations for these queries (a chunk scoring above its cluster's or
   // unit's bound), and structural invariants (every chunk in exactly one cluster, every
