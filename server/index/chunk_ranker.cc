@@ -101,22 +101,26 @@ float LsePeakScore(std::span<const float> queries, int group, const ChunkCandida
   return score;
 }
 
+void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group,
+                     int head_dim, std::span<const ChunkCandidate> candidates, float* out) {
+  if (ranking == v1::RANKING_LSE_PEAK) {
+    LsePeakScores(queries, group, candidates, head_dim, out);
+  } else {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      out[i] = MeanScore(queries, group, candidates[i], head_dim);
+    }
+  }
+}
+
 std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
                                    int group, int head_dim,
                                    std::span<const ChunkCandidate> candidates, uint64_t budget) {
-  const bool peak = ranking == v1::RANKING_LSE_PEAK;
   struct Scored {
     float score;
     uint32_t pos;
   };
   std::vector<float> scores(candidates.size());
-  if (peak) {
-    LsePeakScores(queries, group, candidates, head_dim, scores.data());
-  } else {
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      scores[i] = MeanScore(queries, group, candidates[i], head_dim);
-    }
-  }
+  ScoreCandidates(ranking, queries, group, head_dim, candidates, scores.data());
   std::vector<Scored> scored;
   scored.reserve(candidates.size());
   for (uint32_t i = 0; i < candidates.size(); ++i) scored.push_back({scores[i], i});

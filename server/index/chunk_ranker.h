@@ -63,6 +63,10 @@ float LsePeakScore(std::span<const float> queries, int group, const ChunkCandida
 void LsePeakScores(std::span<const float> queries, int group,
                    std::span<const ChunkCandidate> candidates, int head_dim, float* out);
 
+// Each candidate's score by `ranking` (LsePeakScore or MeanScore) into out[i].
+void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group,
+                     int head_dim, std::span<const ChunkCandidate> candidates, float* out);
+
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
 // deterministic.

@@ -333,11 +333,7 @@ void ClusterIndex::ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> ch
     cands.push_back({ch, tokens_[ch], a.key_sums + static_cast<size_t>(ch) * d_,
                      1.f / static_cast<float>(tokens_[ch]), Peak(ch, a)});
   }
-  if (ranking == v1::RANKING_LSE_PEAK) {
-    LsePeakScores(queries, group, cands, d_, out);
-  } else {
-    for (size_t i = 0; i < cands.size(); ++i) out[i] = MeanScore(queries, group, cands[i], d_);
-  }
+  ScoreCandidates(ranking, queries, group, d_, cands, out);
 }
 
 void ClusterIndex::ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next,
@@ -646,13 +642,13 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
   SearchStats local;
   const Prepared prep = Prepare(queries, group);
   uint32_t smallest = std::numeric_limits<uint32_t>::max();
-  for (const ChunkCandidate& c : extras) {
-    open.push({ranking == v1::RANKING_LSE_PEAK ? LsePeakScore(queries, group, c, d_)
-                                               : MeanScore(queries, group, c, d_),
-               kChunk, c.index, c.tokens});
-    smallest = std::min(smallest, c.tokens);
-    ++local.chunks_scored;
+  std::vector<float> extra_scores(extras.size());
+  ScoreCandidates(ranking, queries, group, d_, extras, extra_scores.data());
+  for (size_t i = 0; i < extras.size(); ++i) {
+    open.push({extra_scores[i], kChunk, extras[i].index, extras[i].tokens});
+    smallest = std::min(smallest, extras[i].tokens);
   }
+  local.chunks_scored += extras.size();
   std::vector<float> bounds(units_.size());
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
               bounds.data());
