@@ -122,14 +122,13 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
         for (size_t c = 0; c < skip.size(); c += 7) skip[c] = trial % 3 == 0;
         for (size_t k : {1, 12, 60}) {
           ClusterIndex::SearchStats stats;
-          EXPECT_EQ(index.Search(r, q, kGroup, k, s.arrays(), skip, &stats),
-                    Linear(r, q, s, k, skip))
+          const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
+          EXPECT_EQ(index.Search(r, q, kGroup, k, s.arrays(), skip, &stats), answer)
               << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
               << s.tokens.size();
           EXPECT_LE(stats.chunks_scored, s.tokens.size());
           // The unit level against the k-th score: a search opens every unit whose bound
           // reaches it, and the clusters of the answer all reach it.
-          const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
           if (answer.size() == k) {
             const uint32_t last = answer.back();
             const ChunkCandidate c{last, s.tokens[last], &s.sums[size_t(last) * kD],

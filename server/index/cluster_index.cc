@@ -706,34 +706,9 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
   return out;
 }
 
-ClusterIndex::UnitProfile ClusterIndex::ProfileUnits(v1::Ranking ranking,
-                                                     std::span<const float> queries, int group,
-                                                     float threshold) const {
-  UnitProfile out;
-  const Prepared prep = Prepare(queries, group);
-  std::vector<float> unit_bounds(units_.size()), bounds;
-  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
-              unit_bounds.data());
-  for (uint32_t u = 0; u < units_.size(); ++u) {
-    const Unit& unit = units_[u];
-    bounds.resize(unit.clusters.size());
-    BlockBounds(ranking, unit.block, static_cast<uint32_t>(unit.clusters.size()), queries, prep,
-                bounds.data());
-    const auto reaching = static_cast<uint64_t>(
-        std::count_if(bounds.begin(), bounds.end(), [&](float b) { return b >= threshold; }));
-    out.units_reaching += unit_bounds[u] >= threshold;
-    out.units_needed += reaching > 0;
-    out.clusters_in_needed += reaching > 0 ? unit.clusters.size() : 0;
-    out.clusters_reaching += reaching;
-  }
-  return out;
-}
-
-uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const float> queries,
-                                            int group, const ChunkArrays& a) const {
-  // The bounds as the searches compute them: every unit's from units_block_, each unit's
-  // clusters' from its block.
-  uint64_t violations = 0;
+template <typename Visit>
+void ClusterIndex::ForEachUnitBounds(v1::Ranking ranking, std::span<const float> queries,
+                                     int group, Visit visit) const {
   const Prepared prep = Prepare(queries, group);
   std::vector<float> unit_bounds(units_.size()), cluster_bounds;
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
@@ -743,13 +718,39 @@ uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const
     cluster_bounds.resize(cls.size());
     BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), queries, prep,
                 cluster_bounds.data());
-    for (size_t i = 0; i < cls.size(); ++i) {
-      for (uint32_t ch : clusters_[cls[i]].chunks) {
-        const float s = ChunkScore(ranking, ch, queries, group, a);
-        violations += (s > cluster_bounds[i]) + (s > unit_bounds[u]);
-      }
-    }
+    visit(u, unit_bounds[u], std::span<const float>(cluster_bounds));
   }
+}
+
+ClusterIndex::UnitProfile ClusterIndex::ProfileUnits(v1::Ranking ranking,
+                                                     std::span<const float> queries, int group,
+                                                     float threshold) const {
+  UnitProfile out;
+  ForEachUnitBounds(ranking, queries, group,
+                    [&](uint32_t, float unit_bound, std::span<const float> bounds) {
+                      const auto reaching = static_cast<uint64_t>(std::count_if(
+                          bounds.begin(), bounds.end(), [&](float b) { return b >= threshold; }));
+                      out.units_reaching += unit_bound >= threshold;
+                      out.units_needed += reaching > 0;
+                      out.clusters_in_needed += reaching > 0 ? bounds.size() : 0;
+                      out.clusters_reaching += reaching;
+                    });
+  return out;
+}
+
+uint64_t ClusterIndex::CountBoundViolations(v1::Ranking ranking, std::span<const float> queries,
+                                            int group, const ChunkArrays& a) const {
+  uint64_t violations = 0;
+  ForEachUnitBounds(ranking, queries, group,
+                    [&](uint32_t u, float unit_bound, std::span<const float> bounds) {
+                      const std::vector<uint32_t>& cls = units_[u].clusters;
+                      for (size_t i = 0; i < cls.size(); ++i) {
+                        for (uint32_t ch : clusters_[cls[i]].chunks) {
+                          const float s = ChunkScore(ranking, ch, queries, group, a);
+                          violations += (s > bounds[i]) + (s > unit_bound);
+                        }
+                      }
+                    });
   return violations;
 }
 

@@ -252,6 +252,11 @@ class ClusterIndex {
                     uint64_t max_tokens, const std::vector<bool>& skip,
                     std::span<const float> queries, int group, const ChunkArrays& a,
                     ClusterChunks* chunks, ClusterScores* scores) const;
+  // visit(u, unit_bound, cluster_bounds) for every unit u: its bound and its clusters' (lane
+  // i = clusters[i]), all computed as the searches compute them (the test and profile hooks).
+  template <typename Visit>
+  void ForEachUnitBounds(v1::Ranking ranking, std::span<const float> queries, int group,
+                         Visit visit) const;
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
   // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
   // and mostly from outside the cache.
