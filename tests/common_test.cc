@@ -209,6 +209,81 @@ TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
   }
 }
 
+TEST(BoxGrowth, EachLaneAgreesWithDoubleAndTheScalarPath) {
+  // Boxes drawn as halves (hi >= lo), points inside, outside and on their faces; lane counts
+  // around the groups of 8 and 16, and a stride with no room past the last group.
+  std::mt19937 rng(21);
+  std::normal_distribution<float> n(0, 1);
+  for (int m : {1, 3, 64}) {
+    for (int pairs : {1, 2}) {
+      for (int lanes : {1, 7, 8, 9, 16, 17, 24}) {
+        const int stride = (lanes + 7) / 8 * 8;
+        std::vector<uint16_t> cols(size_t(2 * pairs * m) * stride);
+        for (int p = 0; p < pairs; ++p) {
+          for (int j = 0; j < m; ++j) {
+            for (int i = 0; i < stride; ++i) {
+              float a = n(rng), b = n(rng);
+              if (a < b) std::swap(a, b);
+              cols[(size_t(2 * p) * m + j) * stride + i] = FloatToHalfUp(a);
+              cols[(size_t(2 * p + 1) * m + j) * stride + i] = FloatToHalfDown(b);
+            }
+          }
+        }
+        std::vector<float> x(size_t(pairs) * m);
+        for (size_t r = 0; r < x.size(); ++r) {
+          // Every third channel exactly on lane 0's upper face.
+          x[r] = r % 3 == 0 ? HalfToFloat(cols[(size_t(2 * (r / m)) * m + r % m) * stride])
+                            : 1.5f * n(rng);
+        }
+        std::vector<float> grow(lanes + 1, -7.f), width(lanes + 1, -7.f);
+        std::vector<float> sgrow(lanes), swidth(lanes);
+        BoxGrowth(x.data(), pairs, m, cols.data(), stride, lanes, grow.data(), width.data());
+        BoxGrowthScalar(x.data(), pairs, m, cols.data(), stride, lanes, sgrow.data(),
+                        swidth.data());
+        for (int i = 0; i < lanes; ++i) {
+          double g = 0, w = 0, mag = 0;
+          for (int p = 0; p < pairs; ++p) {
+            for (int j = 0; j < m; ++j) {
+              const double xv = x[size_t(p) * m + j];
+              const double hi = HalfToFloat(cols[(size_t(2 * p) * m + j) * stride + i]);
+              const double lo = HalfToFloat(cols[(size_t(2 * p + 1) * m + j) * stride + i]);
+              g += std::max(0.0, xv - hi) + std::max(0.0, lo - xv);
+              w += hi - lo;
+              mag += std::fabs(xv) + std::fabs(hi) + std::fabs(lo);
+            }
+          }
+          EXPECT_NEAR(grow[i], g, 1e-6 * mag) << "m " << m << " pairs " << pairs << " i " << i;
+          EXPECT_NEAR(width[i], w, 1e-6 * mag) << "m " << m << " pairs " << pairs << " i " << i;
+          EXPECT_EQ(std::bit_cast<uint32_t>(grow[i]), std::bit_cast<uint32_t>(sgrow[i]));
+          EXPECT_EQ(std::bit_cast<uint32_t>(width[i]), std::bit_cast<uint32_t>(swidth[i]));
+        }
+        EXPECT_EQ(grow[lanes], -7.f) << "wrote past lane " << lanes - 1;
+        EXPECT_EQ(width[lanes], -7.f) << "wrote past lane " << lanes - 1;
+      }
+    }
+  }
+  // Fixed boxes [lo, hi] on one channel against the point 0.
+  const uint16_t box[2 * 8] = {FloatToHalf(1.f), FloatToHalf(2.f), FloatToHalf(0.5f),
+                               FloatToHalf(0.f), FloatToHalf(3.f), FloatToHalf(1.f),
+                               FloatToHalf(1.f), FloatToHalf(1.f),
+                               FloatToHalf(-1.f), FloatToHalf(0.f), FloatToHalf(-0.5f),
+                               FloatToHalf(0.f), FloatToHalf(-3.f), FloatToHalf(1.f),
+                               FloatToHalf(0.f), FloatToHalf(-2.f)};
+  float g[8], w[8];
+  const float inside = 0.f;
+  BoxGrowth(&inside, 1, 1, box, 8, 8, g, w);
+  EXPECT_EQ(g[0], 0.f);
+  EXPECT_EQ(w[0], 2.f);
+  EXPECT_EQ(g[1], 0.f);
+  EXPECT_EQ(w[1], 2.f);
+  EXPECT_EQ(g[3], 0.f);  // box [0, 0]: on both faces
+  EXPECT_EQ(w[3], 0.f);
+  EXPECT_EQ(g[5], 1.f);  // box [1, 1]: the point lies 1 below it
+  EXPECT_EQ(w[5], 0.f);
+  EXPECT_EQ(g[7], 0.f);  // box [-2, 1]
+  EXPECT_EQ(w[7], 3.f);
+}
+
 TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
   std::mt19937 rng(11);
   std::normal_distribution<float> n(0, 1);

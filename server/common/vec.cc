@@ -188,6 +188,52 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int
   }
 }
 
+// BoxGrowth for G groups of 8 lanes (cols starts at the first), every row read once; the
+// sums go to grow[0, 8 G) and width[0, 8 G).
+template <int G>
+__attribute__((target("avx2,f16c"))) inline void BoxGrowthLanes(const float* x, int pairs, int m,
+                                                               const uint16_t* cols, int stride,
+                                                               float* grow, float* width) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 g[G], w[G];
+  for (int k = 0; k < G; ++k) g[k] = w[k] = zero;
+  for (int p = 0; p < pairs; ++p) {
+    for (int j = 0; j < m; ++j) {
+      const __m256 xv = _mm256_set1_ps(x[static_cast<size_t>(p) * m + j]);
+      const uint16_t* hi_row = cols + (static_cast<size_t>(2 * p) * m + j) * stride;
+      const uint16_t* lo_row = cols + (static_cast<size_t>(2 * p + 1) * m + j) * stride;
+      for (int k = 0; k < G; ++k) {
+        const __m256 hi = Load8(hi_row + 8 * k), lo = Load8(lo_row + 8 * k);
+        // max(v, 0) is 0 for a NaN v, as the scalar path's std::max(0.f, v) is.
+        g[k] = _mm256_add_ps(g[k], _mm256_max_ps(_mm256_sub_ps(xv, hi), zero));
+        g[k] = _mm256_add_ps(g[k], _mm256_max_ps(_mm256_sub_ps(lo, xv), zero));
+        w[k] = _mm256_add_ps(w[k], _mm256_sub_ps(hi, lo));
+      }
+    }
+  }
+  for (int k = 0; k < G; ++k) {
+    _mm256_storeu_ps(grow + 8 * k, g[k]);
+    _mm256_storeu_ps(width + 8 * k, w[k]);
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void BoxGrowthAvx2(const float* x, int pairs, int m,
+                                                        const uint16_t* cols, int stride,
+                                                        int lanes, float* grow, float* width) {
+  // Sixteen lanes per pass into scratch; loads reach the lanes rounded up to 8 (<= stride).
+  float g[16], w[16];
+  for (int first = 0; first < lanes; first += 16) {
+    const int n = std::min(16, lanes - first);
+    if (n > 8) {
+      BoxGrowthLanes<2>(x, pairs, m, cols + first, stride, g, w);
+    } else {
+      BoxGrowthLanes<1>(x, pairs, m, cols + first, stride, g, w);
+    }
+    std::copy_n(g, n, grow + first);
+    std::copy_n(w, n, width + first);
+  }
+}
+
 inline float ColumnValue(float x) { return x; }
 inline float ColumnValue(uint16_t h) { return HalfToFloat(h); }
 
@@ -345,6 +391,31 @@ float (*const kDot)(const float*, const float*, int) = HaveAvx2Fma() ? DotAvx2 :
 
 float Dot(const float* a, const float* b, int n) {
   return kDot(a, b, n);
+}
+
+void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
+                     int lanes, float* grow, float* width) {
+  for (int i = 0; i < lanes; ++i) {
+    float g = 0, w = 0;
+    for (int p = 0; p < pairs; ++p) {
+      for (int j = 0; j < m; ++j) {
+        const float xv = x[static_cast<size_t>(p) * m + j];
+        const float hi = HalfToFloat(cols[(static_cast<size_t>(2 * p) * m + j) * stride + i]);
+        const float lo = HalfToFloat(cols[(static_cast<size_t>(2 * p + 1) * m + j) * stride + i]);
+        g += std::max(0.f, xv - hi);
+        g += std::max(0.f, lo - xv);
+        w += hi - lo;
+      }
+    }
+    grow[i] = g;
+    width[i] = w;
+  }
+}
+
+void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+               float* grow, float* width) {
+  static const auto impl = HaveAvx2F16c() ? BoxGrowthAvx2 : BoxGrowthScalar;
+  impl(x, pairs, m, cols, stride, lanes, grow, width);
 }
 
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {

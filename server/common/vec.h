@@ -38,6 +38,17 @@ void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, i
 void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
 
+// How far a point lies outside each of `lanes` boxes stored channel-major as IEEE halves
+// (lane i's row r at cols[r * stride + i]), the rows in `pairs` pairs of blocks [hi (m rows) |
+// lo (m rows)], the point x of pairs * m floats (x[p * m + j] against rows 2 p m + j and
+// (2 p + 1) m + j): grow[i] = the sum over channels of max(x - hi, 0) + max(lo - x, 0), and
+// width[i] = the sum of (hi - lo). Both paths add the rows in the same order: the same bits.
+// stride is a multiple of 8, at least lanes.
+void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+               float* grow, float* width);
+void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
+                     int lanes, float* grow, float* width);
+
 // out[i] = x[i] as an IEEE half rounded towards +Inf (up) or towards -Inf (!up): the same bits
 // as FloatToHalfUp / FloatToHalfDown (F16C's directed rounding, eight at a time).
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
