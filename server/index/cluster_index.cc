@@ -232,20 +232,26 @@ void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkArrays& a) const 
   }
 }
 
-void ClusterIndex::SetDirections(uint32_t unit) {
-  const Unit& u = units_[unit];
-  const size_t rows = 2 * static_cast<size_t>(d_);
-  while (unit_dirs_.size() <= (unit / kTile) * rows * kTile) {
-    unit_dirs_.resize(unit_dirs_.size() + rows * kTile, 0.f);
-  }
-  float* dir = &unit_dirs_[((unit / kTile) * rows) * kTile + unit % kTile];  // row r: dir[r * kTile]
-  for (int part : {kMuCenter, kPeakCenter}) {
-    const float* c = Part(u.b, part);
-    const float norm = part == kMuCenter ? u.b.mu_center_norm : u.b.peak_center_norm;
-    for (int j = 0; j < d_; ++j) {
-      dir[(static_cast<size_t>(part - kMuCenter) * d_ + j) * kTile] = norm > 0 ? c[j] / norm : 0.f;
+uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const float* point) const {
+  const int pairs = opt_.cluster_by_peak ? 2 : 1;  // [mu_hi | mu_lo] (| [peak_hi | peak_lo])
+  float grow[kTile], width[kTile];
+  uint32_t best = 0;
+  float best_grow = std::numeric_limits<float>::infinity();
+  float best_width = std::numeric_limits<float>::infinity();
+  for (uint32_t t = 0; t < lanes; t += kTile) {
+    const uint32_t n = std::min(kTile, lanes - t);
+    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(t, 0)], kTile, static_cast<int>(n), grow,
+              width);
+    for (uint32_t i = 0; i < n; ++i) {
+      // An unbounded lane (a box beyond the half range: infinite or NaN width) is taken only
+      // when no lane is bounded.
+      const float g = std::isfinite(width[i]) ? grow[i] : std::numeric_limits<float>::infinity();
+      if (g < best_grow || (g == best_grow && width[i] < best_width)) {
+        best = t + i, best_grow = g, best_width = width[i];
+      }
     }
   }
+  return best;
 }
 
 void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
@@ -353,7 +359,7 @@ void ClusterIndex::ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Clu
 }
 
 template <typename VecFn>
-void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
+void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool balanced,
                             std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
   // Unit vectors once; each cosine is then one dot product with a centroid of known norm.
   const size_t n = ids.size(), d = dim;
@@ -377,11 +383,11 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
   std::vector<float> c0(&unit[s0 * d], &unit[s0 * d] + d), c1(&unit[s1 * d], &unit[s1 * d] + d);
   std::vector<int> side(n, 0);
   for (int iter = 0; iter < 6; ++iter) {
-    const float n0 = std::sqrt(Dot(c0.data(), c0.data(), d_));
-    const float n1 = std::sqrt(Dot(c1.data(), c1.data(), d_));
+    const float n0 = std::sqrt(Dot(c0.data(), c0.data(), dim));
+    const float n1 = std::sqrt(Dot(c1.data(), c1.data(), dim));
     for (size_t i = 0; i < n; ++i) {
       // Compare cos to c1 with cos to c0 without dividing: x.c1 n0 > x.c0 n1.
-      side[i] = Dot(&unit[i * d], c1.data(), d_) * n0 > Dot(&unit[i * d], c0.data(), d_) * n1;
+      side[i] = Dot(&unit[i * d], c1.data(), dim) * n0 > Dot(&unit[i * d], c0.data(), dim) * n1;
     }
     std::fill(c0.begin(), c0.end(), 0.f);
     std::fill(c1.begin(), c1.end(), 0.f);
@@ -392,6 +398,17 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec,
   }
   left->clear();
   right->clear();
+  if (balanced) {  // halves by the margin cos(x, c1) - cos(x, c0), the ties kept in order
+    auto cosine = [&](size_t i, const std::vector<float>& c) {
+      const float norm = std::sqrt(Dot(c.data(), c.data(), dim));
+      return norm > 0 ? Dot(&unit[i * d], c.data(), dim) / norm : 0.f;
+    };
+    std::vector<std::pair<float, size_t>> margin(n);
+    for (size_t i = 0; i < n; ++i) margin[i] = {cosine(i, c1) - cosine(i, c0), i};
+    std::sort(margin.begin(), margin.end());
+    for (size_t i = 0; i < n; ++i) (i < n / 2 ? left : right)->push_back(ids[margin[i].second]);
+    return;
+  }
   for (size_t i = 0; i < n; ++i) (side[i] ? right : left)->push_back(ids[i]);
   if (left->empty() || right->empty()) {  // identical directions: split by position
     left->assign(ids.begin(), ids.begin() + n / 2);
@@ -431,7 +448,8 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
     Point(mean.data(), Peak(chunks[i], a), &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
-  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, &left, &right);
+  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, &left,
+           &right);
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
@@ -451,7 +469,9 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
     Point(Part(b, kMuCenter), Part(b, kPeakCenter), &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
-  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, &left, &right);
+  // Halves of equal count: a unit's box spans its clusters', and units split unevenly by
+  // 2-means left many of one or two clusters, each a lane the search must bound.
+  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, &left, &right);
   // The clusters' lanes are their only boxes: copied from the old block into their new
   // places, in this unit (renumbered) and in the new one.
   const uint32_t id = static_cast<uint32_t>(units_.size());
@@ -468,7 +488,6 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
     }
     units_[target].clusters = *members;
     Rebuild(units_[target].b, UnitLane(target), UnitChunks(units_[target]), a);
-    SetDirections(target);
   }
 }
 
@@ -487,42 +506,21 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
     units_[0].b.unit = true;
     NewCluster({chunk}, 0, a);
     Rebuild(units_[0].b, UnitLane(0), std::span<const uint32_t>(&chunk, 1), a);
-    SetDirections(0);
     return;
   }
-  // Nearest unit, then its nearest cluster, by direction (spherical): the cosine of the means,
-  // plus that of the peaks with cluster_by_peak. Units are scanned in one pass over
-  // unit_dirs_ (rows [mu | peak], the peak rows only with cluster_by_peak).
-  const float mu_norm = std::sqrt(Dot(mu.data(), mu.data(), d_));
+  // The unit whose box the chunk widens least, then the cluster of that unit likewise (the
+  // R-tree's choice of subtree): a bound reads the boxes, so keeping them narrow is what
+  // prunes. Widening is the chunk's distance outside the box, summed over the channels of its
+  // mean and, with cluster_by_peak, of its peak; among boxes it does not widen, the narrowest.
   const float* pk = Peak(chunk, a);
-  const float pk_norm = std::sqrt(Dot(pk, pk, d_));
-  std::vector<float> dir(2 * static_cast<size_t>(d_));
-  Pair(mu.data(), pk, dir.data());
-  const int dir_rows = opt_.cluster_by_peak ? 2 * d_ : d_;
-  std::vector<float> cosines(units_.size());
-  for (uint32_t t = 0; t < units_.size(); t += kTile) {
-    DotColumns(dir.data(), 1, dir_rows, &unit_dirs_[(t / kTile) * 2 * d_ * kTile], dir_rows,
-               kTile, static_cast<int>(std::min<size_t>(kTile, units_.size() - t)), &cosines[t],
-               static_cast<int>(units_.size()));
-  }
-  uint32_t best_unit = 0;
-  float best = -std::numeric_limits<float>::infinity();
-  for (uint32_t u = 0; u < units_.size(); ++u) {
-    if (cosines[u] > best) best = cosines[u], best_unit = u;
-  }
-  auto cosine = [&](const Bounds& b) {
-    const float n = mu_norm * b.mu_center_norm;
-    const float cm = n > 0 ? Dot(mu.data(), Part(b, kMuCenter), d_) / n : 0.f;
-    if (!opt_.cluster_by_peak) return cm;
-    const float np = pk_norm * b.peak_center_norm;
-    return cm + (np > 0 ? Dot(pk, Part(b, kPeakCenter), d_) / np : 0.f);
-  };
-  uint32_t best_cluster = units_[best_unit].clusters[0];
-  best = -std::numeric_limits<float>::infinity();
-  for (uint32_t cl : units_[best_unit].clusters) {
-    const float c = cosine(clusters_[cl].b);
-    if (c > best) best = c, best_cluster = cl;
-  }
+  std::vector<float> point(2 * static_cast<size_t>(d_));
+  std::copy_n(mu.data(), d_, point.data());
+  std::copy_n(pk, d_, point.data() + d_);
+  const uint32_t best_unit = LeastWidened(units_block_, static_cast<uint32_t>(units_.size()),
+                                          point.data());
+  const Unit& unit = units_[best_unit];
+  const uint32_t best_cluster = unit.clusters[LeastWidened(
+      unit.block, static_cast<uint32_t>(unit.clusters.size()), point.data())];
   Cluster& cl = clusters_[best_cluster];
   cl.chunks.push_back(chunk);
   node_of_[chunk] = best_cluster;
@@ -824,6 +822,11 @@ std::string ClusterIndex::CheckInvariants(const ChunkArrays& a) const {
   for (const Unit& u : units_) {
     if (u.clusters.size() > 2 * opt_.unit_clusters) {
       return absl::StrFormat("a unit holds %d clusters", u.clusters.size());
+    }
+    // Units split into halves and never lose a cluster otherwise: once there are two, each
+    // holds at least half of what made one split.
+    if (units_.size() > 1 && u.clusters.size() < opt_.unit_clusters) {
+      return absl::StrFormat("a unit holds %d clusters after a split", u.clusters.size());
     }
   }
   return "";

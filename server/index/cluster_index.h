@@ -1,9 +1,10 @@
 // A per-stream hierarchical cluster index over aged-out chunks: fine clusters (target 6
-// chunks) under coarse units (target 8 clusters), grown by spherical assignment and 2-means
-// re-splits. A Select's best-first search visits units and clusters in order of an upper
-// bound on the score of every chunk below them and stops when no unvisited node can beat the
-// k-th best chunk found, so its answer equals the linear scan's (SelectChunks) exactly while
-// scoring a fraction of the chunks.
+// chunks) under coarse units (target 6 clusters), grown as an R-tree is (a chunk joins the
+// unit and the cluster whose boxes it widens least) with 2-means re-splits. A Select's
+// best-first search visits units and clusters in order of an upper bound on the score of
+// every chunk below them and stops when no unvisited node can beat the k-th best chunk found,
+// so its answer equals the linear scan's (SelectChunks) exactly while scoring a fraction of
+// the chunks.
 //
 // Bounds. For a node with box [lo, hi] of its chunks' means, and the same for their peaks,
 // q . mu_c is at most sum_j max(q_j lo_j, q_j hi_j); the LSE-peak score is increasing in
@@ -11,7 +12,7 @@
 // maxima and the node's largest count, plus a margin for float rounding. Boxes only grow
 // between rebuilds, and are stored rounded outwards, so bounds stay conservative; tests check
 // that no chunk ever scores above a node's bound. Each node also keeps centers and radii
-// (max |mu_c - m|), which steer clustering and re-splits.
+// (max |mu_c - m|), which steer re-splits.
 //
 // The index keeps per chunk only its token count and its node; means and peaks stay in the
 // stream's own arrays (ChunkArrays), read under the session's lock.
@@ -42,21 +43,19 @@ class ClusterIndex {
   // The default target of chunks per fine cluster (Options::cluster_chunks).
   static constexpr uint32_t kClusterChunks = 6;
   struct Options {
-    // Sizes chosen by measurement (kvtier-bench at 128K tokens): units of 8 clusters rather
-    // than 16 halve a search's work (bounds and chunks scored 0.083 of the chunks, against
-    // 0.17). Clusters of 6 chunks: a search takes 4% less time than with 8 (kvtier over
-    // quest 0.326 against 0.340, medians of 6 interleaved runs) for a fifth more clusters
-    // (2348 against 1961 for 8192 chunks: the index's memory per old token 56.9 bytes
-    // against 52.8 at head_dim 64). Clusters of 4 cost a third more memory than 8 for
-    // little more speed.
+    // Sizes chosen by measurement (kvtier-bench, kvtier over quest, medians of 4 interleaved
+    // runs, with chunks joining by box growth and units split in halves): units of 6 clusters
+    // 0.196 at 128K tokens and 0.61 at 32K, against 0.206 and 0.76 for 8 and 0.257 and 0.48
+    // for 4 (the more units, the longer the scan of every unit's bound). Clusters of 6 chunks
+    // (first measured with units of 8: 4% less time than 8 chunks, a fifth more clusters).
     uint32_t cluster_chunks = kClusterChunks;  // target per fine cluster (re-split past 2x)
-    uint32_t unit_clusters = 8;    // target clusters per coarse unit (re-split past 2x)
-    // Group chunks by the directions of their mean and of their peak together (joins by the
-    // sum of the two cosines, splits by 2-means on both), so that the peak boxes the LSE-peak
-    // bound reads stay tight; false: by the mean alone, for the mean ranking. Only the
-    // search's work depends on it, never its answer. At 128K tokens (kvtier-bench) it took
-    // the LSE-peak search's work from 0.10 to 0.08 of the chunks, and doubled the mean
-    // ranking's.
+    uint32_t unit_clusters = 6;    // target clusters per coarse unit (split in halves past 2x)
+    // Group chunks by their means and peaks together (a chunk joins the unit, then the
+    // cluster, whose mean and peak boxes it widens least; splits by 2-means on the
+    // directions of both), so that the peak boxes the LSE-peak bound reads stay tight; false:
+    // by the mean alone, for the mean ranking. Only the search's work depends on it, never its
+    // answer. At 128K tokens (kvtier-bench, when chunks joined by direction) it took the
+    // LSE-peak search's work from 0.10 to 0.08 of the chunks, and doubled the mean ranking's.
     bool cluster_by_peak = true;
     float resplit_radius = 1.5f;   // re-split a cluster past this times its built radius
   };
@@ -71,7 +70,8 @@ class ClusterIndex {
   ClusterIndex(int head_dim, Options options);
 
   // Adds chunk `chunk` (not yet indexed) with `tokens` tokens; its sum and peak are at
-  // arrays[chunk]. Joins the nearest cluster of the nearest unit; re-splits what outgrew.
+  // arrays[chunk]. Joins the unit, then its cluster, whose boxes it widens least (LeastWidened);
+  // re-splits what outgrew.
   void Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& arrays);
 
   // The k best indexed chunks by `ranking` for queries [group][head_dim] (score as
@@ -161,7 +161,7 @@ class ClusterIndex {
   // on SmolLM2's keys (bench/out/qkv.npz, 5 layers, clusters of 4 chunks) it was the tighter
   // of the two for 2.3% of (node, query) pairs and took 0.3% off the box's slack, and at
   // 128K synthetic tokens dropping it changed no search's work, while it cost a third of
-  // the reads. Centers and radii still steer clustering and re-splits.
+  // the reads. Centers and radii still steer re-splits.
   enum BoxPart { kMuHi, kMuLo, kPeakHi, kPeakLo, kBoxParts };
   // The parts that bound from above (rounded up; widened upwards).
   static constexpr bool IsUpper(int part) { return part == kMuHi || part == kPeakHi; }
@@ -198,8 +198,9 @@ class ClusterIndex {
   void SetScalars(Lane l, const Bounds& b) const;
   // Copies lane `from` of src (boxes and scalars) to lane `to` of dst.
   void CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const;
-  // Writes unit u's center directions into unit_dirs_.
-  void SetDirections(uint32_t unit);
+  // The lane among blk's first `lanes` (at least one) whose boxes `point` ([mu | peak], 2 *
+  // head_dim floats) widens least, ties to the narrowest (BoxGrowth), then to the lowest lane.
+  uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point) const;
 
   struct Cluster {
     Bounds b;
@@ -263,10 +264,11 @@ class ClusterIndex {
   void PrefetchChunks(const Cluster& c, const ChunkArrays& a) const;
 
   // Splits ids in two by spherical 2-means over their points, vec(i) the `dim` floats of
-  // ids[i]'s.
+  // ids[i]'s; `balanced`: into halves of equal count (the odd one to the right), by which
+  // of the two means each point is nearer to and how much.
   template <typename VecFn>
-  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, std::vector<uint32_t>* left,
-                std::vector<uint32_t>* right) const;
+  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool balanced,
+                std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
   // What a chunk or a node is split by: its mean (`mu`; scaled as given), or with
   // cluster_by_peak the directions of its mean and of its peak side by side (Pair).
   // PointDim() floats of `out` are written.
@@ -297,10 +299,6 @@ class ClusterIndex {
   std::vector<Unit> units_;
   std::vector<float> cluster_arena_, unit_arena_;  // nodes' vectors, kParts * d_ per slot
   Block units_block_;                // every unit's bounds, lane u = units_[u]
-  // Every unit's center directions for Add's nearest-unit scan, in tiles as blocks are:
-  // [tile][2 * d][kTile] floats, mu_center / |mu_center| then peak_center / |peak_center|
-  // (zeros for a zero center), lane u = units_[u].
-  std::vector<float> unit_dirs_;
   std::vector<uint32_t> node_of_;    // chunk -> cluster, kNone if not indexed
   std::vector<uint32_t> tokens_;     // chunk -> tokens
   size_t num_chunks_ = 0;
