@@ -79,10 +79,10 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   // (float), its lane (the four boxes as halves, four float scalars: the only copy of the
   // boxes) and its record (120 bytes on x86-64 with its inline chunk list), shared by its
   // chunks; and each unit's the same. Chunks per cluster and per unit as kvtier-bench's
-  // 128K-token index has them (8192 chunks in 1777 clusters and 233 units).
+  // 128K-token index has them (8192 chunks in 1572 clusters and 201 units).
   const double cluster = 2.0 * d * sizeof(float) + 4.0 * d * 2 + 16 + 120;
   const double unit = cluster;
-  const double index = 2.0 * d * sizeof(float) + 12 + cluster * 1777 / 8192 + unit * 233 / 8192;
+  const double index = 2.0 * d * sizeof(float) + 12 + cluster * 1572 / 8192 + unit * 201 / 8192;
   // Chunk record (count, precision, three slot refs) and the slot object with its shared
   // control block.
   const double bookkeeping = 64 + 96;

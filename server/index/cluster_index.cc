@@ -359,58 +359,69 @@ void ClusterIndex::ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Clu
 }
 
 template <typename VecFn>
-void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool balanced,
-                            std::vector<uint32_t>* left, std::vector<uint32_t>* right) const {
-  // Unit vectors once; each cosine is then one dot product with a centroid of known norm.
+void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool spherical,
+                            bool balanced, std::vector<uint32_t>* left,
+                            std::vector<uint32_t>* right) const {
+  // The points once (spherical: as unit vectors, and the means renormalized each round, so
+  // that the nearer mean is the one closer in direction); then rounds of assignment to the
+  // nearer mean by squared distance.
   const size_t n = ids.size(), d = dim;
-  std::vector<float> unit(n * d);
-  for (size_t i = 0; i < n; ++i) {
-    const float* x = vec(i);
+  std::vector<float> pts(n * d);
+  auto normalize = [&](float* x) {
     const float norm = std::sqrt(Dot(x, x, dim));
-    for (size_t j = 0; j < d; ++j) unit[i * d + j] = norm > 0 ? x[j] / norm : 0.f;
+    for (size_t j = 0; j < d; ++j) x[j] = norm > 0 ? x[j] / norm : 0.f;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    std::copy_n(vec(i), d, &pts[i * d]);
+    if (spherical) normalize(&pts[i * d]);
   }
-  // Seeds: the point least like the first, then the point least like that one.
+  auto dist2 = [&](size_t i, const float* c) {
+    float diff[2 * kMaxHeadDim];
+    for (size_t j = 0; j < d; ++j) diff[j] = pts[i * d + j] - c[j];
+    return Dot(diff, diff, dim);
+  };
+  // Seeds: the point farthest from the first, then the point farthest from that one.
   auto farthest = [&](size_t from) {
     size_t best = 0;
-    float worst = std::numeric_limits<float>::infinity();
+    float most = -1.f;
     for (size_t i = 0; i < n; ++i) {
-      const float c = Dot(&unit[i * d], &unit[from * d], dim);
-      if (c < worst) worst = c, best = i;
+      const float x = dist2(i, &pts[from * d]);
+      if (x > most) most = x, best = i;
     }
     return best;
   };
   const size_t s0 = farthest(0), s1 = farthest(s0);
-  std::vector<float> c0(&unit[s0 * d], &unit[s0 * d] + d), c1(&unit[s1 * d], &unit[s1 * d] + d);
+  std::vector<float> c0(&pts[s0 * d], &pts[s0 * d] + d), c1(&pts[s1 * d], &pts[s1 * d] + d);
   std::vector<int> side(n, 0);
+  std::vector<float> sum0(d), sum1(d);
   for (int iter = 0; iter < 6; ++iter) {
-    const float n0 = std::sqrt(Dot(c0.data(), c0.data(), dim));
-    const float n1 = std::sqrt(Dot(c1.data(), c1.data(), dim));
+    for (size_t i = 0; i < n; ++i) side[i] = dist2(i, c1.data()) < dist2(i, c0.data());
+    std::fill(sum0.begin(), sum0.end(), 0.f);
+    std::fill(sum1.begin(), sum1.end(), 0.f);
+    size_t n1 = 0;
     for (size_t i = 0; i < n; ++i) {
-      // Compare cos to c1 with cos to c0 without dividing: x.c1 n0 > x.c0 n1.
-      side[i] = Dot(&unit[i * d], c1.data(), dim) * n0 > Dot(&unit[i * d], c0.data(), dim) * n1;
+      float* sum = side[i] ? sum1.data() : sum0.data();
+      n1 += side[i];
+      for (size_t j = 0; j < d; ++j) sum[j] += pts[i * d + j];
     }
-    std::fill(c0.begin(), c0.end(), 0.f);
-    std::fill(c1.begin(), c1.end(), 0.f);
-    for (size_t i = 0; i < n; ++i) {
-      float* c = side[i] ? c1.data() : c0.data();
-      for (size_t j = 0; j < d; ++j) c[j] += unit[i * d + j];
+    // A side left empty keeps its mean.
+    for (auto [sum, c, count] : {std::tuple{&sum0, &c0, n - n1}, std::tuple{&sum1, &c1, n1}}) {
+      if (count == 0) continue;
+      for (size_t j = 0; j < d; ++j) (*c)[j] = (*sum)[j] / static_cast<float>(count);
+      if (spherical) normalize(c->data());
     }
   }
   left->clear();
   right->clear();
-  if (balanced) {  // halves by the margin cos(x, c1) - cos(x, c0), the ties kept in order
-    auto cosine = [&](size_t i, const std::vector<float>& c) {
-      const float norm = std::sqrt(Dot(c.data(), c.data(), dim));
-      return norm > 0 ? Dot(&unit[i * d], c.data(), dim) / norm : 0.f;
-    };
+  if (balanced) {  // halves by how much nearer to c0 than to c1, the ties kept in order
     std::vector<std::pair<float, size_t>> margin(n);
-    for (size_t i = 0; i < n; ++i) margin[i] = {cosine(i, c1) - cosine(i, c0), i};
+    for (size_t i = 0; i < n; ++i) margin[i] = {dist2(i, c0.data()) - dist2(i, c1.data()), i};
     std::sort(margin.begin(), margin.end());
     for (size_t i = 0; i < n; ++i) (i < n / 2 ? left : right)->push_back(ids[margin[i].second]);
     return;
   }
   for (size_t i = 0; i < n; ++i) (side[i] ? right : left)->push_back(ids[i]);
-  if (left->empty() || right->empty()) {  // identical directions: split by position
+  if (left->empty() || right->empty()) {  // identical points: split by position
     left->assign(ids.begin(), ids.begin() + n / 2);
     right->assign(ids.begin() + n / 2, ids.end());
   }
@@ -441,15 +452,18 @@ std::vector<uint32_t> ClusterIndex::UnitChunks(const Unit& u) const {
 
 void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
   const auto& chunks = clusters_[cluster].chunks;
+  // 2-means over the chunks' [mean | peak] themselves, not their directions: the boxes the
+  // halves get are what the search reads (at 128K tokens the search's work 0.046 -> 0.042 of
+  // the chunks, and 0.153 -> 0.132 at 32K).
   const size_t stride = 2 * static_cast<size_t>(d_);
-  std::vector<float> mean(d_), points(chunks.size() * stride);
+  std::vector<float> points(chunks.size() * stride);
   for (size_t i = 0; i < chunks.size(); ++i) {
-    Mean(chunks[i], a, mean.data());
-    Point(mean.data(), Peak(chunks[i], a), &points[i * stride]);
+    Mean(chunks[i], a, &points[i * stride]);
+    std::copy_n(Peak(chunks[i], a), d_, &points[i * stride + d_]);
   }
   std::vector<uint32_t> left, right;
-  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, &left,
-           &right);
+  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, false,
+           &left, &right);
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
@@ -471,7 +485,8 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkArrays& a) {
   std::vector<uint32_t> left, right;
   // Halves of equal count: a unit's box spans its clusters', and units split unevenly by
   // 2-means left many of one or two clusters, each a lane the search must bound.
-  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, &left, &right);
+  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, true, &left,
+           &right);
   // The clusters' lanes are their only boxes: copied from the old block into their new
   // places, in this unit (renumbered) and in the new one.
   const uint32_t id = static_cast<uint32_t>(units_.size());

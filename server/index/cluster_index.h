@@ -51,8 +51,7 @@ class ClusterIndex {
     uint32_t cluster_chunks = kClusterChunks;  // target per fine cluster (re-split past 2x)
     uint32_t unit_clusters = 6;    // target clusters per coarse unit (split in halves past 2x)
     // Group chunks by their means and peaks together (a chunk joins the unit, then the
-    // cluster, whose mean and peak boxes it widens least; splits by 2-means on the
-    // directions of both), so that the peak boxes the LSE-peak bound reads stay tight; false:
+    // cluster, whose mean and peak boxes it widens least; splits by 2-means on both), so that the peak boxes the LSE-peak bound reads stay tight; false:
     // by the mean alone, for the mean ranking. Only the search's work depends on it, never its
     // answer. At 128K tokens (kvtier-bench, when chunks joined by direction) it took the
     // LSE-peak search's work from 0.10 to 0.08 of the chunks, and doubled the mean ranking's.
@@ -263,15 +262,16 @@ class ClusterIndex {
   // and mostly from outside the cache.
   void PrefetchChunks(const Cluster& c, const ChunkArrays& a) const;
 
-  // Splits ids in two by spherical 2-means over their points, vec(i) the `dim` floats of
-  // ids[i]'s; `balanced`: into halves of equal count (the odd one to the right), by which
-  // of the two means each point is nearer to and how much.
+  // Splits ids in two by 2-means over their points, vec(i) the `dim` floats of ids[i]'s:
+  // by direction (`spherical`: the points and means as unit vectors) or as they are.
+  // `balanced`: into halves of equal count (the odd one to the right), by how much nearer
+  // each point is to one mean than to the other.
   template <typename VecFn>
-  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool balanced,
-                std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
-  // What a chunk or a node is split by: its mean (`mu`; scaled as given), or with
-  // cluster_by_peak the directions of its mean and of its peak side by side (Pair).
-  // PointDim() floats of `out` are written.
+  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool spherical,
+                bool balanced, std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
+  // The floats a chunk or a node is split by: PointDim() of them, [mean | peak] with
+  // cluster_by_peak, else the mean alone. Point writes a unit's: the directions of its
+  // clusters' two centers side by side (Pair), or the mean center.
   int PointDim() const { return opt_.cluster_by_peak ? 2 * d_ : d_; }
   void Point(const float* mu, const float* peak, float* out) const {
     if (opt_.cluster_by_peak) {
