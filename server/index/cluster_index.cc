@@ -31,12 +31,17 @@ double Dist(const float* x, const float* y, int d) {
 
 
 
+// |x - y|^2 in float over n <= 1024 floats (a [mean | peak] point at head_dim 512).
+float SquaredDistance(const float* x, const float* y, int n) {
+  float diff[1024];
+  for (int j = 0; j < n; ++j) diff[j] = x[j] - y[j];
+  return Dot(diff, diff, n);
+}
+
 // |x - c| in float, inflated past its rounding error (64 products and sums: well under
 // 1e-5 relative), so that a radius never undercuts the distance it covers.
 float RadiusTo(const float* x, const float* c, int d) {
-  float diff[512];
-  for (int j = 0; j < d; ++j) diff[j] = x[j] - c[j];
-  return std::sqrt(Dot(diff, diff, d)) * (1.f + 1e-5f) + 1e-30f;
+  return std::sqrt(SquaredDistance(x, c, d)) * (1.f + 1e-5f) + 1e-30f;
 }
 
 }  // namespace
@@ -57,6 +62,11 @@ void ClusterIndex::Mean(uint32_t chunk, const ChunkArrays& a, float* out) const 
 
 const float* ClusterIndex::Peak(uint32_t chunk, const ChunkArrays& a) const {
   return a.peaks + static_cast<size_t>(chunk) * d_;
+}
+
+void ClusterIndex::ChunkPoint(uint32_t chunk, const ChunkArrays& a, float* out) const {
+  Mean(chunk, a, out);
+  std::copy_n(Peak(chunk, a), d_, out + d_);
 }
 
 void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
@@ -375,11 +385,7 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, b
     std::copy_n(vec(i), d, &pts[i * d]);
     if (spherical) normalize(&pts[i * d]);
   }
-  auto dist2 = [&](size_t i, const float* c) {
-    float diff[2 * kMaxHeadDim];
-    for (size_t j = 0; j < d; ++j) diff[j] = pts[i * d + j] - c[j];
-    return Dot(diff, diff, dim);
-  };
+  auto dist2 = [&](size_t i, const float* c) { return SquaredDistance(&pts[i * d], c, dim); };
   // Seeds: the point farthest from the first, then the point farthest from that one.
   auto farthest = [&](size_t from) {
     size_t best = 0;
@@ -457,10 +463,7 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkArrays& a) {
   // the chunks, and 0.153 -> 0.132 at 32K).
   const size_t stride = 2 * static_cast<size_t>(d_);
   std::vector<float> points(chunks.size() * stride);
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    Mean(chunks[i], a, &points[i * stride]);
-    std::copy_n(Peak(chunks[i], a), d_, &points[i * stride + d_]);
-  }
+  for (size_t i = 0; i < chunks.size(); ++i) ChunkPoint(chunks[i], a, &points[i * stride]);
   std::vector<uint32_t> left, right;
   TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, false,
            &left, &right);
@@ -514,8 +517,6 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   }
   tokens_[chunk] = tokens;
   ++num_chunks_;
-  std::vector<float> mu(d_);
-  Mean(chunk, a, mu.data());
   if (units_.empty()) {
     units_.emplace_back();
     units_[0].b.unit = true;
@@ -527,10 +528,9 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   // R-tree's choice of subtree): a bound reads the boxes, so keeping them narrow is what
   // prunes. Widening is the chunk's distance outside the box, summed over the channels of its
   // mean and, with cluster_by_peak, of its peak; among boxes it does not widen, the narrowest.
-  const float* pk = Peak(chunk, a);
   std::vector<float> point(2 * static_cast<size_t>(d_));
-  std::copy_n(mu.data(), d_, point.data());
-  std::copy_n(pk, d_, point.data() + d_);
+  ChunkPoint(chunk, a, point.data());
+  const float* mu = point.data();
   const uint32_t best_unit = LeastWidened(units_block_, static_cast<uint32_t>(units_.size()),
                                           point.data());
   const Unit& unit = units_[best_unit];
@@ -539,8 +539,8 @@ void ClusterIndex::Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& a) {
   Cluster& cl = clusters_[best_cluster];
   cl.chunks.push_back(chunk);
   node_of_[chunk] = best_cluster;
-  Widen(cl.b, ClusterLane(best_cluster), chunk, mu.data(), a);
-  Widen(units_[best_unit].b, UnitLane(best_unit), chunk, mu.data(), a);
+  Widen(cl.b, ClusterLane(best_cluster), chunk, mu, a);
+  Widen(units_[best_unit].b, UnitLane(best_unit), chunk, mu, a);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
   const bool too_wide = cl.chunks.size() >= 4 && cl.built_radius > 0 &&
                         cl.b.mu_radius > opt_.resplit_radius * cl.built_radius;

@@ -218,6 +218,8 @@ class ClusterIndex {
 
   void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
   const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
+  // [mean | peak] of a chunk: 2 * head_dim floats into out.
+  void ChunkPoint(uint32_t chunk, const ChunkArrays& a, float* out) const;
   // Recomputes b and its lane from scratch over these chunks: centers, radii, boxes, tokens.
   void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkArrays& a);
   // Widens b and its lane to cover one more chunk, whose mean key is `mu` (the center stays).
