@@ -8,7 +8,7 @@
 
 namespace kvtier::bench {
 
-Daemon::Daemon(const std::vector<std::string>& flags) : KvtierdProcess("bench", flags) {
+Daemon::Daemon(const std::vector<std::string>& flags) : LocalDaemon("bench", flags) {
   if (!started()) throw std::runtime_error("kvtierd did not start: " + Log());
 }
 

@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "kvtier/v1/kvtier.pb.h"
-#include "tests/support/kvtierd_process.h"
+#include "kvtier/local_daemon.h"
 
 namespace kvtier::bench {
 
 // kvtierd (next to this binary) on a temporary Unix socket; throws if it does not start.
-class Daemon : public testing::KvtierdProcess {
+class Daemon : public LocalDaemon {
  public:
   explicit Daemon(const std::vector<std::string>& flags = {});
 };

@@ -44,6 +44,7 @@
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunk_stats.h"
 #include "server/index/chunking.h"
 #include "server/index/cluster_index.h"
 
@@ -85,8 +86,8 @@ Stream MakeStream(int n, const std::vector<float>& topics, std::mt19937& rng) {
 // rankings read.
 struct Layout {
   std::vector<std::vector<int>> rows;
-  std::vector<float> sums, peaks;  // [chunks][kD]
-  std::vector<float> lo, hi;       // [chunks][kD] per-channel box (Quest pages)
+  ChunkStats stats{kD};         // sums and peaks, final (as an index reads them)
+  std::vector<float> lo, hi;    // [chunks][kD] per-channel box (Quest pages)
   std::vector<bool> mandatory;     // a row among the sinks or in the window
   int mandatory_tokens = 0;
   size_t chunks() const { return rows.size(); }
@@ -96,8 +97,6 @@ Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
   Layout l;
   l.rows = std::move(rows);
   const size_t nc = l.rows.size();
-  l.sums.assign(nc * kD, 0.f);
-  l.peaks.resize(nc * kD);
   l.lo.assign(nc * kD, 1e30f);
   l.hi.assign(nc * kD, -1e30f);
   l.mandatory.assign(nc, false);
@@ -105,7 +104,7 @@ Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
   for (size_t c = 0; c < nc; ++c) {
     const std::vector<int>& r = l.rows[c];
     chunk_keys.clear();
-    float* sum = &l.sums[c * kD];
+    float sum[kD] = {};
     for (int t : r) {
       for (int j = 0; j < kD; ++j) {
         const float x = s.keys[size_t(t) * kD + j];
@@ -118,10 +117,11 @@ Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
     float mean[kD];
     for (int j = 0; j < kD; ++j) mean[j] = sum[j] / float(r.size());
     const float* peak = FarthestRow(chunk_keys.data(), uint32_t(r.size()), kD, mean);
-    std::copy_n(peak, kD, &l.peaks[c * kD]);
+    l.stats.Append(uint32_t(r.size()), sum, peak);
     l.mandatory[c] = r.front() < kSinks || r.back() >= s.n - kWindow;
     if (l.mandatory[c]) l.mandatory_tokens += int(r.size());
   }
+  l.stats.MarkFinal(uint32_t(nc));
   return l;
 }
 
@@ -273,12 +273,10 @@ double ChunkMass(const Truth& t, const Layout& l, const std::vector<uint32_t>& c
 // A layout's candidates (not mandatory) and, when `index` is given, its cluster index.
 std::vector<ChunkCandidate> Candidates(const Layout& l, ClusterIndex* index) {
   std::vector<ChunkCandidate> cands;
-  const ChunkArrays arrays{l.sums.data(), l.peaks.data()};
   for (size_t c = 0; c < l.chunks(); ++c) {
     if (l.mandatory[c]) continue;
-    const auto n = uint32_t(l.rows[c].size());
-    if (index) index->Add(uint32_t(c), n, arrays);
-    cands.push_back({uint32_t(c), n, &l.sums[c * kD], 1.f / float(n), &l.peaks[c * kD]});
+    if (index) index->Add(uint32_t(c), l.stats);
+    cands.push_back(l.stats.candidate(uint32_t(c)));
   }
   return cands;
 }
@@ -407,11 +405,10 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
              contiguous);
     }
     {  // kvtier-boundary: chunks of several sizes, the index's greedy fill
-      const ChunkArrays arrays{boundary.sums.data(), boundary.peaks.data()};
       ClusterIndex::SearchStats st;
       const double t0 = bench::NowSeconds();
       auto chosen = boundary_index.SearchGreedy(v1::RANKING_LSE_PEAK, q, kGroup, left(boundary),
-                                                arrays, {}, {}, &st);
+                                                boundary.stats, {}, {}, &st);
       const double secs = bench::NowSeconds() - t0;
       record("kvtier-boundary", secs, ChunkMass(truth, boundary, chosen),
              double(st.chunks_scored + st.bounds_scored), boundary);
@@ -420,20 +417,16 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
          {std::tuple{"kvtier", v1::RANKING_LSE_PEAK, &contiguous, &index},
           std::tuple{"kvtier-mean", v1::RANKING_MEAN, &contiguous, &mean_index},
           std::tuple{"kvtier-semantic", v1::RANKING_LSE_PEAK, &semantic, &semantic_index}}) {
-      const ChunkArrays arrays{layout->sums.data(), layout->peaks.data()};
       ClusterIndex::SearchStats st;
       const double t0 = bench::NowSeconds();
-      auto chosen = idx->Search(ranking, q, kGroup, left(*layout) / kChunk, arrays, {}, &st);
+      auto chosen =
+          idx->Search(ranking, q, kGroup, left(*layout) / kChunk, layout->stats, {}, &st);
       const double secs = bench::NowSeconds() - t0;
       // Work counts every bound computed as well as every chunk scored.
       record(name, secs, ChunkMass(truth, *layout, chosen),
              double(st.chunks_scored + st.bounds_scored), *layout);
       if (idx == &index && !chosen.empty()) {  // the unit level against the k-th score
-        const uint32_t last = chosen.back();
-        const auto n = uint32_t(layout->rows[last].size());
-        const float kth = LsePeakScore(
-            q, kGroup, {last, n, &layout->sums[last * kD], 1.f / float(n), &layout->peaks[last * kD]},
-            kD);
+        const float kth = LsePeakScore(q, kGroup, layout->stats.candidate(chosen.back()), kD);
         const ClusterIndex::UnitProfile p = index.ProfileUnits(ranking, q, kGroup, kth);
         units.opened += double(st.units_opened);
         units.reaching += double(p.units_reaching);

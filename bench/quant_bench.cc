@@ -13,7 +13,7 @@
 #include "bench/bench_util.h"
 #include "kernels/quant.h"
 #include "server/common/fp16.h"
-#include "server/quant/quant.h"
+#include "server/quant/chunk_quant.h"
 
 using namespace kvtier;
 using namespace kvtier::bench;

@@ -9,20 +9,16 @@
 //   prefetch_hit_rate          over a decode loop whose query drifts, the share of selected
 //                              cold chunks whose copy was cached, with prefetch (25% more
 //                              budget after each Select) against without.
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
-#include <thread>
 
 #include "bench/bench_util.h"
 #include "server/common/fp16.h"
 #include "server/config/policy.h"
+#include "server/config/shape.h"
 #include "server/session/session.h"
 #include "server/session/session_record.h"
 #include "server/tier/remote_store.h"
@@ -38,7 +34,6 @@ struct Env {
   explicit Env(const std::string& name)
       : host(Opts(v1::TIER_HOST, name)), device(Opts(v1::TIER_DEVICE, name)) {
     env.host = &host;
-    env.device = &device;
     env.host_copies = &host_copies;
     env.device_copies = &device_copies;
     env.leases = &leases;
@@ -97,43 +92,6 @@ v1::SelectRequest Query(const std::vector<float>& q, uint32_t layer, uint32_t bu
   return r;
 }
 
-// redis-server on a Unix socket in a temporary directory, for the life of the object.
-class Redis {
- public:
-  Redis() {
-    char tmpl[] = "/tmp/kvtier-tierbench-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    sock_ = dir_ + "/redis.sock";
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int null = open("/dev/null", O_WRONLY);  // its log would mix with the JSON lines
-      dup2(null, STDOUT_FILENO);
-      dup2(null, STDERR_FILENO);
-      execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock_.c_str(),
-             "--save", "", "--appendonly", "no", "--loglevel", "warning", (char*)nullptr);
-      _exit(127);
-    }
-    for (int i = 0; i < 500; ++i) {
-      struct stat st;
-      if (stat(sock_.c_str(), &st) == 0) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    std::fprintf(stderr, "tier_bench: redis-server did not start (scripts/install-deps)\n");
-    std::exit(1);
-  }
-  ~Redis() {
-    kill(pid_, SIGTERM);
-    waitpid(pid_, nullptr, 0);
-    unlink(sock_.c_str());
-    rmdir(dir_.c_str());
-  }
-  std::string address() const { return "unix:" + sock_; }
-
- private:
-  std::string dir_, sock_;
-  pid_t pid_;
-};
-
 std::map<std::string, std::string> Params(std::map<std::string, std::string> extra) {
   std::map<std::string, std::string> p = {
       {"layers", std::to_string(kLayers)}, {"kv_heads", std::to_string(kKv)},
@@ -146,7 +104,11 @@ std::map<std::string, std::string> Params(std::map<std::string, std::string> ext
 }  // namespace
 
 int main() {
-  Redis redis;
+  LocalRedis redis;
+  if (!redis.started()) {
+    std::fprintf(stderr, "tier_bench: redis-server did not start (scripts/install-deps)\n");
+    return 1;
+  }
   auto store = RemoteStore::Connect(redis.address());
   if (!store.ok()) {
     std::fprintf(stderr, "tier_bench: %s\n", std::string(store.status().message()).c_str());

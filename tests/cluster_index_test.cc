@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunk_stats.h"
 
 namespace kvtier {
 namespace {
@@ -14,11 +15,11 @@ namespace {
 constexpr int kD = 64, kT = 16, kGroup = 3;
 
 // Chunks of 16 keys each with the session's statistics: key sums and the key farthest from
-// the mean.
+// the mean, kept here for the brute force and in a ChunkStats (final) for the index.
 struct Stream {
   std::vector<float> sums, peaks;
   std::vector<uint32_t> tokens;
-  ChunkArrays arrays() const { return {sums.data(), peaks.data()}; }
+  ChunkStats stats{kD};
 
   void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
     std::vector<float> sum(kD, 0.f), mean(kD);
@@ -28,6 +29,8 @@ struct Stream {
     sums.insert(sums.end(), sum.begin(), sum.end());
     peaks.insert(peaks.end(), peak, peak + kD);
     tokens.push_back(n);
+    stats.Append(n, sum.data(), peak);
+    stats.MarkFinal(stats.size());
   }
 };
 
@@ -110,20 +113,20 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
   for (int step = 0; step < 6; ++step) {
     for (int i = 0; i < 200; ++i) {
       s.Push(ChunkKeys(GetParam(), rng, centers), kT);
-      index.Add(static_cast<uint32_t>(s.tokens.size() - 1), kT, s.arrays());
+      index.Add(static_cast<uint32_t>(s.tokens.size() - 1), s.stats);
     }
-    ASSERT_EQ(index.CheckInvariants(s.arrays()), "") << "after " << s.tokens.size();
+    ASSERT_EQ(index.CheckInvariants(s.stats), "") << "after " << s.tokens.size();
     for (int trial = 0; trial < 6; ++trial) {
       const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
       for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
-        EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.arrays()), 0u)
+        EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.stats), 0u)
             << v1::Ranking_Name(r) << " trial " << trial;
         std::vector<bool> skip(s.tokens.size(), false);
         for (size_t c = 0; c < skip.size(); c += 7) skip[c] = trial % 3 == 0;
         for (size_t k : {1, 12, 60}) {
           ClusterIndex::SearchStats stats;
           const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
-          EXPECT_EQ(index.Search(r, q, kGroup, k, s.arrays(), skip, &stats), answer)
+          EXPECT_EQ(index.Search(r, q, kGroup, k, s.stats, skip, &stats), answer)
               << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
               << s.tokens.size();
           EXPECT_LE(stats.chunks_scored, s.tokens.size());
@@ -166,10 +169,10 @@ TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
     for (size_t j = size_t(kT) * kD; j < keys.size(); ++j) keys[j] = keys[j % (kT * kD)];
     s.Push(keys, n);
     const bool add = rng() % 10 != 0;  // a tenth stays outside, as extras
-    if (add) index.Add(static_cast<uint32_t>(s.tokens.size() - 1), n, s.arrays());
+    if (add) index.Add(static_cast<uint32_t>(s.tokens.size() - 1), s.stats);
     indexed.push_back(add);
   }
-  ASSERT_EQ(index.CheckInvariants(s.arrays()), "");
+  ASSERT_EQ(index.CheckInvariants(s.stats), "");
   for (int trial = 0; trial < 8; ++trial) {
     const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
     std::vector<bool> skip(s.tokens.size(), false);
@@ -185,7 +188,7 @@ TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
     for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
       for (uint64_t budget : {7u, 40u, 176u, 1000u}) {
         ClusterIndex::SearchStats stats;
-        EXPECT_EQ(index.SearchGreedy(r, q, kGroup, budget, s.arrays(), skip, extras, &stats),
+        EXPECT_EQ(index.SearchGreedy(r, q, kGroup, budget, s.stats, skip, extras, &stats),
                   SelectChunks(r, q, kGroup, kD, all, budget))
             << v1::Ranking_Name(r) << " budget " << budget << " trial " << trial;
       }
@@ -204,7 +207,7 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
   ClusterIndex index(kD);
   for (int i = 0; i < 4096; ++i) {
     s.Push(ChunkKeys(Data::kClustered, rng, centers), kT);
-    index.Add(static_cast<uint32_t>(i), kT, s.arrays());
+    index.Add(static_cast<uint32_t>(i), s.stats);
   }
   uint64_t scored = 0;
   const int trials = 20;
@@ -216,7 +219,7 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
       for (int j = 0; j < kD; ++j) q[h * kD + j] = 2.f * centers[c * kD + j] / (j % 16 ? 1 : 8);
     }
     ClusterIndex::SearchStats stats;
-    auto got = index.Search(v1::RANKING_LSE_PEAK, q, kGroup, 16, s.arrays(), {}, &stats);
+    auto got = index.Search(v1::RANKING_LSE_PEAK, q, kGroup, 16, s.stats, {}, &stats);
     EXPECT_EQ(got, Linear(v1::RANKING_LSE_PEAK, q, s, 16, {}));
     scored += stats.chunks_scored;
   }
@@ -225,19 +228,23 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
   std::printf("chunks scored per search: %.1f of 4096\n", double(scored) / trials);
 }
 
-TEST(ClusterIndex, AddingTwiceOrEmptyChunksChangesNothing) {
+TEST(ClusterIndex, AddingTwiceChangesNothingAndOnlyFinalChunksEnter) {
   std::mt19937 rng(1);
   Stream s;
   ClusterIndex index(kD);
   s.Push(ChunkKeys(Data::kGaussian, rng, {}), kT);
-  index.Add(0, kT, s.arrays());
-  index.Add(0, kT, s.arrays());
+  index.Add(0, s.stats);
+  index.Add(0, s.stats);
   EXPECT_EQ(index.num_chunks(), 1u);
   EXPECT_TRUE(index.contains(0));
   EXPECT_FALSE(index.contains(1));
-  EXPECT_EQ(index.CheckInvariants(s.arrays()), "");
-  EXPECT_TRUE(index.Search(v1::RANKING_MEAN, Queries(rng, 1), kGroup, 0, s.arrays(), {}, nullptr)
+  EXPECT_EQ(index.CheckInvariants(s.stats), "");
+  EXPECT_TRUE(index.Search(v1::RANKING_MEAN, Queries(rng, 1), kGroup, 0, s.stats, {}, nullptr)
                   .empty());
+  // A chunk whose statistics may still change never enters: its bounds would not hold.
+  ChunkStats growing(kD);
+  growing.Append(kT, s.sums.data(), s.peaks.data());
+  EXPECT_DEATH(index.Add(0, growing), "not final");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <random>
 #include <vector>
 
+#include "server/common/error.h"
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/common/size.h"
@@ -41,6 +42,22 @@ TEST(FormatBytes, HumanUnits) {
 
 // Every half bit pattern: half -> float -> half is the identity (NaNs stay NaN), and
 // half -> float agrees with the compiler's _Float16.
+TEST(ErrorReason, TravelsWithTheStatusAndNotWithARebuiltOne) {
+  const absl::Status s =
+      WithReason(absl::ResourceExhaustedError("host tier full: ..."), ErrorReason::kHostTierFull);
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kHostTierFull);
+  EXPECT_EQ(s.message(), "host tier full: ...");
+  const absl::Status copy = s;  // passed on unchanged
+  EXPECT_EQ(ReasonOf(copy), ErrorReason::kHostTierFull);
+  EXPECT_EQ(ReasonOf(absl::Status(s.code(), std::string("x: ") + std::string(s.message()))),
+            ErrorReason::kNone);
+  EXPECT_EQ(ReasonOf(absl::ResourceExhaustedError("quota: tenant ...")), ErrorReason::kNone);
+  EXPECT_TRUE(WithReason(absl::OkStatus(), ErrorReason::kQuota).ok());
+  EXPECT_EQ(ReasonOf(WithReason(absl::OkStatus(), ErrorReason::kQuota)), ErrorReason::kNone);
+  EXPECT_THAT(InvalidField("shape.head_dim", "0 is outside [1, 512]"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "shape.head_dim: 0 is outside"));
+}
+
 TEST(Fp16, ExhaustiveRoundTripAgainstCompiler) {
   for (uint32_t h = 0; h <= 0xffff; ++h) {
     const uint16_t bits = static_cast<uint16_t>(h);

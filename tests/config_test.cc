@@ -4,6 +4,7 @@
 
 #include "google/protobuf/text_format.h"
 #include "server/config/policy.h"
+#include "server/config/shape.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -141,6 +142,30 @@ TEST(Policy, ZeroTakesTheDefaultAndResultIsChecked) {
   EXPECT_THAT(ResolvePolicy(req, BuiltinPolicy(), "policy"),
               StatusIs(Code::kInvalidArgument, "policy.chunk_tokens"));
 }
+
+TEST(ResolveShape, ChecksEveryField) {
+  auto shape = [](int l, int q, int kv, int d, v1::DType t = v1::DTYPE_FP16) {
+    v1::ModelShape s;
+    s.set_num_layers(l);
+    s.set_num_q_heads(q);
+    s.set_num_kv_heads(kv);
+    s.set_head_dim(d);
+    s.set_dtype(t);
+    return s;
+  };
+  EXPECT_OK(ResolveShape(shape(30, 9, 3, 64)).status());
+  EXPECT_EQ(ResolveShape(shape(1, 1, 1, 1, v1::DTYPE_UNSPECIFIED))->dtype(), v1::DTYPE_FP16);
+  EXPECT_THAT(ResolveShape(shape(0, 9, 3, 64)), StatusIs(Code::kInvalidArgument, "num_layers"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 0, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 0, 64)), StatusIs(Code::kInvalidArgument, "num_kv_heads"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 0)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 513)), StatusIs(Code::kInvalidArgument, "head_dim"));
+  EXPECT_OK(ResolveShape(shape(2, 4, 2, 512)).status());
+  EXPECT_THAT(ResolveShape(shape(2, 4, 2, 64, v1::DTYPE_FP32)),
+              StatusIs(Code::kInvalidArgument, "dtype"));
+}
+
 
 }  // namespace
 }  // namespace kvtier

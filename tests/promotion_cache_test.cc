@@ -60,7 +60,14 @@ TEST(PromotionCache, LruEvictsTheLeastRecentlyRead) {
   EXPECT_EQ(f.cache.Read(a)->data()[0], 1);
   EXPECT_EQ(f.tier.Stats().used_bytes, 3 * kSlot);
   EXPECT_EQ(f.cache.counters().evictions, 1u);
-  EXPECT_EQ(f.tier.Stats().evictions, 1u);
+  EXPECT_EQ(f.cache.counters().promotions, 4u);  // every copy made, the evicted one too
+  EXPECT_EQ(f.cache.counters().drops, 0u);
+  EXPECT_EQ(f.cache.Drop(c), kSlot);  // dropped on request: counted apart from evictions
+  EXPECT_EQ(f.cache.Drop(c), 0u);
+  EXPECT_EQ(f.cache.counters().drops, 1u);
+  EXPECT_EQ(f.cache.counters().dropped_bytes, kSlot);
+  EXPECT_EQ(f.cache.counters().evictions, 1u);
+  EXPECT_FALSE(Cached(f, c));
 }
 
 TEST(PromotionCache, FrequencyDecaysWithTime) {

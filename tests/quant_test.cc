@@ -8,7 +8,7 @@
 #include "gtest/gtest.h"
 #include "kernels/quant.h"
 #include "server/common/fp16.h"
-#include "server/quant/quant.h"
+#include "server/quant/chunk_quant.h"
 
 namespace kvtier {
 namespace {

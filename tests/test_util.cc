@@ -33,7 +33,7 @@ std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int 
 }
 
 DaemonProcess::DaemonProcess(const std::vector<std::string>& extra)
-    : KvtierdProcess("test", extra) {
+    : LocalDaemon("test", extra) {
   if (!started()) ADD_FAILURE() << "kvtierd did not start: " << Log();
 }
 

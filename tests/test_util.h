@@ -10,9 +10,12 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/support/kvtierd_process.h"
+#include "kvtier/local_daemon.h"
 
 namespace kvtier::testing {
+
+using ::kvtier::BinaryPath;
+using ::kvtier::TempDir;
 
 // EXPECT_THAT(status_or_statusor, StatusIs(absl::StatusCode::kNotFound))
 MATCHER_P(StatusIs, code, "") {
@@ -58,7 +61,7 @@ std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int 
                             int start, int n);
 
 // A kvtierd process for a test: a failed start and an unclean exit are test failures.
-class DaemonProcess : public KvtierdProcess {
+class DaemonProcess : public LocalDaemon {
  public:
   explicit DaemonProcess(const std::vector<std::string>& extra = {});
   // SIGTERM, then ADD_FAILURE unless it exits 0.

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <set>
 
+#include "server/common/error.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -174,6 +175,27 @@ TEST(Tier, TenantQuotaLimitsOneTenantOnly) {
   ASSERT_OK(tier.Allocate("small", 4096).status());
   held.clear();
   EXPECT_EQ(tier.TenantUsed("small"), 0u);
+}
+
+// Callers tell a full tier from a quota by the reason the status carries, never its words.
+TEST(Tier, RefusalsCarryTheirReason) {
+  TierOptions o = Options(2 * 4096);
+  o.tenant_limit = [](const std::string& t) -> uint64_t { return t == "small" ? 4096 : 0; };
+  Tier host(o);
+  ASSERT_OK_AND_ASSIGN(SlotRef a, host.Allocate("small", 4096));
+  const absl::Status quota = host.Allocate("small", 4096).status();
+  EXPECT_EQ(ReasonOf(quota), ErrorReason::kQuota);
+  ASSERT_OK_AND_ASSIGN(SlotRef b, host.Allocate("big", 4096));
+  const absl::Status full = host.Allocate("big", 4096).status();
+  EXPECT_THAT(full, StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_EQ(ReasonOf(full), ErrorReason::kHostTierFull);
+  TierOptions d = Options(4096);
+  d.tier = v1::TIER_DEVICE;
+  d.instance += "-device";
+  Tier device(d);
+  ASSERT_OK_AND_ASSIGN(SlotRef c, device.Allocate("big", 4096));
+  EXPECT_EQ(ReasonOf(device.Allocate("big", 4096).status()), ErrorReason::kDeviceTierFull);
+  EXPECT_EQ(ReasonOf(host.Allocate("big", 1 << 21).status()), ErrorReason::kNone);  // too big
 }
 
 TEST(ShmSegment, RemoveStaleTakesOnlyThePrefix) {

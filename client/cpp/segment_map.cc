@@ -7,20 +7,19 @@
 #include <cerrno>
 #include <cstring>
 
-#include "server/common/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "kvtier/client.h"
 
 namespace kvtier {
 
 SegmentMap::~SegmentMap() {
-  MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, m] : maps_) munmap(const_cast<uint8_t*>(m.data), m.size);
 }
 
 absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t segment_id) {
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (auto it = maps_.find(segment_id); it != maps_.end()) return it->second;
   }
   auto list = client.ListSegments();
@@ -39,7 +38,7 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
     }
     Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
               seg.generation_table_offset()};
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto [it, inserted] = maps_.emplace(segment_id, m);
     if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
     return it->second;
@@ -84,14 +83,14 @@ absl::Status SegmentMap::CheckGeneration(const Mapping& m, const v1::BlockHandle
 absl::Status SegmentMap::Recheck(const v1::BlockHandle& h) {
   Mapping m;
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = maps_.find(h.segment_id());
     if (it == maps_.end()) {
       return absl::NotFoundError(absl::StrCat("segment_id: ", h.segment_id(), " is not mapped"));
     }
     m = it->second;
   }
-#ifndef KVTIER_TSAN  // TSAN does not model fences (-Wtsan); its builds only test the logic
+#ifndef __SANITIZE_THREAD__  // TSAN does not model fences (-Wtsan); its builds only test the logic
   std::atomic_thread_fence(std::memory_order_acquire);  // the copy happened before the check
 #endif
   return CheckGeneration(m, h);

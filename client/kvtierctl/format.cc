@@ -1,6 +1,7 @@
 #include "client/kvtierctl/format.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -57,6 +58,14 @@ std::string Age(int64_t unix_ms, int64_t now_ms) {
   if (s < 7200) return absl::StrCat(s / 60, "m ago");
   if (s < 172800) return absl::StrCat(s / 3600, "h ago");
   return absl::StrCat(s / 86400, "d ago");
+}
+
+std::string Bytes(uint64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  // Binary units up to TiB: the unit is the number of whole 10-bit steps in the value.
+  const int unit = std::min(4, (63 - std::countl_zero(bytes)) / 10);
+  return absl::StrFormat("%.1f %ciB", static_cast<double>(bytes) / static_cast<double>(1ull << (10 * unit)),
+                         "KMGT"[unit - 1]);
 }
 
 }  // namespace kvtier::ctl

@@ -2,6 +2,7 @@
 #ifndef KVTIER_CLIENT_KVTIERCTL_FORMAT_H_
 #define KVTIER_CLIENT_KVTIERCTL_FORMAT_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,9 @@ std::string ToJson(const google::protobuf::Message& m);
 
 // "3s ago", "5m ago", "2h ago", "4d ago" from a Unix time in ms and now.
 std::string Age(int64_t unix_ms, int64_t now_ms);
+
+// "17 B", "4.0 KiB", "1.5 GiB": byte counts for people, in binary units.
+std::string Bytes(uint64_t bytes);
 
 }  // namespace kvtier::ctl
 

@@ -12,7 +12,6 @@
 #include "absl/strings/str_join.h"
 #include "client/kvtierctl/format.h"
 #include "kvtier/client.h"
-#include "server/common/size.h"
 
 namespace kvtier::ctl {
 namespace {
@@ -48,8 +47,6 @@ int64_t NowMs() {
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
-
-std::string Bytes(uint64_t b) { return FormatBytes(b); }
 
 // "TIER_HOST" -> "host", "PRECISION_INT4" -> "int4": an enum value name without its prefix.
 std::string Label(const std::string& enum_name) {

@@ -14,8 +14,11 @@
 // that no chunk ever scores above a node's bound. Each node also keeps centers and radii
 // (max |mu_c - m|), which steer re-splits.
 //
-// The index keeps per chunk only its token count and its node; means and peaks stay in the
-// stream's own arrays (ChunkArrays), read under the session's lock.
+// The index keeps per chunk only its node: token counts, means and peaks are the stream's
+// ChunkStats, handed to each call, and only chunks whose statistics are final enter it.
+//
+// Not thread-safe: its stream's owner serializes access. The build (Add and the splits) is
+// cluster_index.cc, the searches cluster_index_search.cc.
 #ifndef KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 #define KVTIER_SERVER_INDEX_CLUSTER_INDEX_H_
 
@@ -29,14 +32,9 @@
 #include "absl/container/inlined_vector.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/common/vec.h"
+#include "server/index/chunk_stats.h"
 
 namespace kvtier {
-
-// Where a stream keeps its chunks' statistics: [chunks][head_dim] each.
-struct ChunkArrays {
-  const float* key_sums;  // sum of the chunk's keys (mean = sum / tokens)
-  const float* peaks;     // the key farthest from the mean
-};
 
 class ClusterIndex {
  public:
@@ -68,16 +66,17 @@ class ClusterIndex {
   explicit ClusterIndex(int head_dim) : ClusterIndex(head_dim, Options{}) {}
   ClusterIndex(int head_dim, Options options);
 
-  // Adds chunk `chunk` (not yet indexed) with `tokens` tokens; its sum and peak are at
-  // arrays[chunk]. Joins the unit, then its cluster, whose boxes it widens least (LeastWidened);
-  // re-splits what outgrew.
-  void Add(uint32_t chunk, uint32_t tokens, const ChunkArrays& arrays);
+  // Adds chunk `chunk` of `stats` (a no-op if it is indexed already). Joins the unit, then its
+  // cluster, whose boxes it widens least (LeastWidened); re-splits what outgrew. REQUIRES:
+  // the chunk's statistics are final (chunk < stats.final_chunks()), and every later call
+  // passes the same stats, grown only by chunks beyond those indexed.
+  void Add(uint32_t chunk, const ChunkStats& stats);
 
   // The k best indexed chunks by `ranking` for queries [group][head_dim] (score as
   // SelectChunks computes it; ties to the lower index), best first. `skip[c]` (when c <
   // skip.size()) leaves chunk c out.
   std::vector<uint32_t> Search(v1::Ranking ranking, std::span<const float> queries, int group,
-                               size_t k, const ChunkArrays& arrays,
+                               size_t k, const ChunkStats& chunks,
                                const std::vector<bool>& skip, SearchStats* stats) const;
 
   // The greedy fill of SelectChunks over the indexed chunks plus `extras` (candidates the
@@ -86,9 +85,9 @@ class ClusterIndex {
   // same candidates; it stops once nothing left can fit, and never opens a node whose
   // smallest chunk is larger than what is left of the budget.
   std::vector<uint32_t> SearchGreedy(v1::Ranking ranking, std::span<const float> queries,
-                                     int group, uint64_t budget, const ChunkArrays& arrays,
+                                     int group, uint64_t budget, const ChunkStats& chunks,
                                      const std::vector<bool>& skip,
-                                     std::span<const struct ChunkCandidate> extras,
+                                     std::span<const ChunkCandidate> extras,
                                      SearchStats* stats) const;
 
   static constexpr uint32_t kNoCluster = ~0u;
@@ -120,8 +119,8 @@ class ClusterIndex {
   // unit's bound), and structural invariants (every chunk in exactly one cluster, every
   // cluster in one unit, radii and boxes covering their chunks). Empty string: all good.
   uint64_t CountBoundViolations(v1::Ranking ranking, std::span<const float> queries, int group,
-                                const ChunkArrays& arrays) const;
-  std::string CheckInvariants(const ChunkArrays& arrays) const;
+                                const ChunkStats& stats) const;
+  std::string CheckInvariants(const ChunkStats& stats) const;
 
  private:
   static constexpr uint32_t kNone = ~0u;
@@ -216,16 +215,18 @@ class ClusterIndex {
     Block block;  // its clusters' bounds, lane i = clusters[i]
   };
 
-  void Mean(uint32_t chunk, const ChunkArrays& a, float* out) const;
-  const float* Peak(uint32_t chunk, const ChunkArrays& a) const;
+  void Mean(uint32_t chunk, const ChunkStats& a, float* out) const;
+  const float* Peak(uint32_t chunk, const ChunkStats& a) const;
   // [mean | peak] of a chunk: 2 * head_dim floats into out.
-  void ChunkPoint(uint32_t chunk, const ChunkArrays& a, float* out) const;
+  void ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const;
   // Recomputes b and its lane from scratch over these chunks: centers, radii, boxes, tokens.
-  void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkArrays& a);
+  void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkStats& a);
   // Widens b and its lane to cover one more chunk, whose mean key is `mu` (the center stays).
-  void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkArrays& a);
+  void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a);
   // The part of Widen on b alone: radii and token counts, for mean `mu` and peak `p`.
-  void WidenBounds(Bounds& b, uint32_t chunk, const float* mu, const float* p);
+  void WidenBounds(Bounds& b, uint32_t tokens, const float* mu, const float* p);
+  // |x| over d floats, summed in double.
+  static double Norm(const float* x, int d);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
   // a node's [hi | lo] pairs in one pass.
   struct Prepared {
@@ -240,10 +241,10 @@ class ClusterIndex {
   void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
                    std::span<const float> queries, const Prepared& p, float* out) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
-                   int group, const ChunkArrays& a) const;
+                   int group, const ChunkStats& a) const;
   // ChunkScore of each of `chunks` into out[i], the same values, computed together.
   void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
-                   std::span<const float> queries, int group, const ChunkArrays& a,
+                   std::span<const float> queries, int group, const ChunkStats& a,
                    float* out) const;
   // A searched cluster's chunks and their scores: those not in `skip` and of at most
   // max_tokens tokens, scored together (their exponentials and logarithms in one pass). Its
@@ -252,7 +253,7 @@ class ClusterIndex {
   using ClusterScores = absl::InlinedVector<float, 32>;
   void ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next,
                     uint64_t max_tokens, const std::vector<bool>& skip,
-                    std::span<const float> queries, int group, const ChunkArrays& a,
+                    std::span<const float> queries, int group, const ChunkStats& a,
                     ClusterChunks* chunks, ClusterScores* scores) const;
   // visit(u, unit_bound, cluster_bounds) for every unit u: its bound and its clusters' (lane
   // i = clusters[i]), all computed as the searches compute them (the test and profile hooks).
@@ -262,7 +263,7 @@ class ClusterIndex {
   std::vector<uint32_t> UnitChunks(const Unit& u) const;
   // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
   // and mostly from outside the cache.
-  void PrefetchChunks(const Cluster& c, const ChunkArrays& a) const;
+  void PrefetchChunks(const Cluster& c, const ChunkStats& a) const;
 
   // Splits ids in two by 2-means over their points, vec(i) the `dim` floats of ids[i]'s:
   // by direction (`spherical`: the points and means as unit vectors) or as they are.
@@ -290,10 +291,10 @@ class ClusterIndex {
       out[d_ + j] = ny > 0 ? y[j] / ny : 0.f;
     }
   }
-  void SplitCluster(uint32_t cluster, const ChunkArrays& a);
-  void SplitUnit(uint32_t unit, const ChunkArrays& a);
+  void SplitCluster(uint32_t cluster, const ChunkStats& a);
+  void SplitUnit(uint32_t unit, const ChunkStats& a);
   // A cluster over these chunks, appended to the unit's clusters (and lanes).
-  uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkArrays& a);
+  uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkStats& a);
 
   int d_;
   Options opt_;
@@ -302,7 +303,6 @@ class ClusterIndex {
   std::vector<float> cluster_arena_, unit_arena_;  // nodes' vectors, kParts * d_ per slot
   Block units_block_;                // every unit's bounds, lane u = units_[u]
   std::vector<uint32_t> node_of_;    // chunk -> cluster, kNone if not indexed
-  std::vector<uint32_t> tokens_;     // chunk -> tokens
   size_t num_chunks_ = 0;
 };
 

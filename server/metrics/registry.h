@@ -87,7 +87,7 @@ class Registry {
   Family& GetFamily(const std::string& name, const std::string& help, Type type,
                     const Labels& labels) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // lock order 10 (server/common/lock_order.h)
   std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
 };

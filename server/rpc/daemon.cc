@@ -43,13 +43,10 @@ absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& 
   return RemoteStore::Connect(o.remote);
 }
 
-SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, Tier* device,
-                          PromotionCache* host_copies, PromotionCache* device_copies,
-                          RemoteStore* remote, LeaseTable* leases, const Clock* clock) {
+SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* host_copies,
+                          PromotionCache* device_copies, LeaseTable* leases, const Clock* clock) {
   SessionEnv env;
-  env.remote = remote;
   env.host = host;
-  env.device = device;
   env.host_copies = host_copies;
   env.device_copies = device_copies;
   env.leases = leases;
@@ -76,9 +73,9 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       remote_(ConnectRemote(options_)),
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
-      sessions_(options_, MakeSessionEnv(options_, &host_, &device_, &host_copies_,
-                                         &device_copies_, remote_.ok() ? remote_->get() : nullptr,
-                                         &leases_, clock)),
+      sessions_(options_,
+                MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock),
+                remote_.ok() ? remote_->get() : nullptr),
       service_(ServiceEnv{.sessions = &sessions_,
                           .leases = &leases_,
                           .host = &host_,
@@ -151,10 +148,6 @@ void Daemon::RegisterGauges() {
       metrics_.GetGauge("kvtier_tier_chunks", "Slots allocated", l).Set(s.num_slots);
       metrics_.GetGauge("kvtier_tier_segments", "Shared-memory segments mapped", l)
           .Set(s.num_segments);
-      metrics_.GetCounter("kvtier_tier_promotions_total", "Chunks copied into the tier", l)
-          .IncreaseTo(s.promotions);
-      metrics_.GetCounter("kvtier_tier_evictions_total", "Chunks moved out of the tier", l)
-          .IncreaseTo(s.evictions);
       metrics_.GetCounter("kvtier_tier_allocation_failures_total",
                           "Allocations refused (tier full or shm error)", l)
           .IncreaseTo(s.allocation_failures);
@@ -171,6 +164,12 @@ void Daemon::RegisterGauges() {
           .IncreaseTo(n.misses);
       metrics_.GetCounter("kvtier_cache_evictions_total", "Copies evicted to make room", l)
           .IncreaseTo(n.evictions);
+      // The tier's view of the same: copies made on it, and copies that left it.
+      metrics::Labels tl{{"tier", TierShortName(c->tier()->options().tier)}};
+      metrics_.GetCounter("kvtier_tier_promotions_total", "Chunks copied into the tier", tl)
+          .IncreaseTo(n.promotions);
+      metrics_.GetCounter("kvtier_tier_evictions_total", "Chunks moved out of the tier", tl)
+          .IncreaseTo(n.evictions + n.drops);
       metrics_.GetCounter("kvtier_prefetched_total", "Copies promoted ahead of a Select", l)
           .IncreaseTo(n.prefetched);
       metrics_.GetCounter("kvtier_prefetch_hits_total",

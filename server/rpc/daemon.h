@@ -73,7 +73,7 @@ class Daemon {
   std::unique_ptr<metrics::HttpExporter> exporter_;
 
   absl::Notification shutdown_requested_;
-  absl::Mutex mu_;
+  absl::Mutex mu_;  // lock order 11 (server/common/lock_order.h)
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
 };

@@ -2,7 +2,6 @@
 
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
@@ -95,8 +94,6 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
 
 // Applies each message as it arrives; the first error ends the stream with that status,
 // and the messages before it stay applied (each append is idempotent, so a client resends).
-// Applies each message as it arrives; the first error ends the stream with that status,
-// and the messages before it stay applied (each append is idempotent, so a client resends).
 //
 // gRPC runs successive callbacks of one reactor on different threads, ordered by its own
 // (uninstrumented) code; KVTIER_TSAN_RELEASE before each hand-back and KVTIER_TSAN_ACQUIRE
@@ -141,7 +138,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
 
   absl::Status Apply() {
     absl::StatusOr<uint64_t> stored;
-    RETURN_IF_ERROR(svc_->WithSession(
+    RETURN_IF_ERROR(svc_->env_.sessions->Run(
         tenant_, req_.session_id(),
         [&](const std::shared_ptr<Session>& s) {
           stored = s->Append(req_);
@@ -176,39 +173,12 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
   return new AppendReactor(this, ctx, resp);
 }
 
-absl::Status KvTierService::WithSession(
-    const std::string& tenant, const std::string& session_id,
-    const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
-    std::shared_ptr<Session>* cached) {
-  for (int attempt = 0;; ++attempt) {
-    std::shared_ptr<Session> session;
-    if (attempt == 0 && cached != nullptr && *cached != nullptr &&
-        (*cached)->id() == session_id && !(*cached)->demoted()) {
-      session = *cached;  // looked up, tenant checked, by an earlier message of this stream
-    } else {
-      ASSIGN_OR_RETURN(session, env_.sessions->Get(tenant, session_id));
-      if (cached != nullptr) *cached = session;
-    }
-    absl::Status s = fn(session);
-    if (s.ok() || attempt >= 16) return s;
-    // Moved to the remote tier while this call waited: the next Get restores it.
-    if (absl::IsUnavailable(s) && session->demoted()) continue;
-    // The host tier is full (not a quota): with a remote tier below, the least recently used
-    // idle session moves down to make room.
-    if (absl::IsResourceExhausted(s) && absl::StrContains(s.message(), "host tier full") &&
-        env_.sessions->DemoteIdle(session_id)) {
-      continue;
-    }
-    return s;
-  }
-}
-
 grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
                                                 const v1::SelectRequest* req,
                                                 v1::SelectResponse* resp) {
   std::string tenant = Tenant(ctx);
   return Unary(ctx, "Select", [&]() -> absl::Status {
-    RETURN_IF_ERROR(WithSession(tenant, req->session_id(), [&](const auto& session) {
+    RETURN_IF_ERROR(env_.sessions->Run(tenant, req->session_id(), [&](const auto& session) {
       resp->Clear();
       RETURN_IF_ERROR(session->Select(*req, resp));
       if (env_.prefetcher) env_.prefetcher->Enqueue(session, *req);
@@ -228,7 +198,7 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
       const v1::SelectRequest& r = req->requests(i);
       absl::Status s = [&]() -> absl::Status {
         v1::SelectResponse* out = resp->add_responses();
-        return WithSession(tenant, r.session_id(), [&](const auto& session) {
+        return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
           out->Clear();
           RETURN_IF_ERROR(session->Select(r, out));
           if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
@@ -390,8 +360,8 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
       out->set_used_bytes(s.used_bytes);
       out->set_pinned_bytes(s.pinned_bytes);
       out->set_num_chunks(s.num_slots);
-      out->set_promotions(s.promotions);
-      out->set_evictions(s.evictions);
+      out->set_promotions(c.promotions);
+      out->set_evictions(c.evictions + c.drops);
       out->set_num_segments(s.num_segments);
       out->set_emulated(s.emulated);
     }

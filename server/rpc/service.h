@@ -103,14 +103,6 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
   static std::string Tenant(const grpc::CallbackServerContext* ctx);
-  // Runs `fn` on the session, restoring it from the remote tier when it is there, and again
-  // when it moved there meanwhile, or when the host tier was full and an idle session could
-  // be demoted to make room.
-  // `cached`, when given and still the live session of that id, is tried first (a stream's
-  // appends look the session up once), and holds the session used afterwards.
-  absl::Status WithSession(const std::string& tenant, const std::string& session_id,
-                           const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
-                           std::shared_ptr<Session>* cached = nullptr);
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
@@ -124,7 +116,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
 
   ServiceEnv env_;
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
-  absl::Mutex tenant_mu_;
+  absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
   absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_
       ABSL_GUARDED_BY(tenant_mu_);
   std::atomic<bool> draining_{false};

@@ -51,7 +51,7 @@ class LeaseTable {
   void Forget(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* const clock_;
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // lock order 6 (server/common/lock_order.h)
   absl::flat_hash_map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
   // Live leases per session, so a session's count is a lookup, not a scan of every lease.
   absl::flat_hash_map<std::string, size_t> per_session_ ABSL_GUARDED_BY(mu_);

@@ -49,7 +49,7 @@ class Prefetcher {
 
   const uint32_t extra_percent_;
   const size_t max_queue_;
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // lock order 5 (server/common/lock_order.h)
   absl::CondVar work_;  // a task was queued, or stop
   absl::CondVar idle_;  // the queue emptied with no task in hand
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);

@@ -1,18 +1,17 @@
-#include "server/common/mutex.h"
 #include "server/session/session_manager.h"
-
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "server/common/error.h"
 #include "server/common/log.h"
+#include "server/common/mutex.h"
 #include "server/common/names.h"
 #include "server/common/status_macros.h"
 #include "server/config/policy.h"
+#include "server/config/shape.h"
 #include "server/session/session_record.h"
-#include "server/tier/remote_store.h"
 
 namespace kvtier {
 
@@ -61,8 +60,8 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
     MutexLock lock(&mu_);
     id = req.session_id().empty() ? NewId() : req.session_id();
   }
-  if (env_.remote != nullptr) {  // a session lying in the remote tier keeps its id
-    ASSIGN_OR_RETURN(bool taken, env_.remote->Exists(RecordKey(id)));
+  if (remote_ != nullptr) {  // a session lying in the remote tier keeps its id
+    ASSIGN_OR_RETURN(bool taken, remote_->Exists(RecordKey(id)));
     if (taken) {
       return absl::AlreadyExistsError(
           absl::StrCat("session_id: \"", id, "\" already exists (in the remote tier)"));
@@ -110,32 +109,67 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(
     s = Held(session_id);
   }
   if (s == nullptr) {
-    if (env_.remote != nullptr) return Restore(tenant, session_id);
+    if (remote_ != nullptr) return Restore(tenant, session_id);
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
   return s;
 }
 
+absl::Status SessionManager::WithRoom(const std::string& keep,
+                                      const std::function<absl::Status()>& fn) {
+  for (;;) {
+    absl::Status s = fn();
+    if (ReasonOf(s) != ErrorReason::kHostTierFull || !DemoteIdle(keep)) return s;
+  }
+}
+
+absl::Status SessionManager::Run(
+    const std::string& tenant, const std::string& session_id,
+    const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
+    std::shared_ptr<Session>* cached) {
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<Session> session;
+    if (attempt == 0 && cached != nullptr && *cached != nullptr &&
+        (*cached)->id() == session_id && !(*cached)->demoted()) {
+      session = *cached;  // looked up, tenant checked, by an earlier message of this stream
+    } else {
+      ASSIGN_OR_RETURN(session, Get(tenant, session_id));
+      if (cached != nullptr) *cached = session;
+    }
+    absl::Status s = WithRoom(session_id, [&] { return fn(session); });
+    // Moved to the remote tier while this call waited: the next Get restores it.
+    if (ReasonOf(s) != ErrorReason::kSessionMoved || attempt >= 16) return s;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Take(const std::string& tenant,
+                                                              const std::string& session_id) {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return nullptr;
+  RETURN_IF_ERROR(CheckTenant(tenant, it->second->tenant(), session_id));
+  std::shared_ptr<Session> s = std::move(it->second);
+  sessions_.erase(it);
+  return s;
+}
+
 absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
                                            const std::string& session_id) {
-  std::shared_ptr<Session> s;
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(session_id);
-    if (it == sessions_.end()) {
-      if (env_.remote == nullptr) return false;
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Take(tenant, session_id));
+  if (s == nullptr && remote_ != nullptr) {
+    MutexLock restoring(&restore_mu_);  // no restore brings it here meanwhile
+    ASSIGN_OR_RETURN(s, Take(tenant, session_id));  // restored while this call waited
+    if (s == nullptr) {
       // A demoted session is closed where it lies.
-      ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(RecordKey(session_id)));
+      ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(RecordKey(session_id)));
       if (!bytes) return false;
       auto record = DecodeRecord(*bytes, RecordKey(session_id));
       if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
-      return env_.remote->Delete(RecordKey(session_id));
+      return remote_->Delete(RecordKey(session_id));
     }
-    RETURN_IF_ERROR(CheckTenant(tenant, it->second->tenant(), session_id));
-    s = std::move(it->second);
-    sessions_.erase(it);
   }
+  if (s == nullptr) return false;
   s->Close();  // outside the manager lock: frees slots
   KVLOG(info, "session.close", "session={}", session_id);
   return true;
@@ -179,7 +213,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   }
   const std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(std::optional<std::string> bytes, env_.remote->Get(key));
+  ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(key));
   if (!bytes) return NotFound(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
@@ -190,14 +224,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     return record.status();
   }
   RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
-  auto session = Session::Import(*record, env_);
   // A full host tier makes room by demoting idle sessions, then tries again.
-  while (!session.ok() && absl::IsResourceExhausted(session.status()) &&
-         !absl::StrContains(session.status().message(), "quota") && DemoteIdle(session_id)) {
-    session = Session::Import(*record, env_);
-  }
-  if (!session.ok()) return session.status();
-  std::shared_ptr<Session> restored = *std::move(session);
+  std::unique_ptr<Session> session;
+  RETURN_IF_ERROR(WithRoom(session_id, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(session, Session::Import(*record, env_));
+    return absl::OkStatus();
+  }));
+  std::shared_ptr<Session> restored = std::move(session);
   {
     MutexLock lock(&mu_);
     sessions_[session_id] = restored;
@@ -206,7 +239,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
   }
   // This daemon owns it now; the remote copy would otherwise be served twice.
-  if (auto deleted = env_.remote->Delete(key); !deleted.ok()) {
+  if (auto deleted = remote_->Delete(key); !deleted.ok()) {
     KVLOG(warn, "remote.delete", "session={} error=\"{}\"", session_id,
           std::string(deleted.status().message()));
   }
@@ -217,7 +250,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
 
 absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
                                                 const std::string& session_id) {
-  if (env_.remote == nullptr) {  // nothing below the host tier: the session says so
+  if (remote_ == nullptr) {  // nothing below the host tier: the session says so
     ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(tenant, session_id));
     return s->Evict(v1::TIER_HOST);
   }
@@ -229,14 +262,14 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
     s = Held(session_id);
   }
   if (s == nullptr) {
-    ASSIGN_OR_RETURN(bool there, env_.remote->Exists(RecordKey(session_id)));
+    ASSIGN_OR_RETURN(bool there, remote_->Exists(RecordKey(session_id)));
     if (there) return 0;  // already in the remote tier
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
   const std::string key = RecordKey(session_id);
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
-    return env_.remote->Put(key, EncodeRecord(r));
+    return remote_->Put(key, EncodeRecord(r));
   }));
   MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
@@ -248,7 +281,7 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
 }
 
 bool SessionManager::DemoteIdle(const std::string& keep) {
-  if (env_.remote == nullptr) return false;
+  if (remote_ == nullptr) return false;
   std::vector<std::pair<int64_t, std::shared_ptr<Session>>> idle;
   {
     MutexLock lock(&mu_);

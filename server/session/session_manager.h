@@ -1,7 +1,11 @@
-// The daemon's sessions: creation with limits, lookup with tenant checks, close, fork.
+// The daemon's sessions: creation with limits, lookup with tenant checks, close, fork, and
+// the remote tier below the host tier (demotion of idle sessions, restore on lookup). When the
+// host tier is full, this is the one place that makes room by demoting an idle session and
+// tries again (Run, and restores).
 #ifndef KVTIER_SERVER_SESSION_SESSION_MANAGER_H_
 #define KVTIER_SERVER_SESSION_SESSION_MANAGER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,13 +16,15 @@
 #include "absl/synchronization/mutex.h"
 #include "server/config/config.h"
 #include "server/session/session.h"
+#include "server/tier/remote_store.h"
 
 namespace kvtier {
 
 class SessionManager {
  public:
-  SessionManager(const ServerOptions& options, const SessionEnv& env)
-      : options_(options), env_(env) {}
+  // `remote`: the remote tier, or null; it outlives the manager.
+  SessionManager(const ServerOptions& options, const SessionEnv& env, RemoteStore* remote)
+      : options_(options), env_(env), remote_(remote) {}
   ~SessionManager();
 
   // INVALID_ARGUMENT for the shape, the policy or a malformed session_id; ALREADY_EXISTS for
@@ -32,6 +38,16 @@ class SessionManager {
   // DATA_LOSS when its record fails its checksum (it is then not served).
   absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& tenant,
                                                const std::string& session_id);
+
+  // Runs `fn` on the session (looked up as Get does) and returns its status. Tries again, up
+  // to 16 times, when the session moved to the remote tier while `fn` waited (ErrorReason
+  // kSessionMoved: the next lookup restores it), and when the host tier was full
+  // (kHostTierFull) and an idle session could be demoted to make room. `cached`, when given
+  // and still the live session of that id, is tried first (a stream's appends look the
+  // session up once), and holds the session used afterwards.
+  absl::Status Run(const std::string& tenant, const std::string& session_id,
+                   const std::function<absl::Status(const std::shared_ptr<Session>&)>& fn,
+                   std::shared_ptr<Session>* cached = nullptr);
 
   // Remote tier. Moves one session there whole (Evict to TIER_HOST); returns the record's
   // bytes. FAILED_PRECONDITION without a remote tier or while leases hold its chunks.
@@ -47,9 +63,10 @@ class SessionManager {
     uint64_t corrupt = 0;         // records refused for a bad checksum or format
   };
   RemoteCounters remote_counters() const;
-  bool has_remote() const { return env_.remote != nullptr; }
+  bool has_remote() const { return remote_ != nullptr; }
 
-  // Idempotent: false when there was no such session. PERMISSION_DENIED for another's.
+  // Idempotent: false when there was no such session. PERMISSION_DENIED for another's. A
+  // session lying in the remote tier is deleted there (Redis is reached without the map lock).
   absl::StatusOr<bool> Close(const std::string& tenant, const std::string& session_id);
 
   // As Create, from an existing session's first `num_tokens` tokens.
@@ -68,18 +85,32 @@ class SessionManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const ServerOptions& options_;
-  const SessionEnv env_;
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  // Restores one at a time, so that two calls for one demoted session restore it once.
-  absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
   absl::StatusOr<std::shared_ptr<Session>> Restore(const std::string& tenant,
-                                                   const std::string& session_id);
+                                                   const std::string& session_id)
+      ABSL_LOCKS_EXCLUDED(restore_mu_, mu_);
   // The session held here under `session_id` (not moved to the remote tier), or null.
   std::shared_ptr<Session> Held(const std::string& session_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `session_id` from the map and returns it; null when it is not here.
+  // PERMISSION_DENIED for another tenant's.
+  absl::StatusOr<std::shared_ptr<Session>> Take(const std::string& tenant,
+                                                const std::string& session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `fn` until it succeeds or fails otherwise than for a full host tier; after each
+  // such failure the least recently used idle session other than `keep` moves to the remote
+  // tier, and when none can, the failure stands.
+  absl::Status WithRoom(const std::string& keep, const std::function<absl::Status()>& fn);
+
+  const ServerOptions& options_;
+  const SessionEnv env_;
+  RemoteStore* const remote_;
+  // Restores one at a time, so that two calls for one demoted session restore it once; a
+  // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
+  absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // The map. Never held across Redis I/O. Lock order 2.
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -70,4 +70,49 @@ absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std
   return r;
 }
 
+void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* out) {
+  for (const Chunk& c : stream.chunks()) {
+    v1::ChunkRecord* cr = out->add_chunks();
+    cr->set_num_tokens(c.num_tokens);
+    cr->set_first(c.first);
+    if (!c.offsets.empty()) {
+      std::string off;
+      for (uint16_t o : c.offsets) PutLe(off, o, 2);
+      cr->set_offsets(std::move(off));
+    }
+    cr->set_sealed(c.sealed);
+    cr->set_precision(f.precision(c));
+    cr->set_data(c.host->data(), f.StoredBytes(c));
+  }
+}
+
+absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, Tier* host,
+                          const std::string& tenant, absl::string_view what, Stream* out) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why));
+  };
+  for (const v1::ChunkRecord& cr : record.chunks()) {
+    Chunk c;
+    c.num_tokens = cr.num_tokens();
+    c.first = cr.first();
+    c.sealed = cr.sealed();
+    c.precision = cr.precision();
+    if (c.num_tokens == 0 || c.num_tokens > f.capacity || cr.offsets().size() % 2 != 0 ||
+        (!cr.offsets().empty() && cr.offsets().size() != 2 * c.num_tokens)) {
+      return bad("a chunk's size or offsets are out of range");
+    }
+    for (size_t j = 0; j < cr.offsets().size(); j += 2) {
+      c.offsets.push_back(static_cast<uint16_t>(GetLe(cr.offsets(), j, 2)));
+    }
+    const uint64_t bytes = f.StoredBytes(c);
+    if (cr.data().size() != bytes) return bad("a chunk's bytes do not match its size");
+    absl::StatusOr<SlotRef> slot = host->Allocate(tenant, c.cold() ? bytes : f.slot_bytes());
+    if (!slot.ok()) return slot.status();
+    c.host = *std::move(slot);
+    std::memcpy(c.host->data(), cr.data().data(), bytes);
+    out->Restore(std::move(c), f);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvtier

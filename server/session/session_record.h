@@ -17,6 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "kvtier/v1/record.pb.h"
+#include "server/session/stream.h"
+#include "server/tier/tier.h"
 
 namespace kvtier {
 
@@ -28,6 +30,15 @@ std::string EncodeRecord(const v1::SessionRecord& record);
 // DATA_LOSS for a wrong magic, a checksum mismatch or an unparsable payload;
 // FAILED_PRECONDITION for a version this build does not read. `key` names the record.
 absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key);
+
+// One stream's chunks in a record: per chunk its size, first position, offsets (u16
+// little-endian pairs, regrouped chunks only), sealed mark, precision and stored bytes.
+void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* out);
+// The stream a record holds, its chunks in host slots of `tenant` (each chunk's statistics
+// recomputed from its rows). INVALID_ARGUMENT, prefixed by `what`, for a chunk whose size,
+// offsets or bytes do not fit `f`; the tier's RESOURCE_EXHAUSTED as it is.
+absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, Tier* host,
+                          const std::string& tenant, absl::string_view what, Stream* out);
 
 }  // namespace kvtier
 

@@ -107,6 +107,7 @@ CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double c
   MutexLock lock(&mu_);
   Touch(*copy, now);
   ++(prefetched ? counters_.prefetched : counters_.misses);
+  ++counters_.promotions;
   // Forget copies whose chunks dropped them, now and then, so the list stays near the live set.
   if (copies_.size() >= 64 && copies_.size() == copies_.capacity()) {
     copies_.erase(std::remove_if(copies_.begin(), copies_.end(),
@@ -123,6 +124,8 @@ uint64_t PromotionCache::Drop(const CopyRef& copy) {
   if (!copy->slot_) return 0;
   const uint64_t bytes = copy->slot_->bytes();
   copy->slot_.reset();  // a lease still holding the slot keeps its memory until released
+  ++counters_.drops;
+  counters_.dropped_bytes += bytes;
   return bytes;
 }
 
@@ -167,7 +170,6 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
   }
   counters_.evictions += evicted;
   counters_.evicted_bytes += freed;
-  tier_->RecordEvictions(evicted);
   return freed;
 }
 

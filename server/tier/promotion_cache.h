@@ -5,7 +5,8 @@
 // evicted. A chunk keeps a CachedCopy; the cache keeps only a weak reference to it, so a
 // chunk that changes or goes away drops its copy without telling the cache.
 //
-// Lock order: Session::mu_ -> PromotionCache::mu_ -> Tier::mu_.
+// Thread-safe; its lock comes after a session's and before its tier's
+// (server/common/lock_order.h).
 #ifndef KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 #define KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 
@@ -108,11 +109,15 @@ class PromotionCache {
   // Drops a copy now (a session's Evict); returns its bytes, 0 if it was not cached.
   uint64_t Drop(const CopyRef& copy);
 
+  // What the cache did; TierStats reports promotions and evictions + drops as the tier's.
   struct Counters {
+    uint64_t promotions = 0;       // copies made (Insert): misses + prefetched
     uint64_t hits = 0;             // reads that found their copy cached
     uint64_t misses = 0;           // copies made because a Select needed them
     uint64_t evictions = 0;        // copies evicted to make room
     uint64_t evicted_bytes = 0;
+    uint64_t drops = 0;            // copies dropped on request (Drop: a session's Evict)
+    uint64_t dropped_bytes = 0;
     uint64_t prefetched = 0;       // copies promoted ahead
     uint64_t prefetch_hits = 0;    // prefetched copies later read by a Select
   };
@@ -129,7 +134,7 @@ class PromotionCache {
   const Clock* const clock_;
   const std::unique_ptr<EvictionPolicy> policy_;
   const Options options_;
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // lock order 7 (server/common/lock_order.h)
   std::vector<std::weak_ptr<CachedCopy>> copies_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);
 };

@@ -48,7 +48,7 @@ class RemoteStore {
   const std::string address_, host_;
   const int port_;
   const std::string path_;
-  absl::Mutex mu_;
+  absl::Mutex mu_;  // lock order 4 (server/common/lock_order.h)
   redisContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 

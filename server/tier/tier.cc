@@ -1,8 +1,9 @@
 #include "server/common/mutex.h"
 #include "server/tier/tier.h"
 
-#include "server/common/check.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/check.h"
+#include "server/common/error.h"
 #include "absl/strings/str_format.h"
 #include "server/common/size.h"
 
@@ -77,16 +78,21 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   uint64_t& tenant_used = tenant_used_[tenant];
   if (limit != 0 && tenant_used + slot_bytes > limit) {
     ++allocation_failures_;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes needed",
-        tenant, TierShortName(options_.tier), FormatBytes(limit), FormatBytes(tenant_used),
-        slot_bytes));
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrFormat(
+            "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes needed",
+            tenant, TierShortName(options_.tier), FormatBytes(limit), FormatBytes(tenant_used),
+            slot_bytes)),
+        ErrorReason::kQuota);
   }
   if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
     ++allocation_failures_;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
-        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes));
+    return WithReason(absl::ResourceExhaustedError(absl::StrFormat(
+                          "%s tier full: %s of %s used, %d more bytes needed",
+                          TierShortName(options_.tier), FormatBytes(used_bytes_),
+                          FormatBytes(options_.capacity_bytes), slot_bytes)),
+                      options_.tier == v1::TIER_DEVICE ? ErrorReason::kDeviceTierFull
+                                                       : ErrorReason::kHostTierFull);
   }
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];
@@ -197,8 +203,6 @@ TierSnapshot Tier::Stats() const {
       .num_slots = num_slots_,
       .num_segments = segments_.size(),
       .allocation_failures = allocation_failures_,
-      .promotions = promotions_.load(std::memory_order_relaxed),
-      .evictions = evictions_.load(std::memory_order_relaxed),
   };
 }
 

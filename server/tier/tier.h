@@ -111,8 +111,6 @@ struct TierSnapshot {
   uint64_t num_slots;
   uint64_t num_segments;
   uint64_t allocation_failures;
-  uint64_t promotions;
-  uint64_t evictions;
 };
 
 struct SegmentInfo {
@@ -135,8 +133,9 @@ class Tier {
   Tier& operator=(const Tier&) = delete;
 
   // A slot of `slot_bytes` in one of `tenant`'s segments. The bytes are not cleared.
-  // RESOURCE_EXHAUSTED when the tier is full or the tenant's quota would be exceeded (the
-  // message names the quota); INVALID_ARGUMENT when a slot cannot fit in a segment;
+  // RESOURCE_EXHAUSTED when the tier is full (ErrorReason kHostTierFull or kDeviceTierFull)
+  // or the tenant's quota would be exceeded (kQuota; the message names the quota);
+  // INVALID_ARGUMENT when a slot cannot fit in a segment;
   // INTERNAL when shared memory cannot be created.
   absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
 
@@ -151,10 +150,6 @@ class Tier {
   std::vector<SegmentInfo> Segments() const;
   const TierOptions& options() const { return options_; }
   std::string ShmPrefix() const;
-
-  // Counters reported in TierStats: chunks copied into this tier, chunks moved out of it.
-  void RecordPromotions(uint64_t n) { promotions_.fetch_add(n, std::memory_order_relaxed); }
-  void RecordEvictions(uint64_t n) { evictions_.fetch_add(n, std::memory_order_relaxed); }
 
  private:
   friend class Slot;
@@ -182,7 +177,7 @@ class Tier {
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
   const TierOptions options_;
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_;  // lock order 8 (server/common/lock_order.h)
   std::map<uint64_t, std::unique_ptr<Segment>> segments_ ABSL_GUARDED_BY(mu_);
   std::map<ClassKey, std::vector<uint64_t>> classes_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -191,8 +186,6 @@ class Tier {
   uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> next_generation_{1};
   std::atomic<int64_t> pinned_bytes_{0};
-  std::atomic<uint64_t> promotions_{0};
-  std::atomic<uint64_t> evictions_{0};
 };
 
 // "host", "device", "remote".

@@ -1,4 +1,4 @@
-#include "server/quant/quant.h"
+#include "server/quant/chunk_quant.h"
 
 #include <immintrin.h>
 

@@ -1,10 +1,14 @@
-#include "tests/support/kvtierd_process.h"
+#include "kvtier/local_daemon.h"
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <fcntl.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,7 +18,7 @@
 #include <sstream>
 #include <thread>
 
-namespace kvtier::testing {
+namespace kvtier {
 namespace {
 
 int ExitCode(int status) {
@@ -38,7 +42,7 @@ std::string BinaryPath(const std::string& name) {
   return (std::filesystem::path(self).parent_path() / name).string();
 }
 
-KvtierdProcess::KvtierdProcess(const std::string& instance_prefix,
+LocalDaemon::LocalDaemon(const std::string& instance_prefix,
                                const std::vector<std::string>& extra) {
   static std::atomic<int> counter{0};
   socket_ = dir_.path() + "/kvtier.sock";
@@ -71,9 +75,9 @@ KvtierdProcess::KvtierdProcess(const std::string& instance_prefix,
   }
 }
 
-KvtierdProcess::~KvtierdProcess() { Terminate(); }
+LocalDaemon::~LocalDaemon() { Terminate(); }
 
-int KvtierdProcess::Terminate() {
+int LocalDaemon::Terminate() {
   if (pid_ <= 0) return -1;
   kill(pid_, SIGTERM);
   int status = 0;
@@ -82,7 +86,7 @@ int KvtierdProcess::Terminate() {
   return ExitCode(status);
 }
 
-int KvtierdProcess::WaitForExit(int seconds) {
+int LocalDaemon::WaitForExit(int seconds) {
   for (int i = 0; i < seconds * 20 && pid_ > 0; ++i) {
     int status = 0;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
@@ -94,11 +98,49 @@ int KvtierdProcess::WaitForExit(int seconds) {
   return -1;
 }
 
-std::string KvtierdProcess::Log() const {
+std::string LocalDaemon::Log() const {
   std::ifstream in(dir_.path() + "/daemon.log");
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
 }
 
-}  // namespace kvtier::testing
+LocalRedis::LocalRedis() {
+  socket_ = dir_.path() + "/redis.sock";
+  pid_ = fork();
+  if (pid_ == 0) {
+    const int null = open("/dev/null", O_WRONLY);  // its log would mix with the caller's
+    dup2(null, STDOUT_FILENO);
+    dup2(null, STDERR_FILENO);
+    execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", socket_.c_str(),
+           "--save", "", "--appendonly", "no", "--loglevel", "warning", (char*)nullptr);
+    _exit(127);
+  }
+  // Started once it accepts a connection: its socket file appears a moment before it listens.
+  for (int i = 0; i < 500 && !started_; ++i) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", socket_.c_str());
+    started_ = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (fd >= 0) close(fd);
+    if (!started_) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+LocalRedis::~LocalRedis() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGCONT);
+  kill(pid_, SIGTERM);
+  waitpid(pid_, nullptr, 0);
+}
+
+void LocalRedis::Pause() {
+  if (pid_ > 0) kill(pid_, SIGSTOP);
+}
+
+void LocalRedis::Resume() {
+  if (pid_ > 0) kill(pid_, SIGCONT);
+}
+
+}  // namespace kvtier

@@ -1,8 +1,8 @@
 // Chunk quantization on the CPU: the AVX2 path when the CPU has AVX2 and F16C, else the
 // scalar reference (kernels/quant_ref.cc). Both give the same bytes; layout and rounding are
 // kernels/quant_layout.h.
-#ifndef KVTIER_SERVER_QUANT_QUANT_H_
-#define KVTIER_SERVER_QUANT_QUANT_H_
+#ifndef KVTIER_SERVER_QUANT_CHUNK_QUANT_H_
+#define KVTIER_SERVER_QUANT_CHUNK_QUANT_H_
 
 #include <cstdint>
 
@@ -32,4 +32,4 @@ int64_t FindNonFinite(const uint16_t* halves, uint64_t n);
 
 }  // namespace kvtier
 
-#endif  // KVTIER_SERVER_QUANT_QUANT_H_
+#endif  // KVTIER_SERVER_QUANT_CHUNK_QUANT_H_

@@ -1,0 +1,32 @@
+// The lock order of kvtierd: every mutex of the daemon, numbered. A thread that holds a mutex
+// takes only mutexes with a higher number, never one with a lower or the same number, except
+// where a line says otherwise. Each mutex's declaration names its number; within a class that
+// holds two, ABSL_ACQUIRED_BEFORE / ABSL_ACQUIRED_AFTER state it to clang as well.
+//
+//   1  SessionManager::restore_mu_  one restore from the remote tier at a time (and a close of
+//                                   a session not held here); held across Redis I/O and an
+//                                   Import, which may demote idle sessions (2, 3, 4)
+//   2  SessionManager::mu_          the session map; held only for map work and a session's
+//                                   own small getters (3); never across Redis I/O
+//   3  Session::mu_                 one session. A Fork holds the parent's, then the child's
+//                                   (not yet visible to any other thread). A demotion writes
+//                                   the record to Redis under it (4), so that no append slips
+//                                   between the record and the free
+//   4  RemoteStore::mu_             the Redis connection (leaf)
+//   5  Prefetcher::mu_              its queue; never held while a session runs a prefetch. A
+//                                   task dropped from a full queue may free a session's slots
+//                                   under it (8)
+//   6  LeaseTable::mu_              leases; unpinning or dropping a lease's slots frees them (8)
+//   7  PromotionCache::mu_          one tier's fp16 copies (host, device); evicting a copy frees
+//                                   its slot (8)
+//   8  Tier::mu_                    one tier's segments and counts; taken by every slot freed
+//                                   anywhere above (leaf but for the slot table it guards)
+//   9  KvTierService::tenant_mu_    the service's per-tenant metric handles; takes 10
+//  10  metrics::Registry::mu_       the metric families (leaf; scrape hooks run outside it)
+//  11  Daemon::mu_                  shutdown bookkeeping (leaf)
+//
+// Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
+// never held across a call to the daemon.
+#ifndef KVTIER_SERVER_COMMON_LOCK_ORDER_H_
+#define KVTIER_SERVER_COMMON_LOCK_ORDER_H_
+#endif  // KVTIER_SERVER_COMMON_LOCK_ORDER_H_

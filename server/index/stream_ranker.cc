@@ -1,0 +1,78 @@
+#include "server/index/stream_ranker.h"
+
+#include <algorithm>
+
+#include "server/common/check.h"
+
+namespace kvtier {
+
+RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const RankQuery& q) {
+  const std::vector<bool>& must = *q.must;
+  const uint32_t n = stats.size();
+  CHECK(must.size() == n && (q.skip == nullptr || q.skip->size() == n));
+  const int d = stats.head_dim();
+  RankResult out;
+  uint64_t must_tokens = 0;
+  for (uint32_t c = 0; c < n; ++c) must_tokens += must[c] ? stats.tokens(c) : 0;
+  CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget "
+                                 << q.budget;
+  const uint64_t budget = q.budget - must_tokens;
+  // The index skips what is returned anyway and what may not be.
+  std::vector<bool> excluded_storage;
+  const std::vector<bool>* excluded = &must;
+  if (q.skip != nullptr) {
+    excluded_storage = must;
+    for (uint32_t c = 0; c < n; ++c) excluded_storage[c] = must[c] || (*q.skip)[c];
+    excluded = &excluded_storage;
+  }
+  std::vector<ChunkCandidate> extras;  // candidates the index does not hold
+  bool uniform = true;
+  for (uint32_t c = 0; c < n; ++c) {
+    if ((*excluded)[c]) continue;
+    ++out.candidates;
+    uniform = uniform && stats.tokens(c) == q.chunk_tokens;
+    if (index == nullptr || !index->contains(c)) extras.push_back(stats.candidate(c));
+  }
+
+  std::vector<uint32_t> found;
+  if (index != nullptr && !uniform && out.candidates >= kIndexMinCandidates) {
+    // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
+    // beside it. The answer is the scan's.
+    ClusterIndex::SearchStats st;
+    found = index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded, extras,
+                                &st);
+    out.scored = st.chunks_scored;
+  } else if (index == nullptr || !uniform || out.candidates < kIndexMinCandidates) {
+    // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
+    // answer is the same.
+    out.scored = out.candidates;
+    std::vector<ChunkCandidate> all;
+    all.reserve(out.candidates);
+    for (uint32_t c = 0; c < n; ++c) {
+      if (!(*excluded)[c]) all.push_back(stats.candidate(c));
+    }
+    found = SelectChunks(q.ranking, q.queries, q.group, d, all, budget);
+  } else {
+    // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its
+    // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
+    // quantized) are scored here and merged by the same order.
+    ClusterIndex::SearchStats st;
+    found = index->Search(q.ranking, q.queries, q.group, budget / q.chunk_tokens, stats,
+                          *excluded, &st);
+    out.scored = st.chunks_scored + extras.size();
+    if (!extras.empty()) {
+      for (uint32_t c : found) extras.push_back(stats.candidate(c));
+      std::sort(extras.begin(), extras.end(),
+                [](const ChunkCandidate& a, const ChunkCandidate& b) { return a.index < b.index; });
+      found = SelectChunks(q.ranking, q.queries, q.group, d, extras, budget);
+    }
+  }
+  std::vector<bool> take = must;
+  for (uint32_t c : found) take[c] = true;
+  for (uint32_t c = 0; c < n; ++c) {
+    if (take[c]) out.chunks.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,167 @@
+#include "server/session/aging.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "server/common/check.h"
+#include "server/index/chunking.h"
+#include "server/quant/chunk_quant.h"
+
+namespace kvtier {
+namespace {
+
+// The chunks [0, n) whose rows are final: aged out, and regrouped when semantic.
+uint32_t FinalRows(const AgingContext& ctx, uint32_t aged, const AgingState& state) {
+  return ctx.policy.chunking() == v1::CHUNKING_SEMANTIC ? std::min(aged, state.regrouped) : aged;
+}
+
+// Semantic chunking: regroups every whole span of aged-out chunks not yet regrouped. A span
+// whose slots cannot be had waits for the next call.
+void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+             AgingState* state) {
+  if (ctx.policy.chunking() != v1::CHUNKING_SEMANTIC) return;
+  const ChunkFormat& f = ctx.format;
+  const uint32_t d = f.head_dim;
+  const uint32_t ct = ctx.policy.chunk_tokens();
+  const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
+  const std::vector<Chunk>& head0 = heads[0].chunks();
+  uint32_t r = state->regrouped;
+  while (r < aged && head0[r].first < ctx.policy.sink_tokens()) ++r;  // sinks stay as they are
+  state->regrouped = r;
+  const uint32_t span_rows = kSemanticSpanChunks * ct;
+  std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
+  std::vector<float> key_floats(keys.size());
+  for (; r + kSemanticSpanChunks <= aged; r += kSemanticSpanChunks) {
+    std::vector<SlotRef> slots;
+    for (size_t i = 0; i < heads.size() * kSemanticSpanChunks; ++i) {
+      auto slot = ctx.host->Allocate(ctx.tenant, f.slot_bytes());
+      if (!slot.ok()) return;  // retried on the next call; the span stays contiguous
+      slots.push_back(*std::move(slot));
+    }
+    const uint64_t base = head0[r].first;
+    for (size_t h = 0; h < heads.size(); ++h) {
+      Stream& s = heads[h];
+      // The span's rows in position order (its chunks are contiguous and full).
+      for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
+        const Chunk& c = s.chunks()[r + i];
+        CHECK(c.offsets.empty() && c.num_tokens == ct && c.first == base + i * ct);
+        const uint16_t* rows = f.Fp16Rows(c, scratch);
+        std::copy_n(rows, size_t{ct} * d, keys.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+        std::copy_n(rows + size_t{ct} * d, size_t{ct} * d,
+                    values.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+      }
+      std::fill(key_floats.begin(), key_floats.end(), 0.f);
+      for (uint32_t row = 0; row < span_rows; ++row) {
+        AddRows(f.kind(), keys.data() + size_t{row} * d, 1, static_cast<int>(d),
+                key_floats.data() + size_t{row} * d);
+      }
+      const auto groups = BalancedGroups(key_floats.data(), span_rows, static_cast<int>(d), ct);
+      for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
+        Chunk c;
+        c.host = std::move(slots[h * kSemanticSpanChunks + g]);
+        c.num_tokens = ct;
+        c.first = base;
+        c.sealed = true;
+        uint8_t* dst = c.host->data();
+        for (uint32_t j = 0; j < ct; ++j) {
+          const uint32_t row = groups[g][j];
+          c.offsets.push_back(static_cast<uint16_t>(row));
+          std::memcpy(dst + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d,
+                      f.row_bytes());
+          std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
+                      f.row_bytes());
+        }
+        s.Replace(r + g, std::move(c), reinterpret_cast<const uint16_t*>(dst), f);
+      }
+    }
+    state->regrouped = r + kSemanticSpanChunks;
+  }
+}
+
+// Quantizes the chunks whose rows are final and that have wholly left the recent window
+// (sinks stay fp16). A chunk whose slot cannot be had stays fp16 and is retried next call.
+void Quantize(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+              AgingState* state) {
+  const uint32_t bits = ctx.cold_bits();
+  if (bits == 0) return;
+  const uint32_t limit = FinalRows(ctx, AgedOutChunks(ctx.policy, tokens, heads[0]), *state);
+  if (state->quantized >= limit) return;  // most appends (a decode step) quantize nothing
+  const ChunkFormat& f = ctx.format;
+  const uint32_t d = f.head_dim;
+  const v1::Precision precision = bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
+  std::vector<uint16_t> rows;
+  uint32_t c = state->quantized;
+  for (; c < limit; ++c) {
+    for (Stream& s : heads) {
+      const Chunk& chunk = s.chunks()[c];
+      if (chunk.first < ctx.policy.sink_tokens()) break;  // sinks stay fp16
+      if (chunk.cold() || c < s.stats().final_chunks()) continue;
+      const uint32_t n = chunk.num_tokens;
+      const QuantLayout layout{d, n, bits};
+      auto slot = ctx.host->Allocate(ctx.tenant, layout.Bytes());
+      if (!slot.ok()) {
+        state->quantized = c;  // retried on the next call
+        return;
+      }
+      const auto* k = reinterpret_cast<const uint16_t*>(chunk.host->data());
+      QuantizeChunk(k, k + uint64_t{n} * d, layout, (*slot)->data());
+      Chunk cold = chunk;
+      cold.host = *std::move(slot);  // the fp16 slot goes back (unless a lease or fork holds it)
+      cold.precision = precision;
+      cold.device.reset();
+      // The chunk's statistics describe what attention will now read: the dequantized keys.
+      rows.resize(2ull * n * d);
+      DequantizeChunk(cold.host->data(), layout, rows.data(), rows.data() + uint64_t{n} * d);
+      s.Replace(c, std::move(cold), rows.data(), f);
+    }
+  }
+  state->quantized = c;
+}
+
+}  // namespace
+
+uint32_t AgingContext::cold_bits() const {
+  if (policy.lossless() || format.dtype != v1::DTYPE_FP16) return 0;
+  switch (policy.cold_precision()) {
+    case v1::PRECISION_INT4:
+      return 4;
+    case v1::PRECISION_INT8:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const Stream& head0) {
+  const uint64_t window = policy.recent_window();
+  return tokens <= window ? 0 : head0.ChunksEndingBy(tokens - window);
+}
+
+void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                AgingState* state) {
+  const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
+  // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
+  // computed here, once, rather than on every append to a growing chunk.
+  for (uint32_t c = state->peaked; c < aged; ++c) {
+    for (Stream& s : heads) {
+      if (!s.chunks()[c].cold()) s.ComputePeak(c, ctx.format);
+    }
+  }
+  state->peaked = std::max(state->peaked, aged);
+  // The index keeps a chunk's statistics fixed, so it takes a chunk only once they are final:
+  // regrouped (semantic chunking) and quantized (a chunk that should be cold but is not yet,
+  // because the host tier was full, waits).
+  uint32_t limit = FinalRows(ctx, aged, *state);
+  if (ctx.cold_bits() != 0) limit = std::min(limit, state->quantized);
+  for (Stream& s : heads) s.Finalize(limit, ctx.policy.sink_tokens(), ctx.policy.ranking());
+}
+
+void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+              AgingState* state) {
+  Regroup(ctx, tokens, heads, state);
+  Quantize(ctx, tokens, heads, state);
+  IndexLayer(ctx, tokens, heads, state);
+}
+
+}  // namespace kvtier

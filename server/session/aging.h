@@ -1,0 +1,64 @@
+// Aging: what happens to a layer's chunks once they leave the recent window, in order:
+//   regroup   semantic chunking: each whole span of kSemanticSpanChunks aged-out chunks is
+//             regrouped, per KV head, by balanced k-means into as many chunks of nearby keys,
+//             each row keeping its position (Chunk::offsets);
+//   quantize  cold chunks become int4 or int8 (sinks stay fp16), their statistics recomputed
+//             from the dequantized keys, which are what attention reads;
+//   peaks     each aged-out chunk's peak key (a cold or regrouped one got it above);
+//   index     chunks whose statistics are final (aged out, regrouped when semantic, quantized
+//             when the policy quantizes) enter their stream's cluster index.
+// A step that cannot get its slots (a full host tier) leaves the chunks as they are and
+// resumes on the next call; Select stays exact meanwhile, since chunks not yet indexed are
+// scored beside the index. A chunk already in the index is never quantized later (a policy
+// changed to int4 afterwards applies to the chunks that age out from then on).
+//
+// Aging reads only its AgingContext, the layer's token count, its streams and its AgingState,
+// so a caller can run it wherever it holds those (today: the append path, under the session's
+// lock). Chunk boundaries are the same in every KV head of a layer, so one state serves them.
+#ifndef KVTIER_SERVER_SESSION_AGING_H_
+#define KVTIER_SERVER_SESSION_AGING_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "kvtier/v1/kvtier.pb.h"
+#include "server/session/stream.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+// Semantic chunking regroups spans of this many aged-out chunks.
+inline constexpr uint32_t kSemanticSpanChunks = 8;
+
+// How far one layer's aging has come. (Its index's progress is each stream's
+// stats().final_chunks().)
+struct AgingState {
+  uint32_t regrouped = 0;  // semantic: chunks [0, n) are sinks or regrouped spans
+  uint32_t quantized = 0;  // chunks [0, n) have been examined for quantization
+  uint32_t peaked = 0;     // chunks [0, n) have their peaks
+};
+
+// What aging reads of its session, fixed for one call.
+struct AgingContext {
+  const v1::SessionPolicy& policy;
+  ChunkFormat format;
+  Tier* host;  // slots for quantized and regrouped chunks
+  const std::string& tenant;
+  // Bits of cold chunks under `policy`: 4, 8, or 0 (keep fp16).
+  uint32_t cold_bits() const;
+};
+
+// Every step, for a layer holding `tokens` tokens whose streams are `heads`.
+void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+              AgingState* state);
+// Only peaks and the index: after a fork or a policy change, which store no new rows.
+void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                AgingState* state);
+
+// The chunks [0, n) of a layer holding `tokens` that lie wholly before its recent window.
+uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const Stream& head0);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_AGING_H_

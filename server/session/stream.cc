@@ -1,0 +1,249 @@
+#include "server/session/stream.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "server/common/check.h"
+#include "server/quant/chunk_quant.h"
+
+namespace kvtier {
+
+uint64_t EncodeChunkId(const ChunkAddress& a) {
+  return (static_cast<uint64_t>(a.layer) << 40) | (static_cast<uint64_t>(a.kv_head) << 28) |
+         a.index;
+}
+
+ChunkAddress DecodeChunkId(uint64_t id) {
+  return {static_cast<uint32_t>(id >> 40), static_cast<uint32_t>((id >> 28) & 0xfff),
+          static_cast<uint32_t>(id & (kMaxChunksPerStream - 1))};
+}
+
+ChunkFormat FormatOf(const v1::ModelShape& shape, const v1::SessionPolicy& policy) {
+  return ChunkFormat{
+      .head_dim = shape.head_dim(),
+      .dtype = shape.dtype(),
+      .capacity =
+          policy.chunk_tokens() * (policy.chunking() == v1::CHUNKING_BOUNDARY ? 2u : 1u)};
+}
+
+void ChunkFormat::WriteFp16(const Chunk& c, uint8_t* dst) const {
+  if (!c.cold()) {
+    std::memcpy(dst, c.host->data(), 2 * c.num_tokens * row_bytes());
+    return;
+  }
+  auto* k = reinterpret_cast<uint16_t*>(dst);
+  DequantizeChunk(c.host->data(), ColdLayout(c), k, k + uint64_t{c.num_tokens} * head_dim);
+}
+
+const uint16_t* ChunkFormat::Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const {
+  if (!c.cold()) return reinterpret_cast<const uint16_t*>(c.host->data());
+  scratch.resize(2ull * c.num_tokens * head_dim);
+  WriteFp16(c, reinterpret_cast<uint8_t*>(scratch.data()));
+  return scratch.data();
+}
+
+std::pair<uint32_t, uint32_t> Stream::Locate(uint64_t t) const {
+  // The last chunk starting at or before t; within a regrouped span (chunks sharing `first`)
+  // the one whose offsets hold t.
+  auto it = std::upper_bound(chunks_.begin(), chunks_.end(), t,
+                             [](uint64_t t, const Chunk& c) { return t < c.first; });
+  CHECK(it != chunks_.begin());
+  for (auto c = it - 1;; --c) {
+    if (c->offsets.empty()) {
+      return {static_cast<uint32_t>(c - chunks_.begin()), static_cast<uint32_t>(t - c->first)};
+    }
+    const auto o = std::lower_bound(c->offsets.begin(), c->offsets.end(), t - c->first);
+    if (o != c->offsets.end() && *o == t - c->first) {
+      return {static_cast<uint32_t>(c - chunks_.begin()),
+              static_cast<uint32_t>(o - c->offsets.begin())};
+    }
+    CHECK(c != chunks_.begin());
+  }
+}
+
+uint32_t Stream::ChunksEndingBy(uint64_t position) const {
+  // Every chunk before the last one that starts by `position` ends by it; that one too when
+  // its last row does (it is then sealed: a later chunk holds the rows from `position`).
+  auto it = std::upper_bound(chunks_.begin(), chunks_.end(), position,
+                             [](uint64_t t, const Chunk& c) { return t < c.first; });
+  if (it == chunks_.begin()) return 0;
+  const auto n = static_cast<uint32_t>(it - chunks_.begin());
+  return (it - 1)->end() <= position ? n : n - 1;
+}
+
+std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start,
+                               uint64_t* tokens) const {
+  std::vector<bool> kept(chunks_.size(), false);
+  *tokens = 0;
+  for (uint32_t c = 0; c < chunks_.size(); ++c) {
+    const Chunk& ch = chunks_[c];
+    if (ch.position(0) < sink_end || ch.end() > window_start) {
+      kept[c] = true;
+      *tokens += ch.num_tokens;
+    }
+  }
+  return kept;
+}
+
+std::optional<uint64_t> Stream::FirstMismatch(uint64_t start, uint64_t count,
+                                              const uint8_t* keys, const uint8_t* values,
+                                              const ChunkFormat& f) const {
+  const uint64_t rb = f.row_bytes();
+  for (uint64_t t = start; t < start + count; ++t) {
+    const auto [index, row] = Locate(t);
+    const Chunk& c = chunks_[index];
+    const uint8_t* base = c.host->data();
+    const uint64_t in = (t - start) * rb;
+    const bool same =
+        c.cold() ? MatchesQuantizedRow(base, f.ColdLayout(c), row,
+                                       reinterpret_cast<const uint16_t*>(keys + in),
+                                       reinterpret_cast<const uint16_t*>(values + in))
+                 : std::memcmp(base + row * rb, keys + in, rb) == 0 &&
+                       std::memcmp(base + (c.num_tokens + row) * rb, values + in, rb) == 0;
+    if (!same) return t;
+  }
+  return std::nullopt;
+}
+
+void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
+  const uint32_t n = chunk.num_tokens;
+  chunks_.push_back(std::move(chunk));
+  stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
+                 reinterpret_cast<const uint16_t*>(keys), n);
+}
+
+void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
+                   uint64_t position, const ChunkFormat& f,
+                   const std::function<SlotRef()>& slot) {
+  const uint64_t rb = f.row_bytes();
+  for (size_t seg = 0; seg < plan.segments.size(); ++seg) {
+    const uint32_t k = plan.segments[seg].rows;
+    if (seg > 0 || !plan.grow) {
+      Chunk c;
+      c.host = slot();
+      std::memcpy(c.host->data(), keys, k * rb);
+      std::memcpy(c.host->data() + k * rb, values, k * rb);
+      c.num_tokens = k;
+      c.first = position;
+      c.sealed = plan.segments[seg].sealed;
+      Push(std::move(c), keys, f);
+    } else {
+      Chunk& c = chunks_.back();
+      const uint32_t m = c.num_tokens;
+      const uint32_t grown = m + k;
+      if (c.host.use_count() > 1) {
+        // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
+        SlotRef copy = slot();
+        std::memcpy(copy->data(), c.host->data(), m * rb);                        // old K
+        std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
+        c.host = std::move(copy);
+      } else {
+        // Nobody else can see this slot: move V down to make room for the new key rows.
+        std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
+        c.host->Renew();
+      }
+      std::memcpy(c.host->data() + m * rb, keys, k * rb);
+      std::memcpy(c.host->data() + (grown + m) * rb, values, k * rb);
+      stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
+                     reinterpret_cast<const uint16_t*>(keys), k);
+      c.num_tokens = grown;
+      c.sealed = plan.segments[seg].sealed;
+      c.device.reset();  // the promoted copy is stale
+    }
+    keys += k * rb;
+    values += k * rb;
+    position += k;
+  }
+}
+
+void Stream::Replace(uint32_t c, Chunk chunk, const uint16_t* rows, const ChunkFormat& f) {
+  const uint32_t n = chunk.num_tokens;
+  chunks_[c] = std::move(chunk);  // the old slot goes back (unless a lease or fork holds it)
+  stats_.Recompute(c, f.kind(), rows, n);
+}
+
+void Stream::ComputePeak(uint32_t c, const ChunkFormat& f) {
+  std::vector<uint16_t> scratch;
+  stats_.ComputePeak(c, f.kind(), f.Fp16Rows(chunks_[c], scratch));
+}
+
+void Stream::Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking) {
+  const uint32_t from = stats_.final_chunks();
+  if (n <= from) return;
+  stats_.MarkFinal(n);
+  for (uint32_t c = from; c < n; ++c) {
+    if (chunks_[c].first < sink_tokens) continue;  // sinks are always returned
+    if (!index_) {
+      // Clustered for the ranking the session has now; a later change of ranking leaves the
+      // answers exact, only the search's work tuned for the other.
+      ClusterIndex::Options options;
+      options.cluster_by_peak = ranking == v1::RANKING_LSE_PEAK;
+      index_ = std::make_unique<ClusterIndex>(stats_.head_dim(), options);
+    }
+    index_->Add(c, stats_);
+  }
+}
+
+void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to,
+                      uint32_t piece, uint32_t seal_rows, const ChunkFormat& f,
+                      const std::function<SlotRef()>& slot) {
+  const uint64_t rb = f.row_bytes();
+  chunks_.assign(src.chunks_.begin(), src.chunks_.begin() + keep);
+  stats_.CopyPrefix(src.stats_, keep);
+  std::vector<uint16_t> scratch;
+  for (uint64_t p = from; p < to;) {
+    const auto rows = static_cast<uint32_t>(std::min<uint64_t>(piece, to - p));
+    Chunk c;
+    c.host = slot();
+    c.first = p;
+    c.num_tokens = rows;
+    c.sealed = seal_rows != 0 && rows == seal_rows;
+    uint32_t read = ~0u;  // the chunk whose fp16 rows `fp16` holds
+    const uint8_t* fp16 = nullptr;
+    for (uint32_t r = 0; r < rows; ++r, ++p) {
+      const auto [index, row] = src.Locate(p);
+      const Chunk& at = src.chunks_[index];
+      if (index != read) {
+        fp16 = reinterpret_cast<const uint8_t*>(f.Fp16Rows(at, scratch));
+        read = index;
+      }
+      std::memcpy(c.host->data() + r * rb, fp16 + row * rb, rb);
+      std::memcpy(c.host->data() + (rows + r) * rb, fp16 + (at.num_tokens + row) * rb, rb);
+    }
+    const uint8_t* keys = c.host->data();
+    Push(std::move(c), keys, f);
+  }
+}
+
+void Stream::Restore(Chunk chunk, const ChunkFormat& f) {
+  chunks_.push_back(std::move(chunk));
+  const auto c = static_cast<uint32_t>(chunks_.size() - 1);
+  std::vector<uint16_t> scratch;
+  stats_.Recompute(c, f.kind(), f.Fp16Rows(chunks_[c], scratch), chunks_[c].num_tokens);
+}
+
+AppendPlan PlanAppend(const Stream& head0, uint64_t from, uint64_t to,
+                      const std::function<bool(uint32_t rows, uint64_t i)>& seals) {
+  AppendPlan plan;
+  const std::vector<Chunk>& chunks = head0.chunks();
+  plan.grow = !chunks.empty() && !chunks.back().sealed;
+  uint32_t rows = plan.grow ? chunks.back().num_tokens : 0;
+  bool open = plan.grow;
+  if (plan.grow) plan.segments.emplace_back();
+  for (uint64_t i = from; i < to; ++i) {
+    if (!open) {
+      plan.segments.emplace_back();
+      rows = 0;
+      open = true;
+    }
+    ++rows;
+    ++plan.segments.back().rows;
+    if (seals(rows, i)) {
+      plan.segments.back().sealed = true;
+      open = false;
+    }
+  }
+  return plan;
+}
+
+}  // namespace kvtier

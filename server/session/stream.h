@@ -1,0 +1,178 @@
+// One stream: the keys and values of one (session, layer, KV head). A stream owns its chunks,
+// their statistics (ChunkStats) and its cluster index, and keeps the three in step: a chunk's
+// rows change only through the methods below, which update its statistics with it.
+//
+// Chunks are ordered by `first`, their first position (a regrouped span's chunks share the
+// span's first position). Each chunk's K and V lie in one slot of the host tier:
+//
+//   offset 0            n*d*2            2*n*d*2        slot end (capacity*d*4)
+//   +-------------------+----------------+---------------+
+//   | K [n][d]          | V [n][d]       | unused        |
+//   +-------------------+----------------+---------------+
+//
+// for a chunk of n tokens, head_dim d and the session's 2-byte dtype; a cold chunk holds its
+// QuantLayout instead. V starts right after the chunk's n key rows, so a partial chunk is
+// still one contiguous K-then-V run. Growing a partial chunk moves its V rows; that happens in
+// place only when nobody else holds the slot (no lease, no fork), and then the slot takes a
+// new generation. Otherwise the chunk is copied to a fresh slot (copy on write).
+//
+// Not thread-safe: the session's lock serializes every call.
+#ifndef KVTIER_SERVER_SESSION_STREAM_H_
+#define KVTIER_SERVER_SESSION_STREAM_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "kernels/quant_layout.h"
+#include "kvtier/v1/kvtier.pb.h"
+#include "server/common/vec.h"
+#include "server/index/chunk_stats.h"
+#include "server/index/cluster_index.h"
+#include "server/tier/promotion_cache.h"
+#include "server/tier/tier.h"
+
+namespace kvtier {
+
+// chunk_id = layer << 40 | kv_head << 28 | index: ReadChunks decodes it without a map.
+struct ChunkAddress {
+  uint32_t layer;
+  uint32_t kv_head;
+  uint32_t index;
+};
+inline constexpr uint32_t kMaxChunksPerStream = 1u << 28;
+uint64_t EncodeChunkId(const ChunkAddress& a);
+ChunkAddress DecodeChunkId(uint64_t id);
+
+struct Chunk {
+  uint32_t num_tokens = 0;
+  uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk
+  // A regrouped chunk's row positions, first + offsets[r], ascending; empty: contiguous
+  std::vector<uint16_t> offsets;
+  bool sealed = false;  // takes no more rows
+  // How `host` holds the chunk: fp16/bf16 (the ChunkLayout) or int4/int8 (QuantLayout).
+  v1::Precision precision = v1::PRECISION_FP16;
+  SlotRef host;      // the stored bytes
+  CopyRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
+  CopyRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
+  bool cold() const { return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8; }
+  uint64_t position(uint32_t r) const { return first + (offsets.empty() ? r : offsets[r]); }
+  uint64_t end() const { return position(num_tokens - 1) + 1; }  // past the last row
+};
+
+// How a session's chunks are laid out: the same for every stream of it.
+struct ChunkFormat {
+  uint32_t head_dim = 0;
+  v1::DType dtype = v1::DTYPE_FP16;
+  uint32_t capacity = 0;  // the most rows a chunk holds (2 * chunk_tokens for boundary chunking)
+
+  HalfKind kind() const { return dtype == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16; }
+  // The precision of a chunk that is not cold: the session's dtype.
+  v1::Precision warm() const {
+    return dtype == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
+  }
+  v1::Precision precision(const Chunk& c) const { return c.cold() ? c.precision : warm(); }
+  uint64_t row_bytes() const { return uint64_t{head_dim} * 2; }
+  uint64_t slot_bytes() const { return row_bytes() * capacity * 2; }
+  // The layout of a cold chunk's bytes.
+  QuantLayout ColdLayout(const Chunk& c) const {
+    return QuantLayout{head_dim, c.num_tokens, c.precision == v1::PRECISION_INT4 ? 4u : 8u};
+  }
+  // The bytes a chunk's host slot holds: K then V rows, or the quantized layout of a cold one.
+  uint64_t StoredBytes(const Chunk& c) const {
+    return c.cold() ? ColdLayout(c).Bytes() : 2 * c.num_tokens * row_bytes();
+  }
+  // Writes a chunk's K then V as 2-byte rows (ChunkLayout) at `dst`, dequantizing a cold one.
+  void WriteFp16(const Chunk& c, uint8_t* dst) const;
+  // The K and V of a chunk as 2-byte rows, dequantizing a cold one into `scratch`.
+  const uint16_t* Fp16Rows(const Chunk& c, std::vector<uint16_t>& scratch) const;
+};
+ChunkFormat FormatOf(const v1::ModelShape& shape, const v1::SessionPolicy& policy);
+
+// How one append's new tokens fall into chunks, the same for every KV head of a layer: the
+// first segment grows the stream's open last chunk when `grow`, each other one is a new chunk.
+struct AppendPlan {
+  struct Segment {
+    uint32_t rows = 0;
+    bool sealed = false;
+  };
+  bool grow = false;
+  std::vector<Segment> segments;
+  uint64_t new_chunks() const { return segments.size() - (grow ? 1 : 0); }
+};
+
+class Stream {
+ public:
+  explicit Stream(uint32_t head_dim) : stats_(static_cast<int>(head_dim)) {}
+  Stream(Stream&&) = default;
+  Stream& operator=(Stream&&) = default;
+
+  const std::vector<Chunk>& chunks() const { return chunks_; }
+  const ChunkStats& stats() const { return stats_; }
+  const ClusterIndex* index() const { return index_.get(); }
+  // A chunk's cached copies (promoted, device) are the one part of it that callers set.
+  CopyRef& promoted(uint32_t c) { return chunks_[c].promoted; }
+  CopyRef& device(uint32_t c) { return chunks_[c].device; }
+
+  // The chunk and row that hold position `t` (stored).
+  std::pair<uint32_t, uint32_t> Locate(uint64_t t) const;
+  // How many chunks, from the first, lie wholly before `position` (each of them sealed).
+  uint32_t ChunksEndingBy(uint64_t position) const;
+  // The chunks with a row among the sinks (< sink_end) or in the recent window (>= window_start,
+  // judged by a chunk's first and last rows); `tokens` receives their tokens.
+  std::vector<bool> Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens) const;
+  // The first position in [start, start + count) whose stored rows differ from keys[i] and
+  // values[i] (rows of head_dim halves, i = position - start), or nullopt. A cold chunk keeps
+  // no exact bytes: a row matches when its codes could have come from it.
+  std::optional<uint64_t> FirstMismatch(uint64_t start, uint64_t count, const uint8_t* keys,
+                                        const uint8_t* values, const ChunkFormat& f) const;
+
+  // Writes one append's rows (keys and values [tokens][head_dim], for the plan's segments)
+  // from `position` on: grows the open last chunk (in a copy when its slot is shared) and adds
+  // new chunks. `slot()` hands over a fresh slot for each new chunk and for a copy.
+  void Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
+             uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot);
+  // Whether the plan would copy this stream's open last chunk (someone else holds its slot).
+  bool CopiesOnGrow(const AppendPlan& plan) const {
+    return plan.grow && chunks_.back().host.use_count() > 1;
+  }
+
+  // Chunk c becomes `chunk`, the same rows in another form (quantized; regrouped), whose keys
+  // as attention reads them are `rows` (2-byte [num_tokens][head_dim], then the values).
+  void Replace(uint32_t c, Chunk chunk, const uint16_t* rows, const ChunkFormat& f);
+  // Chunk c's peak, from its keys as attention reads them.
+  void ComputePeak(uint32_t c, const ChunkFormat& f);
+  // Chunks [0, n) have final statistics: each that is not a sink (first < sink_tokens) enters
+  // the index, which is made on first use, clustered for `ranking`. Smaller n: a no-op.
+  void Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking);
+
+  // A fork's stream: the first `keep` chunks of `src` shared (their statistics copied, not yet
+  // final here), then the rows of positions [from, to) copied, in position order, into new
+  // chunks of at most `piece` rows, each sealed when it holds `seal_rows` (0: never).
+  void ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to, uint32_t piece,
+                uint32_t seal_rows, const ChunkFormat& f, const std::function<SlotRef()>& slot);
+
+  // Appends a chunk restored from a record; its statistics are computed from its rows.
+  void Restore(Chunk chunk, const ChunkFormat& f);
+
+ private:
+  // Appends `chunk`, whose slot holds its rows, adding its keys `keys` to the statistics.
+  void Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f);
+
+  std::vector<Chunk> chunks_;
+  ChunkStats stats_;
+  std::unique_ptr<ClusterIndex> index_;  // null until the first chunk is final
+};
+
+// The plan for the append's tokens [from, to) after what `head0` (any stream of the layer)
+// holds. `seals(rows, i)`: whether a chunk of `rows` rows whose last row is token i ends.
+AppendPlan PlanAppend(const Stream& head0, uint64_t from, uint64_t to,
+                      const std::function<bool(uint32_t rows, uint64_t i)>& seals);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_STREAM_H_

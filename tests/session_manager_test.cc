@@ -1,0 +1,224 @@
+// SessionManager: ids, limits and tenants; the remote tier below the host tier.
+#include "server/session/session_manager.h"
+
+#include <chrono>
+#include <future>
+
+#include "kvtier/local_daemon.h"
+#include "server/common/error.h"
+#include "server/session/session_record.h"
+#include "server/tier/remote_store.h"
+#include "tests/session_fixture.h"
+
+namespace kvtier {
+namespace {
+
+using namespace ::kvtier::testing;
+
+TEST(SessionManager, LimitsIdsAndTenants) {
+  Env e;
+  ServerOptions o;
+  o.max_sessions = 2;
+  o.default_policy = BuiltinPolicy();
+  o.quotas["carol"].max_sessions = 1;
+  SessionManager m(o, e.env, /*remote=*/nullptr);
+  v1::CreateSessionRequest req;
+  req.mutable_shape()->set_num_layers(1);
+  req.mutable_shape()->set_num_q_heads(1);
+  req.mutable_shape()->set_num_kv_heads(1);
+  req.mutable_shape()->set_head_dim(8);
+  ASSERT_OK_AND_ASSIGN(auto a, m.Create("alice", req));
+  EXPECT_EQ(a.policy().sink_tokens(), 16u);  // the effective policy comes back
+  req.set_session_id("has space");
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kInvalidArgument, "session_id"));
+  req.set_session_id(a.session_id());
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kAlreadyExists));
+  req.set_session_id("bob-1");
+  ASSERT_OK(m.Create("bob", req).status());
+  req.set_session_id("third");
+  EXPECT_THAT(m.Create("alice", req), StatusIs(Code::kResourceExhausted, "max_sessions"));
+  {  // a tenant's own quota, below the daemon's limit
+    ServerOptions q = o;
+    q.max_sessions = 100;
+    SessionManager quota(q, e.env, /*remote=*/nullptr);
+    req.set_session_id("c1");
+    ASSERT_OK(quota.Create("carol", req).status());
+    req.set_session_id("c2");
+    EXPECT_THAT(quota.Create("carol", req),
+                StatusIs(Code::kResourceExhausted, "quota: tenant \"carol\" max_sessions 1"));
+    ASSERT_OK(quota.Create("dave", req).status());
+    v1::ForkSessionRequest fork;
+    fork.set_session_id("c1");
+    EXPECT_THAT(quota.Fork("carol", fork), StatusIs(Code::kResourceExhausted, "quota"));
+  }
+  EXPECT_THAT(m.Get("alice", "bob-1"), StatusIs(Code::kPermissionDenied));
+  EXPECT_OK(m.Get("", "bob-1").status());  // the admin view
+  EXPECT_THAT(m.Get("alice", "nope"), StatusIs(Code::kNotFound, "nope"));
+  EXPECT_THAT(m.Close("alice", "bob-1"), StatusIs(Code::kPermissionDenied));
+  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("bob", "bob-1"));
+  EXPECT_TRUE(existed);
+  ASSERT_OK_AND_ASSIGN(existed, m.Close("bob", "bob-1"));
+  EXPECT_FALSE(existed);
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(a.session_id());
+  fork.set_new_session_id(a.session_id());
+  EXPECT_THAT(m.Fork("alice", fork), StatusIs(Code::kAlreadyExists, "new_session_id"));
+  fork.set_new_session_id("");
+  ASSERT_OK_AND_ASSIGN(auto forked, m.Fork("alice", fork));
+  EXPECT_NE(forked.session_id(), a.session_id());
+  EXPECT_EQ(m.size(), 2u);
+}
+
+
+// A remote tier for a manager: redis-server, and a connection to it.
+struct Remote {
+  Remote() {
+    EXPECT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
+    auto connected = RemoteStore::Connect(redis.address());
+    EXPECT_TRUE(connected.ok()) << connected.status();
+    if (connected.ok()) store = *std::move(connected);
+  }
+  LocalRedis redis;
+  std::unique_ptr<RemoteStore> store;
+};
+
+ServerOptions Options() {
+  ServerOptions o;
+  o.default_policy = BuiltinPolicy();
+  return o;
+}
+
+// One layer, one KV head, head_dim 64, lossless: a 16-token chunk is one 4 KiB slot.
+v1::CreateSessionRequest SmallSession(const std::string& id) {
+  v1::CreateSessionRequest req;
+  req.set_session_id(id);
+  req.mutable_shape()->set_num_layers(1);
+  req.mutable_shape()->set_num_q_heads(1);
+  req.mutable_shape()->set_num_kv_heads(1);
+  req.mutable_shape()->set_head_dim(64);
+  req.mutable_policy()->set_lossless(true);
+  return req;
+}
+
+v1::AppendKVRequest Tokens(const std::string& id, int start, int n) {
+  std::mt19937 rng(start + 1);
+  v1::AppendKVRequest r;
+  r.set_session_id(id);
+  r.set_start_token(start);
+  r.set_num_tokens(n);
+  r.set_keys(AsBytes(RandomHalfs(size_t(n) * 64, rng)));
+  r.set_values(AsBytes(RandomHalfs(size_t(n) * 64, rng)));
+  return r;
+}
+
+// An append run through the manager, with its retries.
+absl::Status RunAppend(SessionManager& m, const std::string& tenant, const v1::AppendKVRequest& r) {
+  return m.Run(tenant, r.session_id(), [&](const std::shared_ptr<Session>& s) {
+    return s->Append(r).status();
+  });
+}
+
+TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTriesAgain) {
+  Remote remote;
+  Env e(/*host_capacity=*/8 * 4096);
+  SessionManager m(Options(), e.env, remote.store.get());
+  for (const char* id : {"old", "new"}) {
+    ASSERT_OK(m.Create("t", SmallSession(id)).status());
+    ASSERT_OK(RunAppend(m, "t", Tokens(id, 0, 64)));  // 4 slots each: the tier is full
+    e.clock.AdvanceMs(10);
+  }
+  ASSERT_OK(RunAppend(m, "t", Tokens("new", 64, 16)));  // a fifth slot for "new"
+  EXPECT_EQ(m.remote_counters().demotions, 1u);
+  ASSERT_OK_AND_ASSIGN(bool there, remote.store->Exists(RecordKey("old")));
+  EXPECT_TRUE(there);
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("new")));
+  ASSERT_OK_AND_ASSIGN(auto s, m.Get("t", "new"));
+  EXPECT_EQ(s->Info().num_tokens(), 80u);
+}
+
+TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
+  Remote remote;
+  Env e(64 << 20, 16 << 20, [](const std::string& tenant) -> uint64_t {
+    return tenant == "small" ? 4 * 4096 : 0;
+  });
+  SessionManager m(Options(), e.env, remote.store.get());
+  ASSERT_OK(m.Create("other", SmallSession("idle")).status());
+  ASSERT_OK(RunAppend(m, "other", Tokens("idle", 0, 64)));
+  ASSERT_OK(m.Create("small", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(m, "small", Tokens("s", 0, 64)));
+  const absl::Status over = RunAppend(m, "small", Tokens("s", 64, 16));
+  EXPECT_THAT(over, StatusIs(Code::kResourceExhausted, "quota"));
+  EXPECT_EQ(ReasonOf(over), ErrorReason::kQuota);
+  EXPECT_EQ(m.remote_counters().demotions, 0u);  // another tenant's idle session stays
+  // Without a remote tier a full host tier is the answer as it is.
+  Env full(4 * 4096);
+  SessionManager local(Options(), full.env, /*remote=*/nullptr);
+  ASSERT_OK(local.Create("t", SmallSession("a")).status());
+  ASSERT_OK(RunAppend(local, "t", Tokens("a", 0, 64)));
+  const absl::Status refused = RunAppend(local, "t", Tokens("a", 64, 1));
+  EXPECT_THAT(refused, StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_EQ(ReasonOf(refused), ErrorReason::kHostTierFull);
+}
+
+TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
+  Remote remote;
+  Env e;
+  SessionManager m(Options(), e.env, remote.store.get());
+  ASSERT_OK(m.Create("t", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(m, "t", Tokens("s", 0, 32)));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> stale, m.Get("t", "s"));
+  ASSERT_OK(m.Demote("t", "s").status());
+  // The object a call still holds says the session moved, with a reason, not only words.
+  const absl::Status moved = stale->Append(Tokens("s", 32, 16)).status();
+  EXPECT_THAT(moved, StatusIs(Code::kUnavailable, "remote tier"));
+  EXPECT_EQ(ReasonOf(moved), ErrorReason::kSessionMoved);
+  // Run restores it and applies the call there; the cached pointer follows.
+  const auto r = Tokens("s", 32, 16);
+  ASSERT_OK(m.Run("t", "s", [&](const auto& s) { return s->Append(r).status(); }, &stale));
+  EXPECT_FALSE(stale->demoted());
+  EXPECT_EQ(stale->Info().num_tokens(), 48u);
+  EXPECT_EQ(m.remote_counters().restores, 1u);
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));  // served from here only
+}
+
+TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
+  Remote remote;
+  Env e;
+  SessionManager m(Options(), e.env, remote.store.get());
+  ASSERT_OK(m.Create("t", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(m, "t", Tokens("s", 0, 32)));
+  ASSERT_OK(m.Demote("t", "s").status());
+  EXPECT_THAT(m.Close("mallory", "s"), StatusIs(Code::kPermissionDenied));
+  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
+  EXPECT_TRUE(existed);
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));
+  ASSERT_OK_AND_ASSIGN(existed, m.Close("t", "s"));
+  EXPECT_FALSE(existed);
+  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
+}
+
+// A close that waits on Redis (here: a frozen redis-server) holds no lock that lookups need:
+// other sessions are served meanwhile.
+TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
+  Remote remote;
+  Env e;
+  SessionManager m(Options(), e.env, remote.store.get());
+  ASSERT_OK(m.Create("t", SmallSession("away")).status());
+  ASSERT_OK(m.Demote("t", "away").status());
+  ASSERT_OK(m.Create("t", SmallSession("here")).status());
+  remote.redis.Pause();
+  auto closing = std::async(std::launch::async, [&] { return m.Close("t", "away"); });
+  ASSERT_EQ(closing.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the close should be waiting on the frozen Redis";
+  auto lookup = std::async(std::launch::async, [&] { return m.Get("t", "here"); });
+  const bool served = lookup.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  remote.redis.Resume();
+  EXPECT_TRUE(served) << "a lookup waited on another call's Redis I/O";
+  EXPECT_OK(lookup.get().status());
+  ASSERT_OK_AND_ASSIGN(bool existed, closing.get());
+  EXPECT_TRUE(existed);
+}
+
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,176 @@
+// Session records: a session demoted to a record and imported back, every byte and the same
+// selection; records that fail their checks.
+#include "server/session/session_record.h"
+
+#include "server/common/error.h"
+#include "tests/session_fixture.h"
+
+namespace kvtier {
+namespace {
+
+using namespace ::kvtier::testing;
+
+TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
+  std::vector<std::pair<std::string, v1::SessionPolicy>> policies = {
+      {"lossless", Lossless()}, {"int4", Cold()}, {"semantic", SemanticPolicy(false)},
+      {"boundary", BoundaryPolicy(false)}};
+  for (const auto& [name, policy] : policies) {
+    Env e;
+    Fixture f = Make(e, 3, 4, 2, 64, 700, policy, 11);
+    const std::vector<int32_t> ids = TokenIds(700, 12);
+    for (int s = 0; s < 700; s += 100) {
+      for (int l = 0; l < 3; ++l) ASSERT_OK(f.session->Append(ReqIds(f, l, s, 100, ids)).status());
+    }
+    const std::vector<v1::BlockHandle> before = AllChunks(*f.session);
+    const uint64_t indexed = f.session->Layers()[2].indexed_chunks();
+    std::vector<v1::SelectResponse> selected(3);
+    for (uint32_t q = 0; q < 3; ++q) {
+      ASSERT_OK(f.session->Select(SelectReq(f, 2, 200, q), &selected[q]));
+      ASSERT_OK(e.leases.Release("t", selected[q].lease_id()));
+    }
+    std::string stored;
+    ASSERT_OK_AND_ASSIGN(uint64_t bytes, f.session->Demote([&](const v1::SessionRecord& r) {
+      stored = EncodeRecord(r);
+      return absl::OkStatus();
+    }));
+    EXPECT_GT(bytes, 0u);
+    EXPECT_EQ(e.host.Stats().used_bytes, 0u) << name << ": the demoted session's slots went back";
+    v1::SelectResponse late;
+    EXPECT_THAT(f.session->Select(SelectReq(f, 2, 200, 0), &late),
+                StatusIs(Code::kUnavailable, "remote tier"));
+    ASSERT_OK_AND_ASSIGN(v1::SessionRecord record, DecodeRecord(stored, "k"));
+    EXPECT_EQ(record.shape().head_dim(), 64u);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> back, Session::Import(record, e.env));
+    const std::vector<v1::BlockHandle> after = AllChunks(*back);
+    ASSERT_EQ(after.size(), before.size()) << name;
+    for (size_t i = 0; i < after.size(); ++i) {
+      EXPECT_EQ(after[i].keys(), before[i].keys()) << name << " chunk " << i;
+      EXPECT_EQ(after[i].values(), before[i].values()) << name << " chunk " << i;
+      EXPECT_EQ(after[i].stored_precision(), before[i].stored_precision());
+      EXPECT_EQ(std::vector<int64_t>(after[i].positions().begin(), after[i].positions().end()),
+                std::vector<int64_t>(before[i].positions().begin(), before[i].positions().end()));
+    }
+    EXPECT_EQ(back->Info().num_tokens(), 700u);
+    EXPECT_EQ(back->Layers()[2].indexed_chunks(), indexed) << name << ": the index is rebuilt";
+    EXPECT_EQ(back->Info().policy().chunking(), policy.chunking() ? policy.chunking()
+                                                                  : v1::CHUNKING_CONTIGUOUS);
+    for (uint32_t q = 0; q < 3; ++q) {
+      v1::SelectResponse again;
+      auto req = SelectReq(f, 2, 200, q);
+      ASSERT_OK(back->Select(req, &again));
+      for (int h = 0; h < 2; ++h) {
+        ASSERT_EQ(again.heads(h).blocks_size(), selected[q].heads(h).blocks_size()) << name;
+        for (int b = 0; b < again.heads(h).blocks_size(); ++b) {
+          EXPECT_EQ(again.heads(h).blocks(b).chunk_id(), selected[q].heads(h).blocks(b).chunk_id());
+          EXPECT_EQ(again.heads(h).blocks(b).keys(), selected[q].heads(h).blocks(b).keys());
+        }
+      }
+      ASSERT_OK(e.leases.Release("t", again.lease_id()));
+    }
+  }
+}
+
+TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 16, 100);
+  ASSERT_OK(AppendAll(f, 100, 100));
+  v1::SelectResponse held;
+  ASSERT_OK(f.session->Select(SelectReq(f, 0, 100), &held));
+  auto keep = [](const v1::SessionRecord&) { return absl::OkStatus(); };
+  EXPECT_THAT(f.session->Demote(keep), StatusIs(Code::kFailedPrecondition, "1 active leases"));
+  ASSERT_OK(e.leases.Release("t", held.lease_id()));
+  std::string stored;
+  auto fail = [](const v1::SessionRecord&) { return absl::UnavailableError("redis down"); };
+  EXPECT_THAT(f.session->Demote(fail), StatusIs(Code::kUnavailable, "redis down"));
+  ExpectStreamExact(f, 0, 0, 100);  // a failed store leaves the session as it was
+  ASSERT_OK(f.session->Demote([&](const v1::SessionRecord& r) {
+    stored = EncodeRecord(r);
+    return absl::OkStatus();
+  }).status());
+  std::string flipped = stored;
+  flipped[flipped.size() / 2] ^= 0x10;
+  EXPECT_THAT(DecodeRecord(flipped, "kvtier:session:s"), StatusIs(Code::kDataLoss, "checksum"));
+  std::string versioned = stored;
+  versioned[4] = 9;
+  EXPECT_THAT(DecodeRecord(versioned, "k"), StatusIs(Code::kFailedPrecondition, "version 9"));
+  EXPECT_THAT(DecodeRecord("KVT", "k"), StatusIs(Code::kDataLoss, "not a kvtier record"));
+  ASSERT_OK_AND_ASSIGN(v1::SessionRecord r, DecodeRecord(stored, "k"));
+  r.mutable_streams(0)->mutable_chunks(0)->mutable_data()->pop_back();
+  EXPECT_THAT(Session::Import(r, e.env), StatusIs(Code::kInvalidArgument, "bytes"));
+  EXPECT_EQ(e.host.Stats().used_bytes, 0u);
+}
+
+
+// One stream through its record and back: the same chunks, bytes, offsets and precisions, and
+// statistics recomputed to the same bits (the sums add the same rows in the same order).
+TEST(StreamRecord, RoundTripKeepsEveryChunkAndItsStatistics) {
+  Env e;
+  Fixture f = Make(e, 1, 2, 1, 64, 700, SemanticPolicy(false), 21);  // regrouped int4 chunks
+  PlantClusters(f, 21);
+  ASSERT_OK(AppendAll(f, 700, 100));
+  std::string stored;
+  ASSERT_OK(f.session->Demote([&](const v1::SessionRecord& r) {
+    stored = EncodeRecord(r);
+    return absl::OkStatus();
+  }).status());
+  ASSERT_OK_AND_ASSIGN(v1::SessionRecord record, DecodeRecord(stored, "k"));
+  const ChunkFormat fmt = FormatOf(record.shape(), record.policy());
+  Stream s(64);
+  ASSERT_OK(DecodeStream(record.streams(0), fmt, &e.host, "t", "stream 0", &s));
+  v1::StreamRecord again;
+  EncodeStream(s, fmt, &again);
+  EXPECT_EQ(again.SerializeAsString(), record.streams(0).SerializeAsString());
+  ASSERT_EQ(s.chunks().size(), size_t(record.streams(0).chunks_size()));
+  bool regrouped = false, cold = false;
+  for (uint32_t c = 0; c < s.chunks().size(); ++c) {
+    regrouped = regrouped || !s.chunks()[c].offsets.empty();
+    cold = cold || s.chunks()[c].cold();
+    // The statistics are those of the rows as attention reads them (here, in double).
+    std::vector<uint16_t> scratch;
+    const uint16_t* rows = fmt.Fp16Rows(s.chunks()[c], scratch);
+    for (int j = 0; j < 64; ++j) {
+      double sum = 0;
+      for (uint32_t r = 0; r < s.chunks()[c].num_tokens; ++r) sum += HalfToFloat(rows[r * 64 + j]);
+      EXPECT_NEAR(s.stats().key_sum(c)[j], sum, 1e-3) << c;
+    }
+  }
+  EXPECT_TRUE(regrouped && cold) << "the record should hold regrouped int4 chunks";
+  EXPECT_EQ(s.stats().final_chunks(), 0u);  // the importing session's aging finalizes
+}
+
+TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
+  Env e;
+  const ChunkFormat fmt{.head_dim = 8, .dtype = v1::DTYPE_FP16, .capacity = 16};
+  auto record = [](uint32_t tokens, size_t bytes, std::string offsets = "") {
+    v1::StreamRecord r;
+    v1::ChunkRecord* c = r.add_chunks();
+    c->set_num_tokens(tokens);
+    c->set_precision(v1::PRECISION_FP16);
+    c->set_data(std::string(bytes, '\1'));
+    c->set_offsets(std::move(offsets));
+    return r;
+  };
+  Stream s(8);
+  EXPECT_OK(DecodeStream(record(4, 4 * 32), fmt, &e.host, "t", "rec", &s));
+  EXPECT_EQ(s.chunks().size(), 1u);
+  EXPECT_EQ(s.stats().tokens(0), 4u);
+  EXPECT_THAT(DecodeStream(record(17, 17 * 32), fmt, &e.host, "t", "rec", &s),
+              StatusIs(Code::kInvalidArgument, "rec: a chunk's size or offsets are out of range"));
+  EXPECT_THAT(DecodeStream(record(0, 0), fmt, &e.host, "t", "rec", &s),
+              StatusIs(Code::kInvalidArgument, "size or offsets"));
+  EXPECT_THAT(DecodeStream(record(4, 4 * 32, "abc"), fmt, &e.host, "t", "rec", &s),
+              StatusIs(Code::kInvalidArgument, "size or offsets"));
+  EXPECT_THAT(DecodeStream(record(4, 100), fmt, &e.host, "t", "rec", &s),
+              StatusIs(Code::kInvalidArgument, "rec: a chunk's bytes do not match its size"));
+  Env small(/*host_capacity=*/512);  // less than one 512-byte slot once one is taken
+  Stream t(8);
+  ASSERT_OK(DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t));
+  const absl::Status full = DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t);
+  EXPECT_THAT(full, StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_EQ(ReasonOf(full), ErrorReason::kHostTierFull);  // the tier's reason, passed on
+  EXPECT_EQ(t.chunks().size(), 1u);
+}
+
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,223 @@
+// ChunkStats against sums and peaks computed here in double, and RankStream against the
+// linear scan (SelectChunks) over exactly the candidates it should see: neither returned
+// anyway (`must`) nor excluded (`skip`), on each of its paths (scan, the index's top-k, the
+// index's greedy fill, and the index with candidates it does not hold).
+#include "server/index/stream_ranker.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "server/common/fp16.h"
+#include "server/index/chunk_stats.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kD = 32, kGroup = 2;
+
+std::vector<uint16_t> Rows(uint32_t n, std::mt19937& rng, float center) {
+  std::normal_distribution<float> g(center, 1.f);
+  std::vector<uint16_t> rows(size_t(n) * kD);
+  for (auto& h : rows) h = FloatToHalf(g(rng));
+  return rows;
+}
+
+TEST(ChunkStats, SumsAndPeaksMatchDoubleArithmetic) {
+  std::mt19937 rng(3);
+  ChunkStats s(kD);
+  const std::vector<uint16_t> a = Rows(5, rng, 0.f), b = Rows(11, rng, 2.f);
+  s.AddRows(0, HalfKind::kFp16, a.data(), 5);               // a chunk appended, 5 rows
+  s.AddRows(0, HalfKind::kFp16, b.data(), 11);              // grown by 11
+  s.AddRows(1, HalfKind::kFp16, b.data(), 11);              // a second chunk
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s.tokens(0), 16u);
+  EXPECT_EQ(s.tokens(1), 11u);
+  std::vector<uint16_t> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  s.ComputePeak(0, HalfKind::kFp16, all.data());
+  std::vector<double> mean(kD, 0.0);
+  for (uint32_t r = 0; r < 16; ++r) {
+    for (int j = 0; j < kD; ++j) mean[j] += HalfToFloat(all[r * kD + j]);
+  }
+  for (int j = 0; j < kD; ++j) {
+    EXPECT_NEAR(s.key_sum(0)[j], mean[j], 1e-4) << j;
+    mean[j] /= 16;
+  }
+  uint32_t far = 0;
+  double most = -1;
+  for (uint32_t r = 0; r < 16; ++r) {
+    double dist = 0;
+    for (int j = 0; j < kD; ++j) dist += std::pow(HalfToFloat(all[r * kD + j]) - mean[j], 2);
+    if (dist > most) most = dist, far = r;
+  }
+  for (int j = 0; j < kD; ++j) EXPECT_EQ(s.peak(0)[j], HalfToFloat(all[far * kD + j])) << j;
+  // Recompute from other rows replaces both; the candidate points at them.
+  s.Recompute(1, HalfKind::kFp16, a.data(), 5);
+  EXPECT_EQ(s.tokens(1), 5u);
+  const ChunkCandidate c = s.candidate(1);
+  EXPECT_EQ(c.index, 1u);
+  EXPECT_EQ(c.tokens, 5u);
+  EXPECT_EQ(c.key_sum, s.key_sum(1));
+  EXPECT_EQ(c.peak, s.peak(1));
+  EXPECT_FLOAT_EQ(c.scale, 0.2f);
+  for (int j = 0; j < kD; ++j) {
+    double sum = 0;
+    for (uint32_t r = 0; r < 5; ++r) sum += HalfToFloat(a[r * kD + j]);
+    EXPECT_NEAR(s.key_sum(1)[j], sum, 1e-4) << j;
+  }
+}
+
+TEST(ChunkStats, FinalChunksNeverChangeAndCopiesStartUnfinal) {
+  std::mt19937 rng(4);
+  ChunkStats s(kD);
+  const std::vector<uint16_t> a = Rows(16, rng, 0.f);
+  s.AddRows(0, HalfKind::kFp16, a.data(), 16);
+  s.AddRows(1, HalfKind::kFp16, a.data(), 16);
+  s.MarkFinal(1);
+  EXPECT_EQ(s.final_chunks(), 1u);
+  s.AddRows(1, HalfKind::kFp16, a.data(), 1);  // not final: it may grow
+  EXPECT_EQ(s.tokens(1), 17u);
+  EXPECT_DEATH(s.AddRows(0, HalfKind::kFp16, a.data(), 1), "final");
+  EXPECT_DEATH(s.Recompute(0, HalfKind::kFp16, a.data(), 16), "final");
+  EXPECT_DEATH(s.MarkFinal(0), "final");  // the mark never goes back
+  ChunkStats copy(kD);
+  copy.CopyPrefix(s, 2);
+  EXPECT_EQ(copy.size(), 2u);
+  EXPECT_EQ(copy.final_chunks(), 0u);
+  EXPECT_EQ(copy.tokens(1), 17u);
+  EXPECT_TRUE(std::equal(copy.key_sum(0), copy.key_sum(0) + 2 * kD, s.key_sum(0)));
+}
+
+// A stream's statistics, random: chunks of `size(c)` tokens around 24 directions.
+ChunkStats RandomStats(uint32_t chunks, std::mt19937& rng,
+                       const std::function<uint32_t(uint32_t)>& size) {
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> dirs(24 * kD);
+  for (auto& x : dirs) x = g(rng);
+  ChunkStats s(kD);
+  std::vector<float> sum(kD), peak(kD);
+  for (uint32_t c = 0; c < chunks; ++c) {
+    const uint32_t n = size(c);
+    const int dir = int(rng() % 24);
+    for (int j = 0; j < kD; ++j) {
+      sum[j] = float(n) * (dirs[dir * kD + j] + 0.3f * g(rng));
+      peak[j] = dirs[dir * kD + j] + g(rng);
+    }
+    s.Append(n, sum.data(), peak.data());
+  }
+  s.MarkFinal(chunks);
+  return s;
+}
+
+std::vector<float> Query(std::mt19937& rng) {
+  std::normal_distribution<float> g(0, 1.5f);
+  std::vector<float> q(kGroup * kD);
+  for (auto& x : q) x = g(rng);
+  return q;
+}
+
+// The expectation: `must`, then the scan over the other chunks not skipped, within what is
+// left of the budget; ascending.
+std::vector<uint32_t> Expected(v1::Ranking ranking, const ChunkStats& s,
+                               const std::vector<float>& q, uint64_t budget,
+                               const std::vector<bool>& must, const std::vector<bool>& skip) {
+  std::vector<ChunkCandidate> cands;
+  std::vector<uint32_t> out;
+  for (uint32_t c = 0; c < s.size(); ++c) {
+    if (must[c]) {
+      out.push_back(c);
+      budget -= s.tokens(c);
+    } else if (!skip[c]) {
+      cands.push_back(s.candidate(c));
+    }
+  }
+  for (uint32_t c : SelectChunks(ranking, q, kGroup, kD, cands, budget)) out.push_back(c);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+struct Case {
+  const char* name;
+  uint32_t chunks;
+  bool uniform;   // every chunk 16 tokens, else 8 to 32
+  int indexed;    // 0: no index; 1: every chunk; 2: nine in ten (the rest scored beside it)
+};
+
+class RankStreamTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
+  const Case p = GetParam();
+  std::mt19937 rng(p.chunks + p.indexed);
+  const ChunkStats s = RandomStats(p.chunks, rng, [&](uint32_t) {
+    return p.uniform ? 16u : 8u + uint32_t(rng() % 25);
+  });
+  std::unique_ptr<ClusterIndex> index;
+  if (p.indexed > 0) {
+    index = std::make_unique<ClusterIndex>(kD);
+    for (uint32_t c = 0; c < s.size(); ++c) {
+      if (p.indexed == 1 || c % 10 != 3) index->Add(c, s);
+    }
+  }
+  for (int trial = 0; trial < 6; ++trial) {
+    const std::vector<float> q = Query(rng);
+    std::vector<bool> must(s.size(), false), skip(s.size(), false);
+    uint64_t must_tokens = 0;
+    for (uint32_t c = 0; c < s.size(); ++c) {
+      // Sinks and a recent window, as a session keeps them; some skipped when asked.
+      must[c] = c < 2 || c + 4 >= s.size();
+      must_tokens += must[c] ? s.tokens(c) : 0;
+      skip[c] = !must[c] && trial % 2 == 1 && c % 7 == 0;
+    }
+    for (v1::Ranking ranking : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
+      for (uint64_t extra : {0u, 64u, 512u}) {
+        RankQuery query{.ranking = ranking,
+                        .queries = q,
+                        .group = kGroup,
+                        .budget = must_tokens + extra,
+                        .must = &must,
+                        .skip = trial % 2 == 1 ? &skip : nullptr,
+                        .chunk_tokens = 16};
+        const RankResult r = RankStream(s, index.get(), query);
+        const std::vector<bool> none(s.size(), false);
+        EXPECT_EQ(r.chunks, Expected(ranking, s, q, must_tokens + extra, must,
+                                     trial % 2 == 1 ? skip : none))
+            << p.name << " trial " << trial << " extra " << extra;
+        uint64_t candidates = 0;
+        for (uint32_t c = 0; c < s.size(); ++c) {
+          candidates += !must[c] && !(trial % 2 == 1 && skip[c]);
+        }
+        EXPECT_EQ(r.candidates, candidates);
+        EXPECT_LE(r.scored, r.candidates);
+        // The scan scores every candidate; the index's top-k search prunes.
+        if (p.indexed == 0 || r.candidates < kIndexMinCandidates) {
+          EXPECT_EQ(r.scored, r.candidates);
+        } else if (p.uniform && p.indexed == 1) {
+          EXPECT_LT(r.scored, r.candidates) << p.name;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Paths, RankStreamTest,
+    ::testing::Values(Case{"scan, no index", 300, true, 0},
+                      Case{"scan, few candidates", 300, true, 1},
+                      Case{"index top-k", 2600, true, 1},
+                      Case{"index top-k with extras", 2600, true, 2},
+                      Case{"index greedy fill", 2600, false, 1},
+                      Case{"index greedy fill with extras", 2600, false, 2},
+                      Case{"scan, chunks of many sizes", 300, false, 1}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      std::string n = info.param.name;
+      std::replace_if(n.begin(), n.end(), [](char c) { return !std::isalnum(c); }, '_');
+      return n;
+    });
+
+}  // namespace
+}  // namespace kvtier
