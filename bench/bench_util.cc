@@ -1,6 +1,5 @@
 #include "bench/bench_util.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

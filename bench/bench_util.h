@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "kvtier/v1/kvtier.pb.h"
 #include "kvtier/local_daemon.h"
+#include "kvtier/v1/kvtier.pb.h"
 
 namespace kvtier::bench {
 
@@ -22,8 +22,7 @@ class Daemon : public LocalDaemon {
 v1::CreateSessionRequest SmolLm2Session();
 
 inline double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // q in [0, 1]; the nearest-rank quantile of a copy of `v`.

@@ -55,8 +55,8 @@ constexpr int kD = 64, kGroup = 3, kChunk = 16, kSinks = 16, kWindow = 64, kTopi
 
 struct Stream {
   int n = 0;
-  std::vector<float> keys;        // [n][kD]
-  std::vector<bool> delimiter;    // [n]: the token ends a sentence
+  std::vector<float> keys;      // [n][kD]
+  std::vector<bool> delimiter;  // [n]: the token ends a sentence
 };
 
 Stream MakeStream(int n, const std::vector<float>& topics, std::mt19937& rng) {
@@ -88,7 +88,7 @@ struct Layout {
   std::vector<std::vector<int>> rows;
   ChunkStats stats{kD};         // sums and peaks, final (as an index reads them)
   std::vector<float> lo, hi;    // [chunks][kD] per-channel box (Quest pages)
-  std::vector<bool> mandatory;     // a row among the sinks or in the window
+  std::vector<bool> mandatory;  // a row among the sinks or in the window
   int mandatory_tokens = 0;
   size_t chunks() const { return rows.size(); }
 };
@@ -142,7 +142,8 @@ Tiles MakeTiles(const float* v, int n, int rows, Round round) {
   t.data.assign(size_t((n + kTile - 1) / kTile) * rows * kTile, 0);
   for (int i = 0; i < n; ++i) {
     for (int r = 0; r < rows; ++r) {
-      t.data[(size_t(i / kTile) * rows + r) * kTile + i % kTile] = round(v[size_t(i) * rows + r], r);
+      t.data[(size_t(i / kTile) * rows + r) * kTile + i % kTile] =
+          round(v[size_t(i) * rows + r], r);
     }
   }
   return t;
@@ -304,7 +305,8 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
   Candidates(semantic, &semantic_index);
   // The baselines' inputs, laid out once as an index is built once: keys as fp16, and each
   // page's [hi | lo] rounded outwards (hi up, lo down).
-  const Tiles key_tiles = MakeTiles(s.keys.data(), s.n, kD, [](float x, int) { return FloatToHalf(x); });
+  const Tiles key_tiles =
+      MakeTiles(s.keys.data(), s.n, kD, [](float x, int) { return FloatToHalf(x); });
   std::vector<float> hi_lo(contiguous.chunks() * 2 * kD);
   for (size_t c = 0; c < contiguous.chunks(); ++c) {
     std::copy_n(&contiguous.hi[c * kD], kD, &hi_lo[c * 2 * kD]);
@@ -419,8 +421,7 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
           std::tuple{"kvtier-semantic", v1::RANKING_LSE_PEAK, &semantic, &semantic_index}}) {
       ClusterIndex::SearchStats st;
       const double t0 = bench::NowSeconds();
-      auto chosen =
-          idx->Search(ranking, q, kGroup, left(*layout) / kChunk, layout->stats, {}, &st);
+      auto chosen = idx->Search(ranking, q, kGroup, left(*layout) / kChunk, layout->stats, {}, &st);
       const double secs = bench::NowSeconds() - t0;
       // Work counts every bound computed as well as every chunk scored.
       record(name, secs, ChunkMass(truth, *layout, chosen),
@@ -451,8 +452,7 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
         "\"gqa_group\": %d, \"clusters\": %zu, \"units\": %zu, \"data\": \"synthetic topics\"}}\n",
         us, exact_us, us / exact_us, name.c_str(), tokens, budget, us, Mean(r.ratio),
         bench::Quantile(r.ratio, 0.1), Mean(r.chunk_ratio), r.total ? r.scored / r.total : 0.0,
-        name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(),
-        index.num_units());
+        name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(), index.num_units());
     (*growth)[name].push_back({double(tokens), us});
   }
   // How loose the unit level is: the units a search opened against those holding a cluster
@@ -497,8 +497,9 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
 
 int Main(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "select") != 0) {
-    std::fprintf(stderr, "usage: kvtier-bench select [--tokens N[,N...]] [--budget B] "
-                         "[--queries Q] [--seed S] [--json]\n");
+    std::fprintf(stderr,
+                 "usage: kvtier-bench select [--tokens N[,N...]] [--budget B] "
+                 "[--queries Q] [--seed S] [--json]\n");
     return 2;
   }
   std::vector<int> tokens = {4096, 32768, 131072};
@@ -557,12 +558,12 @@ int Main(int argc, char** argv) {
         sxy += (std::log(x) - mx) * (std::log(y) - my);
         sxx += (std::log(x) - mx) * (std::log(x) - mx);
       }
-      std::printf("{\"name\": \"select_growth_exponent\", \"value\": %.3f, \"unit\": \"exponent\", "
-                  "\"baseline\": 1.0, \"baseline_name\": \"linear\", \"ratio\": %.3f, "
-                  "\"policy\": \"%s\", \"parameters\": {\"policy\": \"%s\", \"tokens_from\": %d, "
-                  "\"tokens_to\": %d, \"budget\": %d}}\n",
-                  sxy / sxx, sxy / sxx, name.c_str(), name.c_str(), tokens.front(), tokens.back(),
-                  budget);
+      std::printf(
+          "{\"name\": \"select_growth_exponent\", \"value\": %.3f, \"unit\": \"exponent\", "
+          "\"baseline\": 1.0, \"baseline_name\": \"linear\", \"ratio\": %.3f, "
+          "\"policy\": \"%s\", \"parameters\": {\"policy\": \"%s\", \"tokens_from\": %d, "
+          "\"tokens_to\": %d, \"budget\": %d}}\n",
+          sxy / sxx, sxy / sxx, name.c_str(), name.c_str(), tokens.front(), tokens.back(), budget);
     }
   }
   return 0;

@@ -49,21 +49,25 @@ void Throughput(uint32_t d, uint32_t bits) {
   std::vector<double> quant, dequant, mem;
   for (int rep = 0; rep < 5; ++rep) {
     quant.push_back(bytes / Seconds([&] {
-      for (uint32_t c = 0; c < chunks; ++c) {
-        QuantizeChunk(&fp16[c * per], &fp16[c * per + n * d], L, &q[c * L.Bytes()]);
-      }
-    }));
+                      for (uint32_t c = 0; c < chunks; ++c) {
+                        QuantizeChunk(&fp16[c * per], &fp16[c * per + n * d], L, &q[c * L.Bytes()]);
+                      }
+                    }));
     dequant.push_back(bytes / Seconds([&] {
-      for (uint32_t c = 0; c < chunks; ++c) {
-        DequantizeChunk(&q[c * L.Bytes()], L, &back[c * per], &back[c * per + n * d]);
-      }
-    }));
+                        for (uint32_t c = 0; c < chunks; ++c) {
+                          DequantizeChunk(&q[c * L.Bytes()], L, &back[c * per],
+                                          &back[c * per + n * d]);
+                        }
+                      }));
     mem.push_back(bytes / Seconds([&] { std::memcpy(copy.data(), fp16.data(), size_t(bytes)); }));
   }
-  std::map<std::string, std::string> p = {
-      {"head_dim", std::to_string(d)}, {"bits", std::to_string(bits)}, {"chunk_tokens", "16"},
-      {"chunks", std::to_string(chunks)}, {"reps", "5"},
-      {"path", QuantIsVectorized(L) ? "avx2" : "scalar"}, {"target_ratio", "0.5"}};
+  std::map<std::string, std::string> p = {{"head_dim", std::to_string(d)},
+                                          {"bits", std::to_string(bits)},
+                                          {"chunk_tokens", "16"},
+                                          {"chunks", std::to_string(chunks)},
+                                          {"reps", "5"},
+                                          {"path", QuantIsVectorized(L) ? "avx2" : "scalar"},
+                                          {"target_ratio", "0.5"}};
   Print({"quantize_throughput", Median(quant) / 1e9, "GB/s", Median(mem) / 1e9, "memcpy", p});
   Print({"dequantize_throughput", Median(dequant) / 1e9, "GB/s", Median(mem) / 1e9, "memcpy", p});
 }
@@ -87,10 +91,16 @@ void StoredBytes(uint32_t d, uint32_t bits) {
   // control block.
   const double bookkeeping = 64 + 96;
   const double per_token = (codes + scales + index + bookkeeping) / n;
-  Print({"stored_bytes_per_old_token", per_token, "bytes", 4.0 * d, "fp16_kv",
-         {{"head_dim", std::to_string(d)}, {"bits", std::to_string(bits)},
+  Print({"stored_bytes_per_old_token",
+         per_token,
+         "bytes",
+         4.0 * d,
+         "fp16_kv",
+         {{"head_dim", std::to_string(d)},
+          {"bits", std::to_string(bits)},
           {"chunk_tokens", "16"},
-          {"codes", std::to_string(codes / n)}, {"scales_zeros", std::to_string(scales / n)},
+          {"codes", std::to_string(codes / n)},
+          {"scales_zeros", std::to_string(scales / n)},
           {"index", std::to_string(index / n)},
           {"bookkeeping", std::to_string(bookkeeping / n)},
           {"format_floor_ratio", std::to_string((codes + scales) / n / (4.0 * d))},
@@ -107,7 +117,8 @@ void QuantizePerToken(const uint16_t* in, uint32_t n, uint32_t d, uint16_t* out)
     }
     QuantParams p = MakeQuantParams(mn, mx, 15);
     for (uint32_t j = 0; j < d; ++j) {
-      out[t * d + j] = DequantizeValue(QuantizeValue(HalfToFloat(in[t * d + j]), p, 15), p.scale, p.zero);
+      out[t * d + j] =
+          DequantizeValue(QuantizeValue(HalfToFloat(in[t * d + j]), p, 15), p.scale, p.zero);
     }
   }
 }
@@ -143,7 +154,8 @@ void AttentionError() {
   std::mt19937 rng(5);
   std::normal_distribution<float> g(0, 1);
   // Keys with outlier channels (every 16th channel 20x), values plain.
-  std::vector<uint16_t> k = Normal(size_t(tokens) * d, rng, 16), v = Normal(size_t(tokens) * d, rng);
+  std::vector<uint16_t> k = Normal(size_t(tokens) * d, rng, 16),
+                        v = Normal(size_t(tokens) * d, rng);
   std::vector<uint16_t> kq(k.size()), vq(v.size()), k_naive(k.size());
   const QuantLayout L{d, n, 4};
   std::vector<uint8_t> buf(L.Bytes());
@@ -160,10 +172,16 @@ void AttentionError() {
     ours.push_back(RelErr(Attend(q, kq, vq, tokens, d), full));
     naive.push_back(RelErr(Attend(q, k_naive, vq, tokens, d), full));
   }
-  Print({"attention_output_error_int4", Median(ours), "relative", Median(naive),
-         "int4_keys_per_token", {{"head_dim", "64"}, {"context_tokens", "1024"},
-                                 {"queries", "64"}, {"outlier_channels", "every 16th, 20x"},
-                                 {"reference", "fp16 K and V, attention in fp64"}}});
+  Print({"attention_output_error_int4",
+         Median(ours),
+         "relative",
+         Median(naive),
+         "int4_keys_per_token",
+         {{"head_dim", "64"},
+          {"context_tokens", "1024"},
+          {"queries", "64"},
+          {"outlier_channels", "every 16th, 20x"},
+          {"reference", "fp16 K and V, attention in fp64"}}});
 }
 
 }  // namespace

@@ -15,13 +15,13 @@
 namespace kvtier {
 namespace {
 
-#define CHECK_CUDA(x)                                                          \
-  do {                                                                         \
-    cudaError_t e = (x);                                                       \
-    if (e != cudaSuccess) {                                                    \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e));             \
-      std::exit(1);                                                            \
-    }                                                                          \
+#define CHECK_CUDA(x)                                              \
+  do {                                                             \
+    cudaError_t e = (x);                                           \
+    if (e != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
+      std::exit(1);                                                \
+    }                                                              \
   } while (0)
 
 template <typename F>
@@ -81,11 +81,12 @@ void Run(uint32_t d, uint32_t bits, int chunks) {
   for (auto [name, t] : {std::pair{"gpu_quantize_throughput", Median(tq)},
                          std::pair{"gpu_dequantize_throughput", Median(td)}}) {
     const double gbs = bytes / (t * 1e-3) / 1e9;
-    std::printf("{\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"baseline\": %.4g, "
-                "\"baseline_name\": \"device_to_device_copy\", \"ratio\": %.4f, \"parameters\": "
-                "{\"head_dim\": %u, \"bits\": %u, \"chunk_tokens\": 16, \"chunks\": %d, "
-                "\"reps\": 11, \"target_ratio\": 0.7}}\n",
-                name, gbs, copy_gbs, gbs / copy_gbs, d, bits, chunks);
+    std::printf(
+        "{\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"baseline\": %.4g, "
+        "\"baseline_name\": \"device_to_device_copy\", \"ratio\": %.4f, \"parameters\": "
+        "{\"head_dim\": %u, \"bits\": %u, \"chunk_tokens\": 16, \"chunks\": %d, "
+        "\"reps\": 11, \"target_ratio\": 0.7}}\n",
+        name, gbs, copy_gbs, gbs / copy_gbs, d, bits, chunks);
   }
   cudaFree(fp);
   cudaFree(out);

@@ -37,12 +37,14 @@ const Data& Get(int tokens) {
     d.peaks.assign(size_t(chunks) * kD, 0.f);
     for (int c = 0; c < chunks; ++c) {
       for (int t = 0; t < kChunk; ++t) {
-        for (int j = 0; j < kD; ++j) d.means[c * kD + j] += d.keys[(c * kChunk + t) * kD + j] / kChunk;
+        for (int j = 0; j < kD; ++j)
+          d.means[c * kD + j] += d.keys[(c * kChunk + t) * kD + j] / kChunk;
       }
-      const float* peak = FarthestRow(&d.keys[size_t(c) * kChunk * kD], kChunk, kD,
-                                      &d.means[size_t(c) * kD]);
+      const float* peak =
+          FarthestRow(&d.keys[size_t(c) * kChunk * kD], kChunk, kD, &d.means[size_t(c) * kD]);
       std::copy(peak, peak + kD, &d.peaks[size_t(c) * kD]);
-      d.cands.push_back({uint32_t(c), kChunk, &d.means[size_t(c) * kD], 1.f, &d.peaks[size_t(c) * kD]});
+      d.cands.push_back(
+          {uint32_t(c), kChunk, &d.means[size_t(c) * kD], 1.f, &d.peaks[size_t(c) * kD]});
     }
   }
   return d;
@@ -92,9 +94,9 @@ class CollectingReporter : public benchmark::BenchmarkReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs) {
       if (r.run_type != Run::RT_Iteration || r.iterations == 0) continue;
-      times_[r.benchmark_name()].push_back(r.GetAdjustedRealTime() *
-                                           benchmark::GetTimeUnitMultiplier(benchmark::kMicrosecond) /
-                                           benchmark::GetTimeUnitMultiplier(r.time_unit));
+      times_[r.benchmark_name()].push_back(
+          r.GetAdjustedRealTime() * benchmark::GetTimeUnitMultiplier(benchmark::kMicrosecond) /
+          benchmark::GetTimeUnitMultiplier(r.time_unit));
     }
   }
   double Median(const std::string& name) const { return bench::Median(times_.at(name)); }
@@ -119,10 +121,16 @@ int main(int argc, char** argv) {
     for (const auto& [bm, rule] :
          {std::pair<std::string, std::string>{"BM_MeanScoreSelect/", "mean score"},
           {"BM_LsePeakSelect/", "LSE-peak score"}}) {
-      kvtier::bench::Print({"select_compute_interim_rule", reporter.Median(bm + tokens), "us",
-                            exact, "exact_key_scan",
-                            {{"context_tokens", tokens}, {"head_dim", "64"}, {"gqa_group", "3"},
-                             {"budget_tokens", "256"}, {"reps", "5"},
+      kvtier::bench::Print({"select_compute_interim_rule",
+                            reporter.Median(bm + tokens),
+                            "us",
+                            exact,
+                            "exact_key_scan",
+                            {{"context_tokens", tokens},
+                             {"head_dim", "64"},
+                             {"gqa_group", "3"},
+                             {"budget_tokens", "256"},
+                             {"reps", "5"},
                              {"rule", rule + " over every chunk, linear (cluster index pending)"},
                              {"target_ratio", "0.1 at 128K, with the cluster index"}}});
     }

@@ -57,11 +57,14 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
     p50_ratio.push_back(sel50.back() / echo50.back());
     p99_ratio.push_back(sel99.back() / echo99.back());
   }
-  std::map<std::string, std::string> params = {
-      {"context_tokens", std::to_string(context)}, {"budget_tokens", std::to_string(budget)},
-      {"include_data", include_data ? "true" : "false"}, {"response_bytes", std::to_string(resp_bytes)},
-      {"shape", "30x9/3x64"}, {"reps", std::to_string(reps)}, {"iters", std::to_string(iters)},
-      {"target_ratio", "1.5"}};
+  std::map<std::string, std::string> params = {{"context_tokens", std::to_string(context)},
+                                               {"budget_tokens", std::to_string(budget)},
+                                               {"include_data", include_data ? "true" : "false"},
+                                               {"response_bytes", std::to_string(resp_bytes)},
+                                               {"shape", "30x9/3x64"},
+                                               {"reps", std::to_string(reps)},
+                                               {"iters", std::to_string(iters)},
+                                               {"target_ratio", "1.5"}};
   const std::string suffix = include_data ? "_inline" : "";
   // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
   Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});

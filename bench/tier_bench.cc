@@ -94,8 +94,10 @@ v1::SelectRequest Query(const std::vector<float>& q, uint32_t layer, uint32_t bu
 
 std::map<std::string, std::string> Params(std::map<std::string, std::string> extra) {
   std::map<std::string, std::string> p = {
-      {"layers", std::to_string(kLayers)}, {"kv_heads", std::to_string(kKv)},
-      {"head_dim", std::to_string(kD)}, {"tokens", std::to_string(kTokens)},
+      {"layers", std::to_string(kLayers)},
+      {"kv_heads", std::to_string(kKv)},
+      {"head_dim", std::to_string(kD)},
+      {"tokens", std::to_string(kTokens)},
       {"policy", "default: int4 cold chunks, contiguous, LSE-peak"}};
   p.insert(extra.begin(), extra.end());
   return p;
@@ -125,9 +127,8 @@ int main() {
       auto s = MakeSession(e, "s", 1);
       const std::string key = RecordKey("s");
       double t0 = NowSeconds();
-      auto bytes = s->Demote([&](const v1::SessionRecord& rec) {
-        return r.Put(key, EncodeRecord(rec));
-      });
+      auto bytes =
+          s->Demote([&](const v1::SessionRecord& rec) { return r.Put(key, EncodeRecord(rec)); });
       double t1 = NowSeconds();
       if (!bytes.ok()) return 1;
       auto got = r.Get(key);
@@ -155,10 +156,12 @@ int main() {
       (void)r.Delete("blob");
     }
     Print({"remote_demote_throughput", Median(demote), "GB/s", Median(set), "redis SET",
-           Params({{"record_bytes", std::to_string(record_bytes)}, {"reps", "5"},
+           Params({{"record_bytes", std::to_string(record_bytes)},
+                   {"reps", "5"},
                    {"redis", "unix socket, same host"}})});
     Print({"remote_restore_throughput", Median(restore), "GB/s", Median(get), "redis GET",
-           Params({{"record_bytes", std::to_string(record_bytes)}, {"reps", "5"},
+           Params({{"record_bytes", std::to_string(record_bytes)},
+                   {"reps", "5"},
                    {"includes", "GET, checksum, decode, slot allocation, sums, peaks, index"}})});
   }
 
@@ -192,7 +195,8 @@ int main() {
     if (dst[12345] == 7) std::puts("");
     Print({"promotion_cost_per_chunk", Median(cost), "us", (t1 - t0) / 4096 * 1e6,
            "memcpy of the chunk's fp16 K and V",
-           Params({{"chunk_tokens", "16"}, {"chunk_fp16_bytes", std::to_string(bytes)},
+           Params({{"chunk_tokens", "16"},
+                   {"chunk_fp16_bytes", std::to_string(bytes)},
                    {"chunks_promoted", std::to_string(chunks)},
                    {"what", "dequantize int4 into a cached host copy, in a Select"}})});
   }
@@ -219,7 +223,9 @@ int main() {
       rates[prefetch] = double(c.hits) / double(c.hits + c.misses);
     }
     Print({"prefetch_hit_rate", rates[1], "fraction", rates[0], "no prefetch (cache reuse only)",
-           Params({{"steps", "200"}, {"budget", "256"}, {"extra_budget_percent", "25"},
+           Params({{"steps", "200"},
+                   {"budget", "256"},
+                   {"extra_budget_percent", "25"},
                    {"query", "AR(1) drift: q = 0.95 q + 0.3 noise"},
                    {"counted", "selected cold chunks needing an fp16 host copy"}})});
   }

@@ -7,7 +7,8 @@ namespace {
 // apply when both ends are 16-byte aligned (slots are); a byte loop finishes any tail.
 __global__ void GatherChunksKernel(const GatherEntry* __restrict__ entries) {
   const GatherEntry e = entries[blockIdx.x];
-  const bool aligned = ((reinterpret_cast<uintptr_t>(e.src) | reinterpret_cast<uintptr_t>(e.dst)) & 15) == 0;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(e.src) | reinterpret_cast<uintptr_t>(e.dst)) & 15) == 0;
   uint64_t done = 0;
   if (aligned) {
     const uint64_t vecs = e.bytes / 16;

@@ -82,8 +82,8 @@ KVTIER_HOST_DEVICE inline uint16_t FloatToHalf(float f) {
 
 // The next half towards +Inf (resp. -Inf) from h; Inf stays Inf.
 KVTIER_HOST_DEVICE inline uint16_t HalfNextUp(uint16_t h) {
-  if ((h & 0x7fffu) == 0) return 0x0001u;                       // +-0 -> smallest subnormal
-  if (h & 0x8000u) return static_cast<uint16_t>(h - 1);          // negative: towards zero
+  if ((h & 0x7fffu) == 0) return 0x0001u;                // +-0 -> smallest subnormal
+  if (h & 0x8000u) return static_cast<uint16_t>(h - 1);  // negative: towards zero
   return (h & 0x7fffu) >= 0x7c00u ? h : static_cast<uint16_t>(h + 1);
 }
 KVTIER_HOST_DEVICE inline uint16_t HalfNextDown(uint16_t h) {

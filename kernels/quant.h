@@ -11,8 +11,8 @@
 namespace kvtier {
 
 // keys, values: fp16 [n][d] (finite). out: layout.Bytes() bytes.
-void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values,
-                            const QuantLayout& layout, uint8_t* out);
+void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const QuantLayout& layout,
+                            uint8_t* out);
 
 // in: a quantized chunk. keys_out, values_out: fp16 [n][d].
 void DequantizeChunkReference(const uint8_t* in, const QuantLayout& layout, uint16_t* keys_out,

@@ -84,8 +84,8 @@ __global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout 
 }
 
 bool Supported(const QuantLayout& L) {
-  return L.head_dim >= 1 && L.head_dim <= kMaxHeadDim && L.num_tokens >= 1 &&
-         L.num_tokens <= 64 && (L.bits == 4 || L.bits == 8);
+  return L.head_dim >= 1 && L.head_dim <= kMaxHeadDim && L.num_tokens >= 1 && L.num_tokens <= 64 &&
+         (L.bits == 4 || L.bits == 8);
 }
 
 }  // namespace

@@ -66,9 +66,9 @@ struct QuantLayout {
   static constexpr int kPaddings = 6;
   KVTIER_HOST_DEVICE void Padding(int r, uint64_t* begin, uint64_t* end) const {
     const uint64_t scales = 2ull * num_tokens * groups();
-    const uint64_t starts[kPaddings] = {key_scale() + 2ull * head_dim, key_zero() + 2ull * head_dim,
-                                        key_codes() + code_bytes(),   value_scale() + scales,
-                                        value_zero() + scales,        value_codes() + code_bytes()};
+    const uint64_t starts[kPaddings] = {
+        key_scale() + 2ull * head_dim, key_zero() + 2ull * head_dim, key_codes() + code_bytes(),
+        value_scale() + scales,        value_zero() + scales,        value_codes() + code_bytes()};
     const uint64_t ends[kPaddings] = {key_zero(),   key_codes(),   value_scale(),
                                       value_zero(), value_codes(), Bytes()};
     *begin = starts[r];

@@ -16,8 +16,8 @@ void PutCode(uint8_t* codes, uint64_t i, uint32_t code, uint32_t bits) {
 
 }  // namespace
 
-void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values,
-                            const QuantLayout& L, uint8_t* out) {
+void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const QuantLayout& L,
+                            uint8_t* out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
   std::memset(out, 0, L.Bytes());
   const QuantSections<uint8_t> q(out, L);

@@ -11,7 +11,8 @@ namespace {
 using namespace ::kvtier::testing;
 
 TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
-  for (auto [precision, levels] : {std::pair{v1::PRECISION_INT4, 15.f}, {v1::PRECISION_INT8, 255.f}}) {
+  for (auto [precision, levels] :
+       {std::pair{v1::PRECISION_INT4, 15.f}, {v1::PRECISION_INT8, 255.f}}) {
     Env e;
     Fixture f = Make(e, 3, 4, 2, 64, 300, Cold(precision));
     ASSERT_OK(AppendAll(f, 300, 37));
@@ -60,8 +61,10 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
             }
             const float kx = HalfToFloat(want_k[t * 64 + j]), ky = HalfToFloat(k[t * 64 + j]);
             const float vx = HalfToFloat(want_v[t * 64 + j]), vy = HalfToFloat(v[t * 64 + j]);
-            EXPECT_LE(std::fabs(kx - ky), (kmax - kmin) / levels * 0.5f * 1.01f + HalfUlpAt(ky) + 1e-3f);
-            EXPECT_LE(std::fabs(vx - vy), (vmax - vmin) / levels * 0.5f * 1.01f + HalfUlpAt(vy) + 1e-3f);
+            EXPECT_LE(std::fabs(kx - ky),
+                      (kmax - kmin) / levels * 0.5f * 1.01f + HalfUlpAt(ky) + 1e-3f);
+            EXPECT_LE(std::fabs(vx - vy),
+                      (vmax - vmin) / levels * 0.5f * 1.01f + HalfUlpAt(vy) + 1e-3f);
           }
         }
       }
@@ -122,7 +125,8 @@ TEST(ColdChunks, NonFiniteInputIsRefusedByField) {
   k[2 * (16 * 8 + 5) + 1] = 0x7c;  // kv_head 1, token 0, channel 5: +Inf (0x7c00)
   k[2 * (16 * 8 + 5)] = 0x00;
   r.set_keys(k);
-  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument, "keys: element 133 (kv_head 1, token 0, channel 5)"));
+  EXPECT_THAT(f.session->Append(r), StatusIs(Code::kInvalidArgument,
+                                             "keys: element 133 (kv_head 1, token 0, channel 5)"));
   r = Req(f, 0, 0, 8);
   std::string v = r.values();
   v[7] = 0x7e;  // a NaN
@@ -282,7 +286,6 @@ TEST(ColdChunks, ForkAcrossAColdChunkCopiesItsDequantizedRows) {
   EXPECT_EQ(child_rows[0].stored_precision(), v1::PRECISION_FP16);
   child->Close();
 }
-
 
 TEST(Chunking, SemanticRegroupsAgedOutSpansIntoTightChunks) {
   Env e;
@@ -487,7 +490,6 @@ TEST(AgeLayer, AChunkAlreadyIndexedIsNeverQuantizedLater) {
     EXPECT_EQ(s.index()->CheckInvariants(s.stats()), "");
   }
 }
-
 
 }  // namespace
 }  // namespace kvtier

@@ -23,7 +23,8 @@ struct Stream {
 
   void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
     std::vector<float> sum(kD, 0.f), mean(kD);
-    for (uint32_t t = 0; t < n; ++t) for (int j = 0; j < kD; ++j) sum[j] += keys[t * kD + j];
+    for (uint32_t t = 0; t < n; ++t)
+      for (int j = 0; j < kD; ++j) sum[j] += keys[t * kD + j];
     for (int j = 0; j < kD; ++j) mean[j] = sum[j] / n;
     const float* peak = FarthestRow(keys.data(), n, kD, mean.data());
     sums.insert(sums.end(), sum.begin(), sum.end());
@@ -53,7 +54,8 @@ std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<flo
       break;
     }
     case Data::kIdentical:  // every chunk the same: ties everywhere
-      for (int t = 0; t < kT; ++t) for (int j = 0; j < kD; ++j) k[t * kD + j] = 0.25f * (j % 5);
+      for (int t = 0; t < kT; ++t)
+        for (int j = 0; j < kD; ++j) k[t * kD + j] = 0.25f * (j % 5);
       break;
     case Data::kOutliers:  // tiny keys, and now and then one huge key
       for (auto& x : k) x = 1e-3f * n(rng);
@@ -85,8 +87,8 @@ std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, c
   std::vector<ChunkCandidate> cands;
   for (uint32_t c = 0; c < s.tokens.size(); ++c) {
     if (c < skip.size() && skip[c]) continue;
-    cands.push_back({c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c],
-                     &s.peaks[size_t(c) * kD]});
+    cands.push_back(
+        {c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c], &s.peaks[size_t(c) * kD]});
   }
   return SelectChunks(ranking, q, kGroup, kD, cands, k * kT);
 }
@@ -103,54 +105,54 @@ class ClusterIndexTest : public ::testing::TestWithParam<Data> {};
 
 TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
   for (bool by_peak : {true, false}) {
-  SCOPED_TRACE(by_peak ? "clustered by mean and peak" : "clustered by mean");
-  std::mt19937 rng(static_cast<int>(GetParam()) + 1);
-  const std::vector<float> centers = Centers(rng);
-  Stream s;
-  ClusterIndex::Options options;
-  options.cluster_by_peak = by_peak;
-  ClusterIndex index(kD, options);
-  for (int step = 0; step < 6; ++step) {
-    for (int i = 0; i < 200; ++i) {
-      s.Push(ChunkKeys(GetParam(), rng, centers), kT);
-      index.Add(static_cast<uint32_t>(s.tokens.size() - 1), s.stats);
-    }
-    ASSERT_EQ(index.CheckInvariants(s.stats), "") << "after " << s.tokens.size();
-    for (int trial = 0; trial < 6; ++trial) {
-      const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
-      for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
-        EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.stats), 0u)
-            << v1::Ranking_Name(r) << " trial " << trial;
-        std::vector<bool> skip(s.tokens.size(), false);
-        for (size_t c = 0; c < skip.size(); c += 7) skip[c] = trial % 3 == 0;
-        for (size_t k : {1, 12, 60}) {
-          ClusterIndex::SearchStats stats;
-          const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
-          EXPECT_EQ(index.Search(r, q, kGroup, k, s.stats, skip, &stats), answer)
-              << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
-              << s.tokens.size();
-          EXPECT_LE(stats.chunks_scored, s.tokens.size());
-          // The unit level against the k-th score: a search opens every unit whose bound
-          // reaches it, and the clusters of the answer all reach it.
-          if (answer.size() == k) {
-            const uint32_t last = answer.back();
-            const ChunkCandidate c{last, s.tokens[last], &s.sums[size_t(last) * kD],
-                                   1.f / s.tokens[last], &s.peaks[size_t(last) * kD]};
-            const float kth = r == v1::RANKING_LSE_PEAK ? LsePeakScore(q, kGroup, c, kD)
-                                                        : MeanScore(q, kGroup, c, kD);
-            const ClusterIndex::UnitProfile profile = index.ProfileUnits(r, q, kGroup, kth);
-            EXPECT_GE(stats.units_opened, profile.units_reaching);
-            std::set<uint32_t> clusters;
-            for (uint32_t ch : answer) clusters.insert(index.cluster_of(ch));
-            EXPECT_GE(profile.clusters_reaching, clusters.size());
-            EXPECT_LE(profile.units_needed, index.num_units());
-            EXPECT_GE(profile.clusters_in_needed, profile.clusters_reaching);
+    SCOPED_TRACE(by_peak ? "clustered by mean and peak" : "clustered by mean");
+    std::mt19937 rng(static_cast<int>(GetParam()) + 1);
+    const std::vector<float> centers = Centers(rng);
+    Stream s;
+    ClusterIndex::Options options;
+    options.cluster_by_peak = by_peak;
+    ClusterIndex index(kD, options);
+    for (int step = 0; step < 6; ++step) {
+      for (int i = 0; i < 200; ++i) {
+        s.Push(ChunkKeys(GetParam(), rng, centers), kT);
+        index.Add(static_cast<uint32_t>(s.tokens.size() - 1), s.stats);
+      }
+      ASSERT_EQ(index.CheckInvariants(s.stats), "") << "after " << s.tokens.size();
+      for (int trial = 0; trial < 6; ++trial) {
+        const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f);
+        for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
+          EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.stats), 0u)
+              << v1::Ranking_Name(r) << " trial " << trial;
+          std::vector<bool> skip(s.tokens.size(), false);
+          for (size_t c = 0; c < skip.size(); c += 7) skip[c] = trial % 3 == 0;
+          for (size_t k : {1, 12, 60}) {
+            ClusterIndex::SearchStats stats;
+            const std::vector<uint32_t> answer = Linear(r, q, s, k, skip);
+            EXPECT_EQ(index.Search(r, q, kGroup, k, s.stats, skip, &stats), answer)
+                << v1::Ranking_Name(r) << " k " << k << " trial " << trial << " chunks "
+                << s.tokens.size();
+            EXPECT_LE(stats.chunks_scored, s.tokens.size());
+            // The unit level against the k-th score: a search opens every unit whose bound
+            // reaches it, and the clusters of the answer all reach it.
+            if (answer.size() == k) {
+              const uint32_t last = answer.back();
+              const ChunkCandidate c{last, s.tokens[last], &s.sums[size_t(last) * kD],
+                                     1.f / s.tokens[last], &s.peaks[size_t(last) * kD]};
+              const float kth = r == v1::RANKING_LSE_PEAK ? LsePeakScore(q, kGroup, c, kD)
+                                                          : MeanScore(q, kGroup, c, kD);
+              const ClusterIndex::UnitProfile profile = index.ProfileUnits(r, q, kGroup, kth);
+              EXPECT_GE(stats.units_opened, profile.units_reaching);
+              std::set<uint32_t> clusters;
+              for (uint32_t ch : answer) clusters.insert(index.cluster_of(ch));
+              EXPECT_GE(profile.clusters_reaching, clusters.size());
+              EXPECT_LE(profile.units_needed, index.num_units());
+              EXPECT_GE(profile.clusters_in_needed, profile.clusters_reaching);
+            }
           }
         }
       }
     }
-  }
-  EXPECT_GE(index.num_clusters(), s.tokens.size() / 16);
+    EXPECT_GE(index.num_clusters(), s.tokens.size() / 16);
   }
 }
 
@@ -239,8 +241,8 @@ TEST(ClusterIndex, AddingTwiceChangesNothingAndOnlyFinalChunksEnter) {
   EXPECT_TRUE(index.contains(0));
   EXPECT_FALSE(index.contains(1));
   EXPECT_EQ(index.CheckInvariants(s.stats), "");
-  EXPECT_TRUE(index.Search(v1::RANKING_MEAN, Queries(rng, 1), kGroup, 0, s.stats, {}, nullptr)
-                  .empty());
+  EXPECT_TRUE(
+      index.Search(v1::RANKING_MEAN, Queries(rng, 1), kGroup, 0, s.stats, {}, nullptr).empty());
   // A chunk whose statistics may still change never enters: its bounds would not hold.
   ChunkStats growing(kD);
   growing.Append(kT, s.sums.data(), s.peaks.data());

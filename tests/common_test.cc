@@ -6,8 +6,8 @@
 
 #include "server/common/error.h"
 #include "server/common/fp16.h"
-#include "server/common/vec.h"
 #include "server/common/size.h"
+#include "server/common/vec.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -31,7 +31,8 @@ TEST(ParseSize, RejectsBadInputNamingTheField) {
   EXPECT_THAT(ParseSize("G", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseSize("-1", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParseSize("99999999999999999999", "x"), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(ParseSize("17179869184G", "x"), StatusIs(absl::StatusCode::kInvalidArgument, "overflow"));
+  EXPECT_THAT(ParseSize("17179869184G", "x"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "overflow"));
 }
 
 TEST(FormatBytes, HumanUnits) {
@@ -91,9 +92,9 @@ TEST(Fp16, FloatToHalfMatchesCompilerRounding) {
     check(std::midpoint(lo, hi));
     check(-std::midpoint(lo, hi));
   }
-  check(65520.f);   // rounds to Inf
-  check(65519.f);   // rounds to 65504
-  check(1e-8f);     // below half the smallest subnormal
+  check(65520.f);         // rounds to Inf
+  check(65519.f);         // rounds to 65504
+  check(1e-8f);           // below half the smallest subnormal
   check(2.98023224e-8f);  // exactly 2^-25: ties to even (zero)
 }
 
@@ -280,12 +281,11 @@ TEST(BoxGrowth, EachLaneAgreesWithDoubleAndTheScalarPath) {
     }
   }
   // Fixed boxes [lo, hi] on one channel against the point 0.
-  const uint16_t box[2 * 8] = {FloatToHalf(1.f), FloatToHalf(2.f), FloatToHalf(0.5f),
-                               FloatToHalf(0.f), FloatToHalf(3.f), FloatToHalf(1.f),
-                               FloatToHalf(1.f), FloatToHalf(1.f),
-                               FloatToHalf(-1.f), FloatToHalf(0.f), FloatToHalf(-0.5f),
-                               FloatToHalf(0.f), FloatToHalf(-3.f), FloatToHalf(1.f),
-                               FloatToHalf(0.f), FloatToHalf(-2.f)};
+  const uint16_t box[2 * 8] = {
+      FloatToHalf(1.f),  FloatToHalf(2.f), FloatToHalf(0.5f),  FloatToHalf(0.f),
+      FloatToHalf(3.f),  FloatToHalf(1.f), FloatToHalf(1.f),   FloatToHalf(1.f),
+      FloatToHalf(-1.f), FloatToHalf(0.f), FloatToHalf(-0.5f), FloatToHalf(0.f),
+      FloatToHalf(-3.f), FloatToHalf(1.f), FloatToHalf(0.f),   FloatToHalf(-2.f)};
   float g[8], w[8];
   const float inside = 0.f;
   BoxGrowth(&inside, 1, 1, box, 8, 8, g, w);
@@ -339,8 +339,8 @@ TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
                 mag += std::fabs(x);
               }
               EXPECT_NEAR(out[h * out_stride + i], want, 1e-6 * mag + 1e-7)
-                  << "half " << half << " d " << d << " lanes " << lanes << " m " << m << " h "
-                  << h << " i " << i;
+                  << "half " << half << " d " << d << " lanes " << lanes << " m " << m << " h " << h
+                  << " i " << i;
             }
             EXPECT_EQ(out[h * out_stride + lanes], -7.f) << "wrote past lane " << lanes - 1;
           }

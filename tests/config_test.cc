@@ -84,9 +84,10 @@ TEST(Config, RemoteAddressIsChecked) {
 }
 
 TEST(Config, QuotasParsePerTenantWithAWildcard) {
-  ASSERT_OK_AND_ASSIGN(v1::Config c, ParseConfigText(
-      "quotas { key: \"alice\" value { host_bytes: \"64M\" max_sessions: 3 } }\n"
-      "quotas { key: \"*\" value { device_bytes: \"1G\" } }\n"));
+  ASSERT_OK_AND_ASSIGN(
+      v1::Config c,
+      ParseConfigText("quotas { key: \"alice\" value { host_bytes: \"64M\" max_sessions: 3 } }\n"
+                      "quotas { key: \"*\" value { device_bytes: \"1G\" } }\n"));
   ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
   EXPECT_EQ(o.QuotaFor("alice").host_bytes, 64u << 20);
   EXPECT_EQ(o.QuotaFor("alice").device_bytes, 0u);
@@ -165,7 +166,6 @@ TEST(ResolveShape, ChecksEveryField) {
   EXPECT_THAT(ResolveShape(shape(2, 4, 2, 64, v1::DTYPE_FP32)),
               StatusIs(Code::kInvalidArgument, "dtype"));
 }
-
 
 }  // namespace
 }  // namespace kvtier

@@ -141,8 +141,8 @@ TEST(Daemon, HandlesAreReadableFromThisProcessThroughSharedMemory) {
   ASSERT_EQ(read.size(), ids.size());
   for (size_t i = 0; i < read.size(); ++i) {
     ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, sel.heads(1).blocks(i)));
-    EXPECT_EQ(read[i].keys(), std::string(reinterpret_cast<const char*>(view.keys.data()),
-                                          view.keys.size() * 2));
+    EXPECT_EQ(read[i].keys(),
+              std::string(reinterpret_cast<const char*>(view.keys.data()), view.keys.size() * 2));
   }
 }
 
@@ -154,7 +154,7 @@ TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
   auto c = Connect(d);
   Data data = MakeData(200);
   v1::CreateSessionRequest req = Shape();
-  req.mutable_policy()->set_lossless(true);  // every chunk in the same slot size
+  req.mutable_policy()->set_lossless(true);                // every chunk in the same slot size
   ASSERT_OK_AND_ASSIGN(auto keep, c->CreateSession(req));  // keeps the segment alive
   ASSERT_OK(c->AppendKV(AllLayers(keep.session_id(), data, 0, 200)).status());
   ASSERT_OK_AND_ASSIGN(auto a, c->CreateSession(req));
@@ -185,7 +185,8 @@ TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   ASSERT_TRUE(d.started());
   auto c = Connect(d);
   // Shapes.
-  EXPECT_THAT(c->CreateSession(Shape(2, 4, 3, 64)), StatusIs(Code::kInvalidArgument, "num_q_heads"));
+  EXPECT_THAT(c->CreateSession(Shape(2, 4, 3, 64)),
+              StatusIs(Code::kInvalidArgument, "num_q_heads"));
   EXPECT_THAT(c->CreateSession(Shape(2, 4, 2, 0)), StatusIs(Code::kInvalidArgument, "head_dim"));
   EXPECT_THAT(c->CreateSession(Shape(2, 4, 2, 513)), StatusIs(Code::kInvalidArgument, "head_dim"));
   EXPECT_THAT(c->CreateSession(Shape(0)), StatusIs(Code::kInvalidArgument, "num_layers"));
@@ -242,7 +243,8 @@ TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   // the session holds 4 layers x 3 heads x 7 chunks = 84, and layer 0 alone needs 36 more.
   auto before = c->DescribeSession(sid);
   ASSERT_OK(before.status());
-  EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 200)), StatusIs(Code::kResourceExhausted, "full"));
+  EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 200)),
+              StatusIs(Code::kResourceExhausted, "full"));
   ASSERT_OK_AND_ASSIGN(auto after, c->DescribeSession(sid));
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_EQ(after.layers(l).num_tokens(), before->layers(l).num_tokens());
@@ -374,7 +376,8 @@ TEST(Daemon, BadConfigurationExitsTwoNamingTheField) {
   std::tie(code, out) = testing::RunCommand(testing::BinaryPath("kvtierd") + " --bogus 1");
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("bogus"), std::string::npos) << out;
-  std::tie(code, out) = testing::RunCommand(testing::BinaryPath("kvtierd") + " --print_default_config");
+  std::tie(code, out) =
+      testing::RunCommand(testing::BinaryPath("kvtierd") + " --print_default_config");
   EXPECT_EQ(code, 0);
   ASSERT_OK_AND_ASSIGN(v1::Config printed, ParseConfigText(out));
   EXPECT_EQ(printed.host_capacity(), "4G");
@@ -395,7 +398,8 @@ TEST(Kvtierctl, TablesJsonAndErrors) {
   std::tie(code, out) = testing::RunCommand(ctl + "sessions");
   EXPECT_EQ(code, 0);
   EXPECT_NE(out.find("ctl-session"), std::string::npos) << out;
-  EXPECT_NE(out.find("144.0 KiB"), std::string::npos) << out;  // 4 layers x 3 heads x 3 slots x 4 KiB
+  EXPECT_NE(out.find("144.0 KiB"), std::string::npos)
+      << out;  // 4 layers x 3 heads x 3 slots x 4 KiB
   std::tie(code, out) = testing::RunCommand(ctl + "-o json session ctl-session");
   EXPECT_EQ(code, 0);
   EXPECT_NE(out.find("\"num_tokens\": \"40\""), std::string::npos) << out;

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/gpu_test_util.h"
 #include "kernels/chunk_layout.h"
 #include "kernels/gather_chunks.h"
+#include "tests/gpu_test_util.h"
 
 namespace kvtier {
 namespace {
@@ -44,7 +44,8 @@ TEST(GatherChunksGpu, BitIdenticalToReference) {
       GatherEntry* dentries;
       ASSERT_EQ(cudaMalloc(&dentries, sizeof(GatherEntry) * chunks), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(dentries, dev_entries.data(), sizeof(GatherEntry) * chunks,
-                           cudaMemcpyHostToDevice), cudaSuccess);
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
       ASSERT_EQ(GatherChunks(dentries, chunks, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       std::vector<uint8_t> got(want.size());

@@ -1,11 +1,12 @@
 // CPU twin of gather_chunks_gpu_test: the reference gather, checked row by row against the
 // tokens that were laid out, over odd head_dims and token counts, with guard bytes.
+#include "kernels/gather_chunks.h"
+
 #include <cstring>
 #include <random>
 
 #include "gtest/gtest.h"
 #include "kernels/chunk_layout.h"
-#include "kernels/gather_chunks.h"
 
 namespace kvtier {
 namespace {

@@ -1,6 +1,3 @@
-#include "server/index/chunk_ranker.h"
-#include "server/index/chunking.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,6 +5,8 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "server/index/chunk_ranker.h"
+#include "server/index/chunking.h"
 
 namespace kvtier {
 namespace {
@@ -108,9 +107,8 @@ TEST(ChunkRanker, LsePeakMatchesItsDefinition) {
       peak[j] = mean[j] + 2 * n(rng);
     }
     const ChunkCandidate c{0, tokens, sum.data(), 1.f / tokens, peak.data()};
-    EXPECT_NEAR(LsePeakScore(q, group, c, d), LsePeakExpected(q, group, d, mean.data(),
-                                                               peak.data(), tokens),
-                1e-4)
+    EXPECT_NEAR(LsePeakScore(q, group, c, d),
+                LsePeakExpected(q, group, d, mean.data(), peak.data(), tokens), 1e-4)
         << "trial " << trial;
   }
 }
@@ -170,8 +168,8 @@ TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
   const int d = 4, n = 16;
   const std::vector<float> q = {8, 0, 0, 0};  // q.k / sqrt(d) = 4 k_0
   std::vector<std::vector<float>> a(n, std::vector<float>(d, 0.f)), b = a;
-  a[7][0] = 3.f;                       // one key: logit 12
-  for (auto& k : b) k[0] = 0.6f;       // every key: logit 2.4
+  a[7][0] = 3.f;                  // one key: logit 12
+  for (auto& k : b) k[0] = 0.6f;  // every key: logit 2.4
   auto mass = [&](const std::vector<std::vector<float>>& keys) {
     double m = 0;
     for (const auto& k : keys) m += std::exp(q[0] * k[0] / 2.0);
@@ -181,7 +179,8 @@ TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
   auto stats = [&](const std::vector<std::vector<float>>& keys, std::vector<float>& sum,
                    std::vector<float>& peak) {
     sum.assign(d, 0.f);
-    for (const auto& k : keys) for (int j = 0; j < d; ++j) sum[j] += k[j];
+    for (const auto& k : keys)
+      for (int j = 0; j < d; ++j) sum[j] += k[j];
     float best = -1;
     for (const auto& k : keys) {
       float dist = 0;
@@ -197,7 +196,6 @@ TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
   EXPECT_EQ(SelectChunks(v1::RANKING_MEAN, q, 1, d, cands, 16), (std::vector<uint32_t>{1}));
   EXPECT_EQ(SelectChunks(v1::RANKING_LSE_PEAK, q, 1, d, cands, 16), (std::vector<uint32_t>{0}));
 }
-
 
 // Semantic chunking's grouping: a partition into equal groups, deterministic, that finds
 // planted clusters however their rows are interleaved.

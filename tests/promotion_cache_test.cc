@@ -118,7 +118,7 @@ TEST(PromotionCache, LeasedOrHeldCopiesAreNeverEvicted) {
   CopyRef leased = f.Add(1);
   CopyRef held = f.Add(2);
   SlotRef lease_view = f.cache.Read(leased);
-  lease_view->Pin();  // as a lease does
+  lease_view->Pin();                    // as a lease does
   SlotRef reader = f.cache.Read(held);  // as a Select in flight does
   lease_view.reset();
   EXPECT_THAT(f.cache.Allocate("t", kSlot, 1), StatusIs(Code::kResourceExhausted));

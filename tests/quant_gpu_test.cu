@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/gpu_test_util.h"
 #include "kernels/chunk_layout.h"
 #include "kernels/quant.h"
+#include "tests/gpu_test_util.h"
 
 namespace kvtier {
 namespace {
@@ -64,7 +64,8 @@ TEST(QuantGpu, BitIdenticalToReference) {
         ASSERT_EQ(DequantizeChunks(djobs, chunks, L, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         std::vector<uint8_t> got_f(want_f.size());
-        ASSERT_EQ(cudaMemcpy(got_f.data(), dout, got_f.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(got_f.data(), dout, got_f.size(), cudaMemcpyDeviceToHost),
+                  cudaSuccess);
         for (int c = 0; c < chunks; ++c) {
           const int slot = (c * 7) % chunks;
           ASSERT_EQ(0, std::memcmp(&got_f[slot * fb], &want_f[c * fb], F.bytes()))

@@ -1,12 +1,13 @@
 // Quantization: the AVX2 path against the scalar reference (bit for bit), and every element's
 // error against the input within half a quantization step plus fp16 rounding, over head_dims,
 // token counts and hard inputs.
+#include "kernels/quant.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
 
 #include "gtest/gtest.h"
-#include "kernels/quant.h"
 #include "server/common/fp16.h"
 #include "server/quant/chunk_quant.h"
 
@@ -23,17 +24,29 @@ std::vector<uint16_t> Make(Input kind, uint32_t n, uint32_t d, std::mt19937& rng
     for (uint32_t j = 0; j < d; ++j) {
       float v = 0.f;
       switch (kind) {
-        case Input::kNormal: v = g(rng); break;
-        case Input::kOutlierChannels: v = g(rng) * (j % 16 == 3 ? 40.f : 1.f); break;
-        case Input::kConstant: v = j % 2 ? 1.5f : -0.75f; break;  // zero range per channel
-        case Input::kHuge: v = std::clamp(g(rng) * 30000.f, -65504.f, 65504.f); break;
-        case Input::kExtremes: v = (t + j) % 2 ? 65504.f : -65504.f; break;
+        case Input::kNormal:
+          v = g(rng);
+          break;
+        case Input::kOutlierChannels:
+          v = g(rng) * (j % 16 == 3 ? 40.f : 1.f);
+          break;
+        case Input::kConstant:
+          v = j % 2 ? 1.5f : -0.75f;
+          break;  // zero range per channel
+        case Input::kHuge:
+          v = std::clamp(g(rng) * 30000.f, -65504.f, 65504.f);
+          break;
+        case Input::kExtremes:
+          v = (t + j) % 2 ? 65504.f : -65504.f;
+          break;
         case Input::kDenormal: {
           uint16_t h = static_cast<uint16_t>(sub(rng) | ((t + j) % 3 == 0 ? 0x8000 : 0));
           x[size_t(t) * d + j] = h;
           continue;
         }
-        case Input::kMixedZero: v = (t * 7 + j) % 3 == 0 ? -0.f : ((t + j) % 3 == 1 ? 0.f : g(rng)); break;
+        case Input::kMixedZero:
+          v = (t * 7 + j) % 3 == 0 ? -0.f : ((t + j) % 3 == 1 ? 0.f : g(rng));
+          break;
       }
       x[size_t(t) * d + j] = FloatToHalf(v);
     }
@@ -78,8 +91,8 @@ TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
           ASSERT_TRUE(std::isfinite(y));
           const float bound = scale / 2 * (1 + 1e-6f) + HalfUlp(y) + 1e-30f;
           ASSERT_LE(std::fabs(x - y), bound)
-              << (which ? "value" : "key") << " t " << t << " j " << j << " x " << x << " y "
-              << y << " scale " << scale << " input " << int(kind);
+              << (which ? "value" : "key") << " t " << t << " j " << j << " x " << x << " y " << y
+              << " scale " << scale << " input " << int(kind);
         }
       }
     }
@@ -100,9 +113,9 @@ TEST(QuantLayout, SizesAndAlignment) {
   EXPECT_EQ(L.key_codes(), 256u);
   EXPECT_EQ(L.code_bytes(), 512u);
   EXPECT_EQ(L.value_scale(), 768u);
-  EXPECT_EQ(L.value_zero(), 832u);   // 16 tokens x 2 groups x 2 bytes
+  EXPECT_EQ(L.value_zero(), 832u);  // 16 tokens x 2 groups x 2 bytes
   EXPECT_EQ(L.value_codes(), 896u);
-  EXPECT_EQ(L.Bytes(), 1408u);       // vs 4096 bytes of fp16 K and V: 0.344x
+  EXPECT_EQ(L.Bytes(), 1408u);  // vs 4096 bytes of fp16 K and V: 0.344x
   const QuantLayout odd{36, 3, 4};
   for (uint64_t off : {odd.key_zero(), odd.key_codes(), odd.value_scale(), odd.value_zero(),
                        odd.value_codes(), odd.Bytes()}) {

@@ -27,8 +27,6 @@ namespace kvtier::testing {
 
 using Code = absl::StatusCode;
 
-
-
 inline TierOptions TierOpts(v1::Tier t, uint64_t capacity,
                             std::function<uint64_t(const std::string&)> tenant_limit = {}) {
   static int n = 0;
@@ -82,7 +80,7 @@ inline v1::SessionPolicy Lossless() {
 // Sessions default to lossless here: these tests check bytes exactly. Cold chunks have their
 // own tests below.
 inline Fixture Make(Env& e, int layers, int qh, int kvh, int d, int total,
-             v1::SessionPolicy policy = Lossless(), uint32_t seed = 1) {
+                    v1::SessionPolicy policy = Lossless(), uint32_t seed = 1) {
   Fixture f{layers, qh, kvh, d, total, {}, {}, nullptr};
   std::mt19937 rng(seed);
   for (int l = 0; l < layers; ++l) {
@@ -122,7 +120,8 @@ inline absl::Status AppendAll(Fixture& f, int upto, int step) {
   return absl::OkStatus();
 }
 
-inline std::vector<uint64_t> AllChunkIds(const Fixture& f, int layer, int head, int tokens, int ct = 16) {
+inline std::vector<uint64_t> AllChunkIds(const Fixture& f, int layer, int head, int tokens,
+                                         int ct = 16) {
   std::vector<uint64_t> ids;
   for (int c = 0; c * ct < tokens; ++c) {
     ids.push_back(EncodeChunkId({uint32_t(layer), uint32_t(head), uint32_t(c)}));
@@ -132,7 +131,7 @@ inline std::vector<uint64_t> AllChunkIds(const Fixture& f, int layer, int head, 
 
 // Rows [start, start+n) of one head of a [kv_heads][total][d] tensor.
 inline std::vector<uint16_t> HeadRows(const std::vector<uint16_t>& all, const Fixture& f, int head,
-                               int start, int n) {
+                                      int start, int n) {
   auto b = all.begin() + (size_t(head) * f.total + start) * f.d;
   return std::vector<uint16_t>(b, b + size_t(n) * f.d);
 }
@@ -186,7 +185,8 @@ inline std::string Query(const Fixture& f, uint32_t seed, std::vector<float>* ou
   return std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4);
 }
 
-inline v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget, uint32_t seed = 9) {
+inline v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget,
+                                   uint32_t seed = 9) {
   v1::SelectRequest r;
   r.set_session_id("s");
   r.set_layer(layer);
@@ -202,10 +202,10 @@ inline v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget,
 // budget, greedily: the mean score, or log((n-1) e^(q.mu/sqrt d) + e^(q.peak/sqrt d)) with
 // the peak the key farthest from the mean.
 inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int head, int tokens,
-                                     const std::vector<std::vector<int64_t>>& chunks,
-                                     uint32_t budget, uint32_t seed, int sink = 16,
-                                     int window = 64,
-                                     v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
+                                            const std::vector<std::vector<int64_t>>& chunks,
+                                            uint32_t budget, uint32_t seed, int sink = 16,
+                                            int window = 64,
+                                            v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
   const int group = f.qh / f.kvh;
   std::vector<float> q;
   Query(f, seed, &q);
@@ -244,10 +244,10 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
         b += q[(size_t(head) * group + g) * f.d + j] * key(peak, j);
       }
       const double rd = std::sqrt(double(f.d));
-      best = std::max(best, ranking == v1::RANKING_MEAN
-                                ? a
-                                : std::log(double(rows.size() - 1) * std::exp(a / rd) +
-                                           std::exp(b / rd)));
+      best = std::max(
+          best, ranking == v1::RANKING_MEAN
+                    ? a
+                    : std::log(double(rows.size() - 1) * std::exp(a / rd) + std::exp(b / rd)));
     }
     scored.push_back({-best, c});
   }
@@ -262,8 +262,9 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
 
 // The same for contiguous 16-token chunks.
 inline std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, int tokens,
-                                  uint32_t budget, uint32_t seed, int sink = 16, int window = 64,
-                                  v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
+                                         uint32_t budget, uint32_t seed, int sink = 16,
+                                         int window = 64,
+                                         v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
   std::vector<std::vector<int64_t>> chunks;
   for (int lo = 0; lo < tokens; lo += 16) {
     chunks.emplace_back();
@@ -295,7 +296,8 @@ inline v1::AppendKVRequest ReqIds(const Fixture& f, int layer, int start, int n,
 // Layer 2, head 0 of a long session: Selects at budgets 256 and 1024 (query `seed`, handles
 // without data) return the chunks brute force picks.
 inline void ExpectLongContextSelections(Fixture& f, int tokens,
-                                 const std::vector<std::vector<int64_t>>& chunks, uint32_t seed) {
+                                        const std::vector<std::vector<int64_t>>& chunks,
+                                        uint32_t seed) {
   for (uint32_t budget : {256u, 1024u}) {
     v1::SelectResponse resp;
     auto req = SelectReq(f, 2, budget, seed);
@@ -322,7 +324,8 @@ inline std::vector<v1::BlockHandle> StreamHandles(Fixture& f, int layer, int hea
 // within `tolerance` of what was appended at its position (0: the same bytes), and returns
 // each chunk's positions.
 inline std::vector<std::vector<int64_t>> ExpectRowsAtTheirPositions(Fixture& f, int layer, int head,
-                                                             int tokens, float tolerance = 0) {
+                                                                    int tokens,
+                                                                    float tolerance = 0) {
   std::vector<std::vector<int64_t>> chunks;
   std::vector<int> seen(tokens, 0);
   for (const v1::BlockHandle& h : StreamHandles(f, layer, head)) {
@@ -369,13 +372,15 @@ inline v1::SessionPolicy BoundaryPolicy(bool lossless) {
 inline std::vector<int32_t> TokenIds(int n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = rng() % 8 == 0 ? kDelimiter + int32_t(rng() % 2) : 20 + int32_t(rng() % 100);
+  for (auto& id : ids)
+    id = rng() % 8 == 0 ? kDelimiter + int32_t(rng() % 2) : 20 + int32_t(rng() % 100);
   return ids;
 }
 
 // The boundary rule, written out: a chunk ends after a delimiter once it holds 8 tokens, and
 // at 32 tokens in any case.
-inline std::vector<std::vector<int64_t>> BoundaryChunks(const std::vector<int32_t>& ids, int tokens) {
+inline std::vector<std::vector<int64_t>> BoundaryChunks(const std::vector<int32_t>& ids,
+                                                        int tokens) {
   std::vector<std::vector<int64_t>> chunks;
   bool open = false;
   for (int t = 0; t < tokens; ++t) {
@@ -414,7 +419,6 @@ inline void PlantClusters(Fixture& f, uint32_t seed) {
     }
   }
 }
-
 
 inline std::vector<v1::BlockHandle> AllChunks(Session& s) {
   std::vector<uint64_t> ids;

@@ -69,7 +69,6 @@ TEST(SessionManager, LimitsIdsAndTenants) {
   EXPECT_EQ(m.size(), 2u);
 }
 
-
 // A remote tier for a manager: redis-server, and a connection to it.
 struct Remote {
   Remote() {
@@ -113,9 +112,8 @@ v1::AppendKVRequest Tokens(const std::string& id, int start, int n) {
 
 // An append run through the manager, with its retries.
 absl::Status RunAppend(SessionManager& m, const std::string& tenant, const v1::AppendKVRequest& r) {
-  return m.Run(tenant, r.session_id(), [&](const std::shared_ptr<Session>& s) {
-    return s->Append(r).status();
-  });
+  return m.Run(tenant, r.session_id(),
+               [&](const std::shared_ptr<Session>& s) { return s->Append(r).status(); });
 }
 
 TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTriesAgain) {
@@ -138,9 +136,8 @@ TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTries
 
 TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
   Remote remote;
-  Env e(64 << 20, 16 << 20, [](const std::string& tenant) -> uint64_t {
-    return tenant == "small" ? 4 * 4096 : 0;
-  });
+  Env e(64 << 20, 16 << 20,
+        [](const std::string& tenant) -> uint64_t { return tenant == "small" ? 4 * 4096 : 0; });
   SessionManager m(Options(), e.env, remote.store.get());
   ASSERT_OK(m.Create("other", SmallSession("idle")).status());
   ASSERT_OK(RunAppend(m, "other", Tokens("idle", 0, 64)));
@@ -174,7 +171,8 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
   EXPECT_EQ(ReasonOf(moved), ErrorReason::kSessionMoved);
   // Run restores it and applies the call there; the cached pointer follows.
   const auto r = Tokens("s", 32, 16);
-  ASSERT_OK(m.Run("t", "s", [&](const auto& s) { return s->Append(r).status(); }, &stale));
+  ASSERT_OK(m.Run(
+      "t", "s", [&](const auto& s) { return s->Append(r).status(); }, &stale));
   EXPECT_FALSE(stale->demoted());
   EXPECT_EQ(stale->Info().num_tokens(), 48u);
   EXPECT_EQ(m.remote_counters().restores, 1u);
@@ -218,7 +216,6 @@ TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
   ASSERT_OK_AND_ASSIGN(bool existed, closing.get());
   EXPECT_TRUE(existed);
 }
-
 
 }  // namespace
 }  // namespace kvtier

@@ -12,7 +12,9 @@ using namespace ::kvtier::testing;
 
 TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
   std::vector<std::pair<std::string, v1::SessionPolicy>> policies = {
-      {"lossless", Lossless()}, {"int4", Cold()}, {"semantic", SemanticPolicy(false)},
+      {"lossless", Lossless()},
+      {"int4", Cold()},
+      {"semantic", SemanticPolicy(false)},
       {"boundary", BoundaryPolicy(false)}};
   for (const auto& [name, policy] : policies) {
     Env e;
@@ -52,8 +54,8 @@ TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
     }
     EXPECT_EQ(back->Info().num_tokens(), 700u);
     EXPECT_EQ(back->Layers()[2].indexed_chunks(), indexed) << name << ": the index is rebuilt";
-    EXPECT_EQ(back->Info().policy().chunking(), policy.chunking() ? policy.chunking()
-                                                                  : v1::CHUNKING_CONTIGUOUS);
+    EXPECT_EQ(back->Info().policy().chunking(),
+              policy.chunking() ? policy.chunking() : v1::CHUNKING_CONTIGUOUS);
     for (uint32_t q = 0; q < 3; ++q) {
       v1::SelectResponse again;
       auto req = SelectReq(f, 2, 200, q);
@@ -83,10 +85,12 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   auto fail = [](const v1::SessionRecord&) { return absl::UnavailableError("redis down"); };
   EXPECT_THAT(f.session->Demote(fail), StatusIs(Code::kUnavailable, "redis down"));
   ExpectStreamExact(f, 0, 0, 100);  // a failed store leaves the session as it was
-  ASSERT_OK(f.session->Demote([&](const v1::SessionRecord& r) {
-    stored = EncodeRecord(r);
-    return absl::OkStatus();
-  }).status());
+  ASSERT_OK(f.session
+                ->Demote([&](const v1::SessionRecord& r) {
+                  stored = EncodeRecord(r);
+                  return absl::OkStatus();
+                })
+                .status());
   std::string flipped = stored;
   flipped[flipped.size() / 2] ^= 0x10;
   EXPECT_THAT(DecodeRecord(flipped, "kvtier:session:s"), StatusIs(Code::kDataLoss, "checksum"));
@@ -100,7 +104,6 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   EXPECT_EQ(e.host.Stats().used_bytes, 0u);
 }
 
-
 // One stream through its record and back: the same chunks, bytes, offsets and precisions, and
 // statistics recomputed to the same bits (the sums add the same rows in the same order).
 TEST(StreamRecord, RoundTripKeepsEveryChunkAndItsStatistics) {
@@ -109,10 +112,12 @@ TEST(StreamRecord, RoundTripKeepsEveryChunkAndItsStatistics) {
   PlantClusters(f, 21);
   ASSERT_OK(AppendAll(f, 700, 100));
   std::string stored;
-  ASSERT_OK(f.session->Demote([&](const v1::SessionRecord& r) {
-    stored = EncodeRecord(r);
-    return absl::OkStatus();
-  }).status());
+  ASSERT_OK(f.session
+                ->Demote([&](const v1::SessionRecord& r) {
+                  stored = EncodeRecord(r);
+                  return absl::OkStatus();
+                })
+                .status());
   ASSERT_OK_AND_ASSIGN(v1::SessionRecord record, DecodeRecord(stored, "k"));
   const ChunkFormat fmt = FormatOf(record.shape(), record.policy());
   Stream s(64);
@@ -170,7 +175,6 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
   EXPECT_EQ(ReasonOf(full), ErrorReason::kHostTierFull);  // the tier's reason, passed on
   EXPECT_EQ(t.chunks().size(), 1u);
 }
-
 
 }  // namespace
 }  // namespace kvtier

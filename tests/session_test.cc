@@ -319,8 +319,7 @@ TEST(Session, LeasePinsUntilReleaseOrExpiry) {
   EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // 128 tokens = 8 slots of 1 KiB
   EXPECT_EQ(f.session->Info().active_leases(), 1u);
   EXPECT_EQ(resp.lease_expires_unix_ms(), e.clock.NowMs() + 1000);
-  EXPECT_THAT(e.leases.Release("other-tenant", resp.lease_id()),
-              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(e.leases.Release("other-tenant", resp.lease_id()), StatusIs(Code::kPermissionDenied));
   ASSERT_OK(e.leases.Release("t", resp.lease_id()));
   EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
   EXPECT_THAT(e.leases.Release("t", resp.lease_id()), StatusIs(Code::kNotFound, "lease_id"));
@@ -535,7 +534,8 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     for (const auto& h : second.heads()) {
       for (const auto& b : h.blocks()) {
         large.insert(b.chunk_id());
-        const bool copied = placement == v1::TIER_DEVICE || b.stored_precision() == v1::PRECISION_INT4;
+        const bool copied =
+            placement == v1::TIER_DEVICE || b.stored_precision() == v1::PRECISION_INT4;
         needs_copy += copied && !small.count(b.chunk_id());
       }
     }
@@ -569,7 +569,6 @@ TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
   prefetcher.WaitIdle();
   EXPECT_EQ(prefetcher.counters().failed, 1u);  // NOT_FOUND, quietly
 }
-
 
 }  // namespace
 }  // namespace kvtier

@@ -31,9 +31,9 @@ TEST(ChunkStats, SumsAndPeaksMatchDoubleArithmetic) {
   std::mt19937 rng(3);
   ChunkStats s(kD);
   const std::vector<uint16_t> a = Rows(5, rng, 0.f), b = Rows(11, rng, 2.f);
-  s.AddRows(0, HalfKind::kFp16, a.data(), 5);               // a chunk appended, 5 rows
-  s.AddRows(0, HalfKind::kFp16, b.data(), 11);              // grown by 11
-  s.AddRows(1, HalfKind::kFp16, b.data(), 11);              // a second chunk
+  s.AddRows(0, HalfKind::kFp16, a.data(), 5);   // a chunk appended, 5 rows
+  s.AddRows(0, HalfKind::kFp16, b.data(), 11);  // grown by 11
+  s.AddRows(1, HalfKind::kFp16, b.data(), 11);  // a second chunk
   ASSERT_EQ(s.size(), 2u);
   EXPECT_EQ(s.tokens(0), 16u);
   EXPECT_EQ(s.tokens(1), 11u);
@@ -144,8 +144,8 @@ std::vector<uint32_t> Expected(v1::Ranking ranking, const ChunkStats& s,
 struct Case {
   const char* name;
   uint32_t chunks;
-  bool uniform;   // every chunk 16 tokens, else 8 to 32
-  int indexed;    // 0: no index; 1: every chunk; 2: nine in ten (the rest scored beside it)
+  bool uniform;  // every chunk 16 tokens, else 8 to 32
+  int indexed;   // 0: no index; 1: every chunk; 2: nine in ten (the rest scored beside it)
 };
 
 class RankStreamTest : public ::testing::TestWithParam<Case> {};
@@ -153,9 +153,8 @@ class RankStreamTest : public ::testing::TestWithParam<Case> {};
 TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
   const Case p = GetParam();
   std::mt19937 rng(p.chunks + p.indexed);
-  const ChunkStats s = RandomStats(p.chunks, rng, [&](uint32_t) {
-    return p.uniform ? 16u : 8u + uint32_t(rng() % 25);
-  });
+  const ChunkStats s = RandomStats(
+      p.chunks, rng, [&](uint32_t) { return p.uniform ? 16u : 8u + uint32_t(rng() % 25); });
   std::unique_ptr<ClusterIndex> index;
   if (p.indexed > 0) {
     index = std::make_unique<ClusterIndex>(kD);
@@ -184,8 +183,8 @@ TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
                         .chunk_tokens = 16};
         const RankResult r = RankStream(s, index.get(), query);
         const std::vector<bool> none(s.size(), false);
-        EXPECT_EQ(r.chunks, Expected(ranking, s, q, must_tokens + extra, must,
-                                     trial % 2 == 1 ? skip : none))
+        EXPECT_EQ(r.chunks,
+                  Expected(ranking, s, q, must_tokens + extra, must, trial % 2 == 1 ? skip : none))
             << p.name << " trial " << trial << " extra " << extra;
         uint64_t candidates = 0;
         for (uint32_t c = 0; c < s.size(); ++c) {
@@ -204,20 +203,20 @@ TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Paths, RankStreamTest,
-    ::testing::Values(Case{"scan, no index", 300, true, 0},
-                      Case{"scan, few candidates", 300, true, 1},
-                      Case{"index top-k", 2600, true, 1},
-                      Case{"index top-k with extras", 2600, true, 2},
-                      Case{"index greedy fill", 2600, false, 1},
-                      Case{"index greedy fill with extras", 2600, false, 2},
-                      Case{"scan, chunks of many sizes", 300, false, 1}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      std::string n = info.param.name;
-      std::replace_if(n.begin(), n.end(), [](char c) { return !std::isalnum(c); }, '_');
-      return n;
-    });
+INSTANTIATE_TEST_SUITE_P(Paths, RankStreamTest,
+                         ::testing::Values(Case{"scan, no index", 300, true, 0},
+                                           Case{"scan, few candidates", 300, true, 1},
+                                           Case{"index top-k", 2600, true, 1},
+                                           Case{"index top-k with extras", 2600, true, 2},
+                                           Case{"index greedy fill", 2600, false, 1},
+                                           Case{"index greedy fill with extras", 2600, false, 2},
+                                           Case{"scan, chunks of many sizes", 300, false, 1}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = info.param.name;
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !std::isalnum(c); }, '_');
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace kvtier

@@ -112,7 +112,6 @@ TEST(Chunking, PolicyChecksNameTheField) {
   EXPECT_THAT(f.session->SetPolicy(next), StatusIs(Code::kFailedPrecondition, "policy.chunking"));
 }
 
-
 // A stream on its own, rows of head_dim 8 in slots of 16.
 struct StreamEnv {
   Tier host{TierOpts(v1::TIER_HOST, 1 << 20)};
@@ -122,9 +121,8 @@ struct StreamEnv {
   std::function<SlotRef()> slot = [this] { return *host.Allocate("t", f.slot_bytes()); };
   // Rows [from, to) of k and v appended to `s`.
   void Append(Stream& s, uint64_t from, uint64_t to) {
-    const AppendPlan plan = PlanAppend(s, from, to, [](uint32_t rows, uint64_t) {
-      return rows >= 16;
-    });
+    const AppendPlan plan =
+        PlanAppend(s, from, to, [](uint32_t rows, uint64_t) { return rows >= 16; });
     s.Write(plan, reinterpret_cast<const uint8_t*>(&k[from * 8]),
             reinterpret_cast<const uint8_t*>(&v[from * 8]), from, f, slot);
   }
@@ -248,7 +246,6 @@ TEST(Stream, ForkSharesThePrefixAndCopiesTheRestIntoNewChunks) {
                          src.stats().key_sum(0)));
   ExpectStatsFollowRows(e, child);
 }
-
 
 }  // namespace
 }  // namespace kvtier

@@ -1,6 +1,5 @@
 #include "tests/test_util.h"
 
-
 #include <sys/wait.h>
 
 #include <array>
@@ -32,8 +31,7 @@ std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int 
   return out;
 }
 
-DaemonProcess::DaemonProcess(const std::vector<std::string>& extra)
-    : LocalDaemon("test", extra) {
+DaemonProcess::DaemonProcess(const std::vector<std::string>& extra) : LocalDaemon("test", extra) {
   if (!started()) ADD_FAILURE() << "kvtierd did not start: " << Log();
 }
 

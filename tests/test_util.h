@@ -44,10 +44,10 @@ MATCHER_P2(StatusIs, code, substring, "") {
 
 #define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
 #define EXPECT_OK(expr) EXPECT_TRUE((expr).ok()) << (expr)
-#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                   \
-  auto KVTIER_TEST_CONCAT_(_r_, __LINE__) = (expr);                       \
-  ASSERT_TRUE(KVTIER_TEST_CONCAT_(_r_, __LINE__).ok())                    \
-      << KVTIER_TEST_CONCAT_(_r_, __LINE__).status();                     \
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)                \
+  auto KVTIER_TEST_CONCAT_(_r_, __LINE__) = (expr);    \
+  ASSERT_TRUE(KVTIER_TEST_CONCAT_(_r_, __LINE__).ok()) \
+      << KVTIER_TEST_CONCAT_(_r_, __LINE__).status();  \
   lhs = std::move(KVTIER_TEST_CONCAT_(_r_, __LINE__)).value()
 #define KVTIER_TEST_CONCAT_INNER_(a, b) a##b
 #define KVTIER_TEST_CONCAT_(a, b) KVTIER_TEST_CONCAT_INNER_(a, b)

@@ -202,8 +202,9 @@ TEST(ShmSegment, RemoveStaleTakesOnlyThePrefix) {
   const std::string prefix = "/kvtier-staletest-" + std::to_string(getpid()) + "-";
   {
     ASSERT_OK_AND_ASSIGN(ShmSegment a, ShmSegment::Create(prefix + "1", 4096));
-    ASSERT_OK_AND_ASSIGN(ShmSegment other,
-                         ShmSegment::Create("/kvtier-otherinstance-" + std::to_string(getpid()), 4096));
+    ASSERT_OK_AND_ASSIGN(
+        ShmSegment other,
+        ShmSegment::Create("/kvtier-otherinstance-" + std::to_string(getpid()), 4096));
     EXPECT_EQ(ShmSegment::RemoveStale(prefix), 1);
     EXPECT_FALSE(ShmExists(prefix + "1"));
     EXPECT_TRUE(ShmExists(other.name()));

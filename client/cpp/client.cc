@@ -184,8 +184,8 @@ absl::StatusOr<bool> Client::Health() {
   request = grpc::ByteBuffer(&empty, 1);
   absl::Notification done;
   grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                    &response, [&](grpc::Status s) {
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
                       status = std::move(s);
                       done.Notify();
                     });

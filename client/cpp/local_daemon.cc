@@ -1,5 +1,6 @@
 #include "kvtier/local_daemon.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -7,8 +8,6 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <fcntl.h>
 
 #include <atomic>
 #include <chrono>
@@ -43,12 +42,13 @@ std::string BinaryPath(const std::string& name) {
 }
 
 LocalDaemon::LocalDaemon(const std::string& instance_prefix,
-                               const std::vector<std::string>& extra) {
+                         const std::vector<std::string>& extra) {
   static std::atomic<int> counter{0};
   socket_ = dir_.path() + "/kvtier.sock";
   instance_ = instance_prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-  std::vector<std::string> args = {BinaryPath("kvtierd"), "--listen", "unix:" + socket_,
-                                   "--instance", instance_, "--log_level", "warn"};
+  std::vector<std::string> args = {
+      BinaryPath("kvtierd"), "--listen", "unix:" + socket_, "--instance", instance_,
+      "--log_level",         "warn"};
   args.insert(args.end(), extra.begin(), extra.end());
   const std::string log = dir_.path() + "/daemon.log";
   pid_ = fork();
@@ -112,8 +112,8 @@ LocalRedis::LocalRedis() {
     const int null = open("/dev/null", O_WRONLY);  // its log would mix with the caller's
     dup2(null, STDOUT_FILENO);
     dup2(null, STDERR_FILENO);
-    execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", socket_.c_str(),
-           "--save", "", "--appendonly", "no", "--loglevel", "warning", (char*)nullptr);
+    execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", socket_.c_str(), "--save",
+           "", "--appendonly", "no", "--loglevel", "warning", (char*)nullptr);
     _exit(127);
   }
   // Started once it accepts a connection: its socket file appears a moment before it listens.

@@ -43,7 +43,8 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
     if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
     return it->second;
   }
-  return absl::NotFoundError(absl::StrCat("segment_id: ", segment_id, " is not listed by the daemon"));
+  return absl::NotFoundError(
+      absl::StrCat("segment_id: ", segment_id, " is not listed by the daemon"));
 }
 
 absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {
@@ -63,17 +64,16 @@ absl::Status SegmentMap::CheckGeneration(const Mapping& m, const v1::BlockHandle
   if (m.slot_bytes == 0) return absl::OkStatus();  // a daemon without generation tables
   const uint64_t cell = m.table_offset + 8 * (h.offset() / m.slot_bytes);
   if (cell + 8 > m.size) {
-    return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(),
-                                              " has no generation cell in segment ",
-                                              h.segment_id()));
+    return absl::OutOfRangeError(absl::StrCat(
+        "handle: offset ", h.offset(), " has no generation cell in segment ", h.segment_id()));
   }
-  const uint64_t now = std::atomic_ref<const uint64_t>(
-                           *reinterpret_cast<const uint64_t*>(m.data + cell))
-                           .load(std::memory_order_acquire);
+  const uint64_t now =
+      std::atomic_ref<const uint64_t>(*reinterpret_cast<const uint64_t*>(m.data + cell))
+          .load(std::memory_order_acquire);
   if (now != h.generation()) {
     return absl::AbortedError(absl::StrCat(
-        "stale handle: chunk ", h.chunk_id(), " (segment ", h.segment_id(), ", offset ",
-        h.offset(), ") names generation ", h.generation(), " but the slot now holds ",
+        "stale handle: chunk ", h.chunk_id(), " (segment ", h.segment_id(), ", offset ", h.offset(),
+        ") names generation ", h.generation(), " but the slot now holds ",
         now == 0 ? std::string("nothing (freed)") : absl::StrCat("generation ", now),
         "; its bytes are not the chunk's"));
   }
@@ -96,13 +96,13 @@ absl::Status SegmentMap::Recheck(const v1::BlockHandle& h) {
   return CheckGeneration(m, h);
 }
 
-absl::Status SegmentMap::CopyOut(Client& client, const v1::BlockHandle& h,
-                                 std::span<uint16_t> keys, std::span<uint16_t> values) {
+absl::Status SegmentMap::CopyOut(Client& client, const v1::BlockHandle& h, std::span<uint16_t> keys,
+                                 std::span<uint16_t> values) {
   auto view = View(client, h);
   if (!view.ok()) return view.status();
   if (keys.size() != view->keys.size() || values.size() != view->values.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("keys/values: ", keys.size(), "/",
-                                                   values.size(), " elements for a handle of ",
+    return absl::InvalidArgumentError(absl::StrCat("keys/values: ", keys.size(), "/", values.size(),
+                                                   " elements for a handle of ",
                                                    view->keys.size()));
   }
   std::memcpy(keys.data(), view->keys.data(), keys.size_bytes());

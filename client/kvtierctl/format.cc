@@ -64,7 +64,8 @@ std::string Bytes(uint64_t bytes) {
   if (bytes < 1024) return absl::StrCat(bytes, " B");
   // Binary units up to TiB: the unit is the number of whole 10-bit steps in the value.
   const int unit = std::min(4, (63 - std::countl_zero(bytes)) / 10);
-  return absl::StrFormat("%.1f %ciB", static_cast<double>(bytes) / static_cast<double>(1ull << (10 * unit)),
+  return absl::StrFormat("%.1f %ciB",
+                         static_cast<double>(bytes) / static_cast<double>(1ull << (10 * unit)),
                          "KMGT"[unit - 1]);
 }
 

@@ -16,7 +16,8 @@
 namespace kvtier::ctl {
 namespace {
 
-constexpr char kUsage[] = R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T] COMMAND
+constexpr char kUsage[] =
+    R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T] COMMAND
 
 commands:
   health                 the daemon's gRPC health (exit 0 when SERVING)
@@ -125,12 +126,12 @@ int Run(const Args& a, Client& c) {
                                      i.shape().num_layers(), i.shape().num_q_heads(),
                                      i.shape().num_kv_heads(), i.shape().head_dim(),
                                      v1::DType_Name(i.shape().dtype()))});
-    kv.Add({"policy", absl::StrFormat("sinks %d, window %d, budget %d, dense layers %d, "
-                                      "chunk %d tokens, cold %s%s, ranking %s",
-                                      p.sink_tokens(), p.recent_window(), p.default_budget(),
-                                      p.dense_layers(), p.chunk_tokens(),
-                                      PrecisionName(p.cold_precision()),
-                                      p.lossless() ? ", lossless" : "", Label(v1::Ranking_Name(p.ranking())))});
+    kv.Add({"policy", absl::StrFormat(
+                          "sinks %d, window %d, budget %d, dense layers %d, "
+                          "chunk %d tokens, cold %s%s, ranking %s",
+                          p.sink_tokens(), p.recent_window(), p.default_budget(), p.dense_layers(),
+                          p.chunk_tokens(), PrecisionName(p.cold_precision()),
+                          p.lossless() ? ", lossless" : "", Label(v1::Ranking_Name(p.ranking())))});
     kv.Add({"tokens", absl::StrCat(i.num_tokens())});
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
       kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});
@@ -147,9 +148,9 @@ int Run(const Args& a, Client& c) {
     for (const auto& l : r->layers()) {
       // SCORED: the share of Select's candidate chunks whose score was computed.
       const std::string scored =
-          l.select_candidates() ? absl::StrFormat("%.1f%%", 100.0 * l.select_chunks_scored() /
-                                                                l.select_candidates())
-                                : "-";
+          l.select_candidates()
+              ? absl::StrFormat("%.1f%%", 100.0 * l.select_chunks_scored() / l.select_candidates())
+              : "-";
       layers.Add({absl::StrCat(l.layer()), absl::StrCat(l.num_tokens()), absl::StrCat(l.chunks()),
                   absl::StrCat(l.indexed_chunks()), absl::StrCat(l.clusters()),
                   absl::StrCat(l.units()), scored});
@@ -166,8 +167,7 @@ int Run(const Args& a, Client& c) {
     }
     Table t({"TIER", "CAPACITY", "USED", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
              "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
-            {false, true, true, true, true, true, true, true, true, false, true, true, true,
-             true});
+            {false, true, true, true, true, true, true, true, true, false, true, true, true, true});
     for (const auto& s : r->tiers()) {
       double pct = s.capacity_bytes() ? 100.0 * s.used_bytes() / s.capacity_bytes() : 0.0;
       const uint64_t reads = s.cache_hits() + s.cache_misses();
@@ -234,8 +234,8 @@ int Run(const Args& a, Client& c) {
     if (id == nullptr) return Usage("close needs one ID");
     auto r = c.CloseSession(*id);
     if (!r.ok()) return Fail(r.status());
-    std::cout << (json ? absl::StrCat("{\"session_id\": \"", *id, "\", \"existed\": ",
-                                      *r ? "true" : "false", "}")
+    std::cout << (json ? absl::StrCat("{\"session_id\": \"", *id,
+                                      "\", \"existed\": ", *r ? "true" : "false", "}")
                        : absl::StrCat(*r ? "closed " : "no session ", *id))
               << "\n";
     return 0;

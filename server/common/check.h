@@ -26,9 +26,9 @@ class CheckFailure {
 
 }  // namespace kvtier::internal
 
-#define CHECK(cond)                                                      \
-  if (cond) {                                                            \
-  } else /* NOLINT */                                                    \
+#define CHECK(cond)   \
+  if (cond) {         \
+  } else /* NOLINT */ \
     ::kvtier::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
 #define CHECK_EQ(a, b) CHECK((a) == (b))

@@ -18,14 +18,22 @@ absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view fie
   char last = absl::ascii_toupper(s.back());
   if (!std::isdigit(static_cast<unsigned char>(last))) {
     switch (last) {
-      case 'K': mult = 1ull << 10; break;
-      case 'M': mult = 1ull << 20; break;
-      case 'G': mult = 1ull << 30; break;
-      case 'T': mult = 1ull << 40; break;
+      case 'K':
+        mult = 1ull << 10;
+        break;
+      case 'M':
+        mult = 1ull << 20;
+        break;
+      case 'G':
+        mult = 1ull << 30;
+        break;
+      case 'T':
+        mult = 1ull << 40;
+        break;
       default:
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: size \"%s\" has suffix '%c'; use bytes with an optional K, M or G", field, text,
-            s.back()));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: size \"%s\" has suffix '%c'; use bytes with an optional K, M or G",
+                            field, text, s.back()));
     }
     s.remove_suffix(1);
   }

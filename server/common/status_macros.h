@@ -9,9 +9,9 @@
 #define KVTIER_CONCAT_(a, b) KVTIER_CONCAT_INNER_(a, b)
 
 // Returns the status from the enclosing function when `expr` is not OK.
-#define RETURN_IF_ERROR(expr)                      \
-  do {                                             \
-    ::absl::Status _kvtier_status = (expr);        \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status _kvtier_status = (expr);          \
     if (!_kvtier_status.ok()) return _kvtier_status; \
   } while (0)
 

@@ -1,9 +1,10 @@
 #include "server/common/vec.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cpuid.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "server/common/fp16.h"
 
@@ -16,7 +17,8 @@ __attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint1
   for (; j + 8 <= d; j += 8) {
     __m256 acc = _mm256_loadu_ps(sum + j);
     for (int r = 0; r < n; ++r) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + static_cast<size_t>(r) * d + j));
+      __m128i h =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + static_cast<size_t>(r) * d + j));
       __m256 f = kind == HalfKind::kFp16
                      ? _mm256_cvtph_ps(h)
                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -135,7 +137,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void DotColumnsTile(const float*
     for (int h = 0; h < H; ++h) {
       const __m256 x = _mm256_set1_ps(a[static_cast<size_t>(h) * a_stride + j]);
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[0][h][g] = _mm256_fmadd_ps(x, Load8(row + 8 * g), acc[0][h][g]);
+      for (int g = 0; g < G; ++g)
+        acc[0][h][g] = _mm256_fmadd_ps(x, Load8(row + 8 * g), acc[0][h][g]);
     }
   }
 #pragma GCC unroll 4
@@ -162,10 +165,18 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsHeads(const float* a, in
     const int take = std::min(lanes - i, 8 * kG);
     const T* c = cols + i;
     switch ((take + 7) / 8) {
-      case 1: DotColumnsTile<H, 1>(a, a_stride, c, n, stride, sum, 8 * kG); break;
-      case 2: DotColumnsTile<H, 2>(a, a_stride, c, n, stride, sum, 8 * kG); break;
-      case 3: DotColumnsTile<H, 3>(a, a_stride, c, n, stride, sum, 8 * kG); break;
-      default: DotColumnsTile<H, kG>(a, a_stride, c, n, stride, sum, 8 * kG); break;
+      case 1:
+        DotColumnsTile<H, 1>(a, a_stride, c, n, stride, sum, 8 * kG);
+        break;
+      case 2:
+        DotColumnsTile<H, 2>(a, a_stride, c, n, stride, sum, 8 * kG);
+        break;
+      case 3:
+        DotColumnsTile<H, 3>(a, a_stride, c, n, stride, sum, 8 * kG);
+        break;
+      default:
+        DotColumnsTile<H, kG>(a, a_stride, c, n, stride, sum, 8 * kG);
+        break;
     }
     for (int h = 0; h < H; ++h) std::copy_n(sum + h * 8 * kG, take, out + h * out_stride + i);
   }
@@ -180,10 +191,22 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int
     const float* ah = a + static_cast<size_t>(h) * a_stride;
     float* oh = out + static_cast<size_t>(h) * out_stride;
     switch (std::min(4, m - h)) {
-      case 1: DotColumnsHeads<1>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 1; break;
-      case 2: DotColumnsHeads<2>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 2; break;
-      case 3: DotColumnsHeads<3>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 3; break;
-      default: DotColumnsHeads<4>(ah, a_stride, cols, n, stride, lanes, oh, out_stride); h += 4; break;
+      case 1:
+        DotColumnsHeads<1>(ah, a_stride, cols, n, stride, lanes, oh, out_stride);
+        h += 1;
+        break;
+      case 2:
+        DotColumnsHeads<2>(ah, a_stride, cols, n, stride, lanes, oh, out_stride);
+        h += 2;
+        break;
+      case 3:
+        DotColumnsHeads<3>(ah, a_stride, cols, n, stride, lanes, oh, out_stride);
+        h += 3;
+        break;
+      default:
+        DotColumnsHeads<4>(ah, a_stride, cols, n, stride, lanes, oh, out_stride);
+        h += 4;
+        break;
     }
   }
 }
@@ -192,8 +215,8 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int
 // sums go to grow[0, 8 G) and width[0, 8 G).
 template <int G>
 __attribute__((target("avx2,f16c"))) inline void BoxGrowthLanes(const float* x, int pairs, int m,
-                                                               const uint16_t* cols, int stride,
-                                                               float* grow, float* width) {
+                                                                const uint16_t* cols, int stride,
+                                                                float* grow, float* width) {
   const __m256 zero = _mm256_setzero_ps();
   __m256 g[G], w[G];
   for (int k = 0; k < G; ++k) g[k] = w[k] = zero;
@@ -218,8 +241,8 @@ __attribute__((target("avx2,f16c"))) inline void BoxGrowthLanes(const float* x, 
 }
 
 __attribute__((target("avx2,f16c"))) void BoxGrowthAvx2(const float* x, int pairs, int m,
-                                                        const uint16_t* cols, int stride,
-                                                        int lanes, float* grow, float* width) {
+                                                        const uint16_t* cols, int stride, int lanes,
+                                                        float* grow, float* width) {
   // Sixteen lanes per pass into scratch; loads reach the lanes rounded up to 8 (<= stride).
   float g[16], w[16];
   for (int first = 0; first < lanes; first += 16) {
@@ -280,7 +303,8 @@ struct ExpEight {
     const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
     const __m256 one = _mm256_set1_ps(1.f);
     v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 k =
+        _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm256_fnmadd_ps(k, c1, v);
     v = _mm256_fnmadd_ps(k, c2, v);
     __m256 y = _mm256_fmadd_ps(p0, v, p1);
@@ -289,7 +313,8 @@ struct ExpEight {
     y = _mm256_fmadd_ps(y, v, p4);
     y = _mm256_fmadd_ps(y, v, p5);
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, one));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   }
 };
@@ -304,8 +329,8 @@ struct LogEight {
   __attribute__((target("avx2,fma"))) __m256 operator()(__m256 v) const {
     const __m256i bits = _mm256_castps_si256(v);
     // v = m 2^e with m in [0.5, 1), then m in [sqrt(1/2), sqrt(2)) by one doubling.
-    __m256 e = _mm256_cvtepi32_ps(
-        _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+    __m256 e =
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
     __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
         _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
     const __m256 one = _mm256_set1_ps(1.f);
@@ -333,8 +358,8 @@ __attribute__((target("avx2,fma"))) void LogInPlaceAvx2(float* x, int n) {
   EightAtATime(x, n, 1.f, LogEight());
 }
 
-__attribute__((target("avx2,f16c"))) void FloatsToHalvesDirectedF16c(const float* x, int n,
-                                                                     bool up, uint16_t* out) {
+__attribute__((target("avx2,f16c"))) void FloatsToHalvesDirectedF16c(const float* x, int n, bool up,
+                                                                     uint16_t* out) {
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
@@ -389,12 +414,10 @@ namespace {
 float (*const kDot)(const float*, const float*, int) = HaveAvx2Fma() ? DotAvx2 : DotScalar;
 }  // namespace
 
-float Dot(const float* a, const float* b, int n) {
-  return kDot(a, b, n);
-}
+float Dot(const float* a, const float* b, int n) { return kDot(a, b, n); }
 
-void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
-                     int lanes, float* grow, float* width) {
+void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+                     float* grow, float* width) {
   for (int i = 0; i < lanes; ++i) {
     float g = 0, w = 0;
     for (int p = 0; p < pairs; ++p) {
@@ -436,15 +459,15 @@ void LogInPlace(float* x, int n) {
 
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
                 int lanes, float* out, int out_stride) {
-  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<float>
-                                                        : DotColumnsScalar<float>;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<float> : DotColumnsScalar<float>;
   impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
 }
 
 void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
                 int lanes, float* out, int out_stride) {
-  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<uint16_t>
-                                                        : DotColumnsScalar<uint16_t>;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<uint16_t> : DotColumnsScalar<uint16_t>;
   impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
 }
 

@@ -46,8 +46,8 @@ void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n
 // stride is a multiple of 8, at least lanes.
 void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                float* grow, float* width);
-void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
-                     int lanes, float* grow, float* width);
+void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+                     float* grow, float* width);
 
 // out[i] = x[i] as an IEEE half rounded towards +Inf (up) or towards -Inf (!up): the same bits
 // as FloatToHalfUp / FloatToHalfDown (F16C's directed rounding, eight at a time).

@@ -33,8 +33,7 @@ class CollectErrors : public google::protobuf::io::ErrorCollector {
   std::string first_;
 };
 
-absl::Status InvalidField(absl::string_view field, absl::string_view value,
-                          absl::string_view why) {
+absl::Status InvalidField(absl::string_view field, absl::string_view value, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrFormat("%s: \"%s\" %s", field, value, why));
 }
 
@@ -195,8 +194,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   o.eviction_policy = c.eviction_policy();
   if (o.eviction_policy != "lru" && o.eviction_policy != "frequency" &&
       o.eviction_policy != "cost") {
-    return InvalidField("eviction_policy", o.eviction_policy,
-                        "is not one of lru, frequency, cost");
+    return InvalidField("eviction_policy", o.eviction_policy, "is not one of lru, frequency, cost");
   }
   o.eviction_half_life_ms = c.eviction_half_life_ms();
   if (c.prefetch() != "on" && c.prefetch() != "off") {
@@ -218,8 +216,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     quota.max_sessions = q.max_sessions();
     o.quotas[tenant] = quota;
   }
-  static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error",
-                                                  "off"};
+  static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {
     return InvalidField("log_level", o.log_level, "is not one of trace, debug, info, warn, error");
   }
@@ -265,8 +262,7 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     text << in.rdbuf();
     auto parsed = ParseConfigText(text.str());
     if (!parsed.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(config_path, ": ", parsed.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat(config_path, ": ", parsed.status().message()));
     }
     cl.config = *std::move(parsed);
   }

@@ -75,7 +75,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& config);
 
 // What the command line asked for.
 struct CommandLine {
-  v1::Config config;           // file (if any) with flags applied over it
+  v1::Config config;  // file (if any) with flags applied over it
   bool print_default_config = false;
   bool help = false;
 };

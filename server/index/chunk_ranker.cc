@@ -23,12 +23,11 @@ const float* FarthestRow(const float* rows, uint32_t n, int d, const float* mean
   return best_row;
 }
 
-float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
-                int head_dim) {
+float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c, int head_dim) {
   float best = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < group; ++h) {
-    best = std::max(best, Dot(queries.data() + static_cast<size_t>(h) * head_dim, c.key_sum,
-                              head_dim));
+    best = std::max(best,
+                    Dot(queries.data() + static_cast<size_t>(h) * head_dim, c.key_sum, head_dim));
   }
   return best * c.scale;  // scale > 0 commutes with the max
 }
@@ -101,8 +100,8 @@ float LsePeakScore(std::span<const float> queries, int group, const ChunkCandida
   return score;
 }
 
-void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group,
-                     int head_dim, std::span<const ChunkCandidate> candidates, float* out) {
+void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group, int head_dim,
+                     std::span<const ChunkCandidate> candidates, float* out) {
   if (ranking == v1::RANKING_LSE_PEAK) {
     LsePeakScores(queries, group, candidates, head_dim, out);
   } else {
@@ -112,9 +111,9 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
   }
 }
 
-std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
-                                   int group, int head_dim,
-                                   std::span<const ChunkCandidate> candidates, uint64_t budget) {
+std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
+                                   int head_dim, std::span<const ChunkCandidate> candidates,
+                                   uint64_t budget) {
   struct Scored {
     float score;
     uint32_t pos;

@@ -23,10 +23,10 @@
 namespace kvtier {
 
 struct ChunkCandidate {
-  uint32_t index;         // the chunk's index in its stream
-  uint32_t tokens;        // tokens it would add to the selection
-  const float* key_sum;   // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
-  float scale;            // > 0: mean = scale * key_sum (1 / tokens for a sum)
+  uint32_t index;        // the chunk's index in its stream
+  uint32_t tokens;       // tokens it would add to the selection
+  const float* key_sum;  // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
+  float scale;           // > 0: mean = scale * key_sum (1 / tokens for a sum)
   const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
 };
 
@@ -51,8 +51,7 @@ inline float SoftplusUpperBound(float t, float exp_t) {
 const float* FarthestRow(const float* rows, uint32_t n, int d, const float* mean);
 
 // max over h of queries[h] . (scale * key_sum), queries [group][head_dim].
-float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c,
-                int head_dim);
+float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c, int head_dim);
 
 // max over h of log((tokens - 1) e^(a_h) + e^(b_h)), a_h = queries[h] . mean / sqrt(d),
 // b_h = queries[h] . peak / sqrt(d). A one-token chunk scores b.
@@ -64,15 +63,15 @@ void LsePeakScores(std::span<const float> queries, int group,
                    std::span<const ChunkCandidate> candidates, int head_dim, float* out);
 
 // Each candidate's score by `ranking` (LsePeakScore or MeanScore) into out[i].
-void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group,
-                     int head_dim, std::span<const ChunkCandidate> candidates, float* out);
+void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group, int head_dim,
+                     std::span<const ChunkCandidate> candidates, float* out);
 
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
 // deterministic.
-std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries,
-                                   int group, int head_dim,
-                                   std::span<const ChunkCandidate> candidates, uint64_t budget);
+std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
+                                   int head_dim, std::span<const ChunkCandidate> candidates,
+                                   uint64_t budget);
 
 inline std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group,
                                                int head_dim,

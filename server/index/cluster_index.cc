@@ -16,14 +16,11 @@
 namespace kvtier {
 namespace {
 
-
 double Dist(const float* x, const float* y, int d) {
   double s = 0;
   for (int j = 0; j < d; ++j) s += (double(x[j]) - y[j]) * (double(x[j]) - y[j]);
   return std::sqrt(s);
 }
-
-
 
 // |x - y|^2 in float over n <= 1024 floats (a [mean | peak] point at head_dim 512).
 float SquaredDistance(const float* x, const float* y, int n) {
@@ -46,7 +43,6 @@ double ClusterIndex::Norm(const float* x, int d) {
   return std::sqrt(s);
 }
 
-
 ClusterIndex::ClusterIndex(int head_dim, Options options) : d_(head_dim), opt_(options) {
   CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim);
 }
@@ -61,9 +57,7 @@ void ClusterIndex::Mean(uint32_t chunk, const ChunkStats& a, float* out) const {
   for (int j = 0; j < d_; ++j) out[j] = s[j] * inv;
 }
 
-const float* ClusterIndex::Peak(uint32_t chunk, const ChunkStats& a) const {
-  return a.peak(chunk);
-}
+const float* ClusterIndex::Peak(uint32_t chunk, const ChunkStats& a) const { return a.peak(chunk); }
 
 void ClusterIndex::ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const {
   Mean(chunk, a, out);
@@ -104,8 +98,9 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   float box[kBoxParts * kMaxHeadDim];
   for (int part = 0; part < kBoxParts; ++part) {
     const bool hi = IsUpper(part);
-    std::fill_n(&box[part * d], d, hi ? -std::numeric_limits<float>::infinity()
-                                      : std::numeric_limits<float>::infinity());
+    std::fill_n(
+        &box[part * d], d,
+        hi ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
   }
   for (size_t i = 0; i < chunks.size(); ++i) {
     const float* mu = &means[i * d];
@@ -133,8 +128,7 @@ void ClusterIndex::WidenBounds(Bounds& b, uint32_t tokens, const float* mu, cons
   b.min_tokens = std::min(b.min_tokens, tokens);
 }
 
-void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu,
-                         const ChunkStats& a) {
+void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a) {
   const float* p = Peak(chunk, a);
   WidenBounds(b, a.tokens(chunk), mu, p);
   WidenBoxes(l, mu, p);
@@ -223,8 +217,7 @@ uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const floa
   float best_width = std::numeric_limits<float>::infinity();
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint32_t n = std::min(kTile, lanes - t);
-    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(t, 0)], kTile, static_cast<int>(n), grow,
-              width);
+    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(t, 0)], kTile, static_cast<int>(n), grow, width);
     for (uint32_t i = 0; i < n; ++i) {
       // An unbounded lane (a box beyond the half range: infinite or NaN width) is taken only
       // when no lane is bounded.
@@ -334,8 +327,9 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkStats& a) {
   std::vector<float> points(chunks.size() * stride);
   for (size_t i = 0; i < chunks.size(); ++i) ChunkPoint(chunks[i], a, &points[i * stride]);
   std::vector<uint32_t> left, right;
-  TwoMeans(chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, false,
-           &left, &right);
+  TwoMeans(
+      chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, false, &left,
+      &right);
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
@@ -357,8 +351,8 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   std::vector<uint32_t> left, right;
   // Halves of equal count: a unit's box spans its clusters', and units split unevenly by
   // 2-means left many of one or two clusters, each a lane the search must bound.
-  TwoMeans(cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, true, &left,
-           &right);
+  TwoMeans(
+      cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, true, &left, &right);
   // The clusters' lanes are their only boxes: copied from the old block into their new
   // places, in this unit (renumbered) and in the new one.
   const uint32_t id = static_cast<uint32_t>(units_.size());
@@ -397,8 +391,8 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   std::vector<float> point(2 * static_cast<size_t>(d_));
   ChunkPoint(chunk, a, point.data());
   const float* mu = point.data();
-  const uint32_t best_unit = LeastWidened(units_block_, static_cast<uint32_t>(units_.size()),
-                                          point.data());
+  const uint32_t best_unit =
+      LeastWidened(units_block_, static_cast<uint32_t>(units_.size()), point.data());
   const Unit& unit = units_[best_unit];
   const uint32_t best_cluster = unit.clusters[LeastWidened(
       unit.block, static_cast<uint32_t>(unit.clusters.size()), point.data())];
@@ -420,8 +414,7 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
   // radii, boxes (unless the lane is marked unbounded), token counts; and the lane's scalars
   // are those of its bounds.
   const float sqrt_d = std::sqrt(static_cast<float>(d_));
-  auto covers = [&](const Bounds& b, const Block& blk, uint32_t lane,
-                    uint32_t ch) -> std::string {
+  auto covers = [&](const Bounds& b, const Block& blk, uint32_t lane, uint32_t ch) -> std::string {
     if (lane >= blk.cap) return "no lane";
     Mean(ch, a, mu.data());
     const float* p = Peak(ch, a);

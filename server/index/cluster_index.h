@@ -47,20 +47,21 @@ class ClusterIndex {
     // for 4 (the more units, the longer the scan of every unit's bound). Clusters of 6 chunks
     // (first measured with units of 8: 4% less time than 8 chunks, a fifth more clusters).
     uint32_t cluster_chunks = kClusterChunks;  // target per fine cluster (re-split past 2x)
-    uint32_t unit_clusters = 6;    // target clusters per coarse unit (split in halves past 2x)
+    uint32_t unit_clusters = 6;  // target clusters per coarse unit (split in halves past 2x)
     // Group chunks by their means and peaks together (a chunk joins the unit, then the
-    // cluster, whose mean and peak boxes it widens least; splits by 2-means on both), so that the peak boxes the LSE-peak bound reads stay tight; false:
-    // by the mean alone, for the mean ranking. Only the search's work depends on it, never its
-    // answer. At 128K tokens (kvtier-bench, when chunks joined by direction) it took the
-    // LSE-peak search's work from 0.10 to 0.08 of the chunks, and doubled the mean ranking's.
+    // cluster, whose mean and peak boxes it widens least; splits by 2-means on both), so that the
+    // peak boxes the LSE-peak bound reads stay tight; false: by the mean alone, for the mean
+    // ranking. Only the search's work depends on it, never its answer. At 128K tokens
+    // (kvtier-bench, when chunks joined by direction) it took the LSE-peak search's work from 0.10
+    // to 0.08 of the chunks, and doubled the mean ranking's.
     bool cluster_by_peak = true;
-    float resplit_radius = 1.5f;   // re-split a cluster past this times its built radius
+    float resplit_radius = 1.5f;  // re-split a cluster past this times its built radius
   };
 
   struct SearchStats {
-    uint64_t chunks_scored = 0;   // chunks whose score was computed
-    uint64_t bounds_scored = 0;   // unit and cluster bounds computed
-    uint64_t units_opened = 0;    // units whose clusters' bounds were computed
+    uint64_t chunks_scored = 0;  // chunks whose score was computed
+    uint64_t bounds_scored = 0;  // unit and cluster bounds computed
+    uint64_t units_opened = 0;   // units whose clusters' bounds were computed
   };
 
   explicit ClusterIndex(int head_dim) : ClusterIndex(head_dim, Options{}) {}
@@ -76,16 +77,16 @@ class ClusterIndex {
   // SelectChunks computes it; ties to the lower index), best first. `skip[c]` (when c <
   // skip.size()) leaves chunk c out.
   std::vector<uint32_t> Search(v1::Ranking ranking, std::span<const float> queries, int group,
-                               size_t k, const ChunkStats& chunks,
-                               const std::vector<bool>& skip, SearchStats* stats) const;
+                               size_t k, const ChunkStats& chunks, const std::vector<bool>& skip,
+                               SearchStats* stats) const;
 
   // The greedy fill of SelectChunks over the indexed chunks plus `extras` (candidates the
   // index does not hold), for chunks of any sizes: best score first (ties to the lower
   // index), each taken when it still fits in `budget` tokens. Equal to SelectChunks over the
   // same candidates; it stops once nothing left can fit, and never opens a node whose
   // smallest chunk is larger than what is left of the budget.
-  std::vector<uint32_t> SearchGreedy(v1::Ranking ranking, std::span<const float> queries,
-                                     int group, uint64_t budget, const ChunkStats& chunks,
+  std::vector<uint32_t> SearchGreedy(v1::Ranking ranking, std::span<const float> queries, int group,
+                                     uint64_t budget, const ChunkStats& chunks,
                                      const std::vector<bool>& skip,
                                      std::span<const ChunkCandidate> extras,
                                      SearchStats* stats) const;
@@ -140,10 +141,12 @@ class ClusterIndex {
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
   };
   float* Part(const Bounds& b, int part) {
-    return &(b.unit ? unit_arena_ : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
+    return &(b.unit ? unit_arena_
+                    : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
   }
   const float* Part(const Bounds& b, int part) const {
-    return &(b.unit ? unit_arena_ : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
+    return &(b.unit ? unit_arena_
+                    : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
   }
 
   // Blocks: what a search reads of a set of nodes (every unit; one unit's clusters), laid out
@@ -240,8 +243,8 @@ class ClusterIndex {
   // out[i] for lane i.
   void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
                    std::span<const float> queries, const Prepared& p, float* out) const;
-  float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
-                   int group, const ChunkStats& a) const;
+  float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries, int group,
+                   const ChunkStats& a) const;
   // ChunkScore of each of `chunks` into out[i], the same values, computed together.
   void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
                    std::span<const float> queries, int group, const ChunkStats& a,
@@ -251,10 +254,9 @@ class ClusterIndex {
   // chunks' loads start first, and those of `next` (the cluster the search may open next).
   using ClusterChunks = absl::InlinedVector<uint32_t, 32>;
   using ClusterScores = absl::InlinedVector<float, 32>;
-  void ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next,
-                    uint64_t max_tokens, const std::vector<bool>& skip,
-                    std::span<const float> queries, int group, const ChunkStats& a,
-                    ClusterChunks* chunks, ClusterScores* scores) const;
+  void ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next, uint64_t max_tokens,
+                    const std::vector<bool>& skip, std::span<const float> queries, int group,
+                    const ChunkStats& a, ClusterChunks* chunks, ClusterScores* scores) const;
   // visit(u, unit_bound, cluster_bounds) for every unit u: its bound and its clusters' (lane
   // i = clusters[i]), all computed as the searches compute them (the test and profile hooks).
   template <typename Visit>
@@ -270,8 +272,8 @@ class ClusterIndex {
   // `balanced`: into halves of equal count (the odd one to the right), by how much nearer
   // each point is to one mean than to the other.
   template <typename VecFn>
-  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool spherical,
-                bool balanced, std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
+  void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool spherical, bool balanced,
+                std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
   // The floats a chunk or a node is split by: PointDim() of them, [mean | peak] with
   // cluster_by_peak, else the mean alone. Point writes a unit's: the directions of its
   // clusters' two centers side by side (Pair), or the mean center.
@@ -301,8 +303,8 @@ class ClusterIndex {
   std::vector<Cluster> clusters_;
   std::vector<Unit> units_;
   std::vector<float> cluster_arena_, unit_arena_;  // nodes' vectors, kParts * d_ per slot
-  Block units_block_;                // every unit's bounds, lane u = units_[u]
-  std::vector<uint32_t> node_of_;    // chunk -> cluster, kNone if not indexed
+  Block units_block_;                              // every unit's bounds, lane u = units_[u]
+  std::vector<uint32_t> node_of_;                  // chunk -> cluster, kNone if not indexed
   size_t num_chunks_ = 0;
 };
 

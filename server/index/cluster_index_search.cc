@@ -1,5 +1,3 @@
-#include "server/index/cluster_index.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -12,6 +10,7 @@
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/cluster_index.h"
 
 namespace kvtier {
 namespace {
@@ -21,7 +20,6 @@ void PrefetchBytes(const void* p, size_t n) {
   const char* c = static_cast<const char*>(p);
   for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off);
 }
-
 
 }  // namespace
 
@@ -46,7 +44,6 @@ void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkStats& a) const {
     PrefetchBytes(Peak(ch, a), d_ * sizeof(float));
   }
 }
-
 
 void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
                                std::span<const float> queries, const Prepared& p,
@@ -117,9 +114,8 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   }
 }
 
-float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk,
-                               std::span<const float> queries, int group,
-                               const ChunkStats& a) const {
+float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
+                               int group, const ChunkStats& a) const {
   float score;
   ScoreChunks(ranking, std::span<const uint32_t>(&chunk, 1), queries, group, a, &score);
   return score;
@@ -190,8 +186,8 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
     open.pop();
     if (n.is_unit) {
       const Unit& u = units_[n.id];
-      const float threshold = kept.size() == k ? kept.top().score
-                                               : -std::numeric_limits<float>::infinity();
+      const float threshold =
+          kept.size() == k ? kept.top().score : -std::numeric_limits<float>::infinity();
       bounds.resize(u.clusters.size());
       BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
                   bounds.data());
@@ -324,8 +320,8 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
 }
 
 template <typename Visit>
-void ClusterIndex::ForEachUnitBounds(v1::Ranking ranking, std::span<const float> queries,
-                                     int group, Visit visit) const {
+void ClusterIndex::ForEachUnitBounds(v1::Ranking ranking, std::span<const float> queries, int group,
+                                     Visit visit) const {
   const Prepared prep = Prepare(queries, group);
   std::vector<float> unit_bounds(units_.size()), cluster_bounds;
   BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
@@ -343,15 +339,15 @@ ClusterIndex::UnitProfile ClusterIndex::ProfileUnits(v1::Ranking ranking,
                                                      std::span<const float> queries, int group,
                                                      float threshold) const {
   UnitProfile out;
-  ForEachUnitBounds(ranking, queries, group,
-                    [&](uint32_t, float unit_bound, std::span<const float> bounds) {
-                      const auto reaching = static_cast<uint64_t>(std::count_if(
-                          bounds.begin(), bounds.end(), [&](float b) { return b >= threshold; }));
-                      out.units_reaching += unit_bound >= threshold;
-                      out.units_needed += reaching > 0;
-                      out.clusters_in_needed += reaching > 0 ? bounds.size() : 0;
-                      out.clusters_reaching += reaching;
-                    });
+  ForEachUnitBounds(
+      ranking, queries, group, [&](uint32_t, float unit_bound, std::span<const float> bounds) {
+        const auto reaching = static_cast<uint64_t>(
+            std::count_if(bounds.begin(), bounds.end(), [&](float b) { return b >= threshold; }));
+        out.units_reaching += unit_bound >= threshold;
+        out.units_needed += reaching > 0;
+        out.clusters_in_needed += reaching > 0 ? bounds.size() : 0;
+        out.clusters_reaching += reaching;
+      });
   return out;
 }
 

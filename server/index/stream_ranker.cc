@@ -14,8 +14,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   RankResult out;
   uint64_t must_tokens = 0;
   for (uint32_t c = 0; c < n; ++c) must_tokens += must[c] ? stats.tokens(c) : 0;
-  CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget "
-                                 << q.budget;
+  CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget " << q.budget;
   const uint64_t budget = q.budget - must_tokens;
   // The index skips what is returned anyway and what may not be.
   std::vector<bool> excluded_storage;
@@ -39,8 +38,8 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
     // beside it. The answer is the scan's.
     ClusterIndex::SearchStats st;
-    found = index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded, extras,
-                                &st);
+    found =
+        index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded, extras, &st);
     out.scored = st.chunks_scored;
   } else if (index == nullptr || !uniform || out.candidates < kIndexMinCandidates) {
     // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
@@ -57,8 +56,8 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
     // quantized) are scored here and merged by the same order.
     ClusterIndex::SearchStats st;
-    found = index->Search(q.ranking, q.queries, q.group, budget / q.chunk_tokens, stats,
-                          *excluded, &st);
+    found = index->Search(q.ranking, q.queries, q.group, budget / q.chunk_tokens, stats, *excluded,
+                          &st);
     out.scored = st.chunks_scored + extras.size();
     if (!extras.empty()) {
       for (uint32_t c : found) extras.push_back(stats.candidate(c));

@@ -20,8 +20,8 @@ void Reply(mg_connection* conn, const char* content_type, const std::string& bod
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::string& bind_address,
-                                                                 int port,
-                                                                 const Registry* registry) {
+                                                                  int port,
+                                                                  const Registry* registry) {
   static std::once_flag init;
   std::call_once(init, [] { mg_init_library(0); });
   std::string ports = absl::StrCat(bind_address, ":", port);

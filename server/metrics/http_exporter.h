@@ -18,7 +18,7 @@ class HttpExporter {
   // Listens on bind_address:port. INTERNAL (naming the address) when civetweb cannot bind.
   // `registry` must outlive the exporter.
   static absl::StatusOr<std::unique_ptr<HttpExporter>> Start(const std::string& bind_address,
-                                                            int port, const Registry* registry);
+                                                             int port, const Registry* registry);
   ~HttpExporter();  // stops serving; waits for in-flight requests
 
   HttpExporter(const HttpExporter&) = delete;

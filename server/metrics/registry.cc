@@ -1,13 +1,13 @@
-#include "server/common/mutex.h"
 #include "server/metrics/registry.h"
 
 #include <cmath>
-#include "absl/strings/ascii.h"
 
-#include "server/common/check.h"
-#include "server/common/names.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/check.h"
+#include "server/common/mutex.h"
+#include "server/common/names.h"
 
 namespace kvtier::metrics {
 namespace {
@@ -36,9 +36,12 @@ std::string RenderLabels(const Labels& labels, const std::string& extra_key = ""
 std::string EscapeHelp(const std::string& h) {
   std::string out;
   for (char c : h) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else out += c;
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
   }
   return out;
 }
@@ -82,18 +85,22 @@ std::vector<uint64_t> Histogram::CumulativeCounts() const {
 }
 
 std::vector<double> LatencyBuckets() {
-  return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
-          25e-3, 50e-3,  100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0};
+  return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3,   2.5e-3, 5e-3, 10e-3,
+          25e-3, 50e-3,  100e-3, 250e-3, 500e-3, 1.0,    2.5,  10.0};
 }
 
 std::string EscapeLabelValue(const std::string& v) {
   std::string out;
   out.reserve(v.size());
   for (char c : v) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '"') out += "\\\"";
-    else if (c == '\n') out += "\\n";
-    else out += c;
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '"')
+      out += "\\\"";
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
   }
   return out;
 }
@@ -105,8 +112,8 @@ std::string FormatValue(double v) {
   return absl::StrFormat("%.17g", v);
 }
 
-Registry::Family& Registry::GetFamily(const std::string& name, const std::string& help,
-                                      Type type, const Labels& labels) {
+Registry::Family& Registry::GetFamily(const std::string& name, const std::string& help, Type type,
+                                      const Labels& labels) {
   // [a-zA-Z_:][a-zA-Z0-9_:]* and [a-zA-Z_][a-zA-Z0-9_]*, as Prometheus defines them.
   CHECK(IsName(name, "_:", 200) && !absl::ascii_isdigit(name[0])) << "bad metric name " << name;
   for (const auto& [k, v] : labels) {
@@ -130,8 +137,7 @@ Counter& Registry::GetCounter(const std::string& name, const std::string& help,
   return *slot;
 }
 
-Gauge& Registry::GetGauge(const std::string& name, const std::string& help,
-                          const Labels& labels) {
+Gauge& Registry::GetGauge(const std::string& name, const std::string& help, const Labels& labels) {
   MutexLock lock(&mu_);
   auto& slot = GetFamily(name, help, Type::kGauge, labels).gauges[labels];
   if (!slot) slot = std::make_unique<Gauge>();

@@ -30,8 +30,8 @@ __attribute__((target("avx2"))) inline void Pack8(__m256i codes, uint32_t bits, 
 
 // 32 consecutive codes (c0: elements 0..7, c1: 8..15, c2: 16..23, c3: 24..31) packed into
 // `out`: 16 bytes for 4 bits, 32 for 8. Same bytes as four Pack8 calls.
-__attribute__((target("avx2"))) inline void Pack32(__m256i c0, __m256i c1, __m256i c2,
-                                                   __m256i c3, uint32_t bits, uint8_t* out) {
+__attribute__((target("avx2"))) inline void Pack32(__m256i c0, __m256i c1, __m256i c2, __m256i c3,
+                                                   uint32_t bits, uint8_t* out) {
   // Saturating packs work within 128-bit lanes: bytes come out as dwords of elements
   // [0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31]; one permute puts them in order.
   const __m256i b = _mm256_permutevar8x32_epi32(
@@ -51,10 +51,10 @@ __attribute__((target("avx2"))) inline void Pack32(__m256i c0, __m256i c1, __m25
 // MakeQuantParams for 8 groups at once. F16C rounds towards -Inf / +Inf directly, which is
 // exactly FloatToHalfDown / FloatToHalfUp; the test checks the bytes against the reference.
 __attribute__((target("avx2,f16c"))) inline void MakeQuantParams8(__m256 mn, __m256 mx,
-                                                                   uint32_t levels,
-                                                                   uint16_t* scale_h,
-                                                                   uint16_t* zero_h, __m256* zero,
-                                                                   __m256* inv) {
+                                                                  uint32_t levels,
+                                                                  uint16_t* scale_h,
+                                                                  uint16_t* zero_h, __m256* zero,
+                                                                  __m256* inv) {
   const __m256 pz = _mm256_setzero_ps();
   mn = _mm256_add_ps(mn, pz);  // -0 -> +0, as in MakeQuantParams
   mx = _mm256_add_ps(mx, pz);
@@ -102,8 +102,8 @@ __attribute__((target("avx2"))) inline __m256i Quantize8(__m256 x, __m256 zero, 
 
 // Codes of channels c..c+7 of one key row, with those channels' parameters.
 __attribute__((target("avx2,f16c"))) inline __m256i KeyCodes8(const uint16_t* row,
-                                                             const float* zero, const float* inv,
-                                                             uint32_t c, __m256 levels) {
+                                                              const float* zero, const float* inv,
+                                                              uint32_t c, __m256 levels) {
   return Quantize8(LoadHalf8(row + c), _mm256_load_ps(zero + c), _mm256_load_ps(inv + c), levels);
 }
 
@@ -115,8 +115,7 @@ __attribute__((target("avx2,f16c"))) inline __m128i Dequantize8(__m256 code, __m
   return _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-__attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
-                                                       const uint16_t* values,
+__attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, const uint16_t* values,
                                                        const QuantLayout& L, uint8_t* out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
   // Every code and parameter is written below; only the padding needs zeroing.
@@ -226,8 +225,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys,
 }
 
 __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, const QuantLayout& L,
-                                                         uint16_t* keys_out,
-                                                         uint16_t* values_out) {
+                                                         uint16_t* keys_out, uint16_t* values_out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
   const QuantSections<const uint8_t> q(in, L);
   for (uint32_t j = 0; j < d; j += 8) {

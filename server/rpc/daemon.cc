@@ -1,4 +1,3 @@
-#include "server/common/mutex.h"
 #include "server/rpc/daemon.h"
 
 #include <sys/stat.h>
@@ -11,6 +10,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/common/check.h"
 #include "server/common/log.h"
+#include "server/common/mutex.h"
 
 namespace kvtier {
 namespace {
@@ -128,7 +128,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   d->RegisterGauges();
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
-  KVLOG(info, "daemon.start", "listen={} tcp_listen={} instance={} host_capacity={} "
+  KVLOG(info, "daemon.start",
+        "listen={} tcp_listen={} instance={} host_capacity={} "
         "device_capacity={} metrics_port={}",
         o.listen, o.tcp_listen, o.instance, o.host_capacity, o.device_capacity, o.metrics_port);
   return d;
@@ -148,8 +149,9 @@ void Daemon::RegisterGauges() {
       metrics_.GetGauge("kvtier_tier_chunks", "Slots allocated", l).Set(s.num_slots);
       metrics_.GetGauge("kvtier_tier_segments", "Shared-memory segments mapped", l)
           .Set(s.num_segments);
-      metrics_.GetCounter("kvtier_tier_allocation_failures_total",
-                          "Allocations refused (tier full or shm error)", l)
+      metrics_
+          .GetCounter("kvtier_tier_allocation_failures_total",
+                      "Allocations refused (tier full or shm error)", l)
           .IncreaseTo(s.allocation_failures);
     }
     for (const PromotionCache* c : {&host_copies_, &device_copies_}) {
@@ -172,8 +174,8 @@ void Daemon::RegisterGauges() {
           .IncreaseTo(n.evictions + n.drops);
       metrics_.GetCounter("kvtier_prefetched_total", "Copies promoted ahead of a Select", l)
           .IncreaseTo(n.prefetched);
-      metrics_.GetCounter("kvtier_prefetch_hits_total",
-                          "Prefetched copies that a later Select read", l)
+      metrics_
+          .GetCounter("kvtier_prefetch_hits_total", "Prefetched copies that a later Select read", l)
           .IncreaseTo(n.prefetch_hits);
     }
     if (prefetcher_) {
@@ -182,8 +184,9 @@ void Daemon::RegisterGauges() {
           .IncreaseTo(p.tasks);
       metrics_.GetCounter("kvtier_prefetch_dropped_total", "Prefetches dropped, queue full")
           .IncreaseTo(p.dropped);
-      metrics_.GetCounter("kvtier_prefetch_failed_total",
-                          "Prefetches that ended early (full tier, closed session)")
+      metrics_
+          .GetCounter("kvtier_prefetch_failed_total",
+                      "Prefetches that ended early (full tier, closed session)")
           .IncreaseTo(p.failed);
     }
     if (sessions_.has_remote()) {
@@ -196,11 +199,13 @@ void Daemon::RegisterGauges() {
           .IncreaseTo(r.restores);
       metrics_.GetCounter("kvtier_remote_restored_bytes_total", "Record bytes read back")
           .IncreaseTo(r.restored_bytes);
-      metrics_.GetCounter("kvtier_remote_restore_seconds_total",
-                          "Time spent restoring (divide by restores for the mean latency)")
+      metrics_
+          .GetCounter("kvtier_remote_restore_seconds_total",
+                      "Time spent restoring (divide by restores for the mean latency)")
           .IncreaseTo(r.restore_seconds);
-      metrics_.GetCounter("kvtier_remote_corrupt_records_total",
-                          "Records refused for a bad checksum or format (never served)")
+      metrics_
+          .GetCounter("kvtier_remote_corrupt_records_total",
+                      "Records refused for a bad checksum or format (never served)")
           .IncreaseTo(r.corrupt);
     }
     metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());

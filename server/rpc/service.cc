@@ -29,9 +29,9 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
   for (int i = 0; i < service->method_count(); ++i) {
     const std::string name = service->method(i)->name();
     auto m = std::make_unique<MethodMetrics>();
-    m->latency = &env_.metrics->GetHistogram("kvtier_rpc_latency_seconds",
-                                             "Server-side RPC latency", metrics::LatencyBuckets(),
-                                             metrics::Labels{{"method", name}});
+    m->latency =
+        &env_.metrics->GetHistogram("kvtier_rpc_latency_seconds", "Server-side RPC latency",
+                                    metrics::LatencyBuckets(), metrics::Labels{{"method", name}});
     method_metrics_.emplace(name, std::move(m));
   }
 }
@@ -71,8 +71,8 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
 }
 
 template <typename Fn>
-grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
-                                               const char* method, Fn&& fn) {
+grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx, const char* method,
+                                               Fn&& fn) {
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
   absl::Status s = draining() ? Draining() : fn();
@@ -214,8 +214,7 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
         return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
       }
     }
-    TenantCounter("kvtier_selects_total", "Select calls served", tenant)
-        .Inc(req->requests_size());
+    TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc(req->requests_size());
     return absl::OkStatus();
   });
 }

@@ -58,8 +58,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* BatchSelect(grpc::CallbackServerContext* ctx,
                                         const v1::BatchSelectRequest* req,
                                         v1::BatchSelectResponse* resp) override;
-  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
-                                    const v1::ReleaseRequest* req,
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
                                     v1::ReleaseResponse* resp) override;
   grpc::ServerWriteReactor<v1::BlockHandle>* ReadChunks(grpc::CallbackServerContext* ctx,
                                                         const v1::ReadChunksRequest* req) override;
@@ -117,8 +116,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
   ServiceEnv env_;
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
   absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
-  absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_
-      ABSL_GUARDED_BY(tenant_mu_);
+  absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
 };

@@ -18,8 +18,7 @@ uint32_t FinalRows(const AgingContext& ctx, uint32_t aged, const AgingState& sta
 
 // Semantic chunking: regroups every whole span of aged-out chunks not yet regrouped. A span
 // whose slots cannot be had waits for the next call.
-void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
-             AgingState* state) {
+void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state) {
   if (ctx.policy.chunking() != v1::CHUNKING_SEMANTIC) return;
   const ChunkFormat& f = ctx.format;
   const uint32_t d = f.head_dim;

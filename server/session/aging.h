@@ -50,8 +50,7 @@ struct AgingContext {
 };
 
 // Every step, for a layer holding `tokens` tokens whose streams are `heads`.
-void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
-              AgingState* state);
+void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state);
 // Only peaks and the index: after a fork or a policy change, which store no new rows.
 void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                 AgingState* state);

@@ -1,9 +1,9 @@
-#include "server/common/mutex.h"
 #include "server/session/lease_table.h"
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/mutex.h"
 
 namespace kvtier {
 

@@ -29,10 +29,10 @@ class Prefetcher {
   void WaitIdle();
 
   struct Counters {
-    uint64_t tasks = 0;     // prefetches run
-    uint64_t copies = 0;    // copies they promoted
-    uint64_t dropped = 0;   // tasks dropped from a full queue
-    uint64_t failed = 0;    // tasks that ended in an error (a full tier, a closed session)
+    uint64_t tasks = 0;    // prefetches run
+    uint64_t copies = 0;   // copies they promoted
+    uint64_t dropped = 0;  // tasks dropped from a full queue
+    uint64_t failed = 0;   // tasks that ended in an error (a full tier, a closed session)
   };
   Counters counters() const;
 
@@ -50,8 +50,8 @@ class Prefetcher {
   const uint32_t extra_percent_;
   const size_t max_queue_;
   mutable absl::Mutex mu_;  // lock order 5 (server/common/lock_order.h)
-  absl::CondVar work_;  // a task was queued, or stop
-  absl::CondVar idle_;  // the queue emptied with no task in hand
+  absl::CondVar work_;      // a task was queued, or stop
+  absl::CondVar idle_;      // the queue emptied with no task in hand
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

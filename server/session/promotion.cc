@@ -29,8 +29,8 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
       // A prefetch only looks: it is not a read of the copies already there.
       const CopyRef& copy = to_device ? ch.device : ch.promoted;
       SlotRef slot = !to_device && !ch.cold() ? ch.host
-                     : prefetch              ? cache->Peek(copy)
-                                             : cache->Read(copy);
+                     : prefetch               ? cache->Peek(copy)
+                                              : cache->Read(copy);
       if (!slot) todo.emplace_back(h, i);
       out[h].push_back(std::move(slot));
     }

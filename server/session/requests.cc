@@ -14,8 +14,7 @@ namespace {
 
 absl::Status CheckLayer(const v1::ModelShape& shape, uint32_t layer) {
   if (layer < shape.num_layers()) return absl::OkStatus();
-  return InvalidField("layer",
-                      absl::StrFormat("%d is outside [0, %d)", layer, shape.num_layers()));
+  return InvalidField("layer", absl::StrFormat("%d is outside [0, %d)", layer, shape.num_layers()));
 }
 
 }  // namespace
@@ -30,8 +29,7 @@ absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest&
   if (req.keys().size() != want) {
     return InvalidField("keys", absl::StrFormat("%d bytes; [num_kv_heads %d][num_tokens %d]"
                                                 "[head_dim %d] of 2-byte values is %d bytes",
-                                                req.keys().size(), kvh, n, shape.head_dim(),
-                                                want));
+                                                req.keys().size(), kvh, n, shape.head_dim(), want));
   }
   if (req.values().size() != want) {
     return InvalidField("values",
@@ -53,10 +51,10 @@ absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest&
     }
     if (bad >= 0) {
       const uint64_t d = shape.head_dim();
-      return InvalidField(field, absl::StrFormat("element %d (kv_head %d, token %d, channel %d)"
-                                                 " is Inf or NaN",
-                                                 bad, bad / (n * d),
-                                                 req.start_token() + bad / d % n, bad % d));
+      return InvalidField(
+          field, absl::StrFormat("element %d (kv_head %d, token %d, channel %d)"
+                                 " is Inf or NaN",
+                                 bad, bad / (n * d), req.start_token() + bad / d % n, bad % d));
     }
   }
   return absl::OkStatus();
@@ -92,8 +90,8 @@ absl::StatusOr<std::vector<float>> CheckSelect(const v1::ModelShape& shape,
   }
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : default_lease_ms;
   if (ttl > max_lease_ms) {
-    return InvalidField("lease_ms", absl::StrFormat("%d is above the daemon's max_lease_ms %d",
-                                                    ttl, max_lease_ms));
+    return InvalidField(
+        "lease_ms", absl::StrFormat("%d is above the daemon's max_lease_ms %d", ttl, max_lease_ms));
   }
   return q;
 }

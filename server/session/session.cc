@@ -18,9 +18,8 @@
 
 namespace kvtier {
 
-Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
-                 v1::SessionPolicy policy, std::map<std::string, std::string> labels,
-                 const SessionEnv& env)
+Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::SessionPolicy policy,
+                 std::map<std::string, std::string> labels, const SessionEnv& env)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),
       shape_(std::move(shape)),
@@ -37,19 +36,20 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape,
 }
 
 Session::Session(const Session& parent, std::string new_id)
-    : Session(std::move(new_id), parent.tenant_, parent.shape_,
-              [&] {
-                MutexLock lock(&parent.mu_);
-                return parent.policy_;
-              }(),
-              parent.labels_, parent.env_) {}
+    : Session(
+          std::move(new_id), parent.tenant_, parent.shape_,
+          [&] {
+            MutexLock lock(&parent.mu_);
+            return parent.policy_;
+          }(),
+          parent.labels_, parent.env_) {}
 
 absl::Status Session::CheckOpen() const {
   if (demoted_) {
-    return WithReason(absl::UnavailableError(absl::StrCat(
-                          "session_id: \"", id_,
-                          "\" moved to the remote tier while this call waited; retry "
-                          "(the next call restores it)")),
+    return WithReason(absl::UnavailableError(
+                          absl::StrCat("session_id: \"", id_,
+                                       "\" moved to the remote tier while this call waited; retry "
+                                       "(the next call restores it)")),
                       ErrorReason::kSessionMoved);
   }
   if (closed_) return absl::NotFoundError(absl::StrCat("session_id: \"", id_, "\" is closed"));
@@ -148,13 +148,13 @@ absl::StatusOr<bool> Session::Choose(uint32_t layer, std::span<const float> q, u
     uint64_t kept_tokens = 0;
     const std::vector<bool> kept = s.Kept(sink_end, window_start, &kept_tokens);
     if (kept_tokens > budget) {
-      return InvalidField("budget_tokens",
-                          absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
-                                          "chunks (sink_tokens %d, recent_window %d, chunk_tokens "
-                                          "%d, %s)",
-                                          budget, kept_tokens, policy_.sink_tokens(),
-                                          policy_.recent_window(), policy_.chunk_tokens(),
-                                          v1::Chunking_Name(policy_.chunking())));
+      return InvalidField(
+          "budget_tokens",
+          absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
+                          "chunks (sink_tokens %d, recent_window %d, chunk_tokens "
+                          "%d, %s)",
+                          budget, kept_tokens, policy_.sink_tokens(), policy_.recent_window(),
+                          policy_.chunk_tokens(), v1::Chunking_Name(policy_.chunking())));
     }
     RankResult r = RankStream(s.stats(), s.index(),
                               RankQuery{.ranking = policy_.ranking(),
@@ -208,8 +208,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req,
-                                           uint32_t extra_percent) {
+absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_t extra_percent) {
   ASSIGN_OR_RETURN(const std::vector<float> q,
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   MutexLock lock(&mu_);
@@ -227,8 +226,7 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req,
   return made;
 }
 
-absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
-    const std::vector<uint64_t>& ids) {
+absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vector<uint64_t>& ids) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
@@ -240,9 +238,9 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(
     if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
         a.kv_head >= shape_.num_kv_heads() ||
         a.index >= stream(a.layer, a.kv_head).chunks().size()) {
-      return absl::NotFoundError(absl::StrFormat(
-          "chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"", id, a.layer,
-          a.kv_head, a.index, id_));
+      return absl::NotFoundError(
+          absl::StrFormat("chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"",
+                          id, a.layer, a.kv_head, a.index, id_));
     }
     const Chunk& c = stream(a.layer, a.kv_head).chunks()[a.index];
     // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
@@ -263,9 +261,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
   const uint64_t have = MinTokens();
   if (num_tokens == 0) num_tokens = have;
   if (num_tokens > have) {
-    return InvalidField("num_tokens", absl::StrFormat(
-                                          "%d is above the %d tokens stored in every layer",
-                                          num_tokens, have));
+    return InvalidField(
+        "num_tokens",
+        absl::StrFormat("%d is above the %d tokens stored in every layer", num_tokens, have));
   }
   const uint32_t kvh = shape_.num_kv_heads();
   const bool boundary = policy_.chunking() == v1::CHUNKING_BOUNDARY;
@@ -352,14 +350,14 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
   const bool stored =
       std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.tokens > 0; });
   if (stored && next.chunk_tokens() != policy_.chunk_tokens()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "policy.chunk_tokens: cannot change from %d to %d once tokens are stored",
-        policy_.chunk_tokens(), next.chunk_tokens()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("policy.chunk_tokens: cannot change from %d to %d once tokens are stored",
+                        policy_.chunk_tokens(), next.chunk_tokens()));
   }
   if (stored && next.chunking() != policy_.chunking()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "policy.chunking: cannot change from ", v1::Chunking_Name(policy_.chunking()), " to ",
-        v1::Chunking_Name(next.chunking()), " once tokens are stored"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("policy.chunking: cannot change from ", v1::Chunking_Name(policy_.chunking()),
+                     " to ", v1::Chunking_Name(next.chunking()), " once tokens are stored"));
   }
   policy_ = next;
   // A smaller window or fewer sinks age chunks out now; the index takes them in.

@@ -152,8 +152,8 @@ class Session {
     return AgingContext{policy_, format(), env_.host, tenant_};
   }
   PromotionTarget promotion(bool to_device) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device,
-                           tenant_, format()};
+    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device, tenant_,
+                           format()};
   }
   // Whether a chunk of `rows` rows whose last token has id `*id` (null: none given) ends.
   bool Seals(uint32_t rows, const int32_t* id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -171,14 +171,14 @@ class Session {
   const v1::ModelShape shape_;
   const std::map<std::string, std::string> labels_;
   const SessionEnv env_;
-  int64_t created_ms_;  // set once, before the session is shared (Import restores it)
+  int64_t created_ms_;      // set once, before the session is shared (Import restores it)
   mutable absl::Mutex mu_;  // lock order 3 (server/common/lock_order.h)
   v1::SessionPolicy policy_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool demoted_ ABSL_GUARDED_BY(mu_) = false;  // closed because it moved to the remote tier
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
-  std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);     // [num_layers]
-  std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);   // [num_layers * num_kv_heads]
+  std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
+  std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);  // [num_layers * num_kv_heads]
 };
 
 }  // namespace kvtier

@@ -26,17 +26,16 @@ absl::Status SessionManager::CheckNewId(const std::string& id, const std::string
     return absl::AlreadyExistsError(absl::StrCat("session_id: \"", id, "\" already exists"));
   }
   if (sessions_.size() >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
-        options_.max_sessions));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
+                        options_.max_sessions));
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
     size_t held = 0;
     for (const auto& [_, s] : sessions_) held += s->tenant() == tenant;
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "quota: tenant \"%s\" max_sessions %d reached (session_id \"%s\")", tenant, quota,
-          id));
+          "quota: tenant \"%s\" max_sessions %d reached (session_id \"%s\")", tenant, quota, id));
     }
   }
   return absl::OkStatus();
@@ -70,8 +69,8 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNewId(id, tenant));
   std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
-  sessions_.emplace(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),
-                                                  env_));
+  sessions_.emplace(id,
+                    std::make_shared<Session>(id, tenant, shape, policy, std::move(labels), env_));
   KVLOG(info, "session.create", "session={} tenant={} layers={} kv_heads={} head_dim={}", id,
         tenant, shape.num_layers(), shape.num_kv_heads(), shape.head_dim());
   v1::CreateSessionResponse resp;
@@ -101,8 +100,8 @@ std::shared_ptr<Session> SessionManager::Held(const std::string& session_id) con
   return it != sessions_.end() && !it->second->demoted() ? it->second : nullptr;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(
-    const std::string& tenant, const std::string& session_id) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& tenant,
+                                                             const std::string& session_id) {
   std::shared_ptr<Session> s;
   {
     MutexLock lock(&mu_);
@@ -130,8 +129,8 @@ absl::Status SessionManager::Run(
     std::shared_ptr<Session>* cached) {
   for (int attempt = 0;; ++attempt) {
     std::shared_ptr<Session> session;
-    if (attempt == 0 && cached != nullptr && *cached != nullptr &&
-        (*cached)->id() == session_id && !(*cached)->demoted()) {
+    if (attempt == 0 && cached != nullptr && *cached != nullptr && (*cached)->id() == session_id &&
+        !(*cached)->demoted()) {
       session = *cached;  // looked up, tenant checked, by an earlier message of this stream
     } else {
       ASSIGN_OR_RETURN(session, Get(tenant, session_id));
@@ -158,7 +157,7 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
                                            const std::string& session_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Take(tenant, session_id));
   if (s == nullptr && remote_ != nullptr) {
-    MutexLock restoring(&restore_mu_);  // no restore brings it here meanwhile
+    MutexLock restoring(&restore_mu_);              // no restore brings it here meanwhile
     ASSIGN_OR_RETURN(s, Take(tenant, session_id));  // restored while this call waited
     if (s == nullptr) {
       // A demoted session is closed where it lies.
@@ -175,8 +174,8 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
   return true;
 }
 
-absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(
-    const std::string& tenant, const v1::ForkSessionRequest& req) {
+absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(const std::string& tenant,
+                                                               const v1::ForkSessionRequest& req) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> parent, Get(tenant, req.session_id()));
   std::string id;
   {

@@ -59,8 +59,8 @@ class SessionManager {
   struct RemoteCounters {
     uint64_t demotions = 0, demoted_bytes = 0;
     uint64_t restores = 0, restored_bytes = 0;
-    double restore_seconds = 0;   // summed over restores
-    uint64_t corrupt = 0;         // records refused for a bad checksum or format
+    double restore_seconds = 0;  // summed over restores
+    uint64_t corrupt = 0;        // records refused for a bad checksum or format
   };
   RemoteCounters remote_counters() const;
   bool has_remote() const { return remote_ != nullptr; }

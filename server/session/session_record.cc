@@ -52,16 +52,16 @@ absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std
   }
   const uint32_t version = static_cast<uint32_t>(GetLe(bytes, 4, 4));
   if (version != kRecordVersion) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "remote record %s: format version %d; this kvtierd reads version %d", key, version,
-        kRecordVersion));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("remote record %s: format version %d; this kvtierd reads version %d", key,
+                        version, kRecordVersion));
   }
   const std::string_view payload = bytes.substr(kHeader);
   const uint64_t want = GetLe(bytes, 8, 8), got = Fnv1a64(payload);
   if (want != got) {
-    return absl::DataLossError(absl::StrFormat(
-        "remote record %s: checksum %016x, the bytes give %016x; it is not served", key, want,
-        got));
+    return absl::DataLossError(
+        absl::StrFormat("remote record %s: checksum %016x, the bytes give %016x; it is not served",
+                        key, want, got));
   }
   v1::SessionRecord r;
   if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {

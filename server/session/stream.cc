@@ -22,8 +22,7 @@ ChunkFormat FormatOf(const v1::ModelShape& shape, const v1::SessionPolicy& polic
   return ChunkFormat{
       .head_dim = shape.head_dim(),
       .dtype = shape.dtype(),
-      .capacity =
-          policy.chunk_tokens() * (policy.chunking() == v1::CHUNKING_BOUNDARY ? 2u : 1u)};
+      .capacity = policy.chunk_tokens() * (policy.chunking() == v1::CHUNKING_BOUNDARY ? 2u : 1u)};
 }
 
 void ChunkFormat::WriteFp16(const Chunk& c, uint8_t* dst) const {
@@ -71,8 +70,7 @@ uint32_t Stream::ChunksEndingBy(uint64_t position) const {
   return (it - 1)->end() <= position ? n : n - 1;
 }
 
-std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start,
-                               uint64_t* tokens) const {
+std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens) const {
   std::vector<bool> kept(chunks_.size(), false);
   *tokens = 0;
   for (uint32_t c = 0; c < chunks_.size(); ++c) {
@@ -85,21 +83,20 @@ std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start,
   return kept;
 }
 
-std::optional<uint64_t> Stream::FirstMismatch(uint64_t start, uint64_t count,
-                                              const uint8_t* keys, const uint8_t* values,
-                                              const ChunkFormat& f) const {
+std::optional<uint64_t> Stream::FirstMismatch(uint64_t start, uint64_t count, const uint8_t* keys,
+                                              const uint8_t* values, const ChunkFormat& f) const {
   const uint64_t rb = f.row_bytes();
   for (uint64_t t = start; t < start + count; ++t) {
     const auto [index, row] = Locate(t);
     const Chunk& c = chunks_[index];
     const uint8_t* base = c.host->data();
     const uint64_t in = (t - start) * rb;
-    const bool same =
-        c.cold() ? MatchesQuantizedRow(base, f.ColdLayout(c), row,
-                                       reinterpret_cast<const uint16_t*>(keys + in),
-                                       reinterpret_cast<const uint16_t*>(values + in))
-                 : std::memcmp(base + row * rb, keys + in, rb) == 0 &&
-                       std::memcmp(base + (c.num_tokens + row) * rb, values + in, rb) == 0;
+    const bool same = c.cold()
+                          ? MatchesQuantizedRow(base, f.ColdLayout(c), row,
+                                                reinterpret_cast<const uint16_t*>(keys + in),
+                                                reinterpret_cast<const uint16_t*>(values + in))
+                          : std::memcmp(base + row * rb, keys + in, rb) == 0 &&
+                                std::memcmp(base + (c.num_tokens + row) * rb, values + in, rb) == 0;
     if (!same) return t;
   }
   return std::nullopt;
@@ -113,8 +110,7 @@ void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
 }
 
 void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
-                   uint64_t position, const ChunkFormat& f,
-                   const std::function<SlotRef()>& slot) {
+                   uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot) {
   const uint64_t rb = f.row_bytes();
   for (size_t seg = 0; seg < plan.segments.size(); ++seg) {
     const uint32_t k = plan.segments[seg].rows;
@@ -184,8 +180,8 @@ void Stream::Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking) {
   }
 }
 
-void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to,
-                      uint32_t piece, uint32_t seal_rows, const ChunkFormat& f,
+void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to, uint32_t piece,
+                      uint32_t seal_rows, const ChunkFormat& f,
                       const std::function<SlotRef()>& slot) {
   const uint64_t rb = f.row_bytes();
   chunks_.assign(src.chunks_.begin(), src.chunks_.begin() + keep);

@@ -134,8 +134,8 @@ class Stream {
   // Writes one append's rows (keys and values [tokens][head_dim], for the plan's segments)
   // from `position` on: grows the open last chunk (in a copy when its slot is shared) and adds
   // new chunks. `slot()` hands over a fresh slot for each new chunk and for a copy.
-  void Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
-             uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot);
+  void Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values, uint64_t position,
+             const ChunkFormat& f, const std::function<SlotRef()>& slot);
   // Whether the plan would copy this stream's open last chunk (someone else holds its slot).
   bool CopiesOnGrow(const AppendPlan& plan) const {
     return plan.grow && chunks_.back().host.use_count() > 1;

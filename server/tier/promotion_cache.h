@@ -29,9 +29,9 @@ struct CopyStats {
   uint64_t bytes = 0;
   int64_t inserted_ms = 0;
   int64_t last_access_ms = 0;
-  double frequency = 0;   // accesses, decayed (halved every half-life), as of frequency_ms
+  double frequency = 0;  // accesses, decayed (halved every half-life), as of frequency_ms
   int64_t frequency_ms = 0;
-  double cost_us = 0;     // the estimated time to bring the copy back once evicted
+  double cost_us = 0;  // the estimated time to bring the copy back once evicted
 };
 
 // Orders copies for eviction: the lowest Keep value goes first.
@@ -68,7 +68,9 @@ class CachedCopy {
  private:
   friend class PromotionCache;
   CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched)
-      : slot_(std::move(slot)), tenant_(std::move(tenant)), stats_(stats),
+      : slot_(std::move(slot)),
+        tenant_(std::move(tenant)),
+        stats_(stats),
         prefetched_(prefetched) {}
   SlotRef slot_;  // null once evicted; guarded by the cache's mutex
   const std::string tenant_;
@@ -111,15 +113,15 @@ class PromotionCache {
 
   // What the cache did; TierStats reports promotions and evictions + drops as the tier's.
   struct Counters {
-    uint64_t promotions = 0;       // copies made (Insert): misses + prefetched
-    uint64_t hits = 0;             // reads that found their copy cached
-    uint64_t misses = 0;           // copies made because a Select needed them
-    uint64_t evictions = 0;        // copies evicted to make room
+    uint64_t promotions = 0;  // copies made (Insert): misses + prefetched
+    uint64_t hits = 0;        // reads that found their copy cached
+    uint64_t misses = 0;      // copies made because a Select needed them
+    uint64_t evictions = 0;   // copies evicted to make room
     uint64_t evicted_bytes = 0;
-    uint64_t drops = 0;            // copies dropped on request (Drop: a session's Evict)
+    uint64_t drops = 0;  // copies dropped on request (Drop: a session's Evict)
     uint64_t dropped_bytes = 0;
-    uint64_t prefetched = 0;       // copies promoted ahead
-    uint64_t prefetch_hits = 0;    // prefetched copies later read by a Select
+    uint64_t prefetched = 0;     // copies promoted ahead
+    uint64_t prefetch_hits = 0;  // prefetched copies later read by a Select
   };
   Counters counters() const;
   size_t size() const;  // copies currently cached

@@ -33,8 +33,7 @@ class RemoteStore {
 
  private:
   RemoteStore(std::string address, std::string host, int port, std::string path)
-      : address_(std::move(address)), host_(std::move(host)), port_(port),
-        path_(std::move(path)) {}
+      : address_(std::move(address)), host_(std::move(host)), port_(port), path_(std::move(path)) {}
   absl::Status EnsureConnected() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs one command (argv form, binary safe); the reply's status, and its string if any.
   struct Reply {

@@ -68,7 +68,8 @@ int ShmSegment::RemoveStale(const std::string& prefix) {
   if (dir == nullptr) return 0;
   int removed = 0;
   while (dirent* e = readdir(dir)) {
-    if (absl::StartsWith(e->d_name, bare) && shm_unlink(absl::StrCat("/", e->d_name).c_str()) == 0) {
+    if (absl::StartsWith(e->d_name, bare) &&
+        shm_unlink(absl::StrCat("/", e->d_name).c_str()) == 0) {
       ++removed;
     }
   }

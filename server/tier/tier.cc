@@ -1,10 +1,10 @@
-#include "server/common/mutex.h"
 #include "server/tier/tier.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/common/check.h"
 #include "server/common/error.h"
-#include "absl/strings/str_format.h"
+#include "server/common/mutex.h"
 #include "server/common/size.h"
 
 namespace kvtier {
@@ -17,10 +17,14 @@ std::atomic<uint64_t> next_segment_id{1};
 
 const char* TierShortName(v1::Tier tier) {
   switch (tier) {
-    case v1::TIER_DEVICE: return "device";
-    case v1::TIER_HOST: return "host";
-    case v1::TIER_REMOTE: return "remote";
-    default: return "unspecified";
+    case v1::TIER_DEVICE:
+      return "device";
+    case v1::TIER_HOST:
+      return "host";
+    case v1::TIER_REMOTE:
+      return "remote";
+    default:
+      return "unspecified";
   }
 }
 
@@ -69,9 +73,9 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
     --num_slots;
   }
   if (num_slots == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "slot of %d bytes does not fit a %d-byte segment with its generation", slot_bytes,
-        options_.segment_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("slot of %d bytes does not fit a %d-byte segment with its generation",
+                        slot_bytes, options_.segment_bytes));
   }
   MutexLock lock(&mu_);
   const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
@@ -87,12 +91,12 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
     ++allocation_failures_;
-    return WithReason(absl::ResourceExhaustedError(absl::StrFormat(
-                          "%s tier full: %s of %s used, %d more bytes needed",
-                          TierShortName(options_.tier), FormatBytes(used_bytes_),
-                          FormatBytes(options_.capacity_bytes), slot_bytes)),
-                      options_.tier == v1::TIER_DEVICE ? ErrorReason::kDeviceTierFull
-                                                       : ErrorReason::kHostTierFull);
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrFormat(
+            "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
+            FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes)),
+        options_.tier == v1::TIER_DEVICE ? ErrorReason::kDeviceTierFull
+                                         : ErrorReason::kHostTierFull);
   }
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];
@@ -110,17 +114,17 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
       ++allocation_failures_;
       return shm.status();
     }
-    auto s = std::make_unique<Segment>(Segment{
-        .id = id,
-        .tenant = tenant,
-        .slot_bytes = slot_bytes,
-        .num_slots = static_cast<uint32_t>(num_slots),
-        .table_offset = table_at(num_slots),
-        .next_unused = 0,
-        .used = 0,
-        .free = {},
-        .shm = *std::move(shm),
-        .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
+    auto s = std::make_unique<Segment>(
+        Segment{.id = id,
+                .tenant = tenant,
+                .slot_bytes = slot_bytes,
+                .num_slots = static_cast<uint32_t>(num_slots),
+                .table_offset = table_at(num_slots),
+                .next_unused = 0,
+                .used = 0,
+                .free = {},
+                .shm = *std::move(shm),
+                .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
     seg = s.get();
     segments_.emplace(id, std::move(s));
     ids.push_back(id);
@@ -140,8 +144,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   // Not make_shared: the constructor is private to Tier.
   auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
   return SlotRef(new Slot(this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
-                          next_generation_.fetch_add(1, std::memory_order_relaxed),
-                          table + index));
+                          next_generation_.fetch_add(1, std::memory_order_relaxed), table + index));
 }
 
 void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {

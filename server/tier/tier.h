@@ -80,8 +80,14 @@ class Slot {
   friend class Tier;
   Slot(Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
        uint64_t offset, uint64_t generation, uint64_t* shared_generation)
-      : tier_(tier), segment_id_(segment_id), index_(index), data_(data), bytes_(bytes),
-        offset_(offset), generation_(generation), shared_generation_(shared_generation) {
+      : tier_(tier),
+        segment_id_(segment_id),
+        index_(index),
+        data_(data),
+        bytes_(bytes),
+        offset_(offset),
+        generation_(generation),
+        shared_generation_(shared_generation) {
     Publish(generation);
   }
   // Writes the generation where readers of the segment see it.
@@ -158,7 +164,7 @@ class Tier {
     std::string tenant;
     uint64_t slot_bytes;
     uint32_t num_slots;
-    uint64_t table_offset;  // the generation table: uint64 [num_slots]
+    uint64_t table_offset;     // the generation table: uint64 [num_slots]
     uint32_t next_unused = 0;  // slots below this have been handed out at least once
     uint32_t used = 0;
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
