@@ -11,8 +11,8 @@ PY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
-.PHONY: all deps venv configure build run test unit pytest tsan thread-safety conformance bench \
-        benchmarks-md eval quality-md clean
+.PHONY: all deps venv configure build run test lint unit pytest tsan thread-safety conformance \
+        bench benchmarks-md eval quality-md clean
 
 all: build
 
@@ -49,6 +49,11 @@ unit: build
 pytest: build venv
 	$(PY) -m pytest -q client/python/tests bench/model/tests
 
+# The tree as .clang-format writes it, and every #include within the layering (docs/design.md).
+lint: deps
+	scripts/check-format
+	scripts/check-layers
+
 conformance: build
 	../shared/conformance/run
 
@@ -67,7 +72,7 @@ thread-safety: deps
 	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
 	ninja -C $(CLANG_BUILD) -j $(JOBS) kvtierd kvtierctl
 
-test: build venv
+test: lint build venv
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory pytest
 	@if [ -x ../shared/conformance/run ]; then $(MAKE) --no-print-directory conformance; \
