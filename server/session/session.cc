@@ -17,6 +17,17 @@
 #include "server/session/views.h"
 
 namespace kvtier {
+namespace {
+
+// Whether a chunk of `rows` rows whose last token has id `*id` (null: none given) ends.
+bool Seals(const v1::SessionPolicy& policy, uint32_t rows, const int32_t* id) {
+  if (policy.chunking() != v1::CHUNKING_BOUNDARY) return rows >= policy.chunk_tokens();
+  const auto& delim = policy.delimiter_token_ids();
+  return EndsChunk(rows, policy.chunk_tokens(), id != nullptr,
+                   id != nullptr && std::find(delim.begin(), delim.end(), *id) != delim.end());
+}
+
+}  // namespace
 
 Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::SessionPolicy policy,
                  std::map<std::string, std::string> labels, const SessionEnv& env)
@@ -62,13 +73,6 @@ uint64_t Session::MinTokens() const {
   return least;
 }
 
-bool Session::Seals(uint32_t rows, const int32_t* id) const {
-  if (policy_.chunking() != v1::CHUNKING_BOUNDARY) return rows >= policy_.chunk_tokens();
-  const auto& delim = policy_.delimiter_token_ids();
-  return EndsChunk(rows, policy_.chunk_tokens(), id != nullptr,
-                   id != nullptr && std::find(delim.begin(), delim.end(), *id) != delim.end());
-}
-
 absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   RETURN_IF_ERROR(CheckAppend(shape_, req));
   const uint32_t kvh = shape_.num_kv_heads();
@@ -103,8 +107,10 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   if (overlap == n) return MinTokens();
 
   const int32_t* ids = req.token_ids_size() != 0 ? req.token_ids().data() : nullptr;
+  // The plan runs now, under this call's lock (which the analysis cannot see in a lambda).
+  const v1::SessionPolicy* policy = &policy_;
   const AppendPlan plan = PlanAppend(stream(layer, 0), overlap, n, [&](uint32_t rows, uint64_t i) {
-    return Seals(rows, ids ? ids + i : nullptr);
+    return Seals(*policy, rows, ids ? ids + i : nullptr);
   });
   if (stream(layer, 0).chunks().size() + plan.new_chunks() > kMaxChunksPerStream) {
     return InvalidField("start_token", "the stream would exceed 2^28 chunks");

@@ -155,8 +155,6 @@ class Session {
     return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device, tenant_,
                            format()};
   }
-  // Whether a chunk of `rows` rows whose last token has id `*id` (null: none given) ends.
-  bool Seals(uint32_t rows, const int32_t* id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per KV head, the chunks of `layer` a query chooses within `budget`, ascending: sinks,
