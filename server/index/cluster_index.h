@@ -62,6 +62,11 @@ class ClusterIndex {
     uint64_t chunks_scored = 0;  // chunks whose score was computed
     uint64_t bounds_scored = 0;  // unit and cluster bounds computed
     uint64_t units_opened = 0;   // units whose clusters' bounds were computed
+    void Add(const SearchStats& o) {
+      chunks_scored += o.chunks_scored;
+      bounds_scored += o.bounds_scored;
+      units_opened += o.units_opened;
+    }
   };
 
   explicit ClusterIndex(int head_dim) : ClusterIndex(head_dim, Options{}) {}
@@ -239,6 +244,10 @@ class ClusterIndex {
     mutable std::vector<float> dots;
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
+  // Opens unit `u` for a search: the bounds of its clusters into `bounds` (lane i =
+  // u.clusters[i]), counted in `stats`.
+  void OpenUnit(v1::Ranking ranking, const Unit& u, std::span<const float> queries,
+                const Prepared& p, std::vector<float>* bounds, SearchStats* stats) const;
   // Upper bounds on the score of every chunk under each of the first `lanes` nodes of blk:
   // out[i] for lane i.
   void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,

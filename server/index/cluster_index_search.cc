@@ -114,6 +114,16 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   }
 }
 
+void ClusterIndex::OpenUnit(v1::Ranking ranking, const Unit& u, std::span<const float> queries,
+                            const Prepared& p, std::vector<float>* bounds,
+                            SearchStats* stats) const {
+  bounds->resize(u.clusters.size());
+  BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, p,
+              bounds->data());
+  stats->bounds_scored += u.clusters.size();
+  ++stats->units_opened;
+}
+
 float ClusterIndex::ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries,
                                int group, const ChunkStats& a) const {
   float score;
@@ -188,11 +198,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
       const Unit& u = units_[n.id];
       const float threshold =
           kept.size() == k ? kept.top().score : -std::numeric_limits<float>::infinity();
-      bounds.resize(u.clusters.size());
-      BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
-                  bounds.data());
-      local.bounds_scored += u.clusters.size();
-      ++local.units_opened;
+      OpenUnit(ranking, u, queries, prep, &bounds, &local);
       for (size_t i = 0; i < u.clusters.size(); ++i) {
         if (bounds[i] < threshold) continue;  // it cannot win
         open.push({bounds[i], false, u.clusters[i]});
@@ -223,11 +229,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   std::reverse(all.begin(), all.end());
   std::vector<uint32_t> out;
   for (const Scored& s : all) out.push_back(s.chunk);
-  if (stats) {
-    stats->chunks_scored += local.chunks_scored;
-    stats->bounds_scored += local.bounds_scored;
-    stats->units_opened += local.units_opened;
-  }
+  if (stats) stats->Add(local);
   return out;
 }
 
@@ -285,11 +287,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
         break;
       case kUnit: {
         const Unit& u = units_[it.id];
-        bounds.resize(u.clusters.size());
-        BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, prep,
-                    bounds.data());
-        local.bounds_scored += u.clusters.size();
-        ++local.units_opened;
+        OpenUnit(ranking, u, queries, prep, &bounds, &local);
         for (size_t i = 0; i < u.clusters.size(); ++i) {
           const uint32_t cl = u.clusters[i];
           if (clusters_[cl].b.min_tokens > left) continue;  // nothing in it fits any more
@@ -311,11 +309,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
       }
     }
   }
-  if (stats) {
-    stats->chunks_scored += local.chunks_scored;
-    stats->bounds_scored += local.bounds_scored;
-    stats->units_opened += local.units_opened;
-  }
+  if (stats) stats->Add(local);
   return out;
 }
 
