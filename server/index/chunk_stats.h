@@ -45,6 +45,12 @@ class ChunkStats {
   void Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
   // Chunk c's peak from its n rows, which its sum already covers.
   void ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows);
+  // Room for n chunks without reallocating (a caller that knows how many will come).
+  void Reserve(uint32_t n) {
+    tokens_.reserve(n);
+    sums_.reserve(static_cast<size_t>(n) * d_);
+    peaks_.reserve(static_cast<size_t>(n) * d_);
+  }
   // Appends a chunk of `tokens` tokens whose statistics were computed elsewhere (from float
   // keys, say): key_sum and peak are head_dim floats each.
   void Append(uint32_t tokens, const float* key_sum, const float* peak);
