@@ -116,10 +116,24 @@ absl::Status RunAppend(SessionManager& m, const std::string& tenant, const v1::A
                [&](const std::shared_ptr<Session>& s) { return s->Append(r).status(); });
 }
 
+// A manager over tiers of `host_capacity` bytes with a remote tier, and session "s" of tenant
+// "t" holding 32 tokens.
+struct RemoteManager {
+  explicit RemoteManager(uint64_t host_capacity = 64 << 20) : e(host_capacity) {
+    EXPECT_OK(m.Create("t", SmallSession("s")).status());
+    EXPECT_OK(RunAppend(m, "t", Tokens("s", 0, 32)));
+  }
+  const ServerOptions options = Options();
+  Remote remote;
+  Env e;
+  SessionManager m{options, e.env, remote.store.get()};
+};
+
 TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTriesAgain) {
   Remote remote;
   Env e(/*host_capacity=*/8 * 4096);
-  SessionManager m(Options(), e.env, remote.store.get());
+  const ServerOptions o = Options();
+  SessionManager m(o, e.env, remote.store.get());
   for (const char* id : {"old", "new"}) {
     ASSERT_OK(m.Create("t", SmallSession(id)).status());
     ASSERT_OK(RunAppend(m, "t", Tokens(id, 0, 64)));  // 4 slots each: the tier is full
@@ -138,7 +152,8 @@ TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
   Remote remote;
   Env e(64 << 20, 16 << 20,
         [](const std::string& tenant) -> uint64_t { return tenant == "small" ? 4 * 4096 : 0; });
-  SessionManager m(Options(), e.env, remote.store.get());
+  const ServerOptions o = Options();
+  SessionManager m(o, e.env, remote.store.get());
   ASSERT_OK(m.Create("other", SmallSession("idle")).status());
   ASSERT_OK(RunAppend(m, "other", Tokens("idle", 0, 64)));
   ASSERT_OK(m.Create("small", SmallSession("s")).status());
@@ -149,7 +164,7 @@ TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
   EXPECT_EQ(m.remote_counters().demotions, 0u);  // another tenant's idle session stays
   // Without a remote tier a full host tier is the answer as it is.
   Env full(4 * 4096);
-  SessionManager local(Options(), full.env, /*remote=*/nullptr);
+  SessionManager local(o, full.env, /*remote=*/nullptr);
   ASSERT_OK(local.Create("t", SmallSession("a")).status());
   ASSERT_OK(RunAppend(local, "t", Tokens("a", 0, 64)));
   const absl::Status refused = RunAppend(local, "t", Tokens("a", 64, 1));
@@ -158,11 +173,8 @@ TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
 }
 
 TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
-  Remote remote;
-  Env e;
-  SessionManager m(Options(), e.env, remote.store.get());
-  ASSERT_OK(m.Create("t", SmallSession("s")).status());
-  ASSERT_OK(RunAppend(m, "t", Tokens("s", 0, 32)));
+  RemoteManager rm;
+  SessionManager& m = rm.m;
   ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> stale, m.Get("t", "s"));
   ASSERT_OK(m.Demote("t", "s").status());
   // The object a call still holds says the session moved, with a reason, not only words.
@@ -176,20 +188,17 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
   EXPECT_FALSE(stale->demoted());
   EXPECT_EQ(stale->Info().num_tokens(), 48u);
   EXPECT_EQ(m.remote_counters().restores, 1u);
-  EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));  // served from here only
+  EXPECT_FALSE(*rm.remote.store->Exists(RecordKey("s")));  // served from here only
 }
 
 TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
-  Remote remote;
-  Env e;
-  SessionManager m(Options(), e.env, remote.store.get());
-  ASSERT_OK(m.Create("t", SmallSession("s")).status());
-  ASSERT_OK(RunAppend(m, "t", Tokens("s", 0, 32)));
+  RemoteManager rm;
+  SessionManager& m = rm.m;
   ASSERT_OK(m.Demote("t", "s").status());
   EXPECT_THAT(m.Close("mallory", "s"), StatusIs(Code::kPermissionDenied));
   ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
   EXPECT_TRUE(existed);
-  EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));
+  EXPECT_FALSE(*rm.remote.store->Exists(RecordKey("s")));
   ASSERT_OK_AND_ASSIGN(existed, m.Close("t", "s"));
   EXPECT_FALSE(existed);
   EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
@@ -198,19 +207,24 @@ TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
 // A close that waits on Redis (here: a frozen redis-server) holds no lock that lookups need:
 // other sessions are served meanwhile.
 TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
-  Remote remote;
-  Env e;
-  SessionManager m(Options(), e.env, remote.store.get());
+  RemoteManager rm;
+  SessionManager& m = rm.m;
   ASSERT_OK(m.Create("t", SmallSession("away")).status());
   ASSERT_OK(m.Demote("t", "away").status());
-  ASSERT_OK(m.Create("t", SmallSession("here")).status());
-  remote.redis.Pause();
-  auto closing = std::async(std::launch::async, [&] { return m.Close("t", "away"); });
+  std::future<absl::StatusOr<bool>> closing;
+  std::future<absl::StatusOr<std::shared_ptr<Session>>> lookup;
+  rm.remote.redis.Pause();
+  // Thawed before the futures wait for their threads, even when an assertion below fails.
+  struct Thaw {
+    LocalRedis& redis;
+    ~Thaw() { redis.Resume(); }
+  } thaw{rm.remote.redis};
+  closing = std::async(std::launch::async, [&] { return m.Close("t", "away"); });
   ASSERT_EQ(closing.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
       << "the close should be waiting on the frozen Redis";
-  auto lookup = std::async(std::launch::async, [&] { return m.Get("t", "here"); });
+  lookup = std::async(std::launch::async, [&] { return m.Get("t", "s"); });
   const bool served = lookup.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  remote.redis.Resume();
+  rm.remote.redis.Resume();
   EXPECT_TRUE(served) << "a lookup waited on another call's Redis I/O";
   EXPECT_OK(lookup.get().status());
   ASSERT_OK_AND_ASSIGN(bool existed, closing.get());

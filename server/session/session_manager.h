@@ -22,7 +22,7 @@ namespace kvtier {
 
 class SessionManager {
  public:
-  // `remote`: the remote tier, or null; it outlives the manager.
+  // `options` and `remote` (the remote tier, or null) outlive the manager.
   SessionManager(const ServerOptions& options, const SessionEnv& env, RemoteStore* remote)
       : options_(options), env_(env), remote_(remote) {}
   ~SessionManager();
