@@ -144,6 +144,25 @@ TEST(Policy, ZeroTakesTheDefaultAndResultIsChecked) {
               StatusIs(Code::kInvalidArgument, "policy.chunk_tokens"));
 }
 
+TEST(ResolvePolicy, RefinementKnobsDefaultAndNameTheField) {
+  ASSERT_OK_AND_ASSIGN(v1::SessionPolicy p, ResolvePolicy({}, BuiltinPolicy(), "policy"));
+  EXPECT_EQ(p.refine_factor(), 1u);  // whole chunks by default
+  EXPECT_EQ(p.refine_score(), v1::REFINE_SCORE_MAX);
+  v1::SessionPolicy want;
+  want.set_refine_factor(64);
+  want.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);
+  ASSERT_OK_AND_ASSIGN(p, ResolvePolicy(want, BuiltinPolicy(), "policy"));
+  EXPECT_EQ(p.refine_factor(), 64u);
+  EXPECT_EQ(p.refine_score(), v1::REFINE_SCORE_MEAN_MASS);
+  want.set_refine_factor(65);
+  EXPECT_THAT(ResolvePolicy(want, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.refine_factor: 65 is above 64"));
+  want.set_refine_factor(4);
+  want.set_refine_score(static_cast<v1::RefineScore>(7));
+  EXPECT_THAT(ResolvePolicy(want, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.refine_score"));
+}
+
 TEST(ResolveShape, ChecksEveryField) {
   auto shape = [](int l, int q, int kv, int d, v1::DType t = v1::DTYPE_FP16) {
     v1::ModelShape s;

@@ -147,6 +147,92 @@ TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   }
 }
 
+// Token-level refinement: the pool is what the chunk ranking returns for the sinks, the window
+// and refine_factor times the rows they leave of the budget; the rows are the exact best rows
+// of that pool (brute force in double from the appended keys) by each score; the handles
+// name them, and the kept chunks come whole.
+TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
+  for (v1::RefineScore score : {v1::REFINE_SCORE_MAX, v1::REFINE_SCORE_MEAN_MASS}) {
+    Env e;
+    v1::SessionPolicy policy = Lossless();
+    policy.set_refine_factor(4);
+    policy.set_refine_score(score);
+    const int tokens = 900;
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, 31);
+    ASSERT_OK(AppendAll(f, tokens, 300));
+    const uint32_t budget = 160;
+    const uint64_t kept_tokens = 16 + (tokens - 832);  // chunk 0, and chunks 52..56 (window)
+    const uint64_t rows_left = budget - kept_tokens;
+    for (uint32_t seed : {4u, 5u}) {
+      v1::SelectResponse resp;
+      ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
+      std::vector<float> q;
+      Query(f, seed, &q);
+      const int group = f.qh / f.kvh;
+      for (int h = 0; h < f.kvh; ++h) {
+        const std::set<uint32_t> pool =
+            ExpectedChunks(f, 2, h, tokens, uint32_t(kept_tokens + 4 * rows_left), seed);
+        // Every row of the pool beyond the kept chunks, scored here.
+        std::vector<std::pair<double, int64_t>> scored;  // (-score, position)
+        std::vector<std::vector<double>> logits;
+        std::vector<int64_t> rows;
+        for (uint32_t c : pool) {
+          if (c == 0 || c >= 52) continue;
+          for (int64_t t = c * 16; t < c * 16 + 16; ++t) {
+            std::vector<double> s(group, 0.0);
+            for (int g = 0; g < group; ++g) {
+              for (int j = 0; j < f.d; ++j) {
+                s[g] += double(q[(size_t(h) * group + g) * f.d + j]) *
+                        HalfToFloat(f.k[2][(size_t(h) * f.total + t) * f.d + j]);
+              }
+              s[g] /= std::sqrt(double(f.d));
+            }
+            logits.push_back(s);
+            rows.push_back(t);
+          }
+        }
+        for (size_t i = 0; i < rows.size(); ++i) {
+          double v = 0;
+          if (score == v1::REFINE_SCORE_MAX) {
+            v = *std::max_element(logits[i].begin(), logits[i].end());
+          } else {
+            for (int g = 0; g < group; ++g) {
+              double z = 0;
+              for (const auto& l : logits) z += std::exp(l[g]);
+              v += std::exp(logits[i][g]) / z;
+            }
+          }
+          scored.push_back({-v, rows[i]});
+        }
+        std::sort(scored.begin(), scored.end());
+        std::set<int64_t> want;
+        for (int t = 0; t < 16; ++t) want.insert(t);
+        for (int t = 832; t < tokens; ++t) want.insert(t);
+        for (size_t i = 0; i < rows_left; ++i) want.insert(scored[i].second);
+        std::set<int64_t> got;
+        for (const v1::BlockHandle& b : resp.heads(h).blocks()) {
+          const uint32_t c = DecodeChunkId(b.chunk_id()).index;
+          EXPECT_TRUE(pool.count(c)) << "chunk " << c << " is not in the pool";
+          EXPECT_EQ(b.positions_size(), int(b.num_tokens()));  // positions cover every row
+          if (c == 0 || c >= 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+          for (int r = 0; r < b.rows_size(); ++r) {
+            EXPECT_LT(b.rows(r), b.num_tokens());
+            if (r > 0) EXPECT_LT(b.rows(r - 1), b.rows(r));
+          }
+          if (b.rows_size() == 0) {
+            for (int64_t p : b.positions()) got.insert(p);
+          } else {
+            for (uint32_t r : b.rows()) got.insert(b.positions(int(r)));
+          }
+        }
+        EXPECT_EQ(got.size(), budget);
+        EXPECT_EQ(got, want) << v1::RefineScore_Name(score) << " seed " << seed << " head " << h;
+      }
+      ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    }
+  }
+}
+
 // Past 1024 candidate chunks Select searches the cluster index instead of scanning; the
 // chunks it returns must be the same as the brute-force ranking's.
 TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {

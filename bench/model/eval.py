@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,10 @@ from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
        "kvtier-mean", "kvtier-fp16", "kvtier-summaries", "kvtier-boundary", "kvtier-semantic"]
+# Token-level refinement: kvtier[-semantic]-refine<factor>[-mass], e.g. kvtier-refine4 (the
+# pool 4x the budget, scored by the max over the query group), kvtier-refine4-mass (by the
+# group's mean softmax mass over the pool).
+REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?")
 
 
 def git_commit() -> str:
@@ -87,6 +92,12 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                 elif name == "kvtier-semantic":
                     out.append(Daemon(client, "kvtier-semantic", b, window=window(b),
                                       chunking=pb.CHUNKING_SEMANTIC))
+                elif m := REFINE.fullmatch(name):
+                    out.append(Daemon(client, name, b, window=window(b),
+                                      chunking=pb.CHUNKING_SEMANTIC if m[1] else 0,
+                                      refine_factor=int(m[2]),
+                                      refine_score=(pb.REFINE_SCORE_MEAN_MASS if m[3]
+                                                    else pb.REFINE_SCORE_MAX)))
                 elif name == "kvtier-summaries":
                     out.append(Daemon(client, "kvtier-summaries", b, window=window(b),
                                       summaries=True))

@@ -16,6 +16,8 @@ v1::SessionPolicy BuiltinPolicy() {
   p.set_chunking(v1::CHUNKING_CONTIGUOUS);
   p.set_chunk_tokens(16);
   p.set_ranking(v1::RANKING_LSE_PEAK);
+  p.set_refine_factor(1);  // whole chunks, until a measurement says otherwise
+  p.set_refine_score(v1::REFINE_SCORE_MAX);
   return p;
 }
 
@@ -34,6 +36,8 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.chunking() == v1::CHUNKING_UNSPECIFIED) p.set_chunking(defaults.chunking());
   if (p.chunk_tokens() == 0) p.set_chunk_tokens(defaults.chunk_tokens());
   if (p.ranking() == v1::RANKING_UNSPECIFIED) p.set_ranking(defaults.ranking());
+  if (p.refine_factor() == 0) p.set_refine_factor(defaults.refine_factor());
+  if (p.refine_score() == v1::REFINE_SCORE_UNSPECIFIED) p.set_refine_score(defaults.refine_score());
   if (p.delimiter_token_ids().empty()) {
     *p.mutable_delimiter_token_ids() = defaults.delimiter_token_ids();
   }
@@ -64,6 +68,14 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.ranking() != v1::RANKING_MEAN && p.ranking() != v1::RANKING_LSE_PEAK) {
     return bad("ranking", v1::Ranking_Name(p.ranking()),
                "is not one of RANKING_MEAN, RANKING_LSE_PEAK");
+  }
+  if (p.refine_factor() > kMaxRefineFactor) {
+    return bad("refine_factor", p.refine_factor(),
+               absl::StrFormat("is above %d (1: whole chunks)", kMaxRefineFactor));
+  }
+  if (p.refine_score() != v1::REFINE_SCORE_MAX && p.refine_score() != v1::REFINE_SCORE_MEAN_MASS) {
+    return bad("refine_score", v1::RefineScore_Name(p.refine_score()),
+               "is not one of REFINE_SCORE_MAX, REFINE_SCORE_MEAN_MASS");
   }
   switch (p.chunking()) {
     case v1::CHUNKING_CONTIGUOUS:

@@ -10,9 +10,11 @@ namespace kvtier {
 
 inline constexpr uint32_t kMaxChunkTokens = 64;
 inline constexpr uint32_t kMaxHeadDim = 512;
+// Token-level refinement scores at most this many times the budget's rows.
+inline constexpr uint32_t kMaxRefineFactor = 64;
 
 // The built-in defaults: sinks 16, window 64, budget 256, dense layers 2, int4 cold
-// precision, contiguous 16-token chunks.
+// precision, contiguous 16-token chunks, LSE-peak ranking, no token-level refinement.
 v1::SessionPolicy BuiltinPolicy();
 
 // Every zero or unspecified field of `requested` takes the value in `defaults`; then the

@@ -13,6 +13,7 @@
 #include "server/index/chunking.h"
 #include "server/index/stream_ranker.h"
 #include "server/session/requests.h"
+#include "server/session/selection.h"
 #include "server/session/session_record.h"
 #include "server/session/views.h"
 
@@ -134,25 +135,28 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   return MinTokens();
 }
 
-absl::StatusOr<bool> Session::Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
-                                     bool record, std::vector<std::vector<uint32_t>>* chosen) {
+absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const float> q,
+                                            uint64_t budget, uint32_t pool_factor, bool record) {
   const uint32_t kvh = shape_.num_kv_heads();
   const uint32_t group = shape_.num_q_heads() / kvh;
   const size_t d = shape_.head_dim();
   const uint64_t total = layers_[layer].tokens;
-  const bool everything = layer < policy_.dense_layers() || total <= budget;
   const uint64_t sink_end = std::min<uint64_t>(policy_.sink_tokens(), total);
   const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
-  chosen->assign(kvh, {});
+  LayerChoice c;
+  c.everything = layer < policy_.dense_layers() || total <= budget;
+  c.chunks.assign(kvh, {});
+  c.kept.assign(kvh, {});
+  c.rows_left.assign(kvh, 0);
   for (uint32_t h = 0; h < kvh; ++h) {
     const Stream& s = stream(layer, h);
-    if (everything) {
-      for (uint32_t c = 0; c < s.chunks().size(); ++c) (*chosen)[h].push_back(c);
+    if (c.everything) {
+      for (uint32_t i = 0; i < s.chunks().size(); ++i) c.chunks[h].push_back(i);
       continue;
     }
     // Always returned: every chunk with a row among the sinks or in the recent window.
     uint64_t kept_tokens = 0;
-    const std::vector<bool> kept = s.Kept(sink_end, window_start, &kept_tokens);
+    c.kept[h] = s.Kept(sink_end, window_start, &kept_tokens);
     if (kept_tokens > budget) {
       return InvalidField(
           "budget_tokens",
@@ -162,20 +166,21 @@ absl::StatusOr<bool> Session::Choose(uint32_t layer, std::span<const float> q, u
                           budget, kept_tokens, policy_.sink_tokens(), policy_.recent_window(),
                           policy_.chunk_tokens(), v1::Chunking_Name(policy_.chunking())));
     }
+    c.rows_left[h] = budget - kept_tokens;
     RankResult r = RankStream(s.stats(), s.index(),
                               RankQuery{.ranking = policy_.ranking(),
                                         .queries = q.subspan(h * group * d, group * d),
                                         .group = static_cast<int>(group),
-                                        .budget = budget,
-                                        .must = &kept,
+                                        .budget = kept_tokens + pool_factor * c.rows_left[h],
+                                        .must = &c.kept[h],
                                         .chunk_tokens = policy_.chunk_tokens()});
     if (record) {
       layers_[layer].select_candidates += r.candidates;
       layers_[layer].select_scored += r.scored;
     }
-    (*chosen)[h] = std::move(r.chunks);
+    c.chunks[h] = std::move(r.chunks);
   }
-  return everything;
+  return c;
 }
 
 absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
@@ -187,11 +192,19 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
-  std::vector<std::vector<uint32_t>> chosen;
-  ASSIGN_OR_RETURN(const bool everything, Choose(layer, q, budget, /*record=*/true, &chosen));
-  ASSIGN_OR_RETURN(
-      std::vector<std::vector<SlotRef>> readable,
-      Readable(promotion(req.placement() == v1::TIER_DEVICE), heads(layer), chosen, false));
+  const bool to_device = req.placement() == v1::TIER_DEVICE;
+  ASSIGN_OR_RETURN(LayerChoice c, Choose(layer, q, budget, policy_.refine_factor(), true));
+  if (policy_.refine_factor() > 1 && !c.everything) {
+    RETURN_IF_ERROR(
+        RefineLayer(promotion(/*to_device=*/false), heads(layer), policy_.refine_score(), q,
+                    static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c));
+  }
+  std::vector<std::vector<SlotRef>> readable;
+  if (!c.host_slots.empty() && !to_device) {
+    readable = std::move(c.host_slots);  // what the refinement read is what the worker reads
+  } else {
+    ASSIGN_OR_RETURN(readable, Readable(promotion(to_device), heads(layer), c.chunks, false));
+  }
   const ChunkFormat f = format();
   std::vector<SlotRef> pinned;
   out->set_context_tokens(layers_[layer].tokens);
@@ -199,14 +212,15 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     const Stream& s = stream(layer, h);
     v1::HeadSelection* hs = out->add_heads();
     hs->set_kv_head(h);
-    for (size_t i = 0; i < chosen[h].size(); ++i) {
-      const uint32_t c = chosen[h][i];
+    for (size_t i = 0; i < c.chunks[h].size(); ++i) {
+      const uint32_t chunk = c.chunks[h][i];
       const SlotRef& slot = readable[h][i];
-      FillHandle(s.chunks()[c], f, slot.get(), slot->data(), EncodeChunkId({layer, h, c}),
-                 req.include_data(), hs->add_blocks());
+      FillHandle(s.chunks()[chunk], f, slot.get(), slot->data(), EncodeChunkId({layer, h, chunk}),
+                 req.include_data(), c.rows.empty() ? std::span<const uint32_t>() : c.rows[h][i],
+                 hs->add_blocks());
       pinned.push_back(slot);
     }
-    if (req.include_summaries() && !everything) AddSummaries(s, f, chosen[h], hs);
+    if (req.include_summaries() && !c.everything) AddSummaries(s, f, c.chunks[h], hs);
   }
   LeaseTable::Granted lease = env_.leases->Create(tenant_, id_, std::move(pinned), ttl);
   out->set_lease_id(lease.lease_id);
@@ -220,14 +234,14 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
-  std::vector<std::vector<uint32_t>> chosen;
-  ASSIGN_OR_RETURN(const bool everything,
+  // The chunks a larger budget would rank (with refinement: its whole candidate pool).
+  ASSIGN_OR_RETURN(const LayerChoice c,
                    Choose(req.layer(), q, budget + budget * extra_percent / 100,
-                          /*record=*/false, &chosen));
-  if (everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
+                          policy_.refine_factor(), /*record=*/false));
+  if (c.everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
   size_t made = 0;
   RETURN_IF_ERROR(Readable(promotion(req.placement() == v1::TIER_DEVICE), heads(req.layer()),
-                           chosen, /*prefetch=*/true, &made)
+                           c.chunks, /*prefetch=*/true, &made)
                       .status());
   return made;
 }
@@ -255,7 +269,7 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
     std::vector<uint16_t> scratch;
     const uint8_t* fp16 =
         readable ? readable->data() : reinterpret_cast<const uint8_t*>(f.Fp16Rows(c, scratch));
-    FillHandle(c, f, readable, fp16, id, /*include_data=*/true, &out.emplace_back());
+    FillHandle(c, f, readable, fp16, id, /*include_data=*/true, {}, &out.emplace_back());
   }
   return out;
 }

@@ -38,6 +38,7 @@
 #include "server/session/aging.h"
 #include "server/session/lease_table.h"
 #include "server/session/promotion.h"
+#include "server/session/selection.h"
 #include "server/session/stream.h"
 #include "server/tier/promotion_cache.h"
 #include "server/tier/tier.h"
@@ -157,11 +158,13 @@ class Session {
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Per KV head, the chunks of `layer` a query chooses within `budget`, ascending: sinks,
-  // window, then the best by the ranking (counted in the layer's stats when `record`).
-  // Returns whether the whole layer was chosen (dense, or it fits).
-  absl::StatusOr<bool> Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
-                              bool record, std::vector<std::vector<uint32_t>>* chosen)
+  // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
+  // the best by the ranking (counted in the layer's stats when `record`) holding
+  // `pool_factor` times the budget they leave (1: the selection itself; more: the candidate
+  // pool that token-level refinement narrows). INVALID_ARGUMENT when the sinks and the
+  // window do not fit the budget.
+  absl::StatusOr<LayerChoice> Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
+                                     uint32_t pool_factor, bool record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;

@@ -18,7 +18,8 @@ uint64_t CopyBytes(const PromotionCache& cache, const CopyRef& copy) {
 }  // namespace
 
 void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const uint8_t* fp16,
-                uint64_t chunk_id, bool include_data, v1::BlockHandle* h) {
+                uint64_t chunk_id, bool include_data, std::span<const uint32_t> rows,
+                v1::BlockHandle* h) {
   const uint64_t half = c.num_tokens * f.row_bytes();
   const ChunkAddress a = DecodeChunkId(chunk_id);
   h->set_chunk_id(chunk_id);
@@ -33,6 +34,7 @@ void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const ui
   h->set_layer(a.layer);
   h->set_kv_head(a.kv_head);
   for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(static_cast<int64_t>(c.position(r)));
+  h->mutable_rows()->Add(rows.begin(), rows.end());
   if (include_data) {
     h->set_keys(fp16, half);
     h->set_values(fp16 + half, half);

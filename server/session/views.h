@@ -6,6 +6,7 @@
 #define KVTIER_SERVER_SESSION_VIEWS_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "kvtier/v1/kvtier.pb.h"
@@ -15,9 +16,10 @@
 namespace kvtier {
 
 // A handle for chunk `c` read at `slot` (null: inline only, segment_id 0), with `fp16` (its K
-// then V rows) inline when `include_data`.
+// then V rows) inline when `include_data`; `rows` (empty: all) are the rows selected of it.
 void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const uint8_t* fp16,
-                uint64_t chunk_id, bool include_data, v1::BlockHandle* h);
+                uint64_t chunk_id, bool include_data, std::span<const uint32_t> rows,
+                v1::BlockHandle* h);
 
 // One summary per cluster of the stream's index over the chunks not in `chosen` (ascending);
 // a left-out chunk the index does not hold is its own group. Groups come in the order of their

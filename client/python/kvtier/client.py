@@ -205,28 +205,40 @@ class Client:
             include_summaries=include_summaries))
 
     def gather(self, head: pb.HeadSelection, session_id: str | None = None, head_dim=None):
-        """(positions int64 [n], K [n][d], V [n][d]) of one HeadSelection, in handle order,
-        read through shared memory (inline bytes when the response carried them)."""
+        """(positions int64 [n], K [n][d], V [n][d]) of the rows one HeadSelection selected,
+        in handle order (a handle's `rows`, when it lists some, else all of its rows), read
+        through shared memory (inline bytes when the response carried them)."""
         if head_dim is None:
             if session_id is None:
                 raise ValueError("gather needs session_id or head_dim")
             head_dim = self._shape(session_id).head_dim
         blocks = head.blocks
-        total = sum(b.num_tokens for b in blocks)
+        total = sum(len(b.rows) or b.num_tokens for b in blocks)
         pos = np.empty(total, np.int64)
         keys = np.empty((total, head_dim), np.float16)
         values = np.empty((total, head_dim), np.float16)
         at = 0
         for b in blocks:
             n = b.num_tokens
-            pos[at:at + n] = b.positions
             if b.keys:
-                keys[at:at + n] = np.frombuffer(b.keys, np.float16).reshape(n, head_dim)
-                values[at:at + n] = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
+                k = np.frombuffer(b.keys, np.float16).reshape(n, head_dim)
+                v = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
             else:
-                keys[at:at + n], values[at:at + n] = self.segments.view(b, head_dim)
+                k, v = self.segments.view(b, head_dim)
+            p = np.asarray(b.positions, np.int64)
+            if b.rows:
+                rows = np.asarray(b.rows, np.int64)
+                if rows.max() >= n:
+                    raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                                      f"handle of chunk {b.chunk_id}: row {rows.max()} of {n}")
+                k, v, p = k[rows], v[rows], p[rows]
+            m = len(p)
+            pos[at:at + m] = p
+            keys[at:at + m] = k
+            values[at:at + m] = v
+            if not b.keys:
                 self.segments.check(b)  # the copy is the chunk's only if the slot is unchanged
-            at += n
+            at += m
         return pos, keys, values
 
     def view(self, handle: pb.BlockHandle, head_dim: int):

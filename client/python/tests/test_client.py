@@ -81,6 +81,34 @@ def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
     assert all(sum(b.num_tokens for b in h.blocks) == 2000 for h in dense.heads)
 
 
+def test_refined_selections_gather_only_the_chosen_rows(client):
+    """With refine_factor 4 a handle may name a subset of its chunk's rows: gather returns
+    exactly those, mapped and inline alike, and the budget counts rows."""
+    rng = np.random.default_rng(5)
+    k, v = make_kv(rng, 2000)
+    sid = client.create_session(L, QH, KVH, D, lossless=True, refine_factor=4).session_id
+    assert client.describe_session(sid).info.policy.refine_factor == 4
+    client.append_layers(sid, 0, k, v)
+    q = rng.standard_normal((QH, D))
+    mapped = client.select(sid, 3, q, budget_tokens=256)
+    inline = client.select(sid, 3, q, budget_tokens=256, include_data=True)
+    partial = 0
+    for hm, hi in zip(mapped.heads, inline.heads):
+        pm, km, vm = client.gather(hm, sid)
+        pi, ki, vi = client.gather(hi, sid)
+        np.testing.assert_array_equal(pm, pi)
+        np.testing.assert_array_equal(km, ki)
+        assert len(pm) == 256 and len(set(pm.tolist())) == 256
+        np.testing.assert_array_equal(km, k[3, hm.kv_head][pm])
+        np.testing.assert_array_equal(vm, v[3, hm.kv_head][pm])
+        partial += sum(1 for b in hm.blocks if b.rows)
+    assert partial > 0, "no handle named a subset of its rows: refinement did nothing"
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.create_session(L, QH, KVH, D, refine_factor=65)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "refine_factor" in e.value.message
+
+
 def test_token_ids_drive_boundary_chunks_and_semantic_chunks_keep_positions(client):
     rng = np.random.default_rng(4)
     k, v = make_kv(rng, 400)

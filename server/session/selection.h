@@ -1,0 +1,46 @@
+// What one query chose of a layer's streams, and its token-level refinement.
+//
+// Choosing happens in two steps when SessionPolicy.refine_factor is above 1. The chunk
+// ranking (RankStream) picks, beyond the sinks and the recent window (`kept`), a pool of
+// whole chunks holding refine_factor times the rows the budget has left; RefineLayer then
+// scores every row of that pool exactly (RefineRows, on the keys as attention reads them:
+// fp16, dequantized for a cold chunk) and keeps the best rows the budget allows. The kept
+// chunks stay whole; a pool chunk with no chosen row is dropped; the others carry their
+// chosen rows.
+#ifndef KVTIER_SERVER_SESSION_SELECTION_H_
+#define KVTIER_SERVER_SESSION_SELECTION_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvtier/v1/kvtier.pb.h"
+#include "server/session/promotion.h"
+#include "server/session/stream.h"
+
+namespace kvtier {
+
+struct LayerChoice {
+  bool everything = false;  // every chunk, whole (a dense layer, or a context within budget)
+  std::vector<std::vector<uint32_t>> chunks;  // [kv_head]: chunk indices, ascending
+  // [kv_head][i]: the rows chosen of chunks[h][i], ascending; empty: the whole chunk. Empty
+  // altogether when nothing was refined.
+  std::vector<std::vector<std::vector<uint32_t>>> rows;
+  std::vector<std::vector<bool>> kept;  // [kv_head][chunk]: a sink or recent-window chunk
+  std::vector<uint64_t> rows_left;      // [kv_head]: the budget beyond the kept chunks
+  // After RefineLayer: [kv_head][i] the host slot chunks[h][i] was scored from (fp16).
+  std::vector<std::vector<SlotRef>> host_slots;
+};
+
+// Refines `choice` (chosen with a pool of refine_factor times rows_left) to rows_left rows per
+// KV head, scoring `queries` ([kv_heads * group][head_dim]) by `score`. The pool's fp16 keys
+// come from `host` (a cold chunk's dequantized copy is made there if it has none): all or
+// nothing, RESOURCE_EXHAUSTED when the host tier cannot hold them.
+absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
+                         v1::RefineScore score, std::span<const float> queries, int group,
+                         LayerChoice* choice);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_SELECTION_H_
