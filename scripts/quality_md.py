@@ -142,6 +142,38 @@ def main(src, docs):
             w(f"| {source} | {budget} | " + " | ".join(cells) + " |")
         w("")
 
+    retrieval = src / "retrieval.json"
+    if retrieval.exists():
+        rd = json.loads(retrieval.read_text())
+        rows = rd["summary"]
+        lengths = sorted({r["length"] for r in rows})
+        w("## Retrieval: a pass key in filler text\n")
+        w("`bench/model/retrieval.py` (`" + rd["meta"]["command"].strip() + "`, commit "
+          f"{rd['meta'].get('commit', '?')}): a five-digit key planted at depths 10% to 90% of "
+          "filler text, then asked for. The context is prefilled with full attention; the "
+          "question and the answer go through the policy token by token, the answer greedy "
+          f"({rd['meta']['answer_tokens']} tokens); a trial passes when the answer's first "
+          "number is the key. Keys retrieved of the trials:\n")
+        w("| policy | budget | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+        w("| --- | ---: | " + " | ".join("---:" for _ in lengths) + " |")
+        keyed = {}
+        for r in rows:
+            keyed.setdefault((r["policy"], r["budget"]), {})[r["length"]] = r
+        for (policy, budget), by_len in keyed.items():
+            cells = [f"{by_len[n]['retrieved']} of {by_len[n]['trials']}" if n in by_len else ""
+                     for n in lengths]
+            w(f"| {policy} | {budget or 'all'} | " + " | ".join(cells) + " |")
+        full_r = {r["length"]: r for r in rows if r["policy"] == "full"}
+        w("")
+        for r in rows:
+            if r["policy"] == "kvtier" and r["budget"] and r["budget"] >= 128 and \
+                    r["length"] in full_r:
+                ok = r["retrieved"] >= full_r[r["length"]]["retrieved"]
+                w(f"- target (EVAL.md: equal to full attention at budgets >= 128), kvtier at "
+                  f"{r['budget']}, {r['length']} tokens: {r['retrieved']} of {r['trials']} against "
+                  f"full's {full_r[r['length']]['retrieved']}: {verdict(ok)}")
+        w("")
+
     notes = ROOT / "bench" / "model" / "FINDINGS.md"
     if notes.exists():
         w("## Findings\n")
