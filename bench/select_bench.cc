@@ -1,6 +1,8 @@
 // Select RPC latency over the Unix socket against a bare Echo RPC carrying the same bytes
 // (request: the query; response: as many bytes as the Select response) on the same channel,
-// interleaved so both see the same machine. Prints p50 and p99 ratios (median over reps).
+// interleaved so both see the same machine. Prints p50 and p99 ratios (median over reps), for
+// whole-chunk selection, with the bytes inline, and with token-level refinement
+// (refine_factor 4: select_rpc_p50_refined beside select_rpc_p50).
 #include <cstdio>
 #include <random>
 
@@ -16,7 +18,7 @@ namespace {
 constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64;  // SmolLM2-135M
 
 void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
-         int reps, int iters) {
+         const std::string& mode, int reps, int iters) {
   std::mt19937 rng(1);
   std::normal_distribution<float> n(0, 1);
   std::vector<float> q(kQ * kD);
@@ -60,12 +62,13 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   std::map<std::string, std::string> params = {{"context_tokens", std::to_string(context)},
                                                {"budget_tokens", std::to_string(budget)},
                                                {"include_data", include_data ? "true" : "false"},
+                                               {"selection", mode},
                                                {"response_bytes", std::to_string(resp_bytes)},
                                                {"shape", "30x9/3x64"},
                                                {"reps", std::to_string(reps)},
                                                {"iters", std::to_string(iters)},
                                                {"target_ratio", "1.5"}};
-  const std::string suffix = include_data ? "_inline" : "";
+  const std::string suffix = include_data ? "_inline" : mode == "whole chunks" ? "" : "_refined";
   // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
   Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
@@ -99,7 +102,11 @@ int main(int argc, char** argv) {
     }
     if (!c.AppendKV(reqs).ok()) return 1;
   }
-  Run(c, s->session_id(), context, 256, false, 5, 400);
-  Run(c, s->session_id(), context, 256, true, 5, 400);
+  Run(c, s->session_id(), context, 256, false, "whole chunks", 5, 400);
+  Run(c, s->session_id(), context, 256, true, "whole chunks", 5, 400);
+  v1::SessionPolicy refine;
+  refine.set_refine_factor(4);
+  if (!c.SetPolicy(s->session_id(), refine).ok()) return 1;
+  Run(c, s->session_id(), context, 256, false, "rows, refine_factor 4", 5, 400);
   return 0;
 }
