@@ -101,12 +101,13 @@ def main(src, docs):
       "chunk oracle: the same against the best whole 16-token chunks; output error: "
       "|o_hat - o| / |o| against full attention, beside the oracle's; Select: client-side "
       "latency of the RPC in this run (Python client, 2 busy cores).\n")
-    w("| policy | budget | perplexity | vs full | agreement | oracle ratio mean | p10 | "
-      "chunk oracle | output error | oracle's | Select p50 ms | p99 ms |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    w("| policy | budget | tokens per head | perplexity | vs full | agreement | oracle ratio mean | "
+      "p10 | chunk oracle | output error | oracle's | Select p50 ms | p99 ms |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in recs:
         d = (r["perplexity"] / full["perplexity"] - 1) * 100
-        w(f"| {r['policy']} | {r['budget'] or 'all'} | {r['perplexity']:.3f} | {d:+.2f}% | "
+        w(f"| {r['policy']} | {r['budget'] or 'all'} | {fmt(r.get('tokens_per_head_mean'), '.1f')} | "
+          f"{r['perplexity']:.3f} | {d:+.2f}% | "
           f"{r['agreement'] * 100:.1f}% | {fmt(r.get('oracle_ratio_mean'))} | "
           f"{fmt(r.get('oracle_ratio_p10'))} | {fmt(r.get('chunk_oracle_ratio_mean'))} | "
           f"{fmt(r.get('output_error_mean'))} | {fmt(r.get('oracle_output_error_mean'))} | "

@@ -1,5 +1,6 @@
 #include "server/config/config.h"
 
+#include <cmath>
 #include <fstream>
 
 #include "google/protobuf/text_format.h"
@@ -161,6 +162,16 @@ TEST(ResolvePolicy, RefinementKnobsDefaultAndNameTheField) {
   want.set_refine_score(static_cast<v1::RefineScore>(7));
   EXPECT_THAT(ResolvePolicy(want, BuiltinPolicy(), "policy"),
               StatusIs(Code::kInvalidArgument, "policy.refine_score"));
+  want.set_refine_score(v1::REFINE_SCORE_MAX);
+  EXPECT_EQ(ResolvePolicy(want, BuiltinPolicy(), "policy")->mass_target(), 0.f);  // off
+  for (float bad : {-0.1f, 1.5f, std::nanf("")}) {
+    want.set_mass_target(bad);
+    EXPECT_THAT(ResolvePolicy(want, BuiltinPolicy(), "policy"),
+                StatusIs(Code::kInvalidArgument, "policy.mass_target"))
+        << bad;
+  }
+  want.set_mass_target(0.9f);
+  EXPECT_EQ(ResolvePolicy(want, BuiltinPolicy(), "policy")->mass_target(), 0.9f);
 }
 
 TEST(ResolveShape, ChecksEveryField) {

@@ -403,6 +403,15 @@ TEST(Kvtierctl, TablesJsonAndErrors) {
   std::tie(code, out) = testing::RunCommand(ctl + "-o json session ctl-session");
   EXPECT_EQ(code, 0);
   EXPECT_NE(out.find("\"num_tokens\": \"40\""), std::string::npos) << out;
+  v1::SessionPolicy refine;
+  refine.set_refine_factor(8);
+  refine.set_mass_target(0.95f);
+  ASSERT_OK(c->SetPolicy("ctl-session", refine).status());
+  std::tie(code, out) = testing::RunCommand(ctl + "session ctl-session");
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(out.find("rows from a pool of 8x the budget, by max, mass target 0.95"),
+            std::string::npos)
+      << out;
   std::tie(code, out) = testing::RunCommand(ctl + "chunks ctl-session --layer 1");
   EXPECT_EQ(code, 0);
   EXPECT_NE(out.find("32..39"), std::string::npos) << out;

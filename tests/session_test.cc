@@ -233,6 +233,42 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
   }
 }
 
+// A mass target: within the budget, the fewest rows (with the sinks and window) that hold
+// that share of the estimated mass; a larger target holds a superset, and a target of 1 the
+// whole budget.
+TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
+  Env e;
+  const int tokens = 900;
+  auto positions = [&](float target) {
+    v1::SessionPolicy policy = Lossless();
+    policy.set_refine_factor(4);
+    policy.set_mass_target(target);
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, 31);
+    EXPECT_OK(AppendAll(f, tokens, 300));
+    v1::SelectResponse resp;
+    EXPECT_OK(f.session->Select(SelectReq(f, 2, 160, 4), &resp));
+    std::set<int64_t> got;
+    for (const v1::BlockHandle& b : resp.heads(0).blocks()) {
+      const uint32_t c = DecodeChunkId(b.chunk_id()).index;
+      if (c == 0 || c >= 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+      if (b.rows_size() == 0) {
+        for (int64_t p : b.positions()) got.insert(p);
+      } else {
+        for (uint32_t r : b.rows()) got.insert(b.positions(int(r)));
+      }
+    }
+    EXPECT_OK(e.leases.Release("t", resp.lease_id()));
+    return got;
+  };
+  const std::set<int64_t> half = positions(0.5f), most = positions(0.9f), all = positions(1.f);
+  EXPECT_EQ(all.size(), 160u);
+  EXPECT_LE(half.size(), most.size());
+  EXPECT_TRUE(std::includes(most.begin(), most.end(), half.begin(), half.end()));
+  EXPECT_TRUE(std::includes(all.begin(), all.end(), most.begin(), most.end()));
+  for (int t = 0; t < 16; ++t) EXPECT_TRUE(half.count(t)) << "sink " << t;
+  for (int t = 832; t < tokens; ++t) EXPECT_TRUE(half.count(t)) << "window " << t;
+}
+
 // Past 1024 candidate chunks Select searches the cluster index instead of scanning; the
 // chunks it returns must be the same as the brute-force ranking's.
 TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {

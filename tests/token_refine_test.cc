@@ -94,6 +94,71 @@ TEST(RefineRows, TheBestRowsOfThePoolByEachScore) {
   }
 }
 
+// A mass target: the fewest pool rows, best mass first, that with the fixed rows hold the
+// target share of the group's mean softmax mass over fixed and pool rows, within k.
+TEST(RefineRows, AMassTargetTakesTheSmallestSetReachingIt) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 12; ++trial) {
+    const Pool p = MakePool(rng, 12), fixed = MakePool(rng, 2);
+    std::normal_distribution<float> g(0, trial % 2 ? 2.f : 0.7f);
+    std::vector<float> q(kGroup * kD);
+    for (auto& x : q) x = g(rng);
+    // Brute force in double: each row's group-mean mass over fixed + pool.
+    auto logits = [&](const Pool& pool) {
+      std::vector<std::vector<double>> out;
+      for (const RefineChunk& c : pool.chunks) {
+        for (uint32_t r = 0; r < c.rows; ++r) {
+          std::vector<double> s(kGroup, 0.0);
+          for (int h = 0; h < kGroup; ++h) {
+            for (int j = 0; j < kD; ++j)
+              s[h] += double(q[h * kD + j]) * HalfToFloat(c.keys[r * kD + j]);
+            s[h] /= std::sqrt(double(kD));
+          }
+          out.push_back(s);
+        }
+      }
+      return out;
+    };
+    const auto lp = logits(p), lf = logits(fixed);
+    std::vector<double> z(kGroup, 0.0);
+    for (const auto* set : {&lp, &lf}) {
+      for (const auto& s : *set)
+        for (int h = 0; h < kGroup; ++h) z[h] += std::exp(s[h]);
+    }
+    auto mass = [&](const std::vector<double>& s) {
+      double m = 0;
+      for (int h = 0; h < kGroup; ++h) m += std::exp(s[h]) / z[h] / kGroup;
+      return m;
+    };
+    double fixed_mass = 0;
+    for (const auto& s : lf) fixed_mass += mass(s);
+    std::vector<std::pair<double, size_t>> order;
+    for (size_t i = 0; i < lp.size(); ++i) order.push_back({-mass(lp[i]), i});
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<RefinedRow> ids;
+    for (const RefineChunk& c : p.chunks)
+      for (uint32_t r = 0; r < c.rows; ++r) ids.push_back({c.chunk, r});
+    for (float target : {0.3f, 0.8f, 0.99f, 1.f}) {
+      for (size_t k : {size_t(5), size_t(1000)}) {
+        std::vector<RefinedRow> want;
+        double held = fixed_mass;
+        for (size_t n = 0; n < order.size() && want.size() < k && held < target; ++n) {
+          held += -order[n].first;
+          want.push_back(ids[order[n].second]);
+        }
+        std::sort(want.begin(), want.end(), [](const RefinedRow& a, const RefinedRow& b) {
+          return a.chunk != b.chunk ? a.chunk < b.chunk : a.row < b.row;
+        });
+        EXPECT_EQ(RefineRows(v1::REFINE_SCORE_MAX, HalfKind::kFp16, q, kGroup, kD, p.chunks, k,
+                             fixed.chunks, target),
+                  want)
+            << "target " << target << " k " << k << " trial " << trial;
+      }
+    }
+  }
+}
+
 TEST(RefineRows, ThePoolWithinTheBudgetComesWholeAndTiesGoToThePoolsOrder) {
   // Identical keys: every row ties; the first k rows of the pool win.
   std::vector<uint16_t> same(4 * kD, FloatToHalf(0.5f));

@@ -37,10 +37,11 @@ from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
        "kvtier-mean", "kvtier-fp16", "kvtier-summaries", "kvtier-boundary", "kvtier-semantic"]
-# Token-level refinement: kvtier[-semantic]-refine<factor>[-mass], e.g. kvtier-refine4 (the
-# pool 4x the budget, scored by the max over the query group), kvtier-refine4-mass (by the
-# group's mean softmax mass over the pool).
-REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?")
+# Token-level refinement: kvtier[-semantic]-refine<factor>[-mass][-p<percent>], e.g.
+# kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
+# kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
+# (the fewest rows holding 95% of the estimated mass, the budget as a cap).
+REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?(?:-p(\d+))?")
 
 
 def git_commit() -> str:
@@ -97,7 +98,8 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                                       chunking=pb.CHUNKING_SEMANTIC if m[1] else 0,
                                       refine_factor=int(m[2]),
                                       refine_score=(pb.REFINE_SCORE_MEAN_MASS if m[3]
-                                                    else pb.REFINE_SCORE_MAX)))
+                                                    else pb.REFINE_SCORE_MAX),
+                                      mass_target=int(m[4]) / 100 if m[4] else 0.0))
                 elif name == "kvtier-summaries":
                     out.append(Daemon(client, "kvtier-summaries", b, window=window(b),
                                       summaries=True))

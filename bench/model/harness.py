@@ -39,6 +39,7 @@ class LayerMetrics:
         self.chunk_ratio = [[] for _ in range(num_layers)]
         self.err = [[] for _ in range(num_layers)]
         self.oracle_err = [[] for _ in range(num_layers)]
+        self.tokens = [[] for _ in range(num_layers)]  # tokens the policy returned
 
     def add(self, layer, n, q, out, selected, cache: KVCache, budget: int):
         H = cache.K.shape[1]
@@ -53,7 +54,9 @@ class LayerMetrics:
             b = min(budget, n)
             top = np.argpartition(-pg, b - 1)[:b]
             r_or = pg[top].sum()
-            r = pg[selected[h]].sum()
+            kept = pg[selected[h]]
+            r = kept.sum()
+            self.tokens[layer].append(kept.size)
             self.ratio[layer].append(r / r_or)
             csum = np.add.reduceat(pg, np.arange(0, n, CHUNK))
             kc = max(1, b // CHUNK)
@@ -81,6 +84,9 @@ class LayerMetrics:
             "chunk_oracle_ratio_mean": mean_of(self.chunk_ratio),
             "output_error_mean": mean_of(self.err),
             "oracle_output_error_mean": mean_of(self.oracle_err),
+            # The mean tokens per (layer >= dense_layers, token, KV head): comparisons are at
+            # equal means.
+            "tokens_per_head_mean": mean_of(self.tokens),
             "oracle_ratio_per_layer": [float(np.mean(r)) if r else None for r in self.ratio],
         }
 

@@ -201,7 +201,7 @@ class Daemon(Policy):
                  cold_precision: int = 0, sinks: int = SINKS, window: int | None = None,
                  dense_layers: int = 2, summaries: bool = False, placement: str | None = None,
                  ranking: int = 0, chunking: int = 0, delimiters: list[int] | None = None,
-                 refine_factor: int = 0, refine_score: int = 0):
+                 refine_factor: int = 0, refine_score: int = 0, mass_target: float = 0.0):
         self.client = client
         self.name = name
         self.budget = budget
@@ -211,7 +211,7 @@ class Daemon(Policy):
                            cold_precision=cold_precision, ranking=ranking,
                            default_budget=budget or 256, chunking=chunking,
                            delimiter_token_ids=delimiters or [], refine_factor=refine_factor,
-                           refine_score=refine_score)
+                           refine_score=refine_score, mass_target=mass_target)
         self.send_ids = bool(delimiters)  # boundary chunking cuts at the ids sent
         self.dense_layers = dense_layers
         self.summaries = summaries

@@ -133,12 +133,16 @@ int Run(const Args& a, Client& c) {
                           p.sink_tokens(), p.recent_window(), p.default_budget(), p.dense_layers(),
                           p.chunk_tokens(), PrecisionName(p.cold_precision()),
                           p.lossless() ? ", lossless" : "", Label(v1::Ranking_Name(p.ranking())))});
-    kv.Add({"refinement",
-            p.refine_factor() > 1
-                ? absl::StrFormat("rows from a pool of %dx the budget, by %s", p.refine_factor(),
-                                  absl::AsciiStrToLower(absl::StripPrefix(
-                                      v1::RefineScore_Name(p.refine_score()), "REFINE_SCORE_")))
-                : std::string("off (whole chunks)")});
+    std::string refinement =
+        p.refine_factor() > 1
+            ? absl::StrFormat("rows from a pool of %dx the budget, by %s", p.refine_factor(),
+                              absl::AsciiStrToLower(absl::StripPrefix(
+                                  v1::RefineScore_Name(p.refine_score()), "REFINE_SCORE_")))
+            : std::string("off (whole chunks)");
+    if (p.mass_target() > 0.f) {
+      absl::StrAppend(&refinement, absl::StrFormat(", mass target %.2f", p.mass_target()));
+    }
+    kv.Add({"refinement", refinement});
     kv.Add({"tokens", absl::StrCat(i.num_tokens())});
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
       kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});

@@ -38,6 +38,7 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.ranking() == v1::RANKING_UNSPECIFIED) p.set_ranking(defaults.ranking());
   if (p.refine_factor() == 0) p.set_refine_factor(defaults.refine_factor());
   if (p.refine_score() == v1::REFINE_SCORE_UNSPECIFIED) p.set_refine_score(defaults.refine_score());
+  if (p.mass_target() == 0.f) p.set_mass_target(defaults.mass_target());
   if (p.delimiter_token_ids().empty()) {
     *p.mutable_delimiter_token_ids() = defaults.delimiter_token_ids();
   }
@@ -72,6 +73,9 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.refine_factor() > kMaxRefineFactor) {
     return bad("refine_factor", p.refine_factor(),
                absl::StrFormat("is above %d (1: whole chunks)", kMaxRefineFactor));
+  }
+  if (!(p.mass_target() >= 0.f && p.mass_target() <= 1.f)) {  // NaN fails too
+    return bad("mass_target", p.mass_target(), "is outside [0, 1] (0: off)");
   }
   if (p.refine_score() != v1::REFINE_SCORE_MAX && p.refine_score() != v1::REFINE_SCORE_MEAN_MASS) {
     return bad("refine_score", v1::RefineScore_Name(p.refine_score()),

@@ -8,14 +8,14 @@
 
 namespace kvtier {
 
-std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
-                                   std::span<const float> queries, int group, int head_dim,
-                                   std::span<const RefineChunk> chunks, size_t k) {
-  CHECK(queries.size() == static_cast<size_t>(group) * head_dim);
+namespace {
+
+// logits[r * group + h] = q_h . k_r / sqrt(d) for every row r of `chunks`, in order.
+std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int group, int head_dim,
+                          std::span<const RefineChunk> chunks) {
   const size_t d = static_cast<size_t>(head_dim);
   size_t total = 0;
   for (const RefineChunk& c : chunks) total += c.rows;
-  // logits[r][h] for every pool row r, in pool order.
   std::vector<float> logits(total * group), key(d);
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   size_t r = 0;
@@ -28,36 +28,75 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
       }
     }
   }
-  std::vector<float> value(total);
-  if (score == v1::REFINE_SCORE_MEAN_MASS) {
-    // Per head, a softmax over the pool (from its largest logit, so no term overflows).
-    std::fill(value.begin(), value.end(), 0.f);
-    for (int h = 0; h < group; ++h) {
-      float top = -std::numeric_limits<float>::infinity();
-      for (size_t i = 0; i < total; ++i) top = std::max(top, logits[i * group + h]);
-      double z = 0;
-      for (size_t i = 0; i < total; ++i) z += std::exp(double(logits[i * group + h]) - top);
-      for (size_t i = 0; i < total; ++i) {
-        value[i] += static_cast<float>(std::exp(double(logits[i * group + h]) - top) / z);
-      }
+  return logits;
+}
+
+// Per row of `rows` (logits, `group` per row), the sum over heads of its softmax weight over
+// `rows` and `others` together (from each head's largest logit, so no term overflows).
+std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector<float>& others,
+                               int group) {
+  const size_t n = rows.size() / group, m = others.size() / group;
+  std::vector<float> mass(n, 0.f);
+  for (int h = 0; h < group; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < n; ++i) top = std::max(top, rows[i * group + h]);
+    for (size_t i = 0; i < m; ++i) top = std::max(top, others[i * group + h]);
+    double z = 0;
+    for (size_t i = 0; i < n; ++i) z += std::exp(double(rows[i * group + h]) - top);
+    for (size_t i = 0; i < m; ++i) z += std::exp(double(others[i * group + h]) - top);
+    for (size_t i = 0; i < n; ++i) {
+      mass[i] += static_cast<float>(std::exp(double(rows[i * group + h]) - top) / z);
     }
+  }
+  return mass;
+}
+
+}  // namespace
+
+std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
+                                   std::span<const float> queries, int group, int head_dim,
+                                   std::span<const RefineChunk> chunks, size_t k,
+                                   std::span<const RefineChunk> fixed, float mass_target) {
+  CHECK(queries.size() == static_cast<size_t>(group) * head_dim);
+  const std::vector<float> logits = Logits(kind, queries, group, head_dim, chunks);
+  const size_t total = logits.size() / group;
+  const bool by_mass = mass_target > 0.f;
+  std::vector<float> value;
+  float fixed_mass = 0.f;
+  if (by_mass) {
+    const std::vector<float> fixed_logits = Logits(kind, queries, group, head_dim, fixed);
+    value = SoftmaxMass(logits, fixed_logits, group);
+    for (float& v : value) v /= static_cast<float>(group);  // the group's mean
+    for (float v : SoftmaxMass(fixed_logits, logits, group)) fixed_mass += v / group;
+  } else if (score == v1::REFINE_SCORE_MEAN_MASS) {
+    value = SoftmaxMass(logits, {}, group);
   } else {
+    value.resize(total);
     for (size_t i = 0; i < total; ++i) {
       value[i] = *std::max_element(&logits[i * group], &logits[i * group] + group);
     }
   }
   std::vector<uint32_t> order(total);
   for (size_t i = 0; i < total; ++i) order[i] = static_cast<uint32_t>(i);
-  const size_t take = std::min(k, total);
+  size_t take = std::min(k, total);
   // Best first; ties to the earlier row of the pool.
-  std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](uint32_t a, uint32_t b) {
+  auto better = [&](uint32_t a, uint32_t b) {
     return value[a] != value[b] ? value[a] > value[b] : a < b;
-  });
+  };
+  if (by_mass) {
+    std::sort(order.begin(), order.end(), better);
+    float held = fixed_mass;
+    size_t n = 0;
+    while (n < take && held < mass_target) held += value[order[n++]];
+    take = n;
+  } else {
+    std::partial_sort(order.begin(), order.begin() + take, order.end(), better);
+  }
   std::vector<bool> chosen(total, false);
   for (size_t i = 0; i < take; ++i) chosen[order[i]] = true;
   std::vector<RefinedRow> out;
   out.reserve(take);
-  r = 0;
+  size_t r = 0;
   for (const RefineChunk& c : chunks) {
     for (uint32_t row = 0; row < c.rows; ++row, ++r) {
       if (chosen[r]) out.push_back({c.chunk, row});

@@ -35,9 +35,16 @@ struct RefinedRow {
 // The k best rows of `chunks` by `score` for queries [group][head_dim], ordered by (chunk,
 // row); ties go to the earlier (chunk, row) in the order `chunks` lists them. Every row when
 // the pool holds k rows or fewer.
+//
+// With `mass_target` in (0, 1] (a budget that follows the mass), the rows are ranked by their
+// mass instead, the group's mean softmax weight over the rows of `fixed` (returned anyway:
+// the sinks and the window) and the pool together, and taken best first until they and
+// `fixed` hold mass_target of it, at most k: the smallest such set.
 std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
                                    std::span<const float> queries, int group, int head_dim,
-                                   std::span<const RefineChunk> chunks, size_t k);
+                                   std::span<const RefineChunk> chunks, size_t k,
+                                   std::span<const RefineChunk> fixed = {},
+                                   float mass_target = 0.f);
 
 }  // namespace kvtier
 

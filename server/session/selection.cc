@@ -8,8 +8,8 @@
 namespace kvtier {
 
 absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
-                         v1::RefineScore score, std::span<const float> queries, int group,
-                         LayerChoice* choice) {
+                         v1::RefineScore score, float mass_target, std::span<const float> queries,
+                         int group, LayerChoice* choice) {
   ASSIGN_OR_RETURN(std::vector<std::vector<SlotRef>> slots,
                    Readable(host, heads, choice->chunks, /*prefetch=*/false));
   const size_t d = host.format.head_dim;
@@ -19,15 +19,15 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
   for (size_t h = 0; h < kvh; ++h) {
     const std::vector<uint32_t>& chunks = choice->chunks[h];
     const std::vector<bool>& kept = choice->kept[h];
-    std::vector<RefineChunk> pool;
+    std::vector<RefineChunk> pool, fixed;
     for (size_t i = 0; i < chunks.size(); ++i) {
-      if (kept[chunks[i]]) continue;
-      pool.push_back({chunks[i], reinterpret_cast<const uint16_t*>(slots[h][i]->data()),
+      (kept[chunks[i]] ? fixed : pool)
+          .push_back({chunks[i], reinterpret_cast<const uint16_t*>(slots[h][i]->data()),
                       heads[h].chunks()[chunks[i]].num_tokens});
     }
     const std::vector<RefinedRow> best =
         RefineRows(score, host.format.kind(), queries.subspan(h * group * d, group * d), group,
-                   static_cast<int>(d), pool, choice->rows_left[h]);
+                   static_cast<int>(d), pool, choice->rows_left[h], fixed, mass_target);
     // The kept chunks whole, the pool's chunks with their chosen rows, in chunk order.
     std::vector<uint32_t> out;
     std::vector<std::vector<uint32_t>> rows;

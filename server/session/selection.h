@@ -1,6 +1,7 @@
 // What one query chose of a layer's streams, and its token-level refinement.
 //
-// Choosing happens in two steps when SessionPolicy.refine_factor is above 1. The chunk
+// Choosing happens in two steps when SessionPolicy.refine_factor is above 1 (or a
+// mass_target is set, which refines within the chunks the budget chose). The chunk
 // ranking (RankStream) picks, beyond the sinks and the recent window (`kept`), a pool of
 // whole chunks holding refine_factor times the rows the budget has left; RefineLayer then
 // scores every row of that pool exactly (RefineRows, on the keys as attention reads them:
@@ -37,9 +38,11 @@ struct LayerChoice {
 // KV head, scoring `queries` ([kv_heads * group][head_dim]) by `score`. The pool's fp16 keys
 // come from `host` (a cold chunk's dequantized copy is made there if it has none): all or
 // nothing, RESOURCE_EXHAUSTED when the host tier cannot hold them.
+// With `mass_target` above 0, each KV head keeps the fewest rows that, with its kept chunks,
+// hold that share of the estimated mass (RefineRows), within rows_left.
 absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
-                         v1::RefineScore score, std::span<const float> queries, int group,
-                         LayerChoice* choice);
+                         v1::RefineScore score, float mass_target, std::span<const float> queries,
+                         int group, LayerChoice* choice);
 
 }  // namespace kvtier
 

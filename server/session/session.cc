@@ -194,10 +194,10 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
   const bool to_device = req.placement() == v1::TIER_DEVICE;
   ASSIGN_OR_RETURN(LayerChoice c, Choose(layer, q, budget, policy_.refine_factor(), true));
-  if (policy_.refine_factor() > 1 && !c.everything) {
-    RETURN_IF_ERROR(
-        RefineLayer(promotion(/*to_device=*/false), heads(layer), policy_.refine_score(), q,
-                    static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c));
+  if ((policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything) {
+    RETURN_IF_ERROR(RefineLayer(
+        promotion(/*to_device=*/false), heads(layer), policy_.refine_score(), policy_.mass_target(),
+        q, static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c));
   }
   std::vector<std::vector<SlotRef>> readable;
   if (!c.host_slots.empty() && !to_device) {
