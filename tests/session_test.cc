@@ -163,9 +163,12 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
     const uint32_t budget = 160;
     const uint64_t kept_tokens = 16 + (tokens - 832);  // chunk 0, and chunks 52..56 (window)
     const uint64_t rows_left = budget - kept_tokens;
-    for (uint32_t seed : {4u, 5u}) {
+    for (auto [seed, row_handles] : {std::pair{4u, true}, {5u, true}, {4u, false}}) {
+      SCOPED_TRACE(row_handles ? "row handles" : "gathered blocks");
       v1::SelectResponse resp;
-      ASSERT_OK(f.session->Select(SelectReq(f, 2, budget, seed), &resp));
+      v1::SelectRequest req = SelectReq(f, 2, budget, seed);
+      req.set_row_handles(row_handles);
+      ASSERT_OK(f.session->Select(req, &resp));
       std::vector<float> q;
       Query(f, seed, &q);
       const int group = f.qh / f.kvh;
@@ -211,8 +214,27 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
         for (size_t i = 0; i < rows_left; ++i) want.insert(scored[i].second);
         std::set<int64_t> got;
         for (const v1::BlockHandle& b : resp.heads(h).blocks()) {
+          if (b.gathered()) {  // rows of several pool chunks, copied into a block of their own
+            EXPECT_FALSE(row_handles);
+            EXPECT_EQ(b.chunk_id(), 0u);
+            EXPECT_EQ(b.rows_size(), 0);
+            EXPECT_EQ(b.positions_size(), int(b.num_tokens()));
+            EXPECT_EQ(b.length(), 2u * b.num_tokens() * f.d * 2);
+            std::string k, v;
+            for (int r = 0; r < b.positions_size(); ++r) {
+              if (r > 0) EXPECT_LT(b.positions(r - 1), b.positions(r));
+              EXPECT_TRUE(pool.count(uint32_t(b.positions(r) / 16)));
+              k += AsBytes(HeadRows(f.k[2], f, h, int(b.positions(r)), 1));
+              v += AsBytes(HeadRows(f.v[2], f, h, int(b.positions(r)), 1));
+              got.insert(b.positions(r));
+            }
+            EXPECT_EQ(b.keys(), k);
+            EXPECT_EQ(b.values(), v);
+            continue;
+          }
           const uint32_t c = DecodeChunkId(b.chunk_id()).index;
           EXPECT_TRUE(pool.count(c)) << "chunk " << c << " is not in the pool";
+          if (!row_handles) EXPECT_EQ(b.rows_size(), 0) << "every handle's rows are all selected";
           EXPECT_EQ(b.positions_size(), int(b.num_tokens()));  // positions cover every row
           if (c == 0 || c >= 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
           for (int r = 0; r < b.rows_size(); ++r) {
@@ -246,7 +268,9 @@ TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
     Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, 31);
     EXPECT_OK(AppendAll(f, tokens, 300));
     v1::SelectResponse resp;
-    EXPECT_OK(f.session->Select(SelectReq(f, 2, 160, 4), &resp));
+    v1::SelectRequest req = SelectReq(f, 2, 160, 4);
+    req.set_row_handles(true);
+    EXPECT_OK(f.session->Select(req, &resp));
     std::set<int64_t> got;
     for (const v1::BlockHandle& b : resp.heads(0).blocks()) {
       const uint32_t c = DecodeChunkId(b.chunk_id()).index;

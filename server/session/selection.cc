@@ -1,5 +1,7 @@
 #include "server/session/selection.h"
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "server/common/status_macros.h"
@@ -48,6 +50,65 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     choice->host_slots[h] = std::move(out_slots);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const PromotionTarget& target,
+                                                                   std::span<Stream> heads,
+                                                                   LayerChoice* choice) {
+  const ChunkFormat& f = target.format;
+  const uint64_t rb = f.row_bytes();
+  struct Row {
+    int64_t position;
+    const uint8_t* k;
+    const uint8_t* v;
+  };
+  // Per head, the rows to gather, in position order; the slots they need, all at once.
+  std::vector<std::vector<Row>> rows(heads.size());
+  size_t blocks = 0;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
+      const Chunk& c = heads[h].chunks()[choice->chunks[h][i]];
+      const uint8_t* fp16 = choice->host_slots[h][i]->data();
+      for (uint32_t r : choice->rows[h][i]) {
+        rows[h].push_back(
+            {static_cast<int64_t>(c.position(r)), fp16 + r * rb, fp16 + (c.num_tokens + r) * rb});
+      }
+    }
+    std::sort(rows[h].begin(), rows[h].end(),
+              [](const Row& a, const Row& b) { return a.position < b.position; });
+    blocks += (rows[h].size() + f.capacity - 1) / f.capacity;
+  }
+  ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
+                   target.cache->Allocate(target.tenant, f.slot_bytes(), blocks));
+  std::vector<std::vector<GatheredBlock>> out(heads.size());
+  size_t next = 0;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    for (size_t at = 0; at < rows[h].size(); at += f.capacity) {
+      const size_t n = std::min<size_t>(f.capacity, rows[h].size() - at);
+      GatheredBlock& b = out[h].emplace_back();
+      b.slot = std::move(slots[next++]);
+      for (size_t j = 0; j < n; ++j) {
+        const Row& row = rows[h][at + j];
+        std::memcpy(b.slot->data() + j * rb, row.k, rb);
+        std::memcpy(b.slot->data() + (n + j) * rb, row.v, rb);
+        b.positions.push_back(row.position);
+      }
+    }
+    // What was gathered leaves the chunk handles.
+    std::vector<uint32_t> chunks;
+    std::vector<std::vector<uint32_t>> kept_rows;
+    std::vector<SlotRef> kept_slots;
+    for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
+      if (!choice->rows[h][i].empty()) continue;
+      chunks.push_back(choice->chunks[h][i]);
+      kept_rows.emplace_back();
+      kept_slots.push_back(std::move(choice->host_slots[h][i]));
+    }
+    choice->chunks[h] = std::move(chunks);
+    choice->rows[h] = std::move(kept_rows);
+    choice->host_slots[h] = std::move(kept_slots);
+  }
+  return out;
 }
 
 }  // namespace kvtier

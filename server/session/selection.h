@@ -44,6 +44,21 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
                          v1::RefineScore score, float mass_target, std::span<const float> queries,
                          int group, LayerChoice* choice);
 
+// Rows of one stream's chunks gathered into a block of their own: fp16 K [n][d] then V [n][d]
+// in `slot`, rows in position order.
+struct GatheredBlock {
+  SlotRef slot;
+  std::vector<int64_t> positions;
+};
+
+// Moves each KV head's partly chosen chunks (those with a row list) out of `choice` and into
+// compact blocks of at most the chunk capacity's rows, on `target`'s tier, copied from the
+// host slots the refinement read. Returns the blocks per KV head. RESOURCE_EXHAUSTED (with
+// the tier's reason) when the tier cannot hold them: all or nothing.
+absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const PromotionTarget& target,
+                                                                   std::span<Stream> heads,
+                                                                   LayerChoice* choice);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_SESSION_SELECTION_H_

@@ -194,10 +194,17 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
   const bool to_device = req.placement() == v1::TIER_DEVICE;
   ASSIGN_OR_RETURN(LayerChoice c, Choose(layer, q, budget, policy_.refine_factor(), true));
-  if ((policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything) {
+  const bool refine = (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything;
+  if (refine) {
     RETURN_IF_ERROR(RefineLayer(
         promotion(/*to_device=*/false), heads(layer), policy_.refine_score(), policy_.mass_target(),
         q, static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c));
+  }
+  // Chunks with a row returned: what summaries leave out.
+  const std::vector<std::vector<uint32_t>> returned = c.chunks;
+  std::vector<std::vector<GatheredBlock>> gathered(shape_.num_kv_heads());
+  if (refine && !req.row_handles()) {
+    ASSIGN_OR_RETURN(gathered, GatherRows(promotion(to_device), heads(layer), &c));
   }
   std::vector<std::vector<SlotRef>> readable;
   if (!c.host_slots.empty() && !to_device) {
@@ -220,7 +227,12 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                  hs->add_blocks());
       pinned.push_back(slot);
     }
-    if (req.include_summaries() && !c.everything) AddSummaries(s, f, c.chunks[h], hs);
+    for (GatheredBlock& g : gathered[h]) {
+      FillGatheredHandle(g.slot.get(), g.positions, f, layer, h, req.include_data(),
+                         hs->add_blocks());
+      pinned.push_back(std::move(g.slot));
+    }
+    if (req.include_summaries() && !c.everything) AddSummaries(s, f, returned[h], hs);
   }
   LeaseTable::Granted lease = env_.leases->Create(tenant_, id_, std::move(pinned), ttl);
   out->set_lease_id(lease.lease_id);

@@ -41,6 +41,28 @@ void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const ui
   }
 }
 
+void FillGatheredHandle(const Slot* slot, std::span<const int64_t> positions, const ChunkFormat& f,
+                        uint32_t layer, uint32_t kv_head, bool include_data, v1::BlockHandle* h) {
+  const uint64_t half = positions.size() * f.row_bytes();
+  h->set_chunk_id(0);
+  h->set_gathered(true);
+  h->set_tier(slot->tier());
+  h->set_segment_id(slot->segment_id());
+  h->set_offset(slot->offset());
+  h->set_length(2 * half);
+  h->set_precision(f.warm());
+  h->set_stored_precision(f.warm());
+  h->set_num_tokens(static_cast<uint32_t>(positions.size()));
+  h->set_generation(slot->generation());
+  h->set_layer(layer);
+  h->set_kv_head(kv_head);
+  h->mutable_positions()->Add(positions.begin(), positions.end());
+  if (include_data) {
+    h->set_keys(slot->data(), half);
+    h->set_values(slot->data() + half, half);
+  }
+}
+
 void AddSummaries(const Stream& s, const ChunkFormat& f, const std::vector<uint32_t>& chosen,
                   v1::HeadSelection* out) {
   const int d = static_cast<int>(f.head_dim);

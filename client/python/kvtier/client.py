@@ -196,13 +196,15 @@ class Client:
 
     def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
                placement: str | None = None, include_data: bool = False, lease_ms: int = 0,
-               include_summaries: bool = False) -> pb.SelectResponse:
-        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease."""
+               include_summaries: bool = False, row_handles: bool = True) -> pb.SelectResponse:
+        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease.
+        `row_handles`: refined rows come as their chunks' handles with a row list, read in
+        place by `gather` (False: gathered by the daemon into compact blocks of their own)."""
         q = np.ascontiguousarray(query, dtype=np.float32)
         return self._unary("Select", pb.SelectRequest(
             session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
             placement=_TIERS[placement], include_data=include_data, lease_ms=lease_ms,
-            include_summaries=include_summaries))
+            include_summaries=include_summaries, row_handles=row_handles))
 
     def gather(self, head: pb.HeadSelection, session_id: str | None = None, head_dim=None):
         """(positions int64 [n], K [n][d], V [n][d]) of the rows one HeadSelection selected,

@@ -92,17 +92,24 @@ def test_refined_selections_gather_only_the_chosen_rows(client):
     q = rng.standard_normal((QH, D))
     mapped = client.select(sid, 3, q, budget_tokens=256)
     inline = client.select(sid, 3, q, budget_tokens=256, include_data=True)
-    partial = 0
-    for hm, hi in zip(mapped.heads, inline.heads):
+    compact = client.select(sid, 3, q, budget_tokens=256, row_handles=False)
+    partial = gathered = 0
+    for hm, hi, hc in zip(mapped.heads, inline.heads, compact.heads):
         pm, km, vm = client.gather(hm, sid)
         pi, ki, vi = client.gather(hi, sid)
+        pc, kc, vc = client.gather(hc, sid)
         np.testing.assert_array_equal(pm, pi)
         np.testing.assert_array_equal(km, ki)
         assert len(pm) == 256 and len(set(pm.tolist())) == 256
         np.testing.assert_array_equal(km, k[3, hm.kv_head][pm])
         np.testing.assert_array_equal(vm, v[3, hm.kv_head][pm])
+        # The same rows, gathered by the daemon: every handle's rows all selected.
+        assert sorted(pc.tolist()) == sorted(pm.tolist())
+        np.testing.assert_array_equal(kc, k[3, hc.kv_head][pc])
+        assert not any(b.rows for b in hc.blocks)
         partial += sum(1 for b in hm.blocks if b.rows)
-    assert partial > 0, "no handle named a subset of its rows: refinement did nothing"
+        gathered += sum(1 for b in hc.blocks if b.gathered)
+    assert partial > 0 and gathered > 0, "refinement chose no partial chunk: it did nothing"
     with pytest.raises(kvtier.KvTierError) as e:
         client.create_session(L, QH, KVH, D, refine_factor=65)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
