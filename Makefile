@@ -92,7 +92,7 @@ bench: build venv
 
 # The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget), then
 # passkey retrieval (4K and 8K haystacks, five depths); it writes bench/out/eval/ and
-# docs/QUALITY.md with its plots. About an hour on 2 cores.
+# docs/QUALITY.md with its plots. About two hours on 2 cores.
 eval: build venv
 	$(PY) bench/model/eval.py --out bench/out/eval $(EVAL_ARGS)
 	$(PY) bench/model/retrieval.py --out bench/out/eval $(RETRIEVAL_ARGS)

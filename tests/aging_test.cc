@@ -390,7 +390,7 @@ TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
 struct LayerEnv {
   explicit LayerEnv(uint64_t host_capacity = 1 << 20)
       : host(TierOpts(v1::TIER_HOST, host_capacity)) {
-    policy = *ResolvePolicy({}, BuiltinPolicy(), "policy");  // int4, sinks 16, window 64
+    policy = *ResolvePolicy(WholeContiguousChunks(), BuiltinPolicy(), "policy");  // int4
     for (int h = 0; h < 2; ++h) heads.emplace_back(64);
   }
   AgingContext ctx() { return AgingContext{policy, f, &host, tenant}; }

@@ -40,6 +40,10 @@ v1::CreateSessionRequest Shape(const std::string& id, bool lossless = true) {
   // Lossless workers check bytes exactly; the others check their cold (int4) chunks against
   // the quantization bound.
   r.mutable_policy()->set_lossless(lossless);
+  // Whole contiguous chunks, quantized as soon as they leave the window: what the workers
+  // check (the daemon's default is semantic, with refined rows).
+  r.mutable_policy()->set_chunking(v1::CHUNKING_CONTIGUOUS);
+  r.mutable_policy()->set_refine_factor(1);
   return r;
 }
 

@@ -147,8 +147,9 @@ TEST(Policy, ZeroTakesTheDefaultAndResultIsChecked) {
 
 TEST(ResolvePolicy, RefinementKnobsDefaultAndNameTheField) {
   ASSERT_OK_AND_ASSIGN(v1::SessionPolicy p, ResolvePolicy({}, BuiltinPolicy(), "policy"));
-  EXPECT_EQ(p.refine_factor(), 1u);  // whole chunks by default
-  EXPECT_EQ(p.refine_score(), v1::REFINE_SCORE_MAX);
+  EXPECT_EQ(p.refine_factor(), 8u);  // docs/QUALITY.md: rows from a pool of 8x the budget
+  EXPECT_EQ(p.refine_score(), v1::REFINE_SCORE_MEAN_MASS);
+  EXPECT_EQ(p.chunking(), v1::CHUNKING_SEMANTIC);
   v1::SessionPolicy want;
   want.set_refine_factor(64);
   want.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);

@@ -38,6 +38,9 @@ v1::CreateSessionRequest Shape(int layers = kLayers, int q = kQ, int kv = kKv, i
   r.mutable_shape()->set_head_dim(d);
   r.mutable_shape()->set_dtype(v1::DTYPE_FP16);
   r.mutable_policy()->set_lossless(true);  // these tests check bytes exactly
+  // ... of whole contiguous chunks (the daemon's default is semantic, with refined rows)
+  r.mutable_policy()->set_chunking(v1::CHUNKING_CONTIGUOUS);
+  r.mutable_policy()->set_refine_factor(1);
   return r;
 }
 
@@ -405,6 +408,7 @@ TEST(Kvtierctl, TablesJsonAndErrors) {
   EXPECT_NE(out.find("\"num_tokens\": \"40\""), std::string::npos) << out;
   v1::SessionPolicy refine;
   refine.set_refine_factor(8);
+  refine.set_refine_score(v1::REFINE_SCORE_MAX);
   refine.set_mass_target(0.95f);
   ASSERT_OK(c->SetPolicy("ctl-session", refine).status());
   std::tie(code, out) = testing::RunCommand(ctl + "session ctl-session");

@@ -71,8 +71,17 @@ struct Fixture {
   std::unique_ptr<Session> session;
 };
 
-inline v1::SessionPolicy Lossless() {
+// The tests below check whole contiguous 16-token chunks against brute force: they say so,
+// the daemon's defaults being semantic chunking and token-level refinement.
+inline v1::SessionPolicy WholeContiguousChunks() {
   v1::SessionPolicy p;
+  p.set_chunking(v1::CHUNKING_CONTIGUOUS);
+  p.set_refine_factor(1);
+  return p;
+}
+
+inline v1::SessionPolicy Lossless() {
+  v1::SessionPolicy p = WholeContiguousChunks();
   p.set_lossless(true);
   return p;
 }
@@ -273,9 +282,9 @@ inline std::set<uint32_t> ExpectedChunks(const Fixture& f, int layer, int head, 
   return ExpectedSelection(f, layer, head, tokens, chunks, budget, seed, sink, window, ranking);
 }
 
-// Default policy (int4 cold chunks), sinks 16, window 64, chunks of 16.
+// The default precision (int4 cold chunks), sinks 16, window 64, whole contiguous chunks of 16.
 inline v1::SessionPolicy Cold(v1::Precision p = v1::PRECISION_INT4) {
-  v1::SessionPolicy policy;
+  v1::SessionPolicy policy = WholeContiguousChunks();
   policy.set_cold_precision(p);
   return policy;
 }
@@ -360,7 +369,7 @@ inline std::vector<std::vector<int64_t>> ExpectRowsAtTheirPositions(Fixture& f, 
 inline constexpr int32_t kDelimiter = 7;
 
 inline v1::SessionPolicy BoundaryPolicy(bool lossless) {
-  v1::SessionPolicy p;
+  v1::SessionPolicy p = WholeContiguousChunks();
   p.set_lossless(lossless);
   p.set_chunking(v1::CHUNKING_BOUNDARY);
   p.add_delimiter_token_ids(kDelimiter);
@@ -393,7 +402,7 @@ inline std::vector<std::vector<int64_t>> BoundaryChunks(const std::vector<int32_
 }
 
 inline v1::SessionPolicy SemanticPolicy(bool lossless) {
-  v1::SessionPolicy p;
+  v1::SessionPolicy p = WholeContiguousChunks();
   p.set_lossless(lossless);
   p.set_chunking(v1::CHUNKING_SEMANTIC);
   return p;

@@ -35,8 +35,12 @@ from llama import Model  # noqa: E402
 from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
+# kvtier: the daemon's defaults (semantic chunks, rows refined from a pool of 8x the budget);
+# kvtier-chunks: whole contiguous chunks, the default before refinement; kvtier-contiguous:
+# contiguous chunks with refinement; the others change one thing of the defaults.
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
-       "kvtier-mean", "kvtier-fp16", "kvtier-summaries", "kvtier-boundary", "kvtier-semantic"]
+       "kvtier-chunks", "kvtier-contiguous", "kvtier-mean", "kvtier-fp16", "kvtier-summaries",
+       "kvtier-boundary"]
 # Token-level refinement: kvtier[-semantic]-refine<factor>[-mass][-p<percent>], e.g.
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
@@ -82,6 +86,12 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                     out.append(Quest(b, window=window(b)))
                 elif name == "kvtier":
                     out.append(Daemon(client, "kvtier", b, window=window(b)))
+                elif name == "kvtier-chunks":
+                    out.append(Daemon(client, name, b, window=window(b), refine_factor=1,
+                                      chunking=pb.CHUNKING_CONTIGUOUS))
+                elif name == "kvtier-contiguous":
+                    out.append(Daemon(client, name, b, window=window(b),
+                                      chunking=pb.CHUNKING_CONTIGUOUS))
                 elif name == "kvtier-mean":
                     out.append(Daemon(client, "kvtier-mean", b, window=window(b),
                                       ranking=pb.RANKING_MEAN))
@@ -95,7 +105,8 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                                       chunking=pb.CHUNKING_SEMANTIC))
                 elif m := REFINE.fullmatch(name):
                     out.append(Daemon(client, name, b, window=window(b),
-                                      chunking=pb.CHUNKING_SEMANTIC if m[1] else 0,
+                                      chunking=(pb.CHUNKING_SEMANTIC if m[1]
+                                                else pb.CHUNKING_CONTIGUOUS),
                                       refine_factor=int(m[2]),
                                       refine_score=(pb.REFINE_SCORE_MEAN_MASS if m[3]
                                                     else pb.REFINE_SCORE_MAX),
@@ -180,7 +191,7 @@ def main(argv=None):
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--scored", type=int, default=512)
-    ap.add_argument("--budgets", default="64,128,256,512")
+    ap.add_argument("--budgets", default="64,128,256,512,1024")
     ap.add_argument("--policies", default=",".join(ALL))
     ap.add_argument("--daemon", help="address of a running kvtierd (default: start one)")
     ap.add_argument("--kvtierd", default=str(ROOT / os.environ.get("KVTIER_BUILD", "build") /

@@ -257,6 +257,10 @@ class Daemon(Policy):
                 else:
                     self.shm_blocks += 1
             pos, k, v = self.client.gather(head, head_dim=d)
+            # Position order (semantic chunks hold rows out of it): attention then sums in the
+            # harness's own order, so reading everything reproduces full attention exactly.
+            order = np.argsort(pos, kind="stable")
+            pos, k, v = pos[order], k[order], v[order]
             qh = q[h * g:(h + 1) * g]
             if head.summaries:
                 mk = np.stack([np.frombuffer(s.mean_key, np.float32) for s in head.summaries])

@@ -116,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
     ap.add_argument("--budgets", default="64,128,256,512")
-    ap.add_argument("--policies", default="full,oracle,window,quest,kvtier,kvtier-semantic")
+    ap.add_argument("--policies", default="full,oracle,window,quest,kvtier,kvtier-chunks")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--kvtierd", default=str(ROOT / os.environ.get("KVTIER_BUILD", "build") /
                                              "bin" / "kvtierd"))

@@ -13,11 +13,11 @@ v1::SessionPolicy BuiltinPolicy() {
   p.set_dense_layers(2);
   p.set_lossless(false);
   p.set_cold_precision(v1::PRECISION_INT4);
-  p.set_chunking(v1::CHUNKING_CONTIGUOUS);
+  p.set_chunking(v1::CHUNKING_SEMANTIC);
   p.set_chunk_tokens(16);
   p.set_ranking(v1::RANKING_LSE_PEAK);
-  p.set_refine_factor(1);  // whole chunks, until a measurement says otherwise
-  p.set_refine_score(v1::REFINE_SCORE_MAX);
+  p.set_refine_factor(8);
+  p.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);
   return p;
 }
 
