@@ -1,8 +1,9 @@
 // Select RPC latency over the Unix socket against a bare Echo RPC carrying the same bytes
 // (request: the query; response: as many bytes as the Select response) on the same channel,
 // interleaved so both see the same machine. Prints p50 and p99 ratios (median over reps), for
-// whole-chunk selection, with the bytes inline, and with token-level refinement
-// (refine_factor 4: select_rpc_p50_refined beside select_rpc_p50).
+// whole-chunk selection (refine_factor 1), with the bytes inline, and with the default
+// token-level refinement (refine_factor 8), its rows gathered into compact blocks
+// (select_rpc_p50_refined) or named in place (row_handles: select_rpc_p50_refined_rows).
 #include <cstdio>
 #include <random>
 
@@ -18,7 +19,8 @@ namespace {
 constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64;  // SmolLM2-135M
 
 void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
-         const std::string& mode, int reps, int iters) {
+         bool row_handles, const std::string& mode, const std::string& suffix, int reps,
+         int iters) {
   std::mt19937 rng(1);
   std::normal_distribution<float> n(0, 1);
   std::vector<float> q(kQ * kD);
@@ -29,6 +31,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   req.set_query(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
   req.set_budget_tokens(budget);
   req.set_include_data(include_data);
+  req.set_row_handles(row_handles);
   auto probe = c.Select(req);
   if (!probe.ok()) {
     std::fprintf(stderr, "select: %s\n", std::string(probe.status().message()).c_str());
@@ -68,7 +71,6 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
                                                {"reps", std::to_string(reps)},
                                                {"iters", std::to_string(iters)},
                                                {"target_ratio", "1.5"}};
-  const std::string suffix = include_data ? "_inline" : mode == "whole chunks" ? "" : "_refined";
   // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
   Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
@@ -82,7 +84,9 @@ int main(int argc, char** argv) {
   auto client = Client::Connect(d.address());
   if (!client.ok()) return 1;
   Client& c = **client;
-  auto s = c.CreateSession(SmolLm2Session());
+  v1::CreateSessionRequest create = SmolLm2Session();
+  create.mutable_policy()->set_refine_factor(1);  // whole chunks first
+  auto s = c.CreateSession(create);
   if (!s.ok()) return 1;
   std::mt19937 rng(2);
   std::normal_distribution<float> n(0, 1);
@@ -102,11 +106,14 @@ int main(int argc, char** argv) {
     }
     if (!c.AppendKV(reqs).ok()) return 1;
   }
-  Run(c, s->session_id(), context, 256, false, "whole chunks", 5, 400);
-  Run(c, s->session_id(), context, 256, true, "whole chunks", 5, 400);
+  Run(c, s->session_id(), context, 256, false, false, "whole chunks", "", 5, 400);
+  Run(c, s->session_id(), context, 256, true, false, "whole chunks", "_inline", 5, 400);
   v1::SessionPolicy refine;
-  refine.set_refine_factor(4);
+  refine.set_refine_factor(8);  // the default
   if (!c.SetPolicy(s->session_id(), refine).ok()) return 1;
-  Run(c, s->session_id(), context, 256, false, "rows, refine_factor 4", 5, 400);
+  Run(c, s->session_id(), context, 256, false, false, "rows of an 8x pool, gathered", "_refined", 5,
+      400);
+  Run(c, s->session_id(), context, 256, false, true, "rows of an 8x pool, row handles",
+      "_refined_rows", 5, 400);
   return 0;
 }

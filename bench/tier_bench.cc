@@ -98,7 +98,8 @@ std::map<std::string, std::string> Params(std::map<std::string, std::string> ext
       {"kv_heads", std::to_string(kKv)},
       {"head_dim", std::to_string(kD)},
       {"tokens", std::to_string(kTokens)},
-      {"policy", "default: int4 cold chunks, contiguous, LSE-peak"}};
+      {"policy",
+       "default: int4 cold chunks, semantic chunks, LSE-peak, rows refined from 8x pools"}};
   p.insert(extra.begin(), extra.end());
   return p;
 }
