@@ -173,6 +173,22 @@ TEST(ResolvePolicy, RefinementKnobsDefaultAndNameTheField) {
   }
   want.set_mass_target(0.9f);
   EXPECT_EQ(ResolvePolicy(want, BuiltinPolicy(), "policy")->mass_target(), 0.9f);
+  // Layer budgets: equal by default; by need only with something that measures it.
+  EXPECT_EQ(ResolvePolicy(want, BuiltinPolicy(), "policy")->layer_budget(), v1::LAYER_BUDGET_EQUAL);
+  want.set_layer_budget(v1::LAYER_BUDGET_BY_NEED);
+  EXPECT_EQ(ResolvePolicy(want, BuiltinPolicy(), "policy")->layer_budget(),
+            v1::LAYER_BUDGET_BY_NEED);
+  want.set_layer_budget(static_cast<v1::LayerBudget>(9));
+  EXPECT_THAT(ResolvePolicy(want, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument, "policy.layer_budget: 9 is not one of"));
+  v1::SessionPolicy whole;
+  whole.set_refine_factor(1);
+  whole.set_layer_budget(v1::LAYER_BUDGET_BY_NEED);
+  EXPECT_THAT(ResolvePolicy(whole, BuiltinPolicy(), "policy"),
+              StatusIs(Code::kInvalidArgument,
+                       "policy.layer_budget: LAYER_BUDGET_BY_NEED needs refinement"));
+  whole.set_mass_target(0.95f);  // a mass target refines within the chunks
+  EXPECT_OK(ResolvePolicy(whole, BuiltinPolicy(), "policy").status());
 }
 
 TEST(ResolveShape, ChecksEveryField) {

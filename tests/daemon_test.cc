@@ -410,12 +410,16 @@ TEST(Kvtierctl, TablesJsonAndErrors) {
   refine.set_refine_factor(8);
   refine.set_refine_score(v1::REFINE_SCORE_MAX);
   refine.set_mass_target(0.95f);
+  refine.set_layer_budget(v1::LAYER_BUDGET_BY_NEED);
   ASSERT_OK(c->SetPolicy("ctl-session", refine).status());
   std::tie(code, out) = testing::RunCommand(ctl + "session ctl-session");
   EXPECT_EQ(code, 0);
-  EXPECT_NE(out.find("rows from a pool of 8x the budget, by max, mass target 0.95"),
+  EXPECT_NE(out.find("rows from a pool of 8x the budget, by max, mass target 0.95, layer "
+                     "budgets by need"),
             std::string::npos)
       << out;
+  EXPECT_NE(out.find("NEED"), std::string::npos) << out;  // and the layers' needs and shares
+  EXPECT_NE(out.find("1.00x"), std::string::npos) << out;
   std::tie(code, out) = testing::RunCommand(ctl + "chunks ctl-session --layer 1");
   EXPECT_EQ(code, 0);
   EXPECT_NE(out.find("32..39"), std::string::npos) << out;

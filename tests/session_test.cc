@@ -1,6 +1,7 @@
 // Session: append, select, leases, fork, device placement and prefetch, against brute force.
 #include "server/session/session.h"
 
+#include "server/session/layer_budget.h"
 #include "server/session/prefetcher.h"
 #include "tests/session_fixture.h"
 
@@ -291,6 +292,157 @@ TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
   EXPECT_TRUE(std::includes(all.begin(), all.end(), most.begin(), most.end()));
   for (int t = 0; t < 16; ++t) EXPECT_TRUE(half.count(t)) << "sink " << t;
   for (int t = 832; t < tokens; ++t) EXPECT_TRUE(half.count(t)) << "window " << t;
+}
+
+// LAYER_BUDGET_BY_NEED: a layer's need is the attention mass its rows miss (brute force in
+// double over every row, the pool being all of the context here: the rows by the group's mean
+// mass over the pool, then their mass and the kept rows' over all rows); its rows beyond the
+// sinks and window follow 0.25 + 0.75 * need / mean need of the equal share, so a peaked
+// layer gives rows to a flat one and the two together keep the budget's total.
+TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
+  Env e;
+  const int tokens = 900;
+  v1::SessionPolicy policy = Lossless();
+  policy.set_refine_factor(16);  // a pool of all the context: 84 + 16 * 76 >= 900
+  policy.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);
+  policy.set_layer_budget(v1::LAYER_BUDGET_BY_NEED);
+  Fixture f = Make(e, 4, 6, 2, 64, tokens, policy, 31);
+  ASSERT_OK(AppendAll(f, tokens, 300));
+  const uint32_t budget = 160;
+  const uint64_t kept = 16 + (tokens - 832), rows_left = budget - kept;
+  const int group = f.qh / f.kvh;
+  // Layer 2 attends sharply (a large query), layer 3 flatly (a small one).
+  const std::map<int, float> scale = {{2, 4.f}, {3, 0.25f}};
+  auto request = [&](int layer) {
+    std::vector<float> q;
+    Query(f, 4, &q);
+    for (float& x : q) x *= scale.at(layer);
+    v1::SelectRequest req = SelectReq(f, layer, budget, 4);
+    req.set_query(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+    req.set_row_handles(true);
+    return std::pair{req, q};
+  };
+  auto need = [&](int layer, const std::vector<float>& q) {
+    double sum = 0;
+    for (int h = 0; h < f.kvh; ++h) {
+      std::vector<std::vector<double>> s(tokens, std::vector<double>(group, 0.0));
+      for (int t = 0; t < tokens; ++t) {
+        for (int g = 0; g < group; ++g) {
+          for (int j = 0; j < f.d; ++j) {
+            s[t][g] += double(q[(size_t(h) * group + g) * f.d + j]) *
+                       HalfToFloat(f.k[layer][(size_t(h) * f.total + t) * f.d + j]);
+          }
+          s[t][g] /= std::sqrt(double(f.d));
+        }
+      }
+      auto kept_row = [](int t) { return t < 16 || t >= 832; };
+      // Softmax over `all` rows or the pool's alone, summed over the group.
+      auto mass = [&](int t, bool all) {
+        double m = 0;
+        for (int g = 0; g < group; ++g) {
+          double z = 0;
+          for (int u = 0; u < tokens; ++u) {
+            if (all || !kept_row(u)) z += std::exp(s[u][g]);
+          }
+          m += std::exp(s[t][g]) / z;
+        }
+        return m;
+      };
+      std::vector<std::pair<double, int>> pool;  // (-score, row)
+      double held = 0;
+      for (int t = 0; t < tokens; ++t) {
+        if (kept_row(t)) {
+          held += mass(t, true) / group;
+        } else {
+          pool.push_back({-mass(t, false), t});
+        }
+      }
+      std::sort(pool.begin(), pool.end());
+      for (size_t i = 0; i < rows_left; ++i) held += mass(pool[i].second, true) / group;
+      sum += 1.0 - held;
+    }
+    return sum / f.kvh;
+  };
+  auto rows = [&](const v1::SelectResponse& resp, int h) {
+    size_t n = 0;
+    for (const v1::BlockHandle& b : resp.heads(h).blocks()) {
+      n += b.rows_size() ? size_t(b.rows_size()) : size_t(b.num_tokens());
+    }
+    return n;
+  };
+  // First Selects: no layer measured yet, so each gets the equal share, and is measured.
+  std::map<int, double> want_need;
+  for (int layer : {2, 3}) {
+    auto [req, q] = request(layer);
+    v1::SelectResponse resp;
+    ASSERT_OK(f.session->Select(req, &resp));
+    for (int h = 0; h < f.kvh; ++h) EXPECT_EQ(rows(resp, h), budget) << "layer " << layer;
+    ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    want_need[layer] = need(layer, q);
+    EXPECT_NEAR(f.session->Layers()[layer].budget_need(), want_need[layer], 1e-4)
+        << "layer " << layer;
+  }
+  ASSERT_LT(want_need[2], want_need[3]);
+  const std::vector<v1::LayerStats> stats = f.session->Layers();
+  const double mean = (stats[2].budget_need() + stats[3].budget_need()) / 2;
+  EXPECT_EQ(stats[0].budget_share(), 1.f);  // dense layers take no part
+  EXPECT_EQ(stats[0].budget_need(), -1.f);
+  for (int layer : {2, 3}) {
+    EXPECT_NEAR(stats[layer].budget_share(), 0.25 + 0.75 * stats[layer].budget_need() / mean, 1e-6);
+  }
+  EXPECT_NEAR(stats[2].budget_share() + stats[3].budget_share(), 2.0, 1e-6);
+  // Now the flat layer gets more rows than the budget and the sharp one fewer, as the shares
+  // say (each Select measures its layer again: the shares as they stand before it).
+  for (int layer : {2, 3}) {
+    const std::vector<v1::LayerStats> now = f.session->Layers();
+    // The share as the daemon computes it, in double from the needs it reports.
+    const double share = 0.25 + 0.75 * double(now[layer].budget_need()) /
+                                    ((double(now[2].budget_need()) + now[3].budget_need()) / 2);
+    EXPECT_NEAR(now[layer].budget_share(), share, 1e-6);
+    auto [req, q] = request(layer);
+    v1::SelectResponse resp;
+    ASSERT_OK(f.session->Select(req, &resp));
+    const size_t want = kept + size_t(std::llround(share * double(rows_left)));
+    for (int h = 0; h < f.kvh; ++h) EXPECT_EQ(rows(resp, h), want) << "layer " << layer;
+    if (layer == 2) EXPECT_LT(want, budget);
+    if (layer == 3) EXPECT_GT(want, budget);
+    ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+  }
+}
+
+// The share arithmetic alone: the average need weighted 0.2 for the newest Select, the equal
+// quarter, unmeasured and dense layers at 1, and the cap at 4x with what it leaves going to
+// the other layers by their need.
+TEST(LayerNeeds, SharesAverageOneAndFollowTheNeed) {
+  LayerNeeds n(6);
+  EXPECT_EQ(n.need(3), -1.f);
+  EXPECT_EQ(n.Share(3, 2), 1.0);
+  n.Record(2, 0.1f);
+  n.Record(3, 0.5f);
+  n.Record(3, 0.0f);  // 0.8 * 0.5 + 0.2 * 0
+  EXPECT_FLOAT_EQ(n.need(3), 0.4f);
+  EXPECT_NEAR(n.Share(2, 2), 0.25 + 0.75 * 0.1 / 0.25, 1e-6);
+  EXPECT_NEAR(n.Share(3, 2), 0.25 + 0.75 * 0.4 / 0.25, 1e-6);
+  EXPECT_EQ(n.Share(4, 2), 1.0);  // not measured yet
+  EXPECT_EQ(n.Share(1, 2), 1.0);  // dense
+  n.Record(4, 0.f);
+  n.Record(5, 0.f);  // mean 0.125
+  EXPECT_NEAR(n.Share(3, 2), 0.25 + 0.75 * 0.4 / 0.125, 1e-6);
+  EXPECT_NEAR(n.Share(2, 2), 0.25 + 0.75 * 0.1 / 0.125, 1e-6);
+  EXPECT_NEAR(n.Share(5, 2), 0.25, 1e-6);
+  LayerNeeds none(4);
+  none.Record(2, 0.f);
+  none.Record(3, 0.f);
+  EXPECT_EQ(none.Share(2, 2), 1.0);  // no layer misses anything: the equal share
+  // One layer missing 1, nine 0.01: at s = 1 it would take 7.1x; capped at 4, the 6 it leaves
+  // for the nine go by their (equal) need: 2/3 each, and the shares still sum to 10.
+  LayerNeeds many(12);
+  for (uint32_t l = 2; l < 12; ++l) many.Record(l, l == 2 ? 1.f : 0.01f);
+  EXPECT_EQ(many.Share(2, 2), LayerNeeds::kMaxShare);
+  double sum = 0;
+  for (uint32_t l = 2; l < 12; ++l) sum += many.Share(l, 2);
+  EXPECT_NEAR(sum, 10.0, 1e-6);
+  EXPECT_NEAR(many.Share(7, 2), 6.0 / 9, 1e-6);
 }
 
 // Past 1024 candidate chunks Select searches the cluster index instead of scanning; the

@@ -154,6 +154,11 @@ TEST(RefineRows, AMassTargetTakesTheSmallestSetReachingIt) {
                              fixed.chunks, target),
                   want)
             << "target " << target << " k " << k << " trial " << trial;
+        // What those rows miss: the mass neither they nor the fixed rows hold.
+        float missed = -1.f;
+        RefineRows(v1::REFINE_SCORE_MAX, HalfKind::kFp16, q, kGroup, kD, p.chunks, k, fixed.chunks,
+                   target, &missed);
+        EXPECT_NEAR(missed, std::max(0.0, 1.0 - held), 1e-5) << "target " << target;
       }
     }
   }

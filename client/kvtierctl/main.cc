@@ -142,6 +142,9 @@ int Run(const Args& a, Client& c) {
     if (p.mass_target() > 0.f) {
       absl::StrAppend(&refinement, absl::StrFormat(", mass target %.2f", p.mass_target()));
     }
+    if (p.layer_budget() == v1::LAYER_BUDGET_BY_NEED) {
+      absl::StrAppend(&refinement, ", layer budgets by need");
+    }
     kv.Add({"refinement", refinement});
     kv.Add({"tokens", absl::StrCat(i.num_tokens())});
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
@@ -154,17 +157,31 @@ int Run(const Args& a, Client& c) {
     kv.Add({"last access", Age(i.last_access_unix_ms(), NowMs())});
     for (const auto& [k, v] : i.labels()) kv.Add({absl::StrCat("label ", k), v});
     std::cout << kv.Render() << "\n";
-    Table layers({"LAYER", "TOKENS", "CHUNKS", "INDEXED", "CLUSTERS", "UNITS", "SCORED"},
-                 {true, true, true, true, true, true, true});
+    // NEED and SHARE (layer budgets by need): the layer's measured need and the multiple of
+    // the equal share of rows it gets.
+    const bool by_need = p.layer_budget() == v1::LAYER_BUDGET_BY_NEED;
+    std::vector<std::string> head = {"LAYER",    "TOKENS", "CHUNKS", "INDEXED",
+                                     "CLUSTERS", "UNITS",  "SCORED"};
+    if (by_need) head.insert(head.end(), {"NEED", "SHARE"});
+    Table layers(head, std::vector<bool>(head.size(), true));
     for (const auto& l : r->layers()) {
       // SCORED: the share of Select's candidate chunks whose score was computed.
       const std::string scored =
           l.select_candidates()
               ? absl::StrFormat("%.1f%%", 100.0 * l.select_chunks_scored() / l.select_candidates())
               : "-";
-      layers.Add({absl::StrCat(l.layer()), absl::StrCat(l.num_tokens()), absl::StrCat(l.chunks()),
-                  absl::StrCat(l.indexed_chunks()), absl::StrCat(l.clusters()),
-                  absl::StrCat(l.units()), scored});
+      std::vector<std::string> row = {absl::StrCat(l.layer()),
+                                      absl::StrCat(l.num_tokens()),
+                                      absl::StrCat(l.chunks()),
+                                      absl::StrCat(l.indexed_chunks()),
+                                      absl::StrCat(l.clusters()),
+                                      absl::StrCat(l.units()),
+                                      scored};
+      if (by_need) {
+        row.push_back(l.budget_need() < 0 ? "-" : absl::StrFormat("%.3f", l.budget_need()));
+        row.push_back(absl::StrFormat("%.2fx", l.budget_share()));
+      }
+      layers.Add(row);
     }
     std::cout << layers.Render();
     return 0;

@@ -18,6 +18,7 @@ v1::SessionPolicy BuiltinPolicy() {
   p.set_ranking(v1::RANKING_LSE_PEAK);
   p.set_refine_factor(8);
   p.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);
+  p.set_layer_budget(v1::LAYER_BUDGET_EQUAL);
   return p;
 }
 
@@ -39,6 +40,7 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.refine_factor() == 0) p.set_refine_factor(defaults.refine_factor());
   if (p.refine_score() == v1::REFINE_SCORE_UNSPECIFIED) p.set_refine_score(defaults.refine_score());
   if (p.mass_target() == 0.f) p.set_mass_target(defaults.mass_target());
+  if (p.layer_budget() == v1::LAYER_BUDGET_UNSPECIFIED) p.set_layer_budget(defaults.layer_budget());
   if (p.delimiter_token_ids().empty()) {
     *p.mutable_delimiter_token_ids() = defaults.delimiter_token_ids();
   }
@@ -80,6 +82,20 @@ absl::StatusOr<v1::SessionPolicy> ResolvePolicy(const v1::SessionPolicy& request
   if (p.refine_score() != v1::REFINE_SCORE_MAX && p.refine_score() != v1::REFINE_SCORE_MEAN_MASS) {
     return bad("refine_score", v1::RefineScore_Name(p.refine_score()),
                "is not one of REFINE_SCORE_MAX, REFINE_SCORE_MEAN_MASS");
+  }
+  switch (p.layer_budget()) {
+    case v1::LAYER_BUDGET_EQUAL:
+      break;
+    case v1::LAYER_BUDGET_BY_NEED:
+      // The need is measured by the refinement; whole chunks leave nothing to measure.
+      if (p.refine_factor() <= 1 && p.mass_target() == 0.f) {
+        return bad("layer_budget", v1::LayerBudget_Name(p.layer_budget()),
+                   "needs refinement (refine_factor above 1 or a mass_target)");
+      }
+      break;
+    default:
+      return bad("layer_budget", static_cast<int>(p.layer_budget()),
+                 "is not one of LAYER_BUDGET_EQUAL, LAYER_BUDGET_BY_NEED");
   }
   switch (p.chunking()) {
     case v1::CHUNKING_CONTIGUOUS:

@@ -56,18 +56,24 @@ std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector
 std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
                                    std::span<const float> queries, int group, int head_dim,
                                    std::span<const RefineChunk> chunks, size_t k,
-                                   std::span<const RefineChunk> fixed, float mass_target) {
+                                   std::span<const RefineChunk> fixed, float mass_target,
+                                   float* missed) {
   CHECK(queries.size() == static_cast<size_t>(group) * head_dim);
   const std::vector<float> logits = Logits(kind, queries, group, head_dim, chunks);
   const size_t total = logits.size() / group;
   const bool by_mass = mass_target > 0.f;
-  std::vector<float> value;
+  // The group's mean softmax weight of each pool row over `fixed` and the pool together.
+  std::vector<float> mass;
   float fixed_mass = 0.f;
-  if (by_mass) {
+  if (by_mass || missed != nullptr) {
     const std::vector<float> fixed_logits = Logits(kind, queries, group, head_dim, fixed);
-    value = SoftmaxMass(logits, fixed_logits, group);
-    for (float& v : value) v /= static_cast<float>(group);  // the group's mean
+    mass = SoftmaxMass(logits, fixed_logits, group);
+    for (float& v : mass) v /= static_cast<float>(group);
     for (float v : SoftmaxMass(fixed_logits, logits, group)) fixed_mass += v / group;
+  }
+  std::vector<float> value;
+  if (by_mass) {
+    value = mass;
   } else if (score == v1::REFINE_SCORE_MEAN_MASS) {
     value = SoftmaxMass(logits, {}, group);
   } else {
@@ -93,7 +99,12 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
     std::partial_sort(order.begin(), order.begin() + take, order.end(), better);
   }
   std::vector<bool> chosen(total, false);
-  for (size_t i = 0; i < take; ++i) chosen[order[i]] = true;
+  double held = fixed_mass;
+  for (size_t i = 0; i < take; ++i) {
+    chosen[order[i]] = true;
+    if (missed != nullptr) held += mass[order[i]];
+  }
+  if (missed != nullptr) *missed = static_cast<float>(std::max(0.0, 1.0 - held));
   std::vector<RefinedRow> out;
   out.reserve(take);
   size_t r = 0;

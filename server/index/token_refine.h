@@ -40,11 +40,15 @@ struct RefinedRow {
 // mass instead, the group's mean softmax weight over the rows of `fixed` (returned anyway:
 // the sinks and the window) and the pool together, and taken best first until they and
 // `fixed` hold mass_target of it, at most k: the smallest such set.
+//
+// With `missed` (a layer's need, for LAYER_BUDGET_BY_NEED), *missed is the share of the
+// group's mean softmax mass over `fixed` and the pool that the rows returned and `fixed` do
+// not hold: what this budget leaves out, the pool standing for the context.
 std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
                                    std::span<const float> queries, int group, int head_dim,
                                    std::span<const RefineChunk> chunks, size_t k,
-                                   std::span<const RefineChunk> fixed = {},
-                                   float mass_target = 0.f);
+                                   std::span<const RefineChunk> fixed = {}, float mass_target = 0.f,
+                                   float* missed = nullptr);
 
 }  // namespace kvtier
 

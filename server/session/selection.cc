@@ -11,13 +11,14 @@ namespace kvtier {
 
 absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
                          v1::RefineScore score, float mass_target, std::span<const float> queries,
-                         int group, LayerChoice* choice) {
+                         int group, LayerChoice* choice, float* need) {
   ASSIGN_OR_RETURN(std::vector<std::vector<SlotRef>> slots,
                    Readable(host, heads, choice->chunks, /*prefetch=*/false));
   const size_t d = host.format.head_dim;
   const size_t kvh = heads.size();
   choice->rows.assign(kvh, {});
   choice->host_slots.assign(kvh, {});
+  float need_sum = 0.f;
   for (size_t h = 0; h < kvh; ++h) {
     const std::vector<uint32_t>& chunks = choice->chunks[h];
     const std::vector<bool>& kept = choice->kept[h];
@@ -27,9 +28,12 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
           .push_back({chunks[i], reinterpret_cast<const uint16_t*>(slots[h][i]->data()),
                       heads[h].chunks()[chunks[i]].num_tokens});
     }
+    float head_need = 0.f;
     const std::vector<RefinedRow> best =
         RefineRows(score, host.format.kind(), queries.subspan(h * group * d, group * d), group,
-                   static_cast<int>(d), pool, choice->rows_left[h], fixed, mass_target);
+                   static_cast<int>(d), pool, choice->rows_left[h], fixed, mass_target,
+                   need != nullptr ? &head_need : nullptr);
+    need_sum += head_need;
     // The kept chunks whole, the pool's chunks with their chosen rows, in chunk order.
     std::vector<uint32_t> out;
     std::vector<std::vector<uint32_t>> rows;
@@ -49,6 +53,7 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     choice->rows[h] = std::move(rows);
     choice->host_slots[h] = std::move(out_slots);
   }
+  if (need != nullptr) *need = kvh ? need_sum / static_cast<float>(kvh) : 0.f;
   return absl::OkStatus();
 }
 

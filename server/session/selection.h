@@ -39,10 +39,11 @@ struct LayerChoice {
 // come from `host` (a cold chunk's dequantized copy is made there if it has none): all or
 // nothing, RESOURCE_EXHAUSTED when the host tier cannot hold them.
 // With `mass_target` above 0, each KV head keeps the fewest rows that, with its kept chunks,
-// hold that share of the estimated mass (RefineRows), within rows_left.
+// hold that share of the estimated mass (RefineRows), within rows_left. With `need`, *need is
+// the layer's need: the estimated mass its rows miss (RefineRows), its KV heads averaged.
 absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
                          v1::RefineScore score, float mass_target, std::span<const float> queries,
-                         int group, LayerChoice* choice);
+                         int group, LayerChoice* choice, float* need = nullptr);
 
 // Rows of one stream's chunks gathered into a block of their own: fp16 K [n][d] then V [n][d]
 // in `slot`, rows in position order.

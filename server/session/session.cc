@@ -1,6 +1,7 @@
 #include "server/session/session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -40,7 +41,8 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
       created_ms_(env.clock->NowMs()),
       policy_(std::move(policy)),
       last_access_ms_(created_ms_),
-      layers_(shape_.num_layers()) {
+      layers_(shape_.num_layers()),
+      needs_(shape_.num_layers()) {
   streams_.reserve(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads());
   for (size_t i = 0; i < static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads(); ++i) {
     streams_.emplace_back(shape_.head_dim());
@@ -148,6 +150,9 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   c.chunks.assign(kvh, {});
   c.kept.assign(kvh, {});
   c.rows_left.assign(kvh, 0);
+  const double share = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED
+                           ? needs_.Share(layer, policy_.dense_layers())
+                           : 1.0;
   for (uint32_t h = 0; h < kvh; ++h) {
     const Stream& s = stream(layer, h);
     if (c.everything) {
@@ -166,7 +171,7 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
                           budget, kept_tokens, policy_.sink_tokens(), policy_.recent_window(),
                           policy_.chunk_tokens(), v1::Chunking_Name(policy_.chunking())));
     }
-    c.rows_left[h] = budget - kept_tokens;
+    c.rows_left[h] = static_cast<uint64_t>(std::llround(share * double(budget - kept_tokens)));
     RankResult r = RankStream(s.stats(), s.index(),
                               RankQuery{.ranking = policy_.ranking(),
                                         .queries = q.subspan(h * group * d, group * d),
@@ -196,9 +201,13 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   ASSIGN_OR_RETURN(LayerChoice c, Choose(layer, q, budget, policy_.refine_factor(), true));
   const bool refine = (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything;
   if (refine) {
-    RETURN_IF_ERROR(RefineLayer(
-        promotion(/*to_device=*/false), heads(layer), policy_.refine_score(), policy_.mass_target(),
-        q, static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c));
+    const bool by_need = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED;
+    float need = 0.f;
+    RETURN_IF_ERROR(RefineLayer(promotion(/*to_device=*/false), heads(layer),
+                                policy_.refine_score(), policy_.mass_target(), q,
+                                static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c,
+                                by_need ? &need : nullptr));
+    if (by_need) needs_.Record(layer, need);
   }
   // Chunks with a row returned: what summaries leave out.
   const std::vector<std::vector<uint32_t>> returned = c.chunks;

@@ -36,6 +36,7 @@
 #include "kvtier/v1/record.pb.h"
 #include "server/common/clock.h"
 #include "server/session/aging.h"
+#include "server/session/layer_budget.h"
 #include "server/session/lease_table.h"
 #include "server/session/promotion.h"
 #include "server/session/selection.h"
@@ -161,8 +162,9 @@ class Session {
   // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
   // the best by the ranking (counted in the layer's stats when `record`) holding
   // `pool_factor` times the budget they leave (1: the selection itself; more: the candidate
-  // pool that token-level refinement narrows). INVALID_ARGUMENT when the sinks and the
-  // window do not fit the budget.
+  // pool that token-level refinement narrows). With LAYER_BUDGET_BY_NEED the budget is the
+  // layers' average and the rows it leaves follow the layer's share (LayerNeeds).
+  // INVALID_ARGUMENT when the sinks and the window do not fit the budget.
   absl::StatusOr<LayerChoice> Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
                                      uint32_t pool_factor, bool record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -179,6 +181,7 @@ class Session {
   bool demoted_ ABSL_GUARDED_BY(mu_) = false;  // closed because it moved to the remote tier
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
+  LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);  // [num_layers * num_kv_heads]
 };
 

@@ -196,6 +196,12 @@ std::vector<v1::LayerStats> Session::Layers() const {
     st.set_depth(indexed ? 2 : 0);  // coarse units, then fine clusters
     st.set_select_candidates(layers_[l].select_candidates);
     st.set_select_chunks_scored(layers_[l].select_scored);
+    if (policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED) {
+      st.set_budget_need(needs_.need(l));
+      st.set_budget_share(static_cast<float>(needs_.Share(l, policy_.dense_layers())));
+    } else {
+      st.set_budget_share(1.f);
+    }
   }
   return out;
 }
