@@ -37,10 +37,11 @@ from policies import Daemon, Full, Oracle, Quest, Window  # noqa: E402
 TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is permitted
 # kvtier: the daemon's defaults (semantic chunks, rows refined from a pool of 8x the budget);
 # kvtier-chunks: whole contiguous chunks, the default before refinement; kvtier-contiguous:
-# contiguous chunks with refinement; the others change one thing of the defaults.
+# contiguous chunks with refinement; the others change one thing of the defaults
+# (kvtier-split: the step's budget shared among the layers by their measured need).
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
        "kvtier-chunks", "kvtier-contiguous", "kvtier-mean", "kvtier-fp16", "kvtier-summaries",
-       "kvtier-boundary"]
+       "kvtier-boundary", "kvtier-split"]
 # Token-level refinement: kvtier[-semantic]-refine<factor>[-mass][-p<percent>], e.g.
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
@@ -111,6 +112,9 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                                       refine_score=(pb.REFINE_SCORE_MEAN_MASS if m[3]
                                                     else pb.REFINE_SCORE_MAX),
                                       mass_target=int(m[4]) / 100 if m[4] else 0.0))
+                elif name == "kvtier-split":
+                    out.append(Daemon(client, name, b, window=window(b),
+                                      layer_budget=pb.LAYER_BUDGET_BY_NEED))
                 elif name == "kvtier-summaries":
                     out.append(Daemon(client, "kvtier-summaries", b, window=window(b),
                                       summaries=True))
@@ -188,7 +192,9 @@ def plots(records, out_dir: Path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--text", default=TEXT)
+    ap.add_argument("--text", default=TEXT,
+                    help="the text, or several joined by commas (read one after the other: "
+                         "an 8K context needs more than GPL-3's 7639 tokens)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--scored", type=int, default=512)
     ap.add_argument("--budgets", default="64,128,256,512,1024")
@@ -208,7 +214,7 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     model = Model()
-    text = Path(a.text).read_text()
+    text = "\n".join(Path(t).read_text() for t in a.text.split(",") if t)
     ids = model.tokenizer.encode(text)
     print(f"model loaded, {len(ids)} tokens of {a.text} ({time.perf_counter() - t0:.1f}s)",
           file=sys.stderr)

@@ -101,22 +101,37 @@ def run(model: Model, pre: Prefill, policy: Policy, measure: bool = True) -> dic
     policy.token_ids = pre.ids
     policy.begin(c, pre.K, pre.V)
     metrics = LayerMetrics(c.num_layers)
+    def step(layer, t, q, k, v):
+        p = cache.append(layer, k, v)
+        policy.on_append(layer, p, k, v)
+        out, selected = policy.attend(layer, p + 1, q, cache)
+        if measure and selected is not None and policy.budget:
+            metrics.add(layer, p + 1, q, out, selected, cache, policy.budget)
+        return out
+
     try:
-        # Layer-major: every scored token's input to a layer is known (teacher forcing), so
-        # a layer's projections run as one product; tokens still go through attention one by
-        # one, each after its own K and V were appended, as in decoding.
         pos = np.arange(P, P + S)
         h = model.embed[pre.ids[P:P + S]]
-        for layer in range(c.num_layers):
-            q, k, v = model.qkv(layer, h, pos)
-            out = np.empty((S, c.num_heads, c.head_dim), np.float32)
+        if policy.token_major:
+            # Token-major, as a decoder runs: each token through every layer before the next,
+            # for a policy whose choice at a layer depends on what the other layers saw of the
+            # same step (layer budgets by need).
             for t in range(S):
-                p = cache.append(layer, k[t], v[t])
-                policy.on_append(layer, p, k[t], v[t])
-                out[t], selected = policy.attend(layer, p + 1, q[t], cache)
-                if measure and selected is not None and policy.budget:
-                    metrics.add(layer, p + 1, q[t], out[t], selected, cache, policy.budget)
-            h = model.finish(layer, h, out)
+                x = h[t:t + 1]
+                for layer in range(c.num_layers):
+                    q, k, v = model.qkv(layer, x, pos[t:t + 1])
+                    x = model.finish(layer, x, step(layer, t, q[0], k[0], v[0])[None])
+                h[t] = x[0]
+        else:
+            # Layer-major: every scored token's input to a layer is known (teacher forcing), so
+            # a layer's projections run as one product; tokens still go through attention one
+            # by one, each after its own K and V were appended, as in decoding.
+            for layer in range(c.num_layers):
+                q, k, v = model.qkv(layer, h, pos)
+                out = np.empty((S, c.num_heads, c.head_dim), np.float32)
+                for t in range(S):
+                    out[t] = step(layer, t, q[t], k[t], v[t])
+                h = model.finish(layer, h, out)
         logits = model.logits(h)
     finally:
         policy.end()

@@ -63,6 +63,10 @@ class Policy:
     budget: int | None = None
     dense_layers = 2
     token_ids: np.ndarray | None = None  # the text's ids, set by the harness before begin
+    # The harness runs each scored token through every layer before the next (as decoding
+    # does) rather than each layer over every token: for a policy whose choice at one layer
+    # depends on the others' in the same step.
+    token_major = False
 
     def begin(self, config, prefill_k: np.ndarray, prefill_v: np.ndarray) -> None:
         """config: the model's Config; prefill K, V [layers][kv_heads][P][d] fp16."""
@@ -201,7 +205,8 @@ class Daemon(Policy):
                  cold_precision: int = 0, sinks: int = SINKS, window: int | None = None,
                  dense_layers: int = 2, summaries: bool = False, placement: str | None = None,
                  ranking: int = 0, chunking: int = 0, delimiters: list[int] | None = None,
-                 refine_factor: int = 0, refine_score: int = 0, mass_target: float = 0.0):
+                 refine_factor: int = 0, refine_score: int = 0, mass_target: float = 0.0,
+                 layer_budget: int = 0):
         self.client = client
         self.name = name
         self.budget = budget
@@ -211,8 +216,11 @@ class Daemon(Policy):
                            cold_precision=cold_precision, ranking=ranking,
                            default_budget=budget or 256, chunking=chunking,
                            delimiter_token_ids=delimiters or [], refine_factor=refine_factor,
-                           refine_score=refine_score, mass_target=mass_target)
+                           refine_score=refine_score, mass_target=mass_target,
+                           layer_budget=layer_budget)
         self.send_ids = bool(delimiters)  # boundary chunking cuts at the ids sent
+        # Layer budgets by need share a step's rows among its layers.
+        self.token_major = layer_budget == pb.LAYER_BUDGET_BY_NEED
         self.dense_layers = dense_layers
         self.summaries = summaries
         self.placement = placement

@@ -51,3 +51,25 @@ def test_mandatory_chunks_follow_the_daemons_rule():
     # 100 tokens, sinks 16, window 32: chunk 0 (sinks) and chunks 4..6 (tokens 68..99).
     assert mandatory_chunks(100, 16, 32).tolist() == [0, 4, 5, 6]
     assert mandatory_chunks(10, 16, 32).tolist() == [0]
+
+
+def test_token_major_runs_match_layer_major_ones(model, small):
+    """Each token through every layer before the next (as a decoder runs) gives the logits
+    of each layer over every token, to float tolerance: only the order of the work differs
+    (one row's products against a whole batch's, whose float sums round differently, and
+    K and V rounded to fp16 after them: 0.015 at most seen over 30 layers)."""
+    ref = run(model, small, Full())
+    token_major = Full()
+    token_major.token_major = True
+    got = run(model, small, token_major)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=5e-2)
+    assert got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-3)
+
+
+def test_layer_budgets_by_need_keep_the_average_budget(model, small, client):
+    """LAYER_BUDGET_BY_NEED moves rows between the layers of a step but not their mean."""
+    split = Daemon(client, "kvtier-split", 128, layer_budget=pb.LAYER_BUDGET_BY_NEED)
+    assert split.token_major  # a step's layers share its budget
+    rec = run(model, small, split)
+    assert abs(rec["tokens_per_head_mean"] - 128) < 2, rec
+    assert 0 < rec["oracle_ratio_p10"] <= rec["oracle_ratio_mean"] <= 1 + 1e-6, rec
