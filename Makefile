@@ -90,11 +90,15 @@ bench: build venv
 	$(BUILD)/bin/kvtier-bench select --tokens 4096,32768,131072 --json | tee bench/out/policies.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
 
-# The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget), then
-# passkey retrieval (4K and 8K haystacks, five depths); it writes bench/out/eval/ and
-# docs/QUALITY.md with its plots. About two hours on 2 cores.
+# The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget), the
+# main policies at 8K tokens of context (budget 256), then passkey retrieval (4K and 8K
+# haystacks, five depths); it writes bench/out/eval/ and docs/QUALITY.md with its plots.
+# About two and a half hours on 2 cores.
 eval: build venv
 	$(PY) bench/model/eval.py --out bench/out/eval $(EVAL_ARGS)
+	$(PY) bench/model/eval.py --out bench/out/eval/8k --context 8192 --no-plots \
+	  --text /usr/share/common-licenses/GPL-3,/usr/share/common-licenses/LGPL-2.1 \
+	  --budgets 256 --policies full,oracle,window,quest,kvtier,kvtier-chunks $(EVAL8K_ARGS)
 	$(PY) bench/model/retrieval.py --out bench/out/eval $(RETRIEVAL_ARGS)
 	$(PY) bench/model/dump.py --context 4096 --out bench/out/eval/qkv.npz
 	$(PY) bench/ranking/compare.py --dump bench/out/eval/qkv.npz --synthetic \

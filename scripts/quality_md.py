@@ -141,6 +141,26 @@ def main(src, docs):
             shutil.copyfile(src / png, docs / "img" / png)
             w(f"## {title}\n\n![{title}](img/{png})\n")
 
+    long_run = src / "8k" / "results.json"
+    if long_run.exists():
+        ld = json.loads(long_run.read_text())
+        lm, lrecs = ld["meta"], ld["records"]
+        lfull = next(r for r in lrecs if r["policy"] == "full")
+        w(f"## {lm['context']} tokens of context\n")
+        w(f"`{lm['command'].strip()}` (commit {lm.get('commit', '?')}): the text "
+          f"`{lm['text']}` ({lm['text_tokens']} tokens), the first {lm['context']} prefilled, "
+          f"the next {lm['scored']} scored, as above.\n")
+        w("| policy | budget | tokens per head | perplexity | vs full | agreement | "
+          "oracle ratio mean | p10 | Select p50 ms |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in lrecs:
+            d = (r["perplexity"] / lfull["perplexity"] - 1) * 100
+            w(f"| {r['policy']} | {r['budget'] or 'all'} | "
+              f"{fmt(r.get('tokens_per_head_mean'), '.1f')} | {r['perplexity']:.3f} | {d:+.2f}% | "
+              f"{r['agreement'] * 100:.1f}% | {fmt(r.get('oracle_ratio_mean'))} | "
+              f"{fmt(r.get('oracle_ratio_p10'))} | {fmt(r.get('select_ms_p50'), '.2f')} |")
+        w("")
+
     ranking = src / "ranking.jsonl"
     if ranking.exists():
         rows = [json.loads(l) for l in ranking.read_text().splitlines() if l.startswith("{")]
