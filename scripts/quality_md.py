@@ -24,6 +24,22 @@ def verdict(ok):
     return "yes" if ok else "no"
 
 
+def policy_table(w, recs, full, extra):
+    """One row per record: the columns every table has, then `extra` (header, key, format)."""
+    heads = ["policy", "budget", "tokens per head", "perplexity", "vs full", "agreement",
+             "oracle ratio mean", "p10"] + [h for h, _, _ in extra]
+    w("| " + " | ".join(heads) + " |")
+    w("| --- | " + " | ".join("---:" for _ in heads[1:]) + " |")
+    for r in recs:
+        d = (r["perplexity"] / full["perplexity"] - 1) * 100
+        cells = [r["policy"], str(r["budget"] or "all"), fmt(r.get("tokens_per_head_mean"), ".1f"),
+                 f"{r['perplexity']:.3f}", f"{d:+.2f}%", f"{r['agreement'] * 100:.1f}%",
+                 fmt(r.get("oracle_ratio_mean")), fmt(r.get("oracle_ratio_p10"))]
+        cells += [fmt(r.get(key), spec) for _, key, spec in extra]
+        w("| " + " | ".join(cells) + " |")
+    w("")
+
+
 def main(src, docs):
     src, docs = Path(src), Path(docs)
     data = json.loads((src / "results.json").read_text())
@@ -121,18 +137,11 @@ def main(src, docs):
       "chunk oracle: the same against the best whole 16-token chunks; output error: "
       "|o_hat - o| / |o| against full attention, beside the oracle's; Select: client-side "
       "latency of the RPC in this run (Python client, 2 busy cores).\n")
-    w("| policy | budget | tokens per head | perplexity | vs full | agreement | oracle ratio mean | "
-      "p10 | chunk oracle | output error | oracle's | Select p50 ms | p99 ms |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in recs:
-        d = (r["perplexity"] / full["perplexity"] - 1) * 100
-        w(f"| {r['policy']} | {r['budget'] or 'all'} | {fmt(r.get('tokens_per_head_mean'), '.1f')} | "
-          f"{r['perplexity']:.3f} | {d:+.2f}% | "
-          f"{r['agreement'] * 100:.1f}% | {fmt(r.get('oracle_ratio_mean'))} | "
-          f"{fmt(r.get('oracle_ratio_p10'))} | {fmt(r.get('chunk_oracle_ratio_mean'))} | "
-          f"{fmt(r.get('output_error_mean'))} | {fmt(r.get('oracle_output_error_mean'))} | "
-          f"{fmt(r.get('select_ms_p50'), '.2f')} | {fmt(r.get('select_ms_p99'), '.2f')} |")
-    w("")
+    policy_table(w, recs, full, [("chunk oracle", "chunk_oracle_ratio_mean", ".3f"),
+                                 ("output error", "output_error_mean", ".3f"),
+                                 ("oracle's", "oracle_output_error_mean", ".3f"),
+                                 ("Select p50 ms", "select_ms_p50", ".2f"),
+                                 ("p99 ms", "select_ms_p99", ".2f")])
 
     (docs / "img").mkdir(parents=True, exist_ok=True)
     for png, title in (("perplexity_vs_budget.png", "Perplexity against budget"),
@@ -150,16 +159,7 @@ def main(src, docs):
         w(f"`{lm['command'].strip()}` (commit {lm.get('commit', '?')}): the text "
           f"`{lm['text']}` ({lm['text_tokens']} tokens), the first {lm['context']} prefilled, "
           f"the next {lm['scored']} scored, as above.\n")
-        w("| policy | budget | tokens per head | perplexity | vs full | agreement | "
-          "oracle ratio mean | p10 | Select p50 ms |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in lrecs:
-            d = (r["perplexity"] / lfull["perplexity"] - 1) * 100
-            w(f"| {r['policy']} | {r['budget'] or 'all'} | "
-              f"{fmt(r.get('tokens_per_head_mean'), '.1f')} | {r['perplexity']:.3f} | {d:+.2f}% | "
-              f"{r['agreement'] * 100:.1f}% | {fmt(r.get('oracle_ratio_mean'))} | "
-              f"{fmt(r.get('oracle_ratio_p10'))} | {fmt(r.get('select_ms_p50'), '.2f')} |")
-        w("")
+        policy_table(w, lrecs, lfull, [("Select p50 ms", "select_ms_p50", ".2f")])
 
     ranking = src / "ranking.jsonl"
     if ranking.exists():
