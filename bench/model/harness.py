@@ -101,7 +101,7 @@ def run(model: Model, pre: Prefill, policy: Policy, measure: bool = True) -> dic
     policy.token_ids = pre.ids
     policy.begin(c, pre.K, pre.V)
     metrics = LayerMetrics(c.num_layers)
-    def step(layer, t, q, k, v):
+    def step(layer, q, k, v):
         p = cache.append(layer, k, v)
         policy.on_append(layer, p, k, v)
         out, selected = policy.attend(layer, p + 1, q, cache)
@@ -120,7 +120,7 @@ def run(model: Model, pre: Prefill, policy: Policy, measure: bool = True) -> dic
                 x = h[t:t + 1]
                 for layer in range(c.num_layers):
                     q, k, v = model.qkv(layer, x, pos[t:t + 1])
-                    x = model.finish(layer, x, step(layer, t, q[0], k[0], v[0])[None])
+                    x = model.finish(layer, x, step(layer, q[0], k[0], v[0])[None])
                 h[t] = x[0]
         else:
             # Layer-major: every scored token's input to a layer is known (teacher forcing), so
@@ -130,7 +130,7 @@ def run(model: Model, pre: Prefill, policy: Policy, measure: bool = True) -> dic
                 q, k, v = model.qkv(layer, h, pos)
                 out = np.empty((S, c.num_heads, c.head_dim), np.float32)
                 for t in range(S):
-                    out[t] = step(layer, t, q[t], k[t], v[t])
+                    out[t] = step(layer, q[t], k[t], v[t])
                 h = model.finish(layer, h, out)
         logits = model.logits(h)
     finally:
