@@ -148,10 +148,11 @@ TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   }
 }
 
-// Token-level refinement: the pool is what the chunk ranking returns for the sinks, the window
-// and refine_factor times the rows they leave of the budget; the rows are the exact best rows
-// of that pool (brute force in double from the appended keys) by each score; the handles
-// name them, and the kept chunks come whole.
+// Token-level refinement: the pool is what the chunk ranking returns for the sinks' and the
+// window's chunks and refine_factor times the rows the sink and window rows leave of the
+// budget; the rows are those sink and window rows and the exact best of the pool's other rows
+// (brute force in double from the appended keys) by each score, the rows before the window in
+// its first chunk among them; the handles name them, and the chunks wholly kept come whole.
 TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
   for (v1::RefineScore score : {v1::REFINE_SCORE_MAX, v1::REFINE_SCORE_MEAN_MASS}) {
     Env e;
@@ -163,7 +164,8 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
     ASSERT_OK(AppendAll(f, tokens, 300));
     const uint32_t budget = 160;
     const uint64_t kept_tokens = 16 + (tokens - 832);  // chunk 0, and chunks 52..56 (window)
-    const uint64_t rows_left = budget - kept_tokens;
+    const int window_start = tokens - 64;               // 836: chunk 52's rows 0..3 are not
+    const uint64_t rows_left = budget - (16 + 64);      // the budget counts the kept rows
     for (auto [seed, row_handles] : {std::pair{4u, true}, {5u, true}, {4u, false}}) {
       SCOPED_TRACE(row_handles ? "row handles" : "gathered blocks");
       v1::SelectResponse resp;
@@ -181,8 +183,8 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
         std::vector<std::vector<double>> logits;
         std::vector<int64_t> rows;
         for (uint32_t c : pool) {
-          if (c == 0 || c >= 52) continue;
-          for (int64_t t = c * 16; t < c * 16 + 16; ++t) {
+          for (int64_t t = c * 16; t < std::min(c * 16 + 16, uint32_t(window_start)); ++t) {
+            if (t < 16) continue;  // a sink
             std::vector<double> s(group, 0.0);
             for (int g = 0; g < group; ++g) {
               for (int j = 0; j < f.d; ++j) {
@@ -211,7 +213,7 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
         std::sort(scored.begin(), scored.end());
         std::set<int64_t> want;
         for (int t = 0; t < 16; ++t) want.insert(t);
-        for (int t = 832; t < tokens; ++t) want.insert(t);
+        for (int t = window_start; t < tokens; ++t) want.insert(t);
         for (size_t i = 0; i < rows_left; ++i) want.insert(scored[i].second);
         std::set<int64_t> got;
         for (const v1::BlockHandle& b : resp.heads(h).blocks()) {
@@ -237,7 +239,7 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
           EXPECT_TRUE(pool.count(c)) << "chunk " << c << " is not in the pool";
           if (!row_handles) EXPECT_EQ(b.rows_size(), 0) << "every handle's rows are all selected";
           EXPECT_EQ(b.positions_size(), int(b.num_tokens()));  // positions cover every row
-          if (c == 0 || c >= 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+          if (c == 0 || c > 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
           for (int r = 0; r < b.rows_size(); ++r) {
             EXPECT_LT(b.rows(r), b.num_tokens());
             if (r > 0) EXPECT_LT(b.rows(r - 1), b.rows(r));
@@ -275,7 +277,7 @@ TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
     std::set<int64_t> got;
     for (const v1::BlockHandle& b : resp.heads(0).blocks()) {
       const uint32_t c = DecodeChunkId(b.chunk_id()).index;
-      if (c == 0 || c >= 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+      if (c == 0 || c > 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
       if (b.rows_size() == 0) {
         for (int64_t p : b.positions()) got.insert(p);
       } else {
@@ -291,7 +293,50 @@ TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
   EXPECT_TRUE(std::includes(most.begin(), most.end(), half.begin(), half.end()));
   EXPECT_TRUE(std::includes(all.begin(), all.end(), most.begin(), most.end()));
   for (int t = 0; t < 16; ++t) EXPECT_TRUE(half.count(t)) << "sink " << t;
-  for (int t = 832; t < tokens; ++t) EXPECT_TRUE(half.count(t)) << "window " << t;
+  for (int t = tokens - 64; t < tokens; ++t) EXPECT_TRUE(half.count(t)) << "window " << t;
+}
+
+// Chunks larger than the window: under refinement the budget counts the sink and window rows,
+// not their chunks, so a budget below those chunks' tokens still serves, with every sink and
+// window row and the rest of the budget from the other rows; without refinement the same
+// budget is INVALID_ARGUMENT naming budget_tokens and the tokens the kept chunks hold.
+TEST(Session, UnderRefinementTheBudgetCountsSinkAndWindowRowsNotChunks) {
+  Env e;
+  const int tokens = 900;
+  v1::SessionPolicy policy = Lossless();
+  policy.set_chunk_tokens(32);
+  policy.set_recent_window(16);
+  policy.set_refine_factor(4);
+  Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, 31);
+  ASSERT_OK(AppendAll(f, tokens, 300));
+  // Kept chunks: 0 (rows 0..31), 27 (864..895) and 28 (896..899): 68 tokens, 32 of them kept rows.
+  const uint32_t budget = 48;
+  v1::SelectResponse resp;
+  v1::SelectRequest req = SelectReq(f, 2, budget, 4);
+  req.set_row_handles(true);
+  ASSERT_OK(f.session->Select(req, &resp));
+  for (int h = 0; h < f.kvh; ++h) {
+    std::set<int64_t> got;
+    for (const v1::BlockHandle& b : resp.heads(h).blocks()) {
+      if (b.rows_size() == 0) {
+        for (int64_t p : b.positions()) got.insert(p);
+      } else {
+        for (uint32_t r : b.rows()) got.insert(b.positions(int(r)));
+      }
+    }
+    EXPECT_EQ(got.size(), budget) << "head " << h;
+    for (int t = 0; t < 16; ++t) EXPECT_TRUE(got.count(t)) << "sink " << t;
+    for (int t = tokens - 16; t < tokens; ++t) EXPECT_TRUE(got.count(t)) << "window " << t;
+  }
+  ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+
+  v1::SessionPolicy whole = policy;
+  whole.set_refine_factor(1);
+  Fixture g = Make(e, 3, 6, 2, 64, tokens, whole, 31);
+  ASSERT_OK(AppendAll(g, tokens, 300));
+  v1::SelectResponse none;
+  EXPECT_THAT(g.session->Select(SelectReq(g, 2, budget, 4), &none),
+              StatusIs(Code::kInvalidArgument, "budget_tokens: 48 is below the 68 tokens"));
 }
 
 // LAYER_BUDGET_BY_NEED: a layer's need is the attention mass its rows miss (brute force in
@@ -303,13 +348,13 @@ TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
   Env e;
   const int tokens = 900;
   v1::SessionPolicy policy = Lossless();
-  policy.set_refine_factor(16);  // a pool of all the context: 84 + 16 * 76 >= 900
+  policy.set_refine_factor(16);  // a pool of all the context: 84 + 16 * 80 >= 900
   policy.set_refine_score(v1::REFINE_SCORE_MEAN_MASS);
   policy.set_layer_budget(v1::LAYER_BUDGET_BY_NEED);
   Fixture f = Make(e, 4, 6, 2, 64, tokens, policy, 31);
   ASSERT_OK(AppendAll(f, tokens, 300));
   const uint32_t budget = 160;
-  const uint64_t kept = 16 + (tokens - 832), rows_left = budget - kept;
+  const uint64_t kept = 16 + 64, rows_left = budget - kept;  // the sink and window rows
   const int group = f.qh / f.kvh;
   // Layer 2 attends sharply (a large query), layer 3 flatly (a small one).
   const std::map<int, float> scale = {{2, 4.f}, {3, 0.25f}};
@@ -335,7 +380,7 @@ TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
           s[t][g] /= std::sqrt(double(f.d));
         }
       }
-      auto kept_row = [](int t) { return t < 16 || t >= 832; };
+      auto kept_row = [&](int t) { return t < 16 || t >= tokens - 64; };
       // Softmax over `all` rows or the pool's alone, summed over the group.
       auto mass = [&](int t, bool all) {
         double m = 0;

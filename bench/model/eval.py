@@ -46,6 +46,7 @@ ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier"
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
 # (the fewest rows holding 95% of the estimated mass, the budget as a cap).
+CHUNK_TOKENS = re.compile(r"kvtier-c(\d+)")
 REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?(?:-p(\d+))?")
 
 
@@ -112,6 +113,9 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                                       refine_score=(pb.REFINE_SCORE_MEAN_MASS if m[3]
                                                     else pb.REFINE_SCORE_MAX),
                                       mass_target=int(m[4]) / 100 if m[4] else 0.0))
+                elif m := CHUNK_TOKENS.fullmatch(name):
+                    out.append(Daemon(client, name, b, window=window(b),
+                                      chunk_tokens=int(m[1])))
                 elif name == "kvtier-split":
                     out.append(Daemon(client, name, b, window=window(b),
                                       layer_budget=pb.LAYER_BUDGET_BY_NEED))

@@ -206,7 +206,7 @@ class Daemon(Policy):
                  dense_layers: int = 2, summaries: bool = False, placement: str | None = None,
                  ranking: int = 0, chunking: int = 0, delimiters: list[int] | None = None,
                  refine_factor: int = 0, refine_score: int = 0, mass_target: float = 0.0,
-                 layer_budget: int = 0):
+                 layer_budget: int = 0, chunk_tokens: int = 0):
         self.client = client
         self.name = name
         self.budget = budget
@@ -217,7 +217,7 @@ class Daemon(Policy):
                            default_budget=budget or 256, chunking=chunking,
                            delimiter_token_ids=delimiters or [], refine_factor=refine_factor,
                            refine_score=refine_score, mass_target=mass_target,
-                           layer_budget=layer_budget)
+                           layer_budget=layer_budget, chunk_tokens=chunk_tokens)
         self.send_ids = bool(delimiters)  # boundary chunking cuts at the ids sent
         # Layer budgets by need share a step's rows among its layers.
         self.token_major = layer_budget == pb.LAYER_BUDGET_BY_NEED

@@ -20,7 +20,7 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   size_t r = 0;
   for (const RefineChunk& c : chunks) {
-    for (uint32_t row = 0; row < c.rows; ++row, ++r) {
+    for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
       std::fill(key.begin(), key.end(), 0.f);
       AddRows(kind, c.keys + row * d, 1, head_dim, key.data());
       for (int h = 0; h < group; ++h) {
@@ -109,7 +109,7 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
   out.reserve(take);
   size_t r = 0;
   for (const RefineChunk& c : chunks) {
-    for (uint32_t row = 0; row < c.rows; ++row, ++r) {
+    for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
       if (chosen[r]) out.push_back({c.chunk, row});
     }
   }

@@ -17,12 +17,14 @@
 
 namespace kvtier {
 
-// One candidate chunk: its index in the stream and its keys, `rows` 2-byte rows of head_dim
-// (`kind`: fp16 or bf16), as attention reads them (dequantized for a cold chunk).
+// One candidate chunk, or a run of its rows: its index in the stream and its keys, 2-byte rows
+// of head_dim (`kind`: fp16 or bf16) as attention reads them (dequantized for a cold chunk).
+// The candidates are its rows [first_row, first_row + rows).
 struct RefineChunk {
   uint32_t chunk;
-  const uint16_t* keys;  // [rows][head_dim]
+  const uint16_t* keys;  // the chunk's row 0: [first_row + rows][head_dim]
   uint32_t rows;
+  uint32_t first_row = 0;
 };
 
 // A chosen row: chunks[i].chunk's row `row`.

@@ -24,9 +24,20 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     const std::vector<bool>& kept = choice->kept[h];
     std::vector<RefineChunk> pool, fixed;
     for (size_t i = 0; i < chunks.size(); ++i) {
-      (kept[chunks[i]] ? fixed : pool)
-          .push_back({chunks[i], reinterpret_cast<const uint16_t*>(slots[h][i]->data()),
-                      heads[h].chunks()[chunks[i]].num_tokens});
+      const Chunk& c = heads[h].chunks()[chunks[i]];
+      const auto* keys = reinterpret_cast<const uint16_t*>(slots[h][i]->data());
+      if (!kept[chunks[i]]) {
+        pool.push_back({chunks[i], keys, c.num_tokens});
+        continue;
+      }
+      // A kept chunk's sink and window rows are fixed; its other rows are candidates.
+      for (uint32_t r = 0; r < c.num_tokens;) {
+        const bool fixed_row = choice->KeptRow(c, r);
+        uint32_t end = r + 1;
+        while (end < c.num_tokens && choice->KeptRow(c, end) == fixed_row) ++end;
+        (fixed_row ? fixed : pool).push_back({chunks[i], keys, end - r, r});
+        r = end;
+      }
     }
     float head_need = 0.f;
     const std::vector<RefinedRow> best =
@@ -34,17 +45,22 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
                    static_cast<int>(d), pool, choice->rows_left[h], fixed, mass_target,
                    need != nullptr ? &head_need : nullptr);
     need_sum += head_need;
-    // The kept chunks whole, the pool's chunks with their chosen rows, in chunk order.
+    // Each chunk with its kept and chosen rows (none: left out; all: whole), in chunk order.
     std::vector<uint32_t> out;
     std::vector<std::vector<uint32_t>> rows;
     std::vector<SlotRef> out_slots;
     size_t next = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
       const uint32_t c = chunks[i];
+      const Chunk& chunk = heads[h].chunks()[c];
       std::vector<uint32_t> chosen;
-      while (next < best.size() && best[next].chunk == c) chosen.push_back(best[next++].row);
-      if (!kept[c] && chosen.empty()) continue;
-      if (kept[c] || chosen.size() == heads[h].chunks()[c].num_tokens) chosen.clear();
+      for (uint32_t r = 0; r < chunk.num_tokens; ++r) {
+        const bool picked = next < best.size() && best[next].chunk == c && best[next].row == r;
+        next += picked ? 1 : 0;
+        if (picked || (kept[c] && choice->KeptRow(chunk, r))) chosen.push_back(r);
+      }
+      if (chosen.empty()) continue;
+      if (chosen.size() == chunk.num_tokens) chosen.clear();
       out.push_back(c);
       rows.push_back(std::move(chosen));
       out_slots.push_back(std::move(slots[h][i]));

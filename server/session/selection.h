@@ -2,12 +2,14 @@
 //
 // Choosing happens in two steps when SessionPolicy.refine_factor is above 1 (or a
 // mass_target is set, which refines within the chunks the budget chose). The chunk
-// ranking (RankStream) picks, beyond the sinks and the recent window (`kept`), a pool of
-// whole chunks holding refine_factor times the rows the budget has left; RefineLayer then
-// scores every row of that pool exactly (RefineRows, on the keys as attention reads them:
-// fp16, dequantized for a cold chunk) and keeps the best rows the budget allows. The kept
-// chunks stay whole; a pool chunk with no chosen row is dropped; the others carry their
-// chosen rows.
+// ranking (RankStream) picks, beyond the chunks holding the sinks and the recent window
+// (`kept`), a pool of whole chunks holding refine_factor times the rows the budget has left;
+// RefineLayer then scores every row of that pool exactly (RefineRows, on the keys as
+// attention reads them: fp16, dequantized for a cold chunk) and keeps the best rows the
+// budget allows. Under refinement the budget counts the sink and window rows themselves, not
+// their whole chunks: a kept chunk's other rows are candidates like the pool's, so a chunk
+// larger than the window costs the budget nothing beyond what it returns. A chunk with no
+// chosen or kept row is dropped; the others carry their rows (all of them: whole).
 #ifndef KVTIER_SERVER_SESSION_SELECTION_H_
 #define KVTIER_SERVER_SESSION_SELECTION_H_
 
@@ -29,9 +31,19 @@ struct LayerChoice {
   // altogether when nothing was refined.
   std::vector<std::vector<std::vector<uint32_t>>> rows;
   std::vector<std::vector<bool>> kept;  // [kv_head][chunk]: a sink or recent-window chunk
-  std::vector<uint64_t> rows_left;      // [kv_head]: the budget beyond the kept chunks
+  // Positions below sink_end are sinks; from window_start on, the recent window.
+  uint64_t sink_end = 0;
+  uint64_t window_start = 0;
+  // [kv_head]: the budget beyond the kept chunks (under refinement: beyond the kept rows)
+  std::vector<uint64_t> rows_left;
   // After RefineLayer: [kv_head][i] the host slot chunks[h][i] was scored from (fp16).
   std::vector<std::vector<SlotRef>> host_slots;
+
+  // Whether row r of a kept chunk is a sink or in the recent window.
+  bool KeptRow(const Chunk& c, uint32_t r) const {
+    const uint64_t p = c.position(r);
+    return p < sink_end || p >= window_start;
+  }
 };
 
 // Refines `choice` (chosen with a pool of refine_factor times rows_left) to rows_left rows per

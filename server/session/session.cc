@@ -147,6 +147,10 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
   LayerChoice c;
   c.everything = layer < policy_.dense_layers() || total <= budget;
+  c.sink_end = sink_end;
+  c.window_start = window_start;
+  // Refinement returns rows, so the sinks and the window cost only their own rows.
+  const bool by_rows = pool_factor > 1 || policy_.mass_target() > 0.f;
   c.chunks.assign(kvh, {});
   c.kept.assign(kvh, {});
   c.rows_left.assign(kvh, 0);
@@ -159,19 +163,21 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
       for (uint32_t i = 0; i < s.chunks().size(); ++i) c.chunks[h].push_back(i);
       continue;
     }
-    // Always returned: every chunk with a row among the sinks or in the recent window.
-    uint64_t kept_tokens = 0;
-    c.kept[h] = s.Kept(sink_end, window_start, &kept_tokens);
-    if (kept_tokens > budget) {
+    // Always returned: every chunk with a row among the sinks or in the recent window (under
+    // refinement only those rows of it, the others being candidates).
+    uint64_t kept_tokens = 0, kept_rows = 0;
+    c.kept[h] = s.Kept(sink_end, window_start, &kept_tokens, &kept_rows);
+    const uint64_t fixed = by_rows ? kept_rows : kept_tokens;
+    if (fixed > budget) {
       return InvalidField(
           "budget_tokens",
-          absl::StrFormat("%d is below the %d tokens of the sink and recent-window "
-                          "chunks (sink_tokens %d, recent_window %d, chunk_tokens "
-                          "%d, %s)",
-                          budget, kept_tokens, policy_.sink_tokens(), policy_.recent_window(),
-                          policy_.chunk_tokens(), v1::Chunking_Name(policy_.chunking())));
+          absl::StrFormat("%d is below the %d tokens of the sink and recent-window %s "
+                          "(sink_tokens %d, recent_window %d, chunk_tokens %d, %s)",
+                          budget, fixed, by_rows ? "rows" : "chunks", policy_.sink_tokens(),
+                          policy_.recent_window(), policy_.chunk_tokens(),
+                          v1::Chunking_Name(policy_.chunking())));
     }
-    c.rows_left[h] = static_cast<uint64_t>(std::llround(share * double(budget - kept_tokens)));
+    c.rows_left[h] = static_cast<uint64_t>(std::llround(share * double(budget - fixed)));
     RankResult r = RankStream(s.stats(), s.index(),
                               RankQuery{.ranking = policy_.ranking(),
                                         .queries = q.subspan(h * group * d, group * d),

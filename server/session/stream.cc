@@ -70,14 +70,20 @@ uint32_t Stream::ChunksEndingBy(uint64_t position) const {
   return (it - 1)->end() <= position ? n : n - 1;
 }
 
-std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens) const {
+std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens,
+                               uint64_t* rows) const {
   std::vector<bool> kept(chunks_.size(), false);
   *tokens = 0;
+  if (rows != nullptr) *rows = 0;
   for (uint32_t c = 0; c < chunks_.size(); ++c) {
     const Chunk& ch = chunks_[c];
     if (ch.position(0) < sink_end || ch.end() > window_start) {
       kept[c] = true;
       *tokens += ch.num_tokens;
+      for (uint32_t r = 0; rows != nullptr && r < ch.num_tokens; ++r) {
+        const uint64_t p = ch.position(r);
+        *rows += p < sink_end || p >= window_start ? 1 : 0;
+      }
     }
   }
   return kept;

@@ -123,8 +123,10 @@ class Stream {
   // How many chunks, from the first, lie wholly before `position` (each of them sealed).
   uint32_t ChunksEndingBy(uint64_t position) const;
   // The chunks with a row among the sinks (< sink_end) or in the recent window (>= window_start,
-  // judged by a chunk's first and last rows); `tokens` receives their tokens.
-  std::vector<bool> Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens) const;
+  // judged by a chunk's first and last rows); `tokens` receives their tokens, and `rows`, when
+  // not null, how many of their rows are sinks or in the window.
+  std::vector<bool> Kept(uint64_t sink_end, uint64_t window_start, uint64_t* tokens,
+                         uint64_t* rows = nullptr) const;
   // The first position in [start, start + count) whose stored rows differ from keys[i] and
   // values[i] (rows of head_dim halves, i = position - start), or nullopt. A cold chunk keeps
   // no exact bytes: a row matches when its codes could have come from it.
