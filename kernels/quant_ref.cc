@@ -30,7 +30,7 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const 
               QuantizeValue(HalfToFloat(keys[t * d + j]), p, levels), L.bits);
     }
   }
-  for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of 32 channels
+  for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of kValueGroup channels
     for (uint32_t g = 0; g < G; ++g) {
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       const QuantParams p = GroupQuantParams(values + t * d + lo, hi - lo, 1, levels);

@@ -28,8 +28,10 @@ TARGETS = [
      "vs memcpy of the same bytes"),
     ("quantize_throughput", ">=", 0.5, "CPU int4/int8 quantize, fp16 bytes in, vs memcpy"),
     ("dequantize_throughput", ">=", 0.5, "CPU dequantize, fp16 bytes out, vs memcpy"),
-    ("stored_bytes_per_old_token", "<=", 0.30, "bytes per cold token per stream (codes, "
-     "scales, zeros, ranking index (sums, peaks, cluster bounds), chunk bookkeeping) vs fp16 K and V"),
+    ("stored_bytes_per_old_token", "<=", 0.33, "bytes per cold token per stream at 128K tokens, "
+     "every byte of what the daemon keeps measured (codes, scales, zeros, chunk statistics "
+     "(sums, peaks), the cluster index, chunk records and slot objects) vs fp16 K and V; the "
+     "target is 0.33x at head_dim 128 and 0.36x at 64 (a row's target_ratio)"),
     ("attention_output_error_int4", None, None, "relative attention-output error of int4 "
      "chunks vs fp16, against int4 with keys per token, on keys with outlier channels "
      "(lower ratio: per-channel keys help)"),
@@ -106,6 +108,8 @@ def main(paths):
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for src, r in rows:
         op, target, _ = target_of(r["name"])
+        if r["name"].startswith("stored_bytes"):  # the target depends on the head_dim
+            target = float(r["parameters"]["target_ratio"])
         ratio = r["ratio"]
         met = "" if target is None else ("yes" if (ratio <= target if op == "<=" else ratio >= target) else "**no**")
         label = r["name"]
@@ -117,6 +121,8 @@ def main(paths):
             tags.append(f"{p['tokens']} tokens")
         if "bits" in p:
             tags.append(f"d {p['head_dim']}, {p['bits']}-bit")
+        if "chunk_tokens" in p and r["name"].startswith("stored_bytes"):
+            tags.append(f"{p['chunk_tokens']}-token chunks")
         if tags:
             label += f" ({', '.join(tags)})"
         goal = f"{op} {target}x" if target is not None else "reported"

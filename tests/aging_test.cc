@@ -46,8 +46,8 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
           EXPECT_EQ(b.keys(), AsBytes(want_k));
           continue;
         }
-        // Keys per channel over the chunk, values per token over 32 channels: the step is at
-        // most the range over levels, rounded up to fp16.
+        // Keys per channel over the chunk, values per token over groups of kValueGroup channels:
+        // the step is at most the range over levels, rounded up to fp16.
         for (uint32_t t = 0; t < b.num_tokens(); ++t) {
           for (int j = 0; j < 64; ++j) {
             float kmin = 1e9, kmax = -1e9, vmin = 1e9, vmax = -1e9;
@@ -55,7 +55,8 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
               kmin = std::min(kmin, HalfToFloat(want_k[u * 64 + j]));
               kmax = std::max(kmax, HalfToFloat(want_k[u * 64 + j]));
             }
-            for (int i = j / 32 * 32; i < j / 32 * 32 + 32; ++i) {
+            const int g = int(kValueGroup);
+            for (int i = j / g * g; i < std::min(64, j / g * g + g); ++i) {
               vmin = std::min(vmin, HalfToFloat(want_v[t * 64 + i]));
               vmax = std::max(vmax, HalfToFloat(want_v[t * 64 + i]));
             }

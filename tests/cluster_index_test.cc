@@ -230,6 +230,31 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
   std::printf("chunks scored per search: %.1f of 4096\n", double(scored) / trials);
 }
 
+// MemoryBytes counts at least what the index must hold, each node's two centers (floats) and
+// four boxes (halves) and each chunk's node, and grows with the chunks; ChunkStats' holds its
+// token counts, sums and peaks.
+TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
+  std::mt19937 rng(3);
+  const std::vector<float> centers = Centers(rng);
+  Stream s;
+  ClusterIndex index(kD);
+  size_t before = index.MemoryBytes();
+  for (int i = 0; i < 2048; ++i) {
+    s.Push(ChunkKeys(Data::kClustered, rng, centers), kT);
+    index.Add(static_cast<uint32_t>(i), s.stats);
+    if (i % 256 == 255) {
+      const size_t now = index.MemoryBytes();
+      const size_t nodes = index.num_clusters() + index.num_units();
+      EXPECT_GE(now, nodes * (2 * kD * sizeof(float) + 4 * kD * 2) + (i + 1) * sizeof(uint32_t));
+      EXPECT_GT(now, before);
+      before = now;
+    }
+  }
+  const size_t n = s.tokens.size();
+  EXPECT_GE(s.stats.MemoryBytes(), n * (sizeof(uint32_t) + 2 * kD * sizeof(float)));
+  EXPECT_LE(s.stats.MemoryBytes(), 2 * n * (sizeof(uint32_t) + 2 * kD * sizeof(float)) + 4096);
+}
+
 TEST(ClusterIndex, AddingTwiceChangesNothingAndOnlyFinalChunksEnter) {
   std::mt19937 rng(1);
   Stream s;

@@ -87,7 +87,7 @@ TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
         for (int which = 0; which < 2; ++which) {
           const float x = HalfToFloat(which ? v[i] : k[i]);
           const float y = HalfToFloat(which ? vr[i] : kr[i]);
-          const float scale = HalfToFloat(which ? vs[t * L.groups() + j / 32] : ks[j]);
+          const float scale = HalfToFloat(which ? vs[t * L.groups() + j / kValueGroup] : ks[j]);
           ASSERT_TRUE(std::isfinite(y));
           const float bound = scale / 2 * (1 + 1e-6f) + HalfUlp(y) + 1e-30f;
           ASSERT_LE(std::fabs(x - y), bound)
@@ -113,9 +113,9 @@ TEST(QuantLayout, SizesAndAlignment) {
   EXPECT_EQ(L.key_codes(), 256u);
   EXPECT_EQ(L.code_bytes(), 512u);
   EXPECT_EQ(L.value_scale(), 768u);
-  EXPECT_EQ(L.value_zero(), 832u);  // 16 tokens x 2 groups x 2 bytes
-  EXPECT_EQ(L.value_codes(), 896u);
-  EXPECT_EQ(L.Bytes(), 1408u);  // vs 4096 bytes of fp16 K and V: 0.344x
+  EXPECT_EQ(L.value_zero(), 800u);  // 16 tokens x 1 group of 64 channels x 2 bytes
+  EXPECT_EQ(L.value_codes(), 832u);
+  EXPECT_EQ(L.Bytes(), 1344u);  // vs 4096 bytes of fp16 K and V: 0.328x
   const QuantLayout odd{36, 3, 4};
   for (uint64_t off : {odd.key_zero(), odd.key_codes(), odd.value_scale(), odd.value_zero(),
                        odd.value_codes(), odd.Bytes()}) {

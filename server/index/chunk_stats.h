@@ -55,6 +55,12 @@ class ChunkStats {
   // keys, say): key_sum and peak are head_dim floats each.
   void Append(uint32_t tokens, const float* key_sum, const float* peak);
 
+  // The heap bytes its arrays hold (their capacities), and the object itself.
+  size_t MemoryBytes() const {
+    return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) +
+           (sums_.capacity() + peaks_.capacity()) * sizeof(float);
+  }
+
   uint32_t final_chunks() const { return final_; }
   // Chunks [0, n) have final statistics. REQUIRES: n <= size(); n never decreases.
   void MarkFinal(uint32_t n);

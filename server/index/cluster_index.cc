@@ -51,6 +51,21 @@ size_t ClusterIndex::num_clusters() const { return clusters_.size(); }
 
 size_t ClusterIndex::num_units() const { return units_.size(); }
 
+size_t ClusterIndex::MemoryBytes() const {
+  auto block = [](const Block& b) {
+    return b.box.capacity() * sizeof(uint16_t) + b.scalars.capacity() * sizeof(float);
+  };
+  size_t bytes = sizeof(*this) + clusters_.capacity() * sizeof(Cluster) +
+                 units_.capacity() * sizeof(Unit) +
+                 (cluster_arena_.capacity() + unit_arena_.capacity()) * sizeof(float) +
+                 block(units_block_) + node_of_.capacity() * sizeof(uint32_t);
+  for (const Cluster& c : clusters_) {
+    if (c.chunks.capacity() > 2 * kClusterChunks + 1) bytes += c.chunks.capacity() * sizeof(uint32_t);
+  }
+  for (const Unit& u : units_) bytes += u.clusters.capacity() * sizeof(uint32_t) + block(u.block);
+  return bytes;
+}
+
 void ClusterIndex::Mean(uint32_t chunk, const ChunkStats& a, float* out) const {
   const float inv = 1.f / static_cast<float>(a.tokens(chunk));
   const float* s = a.key_sum(chunk);

@@ -106,6 +106,9 @@ class ClusterIndex {
   }
   size_t num_chunks() const { return num_chunks_; }
   size_t num_clusters() const;
+  // Every byte the index holds: the object, its arrays' capacities, the clusters' chunk lists
+  // that spill out of their inline room and each unit's lists and block.
+  size_t MemoryBytes() const;
   size_t num_units() const;
 
   // How tight the unit level is for a query whose k-th best score is `threshold`: units whose

@@ -168,7 +168,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
             q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
     }
   }
-  // Values: per token, groups of 32 channels (d % 8 == 0 here). First every group's range,
+  // Values: per token, groups of kValueGroup channels (d % 8 == 0 here). First every group's range,
   // then the parameters 8 groups at a time, then the codes.
   const uint32_t groups = n * G, padded = (groups + 7) / 8 * 8;
   alignas(32) float gmn[64 * 16 + 8], gmx[64 * 16 + 8], gzero[64 * 16 + 8], ginv[64 * 16 + 8];
@@ -210,14 +210,14 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       const __m256 zero = _mm256_set1_ps(gzero[t * G + g]), inv = _mm256_set1_ps(ginv[t * G + g]);
       uint8_t* dst = q.value_codes + (uint64_t{t} * d + lo) / 8 * code_step;
-      if (hi - lo == kValueGroup) {
-        Pack32(Quantize8(LoadHalf8(row + lo), zero, inv, lv),
-               Quantize8(LoadHalf8(row + lo + 8), zero, inv, lv),
-               Quantize8(LoadHalf8(row + lo + 16), zero, inv, lv),
-               Quantize8(LoadHalf8(row + lo + 24), zero, inv, lv), L.bits, dst);
-        continue;
+      uint32_t j = lo;
+      for (; j + 32 <= hi; j += 32, dst += 4 * code_step) {
+        Pack32(Quantize8(LoadHalf8(row + j), zero, inv, lv),
+               Quantize8(LoadHalf8(row + j + 8), zero, inv, lv),
+               Quantize8(LoadHalf8(row + j + 16), zero, inv, lv),
+               Quantize8(LoadHalf8(row + j + 24), zero, inv, lv), L.bits, dst);
       }
-      for (uint32_t j = lo; j < hi; j += 8, dst += code_step) {
+      for (; j < hi; j += 8, dst += code_step) {
         Pack8(Quantize8(LoadHalf8(row + j), zero, inv, lv), L.bits, dst);
       }
     }

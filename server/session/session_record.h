@@ -22,7 +22,8 @@
 
 namespace kvtier {
 
-inline constexpr uint32_t kRecordVersion = 1;
+// 2: cold chunks' value groups of 64 channels (kernels/quant_layout.h).
+inline constexpr uint32_t kRecordVersion = 2;
 
 std::string RecordKey(const std::string& session_id);
 uint64_t Fnv1a64(std::string_view bytes);
