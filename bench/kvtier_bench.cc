@@ -100,7 +100,6 @@ Layout Finish(const Stream& s, std::vector<std::vector<int>> rows) {
   l.lo.assign(nc * kD, 1e30f);
   l.hi.assign(nc * kD, -1e30f);
   l.mandatory.assign(nc, false);
-  l.stats.Reserve(uint32_t(nc));
   std::vector<float> chunk_keys;
   for (size_t c = 0; c < nc; ++c) {
     const std::vector<int>& r = l.rows[c];

@@ -105,6 +105,12 @@ KVTIER_HOST_DEVICE inline float Bf16ToFloat(uint16_t b) {
   return BitsFloat(static_cast<uint32_t>(b) << 16);
 }
 
+// A finite float as bfloat16, rounded to nearest even.
+KVTIER_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
+  const uint32_t bits = FloatBits(f);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // Inf or NaN in a half's bit pattern.
 KVTIER_HOST_DEVICE inline bool HalfIsNonFinite(uint16_t h) { return (h & 0x7c00u) == 0x7c00u; }
 

@@ -15,11 +15,13 @@ namespace {
 constexpr int kD = 64, kT = 16, kGroup = 3;
 
 // Chunks of 16 keys each with the session's statistics: key sums and the key farthest from
-// the mean, kept here for the brute force and in a ChunkStats (final) for the index.
+// the mean, in a ChunkStats (final, so compact: 2-byte floats of `kind`) for the index, and as
+// floats here. The linear scan reads the ChunkStats, as a stream's ranking does.
 struct Stream {
+  explicit Stream(HalfKind kind = HalfKind::kFp16) : stats(kD, kind) {}
   std::vector<float> sums, peaks;
   std::vector<uint32_t> tokens;
-  ChunkStats stats{kD};
+  ChunkStats stats;
 
   void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
     std::vector<float> sum(kD, 0.f), mean(kD);
@@ -87,8 +89,7 @@ std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, c
   std::vector<ChunkCandidate> cands;
   for (uint32_t c = 0; c < s.tokens.size(); ++c) {
     if (c < skip.size() && skip[c]) continue;
-    cands.push_back(
-        {c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c], &s.peaks[size_t(c) * kD]});
+    cands.push_back(s.stats.candidate(c));
   }
   return SelectChunks(ranking, q, kGroup, kD, cands, k * kT);
 }
@@ -108,7 +109,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
     SCOPED_TRACE(by_peak ? "clustered by mean and peak" : "clustered by mean");
     std::mt19937 rng(static_cast<int>(GetParam()) + 1);
     const std::vector<float> centers = Centers(rng);
-    Stream s;
+    Stream s(GetParam() == Data::kBeyondHalf ? HalfKind::kBf16 : HalfKind::kFp16);
     ClusterIndex::Options options;
     options.cluster_by_peak = by_peak;
     ClusterIndex index(kD, options);
@@ -136,8 +137,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
             // reaches it, and the clusters of the answer all reach it.
             if (answer.size() == k) {
               const uint32_t last = answer.back();
-              const ChunkCandidate c{last, s.tokens[last], &s.sums[size_t(last) * kD],
-                                     1.f / s.tokens[last], &s.peaks[size_t(last) * kD]};
+              const ChunkCandidate c = s.stats.candidate(last);
               const float kth = r == v1::RANKING_LSE_PEAK ? LsePeakScore(q, kGroup, c, kD)
                                                           : MeanScore(q, kGroup, c, kD);
               const ClusterIndex::UnitProfile profile = index.ProfileUnits(r, q, kGroup, kth);
@@ -161,7 +161,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
 TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
   std::mt19937 rng(static_cast<int>(GetParam()) + 11);
   const std::vector<float> centers = Centers(rng);
-  Stream s;
+  Stream s(GetParam() == Data::kBeyondHalf ? HalfKind::kBf16 : HalfKind::kFp16);
   ClusterIndex index(kD);
   std::vector<bool> indexed;
   for (int i = 0; i < 900; ++i) {
@@ -182,8 +182,7 @@ TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
     std::vector<ChunkCandidate> all, extras;
     for (uint32_t c = 0; c < s.tokens.size(); ++c) {
       if (skip[c]) continue;
-      const ChunkCandidate cand{c, s.tokens[c], &s.sums[size_t(c) * kD], 1.f / s.tokens[c],
-                                &s.peaks[size_t(c) * kD]};
+      const ChunkCandidate cand = s.stats.candidate(c);
       all.push_back(cand);
       if (!indexed[c]) extras.push_back(cand);
     }
@@ -232,7 +231,7 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
 
 // MemoryBytes counts at least what the index must hold, each node's two centers (floats) and
 // four boxes (halves) and each chunk's node, and grows with the chunks; ChunkStats' holds its
-// token counts, sums and peaks.
+// token counts, means and peaks, and no more than twice that.
 TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
   std::mt19937 rng(3);
   const std::vector<float> centers = Centers(rng);
@@ -251,8 +250,10 @@ TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
     }
   }
   const size_t n = s.tokens.size();
-  EXPECT_GE(s.stats.MemoryBytes(), n * (sizeof(uint32_t) + 2 * kD * sizeof(float)));
-  EXPECT_LE(s.stats.MemoryBytes(), 2 * n * (sizeof(uint32_t) + 2 * kD * sizeof(float)) + 4096);
+  // Every chunk final, so compact: a count and two vectors of halves each.
+  EXPECT_EQ(s.stats.compact_chunks(), n);
+  EXPECT_GE(s.stats.MemoryBytes(), n * (sizeof(uint32_t) + 2 * kD * sizeof(uint16_t)));
+  EXPECT_LE(s.stats.MemoryBytes(), 2 * n * (sizeof(uint32_t) + 2 * kD * sizeof(uint16_t)) + 4096);
 }
 
 TEST(ClusterIndex, AddingTwiceChangesNothingAndOnlyFinalChunksEnter) {

@@ -90,7 +90,57 @@ TEST(ChunkStats, FinalChunksNeverChangeAndCopiesStartUnfinal) {
   EXPECT_EQ(copy.size(), 2u);
   EXPECT_EQ(copy.final_chunks(), 0u);
   EXPECT_EQ(copy.tokens(1), 17u);
-  EXPECT_TRUE(std::equal(copy.key_sum(0), copy.key_sum(0) + 2 * kD, s.key_sum(0)));
+  // The final chunk stays compact in the copy; the other keeps its float sum.
+  EXPECT_EQ(copy.compact_chunks(), 1u);
+  std::vector<float> m0(kD), m1(kD);
+  s.Mean(0, m0.data());
+  copy.Mean(0, m1.data());
+  EXPECT_EQ(m0, m1);
+  EXPECT_TRUE(std::equal(copy.key_sum(1), copy.key_sum(1) + kD, s.key_sum(1)));
+  EXPECT_DEATH(copy.AddRows(0, HalfKind::kFp16, a.data(), 1), "final");
+}
+
+// A final chunk is held compact, in the stream's kind: its mean rounded once from the sum (within
+// half a unit in the last place of the double mean), its peak exactly the row it was; the
+// candidate then points at the compact vectors, and scores as the float one did to rounding.
+TEST(ChunkStats, FinalChunksAreCompactHalvesOfTheirKind) {
+  for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> g(1.f, 3.f);
+    std::vector<uint16_t> rows(size_t(16) * kD);
+    for (auto& h : rows) h = kind == HalfKind::kFp16 ? FloatToHalf(g(rng)) : FloatToBf16(g(rng));
+    auto widen = [&](uint16_t h) { return kind == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h); };
+    ChunkStats s(kD, kind);
+    s.Recompute(0, kind, rows.data(), 16);
+    s.Recompute(1, kind, rows.data(), 16);
+    const ChunkCandidate loose = s.candidate(0);
+    std::vector<float> peak(s.peak(0), s.peak(0) + kD);
+    const auto q = std::vector<float>(kGroup * kD, 0.5f);
+    const float loose_score = LsePeakScore(q, kGroup, loose, kD);
+    s.MarkFinal(1);
+    EXPECT_EQ(s.compact_chunks(), 1u);
+    const ChunkCandidate c = s.candidate(0);
+    ASSERT_NE(c.mean_h, nullptr);
+    ASSERT_NE(c.peak_h, nullptr);
+    EXPECT_EQ(c.key_sum, nullptr);
+    EXPECT_EQ(c.tokens, 16u);
+    std::vector<float> mean(kD), got_peak(kD);
+    s.Mean(0, mean.data());
+    s.Peak(0, got_peak.data());
+    for (int j = 0; j < kD; ++j) {
+      double want = 0;
+      for (int r = 0; r < 16; ++r) want += widen(rows[r * kD + j]);
+      want /= 16;
+      const double ulp = kind == HalfKind::kFp16 ? std::ldexp(1.0, std::ilogb(want) - 10)
+                                                 : std::ldexp(1.0, std::ilogb(want) - 7);
+      EXPECT_LE(std::fabs(mean[j] - want), 0.5 * ulp + 1e-6) << j;
+      EXPECT_EQ(widen(c.mean_h[j]), mean[j]);
+      EXPECT_EQ(got_peak[j], peak[j]) << j;  // a row: exact in its own kind
+    }
+    EXPECT_NEAR(LsePeakScore(q, kGroup, c, kD), loose_score, 1e-2 * std::fabs(loose_score) + 1e-3);
+    EXPECT_DEATH(s.key_sum(0), "compact");
+    EXPECT_NE(s.candidate(1).key_sum, nullptr);  // not final: floats still
+  }
 }
 
 // A stream's statistics, random: chunks of `size(c)` tokens around 24 directions.

@@ -88,6 +88,31 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b
   return out;
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Widen8(HalfKind kind, const uint16_t* h) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  return kind == HalfKind::kFp16
+             ? _mm256_cvtph_ps(x)
+             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, const float* a,
+                                                             const uint16_t* h, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), Widen8(kind, h + j + 8), acc1);
+  }
+  for (; j + 8 <= n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  float out = _mm_cvtss_f32(s);
+  for (; j < n; ++j) out += a[j] * (kind == HalfKind::kFp16 ? HalfToFloat(h[j]) : Bf16ToFloat(h[j]));
+  return out;
+}
+
 // Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -415,6 +440,23 @@ float (*const kDot)(const float*, const float*, int) = HaveAvx2Fma() ? DotAvx2 :
 }  // namespace
 
 float Dot(const float* a, const float* b, int n) { return kDot(a, b, n); }
+
+float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n) {
+  float s = 0.f;
+  for (int j = 0; j < n; ++j) {
+    s += a[j] * (kind == HalfKind::kFp16 ? HalfToFloat(h[j]) : Bf16ToFloat(h[j]));
+  }
+  return s;
+}
+
+namespace {
+float (*const kDotHalves)(HalfKind, const float*, const uint16_t*, int) =
+    HaveAvx2Fma() && HaveAvx2F16c() ? DotHalvesAvx2 : DotHalvesScalar;
+}  // namespace
+
+float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
+  return kDotHalves(kind, a, h, n);
+}
 
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width) {

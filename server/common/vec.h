@@ -26,6 +26,10 @@ bool AddRowsIsVectorized();
 // two agree to rounding, not bit for bit.
 float Dot(const float* a, const float* b, int n);
 float DotScalar(const float* a, const float* b, int n);
+// a . h over n floats and n 2-byte floats of `kind` (exactly widened): the ranking's dot
+// product with a chunk's compact statistics. The same caveat as Dot between the two paths.
+float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n);
+float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j

@@ -26,10 +26,9 @@ const float* FarthestRow(const float* rows, uint32_t n, int d, const float* mean
 float MeanScore(std::span<const float> queries, int group, const ChunkCandidate& c, int head_dim) {
   float best = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < group; ++h) {
-    best = std::max(best,
-                    Dot(queries.data() + static_cast<size_t>(h) * head_dim, c.key_sum, head_dim));
+    best = std::max(best, MeanDot(queries.data() + static_cast<size_t>(h) * head_dim, c, head_dim));
   }
-  return best * c.scale;  // scale > 0 commutes with the max
+  return best;
 }
 
 namespace {
@@ -74,8 +73,8 @@ void LsePeakScores(std::span<const float> queries, int group,
       const float log_rest = LogRest(c.tokens);
       for (int h = 0; h < group; ++h) {
         const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-        const float a = Dot(q, c.key_sum, head_dim) * c.scale * inv_sqrt_d + log_rest;
-        const float b = Dot(q, c.peak, head_dim) * inv_sqrt_d;
+        const float a = MeanDot(q, c, head_dim) * inv_sqrt_d + log_rest;
+        const float b = PeakDot(q, c, head_dim) * inv_sqrt_d;
         const int k = i * group + h;
         hi[k] = std::max(a, b);
         t[k] = std::min(a, b) - hi[k];

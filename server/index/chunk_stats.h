@@ -1,15 +1,23 @@
-// What a stream's ranking knows of its chunks: per chunk its token count, the sum of its keys
-// and its peak key (the key farthest from the mean), computed on the rows attention reads (the
+// What a stream's ranking knows of its chunks: per chunk its token count, its mean key and its
+// peak key (the key farthest from the mean), computed on the rows attention reads (the
 // dequantized keys of a cold chunk), and how many of the chunks have final statistics.
 //
-//   tokens  uint32 [chunks]
-//   sums    float  [chunks][head_dim]   sum of the chunk's keys (mean = sum / tokens)
-//   peaks   float  [chunks][head_dim]   zeros until the chunk's peak is computed
+// Two forms, chunk by chunk in order. A chunk whose statistics are final is held compact: its
+// mean and peak as 2-byte floats of the stream's kind (fp16 or bf16; a peak is one of the
+// chunk's rows, so it is exact, and the mean is rounded once), half the bytes of floats. The
+// chunks after those (the recent window, and chunks aging has not finished) keep a float sum
+// and peak, which appends grow:
 //
-// The arrays are contiguous, chunk by chunk, so that a scan reads them in order. Statistics are
-// final for the chunks [0, final_chunks()): they no longer change, and only those may enter a
-// cluster index (whose bounds assume fixed statistics). Changing a final chunk is a broken
-// invariant (CHECK).
+//   tokens    uint32 [chunks]
+//   means_h   half   [compact][head_dim]     the compact chunks [0, compact_chunks())
+//   peaks_h   half   [compact][head_dim]
+//   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
+//   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
+//
+// The ranking reads either form through ChunkCandidate. Statistics are final for the chunks
+// [0, final_chunks()): they no longer change, and only those may enter a cluster index (whose
+// bounds assume fixed statistics). Changing a final or compact chunk is a broken invariant
+// (CHECK). A fork's copy keeps the compact chunks it copies compact, none of them final yet.
 //
 // Not thread-safe: its stream's owner serializes access.
 #ifndef KVTIER_SERVER_INDEX_CHUNK_STATS_H_
@@ -19,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 
@@ -26,17 +35,24 @@ namespace kvtier {
 
 class ChunkStats {
  public:
-  explicit ChunkStats(int head_dim) : d_(head_dim) {}
+  explicit ChunkStats(int head_dim, HalfKind kind = HalfKind::kFp16) : d_(head_dim), kind_(kind) {}
 
   int head_dim() const { return d_; }
+  HalfKind kind() const { return kind_; }
   uint32_t size() const { return static_cast<uint32_t>(tokens_.size()); }
   uint32_t tokens(uint32_t c) const { return tokens_[c]; }
-  const float* key_sum(uint32_t c) const { return &sums_[static_cast<size_t>(c) * d_]; }
-  const float* peak(uint32_t c) const { return &peaks_[static_cast<size_t>(c) * d_]; }
+  // Chunk c's mean key and peak as head_dim floats into out (the compact halves widened).
+  void Mean(uint32_t c, float* out) const;
+  void Peak(uint32_t c, float* out) const;
+  // The float sum and peak of a chunk that is not compact.
+  const float* key_sum(uint32_t c) const;
+  const float* peak(uint32_t c) const;
   // The chunk as the ranking scores it (ChunkCandidate points into these arrays).
-  ChunkCandidate candidate(uint32_t c) const {
-    return {c, tokens_[c], key_sum(c), 1.f / static_cast<float>(tokens_[c]), peak(c)};
-  }
+  ChunkCandidate candidate(uint32_t c) const;
+  // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak), and how many.
+  const void* mean_data(uint32_t c) const;
+  const void* peak_data(uint32_t c) const;
+  size_t vector_bytes(uint32_t c) const;
 
   // Adds n key rows ([n][head_dim] halves of `kind`) to chunk c's sum and token count; c ==
   // size() appends a chunk first. The peak is left as it is.
@@ -45,37 +61,42 @@ class ChunkStats {
   void Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
   // Chunk c's peak from its n rows, which its sum already covers.
   void ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows);
-  // Room for n chunks without reallocating (a caller that knows how many will come).
-  void Reserve(uint32_t n) {
-    tokens_.reserve(n);
-    sums_.reserve(static_cast<size_t>(n) * d_);
-    peaks_.reserve(static_cast<size_t>(n) * d_);
-  }
   // Appends a chunk of `tokens` tokens whose statistics were computed elsewhere (from float
   // keys, say): key_sum and peak are head_dim floats each.
   void Append(uint32_t tokens, const float* key_sum, const float* peak);
 
-  // The heap bytes its arrays hold (their capacities), and the object itself.
-  size_t MemoryBytes() const {
-    return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) +
-           (sums_.capacity() + peaks_.capacity()) * sizeof(float);
-  }
-
   uint32_t final_chunks() const { return final_; }
-  // Chunks [0, n) have final statistics. REQUIRES: n <= size(); n never decreases.
+  uint32_t compact_chunks() const { return compact_; }
+  // Chunks [0, n) have final statistics, and are made compact. REQUIRES: n <= size(); n never
+  // decreases.
   void MarkFinal(uint32_t n);
 
   // The first n chunks of `from` (a fork's shared chunks), none of them final yet here: the
   // copy's owner marks them final as its own index takes them in.
   void CopyPrefix(const ChunkStats& from, uint32_t n);
 
+  // The heap bytes its arrays hold (their capacities), and the object itself.
+  size_t MemoryBytes() const {
+    return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) +
+           (means_h_.capacity() + peaks_h_.capacity()) * sizeof(uint16_t) +
+           (sums_.capacity() + peaks_.capacity()) * sizeof(float);
+  }
+
  private:
   void Grow(uint32_t c);
+  size_t Loose(uint32_t c) const { return static_cast<size_t>(c - compact_) * d_; }
+  float Widen(uint16_t h) const {
+    return kind_ == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h);
+  }
+  uint16_t Narrow(float x) const;
 
   int d_;
+  HalfKind kind_;
   std::vector<uint32_t> tokens_;
+  std::vector<uint16_t> means_h_, peaks_h_;
   std::vector<float> sums_;
   std::vector<float> peaks_;
+  uint32_t compact_ = 0;
   uint32_t final_ = 0;
 };
 

@@ -67,16 +67,16 @@ size_t ClusterIndex::MemoryBytes() const {
 }
 
 void ClusterIndex::Mean(uint32_t chunk, const ChunkStats& a, float* out) const {
-  const float inv = 1.f / static_cast<float>(a.tokens(chunk));
-  const float* s = a.key_sum(chunk);
-  for (int j = 0; j < d_; ++j) out[j] = s[j] * inv;
+  a.Mean(chunk, out);
 }
 
-const float* ClusterIndex::Peak(uint32_t chunk, const ChunkStats& a) const { return a.peak(chunk); }
+void ClusterIndex::Peak(uint32_t chunk, const ChunkStats& a, float* out) const {
+  a.Peak(chunk, out);
+}
 
 void ClusterIndex::ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const {
   Mean(chunk, a, out);
-  std::copy_n(Peak(chunk, a), d_, out + d_);
+  Peak(chunk, a, out + d_);
 }
 
 void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
@@ -88,11 +88,12 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
     b.slot = static_cast<uint32_t>(arena.size() / (kParts * d));
     arena.resize(arena.size() + kParts * d);
   }
-  std::vector<float> means(chunks.size() * d);
+  std::vector<float> means(chunks.size() * d), peaks(chunks.size() * d);
   std::vector<double> mc(d, 0.0), pc(d, 0.0);
   for (size_t i = 0; i < chunks.size(); ++i) {
     Mean(chunks[i], a, &means[i * d]);
-    const float* p = Peak(chunks[i], a);
+    Peak(chunks[i], a, &peaks[i * d]);
+    const float* p = &peaks[i * d];
     for (size_t j = 0; j < d; ++j) {
       mc[j] += means[i * d + j];
       pc[j] += p[j];
@@ -119,7 +120,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   }
   for (size_t i = 0; i < chunks.size(); ++i) {
     const float* mu = &means[i * d];
-    const float* p = Peak(chunks[i], a);
+    const float* p = &peaks[i * d];
     WidenBounds(b, a.tokens(chunks[i]), mu, p);
     for (size_t j = 0; j < d; ++j) {
       box[kMuHi * d + j] = std::max(box[kMuHi * d + j], mu[j]);
@@ -144,7 +145,8 @@ void ClusterIndex::WidenBounds(Bounds& b, uint32_t tokens, const float* mu, cons
 }
 
 void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a) {
-  const float* p = Peak(chunk, a);
+  float p[kMaxHeadDim];
+  Peak(chunk, a, p);
   WidenBounds(b, a.tokens(chunk), mu, p);
   WidenBoxes(l, mu, p);
   SetScalars(l, b);
@@ -424,7 +426,7 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
 
 std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
   std::vector<int> seen(node_of_.size(), 0);
-  std::vector<float> mu(d_);
+  std::vector<float> mu(d_), peak(d_);
   // Each node's bounds and its lane (the only copy of its boxes) cover each of its chunks:
   // radii, boxes (unless the lane is marked unbounded), token counts; and the lane's scalars
   // are those of its bounds.
@@ -432,7 +434,8 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
   auto covers = [&](const Bounds& b, const Block& blk, uint32_t lane, uint32_t ch) -> std::string {
     if (lane >= blk.cap) return "no lane";
     Mean(ch, a, mu.data());
-    const float* p = Peak(ch, a);
+    Peak(ch, a, peak.data());
+    const float* p = peak.data();
     if (Dist(mu.data(), Part(b, kMuCenter), d_) > b.mu_radius) return "mean outside radius";
     if (Dist(p, Part(b, kPeakCenter), d_) > b.peak_radius) return "peak outside radius";
     auto box = [&](int part, int j) {

@@ -227,7 +227,7 @@ class ClusterIndex {
   };
 
   void Mean(uint32_t chunk, const ChunkStats& a, float* out) const;
-  const float* Peak(uint32_t chunk, const ChunkStats& a) const;
+  void Peak(uint32_t chunk, const ChunkStats& a, float* out) const;
   // [mean | peak] of a chunk: 2 * head_dim floats into out.
   void ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const;
   // Recomputes b and its lane from scratch over these chunks: centers, radii, boxes, tokens.

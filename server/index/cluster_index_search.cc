@@ -40,8 +40,8 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
 
 void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkStats& a) const {
   for (uint32_t ch : c.chunks) {
-    PrefetchBytes(a.key_sum(ch), d_ * sizeof(float));
-    PrefetchBytes(Peak(ch, a), d_ * sizeof(float));
+    PrefetchBytes(a.mean_data(ch), a.vector_bytes(ch));
+    PrefetchBytes(a.peak_data(ch), a.vector_bytes(ch));
   }
 }
 

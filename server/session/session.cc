@@ -45,7 +45,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
       needs_(shape_.num_layers()) {
   streams_.reserve(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads());
   for (size_t i = 0; i < static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads(); ++i) {
-    streams_.emplace_back(shape_.head_dim());
+    streams_.emplace_back(shape_.head_dim(), FormatOf(shape_, policy_).kind());
   }
 }
 

@@ -107,7 +107,9 @@ struct AppendPlan {
 
 class Stream {
  public:
-  explicit Stream(uint32_t head_dim) : stats_(static_cast<int>(head_dim)) {}
+  // `kind`: the session's 2-byte float, which the compact statistics keep (ChunkStats).
+  explicit Stream(uint32_t head_dim, HalfKind kind = HalfKind::kFp16)
+      : stats_(static_cast<int>(head_dim), kind) {}
   Stream(Stream&&) = default;
   Stream& operator=(Stream&&) = default;
 

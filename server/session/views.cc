@@ -90,8 +90,9 @@ void AddSummaries(const Stream& s, const ChunkFormat& f, const std::vector<uint3
     Group& grp = groups[g];
     const uint32_t n = s.chunks()[c].num_tokens;
     grp.tokens += n;
-    const float* key_sum = s.stats().key_sum(c);
-    for (int j = 0; j < d; ++j) grp.key_sum[j] += key_sum[j];
+    std::vector<float> mean(d);
+    s.stats().Mean(c, mean.data());
+    for (int j = 0; j < d; ++j) grp.key_sum[j] += mean[j] * static_cast<float>(n);
     const uint16_t* v_rows = f.Fp16Rows(s.chunks()[c], scratch) + static_cast<size_t>(n) * d;
     AddRows(f.kind(), v_rows, static_cast<int>(n), d, grp.value_sum.data());
   }
