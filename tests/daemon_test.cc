@@ -2,6 +2,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <cstring>
 #include <set>
 #include <thread>
 
@@ -270,6 +271,89 @@ TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   ASSERT_OK_AND_ASSIGN(existed, c->CloseSession(sid));
   EXPECT_FALSE(existed);
   EXPECT_THAT(c->Select(Select(sid, 0, 8)), StatusIs(Code::kNotFound));
+}
+
+// One bad or hostile call costs its caller an error and nobody else anything: each request
+// below crashed the daemon, or took memory no limit counted, before its cost was bounded.
+TEST(Daemon, OneHostileRequestCostsItsCallerAnErrorAndNothingElse) {
+  const int port = testing::FreePort();
+  DaemonProcess d({"--max_message_size", "1M", "--metrics_port", std::to_string(port)});
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  Data data = MakeData(1400);
+  for (int at = 0; at < 1400; at += 700) {  // messages within 1 MiB
+    ASSERT_OK(c->AppendKV(AllLayers(sid, data, at, 700)).status());
+  }
+
+  // An echo of 2 GiB: refused before it is made.
+  EXPECT_THAT(c->Echo("", (1u << 31) - 1),
+              StatusIs(Code::kResourceExhausted, "response_bytes: a reply of up to"));
+  // A dense layer's every row with data: 1400 x 3 heads x 256 bytes pass 1 MiB.
+  EXPECT_THAT(c->Select(Select(sid, 0, 256, /*data=*/true)),
+              StatusIs(Code::kResourceExhausted, "max_message_size 1048576"));
+  // 260 requests with data in one batch: refused as a whole, no lease left behind.
+  v1::BatchSelectRequest batch;
+  for (int i = 0; i < 260; ++i) *batch.add_requests() = Select(sid, 3, 256, /*data=*/true);
+  EXPECT_THAT(c->BatchSelect(batch), StatusIs(Code::kResourceExhausted, "max_message_size"));
+  ASSERT_OK_AND_ASSIGN(auto described, c->DescribeSession(sid));
+  EXPECT_EQ(described.info().active_leases(), 0u);
+  ASSERT_OK_AND_ASSIGN(auto tiers, c->GetTierStats());
+  for (const auto& t : tiers.tiers()) EXPECT_EQ(t.pinned_bytes(), 0u);
+  // Without data the same batch fits and is served.
+  for (auto& r : *batch.mutable_requests()) r.set_include_data(false);
+  batch.mutable_requests()->DeleteSubrange(8, 252);
+  ASSERT_OK_AND_ASSIGN(auto served, c->BatchSelect(batch));
+  EXPECT_EQ(served.responses_size(), 8);
+  for (const auto& r : served.responses()) ASSERT_OK(c->Release(r.lease_id()));
+
+  // One chunk id named 100000 times: read once.
+  ASSERT_OK_AND_ASSIGN(auto listed, c->ListChunks([&] {
+    v1::ListChunksRequest r;
+    r.set_session_id(sid);
+    r.set_limit(1);
+    return r;
+  }()));
+  ASSERT_EQ(listed.chunks_size(), 1);
+  const std::vector<uint64_t> same(100000, listed.chunks(0).chunk_id());
+  ASSERT_OK_AND_ASSIGN(auto handles, c->ReadChunks(sid, same));
+  EXPECT_EQ(handles.size(), 1u);
+
+  // 4096 layers of 4096 KV heads: refused by the stream limit, not allocated.
+  EXPECT_THAT(c->CreateSession(Shape(4096, 4096, 4096, 64)),
+              StatusIs(Code::kInvalidArgument, "streams; at most 65536 per session"));
+  // Labels past their limits.
+  v1::CreateSessionRequest labelled = Shape();
+  (*labelled.mutable_labels())["team"] = std::string(300 << 10, 'x');
+  EXPECT_THAT(c->CreateSession(labelled), StatusIs(Code::kInvalidArgument, "labels: value of"));
+  labelled.clear_labels();
+  for (int i = 0; i < 40; ++i) (*labelled.mutable_labels())["k" + std::to_string(i)] = "v";
+  EXPECT_THAT(c->CreateSession(labelled), StatusIs(Code::kInvalidArgument, "40 labels"));
+  // An id of 600 KB: the error quotes a bounded prefix of it.
+  auto long_id = c->Select(Select(std::string(600 << 10, 'a'), 3, 256));
+  EXPECT_THAT(long_id, StatusIs(Code::kNotFound, "(614400 bytes) not found"));
+  EXPECT_LT(long_id.status().message().size(), 512u);
+
+  // Tenants past the first 64 share one metric series.
+  for (int i = 0; i < 70; ++i) {
+    auto t = Connect(d, "t" + std::to_string(i));
+    EXPECT_THAT(t->AppendKV({Append("nope", data, 0, 0, 4)}), StatusIs(Code::kNotFound));
+  }
+  const std::string body = testing::HttpGet(port, "/metrics");
+  std::set<std::string> series;
+  for (size_t at = body.find("kvtier_appended_tokens_total{tenant=\""); at != std::string::npos;
+       at = body.find("kvtier_appended_tokens_total{tenant=\"", at + 1)) {
+    const size_t from = at + std::strlen("kvtier_appended_tokens_total{tenant=\"");
+    series.insert(body.substr(from, body.find('"', from) - from));
+  }
+  EXPECT_EQ(series.size(), 65u) << body.substr(0, 2000);
+  EXPECT_TRUE(series.count("_other"));
+
+  // And the daemon still serves everyone.
+  ASSERT_OK_AND_ASSIGN(std::string echoed, c->Echo("still here"));
+  EXPECT_EQ(echoed, "still here");
+  ASSERT_OK(c->Select(Select(sid, 3, 256)).status());
 }
 
 TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {

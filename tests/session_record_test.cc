@@ -100,7 +100,23 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   EXPECT_THAT(DecodeRecord("KVT", "k"), StatusIs(Code::kDataLoss, "not a kvtier record"));
   ASSERT_OK_AND_ASSIGN(v1::SessionRecord r, DecodeRecord(stored, "k"));
   r.mutable_streams(0)->mutable_chunks(0)->mutable_data()->pop_back();
-  EXPECT_THAT(Session::Import(r, e.env), StatusIs(Code::kInvalidArgument, "bytes"));
+  EXPECT_THAT(Session::Import(r, e.env), StatusIs(Code::kDataLoss, "bytes"));
+  EXPECT_EQ(e.host.Stats().used_bytes, 0u);
+  // Records that pass their checksum and lie: more tokens than the chunks hold (this crashed
+  // the restore), a position held twice, a precision never stored. Each is DATA_LOSS and
+  // leaves nothing allocated.
+  ASSERT_OK_AND_ASSIGN(const v1::SessionRecord good, DecodeRecord(stored, "k"));
+  ASSERT_OK(Session::Import(good, e.env).status());
+  v1::SessionRecord more = good;
+  more.set_layer_tokens(0, good.layer_tokens(0) + 1000);
+  EXPECT_THAT(Session::Import(more, e.env), StatusIs(Code::kDataLoss, "layer_tokens 1100"));
+  v1::SessionRecord twice = good;
+  ASSERT_GE(twice.streams(0).chunks_size(), 2);
+  twice.mutable_streams(0)->mutable_chunks(1)->set_first(0);
+  EXPECT_THAT(Session::Import(twice, e.env), StatusIs(Code::kDataLoss, "held twice"));
+  v1::SessionRecord odd = good;
+  odd.mutable_streams(0)->mutable_chunks(0)->set_precision(v1::PRECISION_BF16);
+  EXPECT_THAT(Session::Import(odd, e.env), StatusIs(Code::kDataLoss, "precision"));
   EXPECT_EQ(e.host.Stats().used_bytes, 0u);
 }
 
@@ -160,13 +176,13 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
   EXPECT_EQ(s.chunks().size(), 1u);
   EXPECT_EQ(s.stats().tokens(0), 4u);
   EXPECT_THAT(DecodeStream(record(17, 17 * 32), fmt, &e.host, "t", "rec", &s),
-              StatusIs(Code::kInvalidArgument, "rec: a chunk's size or offsets are out of range"));
+              StatusIs(Code::kDataLoss, "rec: a chunk's size or offsets are out of range"));
   EXPECT_THAT(DecodeStream(record(0, 0), fmt, &e.host, "t", "rec", &s),
-              StatusIs(Code::kInvalidArgument, "size or offsets"));
+              StatusIs(Code::kDataLoss, "size or offsets"));
   EXPECT_THAT(DecodeStream(record(4, 4 * 32, "abc"), fmt, &e.host, "t", "rec", &s),
-              StatusIs(Code::kInvalidArgument, "size or offsets"));
+              StatusIs(Code::kDataLoss, "size or offsets"));
   EXPECT_THAT(DecodeStream(record(4, 100), fmt, &e.host, "t", "rec", &s),
-              StatusIs(Code::kInvalidArgument, "rec: a chunk's bytes do not match its size"));
+              StatusIs(Code::kDataLoss, "rec: a chunk's bytes do not match its size"));
   Env small(/*host_capacity=*/512);  // less than one 512-byte slot once one is taken
   Stream t(8);
   ASSERT_OK(DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t));

@@ -71,6 +71,12 @@ class DaemonProcess : public LocalDaemon {
 // Runs a command, returns (exit status, stdout+stderr).
 std::pair<int, std::string> RunCommand(const std::string& cmd);
 
+// A loopback TCP port that was free a moment ago.
+int FreePort();
+// The whole HTTP/1.1 response (status line, headers, body) to GET `path` on 127.0.0.1:port;
+// empty if nothing listens there.
+std::string HttpGet(int port, const std::string& path);
+
 }  // namespace kvtier::testing
 
 #endif  // KVTIER_TESTS_TEST_UTIL_H_

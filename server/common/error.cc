@@ -31,4 +31,9 @@ absl::Status InvalidField(absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
 
+std::string Quoted(absl::string_view s) {
+  if (s.size() <= kQuotedPrefix) return absl::StrCat("\"", s, "\"");
+  return absl::StrCat("\"", s.substr(0, kQuotedPrefix), "...\" (", s.size(), " bytes)");
+}
+
 }  // namespace kvtier

@@ -30,6 +30,12 @@ ErrorReason ReasonOf(const absl::Status& status);
 // INVALID_ARGUMENT "<field>: <why>".
 absl::Status InvalidField(absl::string_view field, absl::string_view why);
 
+// What an error message may quote of a caller's string (an id, a tenant, a label).
+inline constexpr size_t kQuotedPrefix = 128;
+// `s` in double quotes, whole when it has at most kQuotedPrefix bytes, else its first
+// kQuotedPrefix bytes, "...", and its length: a message never carries more than that of it.
+std::string Quoted(absl::string_view s);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_ERROR_H_

@@ -17,6 +17,13 @@ absl::StatusOr<v1::ModelShape> ResolveShape(const v1::ModelShape& in) {
     return InvalidField("shape.num_kv_heads",
                         absl::StrFormat("%d is outside [1, %d]", s.num_kv_heads(), kMaxKvHeads));
   }
+  if (uint64_t{s.num_layers()} * s.num_kv_heads() > kMaxStreams) {
+    return InvalidField("shape.num_kv_heads",
+                        absl::StrFormat("%d KV heads in each of %d layers make %d streams; at "
+                                        "most %d per session",
+                                        s.num_kv_heads(), s.num_layers(),
+                                        uint64_t{s.num_layers()} * s.num_kv_heads(), kMaxStreams));
+  }
   if (s.num_q_heads() == 0 || s.num_q_heads() % s.num_kv_heads() != 0) {
     return InvalidField("shape.num_q_heads",
                         absl::StrFormat("%d is not a positive multiple of num_kv_heads %d",

@@ -84,7 +84,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .device_copies = &device_copies_,
                           .metrics = &metrics_,
                           .prefetcher = prefetcher_.get(),
-                          .on_drain = [this] { RequestShutdown(); }}) {}
+                          .on_drain = [this] { RequestShutdown(); },
+                          .max_message_bytes = options_.max_message_size}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {

@@ -2,7 +2,9 @@
 
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
 #include "server/common/log.h"
@@ -14,6 +16,18 @@ namespace {
 
 absl::Status Draining() {
   return absl::UnavailableError("kvtierd is draining and takes no new calls");
+}
+
+// The series a tenant's metrics go to once max_tenant_series tenants have their own.
+constexpr char kOtherTenants[] = "_other";
+
+// RESOURCE_EXHAUSTED for a reply that may pass the message limit, before any work is done.
+absl::Status CheckReply(const char* what, uint64_t bound, uint64_t limit) {
+  if (bound <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s: a reply of up to %d bytes would pass max_message_size %d; ask for less (a smaller "
+      "budget, no include_data, fewer requests per batch)",
+      what, bound, limit));
 }
 
 }  // namespace
@@ -38,10 +52,16 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
 
 metrics::Counter& KvTierService::TenantCounter(const std::string& name, const std::string& help,
                                                const std::string& tenant) {
-  const std::string key = name + '\0' + tenant;
   MutexLock lock(&tenant_mu_);
+  // The first max_tenant_series tenants seen have series of their own; the rest share one, so
+  // that no caller can grow the metrics without bound by naming new tenants.
+  const bool own = tenant_series_.contains(tenant) ||
+                   (tenant_series_.size() < env_.max_tenant_series &&
+                    tenant_series_.insert(tenant).second);
+  const std::string& series = own ? tenant : std::string(kOtherTenants);
+  const std::string key = name + '\0' + series;
   auto [it, inserted] = tenant_counters_.try_emplace(key, nullptr);
-  if (inserted) it->second = &env_.metrics->GetCounter(name, help, {{"tenant", tenant}});
+  if (inserted) it->second = &env_.metrics->GetCounter(name, help, {{"tenant", series}});
   return *it->second;
 }
 
@@ -180,6 +200,7 @@ grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx
   return Unary(ctx, "Select", [&]() -> absl::Status {
     RETURN_IF_ERROR(env_.sessions->Run(tenant, req->session_id(), [&](const auto& session) {
       resp->Clear();
+      RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(*req), env_.max_message_bytes));
       RETURN_IF_ERROR(session->Select(*req, resp));
       if (env_.prefetcher) env_.prefetcher->Enqueue(session, *req);
       return absl::OkStatus();
@@ -194,6 +215,21 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
                                                      v1::BatchSelectResponse* resp) {
   std::string tenant = Tenant(ctx);
   return Unary(ctx, "BatchSelect", [&]() -> absl::Status {
+    // The whole reply's bound first: a batch too large to send takes no lease at all.
+    uint64_t bound = 0;
+    for (int i = 0; i < req->requests_size(); ++i) {
+      const v1::SelectRequest& r = req->requests(i);
+      auto session = env_.sessions->Get(tenant, r.session_id());
+      if (!session.ok()) {
+        return absl::Status(session.status().code(),
+                            absl::StrCat("requests[", i, "].", session.status().message()));
+      }
+      bound += (*session)->ReplyBytesBound(r) + 8;  // and its framing in the batch
+      if (bound > env_.max_message_bytes) {
+        return CheckReply(absl::StrCat("requests[0..", i, "]").c_str(), bound,
+                          env_.max_message_bytes);
+      }
+    }
     for (int i = 0; i < req->requests_size(); ++i) {
       const v1::SelectRequest& r = req->requests(i);
       absl::Status s = [&]() -> absl::Status {
@@ -232,7 +268,7 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
     absl::Status s = svc_->draining() ? Draining() : Load(Tenant(ctx), *req);
-    if (!s.ok() || handles_.empty()) {
+    if (!s.ok() || ids_.empty()) {
       Done(s);
       return;
     }
@@ -245,7 +281,7 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
       Done(absl::CancelledError("ReadChunks: the client went away"));
       return;
     }
-    if (++next_ == handles_.size()) {
+    if (++next_ == ids_.size()) {
       Done(absl::OkStatus());
       return;
     }
@@ -259,16 +295,26 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
   }
 
  private:
+  // The ids once each, in the order first named, all checked; each handle is read when it is
+  // written, so the call holds one chunk's bytes at a time however many it names.
   absl::Status Load(const std::string& tenant, const v1::ReadChunksRequest& req) {
-    ASSIGN_OR_RETURN(auto session, svc_->env_.sessions->Get(tenant, req.session_id()));
-    std::vector<uint64_t> ids(req.chunk_ids().begin(), req.chunk_ids().end());
-    ASSIGN_OR_RETURN(handles_, session->ReadChunks(ids));
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(session_, svc_->env_.sessions->Get(tenant, req.session_id()));
+    absl::flat_hash_set<uint64_t> seen;
+    for (uint64_t id : req.chunk_ids()) {
+      if (seen.insert(id).second) ids_.push_back(id);
+    }
+    return session_->CheckChunkIds(ids_);
   }
 
   void Write() {
+    absl::StatusOr<std::vector<v1::BlockHandle>> h = session_->ReadChunks({ids_[next_]});
+    if (!h.ok()) {  // the session closed meanwhile
+      Done(h.status());
+      return;
+    }
+    handle_ = std::move(h->front());
     KVTIER_TSAN_RELEASE(this);
-    StartWrite(&handles_[next_]);
+    StartWrite(&handle_);
   }
 
   void Done(const absl::Status& s) {
@@ -279,7 +325,9 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
 
   KvTierService* const svc_;
   const absl::Time start_;
-  std::vector<v1::BlockHandle> handles_;
+  std::shared_ptr<Session> session_;
+  std::vector<uint64_t> ids_;
+  v1::BlockHandle handle_;
   size_t next_ = 0;
 };
 
@@ -436,6 +484,9 @@ grpc::ServerUnaryReactor* KvTierService::Drain(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvTierService::Echo(grpc::CallbackServerContext* ctx,
                                               const v1::EchoRequest* req, v1::EchoResponse* resp) {
   return Unary(ctx, "Echo", [&]() -> absl::Status {
+    // The payload and its framing within the reply limit, checked before it is made.
+    RETURN_IF_ERROR(CheckReply("response_bytes", uint64_t{req->response_bytes()} + 16,
+                               env_.max_message_bytes));
     if (req->response_bytes() == 0) {
       resp->set_payload(req->payload());
     } else {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
@@ -36,6 +37,11 @@ struct ServiceEnv {
   Prefetcher* prefetcher = nullptr;
   // Called once by the Drain RPC, after its reply is queued.
   std::function<void()> on_drain;
+  // The largest message the server sends (--max_message_size): replies that could pass it are
+  // refused before any work.
+  uint64_t max_message_bytes = 64ull << 20;
+  // Tenants with series of their own in the per-tenant metrics; later ones share "_other".
+  size_t max_tenant_series = 64;
 };
 
 class KvTierService final : public v1::KvTier::CallbackService {
@@ -117,6 +123,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
   absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
   absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
+  // Tenants that have series of their own (at most max_tenant_series).
+  absl::flat_hash_set<std::string> tenant_series_ ABSL_GUARDED_BY(tenant_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
 };

@@ -273,6 +273,50 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_
   return made;
 }
 
+uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
+  MutexLock lock(&mu_);
+  if (req.layer() >= shape_.num_layers()) return 0;
+  const ChunkFormat f = format();
+  const uint64_t total = layers_[req.layer()].tokens;
+  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
+  // Rows per KV head: all of them, or the budget (times the largest share a layer's need can
+  // give it) and the rest of the chunks that hold a sink or a window row.
+  uint64_t rows = total;
+  if (req.layer() >= policy_.dense_layers() && total > budget) {
+    const double share =
+        policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED ? LayerNeeds::kMaxShare : 1.0;
+    rows = std::min<uint64_t>(total, static_cast<uint64_t>(share * double(budget)) + 2 * f.capacity);
+  }
+  const uint64_t d = shape_.head_dim();
+  const uint64_t chunks = stream(req.layer(), 0).chunks().size();
+  // K and V rows when asked for, and each row's position and row index as varints.
+  const uint64_t per_row = (req.include_data() ? 2 * f.row_bytes() : 0) + 10 + 5;
+  // A handle's other fields and framing; a handle per chunk and per gathered block.
+  constexpr uint64_t kPerHandle = 128;
+  const uint64_t handles = std::min(rows, chunks + rows / f.capacity + 1);
+  uint64_t head = rows * per_row + handles * kPerHandle + 16;
+  if (req.include_summaries()) head += chunks * (8 * d + 24);  // a summary's two float means
+  return shape_.num_kv_heads() * head + 128;  // the lease id, its expiry, context_tokens
+}
+
+absl::Status Session::CheckChunkIds(const std::vector<uint64_t>& ids) const {
+  MutexLock lock(&mu_);
+  for (uint64_t id : ids) RETURN_IF_ERROR(CheckChunkId(id));
+  return absl::OkStatus();
+}
+
+absl::Status Session::CheckChunkId(uint64_t id) const {
+  ChunkAddress a = DecodeChunkId(id);
+  if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
+      a.kv_head >= shape_.num_kv_heads() ||
+      a.index >= stream(a.layer, a.kv_head).chunks().size()) {
+    return absl::NotFoundError(
+        absl::StrFormat("chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"",
+                        id, a.layer, a.kv_head, a.index, id_));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vector<uint64_t>& ids) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
@@ -281,14 +325,8 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
   std::vector<v1::BlockHandle> out;
   out.reserve(ids.size());
   for (uint64_t id : ids) {
-    ChunkAddress a = DecodeChunkId(id);
-    if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
-        a.kv_head >= shape_.num_kv_heads() ||
-        a.index >= stream(a.layer, a.kv_head).chunks().size()) {
-      return absl::NotFoundError(
-          absl::StrFormat("chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"",
-                          id, a.layer, a.kv_head, a.index, id_));
-    }
+    RETURN_IF_ERROR(CheckChunkId(id));
+    const ChunkAddress a = DecodeChunkId(id);
     const Chunk& c = stream(a.layer, a.kv_head).chunks()[a.index];
     // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
     const SlotRef promoted = c.cold() ? env_.host_copies->Peek(c.promoted) : nullptr;
@@ -460,9 +498,10 @@ absl::StatusOr<uint64_t> Session::Demote(
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord& r,
                                                          const SessionEnv& env) {
-  const std::string what = absl::StrCat("record of session \"", r.session_id(), "\"");
+  const std::string what = absl::StrCat("record of session ", Quoted(r.session_id()));
+  // A record that passed its checksum but does not describe a session: lost, never served.
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why));
+    return absl::DataLossError(absl::StrCat(what, ": ", why));
   };
   auto resolved = ResolveShape(r.shape());
   if (!resolved.ok()) return bad(resolved.status().message());
@@ -484,6 +523,39 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
                                  &s->streams_[i]));
   }
   s->created_ms_ = r.created_unix_ms();
+  // Every stream of a layer holds exactly the positions [0, layer_tokens) once each, in chunks
+  // of the same boundaries in every KV head: what Locate, Select and appends rely on.
+  for (uint32_t l = 0; l < shape.num_layers(); ++l) {
+    const uint64_t tokens = r.layer_tokens(static_cast<int>(l));
+    const std::vector<Chunk>& head0 = s->stream(l, 0).chunks();
+    for (uint32_t h = 0; h < shape.num_kv_heads(); ++h) {
+      const std::vector<Chunk>& chunks = s->stream(l, h).chunks();
+      uint64_t rows = 0;
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        if (chunks.size() != head0.size() || chunks[c].num_tokens != head0[c].num_tokens ||
+            chunks[c].first != head0[c].first) {
+          return bad(absl::StrFormat("layer %d: KV head %d's chunks differ from KV head 0's", l, h));
+        }
+        rows += chunks[c].num_tokens;
+      }
+      if (rows != tokens) {  // before anything is sized by the claim
+        return bad(absl::StrFormat("layer %d, KV head %d: layer_tokens %d, its chunks hold %d", l,
+                                   h, tokens, rows));
+      }
+      std::vector<bool> seen(tokens, false);
+      for (const Chunk& c : chunks) {
+        for (uint32_t row = 0; row < c.num_tokens; ++row) {
+          const uint64_t p = c.position(row);
+          if (p >= tokens || seen[p]) {
+            return bad(absl::StrFormat(
+                "layer %d, KV head %d: position %d is outside its %d tokens or held twice", l, h,
+                p, tokens));
+          }
+          seen[p] = true;
+        }
+      }
+    }
+  }
   for (uint32_t l = 0; l < shape.num_layers(); ++l) {
     Layer& layer = s->layers_[l];
     layer.tokens = r.layer_tokens(static_cast<int>(l));

@@ -88,8 +88,16 @@ class Session {
   // is RESOURCE_EXHAUSTED and changes nothing.
   absl::StatusOr<uint64_t> Prefetch(const v1::SelectRequest& req, uint32_t extra_percent);
 
+  // An upper bound on the serialized size of Select's reply to `req`, from the layer's tokens,
+  // the budget and what the request asks for (data, summaries), computed before any work so
+  // that a reply too large to send is refused before it takes a lease or a copy. 0 for a
+  // layer the session does not have (Select refuses it).
+  uint64_t ReplyBytesBound(const v1::SelectRequest& req) const;
+
   // Handles with data for `chunk_ids`. NOT_FOUND names an id that is not in the session.
   absl::StatusOr<std::vector<v1::BlockHandle>> ReadChunks(const std::vector<uint64_t>& ids);
+  // NOT_FOUND as ReadChunks gives it, without reading anything.
+  absl::Status CheckChunkIds(const std::vector<uint64_t>& ids) const;
 
   // A new session sharing this one's chunks up to `num_tokens` (0: all tokens stored in
   // every layer). INVALID_ARGUMENT when a layer holds fewer; RESOURCE_EXHAUSTED when the
@@ -159,6 +167,7 @@ class Session {
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckChunkId(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
   // the best by the ranking (counted in the layer's stats when `record`) holding
   // `pool_factor` times the budget they leave (1: the selection itself; more: the candidate

@@ -17,11 +17,38 @@ namespace kvtier {
 
 SessionManager::~SessionManager() { CloseAll(); }
 
-absl::Status SessionManager::CheckNewId(const std::string& id, const std::string& tenant) const {
-  if (!IsName(id, "_.:-", 128)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session_id: \"", id, "\" must be 1..128 of [A-Za-z0-9_.:-]"));
+namespace {
+
+bool IsSessionId(const std::string& id) { return IsName(id, "_.:-", 128); }
+
+absl::Status CheckLabels(const google::protobuf::Map<std::string, std::string>& labels) {
+  if (labels.size() > static_cast<size_t>(kMaxLabels)) {
+    return InvalidField("labels", absl::StrFormat("%d labels; at most %d", labels.size(),
+                                                  kMaxLabels));
   }
+  for (const auto& [key, value] : labels) {
+    if (key.empty() || key.size() > kMaxLabelKey) {
+      return InvalidField("labels", absl::StrFormat("key %s is not 1..%d bytes", Quoted(key),
+                                                    kMaxLabelKey));
+    }
+    if (value.size() > kMaxLabelValue) {
+      return InvalidField("labels", absl::StrFormat("value of %s is %d bytes; at most %d",
+                                                    Quoted(key), value.size(), kMaxLabelValue));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckIdFormat(const std::string& id) {
+  if (IsSessionId(id)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("session_id: ", Quoted(id), " must be 1..128 of [A-Za-z0-9_.:-]"));
+}
+
+}  // namespace
+
+absl::Status SessionManager::CheckNewId(const std::string& id, const std::string& tenant) const {
+  RETURN_IF_ERROR(CheckIdFormat(id));
   if (sessions_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("session_id: \"", id, "\" already exists"));
   }
@@ -59,6 +86,8 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
     MutexLock lock(&mu_);
     id = req.session_id().empty() ? NewId() : req.session_id();
   }
+  RETURN_IF_ERROR(CheckIdFormat(id));  // before the id goes anywhere, the remote tier included
+  RETURN_IF_ERROR(CheckLabels(req.labels()));
   if (remote_ != nullptr) {  // a session lying in the remote tier keeps its id
     ASSIGN_OR_RETURN(bool taken, remote_->Exists(RecordKey(id)));
     if (taken) {
@@ -82,7 +111,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
 namespace {
 
 absl::Status NotFound(const std::string& session_id) {
-  return absl::NotFoundError(absl::StrCat("session_id: \"", session_id, "\" not found"));
+  return absl::NotFoundError(absl::StrCat("session_id: ", Quoted(session_id), " not found"));
 }
 
 // PERMISSION_DENIED unless `tenant` (empty: the admin view) may use a session of `owner`.
@@ -108,7 +137,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
     s = Held(session_id);
   }
   if (s == nullptr) {
-    if (remote_ != nullptr) return Restore(tenant, session_id);
+    // No session has an id outside the format: nothing to look up, here or remotely.
+    if (remote_ != nullptr && IsSessionId(session_id)) return Restore(tenant, session_id);
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));

@@ -20,6 +20,12 @@
 
 namespace kvtier {
 
+// A session's labels: at most this many, each key 1..kMaxLabelKey bytes and each value at most
+// kMaxLabelValue bytes (Kubernetes' label sizes are 63; values here may hold a little more).
+inline constexpr int kMaxLabels = 32;
+inline constexpr size_t kMaxLabelKey = 63;
+inline constexpr size_t kMaxLabelValue = 255;
+
 class SessionManager {
  public:
   // `options` and `remote` (the remote tier, or null) outlive the manager.
@@ -27,8 +33,8 @@ class SessionManager {
       : options_(options), env_(env), remote_(remote) {}
   ~SessionManager();
 
-  // INVALID_ARGUMENT for the shape, the policy or a malformed session_id; ALREADY_EXISTS for
-  // a taken id; RESOURCE_EXHAUSTED past max_sessions.
+  // INVALID_ARGUMENT for the shape, the policy, a malformed session_id or labels past their
+  // limits (kMaxLabels); ALREADY_EXISTS for a taken id; RESOURCE_EXHAUSTED past max_sessions.
   absl::StatusOr<v1::CreateSessionResponse> Create(const std::string& tenant,
                                                    const v1::CreateSessionRequest& req);
 

@@ -89,7 +89,7 @@ void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* 
 absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, Tier* host,
                           const std::string& tenant, absl::string_view what, Stream* out) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why));
+    return absl::DataLossError(absl::StrCat(what, ": ", why));
   };
   for (const v1::ChunkRecord& cr : record.chunks()) {
     Chunk c;
@@ -97,6 +97,7 @@ absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, 
     c.first = cr.first();
     c.sealed = cr.sealed();
     c.precision = cr.precision();
+    if (c.precision != f.warm() && !c.cold()) return bad("a chunk's precision is not one stored");
     if (c.num_tokens == 0 || c.num_tokens > f.capacity || cr.offsets().size() % 2 != 0 ||
         (!cr.offsets().empty() && cr.offsets().size() != 2 * c.num_tokens)) {
       return bad("a chunk's size or offsets are out of range");
