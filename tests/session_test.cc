@@ -164,8 +164,8 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
     ASSERT_OK(AppendAll(f, tokens, 300));
     const uint32_t budget = 160;
     const uint64_t kept_tokens = 16 + (tokens - 832);  // chunk 0, and chunks 52..56 (window)
-    const int window_start = tokens - 64;               // 836: chunk 52's rows 0..3 are not
-    const uint64_t rows_left = budget - (16 + 64);      // the budget counts the kept rows
+    const int window_start = tokens - 64;              // 836: chunk 52's rows 0..3 are not
+    const uint64_t rows_left = budget - (16 + 64);     // the budget counts the kept rows
     for (auto [seed, row_handles] : {std::pair{4u, true}, {5u, true}, {4u, false}}) {
       SCOPED_TRACE(row_handles ? "row handles" : "gathered blocks");
       v1::SelectResponse resp;

@@ -109,7 +109,9 @@ TEST(ChunkStats, FinalChunksAreCompactHalvesOfTheirKind) {
     std::normal_distribution<float> g(1.f, 3.f);
     std::vector<uint16_t> rows(size_t(16) * kD);
     for (auto& h : rows) h = kind == HalfKind::kFp16 ? FloatToHalf(g(rng)) : FloatToBf16(g(rng));
-    auto widen = [&](uint16_t h) { return kind == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h); };
+    auto widen = [&](uint16_t h) {
+      return kind == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h);
+    };
     ChunkStats s(kD, kind);
     s.Recompute(0, kind, rows.data(), 16);
     s.Recompute(1, kind, rows.data(), 16);

@@ -103,13 +103,15 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), Widen8(kind, h + j + 8), acc1);
   }
-  for (; j + 8 <= n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
+  for (; j + 8 <= n; j += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
   __m256 acc = _mm256_add_ps(acc0, acc1);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   float out = _mm_cvtss_f32(s);
-  for (; j < n; ++j) out += a[j] * (kind == HalfKind::kFp16 ? HalfToFloat(h[j]) : Bf16ToFloat(h[j]));
+  for (; j < n; ++j)
+    out += a[j] * (kind == HalfKind::kFp16 ? HalfToFloat(h[j]) : Bf16ToFloat(h[j]));
   return out;
 }
 
@@ -450,8 +452,8 @@ float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n) {
 }
 
 namespace {
-float (*const kDotHalves)(HalfKind, const float*, const uint16_t*, int) =
-    HaveAvx2Fma() && HaveAvx2F16c() ? DotHalvesAvx2 : DotHalvesScalar;
+float (*const kDotHalves)(HalfKind, const float*, const uint16_t*,
+                          int) = HaveAvx2Fma() && HaveAvx2F16c() ? DotHalvesAvx2 : DotHalvesScalar;
 }  // namespace
 
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {

@@ -30,7 +30,7 @@ struct ChunkCandidate {
   uint32_t tokens;       // tokens it would add to the selection
   const float* key_sum;  // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
   float scale;           // > 0: mean = scale * key_sum (1 / tokens for a sum)
-  const float* peak = nullptr;  // [head_dim] the key farthest from the mean (LSE_PEAK only)
+  const float* peak = nullptr;       // [head_dim] the key farthest from the mean (LSE_PEAK only)
   const uint16_t* mean_h = nullptr;  // [head_dim] the mean key, compact (key_sum unused)
   const uint16_t* peak_h = nullptr;  // [head_dim] the peak, compact (peak unused)
   HalfKind kind = HalfKind::kFp16;   // of mean_h and peak_h

@@ -60,7 +60,8 @@ size_t ClusterIndex::MemoryBytes() const {
                  (cluster_arena_.capacity() + unit_arena_.capacity()) * sizeof(float) +
                  block(units_block_) + node_of_.capacity() * sizeof(uint32_t);
   for (const Cluster& c : clusters_) {
-    if (c.chunks.capacity() > 2 * kClusterChunks + 1) bytes += c.chunks.capacity() * sizeof(uint32_t);
+    if (c.chunks.capacity() > 2 * kClusterChunks + 1)
+      bytes += c.chunks.capacity() * sizeof(uint32_t);
   }
   for (const Unit& u : units_) bytes += u.clusters.capacity() * sizeof(uint32_t) + block(u.block);
   return bytes;

@@ -55,9 +55,9 @@ metrics::Counter& KvTierService::TenantCounter(const std::string& name, const st
   MutexLock lock(&tenant_mu_);
   // The first max_tenant_series tenants seen have series of their own; the rest share one, so
   // that no caller can grow the metrics without bound by naming new tenants.
-  const bool own = tenant_series_.contains(tenant) ||
-                   (tenant_series_.size() < env_.max_tenant_series &&
-                    tenant_series_.insert(tenant).second);
+  const bool own =
+      tenant_series_.contains(tenant) ||
+      (tenant_series_.size() < env_.max_tenant_series && tenant_series_.insert(tenant).second);
   const std::string& series = own ? tenant : std::string(kOtherTenants);
   const std::string key = name + '\0' + series;
   auto [it, inserted] = tenant_counters_.try_emplace(key, nullptr);
@@ -485,8 +485,8 @@ grpc::ServerUnaryReactor* KvTierService::Echo(grpc::CallbackServerContext* ctx,
                                               const v1::EchoRequest* req, v1::EchoResponse* resp) {
   return Unary(ctx, "Echo", [&]() -> absl::Status {
     // The payload and its framing within the reply limit, checked before it is made.
-    RETURN_IF_ERROR(CheckReply("response_bytes", uint64_t{req->response_bytes()} + 16,
-                               env_.max_message_bytes));
+    RETURN_IF_ERROR(
+        CheckReply("response_bytes", uint64_t{req->response_bytes()} + 16, env_.max_message_bytes));
     if (req->response_bytes() == 0) {
       resp->set_payload(req->payload());
     } else {

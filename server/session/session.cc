@@ -285,7 +285,8 @@ uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
   if (req.layer() >= policy_.dense_layers() && total > budget) {
     const double share =
         policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED ? LayerNeeds::kMaxShare : 1.0;
-    rows = std::min<uint64_t>(total, static_cast<uint64_t>(share * double(budget)) + 2 * f.capacity);
+    rows =
+        std::min<uint64_t>(total, static_cast<uint64_t>(share * double(budget)) + 2 * f.capacity);
   }
   const uint64_t d = shape_.head_dim();
   const uint64_t chunks = stream(req.layer(), 0).chunks().size();
@@ -308,8 +309,7 @@ absl::Status Session::CheckChunkIds(const std::vector<uint64_t>& ids) const {
 absl::Status Session::CheckChunkId(uint64_t id) const {
   ChunkAddress a = DecodeChunkId(id);
   if (EncodeChunkId(a) != id || a.layer >= shape_.num_layers() ||
-      a.kv_head >= shape_.num_kv_heads() ||
-      a.index >= stream(a.layer, a.kv_head).chunks().size()) {
+      a.kv_head >= shape_.num_kv_heads() || a.index >= stream(a.layer, a.kv_head).chunks().size()) {
     return absl::NotFoundError(
         absl::StrFormat("chunk_ids: %d (layer %d, kv_head %d, index %d) is not in session \"%s\"",
                         id, a.layer, a.kv_head, a.index, id_));
@@ -534,7 +534,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
       for (size_t c = 0; c < chunks.size(); ++c) {
         if (chunks.size() != head0.size() || chunks[c].num_tokens != head0[c].num_tokens ||
             chunks[c].first != head0[c].first) {
-          return bad(absl::StrFormat("layer %d: KV head %d's chunks differ from KV head 0's", l, h));
+          return bad(
+              absl::StrFormat("layer %d: KV head %d's chunks differ from KV head 0's", l, h));
         }
         rows += chunks[c].num_tokens;
       }
@@ -548,8 +549,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
           const uint64_t p = c.position(row);
           if (p >= tokens || seen[p]) {
             return bad(absl::StrFormat(
-                "layer %d, KV head %d: position %d is outside its %d tokens or held twice", l, h,
-                p, tokens));
+                "layer %d, KV head %d: position %d is outside its %d tokens or held twice", l, h, p,
+                tokens));
           }
           seen[p] = true;
         }

@@ -23,13 +23,13 @@ bool IsSessionId(const std::string& id) { return IsName(id, "_.:-", 128); }
 
 absl::Status CheckLabels(const google::protobuf::Map<std::string, std::string>& labels) {
   if (labels.size() > static_cast<size_t>(kMaxLabels)) {
-    return InvalidField("labels", absl::StrFormat("%d labels; at most %d", labels.size(),
-                                                  kMaxLabels));
+    return InvalidField("labels",
+                        absl::StrFormat("%d labels; at most %d", labels.size(), kMaxLabels));
   }
   for (const auto& [key, value] : labels) {
     if (key.empty() || key.size() > kMaxLabelKey) {
-      return InvalidField("labels", absl::StrFormat("key %s is not 1..%d bytes", Quoted(key),
-                                                    kMaxLabelKey));
+      return InvalidField("labels",
+                          absl::StrFormat("key %s is not 1..%d bytes", Quoted(key), kMaxLabelKey));
     }
     if (value.size() > kMaxLabelValue) {
       return InvalidField("labels", absl::StrFormat("value of %s is %d bytes; at most %d",

@@ -156,7 +156,9 @@ def test_token_ids_drive_boundary_chunks_and_semantic_chunks_keep_positions(clie
 
 def test_cold_copies_are_cached_and_prefetched(client):
     rng = np.random.default_rng(5)
-    k, v = make_kv(rng, 1500)
+    # Twice the refinement's candidate pool at this budget (8 x the 176 rows the sinks and window
+    # leave), so that the first Select leaves cold chunks for the prefetch to promote.
+    k, v = make_kv(rng, 3000)
     sid = client.create_session(L, QH, KVH, D).session_id  # int4 cold chunks
     client.append_layers(sid, 0, k, v)
 
