@@ -335,6 +335,15 @@ TEST(Daemon, OneHostileRequestCostsItsCallerAnErrorAndNothingElse) {
   EXPECT_THAT(long_id, StatusIs(Code::kNotFound, "(614400 bytes) not found"));
   EXPECT_LT(long_id.status().message().size(), 512u);
 
+  // A tenant name that could forge a log field or a metric label: refused, naming the header.
+  auto forged = Connect(d, "alice level=error msg=\"x\"");
+  EXPECT_THAT(forged->Select(Select(sid, 3, 256)),
+              StatusIs(Code::kInvalidArgument, "x-kvtier-tenant: \"alice level"));
+  EXPECT_THAT(forged->AppendKV({Append(sid, data, 0, 0, 4)}),
+              StatusIs(Code::kInvalidArgument, "x-kvtier-tenant"));
+  EXPECT_THAT(Connect(d, std::string(200, 't'))->Echo("x"),
+              StatusIs(Code::kInvalidArgument, "must be 1..128"));
+
   // Tenants past the first 64 share one metric series.
   for (int i = 0; i < 70; ++i) {
     auto t = Connect(d, "t" + std::to_string(i));

@@ -7,8 +7,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
+#include "server/common/error.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
+#include "server/common/names.h"
 #include "server/common/status_macros.h"
 
 namespace kvtier {
@@ -65,6 +67,17 @@ metrics::Counter& KvTierService::TenantCounter(const std::string& name, const st
   return *it->second;
 }
 
+absl::Status KvTierService::CheckTenant(const grpc::CallbackServerContext* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kTenantHeader);
+  if (it == md.end() || it->second.empty()) return absl::OkStatus();
+  const absl::string_view name(it->second.data(), it->second.size());
+  if (IsName(name, kTenantExtra, kMaxTenantName)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": ", Quoted(name), " must be 1..",
+                                                 kMaxTenantName, " of [A-Za-z0-9", kTenantExtra,
+                                                 "]"));
+}
+
 std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) {
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTenantHeader);
@@ -95,7 +108,8 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
                                                Fn&& fn) {
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
-  absl::Status s = draining() ? Draining() : fn();
+  absl::Status s = draining() ? Draining() : CheckTenant(ctx);
+  if (s.ok()) s = fn();
   Record(method, s, absl::Now() - start);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(ToGrpcStatus(s));
@@ -123,8 +137,11 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
       : svc_(svc), tenant_(Tenant(ctx)), resp_(resp), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    if (svc_->draining()) {
-      Done(Draining());
+    absl::Status s = CheckTenant(ctx);
+    tenant_ok_ = s.ok();  // a bad name gets no metric series
+    if (s.ok() && svc_->draining()) s = Draining();
+    if (!s.ok()) {
+      Done(s);
       return;
     }
     Read();
@@ -172,9 +189,11 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
 
   void Done(const absl::Status& s) {
     svc_->Record("AppendKV", s, absl::Now() - start_);
-    svc_->TenantCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
-                        tenant_)
-        .Inc(static_cast<double>(tokens_));
+    if (tenant_ok_) {
+      svc_->TenantCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
+                          tenant_)
+          .Inc(static_cast<double>(tokens_));
+    }
     KVTIER_TSAN_RELEASE(this);
     Finish(ToGrpcStatus(s));
   }
@@ -186,6 +205,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   v1::AppendKVRequest req_;
   std::shared_ptr<Session> session_;
   uint64_t tokens_ = 0;
+  bool tenant_ok_ = false;
 };
 
 grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
@@ -267,7 +287,8 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::Status s = svc_->draining() ? Draining() : Load(Tenant(ctx), *req);
+    absl::Status s = svc_->draining() ? Draining() : CheckTenant(ctx);
+    if (s.ok()) s = Load(Tenant(ctx), *req);
     if (!s.ok() || ids_.empty()) {
       Done(s);
       return;

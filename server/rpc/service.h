@@ -22,8 +22,12 @@ namespace kvtier {
 // The one place absl codes become gRPC codes (their numbers agree).
 grpc::Status ToGrpcStatus(const absl::Status& s);
 
-// Metadata key naming the caller's tenant; absent: "default".
+// Metadata key naming the caller's tenant; absent: "default". A name is 1..kMaxTenantName of
+// letters, digits and kTenantExtra (so that it is safe in a log line and a metric label);
+// any other is INVALID_ARGUMENT naming the header.
 inline constexpr char kTenantHeader[] = "x-kvtier-tenant";
+inline constexpr size_t kMaxTenantName = 128;
+inline constexpr char kTenantExtra[] = "_.:@-";
 
 struct ServiceEnv {
   SessionManager* sessions = nullptr;
@@ -108,6 +112,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
   static std::string Tenant(const grpc::CallbackServerContext* ctx);
+  // OK for a valid tenant header (or none); INVALID_ARGUMENT naming it otherwise.
+  static absl::Status CheckTenant(const grpc::CallbackServerContext* ctx);
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
