@@ -3,10 +3,12 @@
 #include <sys/stat.h>
 
 #include <cstring>
+#include <fstream>
 #include <set>
 #include <thread>
 
 #include "kvtier/client.h"
+#include "kvtier/local_daemon.h"
 #include "server/config/config.h"
 #include "tests/test_util.h"
 
@@ -380,6 +382,47 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   struct stat st {};
   EXPECT_NE(stat(d.socket().c_str(), &st), 0) << "socket left behind";
   EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
+}
+
+// A second kvtierd of the same instance, or on the same socket, refuses to start and touches
+// nothing of the first (before, it unlinked the live segments and took the socket over); a
+// file at the listen path that is not a socket is never removed.
+TEST(Daemon, ASecondDaemonOnTheSameInstanceOrSocketRefusesAndTouchesNothing) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  Data data = MakeData(100);
+  ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), data, 0, 100)).status());
+  const std::vector<std::string> before = ShmEntries(d.instance());
+  ASSERT_FALSE(before.empty());
+  TempDir dir;
+  const std::string kvtierd = BinaryPath("kvtierd");
+  const std::string other = "collide-" + std::to_string(getpid());
+  auto [same_instance, out1] = testing::RunCommand(kvtierd + " --listen unix:" + dir.path() +
+                                                   "/b.sock --instance " + d.instance() + " 2>&1");
+  EXPECT_NE(same_instance, 0);
+  EXPECT_NE(out1.find("instance: another kvtierd (pid"), std::string::npos) << out1;
+  EXPECT_EQ(ShmEntries(d.instance()), before);
+  auto [same_socket, out2] = testing::RunCommand(kvtierd + " --listen unix:" + d.socket() +
+                                                 " --instance " + other + " 2>&1");
+  EXPECT_NE(same_socket, 0);
+  EXPECT_NE(out2.find("listen: another kvtierd (pid"), std::string::npos) << out2;
+  // The first still serves, on its socket, with its chunks.
+  ASSERT_OK(c->Select(Select(created.session_id(), 3, 256)).status());
+  ASSERT_OK_AND_ASSIGN(bool serving, Connect(d)->Health());
+  EXPECT_TRUE(serving);
+  EXPECT_EQ(ShmEntries(d.instance()), before);
+  // A regular file where the socket would go.
+  const std::string file = dir.path() + "/not-a-socket";
+  { std::ofstream(file) << "keep me"; }
+  auto [on_file, out3] =
+      testing::RunCommand(kvtierd + " --listen unix:" + file + " --instance " + other + " 2>&1");
+  EXPECT_NE(on_file, 0);
+  EXPECT_NE(out3.find("is not a socket; it is not removed"), std::string::npos) << out3;
+  std::ifstream kept(file);
+  std::string text((std::istreambuf_iterator<char>(kept)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "keep me");
 }
 
 TEST(Daemon, UnixSocketIsMode0660) {

@@ -1,5 +1,7 @@
 #include "server/tier/tier.h"
 
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -7,6 +9,7 @@
 #include <cstring>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "server/common/error.h"
 #include "tests/test_util.h"
 
@@ -198,16 +201,62 @@ TEST(Tier, RefusalsCarryTheirReason) {
   EXPECT_EQ(ReasonOf(host.Allocate("big", 1 << 21).status()), ErrorReason::kNone);  // too big
 }
 
-TEST(ShmSegment, RemoveStaleTakesOnlyThePrefix) {
+// A /dev/shm with no room left: a new slot is RESOURCE_EXHAUSTED with the tier's full reason,
+// never a SIGBUS where its bytes are first written (Docker's /dev/shm is 64 MiB). In a child
+// with a private mount namespace and a 1 MiB tmpfs on /dev/shm; skipped where the process may
+// not make one (it needs CAP_SYS_ADMIN).
+TEST(Tier, AFullDevShmIsAnErrorAndNeverASignal) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (unshare(CLONE_NEWNS) != 0) _exit(77);
+    if (mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) _exit(77);
+    if (mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") != 0) _exit(77);
+    TierOptions o;
+    o.instance = "devshm-full";
+    o.capacity_bytes = 64 << 20;  // the tier would allow far more than /dev/shm holds
+    o.segment_bytes = 8 << 20;
+    int code = 2;  // never refused
+    {
+      Tier t(o);
+      std::vector<SlotRef> held;
+      for (int i = 0; i < 128; ++i) {
+        absl::StatusOr<SlotRef> s = t.Allocate("t", 64 << 10);
+        if (!s.ok()) {
+          const bool right = s.status().code() == absl::StatusCode::kResourceExhausted &&
+                             ReasonOf(s.status()) == ErrorReason::kHostTierFull &&
+                             absl::StrContains(s.status().message(), "/dev/shm is full");
+          code = right && i > 0 ? 0 : 1;
+          break;
+        }
+        std::memset((*s)->data(), 1, 64 << 10);  // its pages are there: no SIGBUS
+        held.push_back(*std::move(s));
+      }
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "no private mount namespace here (needs CAP_SYS_ADMIN)";
+  }
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the wrong error; 2: never refused";
+}
+
+TEST(ShmSegment, RemoveStaleTakesOnlyThePrefixAndASegmentId) {
   const std::string prefix = "/kvtier-staletest-" + std::to_string(getpid()) + "-";
   {
     ASSERT_OK_AND_ASSIGN(ShmSegment a, ShmSegment::Create(prefix + "1", 4096));
     ASSERT_OK_AND_ASSIGN(
         ShmSegment other,
         ShmSegment::Create("/kvtier-otherinstance-" + std::to_string(getpid()), 4096));
+    // An instance whose name extends this one's ("staletest-<pid>-host"): not this one's.
+    ASSERT_OK_AND_ASSIGN(ShmSegment longer, ShmSegment::Create(prefix + "host-1", 4096));
     EXPECT_EQ(ShmSegment::RemoveStale(prefix), 1);
     EXPECT_FALSE(ShmExists(prefix + "1"));
     EXPECT_TRUE(ShmExists(other.name()));
+    EXPECT_TRUE(ShmExists(longer.name()));
   }
   EXPECT_THAT(ShmSegment::OpenReadOnly(prefix + "1"), StatusIs(Code::kNotFound));
 }

@@ -1,8 +1,15 @@
 #include "server/rpc/daemon.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -11,6 +18,8 @@
 #include "server/common/check.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
+#include "server/common/size.h"
+#include "server/common/status_macros.h"
 
 namespace kvtier {
 namespace {
@@ -60,6 +69,30 @@ std::string SocketPath(const std::string& listen) {
   return absl::StartsWith(listen, "unix:") ? listen.substr(5) : "";
 }
 
+// An exclusive flock on `path` (created 0600), with this process's pid written in it; the fd,
+// or FAILED_PRECONDITION naming `flag` and the holder's pid when another process holds it.
+absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
+                             absl::string_view what) {
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat(flag, ": cannot open the lock ", path, ": ", std::strerror(errno)));
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char buf[32] = {};
+    const ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": another kvtierd (pid ",
+                                                      n > 0 ? absl::StripAsciiWhitespace(buf) : "?",
+                                                      ") holds ", path, "; ", what));
+  }
+  const std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    KVLOG(warn, "lock.pid", "path={} error=\"{}\"", path, std::strerror(errno));
+  }
+  return fd;
+}
+
 }  // namespace
 
 Daemon::Daemon(const ServerOptions& options, const Clock* clock)
@@ -91,13 +124,41 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                       const Clock* clock) {
   auto d = std::unique_ptr<Daemon>(new Daemon(options, clock));
   const ServerOptions& o = d->options_;
+  // Nothing is touched before both locks are held: a second daemon of this instance, or on
+  // this socket, refuses to start and leaves the first one's segments and socket alone.
+  ASSIGN_OR_RETURN(d->instance_lock_.fd,
+                   TakeLock(absl::StrCat("/dev/shm/kvtier-", o.instance, ".lock"), "instance",
+                            "pick another --instance"));
+  const std::string sock = SocketPath(o.listen);
+  if (!sock.empty()) {
+    ASSIGN_OR_RETURN(d->socket_lock_.fd,
+                     TakeLock(absl::StrCat(sock, ".lock"), "listen", "it serves this socket"));
+    struct stat st {};
+    if (lstat(sock.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("listen: ", sock, " exists and is not a socket; it is not removed"));
+      }
+      unlink(sock.c_str());  // a killed daemon's: its lock is free, so it is gone
+    }
+  }
   if (!d->remote_.ok()) return d->remote_.status();
   if (*d->remote_) KVLOG(info, "remote.connected", "address={}", o.remote);
-  int stale = ShmSegment::RemoveStale(absl::StrCat("/kvtier-", o.instance, "-"));
+  // The instance's lock is free, so whoever made its segments is dead.
+  int stale = 0;
+  for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE}) {
+    stale +=
+        ShmSegment::RemoveStale(absl::StrCat("/kvtier-", o.instance, "-", TierShortName(t), "-"));
+  }
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
-
-  const std::string sock = SocketPath(o.listen);
-  if (!sock.empty()) unlink(sock.c_str());  // a stale socket from a killed daemon
+  // Each slot's pages are committed when it is handed out, so a /dev/shm smaller than the
+  // tiers makes appends RESOURCE_EXHAUSTED once it fills; say so at start.
+  struct statvfs fs {};
+  const uint64_t tiers = o.host_capacity + o.device_capacity;
+  if (statvfs("/dev/shm", &fs) == 0 && uint64_t{fs.f_bavail} * fs.f_frsize < tiers) {
+    KVLOG(warn, "shm.small", "dev_shm_free={} tier_capacity={}",
+          FormatBytes(uint64_t{fs.f_bavail} * fs.f_frsize), FormatBytes(tiers));
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -117,6 +178,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                o.tcp_listen.empty() ? "" : " or " + o.tcp_listen,
                                                " (address in use or not permitted)"));
   }
+  d->owns_socket_ = !sock.empty();
   if (!sock.empty() && chmod(sock.c_str(), 0660) != 0) {
     return absl::InternalError(absl::StrCat("listen: chmod 0660 ", sock, " failed"));
   }
@@ -257,10 +319,15 @@ void Daemon::Shutdown() {
   exporter_.reset();
   sessions_.CloseAll();
   const std::string sock = SocketPath(options_.listen);
-  if (!sock.empty()) unlink(sock.c_str());
+  if (owns_socket_) unlink(sock.c_str());
+  owns_socket_ = false;
   KVLOG(info, "daemon.stop", "instance={}", options_.instance);
 }
 
 Daemon::~Daemon() { Shutdown(); }
+
+Daemon::Fd::~Fd() {
+  if (fd >= 0) close(fd);
+}
 
 }  // namespace kvtier

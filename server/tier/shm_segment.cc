@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -38,13 +39,26 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
     return s;
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
   if (p == MAP_FAILED) {
     absl::Status s = Errno("mmap", name);
+    close(fd);
     shm_unlink(name.c_str());
     return s;
   }
-  return ShmSegment(name, static_cast<uint8_t*>(p), size, /*owner=*/true);
+  return ShmSegment(name, static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
+}
+
+absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {
+  if (length == 0) return absl::OkStatus();
+  const int e = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(length));
+  if (e == 0) return absl::OkStatus();
+  const std::string msg = absl::StrCat("shared memory: ", name_, " cannot commit ", length,
+                                       " bytes at ", offset, ": ", std::strerror(e));
+  // A full /dev/shm (or its size= limit) is like a full tier: the caller may make room.
+  if (e == ENOSPC) {
+    return absl::ResourceExhaustedError(absl::StrCat(msg, " (/dev/shm is full)"));
+  }
+  return absl::InternalError(msg);
 }
 
 absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
@@ -59,7 +73,7 @@ absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
   void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) return Errno("mmap", name);
-  return ShmSegment(name, static_cast<uint8_t*>(p), st.st_size, /*owner=*/false);
+  return ShmSegment(name, static_cast<uint8_t*>(p), st.st_size, /*owner=*/false, -1);
 }
 
 int ShmSegment::RemoveStale(const std::string& prefix) {
@@ -68,10 +82,11 @@ int ShmSegment::RemoveStale(const std::string& prefix) {
   if (dir == nullptr) return 0;
   int removed = 0;
   while (dirent* e = readdir(dir)) {
-    if (absl::StartsWith(e->d_name, bare) &&
-        shm_unlink(absl::StrCat("/", e->d_name).c_str()) == 0) {
-      ++removed;
-    }
+    const absl::string_view name(e->d_name);
+    if (!absl::StartsWith(name, bare) || name.size() == bare.size()) continue;
+    const absl::string_view id = name.substr(bare.size());
+    if (!std::all_of(id.begin(), id.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    if (shm_unlink(absl::StrCat("/", name).c_str()) == 0) ++removed;
   }
   closedir(dir);
   return removed;
@@ -86,6 +101,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     owner_ = std::exchange(other.owner_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -95,8 +111,10 @@ ShmSegment::~ShmSegment() { Reset(); }
 void ShmSegment::Reset() {
   if (data_ != nullptr) munmap(data_, size_);
   if (owner_) shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   owner_ = false;
+  fd_ = -1;
 }
 
 }  // namespace kvtier

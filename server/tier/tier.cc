@@ -61,6 +61,12 @@ Tier::~Tier() {
   CHECK_EQ(num_slots_, 0u) << TierShortName(options_.tier) << " tier destroyed with live slots";
 }
 
+absl::Status Tier::WithTierReason(absl::Status s) const {
+  if (s.code() != absl::StatusCode::kResourceExhausted) return s;
+  return WithReason(std::move(s), options_.tier == v1::TIER_DEVICE ? ErrorReason::kDeviceTierFull
+                                                                   : ErrorReason::kHostTierFull);
+}
+
 std::string Tier::ShmPrefix() const {
   return absl::StrCat("/kvtier-", options_.instance, "-", TierShortName(options_.tier), "-");
 }
@@ -110,9 +116,12 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   if (seg == nullptr) {
     uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
     auto shm = ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes);
-    if (!shm.ok()) {
+    // The generation table is written at once (each slot's cell): its pages first.
+    absl::Status reserved =
+        shm.ok() ? shm->Reserve(table_at(num_slots), num_slots * sizeof(uint64_t)) : shm.status();
+    if (!reserved.ok()) {
       ++allocation_failures_;
-      return shm.status();
+      return WithTierReason(reserved);
     }
     auto s = std::make_unique<Segment>(
         Segment{.id = id,
@@ -131,9 +140,16 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   uint32_t index;
   if (!seg->free.empty()) {
-    index = seg->free.back();
+    index = seg->free.back();  // its pages were committed when first handed out
     seg->free.pop_back();
   } else {
+    // A slot never handed out: its pages are committed now, so that a full /dev/shm is an
+    // error here and never a SIGBUS where the bytes are first written.
+    absl::Status s = seg->shm.Reserve(uint64_t{seg->next_unused} * slot_bytes, slot_bytes);
+    if (!s.ok()) {
+      ++allocation_failures_;
+      return WithTierReason(s);
+    }
     index = seg->next_unused++;
   }
   ++seg->used;

@@ -141,8 +141,9 @@ class Tier {
   // A slot of `slot_bytes` in one of `tenant`'s segments. The bytes are not cleared.
   // RESOURCE_EXHAUSTED when the tier is full (ErrorReason kHostTierFull or kDeviceTierFull)
   // or the tenant's quota would be exceeded (kQuota; the message names the quota);
-  // INVALID_ARGUMENT when a slot cannot fit in a segment;
-  // INTERNAL when shared memory cannot be created.
+  // INVALID_ARGUMENT when a slot cannot fit in a segment; RESOURCE_EXHAUSTED (the tier's full
+  // reason) when /dev/shm has no room for a new slot's pages, which are committed before the
+  // slot is handed out; INTERNAL when shared memory cannot be created.
   absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
 
   // Bytes `tenant` may still take before its quota, or the tier's free bytes when that is
@@ -174,6 +175,9 @@ class Tier {
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
   void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
+  // A full /dev/shm (RESOURCE_EXHAUSTED from a segment) carries this tier's full reason, as its
+  // capacity does; other statuses pass unchanged.
+  absl::Status WithTierReason(absl::Status s) const;
   // What is left of the capacity, and of `tenant`'s quota (the most a uint64 holds: none).
   struct Room {
     uint64_t tier = 0;
