@@ -384,6 +384,31 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
 }
 
+// Leases a tenant holds are bounded: past --max_leases_per_tenant a Select is refused before it
+// pins anything, for that tenant only, and a Release makes room again.
+TEST(Daemon, ATenantsLiveLeasesAreBounded) {
+  DaemonProcess d({"--max_leases_per_tenant", "3"});
+  ASSERT_TRUE(d.started());
+  auto a = Connect(d, "a"), b = Connect(d, "b");
+  ASSERT_OK_AND_ASSIGN(auto sa, a->CreateSession(Shape()));
+  ASSERT_OK_AND_ASSIGN(auto sb, b->CreateSession(Shape()));
+  Data data = MakeData(400);
+  ASSERT_OK(a->AppendKV(AllLayers(sa.session_id(), data, 0, 400)).status());
+  ASSERT_OK(b->AppendKV(AllLayers(sb.session_id(), data, 0, 400)).status());
+  std::vector<std::string> held;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto r, a->Select(Select(sa.session_id(), 3, 256)));
+    held.push_back(r.lease_id());
+  }
+  EXPECT_THAT(a->Select(Select(sa.session_id(), 3, 256)),
+              StatusIs(Code::kResourceExhausted, "max_leases_per_tenant 3: tenant \"a\" holds 3"));
+  ASSERT_OK_AND_ASSIGN(auto described, a->DescribeSession(sa.session_id()));
+  EXPECT_EQ(described.info().active_leases(), 3u);  // the refused call pinned nothing
+  ASSERT_OK(b->Select(Select(sb.session_id(), 3, 256)).status());  // another tenant's own room
+  ASSERT_OK(a->Release(held.back()));
+  ASSERT_OK(a->Select(Select(sa.session_id(), 3, 256)).status());
+}
+
 // A second kvtierd of the same instance, or on the same socket, refuses to start and touches
 // nothing of the first (before, it unlinked the live segments and took the socket over); a
 // file at the listen path that is not a socket is never removed.

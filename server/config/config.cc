@@ -113,6 +113,7 @@ v1::Config DefaultConfig() {
   c.set_host_capacity("4G");
   c.set_lease_ttl_ms(o.lease_ttl_ms);
   c.set_max_lease_ms(o.max_lease_ms);
+  c.set_max_leases_per_tenant(o.max_leases_per_tenant);
   c.set_metrics_port(o.metrics_port);
   c.set_metrics_bind(o.metrics_bind);
   c.set_max_sessions(o.max_sessions);
@@ -177,6 +178,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   o.max_lease_ms = c.max_lease_ms();
   if (o.max_lease_ms > 86'400'000) {
     return InvalidField("max_lease_ms", absl::StrCat(o.max_lease_ms), "is above 24 hours");
+  }
+  o.max_leases_per_tenant = c.max_leases_per_tenant();
+  if (o.max_leases_per_tenant == 0) {
+    return InvalidField("max_leases_per_tenant", "0", "must be at least 1");
   }
   o.lease_ttl_ms = c.lease_ttl_ms();
   if (o.lease_ttl_ms > o.max_lease_ms) {

@@ -32,6 +32,8 @@ struct ServerOptions {
   // Lease lifetime when a Select names none, and the longest a Select may name.
   uint32_t lease_ttl_ms = 30'000;
   uint32_t max_lease_ms = 600'000;
+  // Live leases per tenant.
+  uint32_t max_leases_per_tenant = 4096;
   // Prometheus exposition port (0: off) and bind address.
   uint32_t metrics_port = 0;
   std::string metrics_bind = "127.0.0.1";

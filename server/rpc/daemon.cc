@@ -62,6 +62,7 @@ SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* ho
   env.clock = clock;
   env.lease_ttl_ms = o.lease_ttl_ms;
   env.max_lease_ms = o.max_lease_ms;
+  env.max_leases_per_tenant = o.max_leases_per_tenant;
   return env;
 }
 

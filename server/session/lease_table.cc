@@ -19,6 +19,8 @@ void LeaseTable::Unpin(Lease& lease) {
 void LeaseTable::Forget(const Lease& lease) {
   auto it = per_session_.find(lease.session_id);
   if (--it->second == 0) per_session_.erase(it);
+  auto t = per_tenant_.find(lease.tenant);
+  if (--t->second == 0) per_tenant_.erase(t);
 }
 
 LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::string& session_id,
@@ -31,6 +33,7 @@ LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::str
   std::string id = absl::StrFormat("l-%d-%016x", next_++, absl::Uniform<uint64_t>(gen));
   leases_.emplace(id, Lease{tenant, session_id, expires, std::move(slots)});
   ++per_session_[session_id];
+  ++per_tenant_[tenant];
   return {id, expires};
 }
 
@@ -77,6 +80,12 @@ int LeaseTable::ExpireDue() {
 size_t LeaseTable::size() const {
   MutexLock lock(&mu_);
   return leases_.size();
+}
+
+size_t LeaseTable::CountForTenant(const std::string& tenant) const {
+  MutexLock lock(&mu_);
+  auto it = per_tenant_.find(tenant);
+  return it == per_tenant_.end() ? 0 : it->second;
 }
 
 size_t LeaseTable::CountForSession(const std::string& session_id) const {

@@ -39,6 +39,7 @@ class LeaseTable {
 
   size_t size() const;
   size_t CountForSession(const std::string& session_id) const;
+  size_t CountForTenant(const std::string& tenant) const;
 
  private:
   struct Lease {
@@ -55,6 +56,7 @@ class LeaseTable {
   absl::flat_hash_map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
   // Live leases per session, so a session's count is a lookup, not a scan of every lease.
   absl::flat_hash_map<std::string, size_t> per_session_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

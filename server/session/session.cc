@@ -198,6 +198,14 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   ASSIGN_OR_RETURN(const std::vector<float> q,
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
+  // Before any copy: a tenant at its lease limit gets nothing pinned.
+  if (const size_t held = env_.leases->CountForTenant(tenant_);
+      held >= env_.max_leases_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
+        "expire)",
+        env_.max_leases_per_tenant, Quoted(tenant_), held));
+  }
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();

@@ -57,6 +57,7 @@ struct SessionEnv {
   const Clock* clock = nullptr;
   uint32_t lease_ttl_ms = 30'000;
   uint32_t max_lease_ms = 600'000;
+  uint32_t max_leases_per_tenant = 4096;
 };
 
 class Session {
