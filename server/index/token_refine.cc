@@ -16,15 +16,15 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
   const size_t d = static_cast<size_t>(head_dim);
   size_t total = 0;
   for (const RefineChunk& c : chunks) total += c.rows;
-  std::vector<float> logits(total * group), key(d);
+  std::vector<float> logits(total * group);
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   size_t r = 0;
   for (const RefineChunk& c : chunks) {
     for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
-      std::fill(key.begin(), key.end(), 0.f);
-      AddRows(kind, c.keys + row * d, 1, head_dim, key.data());
+      // Straight from the 2-byte keys (widened in registers), no float copy of the row.
       for (int h = 0; h < group; ++h) {
-        logits[r * group + h] = Dot(queries.data() + h * d, key.data(), head_dim) * inv_sqrt_d;
+        logits[r * group + h] =
+            DotHalves(kind, queries.data() + h * d, c.keys + row * d, head_dim) * inv_sqrt_d;
       }
     }
   }
