@@ -2,7 +2,9 @@
 #include "server/session/session_manager.h"
 
 #include <chrono>
+#include <csignal>
 #include <future>
+#include <optional>
 
 #include "kvtier/local_daemon.h"
 #include "server/common/error.h"
@@ -202,6 +204,51 @@ TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
   ASSERT_OK_AND_ASSIGN(existed, m.Close("t", "s"));
   EXPECT_FALSE(existed);
   EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
+}
+
+// A session this daemon moved to the remote tier whose record then vanished (Redis evicted it)
+// is DATA_LOSS, not NOT_FOUND: it existed, and its KV is gone. A close forgets it.
+TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
+  RemoteManager rm;
+  SessionManager& m = rm.m;
+  ASSERT_OK(m.Demote("t", "s").status());
+  ASSERT_OK_AND_ASSIGN(bool deleted, rm.remote.store->Delete(RecordKey("s")));
+  ASSERT_TRUE(deleted);
+  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kDataLoss, "is gone"));
+  EXPECT_THAT(m.Get("t", "never"), StatusIs(Code::kNotFound));
+  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
+  EXPECT_FALSE(existed);
+  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
+}
+
+// Redis closing the connection (a restart, an idle timeout; here CLIENT KILL) costs no call an
+// error: the command that finds it closed is sent again on a new connection.
+TEST(RemoteStore, TheFirstCallAfterTheServerDropsTheConnectionSucceeds) {
+  Remote remote;
+  ASSERT_NE(remote.store, nullptr);
+  ASSERT_OK(remote.store->Put("k", "v"));
+  const std::string sock = remote.redis.address().substr(5);  // "unix:PATH"
+  auto [rc, out] = RunCommand("redis-cli -s " + sock + " CLIENT KILL TYPE normal 2>&1");
+  ASSERT_EQ(rc, 0) << out;
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, remote.store->Get("k"));
+  EXPECT_EQ(got, std::optional<std::string>("v"));
+}
+
+// With Redis down, new sessions are still created (the remote tier delays only the calls that
+// need it); their ids are checked against this daemon's sessions alone.
+TEST(SessionManager, NewSessionsAreCreatedWhileRedisIsDown) {
+  // As kvtierd's main does: a write to the dead server is EPIPE, not a signal.
+  signal(SIGPIPE, SIG_IGN);
+  auto redis = std::make_unique<LocalRedis>();
+  ASSERT_TRUE(redis->started());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<RemoteStore> store, RemoteStore::Connect(redis->address()));
+  redis.reset();  // stopped
+  const ServerOptions options = Options();
+  Env e;
+  SessionManager m{options, e.env, store.get()};
+  ASSERT_OK(m.Create("t", SmallSession("while-down")).status());
+  ASSERT_OK(RunAppend(m, "t", Tokens("while-down", 0, 16)));
+  EXPECT_THAT(m.Create("t", SmallSession("while-down")), StatusIs(Code::kAlreadyExists));
 }
 
 // A close that waits on Redis (here: a frozen redis-server) holds no lock that lookups need:

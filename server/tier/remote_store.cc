@@ -2,6 +2,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include <cerrno>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -57,20 +58,30 @@ absl::Status RemoteStore::EnsureConnected() {
 
 absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(
     std::initializer_list<std::string_view> argv) {
-  if (absl::Status s = EnsureConnected(); !s.ok()) return s;
   std::vector<const char*> ptrs;
   std::vector<size_t> lens;
   for (std::string_view a : argv) {
     ptrs.push_back(a.data());
     lens.push_back(a.size());
   }
-  auto* r = static_cast<redisReply*>(
-      redisCommandArgv(ctx_, static_cast<int>(ptrs.size()), ptrs.data(), lens.data()));
-  if (r == nullptr) {
+  redisReply* r = nullptr;
+  // Every command here (SET, GET, DEL, EXISTS) may be sent twice. A connection the server
+  // closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
+  // one is sent again on a new connection, so the first call after a restart succeeds. A
+  // timeout is not retried: a hung Redis would only cost the caller twice as long.
+  for (int attempt = 0; attempt < 2 && r == nullptr; ++attempt) {
+    if (absl::Status s = EnsureConnected(); !s.ok()) return s;
+    r = static_cast<redisReply*>(
+        redisCommandArgv(ctx_, static_cast<int>(ptrs.size()), ptrs.data(), lens.data()));
+    if (r != nullptr) break;
     const std::string why = ctx_->errstr;
-    redisFree(ctx_);  // the connection is unusable; the next call reconnects
+    const bool closed = ctx_->err == REDIS_ERR_EOF ||
+                        (ctx_->err == REDIS_ERR_IO && (errno == ECONNRESET || errno == EPIPE));
+    redisFree(ctx_);  // the connection is unusable; a new one is made
     ctx_ = nullptr;
-    return absl::UnavailableError(absl::StrCat("remote ", address_, ": ", why));
+    if (!closed || attempt == 1) {
+      return absl::UnavailableError(absl::StrCat("remote ", address_, ": ", why));
+    }
   }
   Reply out;
   out.type = r->type;

@@ -1,6 +1,7 @@
 // The remote tier's store: a real Redis server reached through hiredis, holding whole idle
-// sessions as single values. One connection, reconnected when it breaks; calls are
-// serialized. Every error names the address and Redis's words.
+// sessions as single values. One connection, reconnected when it breaks (a command that finds
+// it closed by the server is sent again on a new one); calls are serialized. Every error names
+// the address and Redis's words.
 #ifndef KVTIER_SERVER_TIER_REMOTE_STORE_H_
 #define KVTIER_SERVER_TIER_REMOTE_STORE_H_
 
@@ -19,7 +20,8 @@ namespace kvtier {
 class RemoteStore {
  public:
   // "redis://HOST:PORT" or "unix:PATH". Connects at once: UNAVAILABLE when Redis cannot be
-  // reached, INVALID_ARGUMENT for a malformed address.
+  // reached, INVALID_ARGUMENT for a malformed address. The process must ignore SIGPIPE (as
+  // kvtierd's main does), or a write to a Redis that died kills it.
   static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address);
   ~RemoteStore();
 
