@@ -91,6 +91,16 @@ v1::SelectRequest Select(const std::string& sid, int layer, uint32_t budget, boo
   return r;
 }
 
+// A new session (Shape()) holding `tokens` tokens of MakeData(tokens) in every layer.
+std::string SessionWithTokens(Client& c, int tokens) {
+  auto created = c.CreateSession(Shape());
+  EXPECT_TRUE(created.ok()) << created.status();
+  if (!created.ok()) return "";
+  const Data data = MakeData(tokens);
+  EXPECT_OK(c.AppendKV(AllLayers(created->session_id(), data, 0, tokens)).status());
+  return created->session_id();
+}
+
 std::vector<std::string> ShmEntries(const std::string& instance) {
   std::vector<std::string> out;
   DIR* dir = opendir("/dev/shm");
@@ -371,10 +381,8 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   DaemonProcess d;
   ASSERT_TRUE(d.started());
   auto c = Connect(d);
-  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
-  Data data = MakeData(100);
-  ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), data, 0, 100)).status());
-  ASSERT_OK(c->Select(Select(created.session_id(), 3, 256)).status());  // a live lease too
+  const std::string sid = SessionWithTokens(*c, 100);
+  ASSERT_OK(c->Select(Select(sid, 3, 256)).status());  // a live lease too
   EXPECT_FALSE(ShmEntries(d.instance()).empty());
   ASSERT_OK_AND_ASSIGN(bool serving, c->Health());
   EXPECT_TRUE(serving);
@@ -416,9 +424,7 @@ TEST(Daemon, ASecondDaemonOnTheSameInstanceOrSocketRefusesAndTouchesNothing) {
   DaemonProcess d;
   ASSERT_TRUE(d.started());
   auto c = Connect(d);
-  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
-  Data data = MakeData(100);
-  ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), data, 0, 100)).status());
+  const std::string sid = SessionWithTokens(*c, 100);
   const std::vector<std::string> before = ShmEntries(d.instance());
   ASSERT_FALSE(before.empty());
   TempDir dir;
@@ -434,7 +440,7 @@ TEST(Daemon, ASecondDaemonOnTheSameInstanceOrSocketRefusesAndTouchesNothing) {
   EXPECT_NE(same_socket, 0);
   EXPECT_NE(out2.find("listen: another kvtierd (pid"), std::string::npos) << out2;
   // The first still serves, on its socket, with its chunks.
-  ASSERT_OK(c->Select(Select(created.session_id(), 3, 256)).status());
+  ASSERT_OK(c->Select(Select(sid, 3, 256)).status());
   ASSERT_OK_AND_ASSIGN(bool serving, Connect(d)->Health());
   EXPECT_TRUE(serving);
   EXPECT_EQ(ShmEntries(d.instance()), before);

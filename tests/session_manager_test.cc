@@ -206,21 +206,6 @@ TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
   EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
 }
 
-// A session this daemon moved to the remote tier whose record then vanished (Redis evicted it)
-// is DATA_LOSS, not NOT_FOUND: it existed, and its KV is gone. A close forgets it.
-TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
-  RemoteManager rm;
-  SessionManager& m = rm.m;
-  ASSERT_OK(m.Demote("t", "s").status());
-  ASSERT_OK_AND_ASSIGN(bool deleted, rm.remote.store->Delete(RecordKey("s")));
-  ASSERT_TRUE(deleted);
-  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kDataLoss, "is gone"));
-  EXPECT_THAT(m.Get("t", "never"), StatusIs(Code::kNotFound));
-  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
-  EXPECT_FALSE(existed);
-  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
-}
-
 // Redis closing the connection (a restart, an idle timeout; here CLIENT KILL) costs no call an
 // error: the command that finds it closed is sent again on a new connection.
 TEST(RemoteStore, TheFirstCallAfterTheServerDropsTheConnectionSucceeds) {

@@ -200,15 +200,9 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
     if (s == nullptr) {
       // A demoted session is closed where it lies.
       ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(RecordKey(session_id)));
-      if (bytes) {
-        auto record = DecodeRecord(*bytes, RecordKey(session_id));
-        if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
-      }
-      {
-        MutexLock lock(&mu_);
-        demoted_.erase(session_id);  // closed: its id is free again, whatever Redis held
-      }
       if (!bytes) return false;
+      auto record = DecodeRecord(*bytes, RecordKey(session_id));
+      if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
       return remote_->Delete(RecordKey(session_id));
     }
   }
@@ -257,15 +251,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   const std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(key));
-  if (!bytes) {
-    MutexLock lock(&mu_);
-    if (!demoted_.contains(session_id)) return NotFound(session_id);
-    ++remote_counters_.corrupt;
-    KVLOG(error, "remote.lost", "session={} key={}", session_id, key);
-    return absl::DataLossError(absl::StrCat(
-        "session_id: ", Quoted(session_id), " was moved to the remote tier and its record ", key,
-        " is gone (evicted or deleted there); its KV must be appended again"));
-  }
+  if (!bytes) return NotFound(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
     KVLOG(error, "remote.corrupt", "session={} key={} error=\"{}\"", session_id, key,
@@ -285,7 +271,6 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   {
     MutexLock lock(&mu_);
     sessions_[session_id] = restored;
-    demoted_.erase(session_id);
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();
     remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
@@ -326,7 +311,6 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it != sessions_.end() && it->second == s) sessions_.erase(it);
-  demoted_.insert(session_id);
   ++remote_counters_.demotions;
   remote_counters_.demoted_bytes += bytes;
   KVLOG(info, "session.demote", "session={} bytes={}", session_id, bytes);

@@ -12,7 +12,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/config/config.h"
@@ -118,9 +117,6 @@ class SessionManager {
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
-  // Sessions this daemon demoted and has not since restored or closed: one whose record is
-  // then missing was lost (DATA_LOSS), not never there (NOT_FOUND).
-  absl::flat_hash_set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
