@@ -4,6 +4,7 @@
 SHELL := /bin/bash
 BUILD ?= build
 TSAN_BUILD ?= build-tsan
+ASAN_BUILD ?= build-asan
 CLANG_BUILD ?= build-clang
 CMAKE_FLAGS ?=
 VENV := .venv
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
-.PHONY: all deps venv configure build run test lint unit pytest tsan thread-safety conformance \
+.PHONY: all deps venv configure build run test lint unit pytest tsan asan thread-safety conformance \
         bench benchmarks-md eval quality-md clean
 
 all: build
@@ -66,6 +67,15 @@ tsan: deps
 	TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" \
 	  $(TSAN_BUILD)/bin/concurrency_test
 
+# AddressSanitizer and UndefinedBehaviorSanitizer (with leak checks) over the unit and
+# integration tests, the daemons they start included; any report fails the test that made it.
+asan: deps
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_ASAN=ON \
+	  -DKVTIER_CUDA=OFF -DKVTIER_BENCH=OFF >/dev/null
+	ninja -C $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS) -LE gpu
+
 # clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations fail.
 thread-safety: deps
 	cmake -S . -B $(CLANG_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
@@ -78,6 +88,7 @@ test: lint build venv
 	@if [ -x ../shared/conformance/run ]; then $(MAKE) --no-print-directory conformance; \
 	  else echo "conformance: ../shared/conformance/run not present, skipped"; fi
 	$(MAKE) --no-print-directory tsan
+	$(MAKE) --no-print-directory asan
 	$(MAKE) --no-print-directory thread-safety
 
 bench: build venv
@@ -112,4 +123,4 @@ benchmarks-md:
 	$(PY) scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md
 
 clean:
-	rm -rf $(BUILD) $(TSAN_BUILD) $(CLANG_BUILD) build-device .device
+	rm -rf $(BUILD) $(TSAN_BUILD) $(ASAN_BUILD) $(CLANG_BUILD) build-device .device
