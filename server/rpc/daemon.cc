@@ -147,10 +147,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (*d->remote_) KVLOG(info, "remote.connected", "address={}", o.remote);
   // The instance's lock is free, so whoever made its segments is dead.
   int stale = 0;
-  for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE}) {
-    stale +=
-        ShmSegment::RemoveStale(absl::StrCat("/kvtier-", o.instance, "-", TierShortName(t), "-"));
-  }
+  for (const Tier* t : {&d->host_, &d->device_}) stale += ShmSegment::RemoveStale(t->ShmPrefix());
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
   // Each slot's pages are committed when it is handed out, so a /dev/shm smaller than the
   // tiers makes appends RESOURCE_EXHAUSTED once it fills; say so at start.

@@ -68,10 +68,7 @@ metrics::Counter& KvTierService::TenantCounter(const std::string& name, const st
 }
 
 absl::Status KvTierService::CheckTenant(const grpc::CallbackServerContext* ctx) {
-  const auto& md = ctx->client_metadata();
-  auto it = md.find(kTenantHeader);
-  if (it == md.end() || it->second.empty()) return absl::OkStatus();
-  const absl::string_view name(it->second.data(), it->second.size());
+  const std::string name = Tenant(ctx);  // "default" without the header: a valid name
   if (IsName(name, kTenantExtra, kMaxTenantName)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": ", Quoted(name), " must be 1..",
                                                  kMaxTenantName, " of [A-Za-z0-9", kTenantExtra,

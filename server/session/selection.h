@@ -41,8 +41,7 @@ struct LayerChoice {
 
   // Whether row r of a kept chunk is a sink or in the recent window.
   bool KeptRow(const Chunk& c, uint32_t r) const {
-    const uint64_t p = c.position(r);
-    return p < sink_end || p >= window_start;
+    return IsKeptPosition(c.position(r), sink_end, window_start);
   }
 };
 

@@ -81,8 +81,7 @@ std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start, uint64_
       kept[c] = true;
       *tokens += ch.num_tokens;
       for (uint32_t r = 0; rows != nullptr && r < ch.num_tokens; ++r) {
-        const uint64_t p = ch.position(r);
-        *rows += p < sink_end || p >= window_start ? 1 : 0;
+        *rows += IsKeptPosition(ch.position(r), sink_end, window_start) ? 1 : 0;
       }
     }
   }

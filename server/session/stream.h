@@ -48,6 +48,11 @@ inline constexpr uint32_t kMaxChunksPerStream = 1u << 28;
 uint64_t EncodeChunkId(const ChunkAddress& a);
 ChunkAddress DecodeChunkId(uint64_t id);
 
+// Whether position p is a sink (below sink_end) or in the recent window (from window_start).
+inline bool IsKeptPosition(uint64_t p, uint64_t sink_end, uint64_t window_start) {
+  return p < sink_end || p >= window_start;
+}
+
 struct Chunk {
   uint32_t num_tokens = 0;
   uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk

@@ -73,6 +73,7 @@ void AddSummaries(const Stream& s, const ChunkFormat& f, const std::vector<uint3
   std::vector<Group> groups;
   std::map<uint32_t, size_t> group_of_cluster;
   std::vector<uint16_t> scratch;
+  std::vector<float> mean(d);
   size_t next = 0;
   for (uint32_t c = 0; c < s.chunks().size(); ++c) {
     if (next < chosen.size() && chosen[next] == c) {
@@ -90,7 +91,6 @@ void AddSummaries(const Stream& s, const ChunkFormat& f, const std::vector<uint3
     Group& grp = groups[g];
     const uint32_t n = s.chunks()[c].num_tokens;
     grp.tokens += n;
-    std::vector<float> mean(d);
     s.stats().Mean(c, mean.data());
     for (int j = 0; j < d; ++j) grp.key_sum[j] += mean[j] * static_cast<float>(n);
     const uint16_t* v_rows = f.Fp16Rows(s.chunks()[c], scratch) + static_cast<size_t>(n) * d;

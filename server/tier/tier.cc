@@ -97,12 +97,9 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
     ++allocation_failures_;
-    return WithReason(
-        absl::ResourceExhaustedError(absl::StrFormat(
-            "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
-            FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes)),
-        options_.tier == v1::TIER_DEVICE ? ErrorReason::kDeviceTierFull
-                                         : ErrorReason::kHostTierFull);
+    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
+        "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
+        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes)));
   }
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];

@@ -175,8 +175,8 @@ class Tier {
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
   void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
-  // A full /dev/shm (RESOURCE_EXHAUSTED from a segment) carries this tier's full reason, as its
-  // capacity does; other statuses pass unchanged.
+  // A RESOURCE_EXHAUSTED status (the capacity, or a full /dev/shm under a segment) with this
+  // tier's full reason; other statuses pass unchanged.
   absl::Status WithTierReason(absl::Status s) const;
   // What is left of the capacity, and of `tenant`'s quota (the most a uint64 holds: none).
   struct Room {
