@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
-.PHONY: all deps venv configure build run test lint unit pytest tsan asan thread-safety conformance \
+.PHONY: all deps venv configure build run test lint unit pytest tsan asan asan-build fuzz thread-safety conformance \
         bench benchmarks-md eval quality-md clean
 
 all: build
@@ -67,16 +67,29 @@ tsan: deps
 	TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" \
 	  $(TSAN_BUILD)/bin/concurrency_test
 
-# AddressSanitizer and UndefinedBehaviorSanitizer (with leak checks) over the unit and
-# integration tests, the daemons they start included; any report fails the test that made it.
-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_ASAN=ON \
-	  -DKVTIER_CUDA=OFF -DKVTIER_BENCH=OFF >/dev/null
+# clang with AddressSanitizer and UndefinedBehaviorSanitizer (with leak checks) over the unit
+# and integration tests, the daemons they start included, and the libFuzzer targets of
+# tests/fuzz, each run for FUZZ_SECONDS from its corpus; any report fails the test that made
+# it. The build is clang's, so it also checks every ABSL_GUARDED_BY (-Werror=thread-safety) of
+# every target. A build tree configured with another compiler is made anew.
+FUZZ_SECONDS ?= 45
+asan-build: deps
+	@grep -qs 'CMAKE_CXX_COMPILER:.*clang' $(ASAN_BUILD)/CMakeCache.txt || rm -rf $(ASAN_BUILD)
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DKVTIER_ASAN=ON -DKVTIER_FUZZ=ON \
+	  -DKVTIER_FUZZ_SECONDS=$(FUZZ_SECONDS) -DKVTIER_CUDA=OFF -DKVTIER_BENCH=OFF >/dev/null
 	ninja -C $(ASAN_BUILD) -j $(JOBS)
+
+asan: asan-build
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -LE gpu
 
-# clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations fail.
+# The fuzz targets alone, for as long as you like: make fuzz FUZZ_SECONDS=600.
+fuzz: asan-build
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j $(JOBS) -L fuzz
+
+# clang's -Wthread-safety checks every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED; violations
+# fail. `make test` has this from the asan build (clang, every target); this is the quick one.
 thread-safety: deps
 	cmake -S . -B $(CLANG_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
 	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
@@ -89,7 +102,6 @@ test: lint build venv
 	  else echo "conformance: ../shared/conformance/run not present, skipped"; fi
 	$(MAKE) --no-print-directory tsan
 	$(MAKE) --no-print-directory asan
-	$(MAKE) --no-print-directory thread-safety
 
 bench: build venv
 	mkdir -p bench/out
