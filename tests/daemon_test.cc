@@ -7,6 +7,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "kvtier/client.h"
 #include "kvtier/local_daemon.h"
 #include "server/config/config.h"
@@ -415,6 +416,68 @@ TEST(Daemon, ATenantsLiveLeasesAreBounded) {
   ASSERT_OK(b->Select(Select(sb.session_id(), 3, 256)).status());  // another tenant's own room
   ASSERT_OK(a->Release(held.back()));
   ASSERT_OK(a->Select(Select(sa.session_id(), 3, 256)).status());
+}
+
+// A client attaches on its first Select and names its worker in every Select; when it goes
+// away its leases end at once, however long they were to last, and a drain ends every
+// Attach stream (UNAVAILABLE) instead of waiting for it.
+TEST(Daemon, AClientsLeasesEndWithItsConnection) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto admin = Connect(d, "a");
+  ASSERT_OK_AND_ASSIGN(auto s, admin->CreateSession(Shape()));
+  Data data = MakeData(400);
+  ASSERT_OK(admin->AppendKV(AllLayers(s.session_id(), data, 0, 400)).status());
+  auto pinned = [&]() -> uint64_t {
+    auto stats = admin->GetTierStats();
+    uint64_t n = 0;
+    for (const auto& t : stats->tiers()) n += t.pinned_bytes();
+    return n;
+  };
+  {
+    auto worker = Connect(d, "a");
+    auto req = Select(s.session_id(), 3, 256);
+    req.set_lease_ms(600'000);
+    ASSERT_OK(worker->Select(req).status());
+    ASSERT_OK(worker->Select(req).status());
+    ASSERT_OK_AND_ASSIGN(std::string id, worker->WorkerId());
+    EXPECT_TRUE(absl::StartsWith(id, "w-")) << id;
+    ASSERT_OK_AND_ASSIGN(auto described, admin->DescribeSession(s.session_id()));
+    EXPECT_EQ(described.info().active_leases(), 2u);
+    EXPECT_GT(pinned(), 0u);
+    // Another tenant cannot take leases under this worker.
+    auto other = Connect(d, "b");
+    ASSERT_OK_AND_ASSIGN(auto so, other->CreateSession(Shape()));
+    ASSERT_OK(other->AppendKV(AllLayers(so.session_id(), data, 0, 400)).status());
+    auto stolen = Select(so.session_id(), 3, 256);
+    stolen.set_worker_id(id);
+    EXPECT_THAT(other->Select(stolen), StatusIs(Code::kPermissionDenied, "worker_id"));
+  }  // the worker's client goes: its Attach stream ends
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (pinned() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(pinned(), 0u) << "ten-minute leases outlived their worker";
+  ASSERT_OK_AND_ASSIGN(auto described, admin->DescribeSession(s.session_id()));
+  EXPECT_EQ(described.info().active_leases(), 0u);
+
+  // A client that does not attach keeps TTL-only leases.
+  ClientOptions o;
+  o.tenant = "a";
+  o.attach = false;
+  ASSERT_OK_AND_ASSIGN(auto plain, Client::Connect(d.address(), o));
+  ASSERT_OK_AND_ASSIGN(std::string none, plain->WorkerId());
+  EXPECT_EQ(none, "");
+  ASSERT_OK_AND_ASSIGN(auto r, plain->Select(Select(s.session_id(), 3, 256)));
+  plain.reset();
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_GT(pinned(), 0u);
+
+  // The drain ends the open streams at once: the daemon exits well within its drain timeout.
+  auto held = Connect(d, "a");
+  ASSERT_OK(held->Select(Select(s.session_id(), 3, 256)).status());
+  const absl::Time t0 = absl::Now();
+  ASSERT_OK(admin->Drain().status());
+  EXPECT_EQ(d.WaitForExit(8), 0);  // the default drain timeout is 10 s
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(8));
 }
 
 // A second kvtierd of the same instance, or on the same socket, refuses to start and touches

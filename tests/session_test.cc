@@ -687,6 +687,48 @@ TEST(Session, LeasePinsUntilReleaseOrExpiry) {
   EXPECT_EQ(e.leases.size(), 0u);
 }
 
+// A lease taken under a worker id ends with the worker, at once, and only its own leases do;
+// ids that are not attached, or are another tenant's, get nothing pinned.
+TEST(Session, LeasesOfADetachedWorkerEndAtOnce) {
+  Env e;
+  Fixture f = Make(e, 3, 2, 1, 16, 500);
+  ASSERT_OK(AppendAll(f, 500, 500));
+  const std::string w = e.leases.Attach("t"), other = e.leases.Attach("u");
+  EXPECT_NE(w, other);
+  EXPECT_EQ(e.leases.workers(), 2u);
+  auto r = SelectReq(f, 2, 128);
+  r.set_lease_ms(5000);
+  r.set_worker_id(w);
+  v1::SelectResponse a, b, plain;
+  ASSERT_OK(f.session->Select(r, &a));
+  ASSERT_OK(f.session->Select(r, &b));
+  auto unattached = SelectReq(f, 2, 128);
+  unattached.set_lease_ms(5000);
+  ASSERT_OK(f.session->Select(unattached, &plain));
+  EXPECT_EQ(f.session->Info().active_leases(), 3u);
+
+  r.set_worker_id(other);
+  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kPermissionDenied, "worker_id"));
+  r.set_worker_id("w-999-0000000000000000");
+  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kNotFound, "is not attached"));
+  EXPECT_EQ(f.session->Info().active_leases(), 3u);
+
+  EXPECT_EQ(e.leases.Detach(w), 2);
+  EXPECT_EQ(e.leases.Detach(w), 0);  // idempotent
+  EXPECT_EQ(f.session->Info().active_leases(), 1u);
+  EXPECT_THAT(e.leases.Release("t", b.lease_id()), StatusIs(Code::kNotFound));
+  EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // the unattached lease's 8 slots
+  r.set_worker_id(w);
+  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kNotFound, "is not attached"));
+  // A lease granted to a worker that detached meanwhile is refused and pins nothing.
+  std::vector<SlotRef> slots;
+  EXPECT_THAT(e.leases.Create("t", "s", slots, 1000, w), StatusIs(Code::kNotFound));
+  ASSERT_OK(e.leases.Release("t", plain.lease_id()));
+  EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
+  EXPECT_EQ(e.leases.Detach(other), 0);
+  EXPECT_EQ(e.leases.workers(), 0u);
+}
+
 // A worker holding a lease keeps reading the bytes it was given, even while the session
 // grows the chunk it points at and even after the session closes.
 TEST(Session, LeasedMemoryIsNeverRewrittenOrFreed) {

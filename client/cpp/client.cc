@@ -1,7 +1,9 @@
 #include "kvtier/client.h"
 
 #include <chrono>
+#include <condition_variable>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -26,10 +28,126 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   return std::unique_ptr<Client>(new Client(std::move(channel), std::move(options)));
 }
 
+// The Attach stream: one read for the worker id, a second that ends with the stream. The
+// destructor cancels the call and waits for OnDone, after which gRPC touches nothing here.
+class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachResponse> {
+ public:
+  Attachment(v1::KvTier::Stub& stub, const ClientOptions& options) {
+    if (!options.tenant.empty()) ctx_.AddMetadata("x-kvtier-tenant", options.tenant);
+    stub.async()->Attach(&ctx_, &req_, this);
+    StartRead(&resp_);
+    StartCall();
+  }
+  ~Attachment() override {
+    ctx_.TryCancel();
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+  }
+
+  // The worker id once the daemon sent it; the stream's status if it ended first; DEADLINE_
+  // EXCEEDED after `timeout`.
+  absl::StatusOr<std::string> Wait(absl::Duration timeout) {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout),
+                 [this] { return !worker_.empty() || done_; });
+    if (!worker_.empty() && !done_) return worker_;
+    if (done_) return status_.ok() ? absl::UnavailableError("Attach: the stream ended") : status_;
+    return absl::DeadlineExceededError("Attach: no worker id from the daemon in time");
+  }
+  bool ended() {
+    std::lock_guard lock(mu_);
+    return done_;
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended: OnDone follows
+    {
+      std::lock_guard lock(mu_);
+      if (worker_.empty()) worker_ = resp_.worker_id();
+    }
+    cv_.notify_all();
+    StartRead(&resp_);  // completes only when the stream ends
+  }
+  void OnDone(const grpc::Status& s) override {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+      status_ = FromGrpcStatus(s);
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  v1::AttachRequest req_;
+  v1::AttachResponse resp_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string worker_;   // guarded by mu_
+  bool done_ = false;    // guarded by mu_
+  absl::Status status_;  // guarded by mu_
+};
+
 Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : channel_(std::move(channel)),
       stub_(v1::KvTier::NewStub(channel_)),
       options_(std::move(options)) {}
+
+Client::~Client() {
+  std::lock_guard lock(attach_mu_);
+  attachment_.reset();
+}
+
+absl::StatusOr<std::string> Client::WorkerId() {
+  std::lock_guard lock(attach_mu_);
+  if (!options_.attach || attach_unsupported_) return std::string();
+  if (attachment_ != nullptr && attachment_->ended()) attachment_.reset();
+  if (attachment_ == nullptr) attachment_ = std::make_unique<Attachment>(*stub_, options_);
+  absl::StatusOr<std::string> id = attachment_->Wait(options_.timeout);
+  if (id.ok()) return id;
+  attachment_.reset();
+  if (id.status().code() == absl::StatusCode::kUnimplemented) {  // an older daemon
+    attach_unsupported_ = true;
+    return std::string();
+  }
+  return id.status();
+}
+
+namespace {
+
+// Names `worker` in each request that names none; true when one was named.
+bool NameWorker(const std::string& worker, v1::SelectRequest* r) {
+  if (worker.empty() || !r->worker_id().empty()) return false;
+  r->set_worker_id(worker);
+  return true;
+}
+bool NameWorker(const std::string& worker, v1::BatchSelectRequest* r) {
+  bool any = false;
+  for (auto& one : *r->mutable_requests()) any |= NameWorker(worker, &one);
+  return any;
+}
+
+// The daemon no longer knows the worker id a request named.
+bool LostWorker(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kNotFound && absl::StrContains(s.message(), "worker_id");
+}
+
+}  // namespace
+
+template <typename Req, typename Call>
+auto Client::WithWorker(const Req& req, Call&& call) -> decltype(call(req)) {
+  if (!options_.attach) return call(req);
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<std::string> worker = WorkerId();
+    if (!worker.ok()) return worker.status();
+    Req named = req;
+    const bool set = NameWorker(*worker, &named);
+    auto r = call(named);
+    // It restarted, or the stream ended just now: attach anew, once.
+    if (set && attempt == 0 && LostWorker(r.status())) continue;
+    return r;
+  }
+}
 
 void Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() +
@@ -76,11 +194,15 @@ absl::StatusOr<uint64_t> Client::AppendKV(const std::vector<v1::AppendKVRequest>
 }
 
 absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) {
-  return KVTIER_CALL(v1::SelectResponse, Select, req);
+  return WithWorker(req, [this](const v1::SelectRequest& r) {
+    return KVTIER_CALL(v1::SelectResponse, Select, r);
+  });
 }
 
 absl::StatusOr<v1::BatchSelectResponse> Client::BatchSelect(const v1::BatchSelectRequest& req) {
-  return KVTIER_CALL(v1::BatchSelectResponse, BatchSelect, req);
+  return WithWorker(req, [this](const v1::BatchSelectRequest& r) {
+    return KVTIER_CALL(v1::BatchSelectResponse, BatchSelect, r);
+  });
 }
 
 absl::Status Client::Release(const std::string& lease_id) {

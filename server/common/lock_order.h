@@ -24,6 +24,10 @@
 //   9  KvTierService::tenant_mu_    the service's per-tenant metric handles; takes 10
 //  10  metrics::Registry::mu_       the metric families (leaf; scrape hooks run outside it)
 //  11  Daemon::mu_                  shutdown bookkeeping (leaf)
+//  12  KvTierService::attach_mu_    the open Attach streams; a drain claims each under it (13)
+//                                   and finishes them after letting go
+//  13  AttachReactor::mu_           one Attach stream's finish claim and worker id (leaf); let
+//                                   go before the worker detaches (6)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

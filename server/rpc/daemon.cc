@@ -119,7 +119,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .metrics = &metrics_,
                           .prefetcher = prefetcher_.get(),
                           .on_drain = [this] { RequestShutdown(); },
-                          .max_message_bytes = options_.max_message_size}) {}
+                          .max_message_bytes = options_.max_message_size,
+                          .lease_ttl_ms = options_.lease_ttl_ms}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
@@ -271,6 +272,8 @@ void Daemon::RegisterGauges() {
     }
     metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());
     metrics_.GetGauge("kvtier_leases", "Live leases").Set(leases_.size());
+    metrics_.GetGauge("kvtier_workers_attached", "Workers holding an Attach stream open")
+        .Set(leases_.workers());
     metrics_.GetGauge("kvtier_draining", "1 while draining").Set(service_.draining() ? 1 : 0);
   });
 }

@@ -354,6 +354,108 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
   return new ReadChunksReactor(this, ctx, req);
 }
 
+// One worker's Attach stream: the worker id is written at once, then the stream stays open
+// until the client ends it (OnCancel: its process died, its connection dropped, or it
+// cancelled) or the daemon drains (UNAVAILABLE). Either way the worker detaches in OnDone,
+// ending its leases. Finish is called once, by whoever claims it first (Claim), and OnDone,
+// which deletes the reactor, cannot come before Finish: so a claimed reactor stays alive
+// until its claimer has called Finish. Attach streams are not in in_flight(): a drain ends
+// them instead of waiting for them.
+class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
+ public:
+  AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
+    absl::Status s = svc_->draining() ? Draining() : CheckTenant(ctx);
+    if (!s.ok()) {
+      if (Claim()) Finish(ToGrpcStatus(s));
+      return;
+    }
+    worker_ = svc_->env_.leases->Attach(Tenant(ctx));
+    resp_.set_worker_id(worker_);
+    resp_.set_lease_ttl_ms(svc_->env_.lease_ttl_ms);
+    {
+      MutexLock lock(&svc_->attach_mu_);
+      svc_->attached_.insert(this);
+    }
+    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, Tenant(ctx));
+    KVTIER_TSAN_RELEASE(this);
+    StartWrite(&resp_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    KVTIER_TSAN_ACQUIRE(this);
+    if (!ok && Claim()) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away"));
+  }
+
+  void OnCancel() override {
+    KVTIER_TSAN_ACQUIRE(this);
+    Detach();  // at once, not only when the last operation completes
+    if (Claim()) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away"));
+  }
+
+  void OnDone() override {
+    KVTIER_TSAN_ACQUIRE(this);
+    {
+      MutexLock lock(&svc_->attach_mu_);
+      svc_->attached_.erase(this);
+    }
+    Detach();
+    delete this;
+  }
+
+  // True for the one caller that may call Finish.
+  bool Claim() {
+    MutexLock lock(&mu_);
+    if (finished_) return false;
+    finished_ = true;
+    return true;
+  }
+  void End(const absl::Status& s) {
+    KVTIER_TSAN_RELEASE(this);
+    Finish(ToGrpcStatus(s));
+  }
+
+ private:
+  void Detach() {
+    std::string worker;
+    {
+      MutexLock lock(&mu_);
+      worker = std::exchange(worker_, "");
+    }
+    if (worker.empty()) return;
+    const int ended = svc_->env_.leases->Detach(worker);
+    KVLOG(debug, "worker.detach", "worker={} leases_ended={}", worker, ended);
+  }
+
+  KvTierService* const svc_;
+  v1::AttachResponse resp_;
+  absl::Mutex mu_;  // lock order 13 (server/common/lock_order.h)
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::string worker_;  // written before StartWrite; after, read and cleared under mu_
+};
+
+grpc::ServerWriteReactor<v1::AttachResponse>* KvTierService::Attach(
+    grpc::CallbackServerContext* ctx, const v1::AttachRequest*) {
+  return new AttachReactor(this, ctx);
+}
+
+void KvTierService::StartDraining() {
+  draining_.store(true, std::memory_order_release);
+  std::vector<AttachReactor*> claimed;
+  {
+    MutexLock lock(&attach_mu_);
+    for (AttachReactor* r : attached_) {
+      if (r->Claim()) claimed.push_back(r);
+    }
+  }
+  // Outside attach_mu_: OnDone takes it.
+  for (AttachReactor* r : claimed) r->End(Draining());
+}
+
+size_t KvTierService::attached() {
+  MutexLock lock(&attach_mu_);
+  return attached_.size();
+}
+
 grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext* ctx,
                                                      const v1::ForkSessionRequest* req,
                                                      v1::CreateSessionResponse* resp) {

@@ -44,6 +44,8 @@ struct ServiceEnv {
   // The largest message the server sends (--max_message_size): replies that could pass it are
   // refused before any work.
   uint64_t max_message_bytes = 64ull << 20;
+  // --lease_ttl_ms, told to each attached worker.
+  uint32_t lease_ttl_ms = 30'000;
   // Tenants with series of their own in the per-tenant metrics; later ones share "_other".
   size_t max_tenant_series = 64;
 };
@@ -52,8 +54,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
  public:
   explicit KvTierService(ServiceEnv env);
 
-  // New calls get UNAVAILABLE from now on.
-  void StartDraining() { draining_.store(true, std::memory_order_release); }
+  // New calls get UNAVAILABLE from now on, and every Attach stream ends (UNAVAILABLE).
+  void StartDraining();
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls whose handler or reactor has not finished.
   int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
@@ -102,10 +104,15 @@ class KvTierService final : public v1::KvTier::CallbackService {
                                   v1::DrainResponse* resp) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
                                  v1::EchoResponse* resp) override;
+  grpc::ServerWriteReactor<v1::AttachResponse>* Attach(grpc::CallbackServerContext* ctx,
+                                                       const v1::AttachRequest* req) override;
+  // Open Attach streams.
+  size_t attached();
 
  private:
   class AppendReactor;
   class ReadChunksReactor;
+  class AttachReactor;
 
   // Runs `fn` unless draining, records the call's metrics, and finishes the default reactor.
   template <typename Fn>
@@ -131,6 +138,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
   // Tenants that have series of their own (at most max_tenant_series).
   absl::flat_hash_set<std::string> tenant_series_ ABSL_GUARDED_BY(tenant_mu_);
+  absl::Mutex attach_mu_;  // lock order 12 (server/common/lock_order.h)
+  absl::flat_hash_set<AttachReactor*> attached_ ABSL_GUARDED_BY(attach_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
 };

@@ -3,7 +3,9 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/error.h"
 #include "server/common/mutex.h"
+#include "server/common/status_macros.h"
 
 namespace kvtier {
 
@@ -17,24 +19,87 @@ void LeaseTable::Unpin(Lease& lease) {
 }
 
 void LeaseTable::Forget(const Lease& lease) {
+  if (!lease.worker.empty()) {
+    if (auto w = workers_.find(lease.worker); w != workers_.end()) w->second.leases.erase(lease.id);
+  }
   auto it = per_session_.find(lease.session_id);
   if (--it->second == 0) per_session_.erase(it);
   auto t = per_tenant_.find(lease.tenant);
   if (--t->second == 0) per_tenant_.erase(t);
 }
 
-LeaseTable::Granted LeaseTable::Create(const std::string& tenant, const std::string& session_id,
-                                       std::vector<SlotRef> slots, uint32_t ttl_ms) {
-  for (const SlotRef& s : slots) s->Pin();
-  int64_t expires = clock_->NowMs() + ttl_ms;
-  MutexLock lock(&mu_);
+std::string LeaseTable::NewId(char kind) {
   // A counter keeps ids unique; the random part keeps them unguessable across tenants.
   static thread_local absl::BitGen gen;
-  std::string id = absl::StrFormat("l-%d-%016x", next_++, absl::Uniform<uint64_t>(gen));
-  leases_.emplace(id, Lease{tenant, session_id, expires, std::move(slots)});
+  return absl::StrFormat("%c-%d-%016x", kind, next_++, absl::Uniform<uint64_t>(gen));
+}
+
+absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::string& tenant,
+                                                       const std::string& session_id,
+                                                       std::vector<SlotRef> slots, uint32_t ttl_ms,
+                                                       const std::string& worker) {
+  const int64_t expires = clock_->NowMs() + ttl_ms;
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckWorkerLocked(tenant, worker));
+  for (const SlotRef& s : slots) s->Pin();
+  std::string id = NewId('l');
+  if (!worker.empty()) workers_[worker].leases.insert(id);
+  leases_.emplace(id, Lease{id, tenant, session_id, expires, std::move(slots), worker});
   ++per_session_[session_id];
   ++per_tenant_[tenant];
-  return {id, expires};
+  return Granted{id, expires};
+}
+
+std::string LeaseTable::Attach(const std::string& tenant) {
+  MutexLock lock(&mu_);
+  std::string id = NewId('w');
+  workers_.emplace(id, Worker{tenant, {}});
+  return id;
+}
+
+int LeaseTable::Detach(const std::string& worker) {
+  std::vector<Lease> ended;
+  {
+    MutexLock lock(&mu_);
+    auto w = workers_.find(worker);
+    if (w == workers_.end()) return 0;
+    const absl::flat_hash_set<std::string> ids = std::move(w->second.leases);
+    workers_.erase(w);
+    for (const std::string& id : ids) {
+      auto it = leases_.find(id);
+      ended.push_back(std::move(it->second));
+      leases_.erase(it);
+      Forget(ended.back());
+    }
+  }
+  for (Lease& l : ended) Unpin(l);  // outside the lock, as Release
+  return static_cast<int>(ended.size());
+}
+
+absl::Status LeaseTable::CheckWorkerLocked(const std::string& tenant,
+                                           const std::string& worker) const {
+  if (worker.empty()) return absl::OkStatus();
+  auto w = workers_.find(worker);
+  if (w == workers_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("worker_id: ", Quoted(worker), " is not attached (its Attach stream ended)"));
+  }
+  if (w->second.tenant != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("worker_id: ", Quoted(worker), " belongs to another tenant"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LeaseTable::CheckWorker(const std::string& tenant, const std::string& worker) const {
+  if (worker.empty()) return absl::OkStatus();
+  MutexLock lock(&mu_);
+  return CheckWorkerLocked(tenant, worker);
+}
+
+size_t LeaseTable::workers() const {
+  MutexLock lock(&mu_);
+  return workers_.size();
 }
 
 absl::Status LeaseTable::Release(const std::string& tenant, const std::string& lease_id) {

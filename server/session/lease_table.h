@@ -1,6 +1,10 @@
 // Leases: pins on the slots a Select returned, ended by Release or by TTL, so that a worker
 // that dies cannot pin memory for ever. A leased slot is never rewritten in place (a session
 // copies on write instead) and never freed, even after its session closes.
+//
+// Workers: a worker that holds an Attach stream open is attached under an id the daemon
+// made; a Select naming that id (SelectRequest.worker_id) gets a lease that also ends when the
+// worker detaches (its stream or connection ends), at once rather than at the TTL.
 #ifndef KVTIER_SERVER_SESSION_LEASE_TABLE_H_
 #define KVTIER_SERVER_SESSION_LEASE_TABLE_H_
 
@@ -10,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/common/clock.h"
@@ -27,9 +32,20 @@ class LeaseTable {
     std::string lease_id;
     int64_t expires_unix_ms;
   };
-  // Pins `slots` until Release or `ttl_ms` from now.
-  Granted Create(const std::string& tenant, const std::string& session_id,
-                 std::vector<SlotRef> slots, uint32_t ttl_ms);
+  // Pins `slots` until Release, `ttl_ms` from now, or the end of `worker` (empty: none).
+  // NOT_FOUND when `worker` is not attached (it detached meanwhile); nothing stays pinned.
+  absl::StatusOr<Granted> Create(const std::string& tenant, const std::string& session_id,
+                                 std::vector<SlotRef> slots, uint32_t ttl_ms,
+                                 const std::string& worker = "");
+
+  // A new worker of `tenant`; its id is unguessable.
+  std::string Attach(const std::string& tenant);
+  // Ends the worker and every lease it holds. Returns how many leases ended; idempotent.
+  int Detach(const std::string& worker);
+  // OK for an empty id or one of `tenant`'s attached workers; NOT_FOUND for an id that is
+  // not attached (never, or no longer); PERMISSION_DENIED for another tenant's worker.
+  absl::Status CheckWorker(const std::string& tenant, const std::string& worker) const;
+  size_t workers() const;
 
   // NOT_FOUND for an unknown or expired lease; PERMISSION_DENIED for another tenant's.
   absl::Status Release(const std::string& tenant, const std::string& lease_id);
@@ -43,11 +59,21 @@ class LeaseTable {
 
  private:
   struct Lease {
+    std::string id;
     std::string tenant;
     std::string session_id;
     int64_t expires_ms;
     std::vector<SlotRef> slots;
+    std::string worker;  // empty: none
   };
+  struct Worker {
+    std::string tenant;
+    absl::flat_hash_set<std::string> leases;
+  };
+  absl::Status CheckWorkerLocked(const std::string& tenant, const std::string& worker) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "<kind>-<counter>-<64 random bits>".
+  std::string NewId(char kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Unpin(Lease& lease);
   void Forget(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -57,6 +83,7 @@ class LeaseTable {
   // Live leases per session, so a session's count is a lookup, not a scan of every lease.
   absl::flat_hash_map<std::string, size_t> per_session_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -206,6 +206,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
         "expire)",
         env_.max_leases_per_tenant, Quoted(tenant_), held));
   }
+  RETURN_IF_ERROR(env_.leases->CheckWorker(tenant_, req.worker_id()));
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
@@ -257,7 +258,8 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
     if (req.include_summaries() && !c.everything) AddSummaries(s, f, returned[h], hs);
   }
-  LeaseTable::Granted lease = env_.leases->Create(tenant_, id_, std::move(pinned), ttl);
+  ASSIGN_OR_RETURN(const LeaseTable::Granted lease,
+                   env_.leases->Create(tenant_, id_, std::move(pinned), ttl, req.worker_id()));
   out->set_lease_id(lease.lease_id);
   out->set_lease_expires_unix_ms(lease.expires_unix_ms);
   return absl::OkStatus();

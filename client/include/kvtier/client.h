@@ -39,6 +39,11 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Deadline of each call.
   absl::Duration timeout = absl::Seconds(60);
+  // From the first Select on, hold an Attach stream open and name it in every Select and
+  // BatchSelect (SelectRequest.worker_id), so that this client's leases end as soon as it
+  // goes away (its process dies, its connection drops) instead of at their TTL. A request
+  // that names a worker_id of its own keeps it. Against a daemon with no Attach: TTL only.
+  bool attach = true;
 };
 
 class Client {
@@ -47,6 +52,7 @@ class Client {
   // (UNAVAILABLE).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          ClientOptions options = {});
+  ~Client();  // ends the Attach stream, so the daemon ends this client's leases
 
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& req);
   // One client stream carrying `requests` in order; returns tokens stored in every layer.
@@ -73,16 +79,29 @@ class Client {
   // grpc.health.v1.Health/Check for the whole server: true when SERVING.
   absl::StatusOr<bool> Health();
 
+  // This client's worker id: its Attach stream's, attaching first when there is none or the
+  // last one ended. Empty when ClientOptions::attach is off or the daemon has no Attach;
+  // the stream's error when it could not attach.
+  absl::StatusOr<std::string> WorkerId();
+
   v1::KvTier::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }
 
  private:
   Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   void Prepare(grpc::ClientContext* ctx) const;
+  // Runs `call` with `req` naming this client's worker (unless it names one); once more
+  // after attaching anew when the daemon no longer knows the worker (it restarted).
+  template <typename Req, typename Call>
+  auto WithWorker(const Req& req, Call&& call) -> decltype(call(req));
+  class Attachment;
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvTier::Stub> stub_;
   ClientOptions options_;
+  std::mutex attach_mu_;                    // never held across a unary call
+  std::unique_ptr<Attachment> attachment_;  // guarded by attach_mu_
+  bool attach_unsupported_ = false;         // guarded by attach_mu_
 };
 
 // The server status as an absl::Status (codes agree).

@@ -111,6 +111,46 @@ class SegmentMap:
         return k.reshape(handle.num_tokens, head_dim), v.reshape(handle.num_tokens, head_dim)
 
 
+class _Attachment:
+    """An Attach stream held open by a thread of its own: the daemon's first message names
+    this worker; the stream ends when the client closes (or its process dies), and with it
+    every lease taken under the worker's id."""
+
+    def __init__(self, stub: pb_grpc.KvTierStub, metadata):
+        self._call = stub.Attach(pb.AttachRequest(), metadata=metadata)
+        self._ready = threading.Event()
+        self.worker_id = ""
+        self.error: grpc.RpcError | None = None
+        self.ended = False
+        threading.Thread(target=self._hold, daemon=True, name="kvtier-attach").start()
+
+    def _hold(self):
+        try:
+            for resp in self._call:
+                if not self.worker_id:
+                    self.worker_id = resp.worker_id
+                    self._ready.set()
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended = True
+        self._ready.set()
+
+    def wait(self, timeout: float) -> str:
+        """The worker id; "" against a daemon without Attach; KvTierError if it failed."""
+        if not self._ready.wait(timeout):
+            raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED, "Attach: no worker id in time")
+        if self.worker_id and not self.ended:
+            return self.worker_id
+        if self.error is not None and self.error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        if self.error is not None:
+            raise KvTierError(self.error.code(), self.error.details() or "")
+        raise KvTierError(grpc.StatusCode.UNAVAILABLE, "Attach: the stream ended")
+
+    def close(self):
+        self._call.cancel()
+
+
 @dataclass
 class SessionHandle:
     session_id: str
@@ -121,7 +161,10 @@ class Client:
     """A connection to kvtierd ("unix:PATH" or "HOST:PORT")."""
 
     def __init__(self, address: str = "unix:/tmp/kvtier.sock", tenant: str | None = None,
-                 timeout: float = 60.0, max_message_bytes: int = 64 << 20):
+                 timeout: float = 60.0, max_message_bytes: int = 64 << 20, attach: bool = True):
+        """`attach`: from the first select on, hold an Attach stream open and name it in each
+        select, so that this client's leases end as soon as it closes or its process dies,
+        instead of at their TTL (against a daemon without Attach: TTL only)."""
         self.address = address
         self.timeout = timeout
         self._metadata = (("x-kvtier-tenant", tenant),) if tenant else ()
@@ -131,9 +174,26 @@ class Client:
         self.stub = pb_grpc.KvTierStub(self._channel)
         self.segments = SegmentMap(self)
         self._shapes: dict[str, pb.ModelShape] = {}
+        self._attach = attach
+        self._attach_lock = threading.Lock()
+        self._attachment: _Attachment | None = None
 
     def close(self):
+        with self._attach_lock:
+            if self._attachment is not None:
+                self._attachment.close()
         self._channel.close()
+
+    def worker_id(self) -> str:
+        """This client's worker id (attaching first if needed); "" when attach is off or the
+        daemon has no Attach."""
+        if not self._attach:
+            return ""
+        with self._attach_lock:
+            if self._attachment is None or self._attachment.ended:
+                self._attachment = _Attachment(self.stub, self._metadata)
+            attachment = self._attachment
+        return attachment.wait(self.timeout)
 
     def __enter__(self):
         return self
@@ -201,10 +261,20 @@ class Client:
         `row_handles`: refined rows come as their chunks' handles with a row list, read in
         place by `gather` (False: gathered by the daemon into compact blocks of their own)."""
         q = np.ascontiguousarray(query, dtype=np.float32)
-        return self._unary("Select", pb.SelectRequest(
-            session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
-            placement=_TIERS[placement], include_data=include_data, lease_ms=lease_ms,
-            include_summaries=include_summaries, row_handles=row_handles))
+        for attempt in range(2):
+            worker = self.worker_id()
+            try:
+                return self._unary("Select", pb.SelectRequest(
+                    session_id=session_id, layer=layer, query=q.tobytes(),
+                    budget_tokens=budget_tokens, placement=_TIERS[placement],
+                    include_data=include_data, lease_ms=lease_ms,
+                    include_summaries=include_summaries, row_handles=row_handles,
+                    worker_id=worker))
+            except KvTierError as e:
+                # The daemon lost the worker (it restarted; the stream just ended): once more.
+                if not (worker and attempt == 0 and e.code == grpc.StatusCode.NOT_FOUND
+                        and "worker_id" in e.message):
+                    raise
 
     def gather(self, head: pb.HeadSelection, session_id: str | None = None, head_dim=None):
         """(positions int64 [n], K [n][d], V [n][d]) of the rows one HeadSelection selected,

@@ -214,13 +214,38 @@ import sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[3])
 import kvtier
-c = kvtier.Client(sys.argv[1])
+c = kvtier.Client(sys.argv[1], attach=sys.argv[4] == "attach")
 sel = c.select(sys.argv[2], 3, np.ones((9, 64), np.float32), budget_tokens=256,
-               lease_ms=600)
+               lease_ms=int(sys.argv[5]))
 pos, k, v = c.gather(sel.heads[0], sys.argv[2])  # reads through shared memory
 print(sel.lease_id, flush=True)
 time.sleep(600)  # holds the lease until killed
 """
+
+
+def start_worker(tmp_path, address, sid, attach, lease_ms):
+    """A worker process holding one lease; returns it and the lease id it printed."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    worker = subprocess.Popen(
+        [sys.executable, str(script), address, sid,
+         str(Path(kvtier.__file__).resolve().parents[1]), "attach" if attach else "no",
+         str(lease_ms)],
+        stdout=subprocess.PIPE, text=True)
+    lease = worker.stdout.readline().strip()
+    assert lease, "the worker printed no lease"
+    return worker, lease
+
+
+def pinned(c):
+    return sum(t.pinned_bytes for t in c.tier_stats())
+
+
+def wait_unpinned(c, seconds):
+    deadline = time.monotonic() + seconds
+    while pinned(c) > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pinned(c) == 0
 
 
 def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_path):
@@ -230,28 +255,70 @@ def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_p
     with kvtier.Client(d.address) as c:
         sid = c.create_session(L, QH, KVH, D).session_id
         c.append_layers(sid, 0, k, v)
-        script = tmp_path / "worker.py"
-        script.write_text(WORKER)
-        worker = subprocess.Popen(
-            [sys.executable, str(script), d.address, sid,
-             str(Path(kvtier.__file__).resolve().parents[1])],
-            stdout=subprocess.PIPE, text=True)
-        lease = worker.stdout.readline().strip()
-        assert lease, "the worker printed no lease"
-
-        def pinned():
-            return sum(t.pinned_bytes for t in c.tier_stats())
-
-        assert pinned() > 0
+        worker, lease = start_worker(tmp_path, d.address, sid, attach=False, lease_ms=600)
+        assert pinned(c) > 0
         worker.kill()
         worker.wait()
-        deadline = time.monotonic() + 10
-        while pinned() > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pinned() == 0, "the dead worker's pins outlived its lease"
+        assert wait_unpinned(c, 10), "the dead worker's pins outlived its lease"
         with pytest.raises(kvtier.KvTierError) as e:
             c.release(lease)
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_attached_worker_s_leases_end_when_its_process_dies(daemon, tmp_path):
+    """Leases of ten minutes: the attached worker's end as soon as it is killed; an unattached
+    worker's stay until released (the TTL is the only end it has)."""
+    rng = np.random.default_rng(8)
+    k, v = make_kv(rng, 1000)
+    with kvtier.Client(daemon.address, attach=False) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        c.append_layers(sid, 0, k, v)
+
+        worker, lease = start_worker(tmp_path, daemon.address, sid, attach=True, lease_ms=600000)
+        assert pinned(c) > 0
+        assert c.list_sessions()[0].active_leases == 1
+        worker.kill()
+        worker.wait()
+        assert wait_unpinned(c, 5), "the dead worker's leases outlived its connection"
+        assert c.list_sessions()[0].active_leases == 0
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.release(lease)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+        worker, lease = start_worker(tmp_path, daemon.address, sid, attach=False, lease_ms=600000)
+        worker.kill()
+        worker.wait()
+        time.sleep(1)
+        assert pinned(c) > 0, "an unattached worker's lease ends only by release or TTL"
+        c.release(lease)
+        assert pinned(c) == 0
+
+
+def test_worker_ids_are_checked_and_close_ends_the_leases(daemon):
+    rng = np.random.default_rng(9)
+    k, v = make_kv(rng, 300)
+    q = np.ones((QH, D), np.float32)
+    with kvtier.Client(daemon.address) as admin, \
+            kvtier.Client(daemon.address, tenant="other") as other:
+        sid = admin.create_session(L, QH, KVH, D).session_id
+        admin.append_layers(sid, 0, k, v)
+        wid = other.worker_id()
+        assert wid.startswith("w-")
+        request = pb.SelectRequest(session_id=sid, layer=3, query=q.tobytes(), worker_id=wid)
+        with pytest.raises(kvtier.KvTierError) as e:  # another tenant's worker
+            admin._unary("Select", request)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "worker_id" in e.value.message
+        request.worker_id = "w-1-0000000000000000"
+        with pytest.raises(kvtier.KvTierError) as e:
+            admin._unary("Select", request)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+        worker = kvtier.Client(daemon.address)
+        worker.select(sid, 3, q, lease_ms=600000)
+        assert pinned(admin) > 0
+        worker.close()
+        assert wait_unpinned(admin, 5), "close() ended the stream, and with it the lease"
 
 
 def test_a_stale_handle_is_reported_not_read(client):
@@ -356,6 +423,10 @@ def test_kvtierctl_json_and_exit_codes(daemon, client, kvtierctl):
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
+def scrape(port):
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def test_metrics_endpoint(start_daemon):
     import socket
     s = socket.socket()
@@ -368,12 +439,20 @@ def test_metrics_endpoint(start_daemon):
         k, v = make_kv(np.random.default_rng(5), 40)
         c.append_layers(sid, 0, k, v)
         c.select(sid, 3, np.ones((QH, D)), budget_tokens=256)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        body = scrape(port)
+        assert "kvtier_leases 1" in body
+        assert "kvtier_workers_attached 1" in body
     assert 'kvtier_rpc_total{code="OK",method="Select"} 1' in body
     assert 'kvtier_appended_tokens_total{tenant="default"} 160' in body
     assert 'kvtier_tier_used_bytes{tier="host"} 147456' in body  # 4 x 3 x 3 slots of 4 KiB
-    assert "kvtier_leases 1" in body
     assert "# TYPE kvtier_rpc_latency_seconds histogram" in body
+    # The client closed: its Attach stream ended, and its lease with it.
+    deadline = time.monotonic() + 5
+    while "kvtier_leases 0" not in body and time.monotonic() < deadline:
+        time.sleep(0.05)
+        body = scrape(port)
+    assert "kvtier_leases 0" in body
+    assert "kvtier_workers_attached 0" in body
 
 
 def test_sigterm_cleans_up(start_daemon):
