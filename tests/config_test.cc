@@ -60,6 +60,7 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"log_level: \"loud\"", "log_level"},
       {"eviction_policy: \"fifo\"", "eviction_policy"},
       {"prefetch: \"maybe\"", "prefetch"},
+      {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"quotas { key: \"a b\" value { } }", "quotas[\"a b\"]"},
       {"quotas { key: \"alice\" value { host_bytes: \"lots\" } }", "quotas[\"alice\"].host_bytes"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},

@@ -124,6 +124,7 @@ v1::Config DefaultConfig() {
   c.set_eviction_policy(o.eviction_policy);
   c.set_eviction_half_life_ms(o.eviction_half_life_ms);
   c.set_prefetch(o.prefetch ? "on" : "off");
+  c.set_drain_to_remote(o.drain_to_remote ? "on" : "off");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -206,6 +207,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("prefetch", c.prefetch(), "is not on or off");
   }
   o.prefetch = c.prefetch() == "on";
+  if (c.drain_to_remote() != "on" && c.drain_to_remote() != "off") {
+    return InvalidField("drain_to_remote", c.drain_to_remote(), "is not on or off");
+  }
+  o.drain_to_remote = c.drain_to_remote() == "on";
   for (const auto& [tenant, q] : raw.quotas()) {
     const std::string field = absl::StrCat("quotas[\"", tenant, "\"]");
     if (tenant != "*" && !IsName(tenant, "_.:-", 128)) {

@@ -49,6 +49,8 @@ struct ServerOptions {
   std::string eviction_policy = "lru";
   uint32_t eviction_half_life_ms = 10'000;
   bool prefetch = true;
+  // With a remote tier: a shutdown demotes every session to it before closing.
+  bool drain_to_remote = true;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

@@ -318,6 +318,15 @@ void Daemon::Shutdown() {
   }
   if (reaper_.joinable()) reaper_.join();
   exporter_.reset();
+  if (remote_.ok() && *remote_ != nullptr && options_.drain_to_remote) {
+    // Nobody can read a handle of this daemon's any more: its leases end, and every session
+    // goes to the remote tier whole, for the next daemon on that Redis to serve.
+    const int leases = leases_.EndAll();
+    const SessionManager::DrainCounts n =
+        sessions_.DemoteAll(absl::Now() + absl::Milliseconds(options_.drain_timeout_ms));
+    KVLOG(info, "daemon.drain_to_remote", "demoted={} bytes={} failed={} left={} leases_ended={}",
+          n.demoted, n.bytes, n.failed, n.left, leases);
+  }
   sessions_.CloseAll();
   const std::string sock = SocketPath(options_.listen);
   if (owns_socket_) unlink(sock.c_str());

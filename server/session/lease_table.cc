@@ -142,6 +142,20 @@ int LeaseTable::ExpireDue() {
   return static_cast<int>(ended.size());
 }
 
+int LeaseTable::EndAll() {
+  std::vector<Lease> ended;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, lease] : leases_) ended.push_back(std::move(lease));
+    leases_.clear();
+    per_session_.clear();
+    per_tenant_.clear();
+    for (auto& [id, w] : workers_) w.leases.clear();
+  }
+  for (Lease& l : ended) Unpin(l);
+  return static_cast<int>(ended.size());
+}
+
 size_t LeaseTable::size() const {
   MutexLock lock(&mu_);
   return leases_.size();

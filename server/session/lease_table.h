@@ -52,6 +52,8 @@ class LeaseTable {
 
   // Ends every lease whose time has come. Returns how many.
   int ExpireDue();
+  // Ends every lease (shutdown). Returns how many.
+  int EndAll();
 
   size_t size() const;
   size_t CountForSession(const std::string& session_id) const;

@@ -354,6 +354,27 @@ size_t SessionManager::size() const {
   return sessions_.size();
 }
 
+SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
+  DrainCounts n;
+  if (remote_ == nullptr) return n;
+  for (const std::shared_ptr<Session>& s : List()) {
+    if (absl::Now() >= deadline) {
+      ++n.left;
+      continue;
+    }
+    absl::StatusOr<uint64_t> bytes = Demote("", s->id());
+    if (bytes.ok()) {
+      ++n.demoted;
+      n.bytes += *bytes;
+    } else {
+      ++n.failed;
+      KVLOG(warn, "session.drain_failed", "session={} error=\"{}\"", s->id(),
+            std::string(bytes.status().message()));
+    }
+  }
+  return n;
+}
+
 void SessionManager::CloseAll() {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> all;
   {

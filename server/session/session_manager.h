@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/config/config.h"
 #include "server/session/session.h"
 #include "server/tier/remote_store.h"
@@ -84,6 +85,13 @@ class SessionManager {
 
   // Closes every session (shutdown).
   void CloseAll();
+
+  // Shutdown with a remote tier: every session held here demoted to it, in turn, until
+  // `deadline` (the rest are left to CloseAll). Leased sessions fail (end the leases first).
+  struct DrainCounts {
+    uint64_t demoted = 0, bytes = 0, failed = 0, left = 0;
+  };
+  DrainCounts DemoteAll(absl::Time deadline);
 
  private:
   // Id syntax and uniqueness, then the daemon's max_sessions and `tenant`'s quota.

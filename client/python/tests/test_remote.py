@@ -194,3 +194,32 @@ def test_sessions_moving_down_and_back_under_concurrent_calls_stay_exact(redis, 
         assert remote_row(c).evictions > 0, "the host tier never filled: the test tests nothing"
         for i in range(4):
             expect_exact(c, f"w{i}", *data[i], tokens)
+
+
+def test_sigterm_hands_every_session_to_the_remote_tier(redis, start_daemon):
+    """--drain_to_remote (on by default with --remote): a stopped daemon's sessions, leased
+    ones included, are served whole by the next daemon on that Redis; with it off they are
+    gone."""
+    a = start_daemon("--remote", f"unix:{redis}", "--instance", "drain-a", "--log_level", "info")
+    k, v = make_kv(3, 300)
+    k2, v2 = make_kv(4, 200)
+    with kvtier.Client(a.address, attach=False) as ca:
+        first = ca.create_session(L, QH, KVH, D, lossless=True, session_id="first").session_id
+        ca.append_layers(first, 0, k, v)
+        second = ca.create_session(L, QH, KVH, D, lossless=True, session_id="second").session_id
+        ca.append_layers(second, 0, k2, v2)
+        ca.select(second, L - 1, np.ones((QH, D), np.float32), lease_ms=600000)  # held
+    assert a.stop() == 0
+    assert "daemon.drain_to_remote demoted=2" in a.log.read_text()
+    assert cli(redis, "EXISTS", "kvtier:session:first") == "1"
+    assert cli(redis, "EXISTS", "kvtier:session:second") == "1"
+
+    b = start_daemon("--remote", f"unix:{redis}", "--instance", "drain-b",
+                     "--drain_to_remote", "off", "--log_level", "info")
+    with kvtier.Client(b.address) as cb:
+        expect_exact(cb, first, k, v, 300)
+        expect_exact(cb, second, k2, v2, 200)
+        assert remote_row(cb).promotions == 2
+    assert b.stop() == 0
+    assert "drain_to_remote" not in b.log.read_text()
+    assert cli(redis, "EXISTS", "kvtier:session:first") == "0"  # closed with b, not handed on
