@@ -393,6 +393,28 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
 }
 
+// A daemon killed with SIGKILL leaves its segments in /dev/shm; the next kvtierd to start, of
+// any instance, removes them (the dead daemon's instance lock is free), and never those of a
+// daemon that is alive.
+TEST(Daemon, AKilledDaemonsSegmentsGoWhenAnyDaemonStarts) {
+  DaemonProcess killed, live;
+  ASSERT_TRUE(killed.started() && live.started());
+  auto ck = Connect(killed), cl = Connect(live);
+  SessionWithTokens(*ck, 100);
+  SessionWithTokens(*cl, 100);
+  const std::vector<std::string> left = ShmEntries(killed.instance());
+  ASSERT_FALSE(left.empty());
+  EXPECT_EQ(killed.Kill(), 128 + SIGKILL);
+  EXPECT_EQ(ShmEntries(killed.instance()), left) << "nothing removes them by itself";
+  DaemonProcess next;
+  ASSERT_TRUE(next.started());
+  EXPECT_TRUE(ShmEntries(killed.instance()).empty()) << "a dead daemon's segments stayed";
+  EXPECT_FALSE(ShmEntries(live.instance()).empty());
+  EXPECT_NE(next.Log().find("shm.reclaimed instance=" + killed.instance()), std::string::npos)
+      << next.Log();
+  ASSERT_OK(cl->ListSessions().status());  // the live one serves on
+}
+
 // Leases a tenant holds are bounded: past --max_leases_per_tenant a Select is refused before it
 // pins anything, for that tenant only, and a Release makes room again.
 TEST(Daemon, ATenantsLiveLeasesAreBounded) {

@@ -77,6 +77,15 @@ LocalDaemon::LocalDaemon(const std::string& instance_prefix,
 
 LocalDaemon::~LocalDaemon() { Terminate(); }
 
+int LocalDaemon::Kill() {
+  if (pid_ <= 0) return -1;
+  kill(pid_, SIGKILL);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return ExitCode(status);
+}
+
 int LocalDaemon::Terminate() {
   if (pid_ <= 0) return -1;
   kill(pid_, SIGTERM);

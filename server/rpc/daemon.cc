@@ -1,5 +1,6 @@
 #include "server/rpc/daemon.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -94,6 +95,37 @@ absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
   return fd;
 }
 
+// The segments of every other instance whose daemon is dead: its lock in /dev/shm is free
+// (the kernel let go of it when the process died, SIGKILL included), so nothing maps them
+// any more but workers that already did, whose mappings outlive the names. Returns how many
+// segments went. The lock file stays: it is empty, and removing it could race a new daemon
+// of that instance opening it.
+int ReclaimDeadInstances(const std::string& own) {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  std::vector<std::string> dead;
+  while (dirent* e = readdir(dir)) {
+    const absl::string_view name(e->d_name);
+    if (!absl::StartsWith(name, "kvtier-") || !absl::EndsWith(name, ".lock")) continue;
+    const std::string instance(name.substr(7, name.size() - 7 - 5));
+    if (instance == own || instance.empty()) continue;
+    const int fd = open(absl::StrCat("/dev/shm/", name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      dead.push_back(instance);  // removed while the lock is held: it cannot start meanwhile
+      for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE}) {
+        const int n = ShmSegment::RemoveStale(Tier::ShmPrefixOf(instance, t));
+        if (n > 0)
+          KVLOG(warn, "shm.reclaimed", "instance={} tier={} removed={}", instance, v1::Tier_Name(t),
+                n);
+      }
+    }
+    close(fd);
+  }
+  closedir(dir);
+  return static_cast<int>(dead.size());
+}
+
 }  // namespace
 
 Daemon::Daemon(const ServerOptions& options, const Clock* clock)
@@ -150,6 +182,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   int stale = 0;
   for (const Tier* t : {&d->host_, &d->device_}) stale += ShmSegment::RemoveStale(t->ShmPrefix());
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
+  ReclaimDeadInstances(o.instance);
   // Each slot's pages are committed when it is handed out, so a /dev/shm smaller than the
   // tiers makes appends RESOURCE_EXHAUSTED once it fills; say so at start.
   struct statvfs fs {};

@@ -67,9 +67,11 @@ absl::Status Tier::WithTierReason(absl::Status s) const {
                                                                    : ErrorReason::kHostTierFull);
 }
 
-std::string Tier::ShmPrefix() const {
-  return absl::StrCat("/kvtier-", options_.instance, "-", TierShortName(options_.tier), "-");
+std::string Tier::ShmPrefixOf(const std::string& instance, v1::Tier tier) {
+  return absl::StrCat("/kvtier-", instance, "-", TierShortName(tier), "-");
 }
+
+std::string Tier::ShmPrefix() const { return ShmPrefixOf(options_.instance, options_.tier); }
 
 absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
   // Slots, then the generation table at a 64-byte boundary.

@@ -157,6 +157,8 @@ class Tier {
   std::vector<SegmentInfo> Segments() const;
   const TierOptions& options() const { return options_; }
   std::string ShmPrefix() const;
+  // The segment name prefix of `instance`'s tier `tier`: "/kvtier-<instance>-<tier>-".
+  static std::string ShmPrefixOf(const std::string& instance, v1::Tier tier);
 
  private:
   friend class Slot;

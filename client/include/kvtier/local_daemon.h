@@ -44,6 +44,8 @@ class LocalDaemon {
   const std::string& instance() const { return instance_; }
   // SIGTERM, then the exit status (128 + signal if killed), or -1 if not running.
   int Terminate();
+  // SIGKILL: no shutdown of any kind. The exit status (137), or -1 if not running.
+  int Kill();
   // Waits up to `seconds` for the process to exit by itself; its exit status, or -1.
   int WaitForExit(int seconds);
   std::string Log() const;
