@@ -61,6 +61,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"eviction_policy: \"fifo\"", "eviction_policy"},
       {"prefetch: \"maybe\"", "prefetch"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
+      {"remote_connections: 65", "remote_connections"},
+      {"remote_timeout_ms: 5", "remote_timeout_ms"},
       {"quotas { key: \"a b\" value { } }", "quotas[\"a b\"]"},
       {"quotas { key: \"alice\" value { host_bytes: \"lots\" } }", "quotas[\"alice\"].host_bytes"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},

@@ -265,3 +265,42 @@ TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// The pool: calls to a hung Redis end with UNAVAILABLE after about the timeout, never
+// later, however many are waiting (each on a connection of its own, or for one); once Redis
+// answers again every connection serves.
+TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
+  signal(SIGPIPE, SIG_IGN);
+  LocalRedis redis;
+  ASSERT_TRUE(redis.started());
+  ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<RemoteStore> store,
+      RemoteStore::Connect(redis.address(), {.connections = 2, .timeout_ms = 300}));
+  ASSERT_OK(store->Put("k", "v"));
+  redis.Pause();
+  struct Thaw {
+    LocalRedis& redis;
+    ~Thaw() { redis.Resume(); }
+  } thaw{redis};
+  const absl::Time t0 = absl::Now();
+  std::vector<std::future<absl::StatusOr<std::optional<std::string>>>> calls;
+  for (int i = 0; i < 4; ++i) {  // two on connections, two waiting for one
+    calls.push_back(std::async(std::launch::async, [&] { return store->Get("k"); }));
+  }
+  for (auto& c : calls) {
+    EXPECT_THAT(c.get(), StatusIs(Code::kUnavailable, "remote"));
+  }
+  // Waiting for a connection and a command each take up to the timeout, once or twice.
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+  redis.Resume();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_OK_AND_ASSIGN(std::optional<std::string> v, store->Get("k"));
+    EXPECT_EQ(v, "v");
+  }
+}
+
+}  // namespace
+}  // namespace kvtier

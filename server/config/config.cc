@@ -125,6 +125,8 @@ v1::Config DefaultConfig() {
   c.set_eviction_half_life_ms(o.eviction_half_life_ms);
   c.set_prefetch(o.prefetch ? "on" : "off");
   c.set_drain_to_remote(o.drain_to_remote ? "on" : "off");
+  c.set_remote_connections(o.remote_connections);
+  c.set_remote_timeout_ms(o.remote_timeout_ms);
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -211,6 +213,16 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("drain_to_remote", c.drain_to_remote(), "is not on or off");
   }
   o.drain_to_remote = c.drain_to_remote() == "on";
+  o.remote_connections = c.remote_connections();
+  if (o.remote_connections < 1 || o.remote_connections > 64) {
+    return InvalidField("remote_connections", absl::StrCat(o.remote_connections),
+                        "is outside [1, 64]");
+  }
+  o.remote_timeout_ms = c.remote_timeout_ms();
+  if (o.remote_timeout_ms < 10 || o.remote_timeout_ms > 600'000) {
+    return InvalidField("remote_timeout_ms", absl::StrCat(o.remote_timeout_ms),
+                        "is outside [10, 600000]");
+  }
   for (const auto& [tenant, q] : raw.quotas()) {
     const std::string field = absl::StrCat("quotas[\"", tenant, "\"]");
     if (tenant != "*" && !IsName(tenant, "_.:-", 128)) {

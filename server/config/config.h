@@ -51,6 +51,9 @@ struct ServerOptions {
   bool prefetch = true;
   // With a remote tier: a shutdown demotes every session to it before closing.
   bool drain_to_remote = true;
+  // The remote tier's connection pool, and the bound on each of its calls.
+  uint32_t remote_connections = 4;
+  uint32_t remote_timeout_ms = 5000;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

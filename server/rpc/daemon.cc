@@ -50,7 +50,8 @@ std::unique_ptr<EvictionPolicy> MakePolicy(const ServerOptions& o) {
 
 absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& o) {
   if (o.remote.empty()) return std::unique_ptr<RemoteStore>();
-  return RemoteStore::Connect(o.remote);
+  return RemoteStore::Connect(o.remote, {.connections = static_cast<int>(o.remote_connections),
+                                         .timeout_ms = o.remote_timeout_ms});
 }
 
 SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* host_copies,

@@ -8,14 +8,19 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/common/mutex.h"
+#include "server/common/status_macros.h"
 
 namespace kvtier {
 
-absl::StatusOr<std::unique_ptr<RemoteStore>> RemoteStore::Connect(const std::string& address) {
+absl::StatusOr<std::unique_ptr<RemoteStore>> RemoteStore::Connect(const std::string& address,
+                                                                  Options options) {
+  if (options.connections < 1) options.connections = 1;
+  if (options.timeout_ms < 1) options.timeout_ms = 1;
   std::unique_ptr<RemoteStore> store;
   if (absl::StartsWith(address, "unix:")) {
-    store.reset(new RemoteStore(address, "", 0, address.substr(5)));
+    store.reset(new RemoteStore(address, "", 0, address.substr(5), options));
   } else if (absl::StartsWith(address, "redis://")) {
     const std::string hostport = address.substr(8);
     const size_t colon = hostport.rfind(':');
@@ -25,34 +30,67 @@ absl::StatusOr<std::unique_ptr<RemoteStore>> RemoteStore::Connect(const std::str
       return absl::InvalidArgumentError(
           absl::StrCat("remote: \"", address, "\" is not redis://HOST:PORT"));
     }
-    store.reset(new RemoteStore(address, hostport.substr(0, colon), port, ""));
+    store.reset(new RemoteStore(address, hostport.substr(0, colon), port, "", options));
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("remote: \"", address, "\" is neither redis://HOST:PORT nor unix:PATH"));
   }
-  MutexLock lock(&store->mu_);
-  if (absl::Status s = store->EnsureConnected(); !s.ok()) return s;
+  for (int i = 0; i < options.connections; ++i) store->pool_.push_back(std::make_unique<Conn>());
+  {
+    MutexLock lock(&store->mu_);
+    for (auto& c : store->pool_) store->free_.push_back(c.get());
+  }
+  // One connection at once, so that a Redis that cannot be reached fails the start.
+  if (absl::Status s = store->EnsureConnected(store->pool_.front().get()); !s.ok()) return s;
   return store;
 }
 
 RemoteStore::~RemoteStore() {
-  MutexLock lock(&mu_);
-  if (ctx_) redisFree(ctx_);
+  for (auto& c : pool_) {
+    if (c->ctx) redisFree(c->ctx);
+  }
 }
 
-absl::Status RemoteStore::EnsureConnected() {
-  if (ctx_ != nullptr && ctx_->err == 0) return absl::OkStatus();
-  if (ctx_ != nullptr) redisFree(ctx_);
-  const timeval timeout{5, 0};
-  ctx_ = path_.empty() ? redisConnectWithTimeout(host_.c_str(), port_, timeout)
-                       : redisConnectUnixWithTimeout(path_.c_str(), timeout);
-  if (ctx_ == nullptr || ctx_->err != 0) {
-    const std::string why = ctx_ ? ctx_->errstr : "cannot allocate a context";
-    if (ctx_) redisFree(ctx_);
-    ctx_ = nullptr;
+absl::StatusOr<RemoteStore::Conn*> RemoteStore::Take() {
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
+  MutexLock lock(&mu_);
+  while (free_.empty()) {
+    KVTIER_TSAN_RELEASE(&mu_);
+    const bool timed_out = freed_.WaitWithDeadline(&mu_, deadline);
+    KVTIER_TSAN_ACQUIRE(&mu_);
+    if (timed_out && free_.empty()) {
+      return absl::UnavailableError(absl::StrCat("remote ", address_, ": all ", pool_.size(),
+                                                 " connections busy for ", options_.timeout_ms,
+                                                 " ms (a slow or hung Redis)"));
+    }
+  }
+  Conn* c = free_.back();
+  free_.pop_back();
+  return c;
+}
+
+void RemoteStore::Give(Conn* c) {
+  {
+    MutexLock lock(&mu_);
+    free_.push_back(c);
+  }
+  freed_.Signal();
+}
+
+absl::Status RemoteStore::EnsureConnected(Conn* c) {
+  if (c->ctx != nullptr && c->ctx->err == 0) return absl::OkStatus();
+  if (c->ctx != nullptr) redisFree(c->ctx);
+  const timeval timeout{static_cast<time_t>(options_.timeout_ms / 1000),
+                        static_cast<suseconds_t>(options_.timeout_ms % 1000 * 1000)};
+  c->ctx = path_.empty() ? redisConnectWithTimeout(host_.c_str(), port_, timeout)
+                         : redisConnectUnixWithTimeout(path_.c_str(), timeout);
+  if (c->ctx == nullptr || c->ctx->err != 0) {
+    const std::string why = c->ctx ? c->ctx->errstr : "cannot allocate a context";
+    if (c->ctx) redisFree(c->ctx);
+    c->ctx = nullptr;
     return absl::UnavailableError(absl::StrCat("remote ", address_, ": ", why));
   }
-  redisSetTimeout(ctx_, timeval{30, 0});
+  redisSetTimeout(c->ctx, timeout);
   return absl::OkStatus();
 }
 
@@ -64,21 +102,27 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(
     ptrs.push_back(a.data());
     lens.push_back(a.size());
   }
+  ASSIGN_OR_RETURN(Conn* const c, Take());
+  struct GiveBack {
+    RemoteStore* store;
+    Conn* c;
+    ~GiveBack() { store->Give(c); }
+  } give_back{this, c};
   redisReply* r = nullptr;
   // Every command here (SET, GET, DEL, EXISTS) may be sent twice. A connection the server
   // closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
   // one is sent again on a new connection, so the first call after a restart succeeds. A
   // timeout is not retried: a hung Redis would only cost the caller twice as long.
   for (int attempt = 0; attempt < 2 && r == nullptr; ++attempt) {
-    if (absl::Status s = EnsureConnected(); !s.ok()) return s;
+    if (absl::Status s = EnsureConnected(c); !s.ok()) return s;
     r = static_cast<redisReply*>(
-        redisCommandArgv(ctx_, static_cast<int>(ptrs.size()), ptrs.data(), lens.data()));
+        redisCommandArgv(c->ctx, static_cast<int>(ptrs.size()), ptrs.data(), lens.data()));
     if (r != nullptr) break;
-    const std::string why = ctx_->errstr;
-    const bool closed = ctx_->err == REDIS_ERR_EOF ||
-                        (ctx_->err == REDIS_ERR_IO && (errno == ECONNRESET || errno == EPIPE));
-    redisFree(ctx_);  // the connection is unusable; a new one is made
-    ctx_ = nullptr;
+    const std::string why = c->ctx->errstr;
+    const bool closed = c->ctx->err == REDIS_ERR_EOF ||
+                        (c->ctx->err == REDIS_ERR_IO && (errno == ECONNRESET || errno == EPIPE));
+    redisFree(c->ctx);  // the connection is unusable; a new one is made
+    c->ctx = nullptr;
     if (!closed || attempt == 1) {
       return absl::UnavailableError(absl::StrCat("remote ", address_, ": ", why));
     }
@@ -95,13 +139,11 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(
 }
 
 absl::Status RemoteStore::Put(const std::string& key, const std::string& value) {
-  MutexLock lock(&mu_);
   auto r = Command({"SET", key, value});
   return r.ok() ? absl::OkStatus() : r.status();
 }
 
 absl::StatusOr<std::optional<std::string>> RemoteStore::Get(const std::string& key) {
-  MutexLock lock(&mu_);
   auto r = Command({"GET", key});
   if (!r.ok()) return r.status();
   if (r->type == REDIS_REPLY_NIL) return std::optional<std::string>();
@@ -109,14 +151,12 @@ absl::StatusOr<std::optional<std::string>> RemoteStore::Get(const std::string& k
 }
 
 absl::StatusOr<bool> RemoteStore::Delete(const std::string& key) {
-  MutexLock lock(&mu_);
   auto r = Command({"DEL", key});
   if (!r.ok()) return r.status();
   return r->integer > 0;
 }
 
 absl::StatusOr<bool> RemoteStore::Exists(const std::string& key) {
-  MutexLock lock(&mu_);
   auto r = Command({"EXISTS", key});
   if (!r.ok()) return r.status();
   return r->integer > 0;

@@ -1,13 +1,17 @@
 // The remote tier's store: a real Redis server reached through hiredis, holding whole idle
-// sessions as single values. One connection, reconnected when it breaks (a command that finds
-// it closed by the server is sent again on a new one); calls are serialized. Every error names
-// the address and Redis's words.
+// sessions as single values. A pool of connections, each made when first needed and again
+// when it breaks (a command that finds its connection closed by the server is sent again on a
+// new one); a call takes a free connection for itself, so calls go on side by side, and waits
+// at most the timeout for one. Every connect and command is bounded by the timeout too, so a
+// hung Redis costs each call that needs it at most about twice the timeout, and no other call
+// anything. Every error names the address and Redis's words.
 #ifndef KVTIER_SERVER_TIER_REMOTE_STORE_H_
 #define KVTIER_SERVER_TIER_REMOTE_STORE_H_
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -22,7 +26,15 @@ class RemoteStore {
   // "redis://HOST:PORT" or "unix:PATH". Connects at once: UNAVAILABLE when Redis cannot be
   // reached, INVALID_ARGUMENT for a malformed address. The process must ignore SIGPIPE (as
   // kvtierd's main does), or a write to a Redis that died kills it.
-  static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address);
+  struct Options {
+    int connections = 4;         // the pool's size
+    uint32_t timeout_ms = 5000;  // a connect, a command, and the wait for a free connection
+  };
+  static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address,
+                                                              Options options);
+  static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address) {
+    return Connect(address, Options{});
+  }
   ~RemoteStore();
 
   absl::Status Put(const std::string& key, const std::string& value);
@@ -34,23 +46,37 @@ class RemoteStore {
   const std::string& address() const { return address_; }
 
  private:
-  RemoteStore(std::string address, std::string host, int port, std::string path)
-      : address_(std::move(address)), host_(std::move(host)), port_(port), path_(std::move(path)) {}
-  absl::Status EnsureConnected() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RemoteStore(std::string address, std::string host, int port, std::string path, Options options)
+      : address_(std::move(address)),
+        host_(std::move(host)),
+        port_(port),
+        path_(std::move(path)),
+        options_(options) {}
+  // One pooled connection: owned by the call that took it from the free list, until it gives
+  // it back, so it needs no lock of its own.
+  struct Conn {
+    redisContext* ctx = nullptr;
+  };
+  // A free connection, waiting up to the timeout; UNAVAILABLE when none came free.
+  absl::StatusOr<Conn*> Take();
+  void Give(Conn* c);
+  absl::Status EnsureConnected(Conn* c);
   // Runs one command (argv form, binary safe); the reply's status, and its string if any.
   struct Reply {
     int type = 0;
     long long integer = 0;
     std::string str;
   };
-  absl::StatusOr<Reply> Command(std::initializer_list<std::string_view> argv)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Reply> Command(std::initializer_list<std::string_view> argv);
 
   const std::string address_, host_;
   const int port_;
   const std::string path_;
-  absl::Mutex mu_;  // lock order 4 (server/common/lock_order.h)
-  redisContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  const Options options_;
+  std::vector<std::unique_ptr<Conn>> pool_;  // fixed at Connect
+  absl::Mutex mu_;  // lock order 4 (server/common/lock_order.h): the free list only
+  absl::CondVar freed_;
+  std::vector<Conn*> free_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier
