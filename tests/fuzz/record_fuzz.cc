@@ -7,7 +7,7 @@
 // session is gone the tiers must hold zero bytes.
 //
 // KVTIER_FUZZ_WRITE_SEEDS=DIR writes real records (sessions appended and demoted here) into
-// DIR and exits: how tests/fuzz/corpus/record was made.
+// DIR and exits: how tests/fuzz/corpus/record_fuzz was made.
 #include <unistd.h>
 
 #include <cstdio>
