@@ -63,6 +63,7 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},
+      {"persist_interval_ms: 1000", "persist_interval_ms: \"1000\" needs a remote tier"},
       {"quotas { key: \"a b\" value { } }", "quotas[\"a b\"]"},
       {"quotas { key: \"alice\" value { host_bytes: \"lots\" } }", "quotas[\"alice\"].host_bytes"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},

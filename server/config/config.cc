@@ -127,6 +127,7 @@ v1::Config DefaultConfig() {
   c.set_drain_to_remote(o.drain_to_remote ? "on" : "off");
   c.set_remote_connections(o.remote_connections);
   c.set_remote_timeout_ms(o.remote_timeout_ms);
+  c.set_persist_interval_ms(o.persist_interval_ms);
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -217,6 +218,15 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   if (o.remote_connections < 1 || o.remote_connections > 64) {
     return InvalidField("remote_connections", absl::StrCat(o.remote_connections),
                         "is outside [1, 64]");
+  }
+  o.persist_interval_ms = c.persist_interval_ms();
+  if (o.persist_interval_ms > 0 && c.remote().empty()) {
+    return InvalidField("persist_interval_ms", absl::StrCat(o.persist_interval_ms),
+                        "needs a remote tier (remote) to persist to");
+  }
+  if (o.persist_interval_ms > 0 && o.persist_interval_ms < 10) {
+    return InvalidField("persist_interval_ms", absl::StrCat(o.persist_interval_ms),
+                        "is below 10 (0: off)");
   }
   o.remote_timeout_ms = c.remote_timeout_ms();
   if (o.remote_timeout_ms < 10 || o.remote_timeout_ms > 600'000) {

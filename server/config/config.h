@@ -54,6 +54,8 @@ struct ServerOptions {
   // The remote tier's connection pool, and the bound on each of its calls.
   uint32_t remote_connections = 4;
   uint32_t remote_timeout_ms = 5000;
+  // Write-behind snapshots to the remote tier every this many ms; 0: off.
+  uint32_t persist_interval_ms = 0;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

@@ -224,6 +224,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   d->RegisterGauges();
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
+  if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
         "listen={} tcp_listen={} instance={} host_capacity={} "
         "device_capacity={} metrics_port={}",
@@ -312,6 +313,24 @@ void Daemon::RegisterGauges() {
   });
 }
 
+// Every --persist_interval_ms, the sessions that changed go to the remote tier as snapshots;
+// a session's export is taken under its lock, its put outside every lock.
+void Daemon::Persist() {
+  auto& sessions = metrics_.GetCounter("kvtier_persisted_sessions_total",
+                                       "Session snapshots stored by write-behind");
+  auto& bytes = metrics_.GetCounter("kvtier_persisted_bytes_total",
+                                    "Bytes of session snapshots stored by write-behind");
+  auto& failed = metrics_.GetCounter("kvtier_persist_failures_total",
+                                     "Session snapshots the remote tier refused");
+  const absl::Duration every = absl::Milliseconds(options_.persist_interval_ms);
+  while (!shutdown_requested_.WaitForNotificationWithTimeout(every)) {
+    const SessionManager::PersistCounts n = sessions_.PersistChanged();
+    sessions.Inc(static_cast<double>(n.sessions));
+    bytes.Inc(static_cast<double>(n.bytes));
+    failed.Inc(static_cast<double>(n.failed));
+  }
+}
+
 void Daemon::ReapLeases() {
   auto& expired = metrics_.GetCounter("kvtier_leases_expired_total", "Leases ended by their TTL");
   while (!shutdown_requested_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
@@ -351,6 +370,7 @@ void Daemon::Shutdown() {
     server_->Wait();
   }
   if (reaper_.joinable()) reaper_.join();
+  if (persister_.joinable()) persister_.join();
   exporter_.reset();
   if (remote_.ok() && *remote_ != nullptr && options_.drain_to_remote) {
     // Nobody can read a handle of this daemon's any more: its leases end, and every session

@@ -55,6 +55,7 @@ class Daemon {
   explicit Daemon(const ServerOptions& options, const Clock* clock);
   void RegisterGauges();
   void ReapLeases();
+  void Persist();
 
   const ServerOptions options_;
   // A descriptor closed with its holder.
@@ -90,6 +91,7 @@ class Daemon {
   absl::Mutex mu_;  // lock order 11 (server/common/lock_order.h)
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
+  std::thread persister_;  // write-behind (--persist_interval_ms), or not started
 };
 
 }  // namespace kvtier

@@ -133,6 +133,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
                           [&] { return std::move(fresh[next++]); });
   }
   layers_[layer].tokens = start + n;
+  ++version_;
   AgeLayer(aging(), layers_[layer].tokens, heads(layer), &layers_[layer].aging);
   return MinTokens();
 }
@@ -455,6 +456,7 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
                      " to ", v1::Chunking_Name(next.chunking()), " once tokens are stored"));
   }
   policy_ = next;
+  ++version_;
   // A smaller window or fewer sinks age chunks out now; the index takes them in.
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     IndexLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
@@ -484,6 +486,17 @@ v1::SessionRecord Session::Export() const {
   const ChunkFormat f = format();
   for (const Stream& s : streams_) EncodeStream(s, f, r.add_streams());
   return r;
+}
+
+std::optional<Session::Snapshot> Session::SnapshotIfChanged() const {
+  MutexLock lock(&mu_);
+  if (closed_ || version_ == persisted_) return std::nullopt;
+  return Snapshot{Export(), version_};
+}
+
+void Session::MarkPersisted(uint64_t version) {
+  MutexLock lock(&mu_);
+  persisted_ = std::max(persisted_, version);
 }
 
 absl::StatusOr<uint64_t> Session::Demote(
@@ -585,6 +598,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
 bool Session::demoted() const {
   MutexLock lock(&mu_);
   return demoted_;
+}
+
+bool Session::closed() const {
+  MutexLock lock(&mu_);
+  return closed_;
 }
 
 int64_t Session::last_access_ms() const {

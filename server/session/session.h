@@ -128,7 +128,19 @@ class Session {
   static absl::StatusOr<std::unique_ptr<Session>> Import(const v1::SessionRecord& record,
                                                          const SessionEnv& env);
   bool demoted() const;
+  bool closed() const;
   int64_t last_access_ms() const;
+
+  // Write-behind: the session as a record when it changed (appends, policy) since the last
+  // snapshot marked persisted, with the change count it reflects; nullopt when nothing changed
+  // or it is closed. Taken under the session's lock, handed over outside it.
+  struct Snapshot {
+    v1::SessionRecord record;
+    uint64_t version = 0;
+  };
+  std::optional<Snapshot> SnapshotIfChanged() const;
+  // The snapshot of `version` is stored: later calls skip it until the session changes.
+  void MarkPersisted(uint64_t version);
 
   // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
   v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;
@@ -188,7 +200,9 @@ class Session {
   mutable absl::Mutex mu_;  // lock order 3 (server/common/lock_order.h)
   v1::SessionPolicy policy_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool demoted_ ABSL_GUARDED_BY(mu_) = false;  // closed because it moved to the remote tier
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 1;    // counts changes a snapshot would show
+  uint64_t persisted_ ABSL_GUARDED_BY(mu_) = 0;  // the version last stored by write-behind
+  bool demoted_ ABSL_GUARDED_BY(mu_) = false;    // closed because it moved to the remote tier
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED

@@ -1,5 +1,7 @@
 #include "server/session/session_manager.h"
 
+#include <unistd.h>
+
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,6 +16,23 @@
 #include "server/session/session_record.h"
 
 namespace kvtier {
+
+namespace {
+
+std::string Hostname() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return "localhost";
+  return name;
+}
+
+}  // namespace
+
+SessionManager::SessionManager(const ServerOptions& options, const SessionEnv& env,
+                               RemoteStore* remote)
+    : options_(options),
+      env_(env),
+      remote_(remote),
+      snapshot_prefix_(absl::StrCat("kvtier:snapshot:", options.instance, "@", Hostname(), ":")) {}
 
 SessionManager::~SessionManager() { CloseAll(); }
 
@@ -97,6 +116,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
             std::string(taken.status().message()));
       taken = false;
     }
+    if (taken.ok() && !*taken && persisting()) taken = remote_->Exists(SnapshotKey(id));
     if (!taken.ok()) return taken.status();
     if (*taken) {
       return absl::AlreadyExistsError(
@@ -208,6 +228,7 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
   }
   if (s == nullptr) return false;
   s->Close();  // outside the manager lock: frees slots
+  DropSnapshot(session_id);
   KVLOG(info, "session.close", "session={}", session_id);
   return true;
 }
@@ -248,9 +269,15 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     RETURN_IF_ERROR(CheckTenant(tenant, held->tenant(), session_id));
     return held;
   }
-  const std::string key = RecordKey(session_id);
+  std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(key));
+  // Not demoted: this daemon's own write-behind snapshot, if it left one (a SIGKILL).
+  const bool snapshot = !bytes && persisting();
+  if (snapshot) {
+    key = SnapshotKey(session_id);
+    ASSIGN_OR_RETURN(bytes, remote_->Get(key));
+  }
   if (!bytes) return NotFound(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
@@ -274,6 +301,12 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();
     remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  if (snapshot) {  // it stays this daemon's persisted copy, which the session now equals
+    restored->MarkPersisted(restored->SnapshotIfChanged()->version);
+    KVLOG(info, "session.restore", "session={} bytes={} from=snapshot tokens={}", session_id,
+          bytes->size(), restored->Info().num_tokens());
+    return restored;
   }
   // This daemon owns it now; the remote copy would otherwise be served twice.
   if (auto deleted = remote_->Delete(key); !deleted.ok()) {
@@ -308,12 +341,15 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
     return remote_->Put(key, EncodeRecord(r));
   }));
-  MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it != sessions_.end() && it->second == s) sessions_.erase(it);
-  ++remote_counters_.demotions;
-  remote_counters_.demoted_bytes += bytes;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end() && it->second == s) sessions_.erase(it);
+    ++remote_counters_.demotions;
+    remote_counters_.demoted_bytes += bytes;
+  }
   KVLOG(info, "session.demote", "session={} bytes={}", session_id, bytes);
+  DropSnapshot(session_id);  // the record is the newer copy
   return bytes;
 }
 
@@ -371,6 +407,37 @@ SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
       KVLOG(warn, "session.drain_failed", "session={} error=\"{}\"", s->id(),
             std::string(bytes.status().message()));
     }
+  }
+  return n;
+}
+
+void SessionManager::DropSnapshot(const std::string& session_id) {
+  if (!persisting()) return;
+  if (auto deleted = remote_->Delete(SnapshotKey(session_id)); !deleted.ok()) {
+    KVLOG(warn, "remote.delete", "session={} key={} error=\"{}\"", session_id,
+          SnapshotKey(session_id), std::string(deleted.status().message()));
+  }
+}
+
+SessionManager::PersistCounts SessionManager::PersistChanged() {
+  PersistCounts n;
+  if (!persisting()) return n;
+  for (const std::shared_ptr<Session>& s : List()) {
+    std::optional<Session::Snapshot> snap = s->SnapshotIfChanged();
+    if (!snap) continue;
+    const std::string bytes = EncodeRecord(snap->record);
+    if (absl::Status put = remote_->Put(SnapshotKey(s->id()), bytes); !put.ok()) {
+      ++n.failed;
+      KVLOG(warn, "session.persist_failed", "session={} error=\"{}\"", s->id(),
+            std::string(put.message()));
+      continue;
+    }
+    // Closed or demoted since the snapshot was taken: whoever closed it dropped the snapshot
+    // before this put, or will after; either way none may outlive the session.
+    if (s->closed()) DropSnapshot(s->id());
+    s->MarkPersisted(snap->version);
+    ++n.sessions;
+    n.bytes += bytes.size();
   }
   return n;
 }

@@ -30,8 +30,7 @@ inline constexpr size_t kMaxLabelValue = 255;
 class SessionManager {
  public:
   // `options` and `remote` (the remote tier, or null) outlive the manager.
-  SessionManager(const ServerOptions& options, const SessionEnv& env, RemoteStore* remote)
-      : options_(options), env_(env), remote_(remote) {}
+  SessionManager(const ServerOptions& options, const SessionEnv& env, RemoteStore* remote);
   ~SessionManager();
 
   // INVALID_ARGUMENT for the shape, the policy, a malformed session_id or labels past their
@@ -93,6 +92,20 @@ class SessionManager {
   };
   DrainCounts DemoteAll(absl::Time deadline);
 
+  // Write-behind (--persist_interval_ms with a remote tier): every session held here that
+  // changed since its last snapshot is stored whole under SnapshotKey, a key of this daemon's
+  // own (its instance and host), which no other daemon reads. After a SIGKILL the same
+  // instance, started again on that Redis, restores each on its first use as of that point.
+  // A close or a demotion removes the snapshot.
+  struct PersistCounts {
+    uint64_t sessions = 0, bytes = 0, failed = 0;
+  };
+  PersistCounts PersistChanged();
+  bool persisting() const { return remote_ != nullptr && options_.persist_interval_ms > 0; }
+  std::string SnapshotKey(const std::string& session_id) const {
+    return snapshot_prefix_ + session_id;
+  }
+
  private:
   // Id syntax and uniqueness, then the daemon's max_sessions and `tenant`'s quota.
   absl::Status CheckNewId(const std::string& id, const std::string& tenant) const
@@ -115,9 +128,13 @@ class SessionManager {
   // tier, and when none can, the failure stands.
   absl::Status WithRoom(const std::string& keep, const std::function<absl::Status()>& fn);
 
+  // Removes the session's snapshot, if write-behind is on (a warning when Redis fails).
+  void DropSnapshot(const std::string& session_id);
+
   const ServerOptions& options_;
   const SessionEnv env_;
   RemoteStore* const remote_;
+  const std::string snapshot_prefix_;  // "kvtier:snapshot:<instance>@<hostname>:"
   // Restores one at a time, so that two calls for one demoted session restore it once; a
   // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
   absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);

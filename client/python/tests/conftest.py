@@ -38,8 +38,10 @@ def start_daemon(tmp_path):
     for i in range(1, 4):
         (tmp_path / f"d{i}").mkdir()
     yield start
-    for d in started:
-        assert d.stop() == 0, d.log.read_text()
+    codes = [(d, d.stop()) for d in started]  # every one stopped, before any assert
+    for d, code in codes:
+        if not getattr(d, "killed", False):  # a test that killed one says so
+            assert code == 0, d.log.read_text()
 
 
 @pytest.fixture

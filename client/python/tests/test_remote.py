@@ -223,3 +223,42 @@ def test_sigterm_hands_every_session_to_the_remote_tier(redis, start_daemon):
     assert b.stop() == 0
     assert "drain_to_remote" not in b.log.read_text()
     assert cli(redis, "EXISTS", "kvtier:session:first") == "0"  # closed with b, not handed on
+
+
+def test_a_killed_daemon_restarted_serves_its_sessions_as_last_persisted(redis, start_daemon):
+    """--persist_interval_ms: a daemon killed with SIGKILL and started again (same instance,
+    same Redis) serves each session as of its last write-behind point, bytes exact, and says
+    how many tokens it holds, so the worker re-appends the rest (a repeat is a no-op)."""
+    flags = ("--remote", f"unix:{redis}", "--instance", "persist-a", "--persist_interval_ms",
+             "100")
+    a = start_daemon(*flags)
+    k, v = make_kv(5, 400)
+    with kvtier.Client(a.address) as ca:
+        sid = ca.create_session(L, QH, KVH, D, lossless=True, session_id="kept").session_id
+        ca.append_layers(sid, 0, k[:, :, :300], v[:, :, :300])
+        deadline = time.monotonic() + 10
+        key = "kvtier:snapshot:persist-a@"
+        while not cli(redis, "KEYS", key + "*") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cli(redis, "KEYS", key + "*").endswith(":kept")
+        time.sleep(0.5)  # five more intervals: the 300 tokens are in the snapshot
+        ca.append_layers(sid, 300, k[:, :, 300:], v[:, :, 300:])
+    a.proc.kill()  # SIGKILL: no drain, no shutdown
+    a.proc.wait()
+    a.killed = True
+
+    other = start_daemon("--remote", f"unix:{redis}", "--instance", "persist-other")
+    with kvtier.Client(other.address) as co:  # another daemon's snapshots are not its own
+        with pytest.raises(kvtier.KvTierError) as e:
+            co.describe_session(sid)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+    b = start_daemon(*flags)
+    with kvtier.Client(b.address) as cb:
+        held = cb.describe_session(sid).info.num_tokens
+        assert held in (300, 400)  # the last write-behind point: after 300, maybe after 400
+        expect_exact(cb, sid, k[:, :, :held], v[:, :, :held], held)
+        assert cb.append_layers(sid, 0, k, v) == 400  # from 0: what it holds is a no-op
+        expect_exact(cb, sid, k, v, 400)
+        assert cb.close_session(sid)
+    assert cli(redis, "KEYS", key + "*") == ""  # a closed session leaves no snapshot
