@@ -304,3 +304,59 @@ TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// Two daemons on one Redis: an id has one owner. Before, the second daemon created its own
+// session under an id the first held live, both demoted, the last writer won, and the first
+// then served the second's bytes.
+TEST(SessionManager, TwoDaemonsOnOneRedisNeverHoldOneIdAtOnce) {
+  Remote remote;
+  Env ea, eb;
+  ServerOptions oa = Options(), ob = Options();
+  oa.instance = "a";
+  ob.instance = "b";
+  SessionManager a{oa, ea.env, remote.store.get()}, b{ob, eb.env, remote.store.get()};
+  ASSERT_OK(a.Create("t", SmallSession("x")).status());
+  ASSERT_OK(RunAppend(a, "t", Tokens("x", 0, 32)));
+  EXPECT_THAT(b.Create("t", SmallSession("x")),
+              StatusIs(Code::kAlreadyExists, "held by kvtierd \"a@"));
+  v1::ForkSessionRequest fork;
+  ASSERT_OK(b.Create("t", SmallSession("y")).status());
+  fork.set_session_id("y");
+  fork.set_new_session_id("x");
+  EXPECT_THAT(b.Fork("t", fork), StatusIs(Code::kAlreadyExists, "new_session_id: \"x\" is held"));
+  EXPECT_THAT(b.Get("t", "x"), StatusIs(Code::kNotFound, "held by kvtierd \"a@"));
+  ASSERT_OK_AND_ASSIGN(bool closed, b.Close("t", "x"));  // not b's to close
+  EXPECT_FALSE(closed);
+  ASSERT_OK(a.Get("t", "x").status());
+
+  // Demoted, the id is free: b restores it, bytes and all, and holds it from then on.
+  ASSERT_OK(a.Demote("t", "x").status());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> moved, b.Get("t", "x"));
+  EXPECT_EQ(moved->Info().num_tokens(), 32u);
+  EXPECT_THAT(a.Get("t", "x"), StatusIs(Code::kNotFound, "held by kvtierd \"b@"));
+  EXPECT_THAT(a.Create("t", SmallSession("x")), StatusIs(Code::kAlreadyExists));
+  ASSERT_OK(RunAppend(b, "t", Tokens("x", 32, 16)));
+  // b demotes it again; a restores b's 48 tokens, not its own 32.
+  ASSERT_OK(b.Demote("t", "x").status());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> back, a.Get("t", "x"));
+  EXPECT_EQ(back->Info().num_tokens(), 48u);
+
+  // A close lets the id go: the other daemon may create it anew.
+  ASSERT_OK_AND_ASSIGN(closed, a.Close("t", "x"));
+  EXPECT_TRUE(closed);
+  ASSERT_OK(b.Create("t", SmallSession("x")).status());
+  // A refused create (past max_sessions) leaves no claim behind.
+  ServerOptions full = Options();
+  full.instance = "c";
+  full.max_sessions = 0;
+  Env ec;
+  SessionManager c{full, ec.env, remote.store.get()};
+  EXPECT_THAT(c.Create("t", SmallSession("z")), StatusIs(Code::kResourceExhausted));
+  ASSERT_OK(a.Create("t", SmallSession("z")).status());
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -32,7 +32,10 @@ SessionManager::SessionManager(const ServerOptions& options, const SessionEnv& e
     : options_(options),
       env_(env),
       remote_(remote),
-      snapshot_prefix_(absl::StrCat("kvtier:snapshot:", options.instance, "@", Hostname(), ":")) {}
+      self_(absl::StrCat(options.instance, "@", Hostname())),
+      snapshot_prefix_(absl::StrCat("kvtier:snapshot:", self_, ":")) {
+  if (remote_ != nullptr) records_.emplace(remote_, self_);
+}
 
 SessionManager::~SessionManager() { CloseAll(); }
 
@@ -107,27 +110,33 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   }
   RETURN_IF_ERROR(CheckIdFormat(id));  // before the id goes anywhere, the remote tier included
   RETURN_IF_ERROR(CheckLabels(req.labels()));
-  if (remote_ != nullptr) {  // a session lying in the remote tier keeps its id
-    absl::StatusOr<bool> taken = remote_->Exists(RecordKey(id));
-    if (!taken.ok() && taken.status().code() == absl::StatusCode::kUnavailable) {
-      // A Redis that is down delays only the calls that need it: a new session is still
-      // created, its id checked against this daemon's sessions alone.
-      KVLOG(warn, "remote.unchecked", "session={} error=\"{}\"", id,
-            std::string(taken.status().message()));
-      taken = false;
-    }
-    if (taken.ok() && !*taken && persisting()) taken = remote_->Exists(SnapshotKey(id));
-    if (!taken.ok()) return taken.status();
-    if (*taken) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("session_id: \"", id, "\" already exists (in the remote tier)"));
+  // The id is claimed in the remote tier first: a session lying there keeps its id, and so
+  // does one another daemon on that Redis holds.
+  ASSIGN_OR_RETURN(const bool claimed, ClaimId(id));
+  if (remote_ != nullptr) {
+    if (persisting()) {
+      absl::StatusOr<bool> snapshot = remote_->Exists(SnapshotKey(id));
+      if (snapshot.ok() && *snapshot) {
+        if (claimed) ReleaseClaim(id);
+        return absl::AlreadyExistsError(absl::StrCat(
+            "session_id: ", Quoted(id), " already exists (this daemon's last snapshot)"));
+      }
     }
   }
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckNewId(id, tenant));
-  std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
-  sessions_.emplace(id,
-                    std::make_shared<Session>(id, tenant, shape, policy, std::move(labels), env_));
+  absl::Status fits;
+  {
+    MutexLock lock(&mu_);
+    fits = CheckNewId(id, tenant);
+    if (fits.ok()) {
+      std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
+      sessions_.emplace(
+          id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels), env_));
+    }
+  }
+  if (!fits.ok()) {
+    if (claimed) ReleaseClaim(id);  // outside the map lock: Redis I/O
+    return fits;
+  }
   KVLOG(info, "session.create", "session={} tenant={} layers={} kv_heads={} head_dim={}", id,
         tenant, shape.num_layers(), shape.num_kv_heads(), shape.head_dim());
   v1::CreateSessionResponse resp;
@@ -218,16 +227,19 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
     MutexLock restoring(&restore_mu_);              // no restore brings it here meanwhile
     ASSIGN_OR_RETURN(s, Take(tenant, session_id));  // restored while this call waited
     if (s == nullptr) {
-      // A demoted session is closed where it lies.
-      ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(RecordKey(session_id)));
-      if (!bytes) return false;
-      auto record = DecodeRecord(*bytes, RecordKey(session_id));
+      // A demoted session is closed where it lies; one another daemon holds is not ours.
+      absl::StatusOr<std::optional<std::string>> bytes = records_->Get(session_id);
+      if (bytes.status().code() == absl::StatusCode::kNotFound) return false;
+      if (!bytes.ok()) return bytes.status();
+      if (!*bytes) return false;
+      auto record = DecodeRecord(**bytes, RecordKey(session_id));
       if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
-      return remote_->Delete(RecordKey(session_id));
+      return records_->Drop(session_id);
     }
   }
   if (s == nullptr) return false;
   s->Close();  // outside the manager lock: frees slots
+  ReleaseClaim(session_id);
   DropSnapshot(session_id);
   KVLOG(info, "session.close", "session={}", session_id);
   return true;
@@ -245,13 +257,24 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(const std::string
       return absl::Status(s.code(), absl::StrCat("new_", s.message()));
     }
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<Session> child, parent->Fork(id, req.num_tokens()));
+  absl::StatusOr<bool> claimed = ClaimId(id);
+  if (!claimed.ok()) {
+    return absl::Status(claimed.status().code(), absl::StrCat("new_", claimed.status().message()));
+  }
+  absl::StatusOr<std::unique_ptr<Session>> child = parent->Fork(id, req.num_tokens());
+  absl::Status fits = child.status();
   v1::CreateSessionResponse resp;
-  resp.set_session_id(id);
-  *resp.mutable_policy() = child->Info().policy();
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckNewId(id, tenant));  // taken meanwhile?
-  sessions_.emplace(id, std::move(child));
+  if (child.ok()) {
+    resp.set_session_id(id);
+    *resp.mutable_policy() = (*child)->Info().policy();
+    MutexLock lock(&mu_);
+    fits = CheckNewId(id, tenant);  // taken meanwhile?
+    if (fits.ok()) sessions_.emplace(id, *std::move(child));
+  }
+  if (!fits.ok()) {
+    if (*claimed) ReleaseClaim(id);
+    return fits;
+  }
   KVLOG(info, "session.fork", "session={} parent={} tokens={}", id, req.session_id(),
         req.num_tokens());
   return resp;
@@ -271,7 +294,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   }
   std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(std::optional<std::string> bytes, remote_->Get(key));
+  // NOT_FOUND, naming it, when another daemon holds the id.
+  ASSIGN_OR_RETURN(std::optional<std::string> bytes, records_->Get(session_id));
   // Not demoted: this daemon's own write-behind snapshot, if it left one (a SIGKILL).
   const bool snapshot = !bytes && persisting();
   if (snapshot) {
@@ -294,6 +318,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     ASSIGN_OR_RETURN(session, Session::Import(*record, env_));
     return absl::OkStatus();
   }));
+  // The id changes hands atomically: if another daemon took it meanwhile (or it was closed),
+  // this import is thrown away and its slots go back.
+  if (!snapshot) {
+    RETURN_IF_ERROR(records_->Finish(session_id));
+  } else {
+    RETURN_IF_ERROR(ClaimId(session_id).status());  // this daemon's own id, held again
+  }
   std::shared_ptr<Session> restored = std::move(session);
   {
     MutexLock lock(&mu_);
@@ -307,11 +338,6 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     KVLOG(info, "session.restore", "session={} bytes={} from=snapshot tokens={}", session_id,
           bytes->size(), restored->Info().num_tokens());
     return restored;
-  }
-  // This daemon owns it now; the remote copy would otherwise be served twice.
-  if (auto deleted = remote_->Delete(key); !deleted.ok()) {
-    KVLOG(warn, "remote.delete", "session={} error=\"{}\"", session_id,
-          std::string(deleted.status().message()));
   }
   KVLOG(info, "session.restore", "session={} bytes={} ms={:.1f}", session_id, bytes->size(),
         absl::ToDoubleMilliseconds(absl::Now() - start));
@@ -339,7 +365,7 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
   const std::string key = RecordKey(session_id);
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
-    return remote_->Put(key, EncodeRecord(r));
+    return records_->Put(session_id, EncodeRecord(r));  // and the id let go
   }));
   {
     MutexLock lock(&mu_);
@@ -409,6 +435,27 @@ SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
     }
   }
   return n;
+}
+
+absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {
+  if (remote_ == nullptr) return false;
+  absl::StatusOr<bool> fresh = records_->Claim(id);
+  if (!fresh.ok() && fresh.status().code() == absl::StatusCode::kUnavailable) {
+    // A Redis that is down delays only the calls that need it: a new session is still
+    // created, its id checked against this daemon's sessions alone.
+    KVLOG(warn, "remote.unchecked", "session={} error=\"{}\"", id,
+          std::string(fresh.status().message()));
+    return false;
+  }
+  return fresh;
+}
+
+void SessionManager::ReleaseClaim(const std::string& session_id) {
+  if (remote_ == nullptr) return;
+  if (auto dropped = records_->Drop(session_id); !dropped.ok()) {
+    KVLOG(warn, "remote.release", "session={} error=\"{}\"", session_id,
+          std::string(dropped.status().message()));
+  }
 }
 
 void SessionManager::DropSnapshot(const std::string& session_id) {

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/config/config.h"
+#include "server/session/remote_records.h"
 #include "server/session/session.h"
 #include "server/tier/remote_store.h"
 
@@ -128,13 +129,21 @@ class SessionManager {
   // tier, and when none can, the failure stands.
   absl::Status WithRoom(const std::string& keep, const std::function<absl::Status()>& fn);
 
+  // Claims a new id in the remote tier (RemoteRecords::Claim): true when this claimed it now.
+  // ALREADY_EXISTS when it lies there or another daemon holds it; false (unchecked) when Redis
+  // is down or there is none.
+  absl::StatusOr<bool> ClaimId(const std::string& id);
+  // Lets this daemon's hold on the id go in the remote tier (a warning when Redis fails).
+  void ReleaseClaim(const std::string& session_id);
   // Removes the session's snapshot, if write-behind is on (a warning when Redis fails).
   void DropSnapshot(const std::string& session_id);
 
   const ServerOptions& options_;
   const SessionEnv env_;
   RemoteStore* const remote_;
-  const std::string snapshot_prefix_;  // "kvtier:snapshot:<instance>@<hostname>:"
+  const std::string self_;                // "<instance>@<hostname>", in owner keys and snapshots
+  const std::string snapshot_prefix_;     // "kvtier:snapshot:<self>:"
+  std::optional<RemoteRecords> records_;  // with a remote tier
   // Restores one at a time, so that two calls for one demoted session restore it once; a
   // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
   absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);

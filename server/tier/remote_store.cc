@@ -94,8 +94,23 @@ absl::Status RemoteStore::EnsureConnected(Conn* c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(
-    std::initializer_list<std::string_view> argv) {
+namespace {
+
+std::optional<std::string> AsString(const redisReply* r) {
+  switch (r->type) {
+    case REDIS_REPLY_STRING:
+    case REDIS_REPLY_STATUS:
+      return std::string(r->str, r->len);
+    case REDIS_REPLY_INTEGER:
+      return absl::StrCat(r->integer);
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(const std::vector<std::string_view>& argv) {
   std::vector<const char*> ptrs;
   std::vector<size_t> lens;
   for (std::string_view a : argv) {
@@ -131,6 +146,9 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(
   out.type = r->type;
   out.integer = r->integer;
   if (r->str != nullptr) out.str.assign(r->str, r->len);
+  if (r->type == REDIS_REPLY_ARRAY) {
+    for (size_t i = 0; i < r->elements; ++i) out.elements.push_back(AsString(r->element[i]));
+  }
   freeReplyObject(r);
   if (out.type == REDIS_REPLY_ERROR) {
     return absl::InternalError(absl::StrCat("remote ", address_, ": ", out.str));
@@ -154,6 +172,26 @@ absl::StatusOr<bool> RemoteStore::Delete(const std::string& key) {
   auto r = Command({"DEL", key});
   if (!r.ok()) return r.status();
   return r->integer > 0;
+}
+
+absl::StatusOr<std::vector<std::optional<std::string>>> RemoteStore::Eval(
+    std::string_view script, const std::vector<std::string_view>& keys,
+    const std::vector<std::string_view>& args) {
+  const std::string nkeys = absl::StrCat(keys.size());
+  std::vector<std::string_view> argv = {"EVAL", script, nkeys};
+  argv.insert(argv.end(), keys.begin(), keys.end());
+  argv.insert(argv.end(), args.begin(), args.end());
+  ASSIGN_OR_RETURN(Reply r, Command(argv));
+  if (r.type == REDIS_REPLY_ARRAY) return std::move(r.elements);
+  std::vector<std::optional<std::string>> one;
+  if (r.type == REDIS_REPLY_INTEGER) {
+    one.push_back(absl::StrCat(r.integer));
+  } else if (r.type != REDIS_REPLY_NIL) {
+    one.push_back(std::move(r.str));
+  } else {
+    one.push_back(std::nullopt);
+  }
+  return one;
 }
 
 absl::StatusOr<bool> RemoteStore::Exists(const std::string& key) {

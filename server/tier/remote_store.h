@@ -43,6 +43,11 @@ class RemoteStore {
   // Whether the key existed.
   absl::StatusOr<bool> Delete(const std::string& key);
   absl::StatusOr<bool> Exists(const std::string& key);
+  // A Lua script run atomically by Redis (EVAL) over `keys` and `args`; its reply as strings:
+  // an array's elements (integers in decimal, nil as nullopt), or the one value.
+  absl::StatusOr<std::vector<std::optional<std::string>>> Eval(
+      std::string_view script, const std::vector<std::string_view>& keys,
+      const std::vector<std::string_view>& args);
   const std::string& address() const { return address_; }
 
  private:
@@ -66,8 +71,9 @@ class RemoteStore {
     int type = 0;
     long long integer = 0;
     std::string str;
+    std::vector<std::optional<std::string>> elements;  // an array's, as Eval returns them
   };
-  absl::StatusOr<Reply> Command(std::initializer_list<std::string_view> argv);
+  absl::StatusOr<Reply> Command(const std::vector<std::string_view>& argv);
 
   const std::string address_, host_;
   const int port_;

@@ -1,0 +1,155 @@
+#include "server/session/remote_records.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/error.h"
+#include "server/common/status_macros.h"
+#include "server/session/session_record.h"
+
+namespace kvtier {
+namespace {
+
+// KEYS[1] the record, KEYS[2] the owner key, ARGV[1] this daemon. Each returns an array whose
+// first element says what happened.
+constexpr char kClaim[] = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'record'} end
+local o = redis.call('GET', KEYS[2])
+if o == ARGV[1] then return {'mine'} end
+if o then return {'held', o} end
+redis.call('SET', KEYS[2], ARGV[1])
+return {'new'}
+)lua";
+
+// ARGV[2] the record.
+constexpr char kPut[] = R"lua(
+local o = redis.call('GET', KEYS[2])
+if o and o ~= ARGV[1] then return {'held', o} end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('DEL', KEYS[2])
+return {'ok'}
+)lua";
+
+constexpr char kGet[] = R"lua(
+local o = redis.call('GET', KEYS[2])
+if o and o ~= ARGV[1] then return {'held', o} end
+local r = redis.call('GET', KEYS[1])
+if not r then return {'none'} end
+return {'record', r}
+)lua";
+
+constexpr char kFinish[] = R"lua(
+local o = redis.call('GET', KEYS[2])
+if o and o ~= ARGV[1] then return {'held', o} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[1])
+return {'ok'}
+)lua";
+
+constexpr char kDrop[] = R"lua(
+local o = redis.call('GET', KEYS[2])
+if o and o ~= ARGV[1] then return {'held', o} end
+if o then redis.call('DEL', KEYS[2]) end
+return {'ok', redis.call('DEL', KEYS[1])}
+)lua";
+
+constexpr char kHolder[] = R"lua(
+local o = redis.call('GET', KEYS[2])
+if o then return {'held', o} end
+return {'none'}
+)lua";
+
+absl::Status Bad(const std::string& id) {
+  return absl::InternalError(
+      absl::StrCat("remote: an unexpected reply about session_id ", Quoted(id)));
+}
+
+}  // namespace
+
+std::string OwnerKey(const std::string& session_id) {
+  return absl::StrCat("kvtier:owner:", session_id);
+}
+
+namespace {
+
+// The script's reply: its first element, and the second when there is one.
+struct Outcome {
+  std::string what;
+  std::optional<std::string> value;
+};
+
+absl::StatusOr<Outcome> Run(RemoteStore* store, const char* script, const std::string& id,
+                            const std::string& self, std::string_view extra = {},
+                            bool with_extra = false) {
+  const std::string record = RecordKey(id), owner = OwnerKey(id);
+  std::vector<std::string_view> args = {self};
+  if (with_extra) args.push_back(extra);
+  ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner}, args));
+  if (reply.empty() || !reply[0]) return Bad(id);
+  Outcome o{*reply[0], std::nullopt};
+  if (reply.size() > 1) o.value = reply[1];
+  return o;
+}
+
+absl::Status HeldBy(const std::string& id, const std::optional<std::string>& holder,
+                    absl::StatusCode code) {
+  return absl::Status(code, absl::StrCat("session_id: ", Quoted(id), " is held by kvtierd ",
+                                         Quoted(holder.value_or("?"))));
+}
+
+}  // namespace
+
+absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kClaim, session_id, self_));
+  if (o.what == "new") return true;
+  if (o.what == "mine") return false;
+  if (o.what == "record") {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session_id: ", Quoted(session_id), " already exists (in the remote tier)"));
+  }
+  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kAlreadyExists);
+  return Bad(session_id);
+}
+
+absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kPut, session_id, self_, record, true));
+  if (o.what == "ok") return absl::OkStatus();
+  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kFailedPrecondition);
+  return Bad(session_id);
+}
+
+absl::StatusOr<std::optional<std::string>> RemoteRecords::Get(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kGet, session_id, self_));
+  if (o.what == "none") return std::optional<std::string>();
+  if (o.what == "record" && o.value) return o.value;
+  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kNotFound);
+  return Bad(session_id);
+}
+
+absl::Status RemoteRecords::Finish(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kFinish, session_id, self_));
+  if (o.what == "ok") return absl::OkStatus();
+  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kNotFound);
+  if (o.what == "gone") {
+    return absl::NotFoundError(
+        absl::StrCat("session_id: ", Quoted(session_id), " was closed while it was restored"));
+  }
+  return Bad(session_id);
+}
+
+absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kDrop, session_id, self_));
+  if (o.what == "held") return false;
+  if (o.what == "ok") return o.value.has_value() && *o.value != "0";
+  return Bad(session_id);
+}
+
+absl::StatusOr<std::string> RemoteRecords::Holder(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kHolder, session_id, self_));
+  if (o.what == "held" && o.value) return *o.value;
+  if (o.what == "none") return std::string();
+  return Bad(session_id);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,59 @@
+// Sessions in the remote tier, and which daemon holds each id. Besides a demoted session's
+// record ("kvtier:session:<id>", session_record.h), each id a daemon holds live has an owner
+// key "kvtier:owner:<id>" naming that daemon ("<instance>@<hostname>"). Every change of hands
+// is one Lua script run atomically by Redis, so one id has one owner however many daemons
+// share the Redis:
+//
+//   Claim    a new session: refused while a record lies there or another daemon holds the id
+//   Put      a demotion: the record is stored and the id let go, unless another daemon holds it
+//   Finish   a restore, after the record was read and imported: the id is taken and the record
+//            deleted, unless another daemon took it (or closed it) meanwhile
+//   Drop     a close: this daemon's hold let go, and the record deleted
+//
+// A daemon killed with SIGKILL leaves its owner keys: its ids stay held until the same
+// instance, started again, takes them back (its write-behind snapshots) or closes them, or an
+// operator deletes the keys.
+#ifndef KVTIER_SERVER_SESSION_REMOTE_RECORDS_H_
+#define KVTIER_SERVER_SESSION_REMOTE_RECORDS_H_
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/tier/remote_store.h"
+
+namespace kvtier {
+
+std::string OwnerKey(const std::string& session_id);
+
+class RemoteRecords {
+ public:
+  // `store` outlives this; `self` names this daemon.
+  RemoteRecords(RemoteStore* store, std::string self) : store_(store), self_(std::move(self)) {}
+  const std::string& self() const { return self_; }
+
+  // True when the id was not held before (false: this daemon held it already). ALREADY_EXISTS
+  // when its record lies in the remote tier or another daemon holds it (named).
+  absl::StatusOr<bool> Claim(const std::string& session_id);
+  // Stores `record` and lets the id go. FAILED_PRECONDITION when another daemon holds it.
+  absl::Status Put(const std::string& session_id, const std::string& record);
+  // The record, for a restore (nullopt: none). NOT_FOUND naming the holder when another
+  // daemon holds the id.
+  absl::StatusOr<std::optional<std::string>> Get(const std::string& session_id);
+  // Takes the id and deletes the record the restore read. NOT_FOUND when another daemon took
+  // it meanwhile (named) or the record went (closed): the restore is to be thrown away.
+  absl::Status Finish(const std::string& session_id);
+  // Lets this daemon's hold go and deletes the record; whether a record existed. False, and
+  // nothing touched, when another daemon holds the id.
+  absl::StatusOr<bool> Drop(const std::string& session_id);
+  // The daemon holding the id, or "" for none.
+  absl::StatusOr<std::string> Holder(const std::string& session_id);
+
+ private:
+  RemoteStore* const store_;
+  const std::string self_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_REMOTE_RECORDS_H_
