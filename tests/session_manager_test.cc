@@ -360,3 +360,37 @@ TEST(SessionManager, TwoDaemonsOnOneRedisNeverHoldOneIdAtOnce) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// A session this daemon demoted whose record then vanished is DATA_LOSS, not NOT_FOUND; one
+// that another daemon took over, or closed, is NOT_FOUND as before.
+TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
+  Remote remote;
+  Env ea, eb;
+  ServerOptions oa = Options(), ob = Options();
+  oa.instance = "a";
+  ob.instance = "b";
+  SessionManager a{oa, ea.env, remote.store.get()}, b{ob, eb.env, remote.store.get()};
+  for (const char* id : {"lost", "taken", "closed"}) {
+    ASSERT_OK(a.Create("t", SmallSession(id)).status());
+    ASSERT_OK(RunAppend(a, "t", Tokens(id, 0, 16)));
+    ASSERT_OK(a.Demote("t", id).status());
+  }
+  ASSERT_OK_AND_ASSIGN(bool deleted, remote.store->Delete(RecordKey("lost")));  // Redis lost it
+  ASSERT_TRUE(deleted);
+  EXPECT_THAT(a.Get("t", "lost"), StatusIs(Code::kDataLoss, "Redis lost it"));
+  EXPECT_EQ(a.remote_counters().lost, 1u);
+  EXPECT_THAT(b.Get("t", "lost"), StatusIs(Code::kNotFound));  // b never had it
+
+  ASSERT_OK(b.Get("t", "taken").status());
+  EXPECT_THAT(a.Get("t", "taken"), StatusIs(Code::kNotFound, "held by kvtierd \"b@"));
+  ASSERT_OK_AND_ASSIGN(bool closed, b.Close("t", "closed"));
+  EXPECT_TRUE(closed);
+  EXPECT_THAT(a.Get("t", "closed"), StatusIs(Code::kNotFound, "not found"));
+  EXPECT_EQ(a.remote_counters().lost, 1u);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -304,6 +304,10 @@ void Daemon::RegisterGauges() {
           .GetCounter("kvtier_remote_corrupt_records_total",
                       "Records refused for a bad checksum or format (never served)")
           .IncreaseTo(r.corrupt);
+      metrics_
+          .GetCounter("kvtier_remote_lost_records_total",
+                      "Sessions this daemon demoted whose record vanished from Redis (DATA_LOSS)")
+          .IncreaseTo(r.lost);
     }
     metrics_.GetGauge("kvtier_sessions", "Live sessions").Set(sessions_.size());
     metrics_.GetGauge("kvtier_leases", "Live leases").Set(leases_.size());

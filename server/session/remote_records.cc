@@ -47,11 +47,20 @@ redis.call('DEL', KEYS[1])
 return {'ok'}
 )lua";
 
+// KEYS[3] the tombstone a closed record leaves for a day, so that the daemon that demoted
+// it can tell a close elsewhere from a record lost.
 constexpr char kDrop[] = R"lua(
 local o = redis.call('GET', KEYS[2])
 if o and o ~= ARGV[1] then return {'held', o} end
 if o then redis.call('DEL', KEYS[2]) end
-return {'ok', redis.call('DEL', KEYS[1])}
+local n = redis.call('DEL', KEYS[1])
+if n == 1 then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
+return {'ok', n}
+)lua";
+
+constexpr char kClosed[] = R"lua(
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'closed'} end
+return {'none'}
 )lua";
 
 constexpr char kHolder[] = R"lua(
@@ -82,10 +91,11 @@ struct Outcome {
 absl::StatusOr<Outcome> Run(RemoteStore* store, const char* script, const std::string& id,
                             const std::string& self, std::string_view extra = {},
                             bool with_extra = false) {
-  const std::string record = RecordKey(id), owner = OwnerKey(id);
+  const std::string record = RecordKey(id), owner = OwnerKey(id),
+                    tombstone = absl::StrCat("kvtier:closed:", id);
   std::vector<std::string_view> args = {self};
   if (with_extra) args.push_back(extra);
-  ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner}, args));
+  ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner, tombstone}, args));
   if (reply.empty() || !reply[0]) return Bad(id);
   Outcome o{*reply[0], std::nullopt};
   if (reply.size() > 1) o.value = reply[1];
@@ -143,6 +153,11 @@ absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
   if (o.what == "held") return false;
   if (o.what == "ok") return o.value.has_value() && *o.value != "0";
   return Bad(session_id);
+}
+
+absl::StatusOr<bool> RemoteRecords::ClosedLately(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kClosed, session_id, self_));
+  return o.what == "closed";
 }
 
 absl::StatusOr<std::string> RemoteRecords::Holder(const std::string& session_id) {

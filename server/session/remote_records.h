@@ -8,7 +8,8 @@
 //   Put      a demotion: the record is stored and the id let go, unless another daemon holds it
 //   Finish   a restore, after the record was read and imported: the id is taken and the record
 //            deleted, unless another daemon took it (or closed it) meanwhile
-//   Drop     a close: this daemon's hold let go, and the record deleted
+//   Drop     a close: this daemon's hold let go, and the record deleted (leaving the tombstone
+//            "kvtier:closed:<id>" for a day)
 //
 // A daemon killed with SIGKILL leaves its owner keys: its ids stay held until the same
 // instance, started again, takes them back (its write-behind snapshots) or closes them, or an
@@ -46,6 +47,8 @@ class RemoteRecords {
   // Lets this daemon's hold go and deletes the record; whether a record existed. False, and
   // nothing touched, when another daemon holds the id.
   absl::StatusOr<bool> Drop(const std::string& session_id);
+  // Whether a record of the id was closed (by Drop, on any daemon) within the last day.
+  absl::StatusOr<bool> ClosedLately(const std::string& session_id);
   // The daemon holding the id, or "" for none.
   absl::StatusOr<std::string> Holder(const std::string& session_id);
 

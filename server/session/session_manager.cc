@@ -234,6 +234,10 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
       if (!*bytes) return false;
       auto record = DecodeRecord(**bytes, RecordKey(session_id));
       if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
+      {
+        MutexLock lock(&mu_);
+        demoted_here_.erase(session_id);
+      }
       return records_->Drop(session_id);
     }
   }
@@ -295,14 +299,19 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   std::string key = RecordKey(session_id);
   const absl::Time start = absl::Now();
   // NOT_FOUND, naming it, when another daemon holds the id.
-  ASSIGN_OR_RETURN(std::optional<std::string> bytes, records_->Get(session_id));
+  absl::StatusOr<std::optional<std::string>> got = records_->Get(session_id);
+  if (got.status().code() == absl::StatusCode::kNotFound) {  // taken over elsewhere
+    MutexLock lock(&mu_);
+    demoted_here_.erase(session_id);
+  }
+  ASSIGN_OR_RETURN(std::optional<std::string> bytes, std::move(got));
   // Not demoted: this daemon's own write-behind snapshot, if it left one (a SIGKILL).
   const bool snapshot = !bytes && persisting();
   if (snapshot) {
     key = SnapshotKey(session_id);
     ASSIGN_OR_RETURN(bytes, remote_->Get(key));
   }
-  if (!bytes) return NotFound(session_id);
+  if (!bytes) return Vanished(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
     KVLOG(error, "remote.corrupt", "session={} key={} error=\"{}\"", session_id, key,
@@ -329,6 +338,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   {
     MutexLock lock(&mu_);
     sessions_[session_id] = restored;
+    demoted_here_.erase(session_id);
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();
     remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
@@ -371,6 +381,7 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
     MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it != sessions_.end() && it->second == s) sessions_.erase(it);
+    demoted_here_.insert(session_id);
     ++remote_counters_.demotions;
     remote_counters_.demoted_bytes += bytes;
   }
@@ -435,6 +446,25 @@ SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
     }
   }
   return n;
+}
+
+absl::Status SessionManager::Vanished(const std::string& session_id) {
+  {
+    MutexLock lock(&mu_);
+    if (!demoted_here_.contains(session_id)) return NotFound(session_id);
+  }
+  absl::StatusOr<bool> closed = records_->ClosedLately(session_id);
+  if (!closed.ok()) return closed.status();
+  MutexLock lock(&mu_);
+  if (*closed) {  // closed on another daemon: gone, as asked
+    demoted_here_.erase(session_id);
+    return NotFound(session_id);
+  }
+  ++remote_counters_.lost;
+  return absl::DataLossError(absl::StrCat(
+      "session_id: ", Quoted(session_id),
+      " was demoted by this daemon and its record is gone from the remote tier (not taken by "
+      "another daemon, not closed): Redis lost it"));
 }
 
 absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {

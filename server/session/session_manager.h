@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -68,6 +69,7 @@ class SessionManager {
     uint64_t restores = 0, restored_bytes = 0;
     double restore_seconds = 0;  // summed over restores
     uint64_t corrupt = 0;        // records refused for a bad checksum or format
+    uint64_t lost = 0;           // demoted here, then gone from Redis (DATA_LOSS)
   };
   RemoteCounters remote_counters() const;
   bool has_remote() const { return remote_ != nullptr; }
@@ -129,6 +131,9 @@ class SessionManager {
   // tier, and when none can, the failure stands.
   absl::Status WithRoom(const std::string& keep, const std::function<absl::Status()>& fn);
 
+  // A restore found neither a record nor a snapshot: NOT_FOUND, or DATA_LOSS for a session
+  // this daemon demoted that nobody took or closed.
+  absl::Status Vanished(const std::string& session_id);
   // Claims a new id in the remote tier (RemoteRecords::Claim): true when this claimed it now.
   // ALREADY_EXISTS when it lies there or another daemon holds it; false (unchecked) when Redis
   // is down or there is none.
@@ -144,6 +149,9 @@ class SessionManager {
   const std::string self_;                // "<instance>@<hostname>", in owner keys and snapshots
   const std::string snapshot_prefix_;     // "kvtier:snapshot:<self>:"
   std::optional<RemoteRecords> records_;  // with a remote tier
+  // Sessions this daemon demoted and has not seen since: one whose record then vanishes
+  // (not taken by another daemon, not closed anywhere) is lost, and says so.
+  absl::flat_hash_set<std::string> demoted_here_ ABSL_GUARDED_BY(mu_);
   // Restores one at a time, so that two calls for one demoted session restore it once; a
   // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
   absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
