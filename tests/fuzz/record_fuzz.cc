@@ -18,6 +18,7 @@
 #include <random>
 #include <string>
 
+#include "google/protobuf/stubs/logging.h"
 #include "server/common/clock.h"
 #include "server/common/log.h"
 #include "server/config/policy.h"
@@ -61,6 +62,7 @@ struct World {
 World& TheWorld() {
   static World* w = [] {
     (void)SetLogLevel("off");
+    google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in a string field is logged
     return new World;
   }();
   return *w;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "google/protobuf/io/tokenizer.h"
@@ -122,6 +123,33 @@ struct Lease {
   std::string tenant, id;
 };
 
+// An open Attach stream: the harness's worker.
+struct Worker {
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReader<v1::AttachResponse>> reader;
+  std::string id;
+};
+
+// "@N" names the Nth worker's id; anything else is sent as it is.
+void NameWorker(const std::vector<Worker>& workers, v1::SelectRequest* r) {
+  const std::string& w = r->worker_id();
+  if (w.size() < 2 || w[0] != '@') return;
+  const size_t n = static_cast<size_t>(w[1] - '0');
+  if (n < workers.size()) r->set_worker_id(workers[n].id);
+}
+
+void Cancel(Worker& w) {
+  if (w.ctx == nullptr) return;
+  w.ctx->TryCancel();
+  v1::AttachResponse more;
+  while (w.reader->Read(&more)) {
+  }
+  const grpc::Status s = w.reader->Finish();
+  if (s.error_code() != grpc::StatusCode::CANCELLED) Check("Attach", s);
+  w.reader.reset();
+  w.ctx.reset();
+}
+
 // What gRPC lets a client send as an ASCII header value (it asserts on anything else), so
 // the only tenant names that reach the daemon.
 bool Sendable(const std::string& value) {
@@ -131,7 +159,8 @@ bool Sendable(const std::string& value) {
   return true;
 }
 
-void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases) {
+void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases,
+         std::vector<Worker>* workers) {
   if (!Sendable(call.tenant())) return;
   v1::KvTier::Stub& stub = *TheWorld().stub;
   auto ctx = Context(call.tenant());
@@ -158,6 +187,7 @@ void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases) 
     case fuzz::Call::kSelect: {
       v1::SelectRequest req = call.select().request();
       if (req.query().empty()) req.set_query(Synth(call.select().synth_floats(), 4, rng));
+      NameWorker(*workers, &req);
       v1::SelectResponse r;
       grpc::Status s = stub.Select(ctx.get(), req, &r);
       Check("Select", s);
@@ -168,6 +198,7 @@ void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases) 
       v1::BatchSelectRequest req = call.batch_select().request();
       for (auto& q : *req.mutable_requests()) {
         if (q.query().empty()) q.set_query(Synth(call.batch_select().synth_floats(), 4, rng));
+        NameWorker(*workers, &q);
       }
       v1::BatchSelectResponse r;
       grpc::Status s = stub.BatchSelect(ctx.get(), req, &r);
@@ -238,6 +269,25 @@ void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases) 
       Check("Echo", stub.Echo(ctx.get(), call.echo(), &r));
       break;
     }
+    case fuzz::Call::kAttach: {
+      if (workers->size() >= 4) break;
+      Worker w;
+      w.ctx = std::make_unique<grpc::ClientContext>();  // no deadline: held for the program
+      if (!call.tenant().empty()) w.ctx->AddMetadata("x-kvtier-tenant", call.tenant());
+      w.reader = stub.Attach(w.ctx.get(), call.attach());
+      v1::AttachResponse first;
+      if (w.reader->Read(&first)) {
+        w.id = first.worker_id();
+      } else {
+        Check("Attach", w.reader->Finish());
+        break;
+      }
+      workers->push_back(std::move(w));
+      break;
+    }
+    case fuzz::Call::kDetach:
+      if (call.detach() < workers->size()) Cancel((*workers)[call.detach()]);
+      break;
     case fuzz::Call::OP_NOT_SET:
       break;
   }
@@ -245,8 +295,9 @@ void Run(const fuzz::Call& call, std::mt19937& rng, std::vector<Lease>* leases) 
 
 // Releases every lease the program took and closes every session, then requires both tiers
 // to be empty: anything left is memory that no caller can free.
-void Reset(const std::vector<Lease>& leases) {
+void Reset(const std::vector<Lease>& leases, std::vector<Worker>& workers) {
   v1::KvTier::Stub& stub = *TheWorld().stub;
+  for (Worker& w : workers) Cancel(w);  // their leases end with them
   for (const Lease& l : leases) {
     v1::ReleaseRequest req;
     req.set_lease_id(l.id);
@@ -274,9 +325,17 @@ void Reset(const std::vector<Lease>& leases) {
       std::abort();
     }
   }
+  // A detached worker's leases end as the daemon sees its stream end: allow it a moment.
   v1::GetTierStatsResponse stats;
-  auto ctx = Context("");
-  Check("GetTierStats", stub.GetTierStats(ctx.get(), {}, &stats));
+  for (int i = 0; i < 200; ++i) {
+    stats.Clear();
+    auto ctx = Context("");
+    Check("GetTierStats", stub.GetTierStats(ctx.get(), {}, &stats));
+    bool empty = true;
+    for (const auto& t : stats.tiers()) empty &= t.tier() == v1::TIER_REMOTE || t.used_bytes() == 0;
+    if (empty) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   for (const auto& t : stats.tiers()) {
     if (t.tier() != v1::TIER_REMOTE && t.used_bytes() != 0) {
       std::fprintf(stderr, "rpc_fuzz: tier %s holds %llu bytes with no session and no lease\n",
@@ -309,7 +368,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   TheWorld();
   std::mt19937 rng(static_cast<uint32_t>(size));
   std::vector<Lease> leases;
-  for (const auto& call : program.calls()) Run(call, rng, &leases);
-  Reset(leases);
+  std::vector<Worker> workers;
+  for (const auto& call : program.calls()) Run(call, rng, &leases, &workers);
+  Reset(leases, workers);
   return 0;
 }
