@@ -308,16 +308,25 @@ TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
 namespace kvtier {
 namespace {
 
+// Two daemons ("a" and "b") sharing one Redis, each with tiers of its own.
+struct TwoDaemons {
+  static ServerOptions Named(const char* instance) {
+    ServerOptions o = Options();
+    o.instance = instance;
+    return o;
+  }
+  Remote remote;
+  Env ea, eb;
+  const ServerOptions oa = Named("a"), ob = Named("b");
+  SessionManager a{oa, ea.env, remote.store.get()}, b{ob, eb.env, remote.store.get()};
+};
+
 // Two daemons on one Redis: an id has one owner. Before, the second daemon created its own
 // session under an id the first held live, both demoted, the last writer won, and the first
 // then served the second's bytes.
 TEST(SessionManager, TwoDaemonsOnOneRedisNeverHoldOneIdAtOnce) {
-  Remote remote;
-  Env ea, eb;
-  ServerOptions oa = Options(), ob = Options();
-  oa.instance = "a";
-  ob.instance = "b";
-  SessionManager a{oa, ea.env, remote.store.get()}, b{ob, eb.env, remote.store.get()};
+  TwoDaemons two;
+  SessionManager &a = two.a, &b = two.b;
   ASSERT_OK(a.Create("t", SmallSession("x")).status());
   ASSERT_OK(RunAppend(a, "t", Tokens("x", 0, 32)));
   EXPECT_THAT(b.Create("t", SmallSession("x")),
@@ -353,7 +362,7 @@ TEST(SessionManager, TwoDaemonsOnOneRedisNeverHoldOneIdAtOnce) {
   full.instance = "c";
   full.max_sessions = 0;
   Env ec;
-  SessionManager c{full, ec.env, remote.store.get()};
+  SessionManager c{full, ec.env, two.remote.store.get()};
   EXPECT_THAT(c.Create("t", SmallSession("z")), StatusIs(Code::kResourceExhausted));
   ASSERT_OK(a.Create("t", SmallSession("z")).status());
 }
@@ -367,18 +376,14 @@ namespace {
 // A session this daemon demoted whose record then vanished is DATA_LOSS, not NOT_FOUND; one
 // that another daemon took over, or closed, is NOT_FOUND as before.
 TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
-  Remote remote;
-  Env ea, eb;
-  ServerOptions oa = Options(), ob = Options();
-  oa.instance = "a";
-  ob.instance = "b";
-  SessionManager a{oa, ea.env, remote.store.get()}, b{ob, eb.env, remote.store.get()};
+  TwoDaemons two;
+  SessionManager &a = two.a, &b = two.b;
   for (const char* id : {"lost", "taken", "closed"}) {
     ASSERT_OK(a.Create("t", SmallSession(id)).status());
     ASSERT_OK(RunAppend(a, "t", Tokens(id, 0, 16)));
     ASSERT_OK(a.Demote("t", id).status());
   }
-  ASSERT_OK_AND_ASSIGN(bool deleted, remote.store->Delete(RecordKey("lost")));  // Redis lost it
+  ASSERT_OK_AND_ASSIGN(bool deleted, two.remote.store->Delete(RecordKey("lost")));  // Redis lost it
   ASSERT_TRUE(deleted);
   EXPECT_THAT(a.Get("t", "lost"), StatusIs(Code::kDataLoss, "Redis lost it"));
   EXPECT_EQ(a.remote_counters().lost, 1u);

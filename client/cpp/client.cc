@@ -28,6 +28,25 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   return std::unique_ptr<Client>(new Client(std::move(channel), std::move(options)));
 }
 
+// gRPC (which Debian does not build with ThreadSanitizer) hands a reactor from the thread that
+// starts an operation to the callback thread that completes it; TSAN builds mark that hand-off.
+#if defined(__SANITIZE_THREAD__)
+#define KVTIER_CLIENT_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVTIER_CLIENT_TSAN 1
+#endif
+#endif
+#ifdef KVTIER_CLIENT_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#define KVTIER_HANDOFF(p) __tsan_release(p)
+#define KVTIER_TAKEOVER(p) __tsan_acquire(p)
+#else
+#define KVTIER_HANDOFF(p) ((void)0)
+#define KVTIER_TAKEOVER(p) ((void)0)
+#endif
+
 // The Attach stream: one read for the worker id, a second that ends with the stream. The
 // destructor cancels the call and waits for OnDone, after which gRPC touches nothing here.
 class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachResponse> {
@@ -35,6 +54,7 @@ class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachRespon
   Attachment(v1::KvTier::Stub& stub, const ClientOptions& options) {
     if (!options.tenant.empty()) ctx_.AddMetadata("x-kvtier-tenant", options.tenant);
     stub.async()->Attach(&ctx_, &req_, this);
+    KVTIER_HANDOFF(this);
     StartRead(&resp_);
     StartCall();
   }
@@ -60,15 +80,18 @@ class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachRespon
   }
 
   void OnReadDone(bool ok) override {
+    KVTIER_TAKEOVER(this);
     if (!ok) return;  // the stream ended: OnDone follows
     {
       std::lock_guard lock(mu_);
       if (worker_.empty()) worker_ = resp_.worker_id();
     }
     cv_.notify_all();
+    KVTIER_HANDOFF(this);
     StartRead(&resp_);  // completes only when the stream ends
   }
   void OnDone(const grpc::Status& s) override {
+    KVTIER_TAKEOVER(this);
     {
       std::lock_guard lock(mu_);
       done_ = true;

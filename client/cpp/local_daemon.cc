@@ -77,23 +77,18 @@ LocalDaemon::LocalDaemon(const std::string& instance_prefix,
 
 LocalDaemon::~LocalDaemon() { Terminate(); }
 
-int LocalDaemon::Kill() {
+int LocalDaemon::SignalAndWait(int sig) {
   if (pid_ <= 0) return -1;
-  kill(pid_, SIGKILL);
+  kill(pid_, sig);
   int status = 0;
   waitpid(pid_, &status, 0);
   pid_ = -1;
   return ExitCode(status);
 }
 
-int LocalDaemon::Terminate() {
-  if (pid_ <= 0) return -1;
-  kill(pid_, SIGTERM);
-  int status = 0;
-  waitpid(pid_, &status, 0);
-  pid_ = -1;
-  return ExitCode(status);
-}
+int LocalDaemon::Kill() { return SignalAndWait(SIGKILL); }
+
+int LocalDaemon::Terminate() { return SignalAndWait(SIGTERM); }
 
 int LocalDaemon::WaitForExit(int seconds) {
   for (int i = 0; i < seconds * 20 && pid_ > 0; ++i) {

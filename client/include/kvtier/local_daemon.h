@@ -51,6 +51,8 @@ class LocalDaemon {
   std::string Log() const;
 
  private:
+  int SignalAndWait(int sig);
+
   TempDir dir_;
   std::string socket_;
   std::string instance_;
