@@ -525,7 +525,12 @@ void SessionManager::CloseAll() {
     MutexLock lock(&mu_);
     all.swap(sessions_);
   }
-  for (auto& [id, s] : all) s->Close();
+  for (auto& [id, s] : all) {
+    s->Close();
+    // Their ids go free for other daemons, unless a snapshot of this one's will bring them
+    // back when this instance starts again.
+    if (!persisting()) ReleaseClaim(id);
+  }
 }
 
 }  // namespace kvtier

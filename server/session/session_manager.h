@@ -85,7 +85,8 @@ class SessionManager {
   std::vector<std::shared_ptr<Session>> List() const;
   size_t size() const;
 
-  // Closes every session (shutdown).
+  // Closes every session (shutdown), letting their ids go in the remote tier (kept with
+  // write-behind on: this instance's snapshots hold them).
   void CloseAll();
 
   // Shutdown with a remote tier: every session held here demoted to it, in turn, until

@@ -223,6 +223,7 @@ def test_sigterm_hands_every_session_to_the_remote_tier(redis, start_daemon):
     assert b.stop() == 0
     assert "drain_to_remote" not in b.log.read_text()
     assert cli(redis, "EXISTS", "kvtier:session:first") == "0"  # closed with b, not handed on
+    assert cli(redis, "KEYS", "kvtier:owner:*") == ""  # and their ids free for any daemon
 
 
 def test_a_killed_daemon_restarted_serves_its_sessions_as_last_persisted(redis, start_daemon):
