@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
 
 // gRPC (which Debian does not build with ThreadSanitizer) hands a reactor from the thread that
 // starts an operation to the callback thread that completes it; TSAN builds mark that hand-off.
+// (server/common/mutex.h does the same for the daemon; client/ builds without server/ headers.)
 #if defined(__SANITIZE_THREAD__)
 #define KVTIER_CLIENT_TSAN 1
 #elif defined(__has_feature)

@@ -57,7 +57,7 @@ size_t ClusterIndex::MemoryBytes() const {
   };
   size_t bytes = sizeof(*this) + clusters_.capacity() * sizeof(Cluster) +
                  units_.capacity() * sizeof(Unit) +
-                 (cluster_arena_.capacity() + unit_arena_.capacity()) * sizeof(float) +
+                 (cluster_arena_.capacity() + unit_arena_.capacity()) * sizeof(uint16_t) +
                  block(units_block_) + node_of_.capacity() * sizeof(uint32_t);
   for (const Cluster& c : clusters_) {
     if (c.chunks.capacity() > 2 * kClusterChunks + 1)
@@ -85,7 +85,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   // Centers first (the means and peaks averaged), then every chunk widens the empty bounds.
   const size_t d = d_;
   if (b.slot == kNone) {
-    std::vector<float>& arena = b.unit ? unit_arena_ : cluster_arena_;
+    std::vector<uint16_t>& arena = b.unit ? unit_arena_ : cluster_arena_;
     b.slot = static_cast<uint32_t>(arena.size() / (kParts * d));
     arena.resize(arena.size() + kParts * d);
   }
@@ -100,12 +100,13 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
       pc[j] += p[j];
     }
   }
-  float* mu_center = Part(b, kMuCenter);
-  float* peak_center = Part(b, kPeakCenter);
+  float mu_center[kMaxHeadDim], peak_center[kMaxHeadDim];
   for (size_t j = 0; j < d; ++j) {
     mu_center[j] = static_cast<float>(mc[j] / chunks.size());
     peak_center[j] = static_cast<float>(pc[j] / chunks.size());
   }
+  SetCenter(b, kMuCenter, mu_center);  // the rounded centers, from here on
+  SetCenter(b, kPeakCenter, peak_center);
   b.mu_center_norm = static_cast<float>(Norm(mu_center, d_));
   b.peak_center_norm = static_cast<float>(Norm(peak_center, d_));
   // Radii and tokens chunk by chunk; the boxes in float, then written to the lane once.
@@ -122,7 +123,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   for (size_t i = 0; i < chunks.size(); ++i) {
     const float* mu = &means[i * d];
     const float* p = &peaks[i * d];
-    WidenBounds(b, a.tokens(chunks[i]), mu, p);
+    WidenBounds(b, mu_center, peak_center, a.tokens(chunks[i]), mu, p);
     for (size_t j = 0; j < d; ++j) {
       box[kMuHi * d + j] = std::max(box[kMuHi * d + j], mu[j]);
       box[kMuLo * d + j] = std::min(box[kMuLo * d + j], mu[j]);
@@ -134,9 +135,23 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   SetScalars(l, b);
 }
 
-void ClusterIndex::WidenBounds(Bounds& b, uint32_t tokens, const float* mu, const float* p) {
-  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, Part(b, kMuCenter), d_));
-  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, Part(b, kPeakCenter), d_));
+void ClusterIndex::Center(const Bounds& b, int part, float* out) const {
+  const uint16_t* h = Part(b, part);
+  for (int j = 0; j < d_; ++j) out[j] = HalfToFloat(h[j]);
+}
+
+void ClusterIndex::SetCenter(const Bounds& b, int part, float* in) {
+  uint16_t* h = Part(b, part);
+  for (int j = 0; j < d_; ++j) {
+    h[j] = FloatToHalf(std::clamp(in[j], -65504.f, 65504.f));
+    in[j] = HalfToFloat(h[j]);
+  }
+}
+
+void ClusterIndex::WidenBounds(Bounds& b, const float* mu_c, const float* peak_c, uint32_t tokens,
+                               const float* mu, const float* p) {
+  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, mu_c, d_));
+  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, peak_c, d_));
   if (tokens > b.max_tokens || b.max_tokens == 0) {
     b.max_tokens = tokens;
     b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
@@ -146,9 +161,11 @@ void ClusterIndex::WidenBounds(Bounds& b, uint32_t tokens, const float* mu, cons
 }
 
 void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a) {
-  float p[kMaxHeadDim];
+  float p[kMaxHeadDim], mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
   Peak(chunk, a, p);
-  WidenBounds(b, a.tokens(chunk), mu, p);
+  Center(b, kMuCenter, mu_c);
+  Center(b, kPeakCenter, peak_c);
+  WidenBounds(b, mu_c, peak_c, a.tokens(chunk), mu, p);
   WidenBoxes(l, mu, p);
   SetScalars(l, b);
 }
@@ -364,7 +381,10 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   std::vector<float> points(cls.size() * stride);
   for (size_t i = 0; i < cls.size(); ++i) {
     const Bounds& b = clusters_[cls[i]].b;
-    Point(Part(b, kMuCenter), Part(b, kPeakCenter), &points[i * stride]);
+    float mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
+    Center(b, kMuCenter, mu_c);
+    Center(b, kPeakCenter, peak_c);
+    Point(mu_c, peak_c, &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
   // Halves of equal count: a unit's box spans its clusters', and units split unevenly by
@@ -437,8 +457,11 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
     Mean(ch, a, mu.data());
     Peak(ch, a, peak.data());
     const float* p = peak.data();
-    if (Dist(mu.data(), Part(b, kMuCenter), d_) > b.mu_radius) return "mean outside radius";
-    if (Dist(p, Part(b, kPeakCenter), d_) > b.peak_radius) return "peak outside radius";
+    float mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
+    Center(b, kMuCenter, mu_c);
+    Center(b, kPeakCenter, peak_c);
+    if (Dist(mu.data(), mu_c, d_) > b.mu_radius) return "mean outside radius";
+    if (Dist(p, peak_c, d_) > b.peak_radius) return "peak outside radius";
     auto box = [&](int part, int j) {
       return HalfToFloat(blk.box[BoxIndex(lane, static_cast<size_t>(part) * d_ + j)]);
     };

@@ -136,8 +136,9 @@ class ClusterIndex {
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
   // The bound fields shared by clusters and units. A node's two centers lie together in an
-  // arena, [mu_center | peak_center], head_dim floats each, fixed between rebuilds; units and
-  // clusters have arenas of their own. Its boxes live only in its lane of a block (below).
+  // arena, [mu_center | peak_center], head_dim halves each (Part, below), fixed between rebuilds;
+  // units and clusters have arenas of their own. Its boxes live only in its lane of a block
+  // (below).
   enum Part { kMuCenter, kPeakCenter, kParts };
   struct Bounds {
     uint32_t slot = kNone;  // the node's place in its arena
@@ -148,14 +149,21 @@ class ClusterIndex {
     uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
   };
-  float* Part(const Bounds& b, int part) {
+  // A node's center in its arena, kept as IEEE halves: a center only steers re-splits and
+  // the radii, which are measured against this same rounded center, so half precision costs
+  // no bound anything (boxes bound the searches) and takes half the bytes of floats.
+  uint16_t* Part(const Bounds& b, int part) {
     return &(b.unit ? unit_arena_
                     : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
   }
-  const float* Part(const Bounds& b, int part) const {
+  const uint16_t* Part(const Bounds& b, int part) const {
     return &(b.unit ? unit_arena_
                     : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
   }
+  // The center widened into `out` (head_dim floats); SetCenter rounds `in` to halves (to
+  // nearest, clamped to +-65504) and leaves in `in` what was stored.
+  void Center(const Bounds& b, int part, float* out) const;
+  void SetCenter(const Bounds& b, int part, float* in);
 
   // Blocks: what a search reads of a set of nodes (every unit; one unit's clusters), laid out
   // channel-major in tiles of kTile lanes, so that one pass over a tile bounds its nodes eight
@@ -235,7 +243,9 @@ class ClusterIndex {
   // Widens b and its lane to cover one more chunk, whose mean key is `mu` (the center stays).
   void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a);
   // The part of Widen on b alone: radii and token counts, for mean `mu` and peak `p`.
-  void WidenBounds(Bounds& b, uint32_t tokens, const float* mu, const float* p);
+  // Radii (against the node's stored centers, widened into mu_c and peak_c) and token counts.
+  void WidenBounds(Bounds& b, const float* mu_c, const float* peak_c, uint32_t tokens,
+                   const float* mu, const float* p);
   // |x| over d floats, summed in double.
   static double Norm(const float* x, int d);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
@@ -314,9 +324,9 @@ class ClusterIndex {
   Options opt_;
   std::vector<Cluster> clusters_;
   std::vector<Unit> units_;
-  std::vector<float> cluster_arena_, unit_arena_;  // nodes' vectors, kParts * d_ per slot
-  Block units_block_;                              // every unit's bounds, lane u = units_[u]
-  std::vector<uint32_t> node_of_;                  // chunk -> cluster, kNone if not indexed
+  std::vector<uint16_t> cluster_arena_, unit_arena_;  // centers, kParts * d_ halves per slot
+  Block units_block_;                                 // every unit's bounds, lane u = units_[u]
+  std::vector<uint32_t> node_of_;                     // chunk -> cluster, kNone if not indexed
   size_t num_chunks_ = 0;
 };
 
