@@ -193,7 +193,10 @@ class Client:
             if self._attachment is None or self._attachment.ended:
                 self._attachment = _Attachment(self.stub, self._metadata)
             attachment = self._attachment
-        return attachment.wait(self.timeout)
+        worker = attachment.wait(self.timeout)
+        if not worker:  # a daemon without Attach: not asked again
+            self._attach = False
+        return worker
 
     def __enter__(self):
         return self
