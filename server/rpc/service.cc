@@ -376,6 +376,11 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
       MutexLock lock(&svc_->attach_mu_);
       svc_->attached_.insert(this);
     }
+    // A drain that began after the check above did not see this stream: end it here.
+    if (svc_->draining()) {
+      if (Claim()) End(Draining());
+      return;
+    }
     KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, Tenant(ctx));
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
