@@ -98,13 +98,11 @@ absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
 
 // The segments of every other instance whose daemon is dead: its lock in /dev/shm is free
 // (the kernel let go of it when the process died, SIGKILL included), so nothing maps them
-// any more but workers that already did, whose mappings outlive the names. Returns how many
-// segments went. The lock file stays: it is empty, and removing it could race a new daemon
-// of that instance opening it.
-int ReclaimDeadInstances(const std::string& own) {
+// any more but workers that already did, whose mappings outlive the names. The lock file
+// stays: it is empty, and removing it could race a new daemon of that instance opening it.
+void ReclaimDeadInstances(const std::string& own) {
   DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return 0;
-  std::vector<std::string> dead;
+  if (dir == nullptr) return;
   while (dirent* e = readdir(dir)) {
     const absl::string_view name(e->d_name);
     if (!absl::StartsWith(name, "kvtier-") || !absl::EndsWith(name, ".lock")) continue;
@@ -112,8 +110,7 @@ int ReclaimDeadInstances(const std::string& own) {
     if (instance == own || instance.empty()) continue;
     const int fd = open(absl::StrCat("/dev/shm/", name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) continue;
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
-      dead.push_back(instance);  // removed while the lock is held: it cannot start meanwhile
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {  // removed under its lock: it cannot start meanwhile
       for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE}) {
         const int n = ShmSegment::RemoveStale(Tier::ShmPrefixOf(instance, t));
         if (n > 0)
@@ -124,7 +121,6 @@ int ReclaimDeadInstances(const std::string& own) {
     close(fd);
   }
   closedir(dir);
-  return static_cast<int>(dead.size());
 }
 
 }  // namespace
@@ -376,7 +372,7 @@ void Daemon::Shutdown() {
   if (reaper_.joinable()) reaper_.join();
   if (persister_.joinable()) persister_.join();
   exporter_.reset();
-  if (remote_.ok() && *remote_ != nullptr && options_.drain_to_remote) {
+  if (sessions_.has_remote() && options_.drain_to_remote) {
     // Nobody can read a handle of this daemon's any more: its leases end, and every session
     // goes to the remote tier whole, for the next daemon on that Redis to serve.
     const int leases = leases_.EndAll();

@@ -456,11 +456,6 @@ void KvTierService::StartDraining() {
   for (AttachReactor* r : claimed) r->End(Draining());
 }
 
-size_t KvTierService::attached() {
-  MutexLock lock(&attach_mu_);
-  return attached_.size();
-}
-
 grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext* ctx,
                                                      const v1::ForkSessionRequest* req,
                                                      v1::CreateSessionResponse* resp) {

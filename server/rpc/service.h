@@ -106,8 +106,6 @@ class KvTierService final : public v1::KvTier::CallbackService {
                                  v1::EchoResponse* resp) override;
   grpc::ServerWriteReactor<v1::AttachResponse>* Attach(grpc::CallbackServerContext* ctx,
                                                        const v1::AttachRequest* req) override;
-  // Open Attach streams.
-  size_t attached();
 
  private:
   class AppendReactor;

@@ -12,6 +12,13 @@ namespace {
 
 // KEYS[1] the record, KEYS[2] the owner key, ARGV[1] this daemon. Each returns an array whose
 // first element says what happened.
+
+// The guard of every change but a claim: nothing happens while another daemon holds the id
+// (`o`, its owner or false, is left for the script).
+#define KVTIER_UNLESS_HELD_ELSEWHERE       \
+  "local o = redis.call('GET', KEYS[2])\n" \
+  "if o and o ~= ARGV[1] then return {'held', o} end\n"
+
 constexpr char kClaim[] = R"lua(
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'record'} end
 local o = redis.call('GET', KEYS[2])
@@ -22,25 +29,19 @@ return {'new'}
 )lua";
 
 // ARGV[2] the record.
-constexpr char kPut[] = R"lua(
-local o = redis.call('GET', KEYS[2])
-if o and o ~= ARGV[1] then return {'held', o} end
+constexpr char kPut[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2])
 return {'ok'}
 )lua";
 
-constexpr char kGet[] = R"lua(
-local o = redis.call('GET', KEYS[2])
-if o and o ~= ARGV[1] then return {'held', o} end
+constexpr char kGet[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
 local r = redis.call('GET', KEYS[1])
 if not r then return {'none'} end
 return {'record', r}
 )lua";
 
-constexpr char kFinish[] = R"lua(
-local o = redis.call('GET', KEYS[2])
-if o and o ~= ARGV[1] then return {'held', o} end
+constexpr char kFinish[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[1])
@@ -49,9 +50,7 @@ return {'ok'}
 
 // KEYS[3] the tombstone a closed record leaves for a day, so that the daemon that demoted
 // it can tell a close elsewhere from a record lost.
-constexpr char kDrop[] = R"lua(
-local o = redis.call('GET', KEYS[2])
-if o and o ~= ARGV[1] then return {'held', o} end
+constexpr char kDrop[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
 if o then redis.call('DEL', KEYS[2]) end
 local n = redis.call('DEL', KEYS[1])
 if n == 1 then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
@@ -63,24 +62,14 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return {'closed'} end
 return {'none'}
 )lua";
 
-constexpr char kHolder[] = R"lua(
-local o = redis.call('GET', KEYS[2])
-if o then return {'held', o} end
-return {'none'}
-)lua";
-
 absl::Status Bad(const std::string& id) {
   return absl::InternalError(
       absl::StrCat("remote: an unexpected reply about session_id ", Quoted(id)));
 }
 
-}  // namespace
-
 std::string OwnerKey(const std::string& session_id) {
   return absl::StrCat("kvtier:owner:", session_id);
 }
-
-namespace {
 
 // The script's reply: its first element, and the second when there is one.
 struct Outcome {
@@ -89,12 +78,12 @@ struct Outcome {
 };
 
 absl::StatusOr<Outcome> Run(RemoteStore* store, const char* script, const std::string& id,
-                            const std::string& self, std::string_view extra = {},
-                            bool with_extra = false) {
+                            const std::string& self,
+                            std::optional<std::string_view> extra = std::nullopt) {
   const std::string record = RecordKey(id), owner = OwnerKey(id),
                     tombstone = absl::StrCat("kvtier:closed:", id);
   std::vector<std::string_view> args = {self};
-  if (with_extra) args.push_back(extra);
+  if (extra) args.push_back(*extra);
   ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner, tombstone}, args));
   if (reply.empty() || !reply[0]) return Bad(id);
   Outcome o{*reply[0], std::nullopt};
@@ -123,7 +112,7 @@ absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
 }
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kPut, session_id, self_, record, true));
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kPut, session_id, self_, record));
   if (o.what == "ok") return absl::OkStatus();
   if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kFailedPrecondition);
   return Bad(session_id);
@@ -158,13 +147,6 @@ absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
 absl::StatusOr<bool> RemoteRecords::ClosedLately(const std::string& session_id) {
   ASSIGN_OR_RETURN(Outcome o, Run(store_, kClosed, session_id, self_));
   return o.what == "closed";
-}
-
-absl::StatusOr<std::string> RemoteRecords::Holder(const std::string& session_id) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kHolder, session_id, self_));
-  if (o.what == "held" && o.value) return *o.value;
-  if (o.what == "none") return std::string();
-  return Bad(session_id);
 }
 
 }  // namespace kvtier

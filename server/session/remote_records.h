@@ -25,8 +25,6 @@
 
 namespace kvtier {
 
-std::string OwnerKey(const std::string& session_id);
-
 class RemoteRecords {
  public:
   // `store` outlives this; `self` names this daemon.
@@ -49,8 +47,6 @@ class RemoteRecords {
   absl::StatusOr<bool> Drop(const std::string& session_id);
   // Whether a record of the id was closed (by Drop, on any daemon) within the last day.
   absl::StatusOr<bool> ClosedLately(const std::string& session_id);
-  // The daemon holding the id, or "" for none.
-  absl::StatusOr<std::string> Holder(const std::string& session_id);
 
  private:
   RemoteStore* const store_;

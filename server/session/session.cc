@@ -494,6 +494,11 @@ std::optional<Session::Snapshot> Session::SnapshotIfChanged() const {
   return Snapshot{Export(), version_};
 }
 
+uint64_t Session::version() const {
+  MutexLock lock(&mu_);
+  return version_;
+}
+
 void Session::MarkPersisted(uint64_t version) {
   MutexLock lock(&mu_);
   persisted_ = std::max(persisted_, version);

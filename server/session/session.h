@@ -141,6 +141,8 @@ class Session {
   std::optional<Snapshot> SnapshotIfChanged() const;
   // The snapshot of `version` is stored: later calls skip it until the session changes.
   void MarkPersisted(uint64_t version);
+  // The change count a snapshot taken now would carry.
+  uint64_t version() const;
 
   // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
   v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;

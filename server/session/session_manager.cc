@@ -113,14 +113,12 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   // The id is claimed in the remote tier first: a session lying there keeps its id, and so
   // does one another daemon on that Redis holds.
   ASSIGN_OR_RETURN(const bool claimed, ClaimId(id));
-  if (remote_ != nullptr) {
-    if (persisting()) {
-      absl::StatusOr<bool> snapshot = remote_->Exists(SnapshotKey(id));
-      if (snapshot.ok() && *snapshot) {
-        if (claimed) ReleaseClaim(id);
-        return absl::AlreadyExistsError(absl::StrCat(
-            "session_id: ", Quoted(id), " already exists (this daemon's last snapshot)"));
-      }
+  if (persisting()) {
+    absl::StatusOr<bool> snapshot = remote_->Exists(SnapshotKey(id));
+    if (snapshot.ok() && *snapshot) {
+      if (claimed) ReleaseClaim(id);
+      return absl::AlreadyExistsError(absl::StrCat(
+          "session_id: ", Quoted(id), " already exists (this daemon's last snapshot)"));
     }
   }
   absl::Status fits;
@@ -344,7 +342,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     remote_counters_.restore_seconds += absl::ToDoubleSeconds(absl::Now() - start);
   }
   if (snapshot) {  // it stays this daemon's persisted copy, which the session now equals
-    restored->MarkPersisted(restored->SnapshotIfChanged()->version);
+    restored->MarkPersisted(restored->version());
     KVLOG(info, "session.restore", "session={} bytes={} from=snapshot tokens={}", session_id,
           bytes->size(), restored->Info().num_tokens());
     return restored;
@@ -373,7 +371,6 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
-  const std::string key = RecordKey(session_id);
   ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
     return records_->Put(session_id, EncodeRecord(r));  // and the id let go
   }));

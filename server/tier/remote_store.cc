@@ -182,16 +182,10 @@ absl::StatusOr<std::vector<std::optional<std::string>>> RemoteStore::Eval(
   argv.insert(argv.end(), keys.begin(), keys.end());
   argv.insert(argv.end(), args.begin(), args.end());
   ASSIGN_OR_RETURN(Reply r, Command(argv));
-  if (r.type == REDIS_REPLY_ARRAY) return std::move(r.elements);
-  std::vector<std::optional<std::string>> one;
-  if (r.type == REDIS_REPLY_INTEGER) {
-    one.push_back(absl::StrCat(r.integer));
-  } else if (r.type != REDIS_REPLY_NIL) {
-    one.push_back(std::move(r.str));
-  } else {
-    one.push_back(std::nullopt);
+  if (r.type != REDIS_REPLY_ARRAY) {
+    return absl::InternalError(absl::StrCat("remote ", address_, ": a script answered no array"));
   }
-  return one;
+  return std::move(r.elements);
 }
 
 absl::StatusOr<bool> RemoteStore::Exists(const std::string& key) {

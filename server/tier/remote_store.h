@@ -43,8 +43,8 @@ class RemoteStore {
   // Whether the key existed.
   absl::StatusOr<bool> Delete(const std::string& key);
   absl::StatusOr<bool> Exists(const std::string& key);
-  // A Lua script run atomically by Redis (EVAL) over `keys` and `args`; its reply as strings:
-  // an array's elements (integers in decimal, nil as nullopt), or the one value.
+  // A Lua script run atomically by Redis (EVAL) over `keys` and `args`, answering an array:
+  // its elements as strings (integers in decimal, nil as nullopt).
   absl::StatusOr<std::vector<std::optional<std::string>>> Eval(
       std::string_view script, const std::vector<std::string_view>& keys,
       const std::vector<std::string_view>& args);
