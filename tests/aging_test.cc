@@ -183,20 +183,31 @@ TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {
   // Two layers (layer 0 dense) of one stream, 400 tokens, d 64: chunk 0 (sink) and 21..24
   // (window) fp16, 1..20 int4.
   const uint64_t warm = 2 * 5 * 4096, cold = 2 * 20 * QuantLayout{64, 16, 4}.Bytes();
-  Env e(warm + cold + 6 * 4096);  // room for six dequantized copies
   v1::SessionPolicy policy = Cold();
   policy.set_dense_layers(1);
-  Fixture f = Make(e, 2, 1, 1, 64, 400, policy);
   // Keys constant per chunk (exact under int4): channel 0 = chunk index, channel 1 = 100 for
   // chunks 3, 4, 5. A query along channel 0 ranks 20, 19, ...; along (1, 1), 5, 4, 3, 20, 19.
-  for (int t = 0; t < 400; ++t) {
-    for (int j = 0; j < 64; ++j) {
-      const int c = t / 16;
-      f.k[1][t * 64 + j] = FloatToHalf(j == 0 ? c : (j == 1 && c >= 3 && c <= 5 ? 100.f : 0.f));
+  auto make = [&](Env& env) {
+    Fixture f = Make(env, 2, 1, 1, 64, 400, policy);
+    for (int t = 0; t < 400; ++t) {
+      for (int j = 0; j < 64; ++j) {
+        const int c = t / 16;
+        f.k[1][t * 64 + j] =
+            FloatToHalf(j == 0 ? c : (j == 1 && c >= 3 && c <= 5 ? 100.f : 0.f));
+      }
     }
-  }
+    return f;
+  };
+  const uint64_t meta = MetadataOfTwin([&](Env& twin) {
+    Fixture f = make(twin);
+    EXPECT_OK(AppendAll(f, 400, 16));
+    return twin.host.Stats().metadata_bytes;
+  });
+  Env e(warm + cold + meta + 6 * 4096);  // room for six dequantized copies
+  Fixture f = make(e);
   ASSERT_OK(AppendAll(f, 400, 16));  // 16 at a time: quantizing as it goes stays in capacity
   ASSERT_EQ(e.host.Stats().used_bytes, warm + cold);
+  ASSERT_EQ(e.host.Stats().metadata_bytes, meta);
   auto select = [&](float q1, std::set<uint32_t> want_cold) -> v1::SelectResponse {
     std::vector<float> q(64, 0.f);
     q[0] = 1.f;

@@ -198,7 +198,7 @@ TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
 }
 
 TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
-  DaemonProcess d({"--max_sessions", "3", "--max_message_size", "1M", "--host_capacity", "400K"});
+  DaemonProcess d({"--max_sessions", "3", "--max_message_size", "1M", "--host_capacity", "700K"});
   ASSERT_TRUE(d.started());
   auto c = Connect(d);
   // Shapes.
@@ -256,8 +256,9 @@ TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   EXPECT_THAT(mallory->Select(Select(sid, 3, 256)), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(mallory->CloseSession(sid), StatusIs(Code::kPermissionDenied));
 
-  // A full host tier: 400 KiB holds 100 slots of 4 KiB (16 tokens x 64 x 2 bytes, K and V);
-  // the session holds 4 layers x 3 heads x 7 chunks = 84, and layer 0 alone needs 36 more.
+  // A full host tier: 700 KiB holds slots of 4 KiB (16 tokens x 64 x 2 bytes, K and V) and the
+  // session's metadata (each stream's index, each chunk's record and statistics: 2 KiB a chunk
+  // here): it holds 4 layers x 3 heads x 7 chunks = 84, and layer 0 alone needs 36 more.
   auto before = c->DescribeSession(sid);
   ASSERT_OK(before.status());
   EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 200)),

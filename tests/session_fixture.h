@@ -108,6 +108,14 @@ inline Fixture Make(Env& e, int layers, int qh, int kvh, int d, int total,
   return f;
 }
 
+// The host tier holds sessions' metadata beside their slots (Session::metadata_bytes): a
+// test of an exact fit adds what `build`, run on a roomy tier of its own, says its sessions
+// hold there (it reads twin.host.Stats().metadata_bytes while they live).
+inline uint64_t MetadataOfTwin(const std::function<uint64_t(Env& twin)>& build) {
+  Env twin;
+  return build(twin);
+}
+
 inline v1::AppendKVRequest Req(const Fixture& f, int layer, int start, int n) {
   v1::AppendKVRequest r;
   r.set_session_id("s");

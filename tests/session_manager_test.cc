@@ -150,10 +150,57 @@ TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTries
   EXPECT_EQ(s->Info().num_tokens(), 80u);
 }
 
-TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
-  Remote remote;
+// A session's metadata is the tenant's too: a shape of 65,536 streams and no tokens (some
+// 10 MiB of stream records) is refused by a 1 MiB quota, and by a small host tier, before it
+// is made; what a session holds is charged while it lives and given back when it closes.
+TEST(SessionManager, SessionMetadataCountsAgainstTheQuotaAndTheTier) {
   Env e(64 << 20, 16 << 20,
-        [](const std::string& tenant) -> uint64_t { return tenant == "small" ? 4 * 4096 : 0; });
+        [](const std::string& tenant) -> uint64_t { return tenant == "small" ? 1 << 20 : 0; });
+  const ServerOptions o = Options();
+  SessionManager m(o, e.env, /*remote=*/nullptr);
+  v1::CreateSessionRequest wide = SmallSession("wide");
+  wide.mutable_shape()->set_num_layers(4096);
+  wide.mutable_shape()->set_num_q_heads(16);
+  wide.mutable_shape()->set_num_kv_heads(16);
+  const absl::Status refused = m.Create("small", wide).status();
+  EXPECT_THAT(refused, StatusIs(Code::kResourceExhausted, "session metadata"));
+  EXPECT_EQ(ReasonOf(refused), ErrorReason::kQuota);
+  EXPECT_EQ(e.host.Stats().metadata_bytes, 0u);
+  EXPECT_FALSE(m.Get("small", "wide").ok());
+
+  ASSERT_OK(m.Create("small", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(m, "small", Tokens("s", 0, 64)));
+  ASSERT_OK_AND_ASSIGN(auto s, m.Get("small", "s"));
+  const uint64_t held = s->Info().metadata_bytes();
+  EXPECT_GT(held, 4 * sizeof(Chunk));
+  EXPECT_EQ(e.host.Stats().metadata_bytes, held);
+  EXPECT_EQ(e.host.TenantUsed("small"), 4 * 4096 + held);
+  ASSERT_OK(m.Close("small", "s").status());
+  s.reset();
+  EXPECT_EQ(e.host.Stats().metadata_bytes, 0u);
+  EXPECT_EQ(e.host.TenantUsed("small"), 0u);
+
+  // No quota, a small tier: the tier's own limit.
+  Env tiny(1 << 20);
+  SessionManager local(o, tiny.env, /*remote=*/nullptr);
+  const absl::Status full = local.Create("t", wide).status();
+  EXPECT_THAT(full, StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_EQ(tiny.host.Stats().metadata_bytes, 0u);
+}
+
+TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
+  // Room for one session of 64 tokens: 4 slots, and its metadata.
+  const ServerOptions twin_options = Options();
+  const uint64_t meta = MetadataOfTwin([&](Env& twin) {
+    SessionManager m(twin_options, twin.env, /*remote=*/nullptr);
+    EXPECT_OK(m.Create("t", SmallSession("a")).status());
+    EXPECT_OK(RunAppend(m, "t", Tokens("a", 0, 64)));
+    return twin.host.Stats().metadata_bytes;
+  });
+  Remote remote;
+  Env e(64 << 20, 16 << 20, [meta](const std::string& tenant) -> uint64_t {
+    return tenant == "small" ? 4 * 4096 + meta : 0;
+  });
   const ServerOptions o = Options();
   SessionManager m(o, e.env, remote.store.get());
   ASSERT_OK(m.Create("other", SmallSession("idle")).status());
@@ -165,7 +212,7 @@ TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
   EXPECT_EQ(ReasonOf(over), ErrorReason::kQuota);
   EXPECT_EQ(m.remote_counters().demotions, 0u);  // another tenant's idle session stays
   // Without a remote tier a full host tier is the answer as it is.
-  Env full(4 * 4096);
+  Env full(4 * 4096 + meta);
   SessionManager local(o, full.env, /*remote=*/nullptr);
   ASSERT_OK(local.Create("t", SmallSession("a")).status());
   ASSERT_OK(RunAppend(local, "t", Tokens("a", 0, 64)));

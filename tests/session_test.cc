@@ -1,6 +1,10 @@
 // Session: append, select, leases, fork, device placement and prefetch, against brute force.
 #include "server/session/session.h"
 
+#include <malloc.h>
+
+#include <cstdio>
+
 #include "server/session/layer_budget.h"
 #include "server/session/prefetcher.h"
 #include "tests/session_fixture.h"
@@ -78,8 +82,13 @@ TEST(Session, BadAppendsNameTheField) {
 }
 
 TEST(Session, FullHostTierStoresNothingAndKeepsWhatWasThere) {
-  // 2 kv heads, d 16: a slot is 16*16*4 = 1 KiB; room for 6 slots.
-  Env e(6 * 1024);
+  // 2 kv heads, d 16: a slot is 16*16*4 = 1 KiB; room for 6 slots and the session's metadata.
+  const uint64_t meta = MetadataOfTwin([](Env& twin) {
+    Fixture f = Make(twin, 1, 2, 2, 16, 100);
+    EXPECT_OK(f.session->Append(Req(f, 0, 0, 40)).status());
+    return twin.host.Stats().metadata_bytes;
+  });
+  Env e(6 * 1024 + meta);
   Fixture f = Make(e, 1, 2, 2, 16, 100);
   ASSERT_OK(f.session->Append(Req(f, 0, 0, 40)).status());  // 3 chunks per head: 6 slots
   EXPECT_THAT(f.session->Append(Req(f, 0, 40, 20)), StatusIs(Code::kResourceExhausted, "full"));
@@ -960,6 +969,43 @@ TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
   prefetcher.Enqueue(session, req);
   prefetcher.WaitIdle();
   EXPECT_EQ(prefetcher.counters().failed, 1u);  // NOT_FOUND, quietly
+}
+
+// A session's metadata (chunk records, statistics, index, its streams) is charged to the host
+// tier and its tenant: the charge follows the heap the session really holds, as the allocator
+// counts it, and is given back whole when the session closes.
+TEST(Metadata, TheChargeFollowsTheHeapTheSessionHolds) {
+  if (mallinfo2().uordblks == 0) GTEST_SKIP() << "the allocator keeps no counts (a sanitizer's)";
+  for (const bool cold : {false, true}) {
+    Env e;
+    v1::SessionPolicy policy = cold ? v1::SessionPolicy() : Lossless();
+    Fixture f = Make(e, 4, 8, 4, 64, 2048, policy);
+    f.session.reset();
+    ASSERT_EQ(e.host.Stats().metadata_bytes, 0u);
+    std::vector<v1::AppendKVRequest> reqs;  // built first: their bytes are the test's
+    for (int s = 0; s < 2048; s += 128) {
+      for (int l = 0; l < 4; ++l) reqs.push_back(Req(f, l, s, 128));
+    }
+    const size_t heap0 = mallinfo2().uordblks;
+    v1::ModelShape shape;
+    shape.set_num_layers(4);
+    shape.set_num_q_heads(8);
+    shape.set_num_kv_heads(4);
+    shape.set_head_dim(64);
+    f.session = std::make_unique<Session>(
+        "s", "t", *ResolveShape(shape), *ResolvePolicy(policy, BuiltinPolicy(), "policy"),
+        std::map<std::string, std::string>{}, e.env);
+    for (const auto& r : reqs) ASSERT_OK(f.session->Append(r).status());
+    const double heap = double(mallinfo2().uordblks - heap0);
+    const double charged = double(e.host.Stats().metadata_bytes);
+    EXPECT_EQ(charged, double(f.session->metadata_bytes()));
+    std::printf("cold=%d heap %.0f charged %.0f ratio %.3f\n", cold, heap, charged, charged / heap);
+    EXPECT_GE(charged, 0.8 * heap);
+    EXPECT_LE(charged, 1.25 * heap);
+    f.session->Close();
+    EXPECT_EQ(e.host.Stats().metadata_bytes, 0u);
+    EXPECT_EQ(e.host.TenantUsed("t"), 0u);
+  }
 }
 
 }  // namespace

@@ -150,6 +150,7 @@ int Run(const Args& a, Client& c) {
     for (const auto& [tier, bytes] : i.bytes_by_tier()) {
       kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});
     }
+    kv.Add({"metadata", Bytes(i.metadata_bytes())});
     for (const auto& [prec, n] : i.chunks_by_precision()) {
       kv.Add({absl::StrCat("chunks ", Label(prec)), absl::StrCat(n)});
     }
@@ -193,14 +194,18 @@ int Run(const Args& a, Client& c) {
       std::cout << ToJson(*r);
       return 0;
     }
-    Table t({"TIER", "CAPACITY", "USED", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
+    Table t({"TIER", "CAPACITY", "USED", "METADATA", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
              "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
-            {false, true, true, true, true, true, true, true, true, false, true, true, true, true});
+            {false, true, true, true, true, true, true, true, true, true, false, true, true, true,
+             true});
     for (const auto& s : r->tiers()) {
-      double pct = s.capacity_bytes() ? 100.0 * s.used_bytes() / s.capacity_bytes() : 0.0;
+      double pct = s.capacity_bytes()
+                       ? 100.0 * (s.used_bytes() + s.metadata_bytes()) / s.capacity_bytes()
+                       : 0.0;
       const uint64_t reads = s.cache_hits() + s.cache_misses();
       t.Add({TierName(s.tier()) + (s.emulated() ? " (emulated)" : ""), Bytes(s.capacity_bytes()),
-             Bytes(s.used_bytes()), absl::StrFormat("%.1f", pct), Bytes(s.pinned_bytes()),
+             Bytes(s.used_bytes()), Bytes(s.metadata_bytes()), absl::StrFormat("%.1f", pct),
+             Bytes(s.pinned_bytes()),
              absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
              absl::StrCat(s.promotions()), absl::StrCat(s.evictions()), s.eviction_policy(),
              absl::StrCat(s.cached_copies()),

@@ -235,8 +235,14 @@ void Daemon::RegisterGauges() {
       metrics::Labels l{{"tier", TierShortName(s.tier)}};
       metrics_.GetGauge("kvtier_tier_capacity_bytes", "Tier capacity", l).Set(s.capacity_bytes);
       metrics_.GetGauge("kvtier_tier_used_bytes", "Bytes of allocated slots", l).Set(s.used_bytes);
-      metrics_.GetGauge("kvtier_tier_occupancy_ratio", "used / capacity", l)
-          .Set(s.capacity_bytes ? static_cast<double>(s.used_bytes) / s.capacity_bytes : 0.0);
+      metrics_
+          .GetGauge("kvtier_tier_metadata_bytes",
+                    "Heap bytes of session metadata charged to the tier beside its slots", l)
+          .Set(s.metadata_bytes);
+      metrics_.GetGauge("kvtier_tier_occupancy_ratio", "(used + metadata) / capacity", l)
+          .Set(s.capacity_bytes
+                   ? static_cast<double>(s.used_bytes + s.metadata_bytes) / s.capacity_bytes
+                   : 0.0);
       metrics_.GetGauge("kvtier_tier_pinned_bytes", "Bytes pinned by leases", l)
           .Set(s.pinned_bytes);
       metrics_.GetGauge("kvtier_tier_chunks", "Slots allocated", l).Set(s.num_slots);

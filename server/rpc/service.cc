@@ -525,6 +525,7 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
       out->set_tier(s.tier);
       out->set_capacity_bytes(s.capacity_bytes);
       out->set_used_bytes(s.used_bytes);
+      out->set_metadata_bytes(s.metadata_bytes);
       out->set_pinned_bytes(s.pinned_bytes);
       out->set_num_chunks(s.num_slots);
       out->set_promotions(c.promotions);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/error.h"
@@ -32,7 +33,8 @@ bool Seals(const v1::SessionPolicy& policy, uint32_t rows, const int32_t* id) {
 }  // namespace
 
 Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::SessionPolicy policy,
-                 std::map<std::string, std::string> labels, const SessionEnv& env)
+                 std::map<std::string, std::string> labels, const SessionEnv& env,
+                 MetadataCharge charge)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),
       shape_(std::move(shape)),
@@ -47,16 +49,53 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
   for (size_t i = 0; i < static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads(); ++i) {
     streams_.emplace_back(shape_.head_dim(), FormatOf(shape_, policy_).kind());
   }
+  MutexLock lock(&mu_);
+  charge_ = charge.bytes() > 0 ? std::move(charge) : MetadataCharge(env_.host, tenant_);
+  charge_.Set(std::max(charge_.bytes(), MeasureMetadata()));
 }
 
-Session::Session(const Session& parent, std::string new_id)
-    : Session(
-          std::move(new_id), parent.tenant_, parent.shape_,
-          [&] {
-            MutexLock lock(&parent.mu_);
-            return parent.policy_;
-          }(),
-          parent.labels_, parent.env_) {}
+Session::Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,
+                 MetadataCharge charge)
+    : Session(std::move(new_id), parent.tenant_, parent.shape_, std::move(policy), parent.labels_,
+              parent.env_, std::move(charge)) {}
+
+namespace {
+
+uint64_t LabelBytes(const std::map<std::string, std::string>& labels) {
+  uint64_t bytes = 0;
+  for (const auto& [k, v] : labels) bytes += k.size() + v.size() + 64;  // and a map node
+  return bytes;
+}
+
+}  // namespace
+
+uint64_t Session::CreationBytes(const v1::ModelShape& shape,
+                                const std::map<std::string, std::string>& labels,
+                                const std::string& id, const std::string& tenant) {
+  const uint64_t layers = shape.num_layers();
+  // Exactly what MeasureMetadata counts of a session without tokens.
+  return sizeof(Session) + id.size() + tenant.size() + LabelBytes(labels) +
+         layers * (sizeof(Layer) + sizeof(float)) + layers * shape.num_kv_heads() * sizeof(Stream);
+}
+
+uint64_t Session::ChunkBytesEstimate(const ChunkFormat& f) {
+  // What one more chunk holds however it ages: its record, its slot's heap, its token count
+  // and its compact mean and peak (a new chunk's float sums are more, until it is final).
+  // Arrays that double, row offsets and the index's share are counted as measured.
+  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) + 2 * f.head_dim * sizeof(uint16_t);
+}
+
+uint64_t Session::MeasureMetadata() const {
+  uint64_t bytes = sizeof(*this) + id_.size() + tenant_.size() + LabelBytes(labels_) +
+                   layers_.capacity() * sizeof(Layer) + shape_.num_layers() * sizeof(float);
+  for (const Stream& s : streams_) bytes += s.MemoryBytes();
+  return bytes;
+}
+
+uint64_t Session::metadata_bytes() const {
+  MutexLock lock(&mu_);
+  return charge_.bytes();
+}
 
 absl::Status Session::CheckOpen() const {
   if (demoted_) {
@@ -118,7 +157,17 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   if (stream(layer, 0).chunks().size() + plan.new_chunks() > kMaxChunksPerStream) {
     return InvalidField("start_token", "the stream would exceed 2^28 chunks");
   }
-  // Allocate every slot first, so a full tier leaves the session exactly as it was.
+  // The metadata's growth, then every slot, first: a full tier or quota leaves the session
+  // exactly as it was. The charge is set to what the append came to at the end.
+  uint64_t layer_bytes = 0;
+  for (const Stream& s : heads(layer)) layer_bytes += s.MemoryBytes();
+  const uint64_t charged = charge_.bytes();
+  RETURN_IF_ERROR(charge_.Grow(kvh * plan.new_chunks() * ChunkBytesEstimate(f)));
+  absl::Cleanup settle = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under this call's lock
+    uint64_t now = 0;
+    for (const Stream& s : heads(layer)) now += s.MemoryBytes();
+    charge_.Set(charged + now - layer_bytes);
+  };
   uint64_t slots_needed = kvh * plan.new_chunks();
   for (const Stream& s : heads(layer)) slots_needed += s.CopiesOnGrow(plan);
   std::vector<SlotRef> fresh;
@@ -351,7 +400,6 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint64_t num_tokens) {
-  auto child = std::unique_ptr<Session>(new Session(*this, std::move(new_id)));
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   const uint64_t have = MinTokens();
@@ -389,6 +437,16 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     from[l] = k < chunks.size() ? chunks[k].first : num_tokens;
     slots_needed += kvh * ((num_tokens - from[l] + piece - 1) / piece);
   }
+  // The child's metadata (its shell, the shared chunks' records and statistics, the copies'),
+  // then its slots, before any work.
+  uint64_t child_chunks = slots_needed;
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) child_chunks += uint64_t{kvh} * keep[l];
+  MetadataCharge charge(env_.host, tenant_);
+  RETURN_IF_ERROR(
+      charge.Grow(CreationBytes(shape_, labels_, new_id, tenant_) +
+                  child_chunks * ChunkBytesEstimate(f)));
+  auto child = std::unique_ptr<Session>(new Session(*this, std::move(new_id), policy_,
+                                                    std::move(charge)));
   std::vector<SlotRef> copies;
   for (uint64_t i = 0; i < slots_needed; ++i) {
     ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, f.slot_bytes()));
@@ -410,6 +468,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
                 .peaked = std::min(was.peaked, keep[l])};
     IndexLayer(child->aging(), num_tokens, child->heads(l), &to.aging);  // its own index
   }
+  child->charge_.Set(child->MeasureMetadata());
   return child;
 }
 
@@ -461,6 +520,7 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     IndexLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
   }
+  charge_.Set(MeasureMetadata());
   return policy_;
 }
 
@@ -470,6 +530,7 @@ void Session::Close() {
     MutexLock lock(&mu_);
     closed_ = true;
     dropped.swap(streams_);
+    charge_.Set(0);
   }
   // Slots go back to their tiers here, outside the session lock.
 }
@@ -520,6 +581,7 @@ absl::StatusOr<uint64_t> Session::Demote(
     RETURN_IF_ERROR(store(record));
     demoted_ = closed_ = true;
     dropped.swap(streams_);
+    charge_.Set(0);
   }
   return bytes;  // the slots go back to their tiers here, outside the lock
 }
@@ -541,9 +603,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
   }
   auto policy = ResolvePolicy(r.policy(), BuiltinPolicy(), "policy");
   if (!policy.ok()) return bad(policy.status().message());
-  auto s = std::make_unique<Session>(
-      r.session_id(), r.tenant(), shape, *policy,
-      std::map<std::string, std::string>(r.labels().begin(), r.labels().end()), env);
+  std::map<std::string, std::string> labels(r.labels().begin(), r.labels().end());
+  // Its metadata is checked against the tier and the quota before anything is allocated.
+  uint64_t chunks = 0;
+  for (const v1::StreamRecord& sr : r.streams()) chunks += sr.chunks_size();
+  MetadataCharge charge(env.host, r.tenant());
+  RETURN_IF_ERROR(charge.Grow(CreationBytes(shape, labels, r.session_id(), r.tenant()) +
+                              chunks * ChunkBytesEstimate(FormatOf(shape, *policy))));
+  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy,
+                                     std::move(labels), env, std::move(charge));
   MutexLock lock(&s->mu_);
   const ChunkFormat f = s->format();
   for (size_t i = 0; i < streams; ++i) {
@@ -597,6 +665,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
     // over the chunks that had left the window.
     AgeLayer(s->aging(), layer.tokens, s->heads(l), &layer.aging);
   }
+  s->charge_.Set(s->MeasureMetadata());
   return s;
 }
 

@@ -62,9 +62,25 @@ struct SessionEnv {
 
 class Session {
  public:
-  // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy).
+  // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy). The session's
+  // metadata is charged to the host tier: `charge`, grown by the caller by at least
+  // CreationBytes (it keeps what the caller grew, for the work that follows); none: charged
+  // now, unchecked.
   Session(std::string id, std::string tenant, v1::ModelShape shape, v1::SessionPolicy policy,
-          std::map<std::string, std::string> labels, const SessionEnv& env);
+          std::map<std::string, std::string> labels, const SessionEnv& env,
+          MetadataCharge charge = MetadataCharge());
+
+  // The metadata bytes a new session of this shape holds before its first token: what
+  // CreateSession checks against the host tier and the tenant's quota before any work.
+  static uint64_t CreationBytes(const v1::ModelShape& shape,
+                                const std::map<std::string, std::string>& labels,
+                                const std::string& id, const std::string& tenant);
+  // The metadata one more chunk of this format certainly adds to a stream (its record, its
+  // slot's heap, its statistics), checked before the work; what arrays' growth and the index
+  // add later is charged as measured once the work is done.
+  static uint64_t ChunkBytesEstimate(const ChunkFormat& f);
+  // The metadata bytes charged for this session now.
+  uint64_t metadata_bytes() const;
 
   const std::string& id() const { return id_; }
   const std::string& tenant() const { return tenant_; }
@@ -160,7 +176,11 @@ class Session {
     uint64_t select_scored = 0;
   };
 
-  Session(const Session& parent, std::string new_id);  // Fork's shell: no chunks yet
+  // Fork's shell, made under the parent's lock: no chunks yet.
+  Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,
+          MetadataCharge charge);
+  // The metadata bytes held now (Stream::MemoryBytes of every stream, and the session's own).
+  uint64_t MeasureMetadata() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::SessionRecord Export() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::span<Stream> heads(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -209,6 +229,9 @@ class Session {
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);  // [num_layers * num_kv_heads]
+  // The metadata's charge on the host tier: grown by an estimate before each change, set to
+  // the measured bytes after it; nothing once closed.
+  MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier

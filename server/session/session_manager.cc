@@ -121,14 +121,16 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
           "session_id: ", Quoted(id), " already exists (this daemon's last snapshot)"));
     }
   }
-  absl::Status fits;
-  {
+  // The session's metadata is charged to the host tier and the tenant's quota before it is made.
+  std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
+  MetadataCharge charge(env_.host, tenant);
+  absl::Status fits = charge.Grow(Session::CreationBytes(shape, labels, id, tenant));
+  if (fits.ok()) {
     MutexLock lock(&mu_);
     fits = CheckNewId(id, tenant);
     if (fits.ok()) {
-      std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
-      sessions_.emplace(
-          id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels), env_));
+      sessions_.emplace(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),
+                                                      env_, std::move(charge)));
     }
   }
   if (!fits.ok()) {

@@ -109,6 +109,7 @@ std::optional<uint64_t> Stream::FirstMismatch(uint64_t start, uint64_t count, co
 
 void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
   const uint32_t n = chunk.num_tokens;
+  AddOffsets(chunk);
   chunks_.push_back(std::move(chunk));
   stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
                  reinterpret_cast<const uint16_t*>(keys), n);
@@ -159,6 +160,8 @@ void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* v
 
 void Stream::Replace(uint32_t c, Chunk chunk, const uint16_t* rows, const ChunkFormat& f) {
   const uint32_t n = chunk.num_tokens;
+  DropOffsets(chunks_[c]);
+  AddOffsets(chunk);
   chunks_[c] = std::move(chunk);  // the old slot goes back (unless a lease or fork holds it)
   stats_.Recompute(c, f.kind(), rows, n);
 }
@@ -183,6 +186,7 @@ void Stream::Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking) {
     }
     index_->Add(c, stats_);
   }
+  if (index_) index_bytes_ = index_->MemoryBytes();
 }
 
 void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to, uint32_t piece,
@@ -190,6 +194,8 @@ void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t 
                       const std::function<SlotRef()>& slot) {
   const uint64_t rb = f.row_bytes();
   chunks_.assign(src.chunks_.begin(), src.chunks_.begin() + keep);
+  offset_bytes_ = 0;
+  for (const Chunk& c : chunks_) AddOffsets(c);
   stats_.CopyPrefix(src.stats_, keep);
   std::vector<uint16_t> scratch;
   for (uint64_t p = from; p < to;) {
@@ -217,6 +223,7 @@ void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t 
 }
 
 void Stream::Restore(Chunk chunk, const ChunkFormat& f) {
+  AddOffsets(chunk);
   chunks_.push_back(std::move(chunk));
   const auto c = static_cast<uint32_t>(chunks_.size() - 1);
   std::vector<uint16_t> scratch;

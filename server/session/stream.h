@@ -110,6 +110,10 @@ struct AppendPlan {
   uint64_t new_chunks() const { return segments.size() - (grow ? 1 : 0); }
 };
 
+// The heap a chunk's host slot takes beside its shared memory: the Slot and its shared_ptr's
+// control block, as malloc rounds them.
+inline constexpr uint64_t kSlotHeapBytes = (sizeof(Slot) + 15) / 16 * 16 + 32;
+
 class Stream {
  public:
   // `kind`: the session's 2-byte float, which the compact statistics keep (ChunkStats).
@@ -168,13 +172,27 @@ class Stream {
   // Appends a chunk restored from a record; its statistics are computed from its rows.
   void Restore(Chunk chunk, const ChunkFormat& f);
 
+  // The heap bytes this stream's metadata holds (chunk records, row offsets, statistics and
+  // index, as their arrays' capacities), and the object itself; O(1): what a session charges
+  // its tenant for metadata.
+  uint64_t MemoryBytes() const {
+    return sizeof(*this) + chunks_.capacity() * sizeof(Chunk) + chunks_.size() * kSlotHeapBytes +
+           offset_bytes_ +
+           (stats_.MemoryBytes() - sizeof(stats_)) + index_bytes_;
+  }
+
  private:
+  void AddOffsets(const Chunk& c) { offset_bytes_ += c.offsets.capacity() * sizeof(uint16_t); }
+  void DropOffsets(const Chunk& c) { offset_bytes_ -= c.offsets.capacity() * sizeof(uint16_t); }
+
   // Appends `chunk`, whose slot holds its rows, adding its keys `keys` to the statistics.
   void Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f);
 
   std::vector<Chunk> chunks_;
   ChunkStats stats_;
   std::unique_ptr<ClusterIndex> index_;  // null until the first chunk is final
+  uint64_t offset_bytes_ = 0;  // the chunks' offsets arrays
+  uint64_t index_bytes_ = 0;   // index_->MemoryBytes(), taken when the index changes
 };
 
 // The plan for the append's tokens [from, to) after what `head0` (any stream of the layer)

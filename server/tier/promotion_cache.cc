@@ -135,7 +135,8 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
     free = tier_->RoomFor(*tenant);
   } else {
     const TierSnapshot st = tier_->Stats();
-    free = st.capacity_bytes > st.used_bytes ? st.capacity_bytes - st.used_bytes : 0;
+    const uint64_t used = st.used_bytes + st.metadata_bytes;  // sessions' metadata takes room too
+    free = st.capacity_bytes > used ? st.capacity_bytes - used : 0;
   }
   if (free >= bytes) return 0;
   const int64_t now = clock_->NowMs();

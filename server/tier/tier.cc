@@ -1,11 +1,14 @@
 #include "server/tier/tier.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/check.h"
 #include "server/common/error.h"
 #include "server/common/mutex.h"
 #include "server/common/size.h"
+#include "server/common/status_macros.h"
 
 namespace kvtier {
 namespace {
@@ -59,6 +62,8 @@ Tier::Tier(TierOptions options) : options_(std::move(options)) {}
 Tier::~Tier() {
   MutexLock lock(&mu_);
   CHECK_EQ(num_slots_, 0u) << TierShortName(options_.tier) << " tier destroyed with live slots";
+  CHECK_EQ(metadata_bytes_, 0u) << TierShortName(options_.tier)
+                                << " tier destroyed with metadata charged";
 }
 
 absl::Status Tier::WithTierReason(absl::Status s) const {
@@ -180,6 +185,72 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
   seg->free.push_back(index);
 }
 
+absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked) {
+  if (bytes == 0) return absl::OkStatus();
+  MutexLock lock(&mu_);
+  const Room r = RoomLocked(tenant);
+  if (checked && bytes > r.quota) {
+    ++allocation_failures_;
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrFormat(
+            "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes of "
+            "session metadata needed",
+            tenant, TierShortName(options_.tier),
+            FormatBytes(options_.tenant_limit(tenant)), FormatBytes(tenant_used_[tenant]), bytes)),
+        ErrorReason::kQuota);
+  }
+  if (checked && bytes > r.tier) {
+    ++allocation_failures_;
+    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
+        "%s tier full: %s of %s used, %d more bytes of session metadata needed",
+        TierShortName(options_.tier), FormatBytes(used_bytes_),
+        FormatBytes(options_.capacity_bytes), bytes)));
+  }
+  used_bytes_ += bytes;
+  metadata_bytes_ += bytes;
+  tenant_used_[tenant] += bytes;
+  return absl::OkStatus();
+}
+
+void Tier::RefundMetadata(const std::string& tenant, uint64_t bytes) {
+  if (bytes == 0) return;
+  MutexLock lock(&mu_);
+  CHECK_GE(metadata_bytes_, bytes) << "metadata refund above the charge";
+  used_bytes_ -= bytes;
+  metadata_bytes_ -= bytes;
+  auto it = tenant_used_.find(tenant);
+  CHECK(it != tenant_used_.end() && it->second >= bytes) << "metadata refund above the charge";
+  if ((it->second -= bytes) == 0) tenant_used_.erase(it);
+}
+
+MetadataCharge& MetadataCharge::operator=(MetadataCharge&& o) noexcept {
+  if (this != &o) {
+    Set(0);
+    tier_ = o.tier_;
+    tenant_ = std::move(o.tenant_);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+absl::Status MetadataCharge::Grow(uint64_t extra) {
+  if (tier_ == nullptr) return absl::OkStatus();
+  RETURN_IF_ERROR(tier_->ChargeMetadata(tenant_, extra));
+  bytes_ += extra;
+  return absl::OkStatus();
+}
+
+void MetadataCharge::Set(uint64_t bytes) {
+  if (tier_ == nullptr || bytes == bytes_) return;
+  if (bytes > bytes_) {
+    // What was grown covers it in practice; taken even past the limits so the count stays true.
+    (void)tier_->ChargeMetadata(tenant_, bytes - bytes_, /*checked=*/false);
+  } else {
+    tier_->RefundMetadata(tenant_, bytes_ - bytes);
+  }
+  bytes_ = bytes;
+}
+
 uint64_t Tier::TenantUsed(const std::string& tenant) const {
   MutexLock lock(&mu_);
   auto it = tenant_used_.find(tenant);
@@ -216,11 +287,12 @@ TierSnapshot Tier::Stats() const {
       .tier = options_.tier,
       .emulated = options_.emulated,
       .capacity_bytes = options_.capacity_bytes,
-      .used_bytes = used_bytes_,
+      .used_bytes = used_bytes_ - metadata_bytes_,
       .pinned_bytes = static_cast<uint64_t>(pinned_bytes_.load(std::memory_order_relaxed)),
       .num_slots = num_slots_,
       .num_segments = segments_.size(),
       .allocation_failures = allocation_failures_,
+      .metadata_bytes = metadata_bytes_,
   };
 }
 

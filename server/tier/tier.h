@@ -117,6 +117,9 @@ struct TierSnapshot {
   uint64_t num_slots;
   uint64_t num_segments;
   uint64_t allocation_failures;
+  // Heap bytes of session metadata (chunk records, statistics, index) charged to this tier
+  // beside its slots (MetadataCharge); they count against its capacity and tenants' quotas.
+  uint64_t metadata_bytes;
 };
 
 struct SegmentInfo {
@@ -129,6 +132,8 @@ struct SegmentInfo {
   uint64_t generation;
   uint64_t generation_table_offset;
 };
+
+class MetadataCharge;
 
 class Tier {
  public:
@@ -151,7 +156,15 @@ class Tier {
   uint64_t RoomFor(const std::string& tenant) const;
   // Whether `tenant`'s quota, not the tier's capacity, is what limits it now.
   bool QuotaBound(const std::string& tenant) const;
+  // Slot and metadata bytes `tenant` holds.
   uint64_t TenantUsed(const std::string& tenant) const;
+
+  // Charges `bytes` of `tenant`'s session metadata to this tier: when `checked`, refused as
+  // Allocate refuses a slot of that size (kQuota, or the tier's full reason), with nothing
+  // charged; else taken whatever the limits say (a count made true after the fact).
+  absl::Status ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked = true);
+  // Gives back metadata bytes charged before.
+  void RefundMetadata(const std::string& tenant, uint64_t bytes);
 
   TierSnapshot Stats() const;
   std::vector<SegmentInfo> Segments() const;
@@ -196,8 +209,34 @@ class Tier {
   std::map<std::string, uint64_t> tenant_used_ ABSL_GUARDED_BY(mu_);
   uint64_t num_slots_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t metadata_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // part of used_bytes_ and tenant_used_
   std::atomic<uint64_t> next_generation_{1};
   std::atomic<int64_t> pinned_bytes_{0};
+};
+
+// One holder's metadata bytes on a tier, given back when it is destroyed or reset. Grow is
+// checked against the capacity and the quota before the work it pays for; Set records what the
+// work came to, which is never more than what was grown (callers bound it so).
+class MetadataCharge {
+ public:
+  MetadataCharge() = default;
+  MetadataCharge(Tier* tier, std::string tenant) : tier_(tier), tenant_(std::move(tenant)) {}
+  MetadataCharge(const MetadataCharge&) = delete;
+  MetadataCharge& operator=(const MetadataCharge&) = delete;
+  MetadataCharge(MetadataCharge&& o) noexcept { *this = std::move(o); }
+  MetadataCharge& operator=(MetadataCharge&& o) noexcept;
+  ~MetadataCharge() { Set(0); }
+
+  // Charges `extra` more bytes; the tier's error when they do not fit, with nothing charged.
+  absl::Status Grow(uint64_t extra);
+  // The charge becomes `bytes`: more is taken unchecked, less is given back.
+  void Set(uint64_t bytes);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  Tier* tier_ = nullptr;
+  std::string tenant_;
+  uint64_t bytes_ = 0;
 };
 
 // "host", "device", "remote".

@@ -105,7 +105,8 @@ void Exercise(const v1::SessionRecord& record) {
     }
     (*session)->Close();
   }
-  if (w.host.Stats().used_bytes != 0 || w.device.Stats().used_bytes != 0) {
+  if (w.host.Stats().used_bytes != 0 || w.device.Stats().used_bytes != 0 ||
+      w.host.Stats().metadata_bytes != 0) {
     std::fprintf(stderr, "record_fuzz: %llu host and %llu device bytes left by a closed session\n",
                  static_cast<unsigned long long>(w.host.Stats().used_bytes),
                  static_cast<unsigned long long>(w.device.Stats().used_bytes));

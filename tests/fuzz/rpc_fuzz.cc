@@ -332,15 +332,19 @@ void Reset(const std::vector<Lease>& leases, std::vector<Worker>& workers) {
     auto ctx = Context("");
     Check("GetTierStats", stub.GetTierStats(ctx.get(), {}, &stats));
     bool empty = true;
-    for (const auto& t : stats.tiers()) empty &= t.tier() == v1::TIER_REMOTE || t.used_bytes() == 0;
+    for (const auto& t : stats.tiers()) {
+      empty &= t.tier() == v1::TIER_REMOTE || t.used_bytes() + t.metadata_bytes() == 0;
+    }
     if (empty) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   for (const auto& t : stats.tiers()) {
-    if (t.tier() != v1::TIER_REMOTE && t.used_bytes() != 0) {
-      std::fprintf(stderr, "rpc_fuzz: tier %s holds %llu bytes with no session and no lease\n",
-                   v1::Tier_Name(t.tier()).c_str(),
-                   static_cast<unsigned long long>(t.used_bytes()));
+    if (t.tier() != v1::TIER_REMOTE && t.used_bytes() + t.metadata_bytes() != 0) {
+      std::fprintf(stderr,
+                   "rpc_fuzz: tier %s holds %llu bytes (%llu of metadata) with no session and no "
+                   "lease\n",
+                   v1::Tier_Name(t.tier()).c_str(), static_cast<unsigned long long>(t.used_bytes()),
+                   static_cast<unsigned long long>(t.metadata_bytes()));
       std::abort();
     }
   }

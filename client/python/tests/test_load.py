@@ -157,10 +157,14 @@ def test_mixed_workers_get_no_unexpected_error_and_leave_nothing_behind(start_da
     with kvtier.Client(d.address) as c:
         # Leases the workers did not release end at their TTL (5 s) or with their workers.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(t.used_bytes for t in c.tier_stats()):
+        while time.monotonic() < deadline and any(
+            t.used_bytes or t.metadata_bytes for t in c.tier_stats()
+        ):
             time.sleep(0.1)
         assert c.list_sessions() == []
-        assert all(t.used_bytes == 0 for t in c.tier_stats()), c.tier_stats()
+        assert all(t.used_bytes == 0 and t.metadata_bytes == 0 for t in c.tier_stats()), (
+            c.tier_stats()
+        )
     rss_end = rss_kib(d.proc.pid)
     assert rss_end < 1024 * 1024, f"daemon RSS {rss_end} KiB"
     assert rss_end - rss_after_first < 96 * 1024, \
