@@ -192,8 +192,7 @@ TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {
     for (int t = 0; t < 400; ++t) {
       for (int j = 0; j < 64; ++j) {
         const int c = t / 16;
-        f.k[1][t * 64 + j] =
-            FloatToHalf(j == 0 ? c : (j == 1 && c >= 3 && c <= 5 ? 100.f : 0.f));
+        f.k[1][t * 64 + j] = FloatToHalf(j == 0 ? c : (j == 1 && c >= 3 && c <= 5 ? 100.f : 0.f));
       }
     }
     return f;

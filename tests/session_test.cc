@@ -992,9 +992,9 @@ TEST(Metadata, TheChargeFollowsTheHeapTheSessionHolds) {
     shape.set_num_q_heads(8);
     shape.set_num_kv_heads(4);
     shape.set_head_dim(64);
-    f.session = std::make_unique<Session>(
-        "s", "t", *ResolveShape(shape), *ResolvePolicy(policy, BuiltinPolicy(), "policy"),
-        std::map<std::string, std::string>{}, e.env);
+    f.session = std::make_unique<Session>("s", "t", *ResolveShape(shape),
+                                          *ResolvePolicy(policy, BuiltinPolicy(), "policy"),
+                                          std::map<std::string, std::string>{}, e.env);
     for (const auto& r : reqs) ASSERT_OK(f.session->Append(r).status());
     const double heap = double(mallinfo2().uordblks - heap0);
     const double charged = double(e.host.Stats().metadata_bytes);

@@ -194,8 +194,8 @@ int Run(const Args& a, Client& c) {
       std::cout << ToJson(*r);
       return 0;
     }
-    Table t({"TIER", "CAPACITY", "USED", "METADATA", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
-             "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
+    Table t({"TIER", "CAPACITY", "USED", "METADATA", "USE%", "PINNED", "CHUNKS", "SEGMENTS",
+             "PROMOTIONS", "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
             {false, true, true, true, true, true, true, true, true, true, false, true, true, true,
              true});
     for (const auto& s : r->tiers()) {
@@ -205,8 +205,7 @@ int Run(const Args& a, Client& c) {
       const uint64_t reads = s.cache_hits() + s.cache_misses();
       t.Add({TierName(s.tier()) + (s.emulated() ? " (emulated)" : ""), Bytes(s.capacity_bytes()),
              Bytes(s.used_bytes()), Bytes(s.metadata_bytes()), absl::StrFormat("%.1f", pct),
-             Bytes(s.pinned_bytes()),
-             absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
+             Bytes(s.pinned_bytes()), absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
              absl::StrCat(s.promotions()), absl::StrCat(s.evictions()), s.eviction_policy(),
              absl::StrCat(s.cached_copies()),
              reads ? absl::StrFormat("%.1f", 100.0 * s.cache_hits() / reads) : "-",

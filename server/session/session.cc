@@ -442,11 +442,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
   uint64_t child_chunks = slots_needed;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) child_chunks += uint64_t{kvh} * keep[l];
   MetadataCharge charge(env_.host, tenant_);
-  RETURN_IF_ERROR(
-      charge.Grow(CreationBytes(shape_, labels_, new_id, tenant_) +
-                  child_chunks * ChunkBytesEstimate(f)));
-  auto child = std::unique_ptr<Session>(new Session(*this, std::move(new_id), policy_,
-                                                    std::move(charge)));
+  RETURN_IF_ERROR(charge.Grow(CreationBytes(shape_, labels_, new_id, tenant_) +
+                              child_chunks * ChunkBytesEstimate(f)));
+  auto child =
+      std::unique_ptr<Session>(new Session(*this, std::move(new_id), policy_, std::move(charge)));
   std::vector<SlotRef> copies;
   for (uint64_t i = 0; i < slots_needed; ++i) {
     ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, f.slot_bytes()));
@@ -610,8 +609,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
   MetadataCharge charge(env.host, r.tenant());
   RETURN_IF_ERROR(charge.Grow(CreationBytes(shape, labels, r.session_id(), r.tenant()) +
                               chunks * ChunkBytesEstimate(FormatOf(shape, *policy))));
-  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy,
-                                     std::move(labels), env, std::move(charge));
+  auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy, std::move(labels),
+                                     env, std::move(charge));
   MutexLock lock(&s->mu_);
   const ChunkFormat f = s->format();
   for (size_t i = 0; i < streams; ++i) {

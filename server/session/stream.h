@@ -177,8 +177,7 @@ class Stream {
   // its tenant for metadata.
   uint64_t MemoryBytes() const {
     return sizeof(*this) + chunks_.capacity() * sizeof(Chunk) + chunks_.size() * kSlotHeapBytes +
-           offset_bytes_ +
-           (stats_.MemoryBytes() - sizeof(stats_)) + index_bytes_;
+           offset_bytes_ + (stats_.MemoryBytes() - sizeof(stats_)) + index_bytes_;
   }
 
  private:
@@ -191,8 +190,8 @@ class Stream {
   std::vector<Chunk> chunks_;
   ChunkStats stats_;
   std::unique_ptr<ClusterIndex> index_;  // null until the first chunk is final
-  uint64_t offset_bytes_ = 0;  // the chunks' offsets arrays
-  uint64_t index_bytes_ = 0;   // index_->MemoryBytes(), taken when the index changes
+  uint64_t offset_bytes_ = 0;            // the chunks' offsets arrays
+  uint64_t index_bytes_ = 0;             // index_->MemoryBytes(), taken when the index changes
 };
 
 // The plan for the append's tokens [from, to) after what `head0` (any stream of the layer)

@@ -195,16 +195,16 @@ absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, boo
         absl::ResourceExhaustedError(absl::StrFormat(
             "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes of "
             "session metadata needed",
-            tenant, TierShortName(options_.tier),
-            FormatBytes(options_.tenant_limit(tenant)), FormatBytes(tenant_used_[tenant]), bytes)),
+            tenant, TierShortName(options_.tier), FormatBytes(options_.tenant_limit(tenant)),
+            FormatBytes(tenant_used_[tenant]), bytes)),
         ErrorReason::kQuota);
   }
   if (checked && bytes > r.tier) {
     ++allocation_failures_;
-    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
-        "%s tier full: %s of %s used, %d more bytes of session metadata needed",
-        TierShortName(options_.tier), FormatBytes(used_bytes_),
-        FormatBytes(options_.capacity_bytes), bytes)));
+    return WithTierReason(absl::ResourceExhaustedError(
+        absl::StrFormat("%s tier full: %s of %s used, %d more bytes of session metadata needed",
+                        TierShortName(options_.tier), FormatBytes(used_bytes_),
+                        FormatBytes(options_.capacity_bytes), bytes)));
   }
   used_bytes_ += bytes;
   metadata_bytes_ += bytes;
