@@ -92,8 +92,9 @@ def test_a_session_evicted_by_one_daemon_is_served_by_another(redis, start_daemo
 
 
 def test_a_full_host_tier_demotes_the_least_recent_idle_session(redis, start_daemon):
-    # Each session: 4 layers x 3 heads x 32 chunks of 4 KiB = 1.5 MiB; room for one and a half.
-    d = start_daemon("--remote", f"unix:{redis}", "--host_capacity", "2M",
+    # Each session: 4 layers x 3 heads x 32 chunks of 4 KiB = 1.5 MiB, and some 0.5 MiB of
+    # metadata (chunk records, statistics, index) charged beside it; room for one and a half.
+    d = start_daemon("--remote", f"unix:{redis}", "--host_capacity", "3M",
                      "--segment_size", "1M")
     k1, v1 = make_kv(3, 512)
     k2, v2 = make_kv(4, 512)
@@ -112,7 +113,7 @@ def test_a_full_host_tier_demotes_the_least_recent_idle_session(redis, start_dae
 
 
 def test_without_a_remote_tier_a_full_host_refuses_and_keeps_what_it_has(start_daemon):
-    d = start_daemon("--host_capacity", "2M", "--segment_size", "1M")
+    d = start_daemon("--host_capacity", "3M", "--segment_size", "1M")  # room for one session
     k1, v1 = make_kv(5, 512)
     with kvtier.Client(d.address) as c:
         s1 = c.create_session(L, QH, KVH, D, lossless=True).session_id
