@@ -73,7 +73,7 @@ uint64_t Session::CreationBytes(const v1::ModelShape& shape,
                                 const std::map<std::string, std::string>& labels,
                                 const std::string& id, const std::string& tenant) {
   const uint64_t layers = shape.num_layers();
-  // Exactly what MeasureMetadata counts of a session without tokens.
+  // The session's own bytes, and its streams' (each empty stream's heap is nothing).
   return sizeof(Session) + id.size() + tenant.size() + LabelBytes(labels) +
          layers * (sizeof(Layer) + sizeof(float)) + layers * shape.num_kv_heads() * sizeof(Stream);
 }
@@ -86,9 +86,8 @@ uint64_t Session::ChunkBytesEstimate(const ChunkFormat& f) {
 }
 
 uint64_t Session::MeasureMetadata() const {
-  uint64_t bytes = sizeof(*this) + id_.size() + tenant_.size() + LabelBytes(labels_) +
-                   layers_.capacity() * sizeof(Layer) + shape_.num_layers() * sizeof(float);
-  for (const Stream& s : streams_) bytes += s.MemoryBytes();
+  uint64_t bytes = CreationBytes(shape_, labels_, id_, tenant_);
+  for (const Stream& s : streams_) bytes += s.HeapBytes();
   return bytes;
 }
 
@@ -160,12 +159,12 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   // The metadata's growth, then every slot, first: a full tier or quota leaves the session
   // exactly as it was. The charge is set to what the append came to at the end.
   uint64_t layer_bytes = 0;
-  for (const Stream& s : heads(layer)) layer_bytes += s.MemoryBytes();
+  for (const Stream& s : heads(layer)) layer_bytes += s.HeapBytes();
   const uint64_t charged = charge_.bytes();
   RETURN_IF_ERROR(charge_.Grow(kvh * plan.new_chunks() * ChunkBytesEstimate(f)));
   absl::Cleanup settle = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under this call's lock
     uint64_t now = 0;
-    for (const Stream& s : heads(layer)) now += s.MemoryBytes();
+    for (const Stream& s : heads(layer)) now += s.HeapBytes();
     charge_.Set(charged + now - layer_bytes);
   };
   uint64_t slots_needed = kvh * plan.new_chunks();

@@ -179,7 +179,7 @@ class Session {
   // Fork's shell, made under the parent's lock: no chunks yet.
   Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,
           MetadataCharge charge);
-  // The metadata bytes held now (Stream::MemoryBytes of every stream, and the session's own).
+  // The metadata bytes held now: CreationBytes, and Stream::HeapBytes of every stream.
   uint64_t MeasureMetadata() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::SessionRecord Export() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -172,12 +172,12 @@ class Stream {
   // Appends a chunk restored from a record; its statistics are computed from its rows.
   void Restore(Chunk chunk, const ChunkFormat& f);
 
-  // The heap bytes this stream's metadata holds (chunk records, row offsets, statistics and
-  // index, as their arrays' capacities), and the object itself; O(1): what a session charges
-  // its tenant for metadata.
-  uint64_t MemoryBytes() const {
-    return sizeof(*this) + chunks_.capacity() * sizeof(Chunk) + chunks_.size() * kSlotHeapBytes +
-           offset_bytes_ + (stats_.MemoryBytes() - sizeof(stats_)) + index_bytes_;
+  // The heap bytes this stream's metadata holds beyond the object itself (chunk records and
+  // their slots' heap, row offsets, statistics and index, as their arrays' capacities); O(1):
+  // what a session charges its tenant for metadata, with sizeof(Stream).
+  uint64_t HeapBytes() const {
+    return chunks_.capacity() * sizeof(Chunk) + chunks_.size() * kSlotHeapBytes + offset_bytes_ +
+           (stats_.MemoryBytes() - sizeof(stats_)) + index_bytes_;
   }
 
  private:

@@ -91,23 +91,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
                         slot_bytes, options_.segment_bytes));
   }
   MutexLock lock(&mu_);
-  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
-  uint64_t& tenant_used = tenant_used_[tenant];
-  if (limit != 0 && tenant_used + slot_bytes > limit) {
-    ++allocation_failures_;
-    return WithReason(
-        absl::ResourceExhaustedError(absl::StrFormat(
-            "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes needed",
-            tenant, TierShortName(options_.tier), FormatBytes(limit), FormatBytes(tenant_used),
-            slot_bytes)),
-        ErrorReason::kQuota);
-  }
-  if (used_bytes_ + slot_bytes > options_.capacity_bytes) {
-    ++allocation_failures_;
-    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
-        "%s tier full: %s of %s used, %d more bytes needed", TierShortName(options_.tier),
-        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), slot_bytes)));
-  }
+  RETURN_IF_ERROR(CheckRoomLocked(tenant, slot_bytes, ""));
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];
   for (uint64_t id : ids) {
@@ -158,7 +142,7 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   ++seg->used;
   used_bytes_ += slot_bytes;
-  tenant_used += slot_bytes;
+  tenant_used_[tenant] += slot_bytes;
   ++num_slots_;
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
   // Not make_shared: the constructor is private to Tier.
@@ -185,27 +169,31 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
   seg->free.push_back(index);
 }
 
-absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked) {
-  if (bytes == 0) return absl::OkStatus();
-  MutexLock lock(&mu_);
+absl::Status Tier::CheckRoomLocked(const std::string& tenant, uint64_t bytes,
+                                   absl::string_view what) {
   const Room r = RoomLocked(tenant);
-  if (checked && bytes > r.quota) {
+  if (bytes > r.quota) {
     ++allocation_failures_;
     return WithReason(
         absl::ResourceExhaustedError(absl::StrFormat(
-            "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes of "
-            "session metadata needed",
+            "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes%s needed",
             tenant, TierShortName(options_.tier), FormatBytes(options_.tenant_limit(tenant)),
-            FormatBytes(tenant_used_[tenant]), bytes)),
+            FormatBytes(TenantUsedLocked(tenant)), bytes, what)),
         ErrorReason::kQuota);
   }
-  if (checked && bytes > r.tier) {
+  if (bytes > r.tier) {
     ++allocation_failures_;
-    return WithTierReason(absl::ResourceExhaustedError(
-        absl::StrFormat("%s tier full: %s of %s used, %d more bytes of session metadata needed",
-                        TierShortName(options_.tier), FormatBytes(used_bytes_),
-                        FormatBytes(options_.capacity_bytes), bytes)));
+    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
+        "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
+        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), bytes, what)));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked) {
+  if (bytes == 0) return absl::OkStatus();
+  MutexLock lock(&mu_);
+  if (checked) RETURN_IF_ERROR(CheckRoomLocked(tenant, bytes, " of session metadata"));
   used_bytes_ += bytes;
   metadata_bytes_ += bytes;
   tenant_used_[tenant] += bytes;
@@ -251,10 +239,14 @@ void MetadataCharge::Set(uint64_t bytes) {
   bytes_ = bytes;
 }
 
-uint64_t Tier::TenantUsed(const std::string& tenant) const {
-  MutexLock lock(&mu_);
+uint64_t Tier::TenantUsedLocked(const std::string& tenant) const {
   auto it = tenant_used_.find(tenant);
   return it == tenant_used_.end() ? 0 : it->second;
+}
+
+uint64_t Tier::TenantUsed(const std::string& tenant) const {
+  MutexLock lock(&mu_);
+  return TenantUsedLocked(tenant);
 }
 
 Tier::Room Tier::RoomLocked(const std::string& tenant) const {
@@ -262,8 +254,7 @@ Tier::Room Tier::RoomLocked(const std::string& tenant) const {
   Room r;
   r.tier = options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
   if (limit != 0) {
-    auto it = tenant_used_.find(tenant);
-    const uint64_t used = it == tenant_used_.end() ? 0 : it->second;
+    const uint64_t used = TenantUsedLocked(tenant);
     r.quota = limit > used ? limit - used : 0;
   }
   return r;

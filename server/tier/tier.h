@@ -34,6 +34,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/tier/shm_segment.h"
@@ -199,6 +200,11 @@ class Tier {
     uint64_t quota = std::numeric_limits<uint64_t>::max();
   };
   Room RoomLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t TenantUsedLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when `bytes` more fit `tenant`'s quota and the capacity; else the RESOURCE_EXHAUSTED
+  // that Allocate and ChargeMetadata answer (an allocation failure), `what` naming the bytes.
+  absl::Status CheckRoomLocked(const std::string& tenant, uint64_t bytes, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
   const TierOptions options_;
@@ -216,7 +222,7 @@ class Tier {
 
 // One holder's metadata bytes on a tier, given back when it is destroyed or reset. Grow is
 // checked against the capacity and the quota before the work it pays for; Set records what the
-// work came to, which is never more than what was grown (callers bound it so).
+// work came to, which may pass what was grown (and the limits) by what no check foresaw.
 class MetadataCharge {
  public:
   MetadataCharge() = default;
