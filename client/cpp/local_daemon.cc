@@ -4,7 +4,6 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
 #include <thread>
 
 namespace kvtier {
@@ -22,6 +22,18 @@ namespace {
 
 int ExitCode(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Whether a server listens on the Unix socket `path`: its socket file appears a moment before
+// it listens, and a connection in between is refused.
+bool Accepts(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+  const bool ok = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (fd >= 0) close(fd);
+  return ok;
 }
 
 }  // namespace
@@ -61,8 +73,7 @@ LocalDaemon::LocalDaemon(const std::string& instance_prefix,
     _exit(127);
   }
   for (int i = 0; i < 200; ++i) {
-    struct stat st {};
-    if (stat(socket_.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    if (Accepts(socket_)) {
       started_ = true;
       return;
     }
@@ -120,14 +131,8 @@ LocalRedis::LocalRedis() {
            "", "--appendonly", "no", "--loglevel", "warning", (char*)nullptr);
     _exit(127);
   }
-  // Started once it accepts a connection: its socket file appears a moment before it listens.
   for (int i = 0; i < 500 && !started_; ++i) {
-    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", socket_.c_str());
-    started_ = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    if (fd >= 0) close(fd);
+    started_ = Accepts(socket_);
     if (!started_) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }

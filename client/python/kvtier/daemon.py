@@ -4,11 +4,23 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 _counter = itertools.count()
+
+
+def _accepts(path: Path) -> bool:
+    """Whether a server listens on the Unix socket `path`: its socket file appears a moment
+    before it listens, and a connection in between is refused."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 class LocalDaemon:
@@ -27,11 +39,13 @@ class LocalDaemon:
             [str(binary), "--listen", self.address, "--instance", self.instance,
              "--log_level", "warn", *flags],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        started = False
         for _ in range(200):
-            if self.socket.exists() or self.proc.poll() is not None:
+            started = _accepts(self.socket)
+            if started or self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        if not self.socket.exists():
+        if not started:
             self.stop()
             raise RuntimeError(f"kvtierd did not start: {self.log.read_text()}")
 
