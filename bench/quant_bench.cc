@@ -147,7 +147,8 @@ void QuantizePerToken(const uint16_t* in, uint32_t n, uint32_t d, uint16_t* out)
       mn = std::min(mn, HalfToFloat(in[t * d + j]));
       mx = std::max(mx, HalfToFloat(in[t * d + j]));
     }
-    QuantParams p = MakeQuantParams(mn, mx, 15);
+    const float scale = (mx - mn) / 15;
+    const QuantParams p{scale, mn, scale > 0 ? 1 / scale : 0.f};
     for (uint32_t j = 0; j < d; ++j) {
       out[t * d + j] =
           DequantizeValue(QuantizeValue(HalfToFloat(in[t * d + j]), p, 15), p.scale, p.zero);

@@ -11,11 +11,14 @@ constexpr int kThreads = 128;
 constexpr uint32_t kMaxHeadDim = 512;
 constexpr uint32_t kMaxGroupsPerChunk = 64 * (kMaxHeadDim / kValueGroup);  // n <= 64
 
-// One block per job. Phase 1: parameters (per key channel, per value token-group) into
-// shared memory. Phase 2: each thread writes whole code bytes, so no two threads share one.
+// One block per job. Phase 1: each group's range (per key channel, per value token-group)
+// into shared memory; one thread encodes the keys' parameters and another the values' (the
+// header needs every group's range); every thread then decodes them for its codes. Phase 2:
+// each thread writes whole code bytes, so no two threads share one.
 __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
   __shared__ float key_zero[kMaxHeadDim], key_inv[kMaxHeadDim];
   __shared__ float value_zero[kMaxGroupsPerChunk], value_inv[kMaxGroupsPerChunk];
+  __shared__ float key_mx[kMaxHeadDim], value_mx[kMaxGroupsPerChunk];
   const QuantJob job = jobs[blockIdx.x];
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups(), levels = L.levels();
   const ChunkLayout fp{d, n};
@@ -23,23 +26,50 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   const uint16_t* values = reinterpret_cast<const uint16_t*>(job.fp16 + fp.value_offset(0));
   const QuantSections<uint8_t> q(job.quant, L);
 
+  // The ranges: minima into *_zero and maxima into *_mx (the *_inv arrays are EncodeParams'
+  // scratch until the parameters are decoded).
   for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-    const QuantParams p = GroupQuantParams(keys + j, n, d, levels);
-    q.key_scale[j] = p.scale_h;
-    q.key_zero[j] = p.zero_h;
-    key_zero[j] = p.zero;
-    key_inv[j] = p.inv_scale;
+    float mn = HalfToFloat(keys[j]), mx = mn;
+    for (uint32_t t = 1; t < n; ++t) {
+      const float x = HalfToFloat(keys[t * d + j]);
+      mn = x < mn ? x : mn;
+      mx = x > mx ? x : mx;
+    }
+    key_zero[j] = mn;
+    key_mx[j] = mx;
   }
   for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
     const uint32_t t = tg / G, g = tg % G;
     const uint32_t lo = g * kValueGroup, hi = min(d, lo + kValueGroup);
-    const QuantParams p = GroupQuantParams(values + t * d + lo, hi - lo, 1, levels);
-    q.value_scale[tg] = p.scale_h;
-    q.value_zero[tg] = p.zero_h;
+    float mn = HalfToFloat(values[t * d + lo]), mx = mn;
+    for (uint32_t j = lo + 1; j < hi; ++j) {
+      const float x = HalfToFloat(values[t * d + j]);
+      mn = x < mn ? x : mn;
+      mx = x > mx ? x : mx;
+    }
+    value_zero[tg] = mn;
+    value_mx[tg] = mx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    EncodeParams(key_zero, key_mx, d, levels, q.key_header, q.key_zero, q.key_scale, key_inv);
+  } else if (threadIdx.x == 32) {
+    EncodeParams(value_zero, value_mx, n * G, levels, q.value_header, q.value_zero, q.value_scale,
+                 value_inv);
+  }
+  __syncthreads();
+  for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
+    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
+    key_zero[j] = p.zero;
+    key_inv[j] = p.inv_scale;
+  }
+  for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
+    const QuantParams p = DecodeParams(q.value_header, q.value_zero[tg], q.value_scale[tg]);
     value_zero[tg] = p.zero;
     value_inv[tg] = p.inv_scale;
   }
-  // The alignment padding between sections is zero, as in the reference.
+  // The alignment padding between sections is zero, as in the reference (the headers'
+  // fourth float, written zero by EncodeParams, is padding too).
   for (int r = 0; r < QuantLayout::kPaddings; ++r) {
     uint64_t begin, end;
     L.Padding(r, &begin, &end);
@@ -56,8 +86,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
       if (i >= uint64_t{n} * d) break;
       const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
       const uint32_t tg = t * G + j / kValueGroup;
-      QuantParams kp{0, 0, 0.f, key_zero[j], key_inv[j]};
-      QuantParams vp{0, 0, 0.f, value_zero[tg], value_inv[tg]};
+      const QuantParams kp{0.f, key_zero[j], key_inv[j]};
+      const QuantParams vp{0.f, value_zero[tg], value_inv[tg]};
       kbyte |= QuantizeValue(HalfToFloat(keys[i]), kp, levels) << (4 * s);
       vbyte |= QuantizeValue(HalfToFloat(values[i]), vp, levels) << (4 * s);
     }
@@ -76,10 +106,10 @@ __global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout 
   for (uint64_t i = threadIdx.x; i < uint64_t{n} * d; i += blockDim.x) {
     const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
     const uint32_t g = t * G + j / kValueGroup;
-    keys[i] = DequantizeValue(GetCode(q.key_codes, i, L.bits), HalfToFloat(q.key_scale[j]),
-                              HalfToFloat(q.key_zero[j]));
-    values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits), HalfToFloat(q.value_scale[g]),
-                                HalfToFloat(q.value_zero[g]));
+    const QuantParams kp = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
+    const QuantParams vp = DecodeParams(q.value_header, q.value_zero[g], q.value_scale[g]);
+    keys[i] = DequantizeValue(GetCode(q.key_codes, i, L.bits), kp.scale, kp.zero);
+    values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits), vp.scale, vp.zero);
   }
 }
 

@@ -46,26 +46,39 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
           EXPECT_EQ(b.keys(), AsBytes(want_k));
           continue;
         }
-        // Keys per channel over the chunk, values per token over groups of kValueGroup channels:
-        // the step is at most the range over levels, rounded up to fp16.
-        for (uint32_t t = 0; t < b.num_tokens(); ++t) {
+        // Keys per channel over the chunk, values per token over groups of kValueGroup channels.
+        // The step is at most the group's range, widened by the zero's step (its zero is a
+        // byte: (largest - smallest minimum of the chunk's groups) / 255 below its minimum), over
+        // levels, times the scale byte's rounding up (at most 1 + 1/32) (quant_layout.h).
+        const uint32_t n = b.num_tokens();
+        const int g = int(kValueGroup);
+        std::vector<float> kmin(64, 1e9f), kmax(64, -1e9f), vmin(n * 64, 1e9f), vmax(n * 64, -1e9f);
+        for (uint32_t t = 0; t < n; ++t) {
           for (int j = 0; j < 64; ++j) {
-            float kmin = 1e9, kmax = -1e9, vmin = 1e9, vmax = -1e9;
-            for (uint32_t u = 0; u < b.num_tokens(); ++u) {
-              kmin = std::min(kmin, HalfToFloat(want_k[u * 64 + j]));
-              kmax = std::max(kmax, HalfToFloat(want_k[u * 64 + j]));
-            }
-            const int g = int(kValueGroup);
-            for (int i = j / g * g; i < std::min(64, j / g * g + g); ++i) {
-              vmin = std::min(vmin, HalfToFloat(want_v[t * 64 + i]));
-              vmax = std::max(vmax, HalfToFloat(want_v[t * 64 + i]));
-            }
+            kmin[j] = std::min(kmin[j], HalfToFloat(want_k[t * 64 + j]));
+            kmax[j] = std::max(kmax[j], HalfToFloat(want_k[t * 64 + j]));
+            const int gj = int(t) * 64 + j / g * g;  // the group's first element
+            vmin[gj] = std::min(vmin[gj], HalfToFloat(want_v[t * 64 + j]));
+            vmax[gj] = std::max(vmax[gj], HalfToFloat(want_v[t * 64 + j]));
+          }
+        }
+        auto zero_step = [](const std::vector<float>& mins) {
+          float lo = 1e9f, hi = -1e9f;
+          for (float m : mins) {
+            if (m < 1e8f) lo = std::min(lo, m), hi = std::max(hi, m);
+          }
+          return (hi - lo) / 255.f;
+        };
+        const float kstep = zero_step(kmin), vstep = zero_step(vmin);
+        for (uint32_t t = 0; t < n; ++t) {
+          for (int j = 0; j < 64; ++j) {
+            const int gj = int(t) * 64 + j / g * g;
             const float kx = HalfToFloat(want_k[t * 64 + j]), ky = HalfToFloat(k[t * 64 + j]);
             const float vx = HalfToFloat(want_v[t * 64 + j]), vy = HalfToFloat(v[t * 64 + j]);
             EXPECT_LE(std::fabs(kx - ky),
-                      (kmax - kmin) / levels * 0.5f * 1.01f + HalfUlpAt(ky) + 1e-3f);
-            EXPECT_LE(std::fabs(vx - vy),
-                      (vmax - vmin) / levels * 0.5f * 1.01f + HalfUlpAt(vy) + 1e-3f);
+                      (kmax[j] - kmin[j] + kstep) / levels * 0.5f * 1.032f + HalfUlpAt(ky) + 1e-3f);
+            EXPECT_LE(std::fabs(vx - vy), (vmax[gj] - vmin[gj] + vstep) / levels * 0.5f * 1.032f +
+                                              HalfUlpAt(vy) + 1e-3f);
           }
         }
       }

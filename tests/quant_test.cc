@@ -79,15 +79,16 @@ TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
     ASSERT_EQ(kr, kv) << "dequantized keys differ, input " << int(kind);
     ASSERT_EQ(vr, vv) << "dequantized values differ, input " << int(kind);
     // The error bound, from the stored scales (independent of how they were chosen).
-    const auto* ks = reinterpret_cast<const uint16_t*>(ref.data() + L.key_scale());
-    const auto* vs = reinterpret_cast<const uint16_t*>(ref.data() + L.value_scale());
+    const QuantSections<const uint8_t> q(ref.data(), L);
     for (uint32_t t = 0; t < n; ++t) {
       for (uint32_t j = 0; j < d; ++j) {
         const size_t i = size_t(t) * d + j;
         for (int which = 0; which < 2; ++which) {
           const float x = HalfToFloat(which ? v[i] : k[i]);
           const float y = HalfToFloat(which ? vr[i] : kr[i]);
-          const float scale = HalfToFloat(which ? vs[t * L.groups() + j / kValueGroup] : ks[j]);
+          const uint32_t g = t * L.groups() + j / kValueGroup;
+          const float scale = which ? ScaleOf(q.value_header, q.value_scale[g])
+                                    : ScaleOf(q.key_header, q.key_scale[j]);
           ASSERT_TRUE(std::isfinite(y));
           const float bound = scale / 2 * (1 + 1e-6f) + HalfUlp(y) + 1e-30f;
           ASSERT_LE(std::fabs(x - y), bound)
@@ -103,22 +104,26 @@ TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, QuantTest,
-                         ::testing::Combine(::testing::Values(64u, 80u, 128u, 256u, 36u),
-                                            ::testing::Values(1u, 3u, 7u, 16u),
+                         ::testing::Combine(::testing::Values(64u, 80u, 128u, 256u, 36u, 512u),
+                                            ::testing::Values(1u, 3u, 7u, 16u, 32u, 64u),
                                             ::testing::Values(4u, 8u)));
 
 TEST(QuantLayout, SizesAndAlignment) {
   const QuantLayout L{64, 16, 4};
-  EXPECT_EQ(L.key_zero(), 128u);
-  EXPECT_EQ(L.key_codes(), 256u);
+  EXPECT_EQ(L.key_header(), 0u);
+  EXPECT_EQ(L.key_zero(), 16u);  // a header of three floats, padded
+  EXPECT_EQ(L.key_scale(), 80u);
+  EXPECT_EQ(L.key_codes(), 144u);
   EXPECT_EQ(L.code_bytes(), 512u);
-  EXPECT_EQ(L.value_scale(), 768u);
-  EXPECT_EQ(L.value_zero(), 800u);  // 16 tokens x 1 group of 64 channels x 2 bytes
-  EXPECT_EQ(L.value_codes(), 832u);
-  EXPECT_EQ(L.Bytes(), 1344u);  // vs 4096 bytes of fp16 K and V: 0.328x
+  EXPECT_EQ(L.value_header(), 656u);
+  EXPECT_EQ(L.value_zero(), 672u);
+  EXPECT_EQ(L.value_scale(), 688u);  // 16 tokens x 1 group of 64 channels x 1 byte
+  EXPECT_EQ(L.value_codes(), 704u);
+  EXPECT_EQ(L.Bytes(), 1216u);                          // vs 4096 bytes of fp16 K and V: 0.297x
+  EXPECT_EQ(QuantLayout({128, 32, 4}).Bytes(), 4512u);  // vs 16384: 0.275x
   const QuantLayout odd{36, 3, 4};
-  for (uint64_t off : {odd.key_zero(), odd.key_codes(), odd.value_scale(), odd.value_zero(),
-                       odd.value_codes(), odd.Bytes()}) {
+  for (uint64_t off : {odd.key_zero(), odd.key_scale(), odd.key_codes(), odd.value_header(),
+                       odd.value_zero(), odd.value_scale(), odd.value_codes(), odd.Bytes()}) {
     EXPECT_EQ(off % 16, 0u);
   }
 }
@@ -128,8 +133,57 @@ TEST(QuantLayout, NibblesArePackedLowFirst) {
   const uint16_t k[2] = {FloatToHalf(0.f), FloatToHalf(15.f)}, v[2] = {k[0], k[1]};
   std::vector<uint8_t> out(L.Bytes());
   QuantizeChunkReference(k, v, L, out.data());
-  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(out.data())[0]), 0.f);  // key_scale ch 0
+  const QuantSections<const uint8_t> q(out.data(), L);
+  EXPECT_EQ(ScaleOf(q.key_header, q.key_scale[0]), 0.f);  // key channel 0 is constant
+  EXPECT_EQ(ZeroOf(q.value_header, q.value_zero[0]), 0.f);
+  EXPECT_EQ(ScaleOf(q.value_header, q.value_scale[0]), 1.f);  // 15 / 15
   EXPECT_EQ(out[L.value_codes()], 0xf0);  // element 0 -> low nibble 0, element 1 -> high 15
+}
+
+// The parameters by their definition (quant_layout.h), checked against a brute-force search
+// over every code: the zero is the largest at or below the group's minimum, the scale the
+// smallest that covers the group, and the header's scale base the smallest float whose largest
+// scale covers the widest group.
+TEST(QuantLayout, ParametersAreTheTightestCodesThatCoverEachGroup) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0, 1);
+  for (int trial = 0; trial < 200; ++trial) {
+    const uint32_t count = 1 + rng() % 300;
+    std::vector<float> mn(count), mx(count), need(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      const float spread = trial % 3 == 0 ? 40.f : 1.f;
+      const float a = HalfToFloat(FloatToHalf(g(rng) * spread * (i % 7 == 3 ? 30.f : 1.f)));
+      const float b = HalfToFloat(FloatToHalf(a + std::fabs(g(rng)) * (trial % 5 ? 1.f : 0.f)));
+      mn[i] = a;
+      mx[i] = b;
+    }
+    float header[kHeaderFloats];
+    std::vector<uint8_t> zc(count), sc(count);
+    EncodeParams(mn.data(), mx.data(), count, 15, header, zc.data(), sc.data(), need.data());
+    EXPECT_EQ(header[3], 0.f);
+    float widest = 0.f;
+    for (uint32_t i = 0; i < count; ++i) {
+      const float zero = ZeroOf(header, zc[i]);
+      ASSERT_LE(zero, mn[i]) << i;
+      if (zc[i] < 255) {
+        ASSERT_GT(ZeroOf(header, zc[i] + 1u), mn[i])
+            << "zero code " << int(zc[i]) << " not largest";
+      }
+      const float want = (mx[i] - zero) / 15.f;
+      widest = std::max(widest, want);
+      uint32_t best = 256;
+      for (uint32_t c = 0; c < 256 && best == 256; ++c) {
+        if (ScaleOf(header, c) >= want) best = c;
+      }
+      ASSERT_EQ(sc[i], best) << "scale code of group " << i;
+      ASSERT_GE(ScaleOf(header, sc[i]) * 15.f, (mx[i] - zero) * (1 - 1e-6f)) << i;
+    }
+    const float base = header[kScaleBase];
+    EXPECT_GE(base * kMaxScaleFactor, widest);
+    if (base > 0.f) {
+      EXPECT_LT(std::nextafter(base, 0.f) * kMaxScaleFactor, widest);
+    }
+  }
 }
 
 TEST(FindNonFinite, FindsInfAndNaN) {

@@ -45,8 +45,10 @@ ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier"
 # Token-level refinement: kvtier[-semantic]-refine<factor>[-mass][-p<percent>], e.g.
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
-# (the fewest rows holding 95% of the estimated mass, the budget as a cap).
+# (the fewest rows holding 95% of the estimated mass, the budget as a cap). kvtier-c<N>: the
+# defaults with N-token chunks; int4-only-c<N>: int4-only with N-token chunks.
 CHUNK_TOKENS = re.compile(r"kvtier-c(\d+)")
+INT4_CHUNK_TOKENS = re.compile(r"int4-only-c(\d+)")
 REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?(?:-p(\d+))?")
 
 
@@ -78,6 +80,10 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
             # No selection; every chunk but the first (sink) and the partial last one is int4.
             out.append(Daemon(client, "int4-only", None, sinks=1, window=1,
                               dense_layers=1 << 20))
+        elif m := INT4_CHUNK_TOKENS.fullmatch(name):
+            # The same with chunks of N tokens (the key groups span N tokens).
+            out.append(Daemon(client, name, None, sinks=1, window=1, dense_layers=1 << 20,
+                              chunk_tokens=int(m[1])))
         else:
             for b in budgets:
                 if name == "oracle":

@@ -48,27 +48,6 @@ __attribute__((target("avx2"))) inline void Pack32(__m256i c0, __m256i c1, __m25
                    _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
 }
 
-// MakeQuantParams for 8 groups at once. F16C rounds towards -Inf / +Inf directly, which is
-// exactly FloatToHalfDown / FloatToHalfUp; the test checks the bytes against the reference.
-__attribute__((target("avx2,f16c"))) inline void MakeQuantParams8(__m256 mn, __m256 mx,
-                                                                  uint32_t levels,
-                                                                  uint16_t* scale_h,
-                                                                  uint16_t* zero_h, __m256* zero,
-                                                                  __m256* inv) {
-  const __m256 pz = _mm256_setzero_ps();
-  mn = _mm256_add_ps(mn, pz);  // -0 -> +0, as in MakeQuantParams
-  mx = _mm256_add_ps(mx, pz);
-  const __m128i zh = _mm256_cvtps_ph(mn, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  *zero = _mm256_cvtph_ps(zh);
-  const __m256 s = _mm256_div_ps(_mm256_sub_ps(mx, *zero), _mm256_set1_ps(float(levels)));
-  const __m128i sh = _mm256_cvtps_ph(s, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-  const __m256 scale = _mm256_cvtph_ps(sh);
-  const __m256 recip = _mm256_div_ps(_mm256_set1_ps(1.f), scale);
-  *inv = _mm256_blendv_ps(pz, recip, _mm256_cmp_ps(scale, pz, _CMP_GT_OQ));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(scale_h), sh);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(zero_h), zh);
-}
-
 // 8 codes starting at element i (i a multiple of 8) as float lanes.
 __attribute__((target("avx2"))) inline __m256 Unpack8(const uint8_t* codes, uint64_t i,
                                                       uint32_t bits) {
@@ -134,7 +113,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
     _mm_prefetch(reinterpret_cast<const char*>(values) + b, _MM_HINT_T0);
   }
   // The ranges are taken row by row so that the chunk streams in address order.
-  alignas(32) float kzero[512], kinv[512], kmn[512], kmx[512];
+  alignas(32) float kzero[512], kinv[512], kmn[512] = {},
+                                           kmx[512] = {};  // zeroed: gcc cannot see each is written
   for (uint32_t j = 0; j < d; j += 8) {
     const __m256 x = LoadHalf8(keys + j);
     _mm256_store_ps(kmn + j, x);
@@ -148,12 +128,12 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
       _mm256_store_ps(kmx + j, _mm256_max_ps(_mm256_load_ps(kmx + j), x));
     }
   }
-  for (uint32_t j = 0; j < d; j += 8) {
-    __m256 zero, inv;
-    MakeQuantParams8(_mm256_load_ps(kmn + j), _mm256_load_ps(kmx + j), levels, q.key_scale + j,
-                     q.key_zero + j, &zero, &inv);
-    _mm256_store_ps(kzero + j, zero);
-    _mm256_store_ps(kinv + j, inv);
+  alignas(32) float need[512];
+  EncodeParams(kmn, kmx, d, levels, q.key_header, q.key_zero, q.key_scale, need);
+  for (uint32_t j = 0; j < d; ++j) {
+    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
+    kzero[j] = p.zero;
+    kinv[j] = p.inv_scale;
   }
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = keys + t * d;
@@ -169,10 +149,9 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
     }
   }
   // Values: per token, groups of kValueGroup channels (d % 8 == 0 here). First every group's range,
-  // then the parameters 8 groups at a time, then the codes.
-  const uint32_t groups = n * G, padded = (groups + 7) / 8 * 8;
-  alignas(32) float gmn[64 * 16 + 8], gmx[64 * 16 + 8], gzero[64 * 16 + 8], ginv[64 * 16 + 8];
-  alignas(16) uint16_t gscale_h[64 * 16 + 8], gzero_h[64 * 16 + 8];
+  // then the parameters, then the codes.
+  const uint32_t groups = L.value_groups();
+  float gmn[512] = {}, gmx[512] = {}, gzero[512], ginv[512];
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -194,16 +173,12 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
       gmx[t * G + g] = _mm_cvtss_f32(x4);
     }
   }
-  for (uint32_t i = groups; i < padded; ++i) gmn[i] = gmx[i] = 0.f;
-  for (uint32_t i = 0; i < padded; i += 8) {
-    __m256 zero, inv;
-    MakeQuantParams8(_mm256_load_ps(gmn + i), _mm256_load_ps(gmx + i), levels, gscale_h + i,
-                     gzero_h + i, &zero, &inv);
-    _mm256_store_ps(gzero + i, zero);
-    _mm256_store_ps(ginv + i, inv);
+  EncodeParams(gmn, gmx, groups, levels, q.value_header, q.value_zero, q.value_scale, need);
+  for (uint32_t i = 0; i < groups; ++i) {
+    const QuantParams p = DecodeParams(q.value_header, q.value_zero[i], q.value_scale[i]);
+    gzero[i] = p.zero;
+    ginv[i] = p.inv_scale;
   }
-  std::memcpy(q.value_scale, gscale_h, 2ull * groups);
-  std::memcpy(q.value_zero, gzero_h, 2ull * groups);
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -228,9 +203,15 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
                                                          uint16_t* keys_out, uint16_t* values_out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
   const QuantSections<const uint8_t> q(in, L);
+  alignas(32) float kscale[512], kzero[512];
+  for (uint32_t j = 0; j < d; ++j) {
+    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
+    kscale[j] = p.scale;
+    kzero[j] = p.zero;
+  }
   for (uint32_t j = 0; j < d; j += 8) {
-    const __m256 scale = LoadHalf8(q.key_scale + j);
-    const __m256 zero = LoadHalf8(q.key_zero + j);
+    const __m256 scale = _mm256_load_ps(kscale + j);
+    const __m256 zero = _mm256_load_ps(kzero + j);
     for (uint32_t t = 0; t < n; ++t) {
       const uint64_t i = uint64_t{t} * d + j;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(keys_out + i),
@@ -239,8 +220,10 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
   }
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t g = 0; g < G; ++g) {
-      const __m256 scale = _mm256_set1_ps(HalfToFloat(q.value_scale[t * G + g]));
-      const __m256 zero = _mm256_set1_ps(HalfToFloat(q.value_zero[t * G + g]));
+      const QuantParams p =
+          DecodeParams(q.value_header, q.value_zero[t * G + g], q.value_scale[t * G + g]);
+      const __m256 scale = _mm256_set1_ps(p.scale);
+      const __m256 zero = _mm256_set1_ps(p.zero);
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       for (uint32_t j = lo; j < hi; j += 8) {
         const uint64_t i = uint64_t{t} * d + j;
@@ -301,12 +284,11 @@ bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& L, uint32_t ro
   for (uint32_t j = 0; j < d; ++j) {
     const uint64_t i = uint64_t{row} * d + j;
     const uint32_t g = row * G + j / kValueGroup;
-    const float kscale = HalfToFloat(q.key_scale[j]), vscale = HalfToFloat(q.value_scale[g]);
-    const uint16_t k =
-        DequantizeValue(GetCode(q.key_codes, i, L.bits), kscale, HalfToFloat(q.key_zero[j]));
-    const uint16_t v =
-        DequantizeValue(GetCode(q.value_codes, i, L.bits), vscale, HalfToFloat(q.value_zero[g]));
-    if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;
+    const QuantParams kp = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
+    const QuantParams vp = DecodeParams(q.value_header, q.value_zero[g], q.value_scale[g]);
+    const uint16_t k = DequantizeValue(GetCode(q.key_codes, i, L.bits), kp.scale, kp.zero);
+    const uint16_t v = DequantizeValue(GetCode(q.value_codes, i, L.bits), vp.scale, vp.zero);
+    if (!close(k, kp.scale, k_row[j]) || !close(v, vp.scale, v_row[j])) return false;
   }
   return true;
 }
