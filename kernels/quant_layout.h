@@ -151,12 +151,9 @@ KVTIER_HOST_DEVICE inline QuantParams DecodeParams(const float* header, uint32_t
   return p;
 }
 
-// The header and the two codes of each of `count` groups whose values lie in [mn[i], mx[i]]
-// (finite halves widened). `need` is scratch of `count` floats. Serial: a chunk has at most
-// 512 groups of each kind, against n*d codes.
-KVTIER_HOST_DEVICE inline void EncodeParams(const float* mn, const float* mx, uint32_t count,
-                                            uint32_t levels, float* header, uint8_t* zero_codes,
-                                            uint8_t* scale_codes, float* need) {
+// The header's zero base and step from the groups' minima, its scale base zero (set once the
+// needs are known) and its padding.
+KVTIER_HOST_DEVICE inline void StartHeader(const float* mn, uint32_t count, float* header) {
   // -0 and +0 compare equal, so min/max may return either, depending on the order a path
   // scans in; adding +0 maps -0 to +0 and makes the stored bits independent of that order.
   float lo = mn[0] + 0.f, hi = lo;
@@ -169,6 +166,26 @@ KVTIER_HOST_DEVICE inline void EncodeParams(const float* mn, const float* mx, ui
   header[kZeroStep] = (hi - lo) / 255.f;
   header[kScaleBase] = 0.f;
   header[3] = 0.f;
+}
+
+// The smallest float base with base * M(255) >= largest (>= 0, so its bits order as it does).
+KVTIER_HOST_DEVICE inline float ScaleBase(float largest) {
+  float base = largest / kMaxScaleFactor;
+  while (base * kMaxScaleFactor < largest) base = BitsFloat(FloatBits(base) + 1);
+  while (base > 0.f && BitsFloat(FloatBits(base) - 1) * kMaxScaleFactor >= largest) {
+    base = BitsFloat(FloatBits(base) - 1);
+  }
+  return base;
+}
+
+// The header and the two codes of each of `count` groups whose values lie in [mn[i], mx[i]]
+// (finite halves widened). `need` is scratch of `count` floats. Serial: a chunk has at most
+// 512 groups of each kind, against n*d codes.
+KVTIER_HOST_DEVICE inline void EncodeParams(const float* mn, const float* mx, uint32_t count,
+                                            uint32_t levels, float* header, uint8_t* zero_codes,
+                                            uint8_t* scale_codes, float* need) {
+  StartHeader(mn, count, header);
+  const float lo = header[kZeroBase];
   const float step = header[kZeroStep], inv_step = step > 0.f ? 1.f / step : 0.f;
   float largest = 0.f;
   for (uint32_t i = 0; i < count; ++i) {
@@ -182,13 +199,7 @@ KVTIER_HOST_DEVICE inline void EncodeParams(const float* mn, const float* mx, ui
     need[i] = (mx[i] + 0.f - ZeroOf(header, c)) / static_cast<float>(levels);
     largest = need[i] > largest ? need[i] : largest;
   }
-  // The smallest float base with base * M(255) >= largest (base >= 0, so its bits order as it
-  // does).
-  float base = largest / kMaxScaleFactor;
-  while (base * kMaxScaleFactor < largest) base = BitsFloat(FloatBits(base) + 1);
-  while (base > 0.f && BitsFloat(FloatBits(base) - 1) * kMaxScaleFactor >= largest) {
-    base = BitsFloat(FloatBits(base) - 1);
-  }
+  const float base = ScaleBase(largest);
   header[kScaleBase] = base;
   const float inv_base = base > 0.f ? 1.f / base : 0.f;
   for (uint32_t i = 0; i < count; ++i) {

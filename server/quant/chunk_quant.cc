@@ -94,6 +94,110 @@ __attribute__((target("avx2,f16c"))) inline __m128i Dequantize8(__m256 code, __m
   return _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// ZeroOf and ScaleOf (quant_layout.h) of 8 codes, the same operations.
+__attribute__((target("avx2"))) inline __m256 ZeroOf8(__m256 base, __m256 step, __m256i c) {
+  return _mm256_add_ps(base, _mm256_mul_ps(_mm256_cvtepi32_ps(c), step));
+}
+__attribute__((target("avx2"))) inline __m256 ScaleOf8(__m256 base, __m256i c) {
+  const __m256i mant =
+      _mm256_add_epi32(_mm256_set1_epi32(32), _mm256_and_si256(c, _mm256_set1_epi32(31)));
+  return _mm256_mul_ps(base, _mm256_cvtepi32_ps(_mm256_sllv_epi32(mant, _mm256_srli_epi32(c, 5))));
+}
+
+// EncodeParams (quant_layout.h) eight groups at a time, to the same bytes: each code is the
+// unique extreme its definition names, so an estimate adjusted until no lane moves gives it
+// whatever the estimate was. Also each group's zero and 1/scale into zero_out and inv_out.
+// mn and mx hold `count` groups and are readable (any values) up to count rounded up to 8.
+__attribute__((target("avx2,f16c"))) void EncodeParamsAvx2(const float* mn, const float* mx,
+                                                           uint32_t count, uint32_t levels,
+                                                           float* header, uint8_t* zero_codes,
+                                                           uint8_t* scale_codes, float* zero_out,
+                                                           float* inv_out) {
+  StartHeader(mn, count, header);
+  const float lo = header[kZeroBase];
+  const float step = header[kZeroStep], inv_step = step > 0.f ? 1.f / step : 0.f;
+  const __m256 vlo = _mm256_set1_ps(lo), vstep = _mm256_set1_ps(step), pz = _mm256_setzero_ps();
+  const __m256i one = _mm256_set1_epi32(1), zero_i = _mm256_setzero_si256(),
+                top = _mm256_set1_epi32(255);
+  const uint32_t padded = (count + 7) / 8 * 8;
+  alignas(32) int32_t zc[512], sc[512];
+  alignas(32) float need[512];
+  for (uint32_t i = 0; i < padded; i += 8) {
+    const __m256 m = _mm256_add_ps(_mm256_loadu_ps(mn + i), pz);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(m, vlo), _mm256_set1_ps(inv_step));
+    __m256i c = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, pz), _mm256_set1_ps(255.f)));
+    for (;;) {  // down while the zero is above the minimum
+      const __m256i dn = _mm256_and_si256(
+          _mm256_cmpgt_epi32(c, zero_i),
+          _mm256_castps_si256(_mm256_cmp_ps(ZeroOf8(vlo, vstep, c), m, _CMP_GT_OQ)));
+      if (_mm256_testz_si256(dn, dn)) break;
+      c = _mm256_add_epi32(c, dn);  // dn lanes are -1
+    }
+    for (;;) {  // up while the next zero is still at or below it
+      const __m256i up =
+          _mm256_and_si256(_mm256_cmpgt_epi32(top, c),
+                           _mm256_castps_si256(_mm256_cmp_ps(
+                               ZeroOf8(vlo, vstep, _mm256_add_epi32(c, one)), m, _CMP_LE_OQ)));
+      if (_mm256_testz_si256(up, up)) break;
+      c = _mm256_sub_epi32(c, up);
+    }
+    const __m256 z = ZeroOf8(vlo, vstep, c);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(zc + i), c);
+    _mm256_storeu_ps(zero_out + i, z);
+    _mm256_store_ps(need + i,
+                    _mm256_div_ps(_mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(mx + i), pz), z),
+                                  _mm256_set1_ps(static_cast<float>(levels))));
+  }
+  float largest = 0.f;
+  for (uint32_t i = 0; i < count; ++i) largest = need[i] > largest ? need[i] : largest;
+  const float base = ScaleBase(largest);
+  header[kScaleBase] = base;
+  const __m256 vbase = _mm256_set1_ps(base);
+  const __m256 inv_base = _mm256_set1_ps(base > 0.f ? 1.f / base : 0.f);
+
+  for (uint32_t i = 0; i < padded; i += 8) {
+    const __m256 nd = _mm256_load_ps(need + i);
+    // The estimate: octave * 32 + the mantissa's step, from need / base (0 below 32).
+    const __m256 r = _mm256_mul_ps(nd, inv_base);
+    const __m256i e = _mm256_sub_epi32(
+        _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(r), 23), _mm256_set1_epi32(0xff)),
+        _mm256_set1_epi32(132));
+    const __m256i octave = _mm256_min_epi32(_mm256_max_epi32(e, zero_i), _mm256_set1_epi32(7));
+    const __m256 pow = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127), octave), 23));  // 2^-octave
+    const __m256 frac = _mm256_sub_ps(_mm256_mul_ps(r, pow), _mm256_set1_ps(32.f));
+    const __m256i mi =
+        _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(frac, pz), _mm256_set1_ps(31.f)));
+    __m256i c = _mm256_add_epi32(_mm256_slli_epi32(octave, 5), mi);
+    c = _mm256_and_si256(c,
+                         _mm256_castps_si256(_mm256_cmp_ps(r, _mm256_set1_ps(32.f), _CMP_GT_OQ)));
+    for (;;) {  // up while the scale does not cover the need
+      const __m256i up =
+          _mm256_and_si256(_mm256_cmpgt_epi32(top, c),
+                           _mm256_castps_si256(_mm256_cmp_ps(ScaleOf8(vbase, c), nd, _CMP_LT_OQ)));
+      if (_mm256_testz_si256(up, up)) break;
+      c = _mm256_sub_epi32(c, up);
+    }
+    for (;;) {  // down while the code below still covers it
+      const __m256i dn =
+          _mm256_and_si256(_mm256_cmpgt_epi32(c, zero_i),
+                           _mm256_castps_si256(_mm256_cmp_ps(
+                               ScaleOf8(vbase, _mm256_sub_epi32(c, one)), nd, _CMP_GE_OQ)));
+      if (_mm256_testz_si256(dn, dn)) break;
+      c = _mm256_add_epi32(c, dn);
+    }
+    const __m256 scale = ScaleOf8(vbase, c);
+    const __m256 inv = _mm256_blendv_ps(pz, _mm256_div_ps(_mm256_set1_ps(1.f), scale),
+                                        _mm256_cmp_ps(scale, pz, _CMP_GT_OQ));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc + i), c);
+    _mm256_storeu_ps(inv_out + i, inv);
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    zero_codes[i] = static_cast<uint8_t>(zc[i]);
+    scale_codes[i] = static_cast<uint8_t>(sc[i]);
+  }
+}
+
 __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, const uint16_t* values,
                                                        const QuantLayout& L, uint8_t* out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
@@ -128,13 +232,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
       _mm256_store_ps(kmx + j, _mm256_max_ps(_mm256_load_ps(kmx + j), x));
     }
   }
-  alignas(32) float need[512];
-  EncodeParams(kmn, kmx, d, levels, q.key_header, q.key_zero, q.key_scale, need);
-  for (uint32_t j = 0; j < d; ++j) {
-    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    kzero[j] = p.zero;
-    kinv[j] = p.inv_scale;
-  }
+  EncodeParamsAvx2(kmn, kmx, d, levels, q.key_header, q.key_zero, q.key_scale, kzero, kinv);
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = keys + t * d;
     uint32_t j = 0;
@@ -151,7 +249,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   // Values: per token, groups of kValueGroup channels (d % 8 == 0 here). First every group's range,
   // then the parameters, then the codes.
   const uint32_t groups = L.value_groups();
-  float gmn[512] = {}, gmx[512] = {}, gzero[512], ginv[512];
+  // Padded to 8 groups (EncodeParamsAvx2 reads them); zeroed, as gcc cannot see each is written.
+  alignas(32) float gmn[512 + 8] = {}, gmx[512 + 8] = {}, gzero[512 + 8], ginv[512 + 8];
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -173,12 +272,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
       gmx[t * G + g] = _mm_cvtss_f32(x4);
     }
   }
-  EncodeParams(gmn, gmx, groups, levels, q.value_header, q.value_zero, q.value_scale, need);
-  for (uint32_t i = 0; i < groups; ++i) {
-    const QuantParams p = DecodeParams(q.value_header, q.value_zero[i], q.value_scale[i]);
-    gzero[i] = p.zero;
-    ginv[i] = p.inv_scale;
-  }
+  EncodeParamsAvx2(gmn, gmx, groups, levels, q.value_header, q.value_zero, q.value_scale, gzero,
+                   ginv);
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
