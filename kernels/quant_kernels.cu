@@ -29,26 +29,12 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   // The ranges: minima into *_zero and maxima into *_mx (the *_inv arrays are EncodeParams'
   // scratch until the parameters are decoded).
   for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float mn = HalfToFloat(keys[j]), mx = mn;
-    for (uint32_t t = 1; t < n; ++t) {
-      const float x = HalfToFloat(keys[t * d + j]);
-      mn = x < mn ? x : mn;
-      mx = x > mx ? x : mx;
-    }
-    key_zero[j] = mn;
-    key_mx[j] = mx;
+    GroupRange(keys + j, n, d, &key_zero[j], &key_mx[j]);
   }
   for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
     const uint32_t t = tg / G, g = tg % G;
     const uint32_t lo = g * kValueGroup, hi = min(d, lo + kValueGroup);
-    float mn = HalfToFloat(values[t * d + lo]), mx = mn;
-    for (uint32_t j = lo + 1; j < hi; ++j) {
-      const float x = HalfToFloat(values[t * d + j]);
-      mn = x < mn ? x : mn;
-      mx = x > mx ? x : mx;
-    }
-    value_zero[tg] = mn;
-    value_mx[tg] = mx;
+    GroupRange(values + t * d + lo, hi - lo, 1, &value_zero[tg], &value_mx[tg]);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -106,10 +92,12 @@ __global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout 
   for (uint64_t i = threadIdx.x; i < uint64_t{n} * d; i += blockDim.x) {
     const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
     const uint32_t g = t * G + j / kValueGroup;
-    const QuantParams kp = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    const QuantParams vp = DecodeParams(q.value_header, q.value_zero[g], q.value_scale[g]);
-    keys[i] = DequantizeValue(GetCode(q.key_codes, i, L.bits), kp.scale, kp.zero);
-    values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits), vp.scale, vp.zero);
+    keys[i] =
+        DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[j]),
+                        ZeroOf(q.key_header, q.key_zero[j]));
+    values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits),
+                                ScaleOf(q.value_header, q.value_scale[g]),
+                                ZeroOf(q.value_header, q.value_zero[g]));
   }
 }
 

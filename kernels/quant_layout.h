@@ -126,6 +126,20 @@ KVTIER_HOST_DEVICE inline uint32_t GetCode(const uint8_t* codes, uint64_t i, uin
   return (i & 1) ? (b >> 4) : (b & 0xf);
 }
 
+// The extremes of `count` halves starting at `h`, `stride` apart: a key channel over a chunk's
+// tokens (stride head_dim) or a value group within a token (stride 1).
+KVTIER_HOST_DEVICE inline void GroupRange(const uint16_t* h, uint32_t count, uint32_t stride,
+                                          float* mn, float* mx) {
+  float lo = HalfToFloat(h[0]), hi = lo;
+  for (uint32_t i = 1; i < count; ++i) {
+    const float x = HalfToFloat(h[i * stride]);
+    lo = x < lo ? x : lo;
+    hi = x > hi ? x : hi;
+  }
+  *mn = lo;
+  *mx = hi;
+}
+
 // One group's parameters as the codes are computed and read.
 struct QuantParams {
   float scale;

@@ -14,17 +14,6 @@ void PutCode(uint8_t* codes, uint64_t i, uint32_t code, uint32_t bits) {
   }
 }
 
-// The extremes of `count` halves starting at `h`, `stride` apart: a key channel over a chunk's
-// tokens (stride head_dim) or a value group within a token (stride 1).
-void Range(const uint16_t* h, uint32_t count, uint32_t stride, float* mn, float* mx) {
-  *mn = *mx = HalfToFloat(h[0]);
-  for (uint32_t i = 1; i < count; ++i) {
-    const float x = HalfToFloat(h[i * stride]);
-    *mn = std::min(*mn, x);
-    *mx = std::max(*mx, x);
-  }
-}
-
 }  // namespace
 
 void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const QuantLayout& L,
@@ -33,7 +22,7 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const 
   std::memset(out, 0, L.Bytes());
   const QuantSections<uint8_t> q(out, L);
   float mn[512] = {}, mx[512] = {}, need[512];  // zeroed: gcc cannot see each is written
-  for (uint32_t j = 0; j < d; ++j) Range(keys + j, n, d, &mn[j], &mx[j]);  // keys: per channel
+  for (uint32_t j = 0; j < d; ++j) GroupRange(keys + j, n, d, &mn[j], &mx[j]);  // keys: per channel
   EncodeParams(mn, mx, d, levels, q.key_header, q.key_zero, q.key_scale, need);
   for (uint32_t j = 0; j < d; ++j) {
     const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
@@ -45,7 +34,7 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const 
   for (uint32_t t = 0; t < n; ++t) {  // values: per token, groups of kValueGroup channels
     for (uint32_t g = 0; g < G; ++g) {
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
-      Range(values + t * d + lo, hi - lo, 1, &mn[t * G + g], &mx[t * G + g]);
+      GroupRange(values + t * d + lo, hi - lo, 1, &mn[t * G + g], &mx[t * G + g]);
     }
   }
   EncodeParams(mn, mx, n * G, levels, q.value_header, q.value_zero, q.value_scale, need);
@@ -69,11 +58,13 @@ void DequantizeChunkReference(const uint8_t* in, const QuantLayout& L, uint16_t*
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t j = 0; j < d; ++j) {
       const uint64_t i = uint64_t{t} * d + j;
-      const QuantParams kp = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-      keys_out[i] = DequantizeValue(GetCode(q.key_codes, i, L.bits), kp.scale, kp.zero);
+      keys_out[i] =
+          DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[j]),
+                          ZeroOf(q.key_header, q.key_zero[j]));
       const uint32_t g = t * G + j / kValueGroup;
-      const QuantParams vp = DecodeParams(q.value_header, q.value_zero[g], q.value_scale[g]);
-      values_out[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits), vp.scale, vp.zero);
+      values_out[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits),
+                                      ScaleOf(q.value_header, q.value_scale[g]),
+                                      ZeroOf(q.value_header, q.value_zero[g]));
     }
   }
 }

@@ -217,8 +217,7 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
     _mm_prefetch(reinterpret_cast<const char*>(values) + b, _MM_HINT_T0);
   }
   // The ranges are taken row by row so that the chunk streams in address order.
-  alignas(32) float kzero[512], kinv[512], kmn[512] = {},
-                                           kmx[512] = {};  // zeroed: gcc cannot see each is written
+  alignas(32) float kzero[512], kinv[512], kmn[512], kmx[512];
   for (uint32_t j = 0; j < d; j += 8) {
     const __m256 x = LoadHalf8(keys + j);
     _mm256_store_ps(kmn + j, x);
@@ -249,8 +248,9 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   // Values: per token, groups of kValueGroup channels (d % 8 == 0 here). First every group's range,
   // then the parameters, then the codes.
   const uint32_t groups = L.value_groups();
-  // Padded to 8 groups (EncodeParamsAvx2 reads them); zeroed, as gcc cannot see each is written.
-  alignas(32) float gmn[512 + 8] = {}, gmx[512 + 8] = {}, gzero[512 + 8], ginv[512 + 8];
+  // EncodeParamsAvx2 reads up to 8 groups at a time; zeroed, so the padding lanes are zero (and
+  // gcc cannot see that every group is written).
+  alignas(32) float gmn[512] = {}, gmx[512] = {}, gzero[512], ginv[512];
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -300,9 +300,8 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
   const QuantSections<const uint8_t> q(in, L);
   alignas(32) float kscale[512], kzero[512];
   for (uint32_t j = 0; j < d; ++j) {
-    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    kscale[j] = p.scale;
-    kzero[j] = p.zero;
+    kscale[j] = ScaleOf(q.key_header, q.key_scale[j]);
+    kzero[j] = ZeroOf(q.key_header, q.key_zero[j]);
   }
   for (uint32_t j = 0; j < d; j += 8) {
     const __m256 scale = _mm256_load_ps(kscale + j);
@@ -315,10 +314,8 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
   }
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t g = 0; g < G; ++g) {
-      const QuantParams p =
-          DecodeParams(q.value_header, q.value_zero[t * G + g], q.value_scale[t * G + g]);
-      const __m256 scale = _mm256_set1_ps(p.scale);
-      const __m256 zero = _mm256_set1_ps(p.zero);
+      const __m256 scale = _mm256_set1_ps(ScaleOf(q.value_header, q.value_scale[t * G + g]));
+      const __m256 zero = _mm256_set1_ps(ZeroOf(q.value_header, q.value_zero[t * G + g]));
       const uint32_t lo = g * kValueGroup, hi = std::min(d, lo + kValueGroup);
       for (uint32_t j = lo; j < hi; j += 8) {
         const uint64_t i = uint64_t{t} * d + j;
@@ -379,11 +376,13 @@ bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& L, uint32_t ro
   for (uint32_t j = 0; j < d; ++j) {
     const uint64_t i = uint64_t{row} * d + j;
     const uint32_t g = row * G + j / kValueGroup;
-    const QuantParams kp = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    const QuantParams vp = DecodeParams(q.value_header, q.value_zero[g], q.value_scale[g]);
-    const uint16_t k = DequantizeValue(GetCode(q.key_codes, i, L.bits), kp.scale, kp.zero);
-    const uint16_t v = DequantizeValue(GetCode(q.value_codes, i, L.bits), vp.scale, vp.zero);
-    if (!close(k, kp.scale, k_row[j]) || !close(v, vp.scale, v_row[j])) return false;
+    const float kscale = ScaleOf(q.key_header, q.key_scale[j]);
+    const float vscale = ScaleOf(q.value_header, q.value_scale[g]);
+    const uint16_t k = DequantizeValue(GetCode(q.key_codes, i, L.bits), kscale,
+                                       ZeroOf(q.key_header, q.key_zero[j]));
+    const uint16_t v = DequantizeValue(GetCode(q.value_codes, i, L.bits), vscale,
+                                       ZeroOf(q.value_header, q.value_zero[g]));
+    if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;
   }
   return true;
 }
