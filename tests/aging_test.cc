@@ -2,6 +2,8 @@
 // streams directly.
 #include "server/session/aging.h"
 
+#include <algorithm>
+
 #include "server/quant/chunk_quant.h"
 #include "tests/session_fixture.h"
 
@@ -52,27 +54,25 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
         // levels, times the scale byte's rounding up (at most 1 + 1/32) (quant_layout.h).
         const uint32_t n = b.num_tokens();
         const int g = int(kValueGroup);
-        std::vector<float> kmin(64, 1e9f), kmax(64, -1e9f), vmin(n * 64, 1e9f), vmax(n * 64, -1e9f);
+        const int G = (64 + g - 1) / g;  // value groups per token
+        std::vector<float> kmin(64, 1e9f), kmax(64, -1e9f), vmin(n * G, 1e9f), vmax(n * G, -1e9f);
         for (uint32_t t = 0; t < n; ++t) {
           for (int j = 0; j < 64; ++j) {
             kmin[j] = std::min(kmin[j], HalfToFloat(want_k[t * 64 + j]));
             kmax[j] = std::max(kmax[j], HalfToFloat(want_k[t * 64 + j]));
-            const int gj = int(t) * 64 + j / g * g;  // the group's first element
+            const int gj = int(t) * G + j / g;
             vmin[gj] = std::min(vmin[gj], HalfToFloat(want_v[t * 64 + j]));
             vmax[gj] = std::max(vmax[gj], HalfToFloat(want_v[t * 64 + j]));
           }
         }
         auto zero_step = [](const std::vector<float>& mins) {
-          float lo = 1e9f, hi = -1e9f;
-          for (float m : mins) {
-            if (m < 1e8f) lo = std::min(lo, m), hi = std::max(hi, m);
-          }
-          return (hi - lo) / 255.f;
+          const auto [lo, hi] = std::minmax_element(mins.begin(), mins.end());
+          return (*hi - *lo) / 255.f;
         };
         const float kstep = zero_step(kmin), vstep = zero_step(vmin);
         for (uint32_t t = 0; t < n; ++t) {
           for (int j = 0; j < 64; ++j) {
-            const int gj = int(t) * 64 + j / g * g;
+            const int gj = int(t) * G + j / g;
             const float kx = HalfToFloat(want_k[t * 64 + j]), ky = HalfToFloat(k[t * 64 + j]);
             const float vx = HalfToFloat(want_v[t * 64 + j]), vy = HalfToFloat(v[t * 64 + j]);
             EXPECT_LE(std::fabs(kx - ky),
