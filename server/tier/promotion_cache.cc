@@ -130,14 +130,7 @@ uint64_t PromotionCache::Drop(const CopyRef& copy) {
 }
 
 uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
-  uint64_t free;
-  if (tenant != nullptr) {
-    free = tier_->RoomFor(*tenant);
-  } else {
-    const TierSnapshot st = tier_->Stats();
-    const uint64_t used = st.used_bytes + st.metadata_bytes;  // sessions' metadata takes room too
-    free = st.capacity_bytes > used ? st.capacity_bytes - used : 0;
-  }
+  const uint64_t free = tenant != nullptr ? tier_->RoomFor(*tenant) : tier_->FreeBytes();
   if (free >= bytes) return 0;
   const int64_t now = clock_->NowMs();
   struct Candidate {

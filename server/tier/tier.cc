@@ -252,7 +252,7 @@ uint64_t Tier::TenantUsed(const std::string& tenant) const {
 Tier::Room Tier::RoomLocked(const std::string& tenant) const {
   const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
   Room r;
-  r.tier = options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
+  r.tier = FreeBytesLocked();
   if (limit != 0) {
     const uint64_t used = TenantUsedLocked(tenant);
     r.quota = limit > used ? limit - used : 0;
@@ -264,6 +264,11 @@ uint64_t Tier::RoomFor(const std::string& tenant) const {
   MutexLock lock(&mu_);
   const Room r = RoomLocked(tenant);
   return std::min(r.tier, r.quota);
+}
+
+uint64_t Tier::FreeBytes() const {
+  MutexLock lock(&mu_);
+  return FreeBytesLocked();
 }
 
 bool Tier::QuotaBound(const std::string& tenant) const {

@@ -155,6 +155,8 @@ class Tier {
   // Bytes `tenant` may still take before its quota, or the tier's free bytes when that is
   // less (or the tenant has no quota).
   uint64_t RoomFor(const std::string& tenant) const;
+  // The tier's free bytes: its capacity less what slots and session metadata take.
+  uint64_t FreeBytes() const;
   // Whether `tenant`'s quota, not the tier's capacity, is what limits it now.
   bool QuotaBound(const std::string& tenant) const;
   // Slot and metadata bytes `tenant` holds.
@@ -200,6 +202,9 @@ class Tier {
     uint64_t quota = std::numeric_limits<uint64_t>::max();
   };
   Room RoomLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t FreeBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
+  }
   uint64_t TenantUsedLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when `bytes` more fit `tenant`'s quota and the capacity; else the RESOURCE_EXHAUSTED
   // that Allocate and ChargeMetadata answer (an allocation failure), `what` naming the bytes.
