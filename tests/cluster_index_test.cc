@@ -15,10 +15,10 @@ namespace {
 constexpr int kD = 64, kT = 16, kGroup = 3;
 
 // Chunks of 16 keys each with the session's statistics: key sums and the key farthest from
-// the mean, in a ChunkStats (final, so compact: 2-byte floats of `kind`) for the index, and as
+// the mean, in a ChunkStats (final, so compact: bytes times a scale) for the index, and as
 // floats here. The linear scan reads the ChunkStats, as a stream's ranking does.
 struct Stream {
-  explicit Stream(HalfKind kind = HalfKind::kFp16) : stats(kD, kind) {}
+  Stream() : stats(kD) {}
   std::vector<float> sums, peaks;
   std::vector<uint32_t> tokens;
   ChunkStats stats;
@@ -109,7 +109,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
     SCOPED_TRACE(by_peak ? "clustered by mean and peak" : "clustered by mean");
     std::mt19937 rng(static_cast<int>(GetParam()) + 1);
     const std::vector<float> centers = Centers(rng);
-    Stream s(GetParam() == Data::kBeyondHalf ? HalfKind::kBf16 : HalfKind::kFp16);
+    Stream s;
     ClusterIndex::Options options;
     options.cluster_by_peak = by_peak;
     ClusterIndex index(kD, options);
@@ -161,7 +161,7 @@ TEST_P(ClusterIndexTest, SearchEqualsTheLinearScanAndBoundsHold) {
 TEST_P(ClusterIndexTest, GreedySearchEqualsTheScanForChunksOfManySizes) {
   std::mt19937 rng(static_cast<int>(GetParam()) + 11);
   const std::vector<float> centers = Centers(rng);
-  Stream s(GetParam() == Data::kBeyondHalf ? HalfKind::kBf16 : HalfKind::kFp16);
+  Stream s;
   ClusterIndex index(kD);
   std::vector<bool> indexed;
   for (int i = 0; i < 900; ++i) {
@@ -250,10 +250,11 @@ TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
     }
   }
   const size_t n = s.tokens.size();
-  // Every chunk final, so compact: a count and two vectors of halves each.
+  // Every chunk final, so compact: a count and two vectors of bytes with a scale each.
   EXPECT_EQ(s.stats.compact_chunks(), n);
-  EXPECT_GE(s.stats.MemoryBytes(), n * (sizeof(uint32_t) + 2 * kD * sizeof(uint16_t)));
-  EXPECT_LE(s.stats.MemoryBytes(), 2 * n * (sizeof(uint32_t) + 2 * kD * sizeof(uint16_t)) + 4096);
+  const size_t per_chunk = sizeof(uint32_t) + 2 * (kD + sizeof(float));
+  EXPECT_GE(s.stats.MemoryBytes(), n * per_chunk);
+  EXPECT_LE(s.stats.MemoryBytes(), 2 * n * per_chunk + 4096);
 }
 
 TEST(ClusterIndex, AddingTwiceChangesNothingAndOnlyFinalChunksEnter) {

@@ -166,6 +166,25 @@ TEST(Dot, AgreesWithDoubleAcrossWidths) {
   }
 }
 
+// Signed bytes widen exactly, the extremes -128 and 127 included.
+TEST(DotInt8, AgreesWithDoubleAcrossWidths) {
+  std::mt19937 rng(10);
+  std::normal_distribution<float> n(0, 1);
+  for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 129, 512}) {
+    std::vector<float> a(d);
+    std::vector<int8_t> c(d);
+    double want = 0, mag = 0;
+    for (int j = 0; j < d; ++j) {
+      a[j] = n(rng);
+      c[j] = static_cast<int8_t>(j % 5 == 0 ? (j % 2 ? 127 : -128) : int(rng() % 255) - 127);
+      want += double(a[j]) * c[j];
+      mag += std::fabs(double(a[j]) * c[j]);
+    }
+    EXPECT_NEAR(DotInt8(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
+    EXPECT_NEAR(DotInt8Scalar(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
+  }
+}
+
 TEST(FloatsToHalvesDirected, SameBitsAsTheScalarRounding) {
   // Random magnitudes from subnormal halves to past the half range, both signs, and exact
   // halves; n not a multiple of 8, so the scalar tail runs too.

@@ -257,11 +257,11 @@ TEST(Daemon, EveryBadInputGetsItsCodeAndNamesTheField) {
   EXPECT_THAT(mallory->CloseSession(sid), StatusIs(Code::kPermissionDenied));
 
   // A full host tier: 700 KiB holds slots of 4 KiB (16 tokens x 64 x 2 bytes, K and V) and the
-  // session's metadata (each stream's index, each chunk's record and statistics: 2 KiB a chunk
-  // here): it holds 4 layers x 3 heads x 7 chunks = 84, and layer 0 alone needs 36 more.
+  // session's metadata (each stream's index, each chunk's record and statistics): it holds 4
+  // layers x 3 heads x 7 chunks = 84, not the 300 more that 300 more tokens take.
   auto before = c->DescribeSession(sid);
   ASSERT_OK(before.status());
-  EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 200)),
+  EXPECT_THAT(c->AppendKV(AllLayers(sid, data, 100, 300)),
               StatusIs(Code::kResourceExhausted, "full"));
   ASSERT_OK_AND_ASSIGN(auto after, c->DescribeSession(sid));
   for (int l = 0; l < kLayers; ++l) {

@@ -253,12 +253,25 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
       for (int j = 0; j < f.d; ++j) dist += (key(t, j) - mu[j]) * (key(t, j) - mu[j]);
       if (dist > far) far = dist, peak = t;
     }
+    // A chunk outside the sinks and the window has aged, so its statistics are compact
+    // (ChunkStats): each vector as bytes, rounded to nearest, times its largest magnitude over
+    // 127.
+    std::vector<double> pk(f.d);
+    for (int j = 0; j < f.d; ++j) pk[j] = key(peak, j);
+    {
+      for (std::vector<double>* v : {&mu, &pk}) {
+        float top = 0;
+        for (double x : *v) top = std::max(top, std::fabs(float(x)));
+        const float inv = top > 0 ? 127.f / top : 0.f, step = top / 127.f;
+        for (double& x : *v) x = double(std::nearbyint(float(x) * inv) * step);
+      }
+    }
     double best = -1e300;
     for (int g = 0; g < group; ++g) {
       double a = 0, b = 0;
       for (int j = 0; j < f.d; ++j) {
         a += q[(size_t(head) * group + g) * f.d + j] * mu[j];
-        b += q[(size_t(head) * group + g) * f.d + j] * key(peak, j);
+        b += q[(size_t(head) * group + g) * f.d + j] * pk[j];
       }
       const double rd = std::sqrt(double(f.d));
       best = std::max(

@@ -100,49 +100,75 @@ TEST(ChunkStats, FinalChunksNeverChangeAndCopiesStartUnfinal) {
   EXPECT_DEATH(copy.AddRows(0, HalfKind::kFp16, a.data(), 1), "final");
 }
 
-// A final chunk is held compact, in the stream's kind: its mean rounded once from the sum (within
-// half a unit in the last place of the double mean), its peak exactly the row it was; the
-// candidate then points at the compact vectors, and scores as the float one did to rounding.
-TEST(ChunkStats, FinalChunksAreCompactHalvesOfTheirKind) {
+// A final chunk is held compact: its mean and its peak each as bytes times one scale, the
+// largest magnitude over 127, every value within half a step of the float it was (the mean
+// from the float sum, the peak the row itself); the candidate then points at the bytes, and
+// scores as the float one did to that rounding.
+TEST(ChunkStats, FinalChunksAreBytesWithinHalfAStep) {
   for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
     std::mt19937 rng(5);
     std::normal_distribution<float> g(1.f, 3.f);
     std::vector<uint16_t> rows(size_t(16) * kD);
     for (auto& h : rows) h = kind == HalfKind::kFp16 ? FloatToHalf(g(rng)) : FloatToBf16(g(rng));
+    rows[3 * kD + 7] = kind == HalfKind::kFp16 ? FloatToHalf(-40.f) : FloatToBf16(-40.f);
     auto widen = [&](uint16_t h) {
       return kind == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h);
     };
-    ChunkStats s(kD, kind);
+    ChunkStats s(kD);
     s.Recompute(0, kind, rows.data(), 16);
     s.Recompute(1, kind, rows.data(), 16);
     const ChunkCandidate loose = s.candidate(0);
-    std::vector<float> peak(s.peak(0), s.peak(0) + kD);
+    const std::vector<float> peak(s.peak(0), s.peak(0) + kD);
     const auto q = std::vector<float>(kGroup * kD, 0.5f);
     const float loose_score = LsePeakScore(q, kGroup, loose, kD);
     s.MarkFinal(1);
     EXPECT_EQ(s.compact_chunks(), 1u);
     const ChunkCandidate c = s.candidate(0);
-    ASSERT_NE(c.mean_h, nullptr);
-    ASSERT_NE(c.peak_h, nullptr);
+    ASSERT_NE(c.mean_q, nullptr);
+    ASSERT_NE(c.peak_q, nullptr);
     EXPECT_EQ(c.key_sum, nullptr);
     EXPECT_EQ(c.tokens, 16u);
+    std::vector<double> want_mean(kD, 0.0);
+    for (int j = 0; j < kD; ++j) {
+      for (int r = 0; r < 16; ++r) want_mean[j] += widen(rows[r * kD + j]);
+      want_mean[j] /= 16;
+    }
+    double mean_top = 0, peak_top = 0;
+    for (int j = 0; j < kD; ++j) {
+      mean_top = std::max(mean_top, std::fabs(want_mean[j]));
+      peak_top = std::max(peak_top, double(std::fabs(peak[j])));
+    }
+    EXPECT_NEAR(c.mean_scale, mean_top / 127, 1e-5 * mean_top);
+    EXPECT_FLOAT_EQ(c.peak_scale, float(peak_top / 127));
+    EXPECT_EQ(peak_top, 40.0);  // the farthest row holds the outlier
     std::vector<float> mean(kD), got_peak(kD);
     s.Mean(0, mean.data());
     s.Peak(0, got_peak.data());
     for (int j = 0; j < kD; ++j) {
-      double want = 0;
-      for (int r = 0; r < 16; ++r) want += widen(rows[r * kD + j]);
-      want /= 16;
-      const double ulp = kind == HalfKind::kFp16 ? std::ldexp(1.0, std::ilogb(want) - 10)
-                                                 : std::ldexp(1.0, std::ilogb(want) - 7);
-      EXPECT_LE(std::fabs(mean[j] - want), 0.5 * ulp + 1e-6) << j;
-      EXPECT_EQ(widen(c.mean_h[j]), mean[j]);
-      EXPECT_EQ(got_peak[j], peak[j]) << j;  // a row: exact in its own kind
+      EXPECT_LE(std::fabs(mean[j] - want_mean[j]), 0.5 * mean_top / 127 + 1e-5 * mean_top) << j;
+      EXPECT_LE(std::fabs(got_peak[j] - peak[j]), 0.5 * peak_top / 127 + 1e-6 * peak_top) << j;
+      EXPECT_EQ(float(c.mean_q[j]) * c.mean_scale, mean[j]);
+      EXPECT_EQ(float(c.peak_q[j]) * c.peak_scale, got_peak[j]);
     }
-    EXPECT_NEAR(LsePeakScore(q, kGroup, c, kD), loose_score, 1e-2 * std::fabs(loose_score) + 1e-3);
+    // Each dot product moves by at most |q|_1 times half a step.
+    const double q1 = 0.5 * kD, slack = q1 * 0.5 * (mean_top + peak_top) / 127 / std::sqrt(kD);
+    EXPECT_NEAR(LsePeakScore(q, kGroup, c, kD), loose_score, slack + 1e-3);
     EXPECT_DEATH(s.key_sum(0), "compact");
     EXPECT_NE(s.candidate(1).key_sum, nullptr);  // not final: floats still
   }
+}
+
+// An all-zero chunk is compact with a zero scale, and scores as its floats do.
+TEST(ChunkStats, ZeroChunkIsCompactZeros) {
+  ChunkStats s(kD);
+  std::vector<uint16_t> rows(size_t(4) * kD, FloatToHalf(0.f));
+  s.Recompute(0, HalfKind::kFp16, rows.data(), 4);
+  s.MarkFinal(1);
+  const ChunkCandidate c = s.candidate(0);
+  EXPECT_EQ(c.mean_scale, 0.f);
+  EXPECT_EQ(c.peak_scale, 0.f);
+  const auto q = std::vector<float>(kGroup * kD, 1.f);
+  EXPECT_FLOAT_EQ(LsePeakScore(q, kGroup, c, kD), std::log(4.f));
 }
 
 // A stream's statistics, random: chunks of `size(c)` tokens around 24 directions.

@@ -115,6 +115,29 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   return out;
 }
 
+__attribute__((target("avx2,fma"))) inline __m256 WidenBytes8(const int8_t* c) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+
+__attribute__((target("avx2,fma"))) float DotInt8Avx2(const float* a, const int8_t* c, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), WidenBytes8(c + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), WidenBytes8(c + j + 8), acc1);
+  }
+  for (; j + 8 <= n; j += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), WidenBytes8(c + j), acc0);
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  float out = _mm_cvtss_f32(s);
+  for (; j < n; ++j) out += a[j] * static_cast<float>(c[j]);
+  return out;
+}
+
 // Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -459,6 +482,19 @@ float (*const kDotHalves)(HalfKind, const float*, const uint16_t*,
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
   return kDotHalves(kind, a, h, n);
 }
+
+float DotInt8Scalar(const float* a, const int8_t* c, int n) {
+  float s = 0.f;
+  for (int j = 0; j < n; ++j) s += a[j] * static_cast<float>(c[j]);
+  return s;
+}
+
+namespace {
+float (*const kDotInt8)(const float*, const int8_t*, int) = HaveAvx2Fma() ? DotInt8Avx2
+                                                                          : DotInt8Scalar;
+}  // namespace
+
+float DotInt8(const float* a, const int8_t* c, int n) { return kDotInt8(a, c, n); }
 
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width) {

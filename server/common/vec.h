@@ -30,6 +30,10 @@ float DotScalar(const float* a, const float* b, int n);
 // product with a chunk's compact statistics. The same caveat as Dot between the two paths.
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n);
 float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
+// a . c over n floats and n signed bytes (exactly widened): the ranking's dot product with a
+// chunk's compact statistics, before their scale. The same caveat as Dot between the paths.
+float DotInt8(const float* a, const int8_t* c, int n);
+float DotInt8Scalar(const float* a, const int8_t* c, int n);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j

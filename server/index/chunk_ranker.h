@@ -23,26 +23,28 @@
 
 namespace kvtier {
 
-// A chunk's statistics as floats (key_sum, scale, peak), or compact as 2-byte floats of `kind`
-// (mean_h, peak_h: ChunkStats' final chunks), which the scores then read instead.
+// A chunk's statistics as floats (key_sum, scale, peak), or compact as signed bytes times a
+// float scale each (mean_q, peak_q: ChunkStats' final chunks), which the scores then read
+// instead.
 struct ChunkCandidate {
   uint32_t index;        // the chunk's index in its stream
   uint32_t tokens;       // tokens it would add to the selection
   const float* key_sum;  // [head_dim] sum of the chunk's keys (any positive multiple of the mean)
   float scale;           // > 0: mean = scale * key_sum (1 / tokens for a sum)
-  const float* peak = nullptr;       // [head_dim] the key farthest from the mean (LSE_PEAK only)
-  const uint16_t* mean_h = nullptr;  // [head_dim] the mean key, compact (key_sum unused)
-  const uint16_t* peak_h = nullptr;  // [head_dim] the peak, compact (peak unused)
-  HalfKind kind = HalfKind::kFp16;   // of mean_h and peak_h
+  const float* peak = nullptr;     // [head_dim] the key farthest from the mean (LSE_PEAK only)
+  const int8_t* mean_q = nullptr;  // [head_dim] the mean key = mean_q * mean_scale, compact
+  const int8_t* peak_q = nullptr;  // [head_dim] the peak = peak_q * peak_scale, compact
+  float mean_scale = 0, peak_scale = 0;
 };
 
 // q . mean and q . peak of a candidate, from whichever form it has.
 inline float MeanDot(const float* q, const ChunkCandidate& c, int head_dim) {
-  return c.mean_h != nullptr ? DotHalves(c.kind, q, c.mean_h, head_dim)
+  return c.mean_q != nullptr ? DotInt8(q, c.mean_q, head_dim) * c.mean_scale
                              : Dot(q, c.key_sum, head_dim) * c.scale;
 }
 inline float PeakDot(const float* q, const ChunkCandidate& c, int head_dim) {
-  return c.peak_h != nullptr ? DotHalves(c.kind, q, c.peak_h, head_dim) : Dot(q, c.peak, head_dim);
+  return c.peak_q != nullptr ? DotInt8(q, c.peak_q, head_dim) * c.peak_scale
+                             : Dot(q, c.peak, head_dim);
 }
 
 // log(e^hi + e^lo) for hi >= lo (lo may be -inf) for one pair, by the steps LsePeakScores

@@ -1,34 +1,44 @@
 #include "server/index/chunk_stats.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "server/common/check.h"
 #include "server/common/fp16.h"
 
 namespace kvtier {
 
-uint16_t ChunkStats::Narrow(float x) const {
-  if (kind_ == HalfKind::kBf16) return FloatToBf16(x);
-  return FloatToHalf(std::clamp(x, -65504.f, 65504.f));  // a mean of halves lies within
+void ChunkStats::Narrow(const float* x) {
+  // A bf16 sum may overflow to infinity; it is held as the largest float.
+  constexpr float kMax = std::numeric_limits<float>::max();
+  float top = 0.f;
+  for (int j = 0; j < d_; ++j) top = std::max(top, std::min(std::fabs(x[j]), kMax));
+  const float scale = top / 127.f;
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  for (int j = 0; j < d_; ++j) {
+    const float code =
+        std::clamp(std::nearbyint(std::clamp(x[j], -kMax, kMax) * inv), -127.f, 127.f);
+    codes_.push_back(static_cast<int8_t>(code));
+  }
+  scales_.push_back(scale);
+}
+
+void ChunkStats::Widen(uint32_t c, int part, float* out) const {
+  const int8_t* q = &codes_[Code(c, part)];
+  const float scale = scales_[ScaleAt(c, part)];
+  for (int j = 0; j < d_; ++j) out[j] = static_cast<float>(q[j]) * scale;
 }
 
 void ChunkStats::Mean(uint32_t c, float* out) const {
-  if (c < compact_) {
-    const uint16_t* h = &means_h_[static_cast<size_t>(c) * d_];
-    for (int j = 0; j < d_; ++j) out[j] = Widen(h[j]);
-    return;
-  }
+  if (c < compact_) return Widen(c, 0, out);
   const float inv = 1.f / static_cast<float>(tokens_[c]);
   const float* s = &sums_[Loose(c)];
   for (int j = 0; j < d_; ++j) out[j] = s[j] * inv;
 }
 
 void ChunkStats::Peak(uint32_t c, float* out) const {
-  if (c < compact_) {
-    const uint16_t* h = &peaks_h_[static_cast<size_t>(c) * d_];
-    for (int j = 0; j < d_; ++j) out[j] = Widen(h[j]);
-    return;
-  }
+  if (c < compact_) return Widen(c, 1, out);
   std::copy_n(&peaks_[Loose(c)], d_, out);
 }
 
@@ -44,24 +54,31 @@ const float* ChunkStats::peak(uint32_t c) const {
 
 ChunkCandidate ChunkStats::candidate(uint32_t c) const {
   if (c < compact_) {
-    const size_t at = static_cast<size_t>(c) * d_;
-    return {c, tokens_[c], nullptr, 1.f, nullptr, &means_h_[at], &peaks_h_[at], kind_};
+    return {c,
+            tokens_[c],
+            nullptr,
+            1.f,
+            nullptr,
+            &codes_[Code(c, 0)],
+            &codes_[Code(c, 1)],
+            scales_[ScaleAt(c, 0)],
+            scales_[ScaleAt(c, 1)]};
   }
   return {c, tokens_[c], key_sum(c), 1.f / static_cast<float>(tokens_[c]), peak(c)};
 }
 
 const void* ChunkStats::mean_data(uint32_t c) const {
-  return c < compact_ ? static_cast<const void*>(&means_h_[static_cast<size_t>(c) * d_])
+  return c < compact_ ? static_cast<const void*>(&codes_[Code(c, 0)])
                       : static_cast<const void*>(&sums_[Loose(c)]);
 }
 
 const void* ChunkStats::peak_data(uint32_t c) const {
-  return c < compact_ ? static_cast<const void*>(&peaks_h_[static_cast<size_t>(c) * d_])
+  return c < compact_ ? static_cast<const void*>(&codes_[Code(c, 1)])
                       : static_cast<const void*>(&peaks_[Loose(c)]);
 }
 
 size_t ChunkStats::vector_bytes(uint32_t c) const {
-  return static_cast<size_t>(d_) * (c < compact_ ? sizeof(uint16_t) : sizeof(float));
+  return static_cast<size_t>(d_) * (c < compact_ ? sizeof(int8_t) : sizeof(float));
 }
 
 void ChunkStats::Grow(uint32_t c) {
@@ -117,11 +134,8 @@ void ChunkStats::MarkFinal(uint32_t n) {
   std::vector<float> mean(d_);
   for (uint32_t c = compact_; c < n; ++c) {
     Mean(c, mean.data());
-    const float* p = &peaks_[Loose(c)];
-    for (int j = 0; j < d_; ++j) {
-      means_h_.push_back(Narrow(mean[j]));
-      peaks_h_.push_back(Narrow(p[j]));
-    }
+    Narrow(mean.data());
+    Narrow(&peaks_[Loose(c)]);
   }
   sums_.erase(sums_.begin(), sums_.begin() + static_cast<ptrdiff_t>(moved));
   peaks_.erase(peaks_.begin(), peaks_.begin() + static_cast<ptrdiff_t>(moved));
@@ -131,12 +145,11 @@ void ChunkStats::MarkFinal(uint32_t n) {
 void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   CHECK(n <= from.size() && from.d_ == d_) << n << " of " << from.size();
   const uint32_t compact = std::min(n, from.compact_);
-  const auto halves = static_cast<ptrdiff_t>(compact) * d_;
+  const auto codes = static_cast<ptrdiff_t>(compact) * 2 * d_;
   const auto floats = static_cast<ptrdiff_t>(n - compact) * d_;
-  kind_ = from.kind_;
   tokens_.assign(from.tokens_.begin(), from.tokens_.begin() + n);
-  means_h_.assign(from.means_h_.begin(), from.means_h_.begin() + halves);
-  peaks_h_.assign(from.peaks_h_.begin(), from.peaks_h_.begin() + halves);
+  codes_.assign(from.codes_.begin(), from.codes_.begin() + codes);
+  scales_.assign(from.scales_.begin(), from.scales_.begin() + 2 * static_cast<ptrdiff_t>(compact));
   sums_.assign(from.sums_.begin(), from.sums_.begin() + floats);
   peaks_.assign(from.peaks_.begin(), from.peaks_.begin() + floats);
   compact_ = compact;

@@ -3,21 +3,25 @@
 // dequantized keys of a cold chunk), and how many of the chunks have final statistics.
 //
 // Two forms, chunk by chunk in order. A chunk whose statistics are final is held compact: its
-// mean and peak as 2-byte floats of the stream's kind (fp16 or bf16; a peak is one of the
-// chunk's rows, so it is exact, and the mean is rounded once), half the bytes of floats. The
-// chunks after those (the recent window, and chunks aging has not finished) keep a float sum
-// and peak, which appends grow:
+// mean and its peak each as head_dim signed bytes times one float scale (the vector's largest
+// magnitude over 127, each byte rounded to nearest: within half a step, 1/254 of that
+// magnitude, of the float), a quarter of the bytes of floats. The chunks after those (the
+// recent window, and chunks aging has not finished) keep a float sum and peak, which appends
+// grow:
 //
 //   tokens    uint32 [chunks]
-//   means_h   half   [compact][head_dim]     the compact chunks [0, compact_chunks())
-//   peaks_h   half   [compact][head_dim]
+//   codes     int8   [compact][2][head_dim]   the compact chunks [0, compact_chunks()): mean,
+//                                             then peak, side by side (one read scores both)
+//   scales    float  [compact][2]             mean's, then peak's
 //   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
 //   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
 //
-// The ranking reads either form through ChunkCandidate. Statistics are final for the chunks
-// [0, final_chunks()): they no longer change, and only those may enter a cluster index (whose
-// bounds assume fixed statistics). Changing a final or compact chunk is a broken invariant
-// (CHECK). A fork's copy keeps the compact chunks it copies compact, none of them final yet.
+// The ranking reads either form through ChunkCandidate; the cluster index bounds the compact
+// values, so its searches stay exact against the scan over the same statistics. Statistics
+// are final for the chunks [0, final_chunks()): they no longer change, and only those may
+// enter a cluster index (whose bounds assume fixed statistics). Changing a final or compact
+// chunk is a broken invariant (CHECK). A fork's copy keeps the compact chunks it copies
+// compact, none of them final yet.
 //
 // Not thread-safe: its stream's owner serializes access.
 #ifndef KVTIER_SERVER_INDEX_CHUNK_STATS_H_
@@ -27,7 +31,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 
@@ -35,13 +38,12 @@ namespace kvtier {
 
 class ChunkStats {
  public:
-  explicit ChunkStats(int head_dim, HalfKind kind = HalfKind::kFp16) : d_(head_dim), kind_(kind) {}
+  explicit ChunkStats(int head_dim) : d_(head_dim) {}
 
   int head_dim() const { return d_; }
-  HalfKind kind() const { return kind_; }
   uint32_t size() const { return static_cast<uint32_t>(tokens_.size()); }
   uint32_t tokens(uint32_t c) const { return tokens_[c]; }
-  // Chunk c's mean key and peak as head_dim floats into out (the compact halves widened).
+  // Chunk c's mean key and peak as head_dim floats into out (the compact bytes times scale).
   void Mean(uint32_t c, float* out) const;
   void Peak(uint32_t c, float* out) const;
   // The float sum and peak of a chunk that is not compact.
@@ -49,10 +51,12 @@ class ChunkStats {
   const float* peak(uint32_t c) const;
   // The chunk as the ranking scores it (ChunkCandidate points into these arrays).
   ChunkCandidate candidate(uint32_t c) const;
-  // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak), and how many.
+  // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak: side by side
+  // when it is compact), and how many each.
   const void* mean_data(uint32_t c) const;
   const void* peak_data(uint32_t c) const;
   size_t vector_bytes(uint32_t c) const;
+  bool compact(uint32_t c) const { return c < compact_; }
 
   // Adds n key rows ([n][head_dim] halves of `kind`) to chunk c's sum and token count; c ==
   // size() appends a chunk first. The peak is left as it is.
@@ -77,23 +81,24 @@ class ChunkStats {
 
   // The heap bytes its arrays hold (their capacities), and the object itself.
   size_t MemoryBytes() const {
-    return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) +
-           (means_h_.capacity() + peaks_h_.capacity()) * sizeof(uint16_t) +
-           (sums_.capacity() + peaks_.capacity()) * sizeof(float);
+    return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) + codes_.capacity() +
+           (scales_.capacity() + sums_.capacity() + peaks_.capacity()) * sizeof(float);
   }
 
  private:
   void Grow(uint32_t c);
   size_t Loose(uint32_t c) const { return static_cast<size_t>(c - compact_) * d_; }
-  float Widen(uint16_t h) const {
-    return kind_ == HalfKind::kFp16 ? HalfToFloat(h) : Bf16ToFloat(h);
-  }
-  uint16_t Narrow(float x) const;
+  // Where compact chunk c's vector `part` (0 mean, 1 peak) begins in codes_, its scale's index.
+  size_t Code(uint32_t c, int part) const { return (static_cast<size_t>(c) * 2 + part) * d_; }
+  size_t ScaleAt(uint32_t c, int part) const { return static_cast<size_t>(c) * 2 + part; }
+  // Appends x (d_ floats) to codes_ and scales_ as bytes and their scale.
+  void Narrow(const float* x);
+  void Widen(uint32_t c, int part, float* out) const;
 
   int d_;
-  HalfKind kind_;
   std::vector<uint32_t> tokens_;
-  std::vector<uint16_t> means_h_, peaks_h_;
+  std::vector<int8_t> codes_;
+  std::vector<float> scales_;
   std::vector<float> sums_;
   std::vector<float> peaks_;
   uint32_t compact_ = 0;

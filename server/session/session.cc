@@ -47,7 +47,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
       needs_(shape_.num_layers()) {
   streams_.reserve(static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads());
   for (size_t i = 0; i < static_cast<size_t>(shape_.num_layers()) * shape_.num_kv_heads(); ++i) {
-    streams_.emplace_back(shape_.head_dim(), FormatOf(shape_, policy_).kind());
+    streams_.emplace_back(shape_.head_dim());
   }
   MutexLock lock(&mu_);
   charge_ = charge.bytes() > 0 ? std::move(charge) : MetadataCharge(env_.host, tenant_);
@@ -80,9 +80,10 @@ uint64_t Session::CreationBytes(const v1::ModelShape& shape,
 
 uint64_t Session::ChunkBytesEstimate(const ChunkFormat& f) {
   // What one more chunk holds however it ages: its record, its slot's heap, its token count
-  // and its compact mean and peak (a new chunk's float sums are more, until it is final).
+  // and its compact mean and peak, bytes and a scale each (a new chunk's float sums are more,
+  // until it is final).
   // Arrays that double, row offsets and the index's share are counted as measured.
-  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) + 2 * f.head_dim * sizeof(uint16_t);
+  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) + 2 * (f.head_dim + sizeof(float));
 }
 
 uint64_t Session::MeasureMetadata() const {

@@ -116,9 +116,7 @@ inline constexpr uint64_t kSlotHeapBytes = (sizeof(Slot) + 15) / 16 * 16 + 32;
 
 class Stream {
  public:
-  // `kind`: the session's 2-byte float, which the compact statistics keep (ChunkStats).
-  explicit Stream(uint32_t head_dim, HalfKind kind = HalfKind::kFp16)
-      : stats_(static_cast<int>(head_dim), kind) {}
+  explicit Stream(uint32_t head_dim) : stats_(static_cast<int>(head_dim)) {}
   Stream(Stream&&) = default;
   Stream& operator=(Stream&&) = default;
 
