@@ -16,23 +16,11 @@
 namespace kvtier {
 namespace {
 
-double Dist(const float* x, const float* y, int d) {
-  double s = 0;
-  for (int j = 0; j < d; ++j) s += (double(x[j]) - y[j]) * (double(x[j]) - y[j]);
-  return std::sqrt(s);
-}
-
 // |x - y|^2 in float over n <= 1024 floats (a [mean | peak] point at head_dim 512).
 float SquaredDistance(const float* x, const float* y, int n) {
   float diff[1024];
   for (int j = 0; j < n; ++j) diff[j] = x[j] - y[j];
   return Dot(diff, diff, n);
-}
-
-// |x - c| in float, inflated past its rounding error (64 products and sums: well under
-// 1e-5 relative), so that a radius never undercuts the distance it covers.
-float RadiusTo(const float* x, const float* c, int d) {
-  return std::sqrt(SquaredDistance(x, c, d)) * (1.f + 1e-5f) + 1e-30f;
 }
 
 }  // namespace
@@ -56,9 +44,8 @@ size_t ClusterIndex::MemoryBytes() const {
     return b.box.capacity() * sizeof(uint16_t) + b.scalars.capacity() * sizeof(float);
   };
   size_t bytes = sizeof(*this) + clusters_.capacity() * sizeof(Cluster) +
-                 units_.capacity() * sizeof(Unit) +
-                 (cluster_arena_.capacity() + unit_arena_.capacity()) * sizeof(uint16_t) +
-                 block(units_block_) + node_of_.capacity() * sizeof(uint32_t);
+                 units_.capacity() * sizeof(Unit) + block(units_block_) +
+                 node_of_.capacity() * sizeof(uint32_t);
   for (const Cluster& c : clusters_) {
     if (c.chunks.capacity() > 2 * kClusterChunks + 1)
       bytes += c.chunks.capacity() * sizeof(uint32_t);
@@ -82,35 +69,8 @@ void ClusterIndex::ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) c
 
 void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
                            const ChunkStats& a) {
-  // Centers first (the means and peaks averaged), then every chunk widens the empty bounds.
+  // Every chunk widens the empty bounds; the boxes in float, then written to the lane once.
   const size_t d = d_;
-  if (b.slot == kNone) {
-    std::vector<uint16_t>& arena = b.unit ? unit_arena_ : cluster_arena_;
-    b.slot = static_cast<uint32_t>(arena.size() / (kParts * d));
-    arena.resize(arena.size() + kParts * d);
-  }
-  std::vector<float> means(chunks.size() * d), peaks(chunks.size() * d);
-  std::vector<double> mc(d, 0.0), pc(d, 0.0);
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    Mean(chunks[i], a, &means[i * d]);
-    Peak(chunks[i], a, &peaks[i * d]);
-    const float* p = &peaks[i * d];
-    for (size_t j = 0; j < d; ++j) {
-      mc[j] += means[i * d + j];
-      pc[j] += p[j];
-    }
-  }
-  float mu_center[kMaxHeadDim], peak_center[kMaxHeadDim];
-  for (size_t j = 0; j < d; ++j) {
-    mu_center[j] = static_cast<float>(mc[j] / chunks.size());
-    peak_center[j] = static_cast<float>(pc[j] / chunks.size());
-  }
-  SetCenter(b, kMuCenter, mu_center);  // the rounded centers, from here on
-  SetCenter(b, kPeakCenter, peak_center);
-  b.mu_center_norm = static_cast<float>(Norm(mu_center, d_));
-  b.peak_center_norm = static_cast<float>(Norm(peak_center, d_));
-  // Radii and tokens chunk by chunk; the boxes in float, then written to the lane once.
-  b.mu_radius = b.peak_radius = 0;
   b.max_tokens = 0;
   b.min_tokens = std::numeric_limits<uint32_t>::max();
   float box[kBoxParts * kMaxHeadDim];
@@ -120,10 +80,11 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
         &box[part * d], d,
         hi ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
   }
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    const float* mu = &means[i * d];
-    const float* p = &peaks[i * d];
-    WidenBounds(b, mu_center, peak_center, a.tokens(chunks[i]), mu, p);
+  float mu[kMaxHeadDim], p[kMaxHeadDim];
+  for (uint32_t ch : chunks) {
+    Mean(ch, a, mu);
+    Peak(ch, a, p);
+    WidenTokens(b, a.tokens(ch));
     for (size_t j = 0; j < d; ++j) {
       box[kMuHi * d + j] = std::max(box[kMuHi * d + j], mu[j]);
       box[kMuLo * d + j] = std::min(box[kMuLo * d + j], mu[j]);
@@ -132,26 +93,11 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
     }
   }
   StoreBoxes(l, box);
+  LaneScalars(l, b);
   SetScalars(l, b);
 }
 
-void ClusterIndex::Center(const Bounds& b, int part, float* out) const {
-  const uint16_t* h = Part(b, part);
-  for (int j = 0; j < d_; ++j) out[j] = HalfToFloat(h[j]);
-}
-
-void ClusterIndex::SetCenter(const Bounds& b, int part, float* in) {
-  uint16_t* h = Part(b, part);
-  for (int j = 0; j < d_; ++j) {
-    h[j] = FloatToHalf(std::clamp(in[j], -65504.f, 65504.f));
-    in[j] = HalfToFloat(h[j]);
-  }
-}
-
-void ClusterIndex::WidenBounds(Bounds& b, const float* mu_c, const float* peak_c, uint32_t tokens,
-                               const float* mu, const float* p) {
-  b.mu_radius = std::max(b.mu_radius, RadiusTo(mu, mu_c, d_));
-  b.peak_radius = std::max(b.peak_radius, RadiusTo(p, peak_c, d_));
+void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
   if (tokens > b.max_tokens || b.max_tokens == 0) {
     b.max_tokens = tokens;
     b.log_rest = b.max_tokens > 1 ? std::log(static_cast<float>(b.max_tokens - 1))
@@ -160,13 +106,43 @@ void ClusterIndex::WidenBounds(Bounds& b, const float* mu_c, const float* peak_c
   b.min_tokens = std::min(b.min_tokens, tokens);
 }
 
+void ClusterIndex::LaneScalars(Lane l, Bounds& b) const {
+  // In double from the stored halves (which bound the chunks), then inflated past the
+  // float rounding; a side beyond the half range makes them infinite (the lane is unbounded).
+  const Block& blk = *l.blk;
+  double mu = 0, peak = 0, extent = 0;
+  for (int j = 0; j < d_; ++j) {
+    auto at = [&](int part) {
+      return double(
+          HalfToFloat(blk.box[BoxIndex(blk, l.lane, static_cast<size_t>(part) * d_ + j)]));
+    };
+    const double mh = at(kMuHi), ml = at(kMuLo), ph = at(kPeakHi), pl = at(kPeakLo);
+    mu += std::max(mh * mh, ml * ml);
+    peak += std::max(ph * ph, pl * pl);
+    extent += (mh - ml) * (mh - ml);
+  }
+  b.mu_corner = static_cast<float>(std::sqrt(mu) * (1 + 1e-6));
+  b.peak_corner = static_cast<float>(std::sqrt(peak) * (1 + 1e-6));
+  b.extent = static_cast<float>(std::sqrt(extent) * (1 + 1e-6));
+}
+
+void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const {
+  auto side = [&](int part, int j) {
+    const float x = HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]);
+    return std::clamp(x, -65504.f, 65504.f);
+  };
+  for (int j = 0; j < d_; ++j) {
+    mu[j] = 0.5f * (side(kMuHi, j) + side(kMuLo, j));
+    peak[j] = 0.5f * (side(kPeakHi, j) + side(kPeakLo, j));
+  }
+}
+
 void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a) {
-  float p[kMaxHeadDim], mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
+  float p[kMaxHeadDim];
   Peak(chunk, a, p);
-  Center(b, kMuCenter, mu_c);
-  Center(b, kPeakCenter, peak_c);
-  WidenBounds(b, mu_c, peak_c, a.tokens(chunk), mu, p);
+  WidenTokens(b, a.tokens(chunk));
   WidenBoxes(l, mu, p);
+  LaneScalars(l, b);
   SetScalars(l, b);
 }
 
@@ -184,10 +160,28 @@ ClusterIndex::Lane ClusterIndex::ClusterLane(uint32_t cluster) {
 }
 
 void ClusterIndex::Reserve(Block& blk, uint32_t lane) const {
+  // Moves the narrow last tile's rows (at `at`, `rows` of them) to the full width, last row
+  // first: a row's new place is never below an unmoved row's old one.
+  auto widen = [](auto* at, size_t rows) {
+    for (size_t r = rows; r-- > 0;) {
+      for (uint32_t i = kTile; i-- > 0;) {
+        at[r * kTile + i] = i < kNarrowTile ? at[r * kNarrowTile + i] : 0;
+      }
+    }
+  };
   while (lane >= blk.cap) {
-    blk.box.resize(blk.box.size() + BoxRows() * kTile, 0);
-    blk.scalars.resize(blk.scalars.size() + kScalars * kTile, 0.f);
-    blk.cap += kTile;
+    const uint32_t t = blk.cap / kTile * kTile;  // where the last tile begins
+    if (blk.cap == t) {                          // every tile full: a narrow one
+      blk.box.resize(blk.box.size() + BoxRows() * kNarrowTile, 0);
+      blk.scalars.resize(blk.scalars.size() + kScalars * kNarrowTile, 0.f);
+      blk.cap += kNarrowTile;
+      continue;
+    }
+    blk.box.resize(blk.box.size() + BoxRows() * (kTile - kNarrowTile), 0);
+    blk.scalars.resize(blk.scalars.size() + kScalars * (kTile - kNarrowTile), 0.f);
+    widen(&blk.box[static_cast<size_t>(t) * BoxRows()], BoxRows());
+    widen(&blk.scalars[static_cast<size_t>(t) * kScalars], size_t{kScalars});
+    blk.cap = t + kTile;
   }
 }
 
@@ -197,13 +191,14 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   for (int part = 0; part < kBoxParts; ++part) {
     FloatsToHalvesDirected(&box[part * d_], d_, IsUpper(part), &rounded[part * d_]);
   }
-  uint16_t* out = &l.blk->box[BoxIndex(l.lane, 0)];  // row r at out[r * kTile]
+  uint16_t* out = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at out[r * w]
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
   bool finite = true;
   for (size_t r = 0; r < BoxRows(); ++r) {
-    out[r * kTile] = rounded[r];
+    out[r * w] = rounded[r];
     finite = finite && !HalfIsNonFinite(rounded[r]);
   }
-  l.blk->scalars[ScalarIndex(l.lane, kUnbounded)] = finite ? 0.f : 1.f;
+  l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = finite ? 0.f : 1.f;
 }
 
 void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak) const {
@@ -212,35 +207,37 @@ void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak) const 
   FloatsToHalvesDirected(mu, d_, false, &rounded[kMuLo * d_]);
   FloatsToHalvesDirected(peak, d_, true, &rounded[kPeakHi * d_]);
   FloatsToHalvesDirected(peak, d_, false, &rounded[kPeakLo * d_]);
-  uint16_t* box = &l.blk->box[BoxIndex(l.lane, 0)];  // row r at box[r * kTile]
+  uint16_t* box = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at box[r * w]
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
   bool finite = true;
   for (int part = 0; part < kBoxParts; ++part) {
     const bool hi = IsUpper(part);
     for (int j = 0; j < d_; ++j) {
       const size_t r = static_cast<size_t>(part) * d_ + j;
-      uint16_t& v = box[r * kTile];
+      uint16_t& v = box[r * w];
       const bool wider = hi ? HalfKey(rounded[r]) > HalfKey(v) : HalfKey(rounded[r]) < HalfKey(v);
       if (wider) v = rounded[r];
       finite = finite && !HalfIsNonFinite(rounded[r]);
     }
   }
-  if (!finite) l.blk->scalars[ScalarIndex(l.lane, kUnbounded)] = 1.f;
+  if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 
 void ClusterIndex::SetScalars(Lane l, const Bounds& b) const {
-  // The rounding margins scale with the largest corner of each box: at most the center's
-  // norm plus sqrt(d) times the radius.
-  const float sqrt_d = std::sqrt(static_cast<float>(d_));
-  l.blk->scalars[ScalarIndex(l.lane, kMarginA)] = b.mu_center_norm + sqrt_d * b.mu_radius;
-  l.blk->scalars[ScalarIndex(l.lane, kMarginP)] = b.peak_center_norm + sqrt_d * b.peak_radius;
-  l.blk->scalars[ScalarIndex(l.lane, kLogRest)] = b.log_rest;
+  // The rounding margins scale with the largest norm of a point in each box.
+  Block& blk = *l.blk;
+  blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = b.mu_corner;
+  blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = b.peak_corner;
+  blk.scalars[ScalarIndex(blk, l.lane, kLogRest)] = b.log_rest;
 }
 
 void ClusterIndex::CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const {
   Reserve(dst, to);
-  for (size_t r = 0; r < BoxRows(); ++r) dst.box[BoxIndex(to, r)] = src.box[BoxIndex(from, r)];
+  for (size_t r = 0; r < BoxRows(); ++r) {
+    dst.box[BoxIndex(dst, to, r)] = src.box[BoxIndex(src, from, r)];
+  }
   for (int k = 0; k < kScalars; ++k) {
-    dst.scalars[ScalarIndex(to, k)] = src.scalars[ScalarIndex(from, k)];
+    dst.scalars[ScalarIndex(dst, to, k)] = src.scalars[ScalarIndex(src, from, k)];
   }
 }
 
@@ -252,7 +249,8 @@ uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const floa
   float best_width = std::numeric_limits<float>::infinity();
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint32_t n = std::min(kTile, lanes - t);
-    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(t, 0)], kTile, static_cast<int>(n), grow, width);
+    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(blk, t, 0)], static_cast<int>(TileWidth(blk, t)),
+              static_cast<int>(n), grow, width);
     for (uint32_t i = 0; i < n; ++i) {
       // An unbounded lane (a box beyond the half range: infinite or NaN width) is taken only
       // when no lane is bounded.
@@ -340,7 +338,7 @@ uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit,
   c.lane = static_cast<uint32_t>(units_[unit].clusters.size());
   units_[unit].clusters.push_back(id);
   Rebuild(c.b, ClusterLane(id), c.chunks, a);
-  c.built_radius = c.b.mu_radius;
+  c.built_extent = c.b.extent;
   for (uint32_t ch : c.chunks) node_of_[ch] = id;
   return id;
 }
@@ -368,9 +366,8 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkStats& a) {
   const uint32_t unit = clusters_[cluster].unit;
   clusters_[cluster].chunks.assign(left.begin(), left.end());
   Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
-  clusters_[cluster].built_radius = clusters_[cluster].b.mu_radius;
-  // The new cluster takes the unit's next lane. The unit's bounds already cover every chunk
-  // (its center stays until it is rebuilt).
+  clusters_[cluster].built_extent = clusters_[cluster].b.extent;
+  // The new cluster takes the unit's next lane. The unit's bounds already cover every chunk.
   NewCluster(std::move(right), unit, a);
   if (units_[unit].clusters.size() > 2 * opt_.unit_clusters) SplitUnit(unit, a);
 }
@@ -380,11 +377,9 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   const size_t stride = 2 * static_cast<size_t>(d_);
   std::vector<float> points(cls.size() * stride);
   for (size_t i = 0; i < cls.size(); ++i) {
-    const Bounds& b = clusters_[cls[i]].b;
-    float mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
-    Center(b, kMuCenter, mu_c);
-    Center(b, kPeakCenter, peak_c);
-    Point(mu_c, peak_c, &points[i * stride]);
+    float mu_m[kMaxHeadDim], peak_m[kMaxHeadDim];
+    LaneMiddles(units_[unit].block, clusters_[cls[i]].lane, mu_m, peak_m);
+    Point(mu_m, peak_m, &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
   // Halves of equal count: a unit's box spans its clusters', and units split unevenly by
@@ -395,7 +390,6 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   // places, in this unit (renumbered) and in the new one.
   const uint32_t id = static_cast<uint32_t>(units_.size());
   units_.emplace_back();
-  units_[id].b.unit = true;
   const Block old = std::move(units_[unit].block);
   units_[unit].block = Block{};
   for (auto [target, members] : {std::pair{unit, &left}, std::pair{id, &right}}) {
@@ -417,7 +411,6 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   ++num_chunks_;
   if (units_.empty()) {
     units_.emplace_back();
-    units_[0].b.unit = true;
     NewCluster({chunk}, 0, a);
     Rebuild(units_[0].b, UnitLane(0), std::span<const uint32_t>(&chunk, 1), a);
     return;
@@ -440,8 +433,8 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   Widen(cl.b, ClusterLane(best_cluster), chunk, mu, a);
   Widen(units_[best_unit].b, UnitLane(best_unit), chunk, mu, a);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
-  const bool too_wide = cl.chunks.size() >= 4 && cl.built_radius > 0 &&
-                        cl.b.mu_radius > opt_.resplit_radius * cl.built_radius;
+  const bool too_wide = cl.chunks.size() >= 4 && cl.built_extent > 0 &&
+                        cl.b.extent > opt_.resplit_extent * cl.built_extent;
   if (too_big || too_wide) SplitCluster(best_cluster, a);
 }
 
@@ -449,32 +442,35 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
   std::vector<int> seen(node_of_.size(), 0);
   std::vector<float> mu(d_), peak(d_);
   // Each node's bounds and its lane (the only copy of its boxes) cover each of its chunks:
-  // radii, boxes (unless the lane is marked unbounded), token counts; and the lane's scalars
-  // are those of its bounds.
-  const float sqrt_d = std::sqrt(static_cast<float>(d_));
+  // boxes (unless the lane is marked unbounded), token counts; and the node's corners and
+  // extent are those its lane's boxes give, as are the lane's scalars.
   auto covers = [&](const Bounds& b, const Block& blk, uint32_t lane, uint32_t ch) -> std::string {
     if (lane >= blk.cap) return "no lane";
     Mean(ch, a, mu.data());
     Peak(ch, a, peak.data());
     const float* p = peak.data();
-    float mu_c[kMaxHeadDim], peak_c[kMaxHeadDim];
-    Center(b, kMuCenter, mu_c);
-    Center(b, kPeakCenter, peak_c);
-    if (Dist(mu.data(), mu_c, d_) > b.mu_radius) return "mean outside radius";
-    if (Dist(p, peak_c, d_) > b.peak_radius) return "peak outside radius";
     auto box = [&](int part, int j) {
-      return HalfToFloat(blk.box[BoxIndex(lane, static_cast<size_t>(part) * d_ + j)]);
+      return HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]);
     };
-    if (blk.scalars[ScalarIndex(lane, kUnbounded)] == 0.f) {
+    if (blk.scalars[ScalarIndex(blk, lane, kUnbounded)] == 0.f) {
       for (int j = 0; j < d_; ++j) {
         if (mu[j] < box(kMuLo, j) || mu[j] > box(kMuHi, j)) return "mean outside box";
         if (p[j] < box(kPeakLo, j) || p[j] > box(kPeakHi, j)) return "peak outside box";
       }
     }
     if (a.tokens(ch) > b.max_tokens) return "tokens above max";
-    if (blk.scalars[ScalarIndex(lane, kMarginA)] != b.mu_center_norm + sqrt_d * b.mu_radius ||
-        blk.scalars[ScalarIndex(lane, kMarginP)] != b.peak_center_norm + sqrt_d * b.peak_radius ||
-        blk.scalars[ScalarIndex(lane, kLogRest)] != b.log_rest) {
+    if (Norm(mu.data(), d_) > b.mu_corner || Norm(p, d_) > b.peak_corner) {
+      return "a point beyond its box's corner";
+    }
+    Bounds from_lane = b;
+    LaneScalars(Lane{const_cast<Block*>(&blk), lane}, from_lane);
+    if (from_lane.mu_corner != b.mu_corner || from_lane.peak_corner != b.peak_corner ||
+        from_lane.extent != b.extent) {
+      return "corners or extent differ from the lane's boxes";
+    }
+    if (blk.scalars[ScalarIndex(blk, lane, kMarginA)] != b.mu_corner ||
+        blk.scalars[ScalarIndex(blk, lane, kMarginP)] != b.peak_corner ||
+        blk.scalars[ScalarIndex(blk, lane, kLogRest)] != b.log_rest) {
       return "lane scalars differ from the bounds";
     }
     return "";

@@ -11,8 +11,10 @@
 // both dot products and in the token count, so the node bound is that score at the two
 // maxima and the node's largest count, plus a margin for float rounding. Boxes only grow
 // between rebuilds, and are stored rounded outwards, so bounds stay conservative; tests check
-// that no chunk ever scores above a node's bound. Each node also keeps centers and radii
-// (max |mu_c - m|), which steer re-splits.
+// that no chunk ever scores above a node's bound. A node keeps nothing else but a few scalars
+// read from its boxes: the largest norm of a point in each box (the rounding margin) and the
+// diagonal of its mean box, which steers re-splits. (Nodes kept a mean center and a radius
+// around it until the bytes counted: a sixth of the index at head_dim 128.)
 //
 // The index keeps per chunk only its node: token counts, means and peaks are the stream's
 // ChunkStats, handed to each call, and only chunks whose statistics are final enter it.
@@ -55,7 +57,7 @@ class ClusterIndex {
     // (kvtier-bench, when chunks joined by direction) it took the LSE-peak search's work from 0.10
     // to 0.08 of the chunks, and doubled the mean ranking's.
     bool cluster_by_peak = true;
-    float resplit_radius = 1.5f;  // re-split a cluster past this times its built radius
+    float resplit_extent = 1.5f;  // re-split a cluster past this times its built extent
   };
 
   struct SearchStats {
@@ -135,67 +137,60 @@ class ClusterIndex {
   static constexpr uint32_t kNone = ~0u;
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
-  // The bound fields shared by clusters and units. A node's two centers lie together in an
-  // arena, [mu_center | peak_center], head_dim halves each (Part, below), fixed between rebuilds;
-  // units and clusters have arenas of their own. Its boxes live only in its lane of a block
-  // (below).
-  enum Part { kMuCenter, kPeakCenter, kParts };
+  // The bound fields shared by clusters and units, beside the boxes in its lane of a block
+  // (below), and read from them (LaneScalars).
   struct Bounds {
-    uint32_t slot = kNone;  // the node's place in its arena
-    bool unit = false;      // in unit_arena_, else cluster_arena_
-    float mu_center_norm = 0, peak_center_norm = 0;
-    float mu_radius = 0, peak_radius = 0;
+    // The largest norm of a point in the mean box and in the peak box, sqrt(sum_j max(lo_j^2,
+    // hi_j^2)), inflated past its rounding: what the rounding margins of a bound scale with.
+    float mu_corner = 0, peak_corner = 0;
+    float extent = 0;  // |hi - lo| of the mean box, inflated likewise: its diagonal
     uint32_t max_tokens = 0;
     uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
   };
-  // A node's center in its arena, kept as IEEE halves: a center only steers re-splits and
-  // the radii, which are measured against this same rounded center, so half precision costs
-  // no bound anything (boxes bound the searches) and takes half the bytes of floats.
-  uint16_t* Part(const Bounds& b, int part) {
-    return &(b.unit ? unit_arena_
-                    : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
-  }
-  const uint16_t* Part(const Bounds& b, int part) const {
-    return &(b.unit ? unit_arena_
-                    : cluster_arena_)[(static_cast<size_t>(b.slot) * kParts + part) * d_];
-  }
-  // The center widened into `out` (head_dim floats); SetCenter rounds `in` to halves (to
-  // nearest, clamped to +-65504) and leaves in `in` what was stored.
-  void Center(const Bounds& b, int part, float* out) const;
-  void SetCenter(const Bounds& b, int part, float* in);
 
   // Blocks: what a search reads of a set of nodes (every unit; one unit's clusters), laid out
   // channel-major in tiles of kTile lanes, so that one pass over a tile bounds its nodes eight
-  // per vector operation (DotColumns) and reads memory in order. Tile t holds
-  // box[t][kBoxParts * d][kTile]: a node's per-channel boxes of its chunks' means and peaks,
+  // per vector operation (DotColumns) and reads memory in order. A block's last tile may be
+  // narrow, kNarrowTile lanes, while the block holds no more nodes than that: units hold about
+  // eight clusters, and full tiles left half their lanes empty (0.46 of a 16-token stream's
+  // index bytes at head_dim 128 were empty lanes). Tile t of width w holds
+  // box[kBoxParts * d][w]: a node's per-channel boxes of its chunks' means and peaks,
   // [mu_hi | mu_lo | peak_hi | peak_lo], as IEEE halves rounded outwards (hi up, lo down), so
-  // they cover every chunk in half the bytes of floats; and scalars[t][kScalars][kTile]. The
-  // lane is the only copy of a node's boxes. A box beyond the half range (|x| > 65504) marks
-  // its lane unbounded: its bound is +inf.
+  // they cover every chunk in half the bytes of floats; then scalars[kScalars][w]. The lane is
+  // the only copy of a node's boxes. A box beyond the half range (|x| > 65504) marks its lane
+  // unbounded: its bound is +inf.
   //
   // The searches bound by the box alone. The ball (q.center + |q| R) was measured beside it:
   // on SmolLM2's keys (bench/out/qkv.npz, 5 layers, clusters of 4 chunks) it was the tighter
   // of the two for 2.3% of (node, query) pairs and took 0.3% off the box's slack, and at
   // 128K synthetic tokens dropping it changed no search's work, while it cost a third of
-  // the reads. Centers and radii still steer re-splits.
+  // the reads.
   enum BoxPart { kMuHi, kMuLo, kPeakHi, kPeakLo, kBoxParts };
   // The parts that bound from above (rounded up; widened upwards).
   static constexpr bool IsUpper(int part) { return part == kMuHi || part == kPeakHi; }
   enum Scalar { kMarginA, kMarginP, kLogRest, kUnbounded, kScalars };
-  static constexpr uint32_t kTile = 16;
+  static constexpr uint32_t kTile = 16, kNarrowTile = 8;
   struct Block {
-    uint32_t cap = 0;  // lanes allocated, a multiple of kTile
+    uint32_t cap = 0;  // lanes allocated: full tiles, then a narrow one when cap % kTile != 0
     std::vector<uint16_t> box;
     std::vector<float> scalars;
   };
   size_t BoxRows() const { return static_cast<size_t>(kBoxParts) * d_; }
-  // Where row r of lane `lane` lies in a block's box (rows < BoxRows()) or scalars.
-  size_t BoxIndex(uint32_t lane, size_t r) const {
-    return ((lane / kTile) * BoxRows() + r) * kTile + lane % kTile;
+  // The width of the tile that begins at lane t (a multiple of kTile).
+  static uint32_t TileWidth(const Block& blk, uint32_t t) {
+    return t + kTile <= blk.cap ? kTile : kNarrowTile;
   }
-  static size_t ScalarIndex(uint32_t lane, int s) {
-    return ((lane / kTile) * kScalars + s) * kTile + lane % kTile;
+  // Where row r of lane `lane` lies in a block's box (rows < BoxRows()) or scalars; rows of
+  // its tile lie TileWidth apart.
+  size_t BoxIndex(const Block& blk, uint32_t lane, size_t r) const {
+    const uint32_t t = lane / kTile * kTile;
+    return t * BoxRows() + r * TileWidth(blk, t) + lane % kTile;
+  }
+  static size_t ScalarIndex(const Block& blk, uint32_t lane, int s) {
+    const uint32_t t = lane / kTile * kTile;
+    return static_cast<size_t>(t) * kScalars + static_cast<size_t>(s) * TileWidth(blk, t) +
+           lane % kTile;
   }
   // A node's lane: its boxes and scalars. Taken afresh where used (units_ may grow).
   struct Lane {
@@ -226,7 +221,7 @@ class ClusterIndex {
     absl::InlinedVector<uint32_t, 2 * kClusterChunks + 1> chunks;
     uint32_t unit = kNone;
     uint32_t lane = 0;  // its place in the unit's clusters and block
-    float built_radius = 0;
+    float built_extent = 0;
   };
   struct Unit {
     Bounds b;
@@ -238,14 +233,17 @@ class ClusterIndex {
   void Peak(uint32_t chunk, const ChunkStats& a, float* out) const;
   // [mean | peak] of a chunk: 2 * head_dim floats into out.
   void ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const;
-  // Recomputes b and its lane from scratch over these chunks: centers, radii, boxes, tokens.
+  // Recomputes b and its lane from scratch over these chunks: boxes, tokens, scalars.
   void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkStats& a);
-  // Widens b and its lane to cover one more chunk, whose mean key is `mu` (the center stays).
+  // Widens b and its lane to cover one more chunk, whose mean key is `mu`.
   void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a);
-  // The part of Widen on b alone: radii and token counts, for mean `mu` and peak `p`.
-  // Radii (against the node's stored centers, widened into mu_c and peak_c) and token counts.
-  void WidenBounds(Bounds& b, const float* mu_c, const float* peak_c, uint32_t tokens,
-                   const float* mu, const float* p);
+  // b's token counts over one more chunk of `tokens`.
+  static void WidenTokens(Bounds& b, uint32_t tokens);
+  // b's corners and extent, read from its lane's boxes.
+  void LaneScalars(Lane l, Bounds& b) const;
+  // The middle of a lane's mean box and of its peak box (head_dim floats each; a side beyond
+  // the half range counts as +-65504).
+  void LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const;
   // |x| over d floats, summed in double.
   static double Norm(const float* x, int d);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
@@ -297,8 +295,8 @@ class ClusterIndex {
   void TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, bool spherical, bool balanced,
                 std::vector<uint32_t>* left, std::vector<uint32_t>* right) const;
   // The floats a chunk or a node is split by: PointDim() of them, [mean | peak] with
-  // cluster_by_peak, else the mean alone. Point writes a unit's: the directions of its
-  // clusters' two centers side by side (Pair), or the mean center.
+  // cluster_by_peak, else the mean alone. Point writes a unit's: the directions of the middles
+  // of its clusters' two boxes side by side (Pair), or the mean box's middle.
   int PointDim() const { return opt_.cluster_by_peak ? 2 * d_ : d_; }
   void Point(const float* mu, const float* peak, float* out) const {
     if (opt_.cluster_by_peak) {
@@ -324,9 +322,8 @@ class ClusterIndex {
   Options opt_;
   std::vector<Cluster> clusters_;
   std::vector<Unit> units_;
-  std::vector<uint16_t> cluster_arena_, unit_arena_;  // centers, kParts * d_ halves per slot
-  Block units_block_;                                 // every unit's bounds, lane u = units_[u]
-  std::vector<uint32_t> node_of_;                     // chunk -> cluster, kNone if not indexed
+  Block units_block_;              // every unit's bounds, lane u = units_[u]
+  std::vector<uint32_t> node_of_;  // chunk -> cluster, kNone if not indexed
   size_t num_chunks_ = 0;
 };
 

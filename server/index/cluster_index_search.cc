@@ -57,36 +57,37 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // Tile by tile: [kind][group][kTile], the box bound of q.mu, then of q.peak, one pass over
-  // the tile's rows serving every head; then the bounds in fixed loops of kTile lanes (those
-  // without a node are bounded too, never reported), which the compiler vectorizes, the
+  // the tile's rows serving every head; then the bounds in fixed loops of the tile's W lanes
+  // (those without a node are bounded too, never reported), which the compiler vectorizes, the
   // exponentials eight at a time through ExpInPlace.
   std::vector<float>& dots = p.dots;
   dots.resize(2 * static_cast<size_t>(group) * kTile, 0.f);
   auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * kTile]; };
-  const size_t tile_halves = BoxRows() * kTile;
-  for (uint32_t t = 0; t < lanes; t += kTile) {
-    const uint16_t* tile = &blk.box[BoxIndex(t, 0)];
-    if (t + kTile < lanes) PrefetchBytes(tile + tile_halves, tile_halves * sizeof(uint16_t));
+  auto bound_tile = [&]<uint32_t W>(uint32_t t) {
+    const uint16_t* tile = &blk.box[BoxIndex(blk, t, 0)];
+    if (t + W < lanes) {  // the next tile, of the width it has
+      PrefetchBytes(tile + BoxRows() * W, BoxRows() * TileWidth(blk, t + W) * sizeof(uint16_t));
+    }
     // Only the groups of eight lanes that hold nodes are computed; the others keep what they
     // held (bounded, never reported).
-    const uint32_t in_tile = std::min(kTile, lanes - t);
+    const uint32_t in_tile = std::min(W, lanes - t);
     const int computed = static_cast<int>((in_tile + 7) / 8 * 8);
-    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, kTile, computed, at(0, 0), kTile);
+    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, W, computed, at(0, 0), kTile);
     if (lse) {
-      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * kTile,
-                 2 * d_, kTile, computed, at(1, 0), kTile);
+      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * W, 2 * d_, W,
+                 computed, at(1, 0), kTile);
     }
-    const float* sc = &blk.scalars[ScalarIndex(t, 0)];  // scalar s of lane i: sc[s * kTile + i]
-    const float* margin_a = sc + kMarginA * kTile;
-    const float* margin_p = sc + kMarginP * kTile;
-    const float* log_rest = sc + kLogRest * kTile;
-    float best[kTile];
-    std::fill_n(best, kTile, -kInf);
+    const float* sc = &blk.scalars[ScalarIndex(blk, t, 0)];  // scalar s of lane i: sc[s * W + i]
+    const float* margin_a = sc + kMarginA * W;
+    const float* margin_p = sc + kMarginP * W;
+    const float* log_rest = sc + kLogRest * W;
+    float best[W];
+    std::fill_n(best, W, -kInf);
     for (int h = 0; h < group; ++h) {
       const float* a = at(0, h);
       const float qn = p.norm[h];
       if (!lse) {
-        for (uint32_t i = 0; i < kTile; ++i) {
+        for (uint32_t i = 0; i < W; ++i) {
           best[i] = std::max(best[i], a[i] + 1e-4f * (1 + qn * margin_a[i]));
         }
         continue;
@@ -95,22 +96,29 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
       // e^t) plus the rounding margin. t is clamped at -87: the bound then covers
       // log(1 + e^t) for any smaller t too.
       const float* pk = at(1, h);
-      float hi[kTile], tt[kTile], e[kTile];
-      for (uint32_t i = 0; i < kTile; ++i) {
+      float hi[W], tt[W], e[W];
+      for (uint32_t i = 0; i < W; ++i) {
         const float x = (a[i] + 1e-4f * (1 + qn * margin_a[i])) * inv_sqrt_d + log_rest[i];
         const float y = (pk[i] + 1e-4f * (1 + qn * margin_p[i])) * inv_sqrt_d;
         hi[i] = std::max(x, y);
         tt[i] = std::max(std::min(x, y) - hi[i], -87.f);
         e[i] = tt[i];
       }
-      ExpInPlace(e, kTile);
-      for (uint32_t i = 0; i < kTile; ++i) {
+      ExpInPlace(e, W);
+      for (uint32_t i = 0; i < W; ++i) {
         const float bound = hi[i] + SoftplusUpperBound(tt[i], e[i]) + 1e-5f * (1 + std::abs(hi[i]));
         best[i] = std::max(best[i], bound);
       }
     }
-    const float* unbounded = sc + kUnbounded * kTile;
+    const float* unbounded = sc + kUnbounded * W;
     for (uint32_t i = 0; i < in_tile; ++i) out[t + i] = unbounded[i] != 0.f ? kInf : best[i];
+  };
+  for (uint32_t t = 0; t < lanes; t += kTile) {
+    if (TileWidth(blk, t) == kTile) {
+      bound_tile.template operator()<kTile>(t);
+    } else {
+      bound_tile.template operator()<kNarrowTile>(t);
+    }
   }
 }
 
