@@ -86,8 +86,10 @@ double MallocBytes(size_t x) { return double(std::max<size_t>(32, (x + 8 + 15) /
 //   stats                ChunkStats::MemoryBytes (token counts, key sums, peaks) per chunk;
 //   index                ClusterIndex::MemoryBytes per chunk, the index built over every chunk
 //                        from keys in 32 directions with outlier channels (as kvtier-bench);
-//   bookkeeping          the stream's Chunk record, the Slot object and the shared_ptr control
-//                        block that hold its slot, each as malloc rounds it.
+//   bookkeeping          the stream's Chunk record, the heap of the Slot that holds its slot
+//                        (kSlotHeapBytes: the object and its count, as malloc rounds them),
+//                        and the row offsets of a chunk that semantic chunking (the default)
+//                        regrouped: chunk_tokens 2-byte offsets, as malloc rounds them.
 void StoredBytes(uint32_t d, uint32_t bits, uint32_t n) {
   const uint32_t tokens = 128 * 1024, chunks = tokens / n;
   const QuantLayout L{d, n, bits};
@@ -113,9 +115,8 @@ void StoredBytes(uint32_t d, uint32_t bits, uint32_t n) {
   const double scales = double(L.Bytes()) - codes + sizeof(uint64_t);  // and the table cell
   const double stat_bytes = double(stats.MemoryBytes()) / chunks;
   const double index_bytes = double(index.MemoryBytes()) / chunks;
-  // A SlotRef from `new Slot`: the object, and a control block of two counts, a vtable
-  // pointer and the pointer it deletes.
-  const double bookkeeping = sizeof(Chunk) + MallocBytes(sizeof(Slot)) + MallocBytes(32);
+  const double bookkeeping =
+      sizeof(Chunk) + double(kSlotHeapBytes) + MallocBytes(n * sizeof(uint16_t));
   const double per_token = (codes + scales + stat_bytes + index_bytes + bookkeeping) / n;
   // EVAL.md: a third of fp16 at head_dim 128, 0.36x at 64.
   const char* target = d >= 128 ? "0.33" : "0.36";

@@ -111,8 +111,10 @@ struct AppendPlan {
 };
 
 // The heap a chunk's host slot takes beside its shared memory: the Slot and its shared_ptr's
-// control block, as malloc rounds them.
-inline constexpr uint64_t kSlotHeapBytes = (sizeof(Slot) + 15) / 16 * 16 + 32;
+// counts in one block (make_shared: a vtable pointer and two counts before the object), as
+// glibc's malloc rounds it (8 bytes of header, then to 16, at least 32).
+inline constexpr uint64_t kSlotHeapBytes = (16 + sizeof(Slot) + 8 + 15) / 16 * 16;
+static_assert(sizeof(Slot) == 64);
 
 class Stream {
  public:

@@ -145,10 +145,10 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   tenant_used_[tenant] += slot_bytes;
   ++num_slots_;
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
-  // Not make_shared: the constructor is private to Tier.
   auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
-  return SlotRef(new Slot(this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
-                          next_generation_.fetch_add(1, std::memory_order_relaxed), table + index));
+  return std::make_shared<Slot>(
+      Slot::Key{}, this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
+      next_generation_.fetch_add(1, std::memory_order_relaxed), table + index);
 }
 
 void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {

@@ -55,9 +55,26 @@ struct TierOptions {
 
 class Tier;
 
-// One slot of one segment. Not copyable; held through SlotRef.
+// One slot of one segment. Not copyable; held through SlotRef, which Tier makes in one
+// allocation with its count (std::make_shared; only Tier holds the Key).
 class Slot {
  public:
+  class Key {
+    friend class Tier;
+    Key() = default;
+  };
+  Slot(Key, Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
+       uint64_t offset, uint64_t generation, uint64_t* shared_generation)
+      : tier_(tier),
+        segment_id_(segment_id),
+        data_(data),
+        bytes_(bytes),
+        offset_(offset),
+        generation_(generation),
+        shared_generation_(shared_generation),
+        index_(index) {
+    Publish(generation);
+  }
   Slot(const Slot&) = delete;
   Slot& operator=(const Slot&) = delete;
   ~Slot();  // gives the space back to its tier
@@ -79,18 +96,6 @@ class Slot {
 
  private:
   friend class Tier;
-  Slot(Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
-       uint64_t offset, uint64_t generation, uint64_t* shared_generation)
-      : tier_(tier),
-        segment_id_(segment_id),
-        index_(index),
-        data_(data),
-        bytes_(bytes),
-        offset_(offset),
-        generation_(generation),
-        shared_generation_(shared_generation) {
-    Publish(generation);
-  }
   // Writes the generation where readers of the segment see it.
   void Publish(uint64_t generation) {
     std::atomic_ref<uint64_t>(*shared_generation_).store(generation, std::memory_order_release);
@@ -98,12 +103,12 @@ class Slot {
 
   Tier* const tier_;
   const uint64_t segment_id_;
-  const uint32_t index_;
   uint8_t* const data_;
   const uint64_t bytes_;
   const uint64_t offset_;
   std::atomic<uint64_t> generation_;
   uint64_t* const shared_generation_;  // this slot's cell of its segment's generation table
+  const uint32_t index_;               // beside pins_: 64 bytes in all
   std::atomic<int32_t> pins_{0};
 };
 
