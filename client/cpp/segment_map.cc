@@ -4,13 +4,34 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <string>
+#include <string_view>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kvtier/client.h"
 
 namespace kvtier {
+
+namespace {
+
+// "/kvtier-" then letters, digits, '.', '_' or '-' (no other '/'): one file of /dev/shm.
+bool IsSegmentName(const std::string& name) {
+  constexpr std::string_view kPrefix = "/kvtier-";
+  if (name.size() <= kPrefix.size() || name.compare(0, kPrefix.size(), kPrefix) != 0) return false;
+  for (size_t i = 1; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 SegmentMap::~SegmentMap() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -26,10 +47,26 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
   if (!list.ok()) return list.status();
   for (const v1::Segment& seg : list->segments()) {
     if (seg.segment_id() != segment_id) continue;
-    int fd = shm_open(seg.shm_name().c_str(), O_RDONLY, 0);
+    // Nothing the daemon says is trusted: the name must be one kvtier segment file (no path;
+    // shm_open does not follow a link), and the file must hold the bytes it claims (a map past
+    // a file's end faults when read).
+    if (!IsSegmentName(seg.shm_name())) {
+      return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": shm_name \"",
+                                                        absl::CEscape(seg.shm_name()),
+                                                        "\" is not a kvtier segment name"));
+    }
+    int fd = shm_open(seg.shm_name().c_str(), O_RDONLY | O_NOFOLLOW, 0);
     if (fd < 0) {
-      return absl::NotFoundError(
-          absl::StrCat("shm_open ", seg.shm_name(), ": ", std::strerror(errno)));
+      return absl::NotFoundError(absl::StrCat("segment ", segment_id, ": shm_open ", seg.shm_name(),
+                                              ": ", std::strerror(errno)));
+    }
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || seg.size_bytes() == 0 ||
+        seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": size_bytes ",
+                                                        seg.size_bytes(), " but ", seg.shm_name(),
+                                                        " holds ", st.st_size, " bytes"));
     }
     void* p = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
@@ -50,7 +87,7 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
 absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {
   auto m = Find(client, h.segment_id());
   if (!m.ok()) return m.status();
-  if (h.offset() + h.length() > m->size || h.length() % 4 != 0) {
+  if (h.length() > m->size || h.offset() > m->size - h.length() || h.length() % 4 != 0) {
     return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(), " + length ",
                                               h.length(), " exceeds segment ", h.segment_id()));
   }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -34,6 +35,33 @@ def _call(fn, *args, **kwargs):
         raise KvTierError(e.code(), e.details() or "") from None
 
 
+_SHM_NAME = re.compile(r"/?kvtier-[A-Za-z0-9._-]+")
+
+
+def _map_segment(segment_id: int, shm_name: str, size_bytes: int) -> mmap.mmap:
+    """A read-only map of one segment, trusting nothing the daemon said: the name must be a
+    kvtier segment's (one file of /dev/shm, no path), opened without following a link, and the
+    file must hold the size the daemon gave (a map past a file's end faults when read)."""
+    if not _SHM_NAME.fullmatch(shm_name):
+        raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"segment {segment_id}: shm_name {shm_name!r} is not a kvtier "
+                          "segment name")
+    try:
+        fd = os.open("/dev/shm/" + shm_name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise KvTierError(grpc.StatusCode.NOT_FOUND,
+                          f"segment {segment_id}: open {shm_name}: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size_bytes <= 0 or size_bytes > size:
+            raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"segment {segment_id}: size_bytes {size_bytes} but {shm_name} "
+                              f"holds {size} bytes")
+        return mmap.mmap(fd, size_bytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 class SegmentMap:
     """Read-only mmaps of the daemon's shared-memory segments, by segment id."""
 
@@ -55,11 +83,7 @@ class SegmentMap:
             if not seg.shm_name:
                 raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"segment {segment_id} has no shared-memory name")
-            fd = os.open("/dev/shm/" + seg.shm_name.lstrip("/"), os.O_RDONLY)
-            try:
-                m = mmap.mmap(fd, seg.size_bytes, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
+            m = _map_segment(segment_id, seg.shm_name, seg.size_bytes)
             with self._lock:
                 self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
                 return self._maps.setdefault(segment_id, m)

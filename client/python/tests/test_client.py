@@ -341,6 +341,47 @@ def test_a_stale_handle_is_reported_not_read(client):
     assert "stale handle" in str(e.value)
 
 
+def test_the_client_trusts_no_segment_the_daemon_names(client, monkeypatch):
+    # A daemon (or whoever answers on its socket) that names a path, a link or a file smaller
+    # than it claims gets an error naming the segment, never another file's bytes or a SIGBUS.
+    small = f"/dev/shm/kvtier-trust-{os.getpid()}"
+    link = f"/dev/shm/kvtier-trustlink-{os.getpid()}"
+    with open(small, "wb") as f:
+        f.write(b"\x01" * 4096)
+    os.symlink("/etc/passwd", link)
+    try:
+        segments = {
+            1: ("/kvtier-x/../../../etc/passwd", 4096),
+            2: ("../etc/passwd", 4096),
+            3: (link[len("/dev/shm"):], 4096),
+            4: (small[len("/dev/shm"):], 1 << 20),
+            5: (small[len("/dev/shm"):], 4096),
+        }
+
+        def listed():
+            return [pb.Segment(segment_id=i, shm_name=n, size_bytes=b)
+                    for i, (n, b) in segments.items()]
+
+        monkeypatch.setattr(client, "list_segments", listed)
+        for seg, code in [(1, grpc.StatusCode.FAILED_PRECONDITION),
+                          (2, grpc.StatusCode.FAILED_PRECONDITION),
+                          (3, grpc.StatusCode.NOT_FOUND),
+                          (4, grpc.StatusCode.FAILED_PRECONDITION)]:
+            with pytest.raises(kvtier.KvTierError) as e:
+                client.segments.halves(seg)
+            assert e.value.code == code, (seg, e.value)
+            assert f"segment {seg}" in e.value.message
+        assert client.segments.halves(5).nbytes == 4096
+        # A handle past the end, even by a wrapping 64-bit sum, is refused.
+        far = pb.BlockHandle(segment_id=5, offset=(1 << 64) - 8, length=16, num_tokens=2)
+        with pytest.raises(kvtier.KvTierError) as e:
+            client.segments.view(far, head_dim=2)
+        assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
+    finally:
+        os.unlink(small)
+        os.unlink(link)
+
+
 def test_errors_carry_code_and_field(client):
     sid = client.create_session(L, QH, KVH, D).session_id
     with pytest.raises(kvtier.KvTierError) as e:

@@ -1,0 +1,91 @@
+// The C++ client against a daemon that lies: an in-process KvTier service whose
+// ListSegments names paths, links and files smaller than it claims. The client must answer
+// each with an error naming the segment, never map another file or fault past a file's end,
+// and refuse a handle whose offset + length wraps around 2^64.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvtier/client.h"
+#include "kvtier/v1/kvtier.grpc.pb.h"
+
+namespace kvtier {
+namespace {
+
+class LyingDaemon final : public v1::KvTier::Service {
+ public:
+  grpc::Status ListSegments(grpc::ServerContext*, const v1::ListSegmentsRequest*,
+                            v1::ListSegmentsResponse* out) override {
+    for (const auto& [id, name, bytes] : segments) {
+      v1::Segment* s = out->add_segments();
+      s->set_segment_id(id);
+      s->set_shm_name(name);
+      s->set_size_bytes(bytes);
+    }
+    return grpc::Status::OK;
+  }
+  std::vector<std::tuple<uint64_t, std::string, uint64_t>> segments;
+};
+
+TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
+  const std::string pid = std::to_string(getpid());
+  const std::string small = "/kvtier-trust-" + pid, link = "/kvtier-trustlink-" + pid;
+  const int fd = shm_open(small.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  ASSERT_EQ(symlink("/etc/passwd", ("/dev/shm" + link).c_str()), 0);
+
+  LyingDaemon service;
+  service.segments = {{1, "/kvtier-x/../../../etc/passwd", 4096},
+                      {2, "/../etc/passwd", 4096},
+                      {3, link, 4096},
+                      {4, small, 1 << 20},
+                      {5, small, 4096}};
+  const std::string sock = "/tmp/kvtier-trust-" + pid + ".sock";
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + sock, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.attach = false;
+  auto client = Client::Connect("unix:" + sock, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  SegmentMap map;
+  auto view = [&](uint64_t segment, uint64_t offset, uint64_t length) {
+    v1::BlockHandle h;
+    h.set_segment_id(segment);
+    h.set_offset(offset);
+    h.set_length(length);
+    h.set_num_tokens(1);
+    return map.View(**client, h);
+  };
+  for (auto [segment, code] : {std::pair{1, absl::StatusCode::kFailedPrecondition},
+                               std::pair{2, absl::StatusCode::kFailedPrecondition},
+                               std::pair{3, absl::StatusCode::kNotFound},
+                               std::pair{4, absl::StatusCode::kFailedPrecondition}}) {
+    const auto v = view(segment, 0, 16);
+    EXPECT_EQ(v.status().code(), code) << segment << ": " << v.status();
+    EXPECT_NE(v.status().message().find("segment " + std::to_string(segment)), std::string::npos)
+        << v.status();
+  }
+  ASSERT_TRUE(view(5, 0, 16).ok());
+  // offset + length wraps to 8: inside the segment, were the sum trusted.
+  EXPECT_EQ(view(5, ~uint64_t{0} - 7, 16).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(view(5, 4096 - 12, 16).status().code(), absl::StatusCode::kOutOfRange);
+
+  server->Shutdown();
+  shm_unlink(small.c_str());
+  unlink(("/dev/shm" + link).c_str());
+  unlink(sock.c_str());
+}
+
+}  // namespace
+}  // namespace kvtier
