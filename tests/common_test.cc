@@ -6,6 +6,7 @@
 
 #include "server/common/error.h"
 #include "server/common/fp16.h"
+#include "server/common/log.h"
 #include "server/common/size.h"
 #include "server/common/vec.h"
 #include "tests/test_util.h"
@@ -183,6 +184,18 @@ TEST(DotInt8, AgreesWithDoubleAcrossWidths) {
     EXPECT_NEAR(DotInt8(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
     EXPECT_NEAR(DotInt8Scalar(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
   }
+}
+
+// A value goes into a log line as one field: plain names as they are, anything else quoted
+// with what could end the quotes or the line escaped.
+TEST(LogValue, QuotesAndEscapesAnythingButAPlainName) {
+  EXPECT_EQ(LogValue("alice"), "alice");
+  EXPECT_EQ(LogValue("team-a/worker_1.2@host:7+x"), "team-a/worker_1.2@host:7+x");
+  EXPECT_EQ(LogValue(""), "\"\"");
+  EXPECT_EQ(LogValue("a tenant=admin"), "\"a tenant=admin\"");
+  EXPECT_EQ(LogValue("x\" level=error event=\"forged"), "\"x\\\" level=error event=\\\"forged\"");
+  EXPECT_EQ(LogValue("two\nlines\x1b[31m"), "\"two\\nlines\\x1b[31m\"");
+  EXPECT_EQ(LogValue("back\\slash"), "\"back\\\\slash\"");
 }
 
 TEST(FloatsToHalvesDirected, SameBitsAsTheScalarRounding) {

@@ -1,17 +1,25 @@
 // Structured logging: spdlog with key=value messages, e.g.
-//   KVLOG(info, "session.create", "id={} tenant={} layers={}", id, tenant, layers);
+//   KVLOG(info, "session.create", "id={} tenant={} layers={}", id, LogValue(tenant), layers);
+// A value a caller chose (a tenant, an error message, a key) goes through LogValue, so that
+// it cannot end its field or forge another.
 #ifndef KVTIER_SERVER_COMMON_LOG_H_
 #define KVTIER_SERVER_COMMON_LOG_H_
 
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier {
 
 // Sets the process-wide level: trace, debug, info, warn, error. INVALID_ARGUMENT otherwise.
 absl::Status SetLogLevel(const std::string& level);
+
+// `value` as one key=value field's value: as it is when it is non-empty and all of
+// [A-Za-z0-9_.:/@+-], else in double quotes with quotes, backslashes and bytes outside
+// printable ASCII escaped (C style: \", \\, \n, \x1b).
+std::string LogValue(absl::string_view value);
 
 }  // namespace kvtier
 

@@ -91,7 +91,7 @@ absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
   }
   const std::string pid = absl::StrCat(getpid(), "\n");
   if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-    KVLOG(warn, "lock.pid", "path={} error=\"{}\"", path, std::strerror(errno));
+    KVLOG(warn, "lock.pid", "path={} error={}", LogValue(path), LogValue(std::strerror(errno)));
   }
   return fd;
 }

@@ -95,8 +95,8 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
   counter->Inc();
   m.latency->Observe(absl::ToDoubleSeconds(elapsed));
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
-    KVLOG(debug, "rpc.error", "method={} code={} message=\"{}\"", method,
-          absl::StatusCodeToString(s.code()), std::string(s.message()));
+    KVLOG(debug, "rpc.error", "method={} code={} message={}", method,
+          absl::StatusCodeToString(s.code()), LogValue(s.message()));
   }
 }
 
@@ -381,7 +381,7 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
       if (Claim()) End(Draining());
       return;
     }
-    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, Tenant(ctx));
+    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(Tenant(ctx)));
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
   }

@@ -139,7 +139,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
     return fits;
   }
   KVLOG(info, "session.create", "session={} tenant={} layers={} kv_heads={} head_dim={}", id,
-        tenant, shape.num_layers(), shape.num_kv_heads(), shape.head_dim());
+        LogValue(tenant), shape.num_layers(), shape.num_kv_heads(), shape.head_dim());
   v1::CreateSessionResponse resp;
   resp.set_session_id(id);
   *resp.mutable_policy() = policy;
@@ -315,8 +315,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   if (!bytes) return Vanished(session_id);
   auto record = DecodeRecord(*bytes, key);
   if (!record.ok()) {
-    KVLOG(error, "remote.corrupt", "session={} key={} error=\"{}\"", session_id, key,
-          std::string(record.status().message()));
+    KVLOG(error, "remote.corrupt", "session={} key={} error={}", session_id, LogValue(key),
+          LogValue(record.status().message()));
     MutexLock lock(&mu_);
     ++remote_counters_.corrupt;
     return record.status();
@@ -441,8 +441,8 @@ SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
       n.bytes += *bytes;
     } else {
       ++n.failed;
-      KVLOG(warn, "session.drain_failed", "session={} error=\"{}\"", s->id(),
-            std::string(bytes.status().message()));
+      KVLOG(warn, "session.drain_failed", "session={} error={}", s->id(),
+            LogValue(bytes.status().message()));
     }
   }
   return n;
@@ -473,8 +473,7 @@ absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {
   if (!fresh.ok() && fresh.status().code() == absl::StatusCode::kUnavailable) {
     // A Redis that is down delays only the calls that need it: a new session is still
     // created, its id checked against this daemon's sessions alone.
-    KVLOG(warn, "remote.unchecked", "session={} error=\"{}\"", id,
-          std::string(fresh.status().message()));
+    KVLOG(warn, "remote.unchecked", "session={} error={}", id, LogValue(fresh.status().message()));
     return false;
   }
   return fresh;
@@ -483,16 +482,16 @@ absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {
 void SessionManager::ReleaseClaim(const std::string& session_id) {
   if (remote_ == nullptr) return;
   if (auto dropped = records_->Drop(session_id); !dropped.ok()) {
-    KVLOG(warn, "remote.release", "session={} error=\"{}\"", session_id,
-          std::string(dropped.status().message()));
+    KVLOG(warn, "remote.release", "session={} error={}", session_id,
+          LogValue(dropped.status().message()));
   }
 }
 
 void SessionManager::DropSnapshot(const std::string& session_id) {
   if (!persisting()) return;
   if (auto deleted = remote_->Delete(SnapshotKey(session_id)); !deleted.ok()) {
-    KVLOG(warn, "remote.delete", "session={} key={} error=\"{}\"", session_id,
-          SnapshotKey(session_id), std::string(deleted.status().message()));
+    KVLOG(warn, "remote.delete", "session={} key={} error={}", session_id,
+          LogValue(SnapshotKey(session_id)), LogValue(deleted.status().message()));
   }
 }
 
@@ -505,8 +504,8 @@ SessionManager::PersistCounts SessionManager::PersistChanged() {
     const std::string bytes = EncodeRecord(snap->record);
     if (absl::Status put = remote_->Put(SnapshotKey(s->id()), bytes); !put.ok()) {
       ++n.failed;
-      KVLOG(warn, "session.persist_failed", "session={} error=\"{}\"", s->id(),
-            std::string(put.message()));
+      KVLOG(warn, "session.persist_failed", "session={} error={}", s->id(),
+            LogValue(put.message()));
       continue;
     }
     // Closed or demoted since the snapshot was taken: whoever closed it dropped the snapshot
