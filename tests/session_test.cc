@@ -234,7 +234,9 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
             EXPECT_EQ(b.length(), 2u * b.num_tokens() * f.d * 2);
             std::string k, v;
             for (int r = 0; r < b.positions_size(); ++r) {
-              if (r > 0) EXPECT_LT(b.positions(r - 1), b.positions(r));
+              if (r > 0) {
+                EXPECT_LT(b.positions(r - 1), b.positions(r));
+              }
               EXPECT_TRUE(pool.count(uint32_t(b.positions(r) / 16)));
               k += AsBytes(HeadRows(f.k[2], f, h, int(b.positions(r)), 1));
               v += AsBytes(HeadRows(f.v[2], f, h, int(b.positions(r)), 1));
@@ -246,12 +248,18 @@ TEST(Session, RefinedSelectReturnsTheExactBestRowsOfTheChunkPool) {
           }
           const uint32_t c = DecodeChunkId(b.chunk_id()).index;
           EXPECT_TRUE(pool.count(c)) << "chunk " << c << " is not in the pool";
-          if (!row_handles) EXPECT_EQ(b.rows_size(), 0) << "every handle's rows are all selected";
+          if (!row_handles) {
+            EXPECT_EQ(b.rows_size(), 0) << "every handle's rows are all selected";
+          }
           EXPECT_EQ(b.positions_size(), int(b.num_tokens()));  // positions cover every row
-          if (c == 0 || c > 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+          if (c == 0 || c > 52) {
+            EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+          }
           for (int r = 0; r < b.rows_size(); ++r) {
             EXPECT_LT(b.rows(r), b.num_tokens());
-            if (r > 0) EXPECT_LT(b.rows(r - 1), b.rows(r));
+            if (r > 0) {
+              EXPECT_LT(b.rows(r - 1), b.rows(r));
+            }
           }
           if (b.rows_size() == 0) {
             for (int64_t p : b.positions()) got.insert(p);
@@ -286,7 +294,9 @@ TEST(Session, AMassTargetReturnsTheFewestRowsHoldingIt) {
     std::set<int64_t> got;
     for (const v1::BlockHandle& b : resp.heads(0).blocks()) {
       const uint32_t c = DecodeChunkId(b.chunk_id()).index;
-      if (c == 0 || c > 52) EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+      if (c == 0 || c > 52) {
+        EXPECT_EQ(b.rows_size(), 0) << "a kept chunk comes whole";
+      }
       if (b.rows_size() == 0) {
         for (int64_t p : b.positions()) got.insert(p);
       } else {
@@ -458,8 +468,12 @@ TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
     ASSERT_OK(f.session->Select(req, &resp));
     const size_t want = kept + size_t(std::llround(share * double(rows_left)));
     for (int h = 0; h < f.kvh; ++h) EXPECT_EQ(rows(resp, h), want) << "layer " << layer;
-    if (layer == 2) EXPECT_LT(want, budget);
-    if (layer == 3) EXPECT_GT(want, budget);
+    if (layer == 2) {
+      EXPECT_LT(want, budget);
+    }
+    if (layer == 3) {
+      EXPECT_GT(want, budget);
+    }
     ASSERT_OK(e.leases.Release("t", resp.lease_id()));
   }
 }
