@@ -38,6 +38,19 @@ TEST(Config, ParseErrorsCarryLineAndColumn) {
   EXPECT_THAT(ParseConfigText("lease_ttl_ms: \"soon\""), StatusIs(Code::kInvalidArgument));
 }
 
+TEST(Config, AuthNamesUnixPeersAndTheOwnUidException) {
+  ASSERT_OK_AND_ASSIGN(ServerOptions d, Validate(v1::Config()));
+  EXPECT_TRUE(d.same_uid_by_metadata);  // the default keeps the single-uid sidecar working
+  EXPECT_TRUE(d.unix_peers.empty());
+  ASSERT_OK_AND_ASSIGN(v1::Config c,
+                       ParseConfigText("auth { same_uid_by_metadata: \"off\" unix_peers { uid: "
+                                       "1000 tenant: \"alice\" } unix_peers { uid: 1001 "
+                                       "tenant: \"bob\" } }"));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
+  EXPECT_FALSE(o.same_uid_by_metadata);
+  EXPECT_EQ(o.unix_peers, (std::map<uint32_t, std::string>{{1000, "alice"}, {1001, "bob"}}));
+}
+
 TEST(Config, EveryBadFieldIsNamed) {
   struct Case {
     const char* text;
@@ -71,6 +84,11 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"default_policy { chunking: CHUNKING_BOUNDARY chunk_tokens: 40 delimiter_token_ids: 13 }",
        "default_policy.chunk_tokens"},
       {"default_policy { cold_precision: PRECISION_BF16 }", "default_policy.cold_precision"},
+      {"auth { same_uid_by_metadata: \"yes\" }", "auth.same_uid_by_metadata"},
+      {"auth { unix_peers { uid: 7 tenant: \"a b\" } }", "auth.unix_peers[0].tenant"},
+      {"auth { unix_peers { uid: 7 } }", "auth.unix_peers[0].tenant"},
+      {"auth { unix_peers { uid: 7 tenant: \"a\" } unix_peers { uid: 7 tenant: \"b\" } }",
+       "auth.unix_peers[1].uid"},
   };
   for (const Case& c : cases) {
     ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));

@@ -1,6 +1,7 @@
 // Integration: the real kvtierd binary on a temporary socket, driven by the C++ client.
 #include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <fstream>
@@ -637,6 +638,61 @@ TEST(Daemon, BadConfigurationExitsTwoNamingTheField) {
   EXPECT_EQ(code, 0);
   ASSERT_OK_AND_ASSIGN(v1::Config printed, ParseConfigText(out));
   EXPECT_EQ(printed.host_capacity(), "4G");
+}
+
+// Unix-socket callers are who the kernel says they are (SO_PEERCRED): a uid named in
+// auth.unix_peers acts as its tenant and may not name another, a uid named nowhere is
+// UNAUTHENTICATED, and the daemon's own uid names its tenant in the metadata unless
+// auth.same_uid_by_metadata is off. Other uids are played by kvtierctl under setpriv, so the
+// test needs root (skipped otherwise).
+TEST(Auth, UnixPeersAreTheirUidsTenantsAndOthersAreUnauthenticated) {
+  if (getuid() != 0 || access("/usr/bin/setpriv", X_OK) != 0) {
+    GTEST_SKIP() << "needs root and setpriv to connect as other uids";
+  }
+  const std::string dir = "/tmp/kvtier-auth-" + std::to_string(getpid());
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  // A copy anyone may run: the build tree may sit where other uids cannot reach.
+  const std::string ctl_bin = dir + "/kvtierctl";
+  ASSERT_EQ(testing::RunCommand("cp " + testing::BinaryPath("kvtierctl") + " " + ctl_bin).first, 0);
+  const std::string config = dir + "/kvtierd.conf";
+  std::ofstream(config) << "auth { unix_peers { uid: 65534 tenant: \"team-nobody\" } }\n";
+  DaemonProcess d({"--config", config});
+  ASSERT_TRUE(d.started());
+  const std::string sock = d.address().substr(5);
+  // The test reaches past the socket's 0660 and its private directory.
+  ASSERT_EQ(chmod(sock.c_str(), 0666), 0);
+  ASSERT_EQ(chmod(sock.substr(0, sock.rfind('/')).c_str(), 0755), 0);
+  auto as = [&](int uid, const std::string& args) {
+    const std::string id = std::to_string(uid);
+    return testing::RunCommand("/usr/bin/setpriv --reuid=" + id + " --regid=" + id +
+                               " --clear-groups " + ctl_bin + " --addr " + d.address() + " " +
+                               args);
+  };
+  auto c = Connect(d, "alice");  // the daemon's own uid: the tenant it names
+  ASSERT_OK(c->CreateSession(Shape()).status());
+
+  auto [code, out] = as(65534, "-o json sessions");
+  EXPECT_EQ(code, 0) << out;
+  auto [code2, out2] = as(65534, "--tenant alice sessions");
+  EXPECT_EQ(code2, 1) << out2;
+  EXPECT_NE(out2.find("PERMISSION_DENIED"), std::string::npos) << out2;
+  EXPECT_NE(out2.find("team-nobody"), std::string::npos) << out2;
+  auto [code3, out3] = as(65533, "sessions");
+  EXPECT_EQ(code3, 1) << out3;
+  EXPECT_NE(out3.find("UNAUTHENTICATED"), std::string::npos) << out3;
+  EXPECT_NE(out3.find("uid 65533"), std::string::npos) << out3;
+  // The mapped uid's sessions are its tenant's.
+  auto [code4, out4] = as(65534, "close no-such-session");
+  EXPECT_EQ(code4, 0) << out4;
+
+  // With the own-uid exception off, the daemon's own uid needs an entry too.
+  const std::string strict = dir + "/strict.conf";
+  std::ofstream(strict) << "auth { same_uid_by_metadata: \"off\" }\n";
+  DaemonProcess s({"--config", strict});
+  ASSERT_TRUE(s.started());
+  EXPECT_THAT(Connect(s, "alice")->CreateSession(Shape()).status(),
+              StatusIs(Code::kUnauthenticated, "auth.unix_peers"));
+  ASSERT_EQ(testing::RunCommand("rm -rf " + dir).first, 0);
 }
 
 TEST(Kvtierctl, TablesJsonAndErrors) {

@@ -10,6 +10,11 @@
 
 namespace kvtier {
 
+// A tenant's name: 1..kMaxTenantName of letters, digits and kTenantExtra, so that it is safe in
+// a log line and a metric label.
+inline constexpr size_t kMaxTenantName = 128;
+inline constexpr char kTenantExtra[] = "_.:@-";
+
 // 1..max_len characters, each an ASCII letter, digit, or one of `extra`.
 inline bool IsName(absl::string_view s, absl::string_view extra, size_t max_len) {
   if (s.empty() || s.size() > max_len) return false;

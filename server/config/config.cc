@@ -128,6 +128,7 @@ v1::Config DefaultConfig() {
   c.set_remote_connections(o.remote_connections);
   c.set_remote_timeout_ms(o.remote_timeout_ms);
   c.set_persist_interval_ms(o.persist_interval_ms);
+  c.mutable_auth()->set_same_uid_by_metadata(o.same_uid_by_metadata ? "on" : "off");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -247,6 +248,25 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
     quota.max_sessions = q.max_sessions();
     o.quotas[tenant] = quota;
+  }
+  const std::string same_uid = raw.auth().same_uid_by_metadata().empty()
+                                   ? std::string("on")
+                                   : raw.auth().same_uid_by_metadata();
+  if (same_uid != "on" && same_uid != "off") {
+    return InvalidField("auth.same_uid_by_metadata", same_uid, "is not on or off");
+  }
+  o.same_uid_by_metadata = same_uid == "on";
+  for (int i = 0; i < raw.auth().unix_peers_size(); ++i) {
+    const v1::UnixPeer& p = raw.auth().unix_peers(i);
+    const std::string field = absl::StrCat("auth.unix_peers[", i, "]");
+    if (!IsName(p.tenant(), kTenantExtra, kMaxTenantName)) {
+      return InvalidField(
+          field + ".tenant", p.tenant(),
+          absl::StrCat("must be 1..", kMaxTenantName, " of [A-Za-z0-9", kTenantExtra, "]"));
+    }
+    if (!o.unix_peers.emplace(p.uid(), p.tenant()).second) {
+      return InvalidField(field + ".uid", absl::StrCat(p.uid()), "is named twice");
+    }
   }
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {

@@ -69,6 +69,9 @@ struct ServerOptions {
     if (it == quotas.end()) it = quotas.find("*");
     return it == quotas.end() ? Quota{} : it->second;
   }
+  // Unix-socket peers' tenants by uid, and whether the daemon's own uid names its tenant.
+  std::map<uint32_t, std::string> unix_peers;
+  bool same_uid_by_metadata = true;
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;
 };

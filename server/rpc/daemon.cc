@@ -149,7 +149,14 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .prefetcher = prefetcher_.get(),
                           .on_drain = [this] { RequestShutdown(); },
                           .max_message_bytes = options_.max_message_size,
-                          .lease_ttl_ms = options_.lease_ttl_ms}) {}
+                          .lease_ttl_ms = options_.lease_ttl_ms,
+                          .unix_peer =
+                              [this](absl::string_view peer) {
+                                return listener_ ? listener_->Lookup(peer) : std::nullopt;
+                              },
+                          .daemon_uid = getuid(),
+                          .same_uid_by_metadata = options_.same_uid_by_metadata,
+                          .unix_peers = options_.unix_peers}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
@@ -193,8 +200,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int tcp_port = 0;
-  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(),
-                           sock.empty() ? &tcp_port : nullptr);
+  if (sock.empty()) {
+    builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &tcp_port);
+  } else {  // accepted by the listener, which knows each connection's peer
+    ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
+    d->owns_socket_ = true;
+  }
   if (!o.tcp_listen.empty()) {
     builder.AddListeningPort(o.tcp_listen, grpc::InsecureServerCredentials());
   }
@@ -207,10 +218,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                o.tcp_listen.empty() ? "" : " or " + o.tcp_listen,
                                                " (address in use or not permitted)"));
   }
-  d->owns_socket_ = !sock.empty();
-  if (!sock.empty() && chmod(sock.c_str(), 0660) != 0) {
-    return absl::InternalError(absl::StrCat("listen: chmod 0660 ", sock, " failed"));
-  }
+  if (d->listener_) d->listener_->Serve(d->server_.get());
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {
     auto exporter = metrics::HttpExporter::Start(o.metrics_bind, static_cast<int>(o.metrics_port),
@@ -371,6 +379,7 @@ void Daemon::Shutdown() {
   while (service_.in_flight() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
   KVLOG(info, "daemon.drain", "sessions={} leases={} in_flight={}", sessions_.size(),
         leases_.size(), service_.in_flight());
+  if (listener_) listener_->Stop();  // new connections are refused from here on
   if (server_) {
     server_->Shutdown(absl::ToChronoTime(std::max(deadline, absl::Now())));
     server_->Wait();

@@ -83,6 +83,9 @@ class Daemon {
   LeaseTable leases_;
   std::unique_ptr<Prefetcher> prefetcher_;  // null when prefetch is off
   SessionManager sessions_;
+  // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
+  // every call, so it is destroyed after the service and the server.
+  std::unique_ptr<UnixListener> listener_;
   KvTierService service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -67,19 +68,47 @@ metrics::Counter& KvTierService::TenantCounter(const std::string& name, const st
   return *it->second;
 }
 
-absl::Status KvTierService::CheckTenant(const grpc::CallbackServerContext* ctx) {
-  const std::string name = Tenant(ctx);  // "default" without the header: a valid name
-  if (IsName(name, kTenantExtra, kMaxTenantName)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": ", Quoted(name), " must be 1..",
-                                                 kMaxTenantName, " of [A-Za-z0-9", kTenantExtra,
-                                                 "]"));
+absl::Status KvTierService::CheckTenant(const grpc::CallbackServerContext* ctx) const {
+  return Identify(ctx).status();
 }
 
-std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) {
+std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) const {
+  absl::StatusOr<std::string> tenant = Identify(ctx);
+  return tenant.ok() ? *std::move(tenant) : std::string();
+}
+
+absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTenantHeader);
-  if (it == md.end() || it->second.empty()) return "default";
-  return std::string(it->second.data(), it->second.size());
+  const bool named = it != md.end() && !it->second.empty();
+  const std::string header = named ? std::string(it->second.data(), it->second.size()) : "";
+  if (named && !IsName(header, kTenantExtra, kMaxTenantName)) {
+    return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": ", Quoted(header),
+                                                   " must be 1..", kMaxTenantName, " of [A-Za-z0-9",
+                                                   kTenantExtra, "]"));
+  }
+  const std::string peer = ctx->peer();
+  if (!absl::StartsWith(peer, "fd:")) return named ? header : std::string("default");  // TCP
+  const std::optional<PeerCredentials> cred = env_.unix_peer ? env_.unix_peer(peer) : std::nullopt;
+  if (!cred.has_value()) {
+    return absl::UnauthenticatedError("the Unix-socket peer's credentials are unknown");
+  }
+  if (cred->uid == env_.daemon_uid && env_.same_uid_by_metadata) {
+    return named ? header : std::string("default");
+  }
+  auto mapped = env_.unix_peers.find(cred->uid);
+  if (mapped == env_.unix_peers.end()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("uid ", cred->uid, " (pid ", cred->pid,
+                     ") has no credentials here: the daemon's config names its Unix-socket "
+                     "peers in auth.unix_peers"));
+  }
+  if (named && header != mapped->second) {
+    return absl::PermissionDeniedError(absl::StrCat(kTenantHeader, ": ", Quoted(header),
+                                                    " is not the tenant of uid ", cred->uid, " (",
+                                                    mapped->second, ")"));
+  }
+  return mapped->second;
 }
 
 void KvTierService::Record(const char* method, const absl::Status& s, absl::Duration elapsed) {
@@ -132,9 +161,9 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
 class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
-      : svc_(svc), tenant_(Tenant(ctx)), resp_(resp), start_(absl::Now()) {
+      : svc_(svc), tenant_(svc->Tenant(ctx)), resp_(resp), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::Status s = CheckTenant(ctx);
+    absl::Status s = svc_->CheckTenant(ctx);
     tenant_ok_ = s.ok();  // a bad name gets no metric series
     if (s.ok() && svc_->draining()) s = Draining();
     if (!s.ok()) {
@@ -284,8 +313,8 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::Status s = svc_->draining() ? Draining() : CheckTenant(ctx);
-    if (s.ok()) s = Load(Tenant(ctx), *req);
+    absl::Status s = svc_->draining() ? Draining() : svc_->CheckTenant(ctx);
+    if (s.ok()) s = Load(svc_->Tenant(ctx), *req);
     if (!s.ok() || ids_.empty()) {
       Done(s);
       return;
@@ -364,12 +393,12 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
 class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
-    absl::Status s = svc_->draining() ? Draining() : CheckTenant(ctx);
+    absl::Status s = svc_->draining() ? Draining() : svc_->CheckTenant(ctx);
     if (!s.ok()) {
       if (Claim()) Finish(ToGrpcStatus(s));
       return;
     }
-    worker_ = svc_->env_.leases->Attach(Tenant(ctx));
+    worker_ = svc_->env_.leases->Attach(svc_->Tenant(ctx));
     resp_.set_worker_id(worker_);
     resp_.set_lease_ttl_ms(svc_->env_.lease_ttl_ms);
     {
@@ -381,7 +410,7 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
       if (Claim()) End(Draining());
       return;
     }
-    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(Tenant(ctx)));
+    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(svc_->Tenant(ctx)));
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
   }

@@ -14,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
+#include "server/rpc/unix_listener.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
 
@@ -26,8 +27,6 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 // letters, digits and kTenantExtra (so that it is safe in a log line and a metric label);
 // any other is INVALID_ARGUMENT naming the header.
 inline constexpr char kTenantHeader[] = "x-kvtier-tenant";
-inline constexpr size_t kMaxTenantName = 128;
-inline constexpr char kTenantExtra[] = "_.:@-";
 
 struct ServiceEnv {
   SessionManager* sessions = nullptr;
@@ -48,6 +47,14 @@ struct ServiceEnv {
   uint32_t lease_ttl_ms = 30'000;
   // Tenants with series of their own in the per-tenant metrics; later ones share "_other".
   size_t max_tenant_series = 64;
+  // Authentication. Calls on the Unix socket (peers "fd:N") are identified by their
+  // connection's credentials (unix_peer; nullopt: unknown, UNAUTHENTICATED): the daemon's own
+  // uid names its tenant in the header when same_uid_by_metadata, a uid of unix_peers is that
+  // tenant, any other is UNAUTHENTICATED. Calls on TCP name their tenant in the header.
+  std::function<std::optional<PeerCredentials>(absl::string_view peer)> unix_peer;
+  uid_t daemon_uid = 0;
+  bool same_uid_by_metadata = true;
+  std::map<uint32_t, std::string> unix_peers;
 };
 
 class KvTierService final : public v1::KvTier::CallbackService {
@@ -116,9 +123,15 @@ class KvTierService final : public v1::KvTier::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
-  static std::string Tenant(const grpc::CallbackServerContext* ctx);
-  // OK for a valid tenant header (or none); INVALID_ARGUMENT naming it otherwise.
-  static absl::Status CheckTenant(const grpc::CallbackServerContext* ctx);
+  // The caller's tenant (Identify's), or "" when it has none; every call checks Identify
+  // first.
+  std::string Tenant(const grpc::CallbackServerContext* ctx) const;
+  // OK when the caller may act as its tenant: Identify's status.
+  absl::Status CheckTenant(const grpc::CallbackServerContext* ctx) const;
+  // The tenant a call acts as, from its credentials (ServiceEnv: auth) and its x-kvtier-tenant
+  // header: UNAUTHENTICATED without credentials, PERMISSION_DENIED when the header names a
+  // tenant they do not give, INVALID_ARGUMENT when it names no valid tenant.
+  absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,

@@ -1,0 +1,113 @@
+#include "server/rpc/unix_listener.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "grpcpp/server_posix.h"
+#include "server/common/log.h"
+
+namespace kvtier {
+
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("listen: socket path \"", path, "\" must be 1..",
+                                                   sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("listen: socket: ", std::strerror(errno)));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("listen: cannot bind ", path, ": ", std::strerror(err)));
+  }
+  if (chmod(path.c_str(), 0660) != 0 || listen(fd, SOMAXCONN) != 0) {
+    const int err = errno;
+    close(fd);
+    unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("listen: ", path, ": ", std::strerror(err)));
+  }
+  int stop[2];
+  if (pipe2(stop, O_CLOEXEC) != 0) {
+    close(fd);
+    unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("listen: pipe: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<UnixListener>(new UnixListener(fd, stop[0], stop[1]));
+}
+
+UnixListener::~UnixListener() {
+  Stop();
+  close(fd_);
+  close(stop_read_);
+  close(stop_write_);
+}
+
+void UnixListener::Serve(grpc::Server* server) {
+  thread_ = std::thread([this, server] { Accept(server); });
+}
+
+void UnixListener::Stop() {
+  if (!thread_.joinable()) return;
+  const char byte = 0;
+  while (write(stop_write_, &byte, 1) < 0 && errno == EINTR) {
+  }
+  thread_.join();
+}
+
+void UnixListener::Accept(grpc::Server* server) {
+  for (;;) {
+    pollfd fds[2] = {{fd_, POLLIN, 0}, {stop_read_, POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      KVLOG(error, "listen.poll", "error={}", LogValue(std::strerror(errno)));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    const int c = accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (c < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        KVLOG(warn, "listen.accept", "error={}", LogValue(std::strerror(errno)));
+        if (errno == EMFILE || errno == ENFILE) poll(nullptr, 0, 100);  // let descriptors go
+      }
+      continue;
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      close(c);  // no credentials, no connection
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      peers_[c] = PeerCredentials{cred.uid, cred.gid, cred.pid};
+    }
+    grpc::AddInsecureChannelFromFd(server, c);
+  }
+}
+
+std::optional<PeerCredentials> UnixListener::Lookup(absl::string_view grpc_peer) const {
+  int fd = -1;
+  if (!absl::ConsumePrefix(&grpc_peer, "fd:") || !absl::SimpleAtoi(grpc_peer, &fd)) {
+    return std::nullopt;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = peers_.find(fd);
+  if (it == peers_.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace kvtier

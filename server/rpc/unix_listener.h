@@ -1,0 +1,67 @@
+// The daemon's Unix socket, accepted here rather than by gRPC, so that each connection's
+// peer is known: the kernel's credentials of the process that connected (SO_PEERCRED: uid,
+// gid, pid, taken at connect time). Each accepted connection is handed to the gRPC server as
+// a descriptor (grpc::AddInsecureChannelFromFd), whose calls then report the peer "fd:N";
+// Lookup("fd:N") gives that connection's credentials. A descriptor number is reused only
+// after gRPC closed its connection, and the accept that reuses it records the new peer
+// before the connection can carry a call.
+//
+// Thread-safe. Lookup takes mu_ (lock order 14, a leaf).
+#ifndef KVTIER_SERVER_RPC_UNIX_LISTENER_H_
+#define KVTIER_SERVER_RPC_UNIX_LISTENER_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvtier {
+
+struct PeerCredentials {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  pid_t pid = 0;
+};
+
+class UnixListener {
+ public:
+  // Binds `path` (created with mode 0660) and listens. INTERNAL naming the path and the
+  // reason when it cannot; UNAVAILABLE when the path is in use.
+  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
+  ~UnixListener();  // Stop()
+
+  // Starts accepting, each connection handed to `server` (started, and not shut down before
+  // Stop returns).
+  void Serve(grpc::Server* server);
+  // Stops accepting and joins the accept thread; idempotent. Connections already handed over
+  // stay gRPC's. The socket file stays (its owner removes it).
+  void Stop();
+
+  // The credentials of the connection a call names as its peer ("fd:N"), or nullopt when the
+  // peer is not one of this listener's connections.
+  std::optional<PeerCredentials> Lookup(absl::string_view grpc_peer) const;
+
+ private:
+  UnixListener(int fd, int stop_read, int stop_write)
+      : fd_(fd), stop_read_(stop_read), stop_write_(stop_write) {}
+  void Accept(grpc::Server* server);
+
+  const int fd_;
+  const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop
+  std::thread thread_;
+  mutable absl::Mutex mu_;  // lock order 14 (server/common/lock_order.h)
+  std::map<int, PeerCredentials> peers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_RPC_UNIX_LISTENER_H_
