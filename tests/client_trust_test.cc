@@ -21,15 +21,18 @@ class LyingDaemon final : public v1::KvTier::Service {
  public:
   grpc::Status ListSegments(grpc::ServerContext*, const v1::ListSegmentsRequest*,
                             v1::ListSegmentsResponse* out) override {
-    for (const auto& [id, name, bytes] : segments) {
+    for (const auto& [id, name, bytes, slot_bytes, table] : segments) {
       v1::Segment* s = out->add_segments();
       s->set_segment_id(id);
       s->set_shm_name(name);
       s->set_size_bytes(bytes);
+      s->set_slot_bytes(slot_bytes);
+      s->set_generation_table_offset(table);
     }
     return grpc::Status::OK;
   }
-  std::vector<std::tuple<uint64_t, std::string, uint64_t>> segments;
+  // id, name, size_bytes, slot_bytes, generation_table_offset
+  std::vector<std::tuple<uint64_t, std::string, uint64_t, uint64_t, uint64_t>> segments;
 };
 
 TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
@@ -42,11 +45,15 @@ TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
   ASSERT_EQ(symlink("/etc/passwd", ("/dev/shm" + link).c_str()), 0);
 
   LyingDaemon service;
-  service.segments = {{1, "/kvtier-x/../../../etc/passwd", 4096},
-                      {2, "/../etc/passwd", 4096},
-                      {3, link, 4096},
-                      {4, small, 1 << 20},
-                      {5, small, 4096}};
+  service.segments = {{1, "/kvtier-x/../../../etc/passwd", 4096, 0, 0},
+                      {2, "/../etc/passwd", 4096, 0, 0},
+                      {3, link, 4096, 0, 0},
+                      {4, small, 1 << 20, 0, 0},
+                      {5, small, 4096, 0, 0},
+                      // A generation table whose cell's address wraps around to the start.
+                      {6, small, 4096, 16, ~uint64_t{0} - 7},
+                      {7, small, 4096, 16, 4096 - 8},
+                      {8, small, 4096, 16, 3}};
   const std::string sock = "/tmp/kvtier-trust-" + pid + ".sock";
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + sock, grpc::InsecureServerCredentials());
@@ -80,6 +87,13 @@ TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
   // offset + length wraps to 8: inside the segment, were the sum trusted.
   EXPECT_EQ(view(5, ~uint64_t{0} - 7, 16).status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(view(5, 4096 - 12, 16).status().code(), absl::StatusCode::kOutOfRange);
+  // The generation cell: the table's offset wraps (6), the slot's cell lies past the end (7:
+  // slot 1's cell would be at 4096), a misaligned table (8). Slot 0 of 7 has its cell, read
+  // as the zeros the file holds, which the handle's generation 0 matches.
+  EXPECT_EQ(view(6, 0, 16).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(view(7, 16, 16).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(view(8, 0, 16).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(view(7, 0, 16).ok());
 
   server->Shutdown();
   shm_unlink(small.c_str());

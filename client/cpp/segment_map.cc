@@ -61,8 +61,13 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
                                               ": ", std::strerror(errno)));
     }
     struct stat st {};
-    if (fstat(fd, &st) != 0 || seg.size_bytes() == 0 ||
-        seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
+    if (fstat(fd, &st) != 0) {
+      const int err = errno;
+      close(fd);
+      return absl::InternalError(absl::StrCat("segment ", segment_id, ": fstat ", seg.shm_name(),
+                                              ": ", std::strerror(err)));
+    }
+    if (seg.size_bytes() == 0 || seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
       close(fd);
       return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": size_bytes ",
                                                         seg.size_bytes(), " but ", seg.shm_name(),
@@ -99,11 +104,15 @@ absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle
 
 absl::Status SegmentMap::CheckGeneration(const Mapping& m, const v1::BlockHandle& h) {
   if (m.slot_bytes == 0) return absl::OkStatus();  // a daemon without generation tables
-  const uint64_t cell = m.table_offset + 8 * (h.offset() / m.slot_bytes);
-  if (cell + 8 > m.size) {
+  // The table's place and the cell's index are the daemon's word: checked without wrapping,
+  // and the cell 8-byte aligned (it is read atomically).
+  const uint64_t index = h.offset() / m.slot_bytes;
+  if (m.table_offset > m.size || m.size - m.table_offset < 8 || m.table_offset % 8 != 0 ||
+      index > (m.size - m.table_offset - 8) / 8) {
     return absl::OutOfRangeError(absl::StrCat(
         "handle: offset ", h.offset(), " has no generation cell in segment ", h.segment_id()));
   }
+  const uint64_t cell = m.table_offset + 8 * index;
   const uint64_t now =
       std::atomic_ref<const uint64_t>(*reinterpret_cast<const uint64_t*>(m.data + cell))
           .load(std::memory_order_acquire);

@@ -68,15 +68,6 @@ metrics::Counter& KvTierService::TenantCounter(const std::string& name, const st
   return *it->second;
 }
 
-absl::Status KvTierService::CheckTenant(const grpc::CallbackServerContext* ctx) const {
-  return Identify(ctx).status();
-}
-
-std::string KvTierService::Tenant(const grpc::CallbackServerContext* ctx) const {
-  absl::StatusOr<std::string> tenant = Identify(ctx);
-  return tenant.ok() ? *std::move(tenant) : std::string();
-}
-
 absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTenantHeader);
@@ -88,10 +79,16 @@ absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerCo
                                                    kTenantExtra, "]"));
   }
   const std::string peer = ctx->peer();
-  if (!absl::StartsWith(peer, "fd:")) return named ? header : std::string("default");  // TCP
+  // TCP callers name their tenant (TLS and tokens are to come); every other peer is one of
+  // the Unix socket's connections, or has no credentials.
+  if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) {
+    return named ? header : std::string("default");
+  }
   const std::optional<PeerCredentials> cred = env_.unix_peer ? env_.unix_peer(peer) : std::nullopt;
   if (!cred.has_value()) {
-    return absl::UnauthenticatedError("the Unix-socket peer's credentials are unknown");
+    return absl::UnauthenticatedError(absl::StrCat("peer ", Quoted(peer),
+                                                   " is neither a TCP caller nor a Unix-socket ",
+                                                   "connection whose credentials are known"));
   }
   if (cred->uid == env_.daemon_uid && env_.same_uid_by_metadata) {
     return named ? header : std::string("default");
@@ -134,8 +131,17 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
                                                Fn&& fn) {
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
-  absl::Status s = draining() ? Draining() : CheckTenant(ctx);
-  if (s.ok()) s = fn();
+  // The caller's tenant once, at the start: every use in the call is this one.
+  absl::StatusOr<std::string> tenant =
+      draining() ? absl::StatusOr<std::string>(Draining()) : Identify(ctx);
+  absl::Status s = tenant.status();
+  if (s.ok()) {
+    if constexpr (std::is_invocable_v<Fn&, const std::string&>) {
+      s = fn(*tenant);
+    } else {
+      s = fn();
+    }
+  }
   Record(method, s, absl::Now() - start);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(ToGrpcStatus(s));
@@ -146,8 +152,8 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerContext* ctx,
                                                        const v1::CreateSessionRequest* req,
                                                        v1::CreateSessionResponse* resp) {
-  return Unary(ctx, "CreateSession", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(*resp, env_.sessions->Create(Tenant(ctx), *req));
+  return Unary(ctx, "CreateSession", [&](const std::string& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Create(tenant, *req));
     return absl::OkStatus();
   });
 }
@@ -161,10 +167,12 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
 class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
-      : svc_(svc), tenant_(svc->Tenant(ctx)), resp_(resp), start_(absl::Now()) {
+      : svc_(svc), resp_(resp), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::Status s = svc_->CheckTenant(ctx);
-    tenant_ok_ = s.ok();  // a bad name gets no metric series
+    absl::StatusOr<std::string> tenant = svc_->Identify(ctx);
+    absl::Status s = tenant.status();
+    tenant_ok_ = s.ok();  // no tenant, no metric series
+    if (s.ok()) tenant_ = *std::move(tenant);
     if (s.ok() && svc_->draining()) s = Draining();
     if (!s.ok()) {
       Done(s);
@@ -225,7 +233,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   }
 
   KvTierService* const svc_;
-  const std::string tenant_;
+  std::string tenant_;  // set once, in the constructor
   v1::AppendKVResponse* const resp_;
   const absl::Time start_;
   v1::AppendKVRequest req_;
@@ -242,8 +250,7 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
 grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
                                                 const v1::SelectRequest* req,
                                                 v1::SelectResponse* resp) {
-  std::string tenant = Tenant(ctx);
-  return Unary(ctx, "Select", [&]() -> absl::Status {
+  return Unary(ctx, "Select", [&](const std::string& tenant) -> absl::Status {
     RETURN_IF_ERROR(env_.sessions->Run(tenant, req->session_id(), [&](const auto& session) {
       resp->Clear();
       RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(*req), env_.max_message_bytes));
@@ -259,8 +266,7 @@ grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext* ctx,
                                                      const v1::BatchSelectRequest* req,
                                                      v1::BatchSelectResponse* resp) {
-  std::string tenant = Tenant(ctx);
-  return Unary(ctx, "BatchSelect", [&]() -> absl::Status {
+  return Unary(ctx, "BatchSelect", [&](const std::string& tenant) -> absl::Status {
     // The whole reply's bound first: a batch too large to send takes no lease at all.
     uint64_t bound = 0;
     for (int i = 0; i < req->requests_size(); ++i) {
@@ -304,7 +310,9 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvTierService::Release(grpc::CallbackServerContext* ctx,
                                                  const v1::ReleaseRequest* req,
                                                  v1::ReleaseResponse* resp) {
-  return Unary(ctx, "Release", [&] { return env_.leases->Release(Tenant(ctx), req->lease_id()); });
+  return Unary(ctx, "Release", [&](const std::string& tenant) {
+    return env_.leases->Release(tenant, req->lease_id());
+  });
 }
 
 class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v1::BlockHandle> {
@@ -313,8 +321,10 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::Status s = svc_->draining() ? Draining() : svc_->CheckTenant(ctx);
-    if (s.ok()) s = Load(svc_->Tenant(ctx), *req);
+    absl::StatusOr<std::string> tenant =
+        svc_->draining() ? absl::StatusOr<std::string>(Draining()) : svc_->Identify(ctx);
+    absl::Status s = tenant.status();
+    if (s.ok()) s = Load(*tenant, *req);
     if (!s.ok() || ids_.empty()) {
       Done(s);
       return;
@@ -393,12 +403,13 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
 class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
-    absl::Status s = svc_->draining() ? Draining() : svc_->CheckTenant(ctx);
-    if (!s.ok()) {
-      if (Claim()) Finish(ToGrpcStatus(s));
+    absl::StatusOr<std::string> tenant =
+        svc_->draining() ? absl::StatusOr<std::string>(Draining()) : svc_->Identify(ctx);
+    if (!tenant.ok()) {
+      if (Claim()) Finish(ToGrpcStatus(tenant.status()));
       return;
     }
-    worker_ = svc_->env_.leases->Attach(svc_->Tenant(ctx));
+    worker_ = svc_->env_.leases->Attach(*tenant);
     resp_.set_worker_id(worker_);
     resp_.set_lease_ttl_ms(svc_->env_.lease_ttl_ms);
     {
@@ -410,7 +421,7 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
       if (Claim()) End(Draining());
       return;
     }
-    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(svc_->Tenant(ctx)));
+    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(*tenant));
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
   }
@@ -488,8 +499,8 @@ void KvTierService::StartDraining() {
 grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext* ctx,
                                                      const v1::ForkSessionRequest* req,
                                                      v1::CreateSessionResponse* resp) {
-  return Unary(ctx, "ForkSession", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(*resp, env_.sessions->Fork(Tenant(ctx), *req));
+  return Unary(ctx, "ForkSession", [&](const std::string& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Fork(tenant, *req));
     return absl::OkStatus();
   });
 }
@@ -497,8 +508,8 @@ grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvTierService::CloseSession(grpc::CallbackServerContext* ctx,
                                                       const v1::CloseSessionRequest* req,
                                                       v1::CloseSessionResponse* resp) {
-  return Unary(ctx, "CloseSession", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(bool existed, env_.sessions->Close(Tenant(ctx), req->session_id()));
+  return Unary(ctx, "CloseSession", [&](const std::string& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(bool existed, env_.sessions->Close(tenant, req->session_id()));
     resp->set_existed(existed);
     return absl::OkStatus();
   });
@@ -598,13 +609,13 @@ grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
                                                const v1::EvictRequest* req,
                                                v1::EvictResponse* resp) {
-  return Unary(ctx, "Evict", [&]() -> absl::Status {
+  return Unary(ctx, "Evict", [&](const std::string& tenant) -> absl::Status {
     if (req->tier() == v1::TIER_HOST) {  // the whole session, down to the remote tier
-      ASSIGN_OR_RETURN(uint64_t bytes, env_.sessions->Demote(Tenant(ctx), req->session_id()));
+      ASSIGN_OR_RETURN(uint64_t bytes, env_.sessions->Demote(tenant, req->session_id()));
       resp->set_bytes_moved(bytes);
       return absl::OkStatus();
     }
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Tenant(ctx), req->session_id()));
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
     ASSIGN_OR_RETURN(uint64_t bytes, session->Evict(req->tier()));
     resp->set_bytes_moved(bytes);
     return absl::OkStatus();
@@ -614,8 +625,8 @@ grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvTierService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                    const v1::SetPolicyRequest* req,
                                                    v1::SetPolicyResponse* resp) {
-  return Unary(ctx, "SetPolicy", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Tenant(ctx), req->session_id()));
+  return Unary(ctx, "SetPolicy", [&](const std::string& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
     ASSIGN_OR_RETURN(*resp->mutable_policy(), session->SetPolicy(req->policy()));
     return absl::OkStatus();
   });
@@ -623,11 +634,13 @@ grpc::ServerUnaryReactor* KvTierService::SetPolicy(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* KvTierService::Drain(grpc::CallbackServerContext* ctx,
                                                const v1::DrainRequest*, v1::DrainResponse* resp) {
+  bool granted = false;  // only a call that passed its checks drains
   grpc::ServerUnaryReactor* r = Unary(ctx, "Drain", [&] {
     resp->set_sessions(static_cast<uint32_t>(env_.sessions->size()));
+    granted = true;
     return absl::OkStatus();
   });
-  if (env_.on_drain) env_.on_drain();  // non-blocking: wakes the daemon's main thread
+  if (granted && env_.on_drain) env_.on_drain();  // non-blocking: wakes the daemon's main thread
   return r;
 }
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <string>
+#include <type_traits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -123,14 +124,11 @@ class KvTierService final : public v1::KvTier::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
-  // The caller's tenant (Identify's), or "" when it has none; every call checks Identify
-  // first.
-  std::string Tenant(const grpc::CallbackServerContext* ctx) const;
-  // OK when the caller may act as its tenant: Identify's status.
-  absl::Status CheckTenant(const grpc::CallbackServerContext* ctx) const;
   // The tenant a call acts as, from its credentials (ServiceEnv: auth) and its x-kvtier-tenant
   // header: UNAUTHENTICATED without credentials, PERMISSION_DENIED when the header names a
-  // tenant they do not give, INVALID_ARGUMENT when it names no valid tenant.
+  // tenant they do not give, INVALID_ARGUMENT when it names no valid tenant. Taken once per
+  // call, at its start (Unary hands it to its function; the reactors keep it), so that a
+  // call never acts as two tenants.
   absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;
 
   // Per-tenant counter `name`, looked up once per tenant.

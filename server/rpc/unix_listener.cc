@@ -51,7 +51,6 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
 
 UnixListener::~UnixListener() {
   Stop();
-  close(fd_);
   close(stop_read_);
   close(stop_write_);
 }
@@ -61,11 +60,18 @@ void UnixListener::Serve(grpc::Server* server) {
 }
 
 void UnixListener::Stop() {
-  if (!thread_.joinable()) return;
-  const char byte = 0;
-  while (write(stop_write_, &byte, 1) < 0 && errno == EINTR) {
+  if (thread_.joinable()) {
+    const char byte = 0;
+    while (write(stop_write_, &byte, 1) < 0 && errno == EINTR) {
+    }
+    thread_.join();
   }
-  thread_.join();
+  // Closed here, not at destruction: a client connecting from now on is refused at once,
+  // not left in the backlog while the server shuts down.
+  if (fd_ >= 0) {
+    close(fd_);
+    fd_ = -1;
+  }
 }
 
 void UnixListener::Accept(grpc::Server* server) {
@@ -79,15 +85,18 @@ void UnixListener::Accept(grpc::Server* server) {
     if (fds[1].revents != 0) return;
     const int c = accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (c < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        KVLOG(warn, "listen.accept", "error={}", LogValue(std::strerror(errno)));
-        if (errno == EMFILE || errno == ENFILE) poll(nullptr, 0, 100);  // let descriptors go
+      const int err = errno;  // before the log line can change it
+      if (err != EAGAIN && err != EINTR && err != ECONNABORTED) {
+        KVLOG(warn, "listen.accept", "error={}", LogValue(std::strerror(err)));
+        if (err == EMFILE || err == ENFILE) poll(nullptr, 0, 100);  // let descriptors go
       }
       continue;
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
     if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      const int err = errno;
+      KVLOG(warn, "listen.peercred", "error={}", LogValue(std::strerror(err)));
       close(c);  // no credentials, no connection
       continue;
     }

@@ -4,7 +4,10 @@
 // a descriptor (grpc::AddInsecureChannelFromFd), whose calls then report the peer "fd:N";
 // Lookup("fd:N") gives that connection's credentials. A descriptor number is reused only
 // after gRPC closed its connection, and the accept that reuses it records the new peer
-// before the connection can carry a call.
+// before the connection can carry a call; a call takes its identity once, as it starts (its
+// connection is open then), so that reuse cannot change who a running call is. (A call whose
+// client closed the connection in the instant between its arrival and its start may still
+// read a newer connection's entry: gRPC gives no per-connection identity of its own.)
 //
 // Thread-safe. Lookup takes mu_ (lock order 14, a leaf).
 #ifndef KVTIER_SERVER_RPC_UNIX_LISTENER_H_
@@ -42,8 +45,9 @@ class UnixListener {
   // Starts accepting, each connection handed to `server` (started, and not shut down before
   // Stop returns).
   void Serve(grpc::Server* server);
-  // Stops accepting and joins the accept thread; idempotent. Connections already handed over
-  // stay gRPC's. The socket file stays (its owner removes it).
+  // Stops accepting, joins the accept thread and closes the listening socket, so that new
+  // clients are refused; idempotent. Connections already handed over stay gRPC's. The socket
+  // file stays (its owner removes it).
   void Stop();
 
   // The credentials of the connection a call names as its peer ("fd:N"), or nullopt when the
@@ -55,7 +59,7 @@ class UnixListener {
       : fd_(fd), stop_read_(stop_read), stop_write_(stop_write) {}
   void Accept(grpc::Server* server);
 
-  const int fd_;
+  int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop
   std::thread thread_;
   mutable absl::Mutex mu_;  // lock order 14 (server/common/lock_order.h)
