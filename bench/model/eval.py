@@ -46,8 +46,9 @@ ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier"
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
 # (the fewest rows holding 95% of the estimated mass, the budget as a cap). kvtier-c<N>: the
-# defaults with N-token chunks; int4-only-c<N>: int4-only with N-token chunks.
-CHUNK_TOKENS = re.compile(r"kvtier-c(\d+)")
+# defaults with N-token chunks (kvtier-c<N>-refine<F>: and a pool F times the budget);
+# int4-only-c<N>: int4-only with N-token chunks.
+CHUNK_TOKENS = re.compile(r"kvtier-c(\d+)(?:-refine(\d+))?")
 INT4_CHUNK_TOKENS = re.compile(r"int4-only-c(\d+)")
 REFINE = re.compile(r"kvtier(-semantic)?-refine(\d+)(-mass)?(?:-p(\d+))?")
 
@@ -120,8 +121,9 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                                                     else pb.REFINE_SCORE_MAX),
                                       mass_target=int(m[4]) / 100 if m[4] else 0.0))
                 elif m := CHUNK_TOKENS.fullmatch(name):
+                    extra = {"refine_factor": int(m[2])} if m[2] else {}
                     out.append(Daemon(client, name, b, window=window(b),
-                                      chunk_tokens=int(m[1])))
+                                      chunk_tokens=int(m[1]), **extra))
                 elif name == "kvtier-split":
                     out.append(Daemon(client, name, b, window=window(b),
                                       layer_budget=pb.LAYER_BUDGET_BY_NEED))
