@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "grpcpp/server_posix.h"
 #include "server/common/log.h"
+#include "server/common/mutex.h"
 
 namespace kvtier {
 
@@ -101,7 +102,7 @@ void UnixListener::Accept(grpc::Server* server) {
       continue;
     }
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       peers_[c] = PeerCredentials{cred.uid, cred.gid, cred.pid};
     }
     grpc::AddInsecureChannelFromFd(server, c);
@@ -113,7 +114,7 @@ std::optional<PeerCredentials> UnixListener::Lookup(absl::string_view grpc_peer)
   if (!absl::ConsumePrefix(&grpc_peer, "fd:") || !absl::SimpleAtoi(grpc_peer, &fd)) {
     return std::nullopt;
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = peers_.find(fd);
   if (it == peers_.end()) return std::nullopt;
   return it->second;
