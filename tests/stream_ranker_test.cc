@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 
@@ -156,6 +157,24 @@ TEST(ChunkStats, FinalChunksAreBytesWithinHalfAStep) {
     EXPECT_DEATH(s.key_sum(0), "compact");
     EXPECT_NE(s.candidate(1).key_sum, nullptr);  // not final: floats still
   }
+}
+
+// Statistics past the float range or not numbers (a damaged record's rows) still narrow to
+// defined bytes: infinity as the largest float, NaN as 0.
+TEST(ChunkStats, NonFiniteStatisticsNarrowToDefinedBytes) {
+  ChunkStats s(kD);
+  std::vector<float> sum(kD, 1.f), peak(kD, 2.f);
+  sum[3] = std::numeric_limits<float>::quiet_NaN();
+  peak[5] = std::numeric_limits<float>::infinity();
+  s.Append(1, sum.data(), peak.data());
+  s.MarkFinal(1);
+  const ChunkCandidate c = s.candidate(0);
+  EXPECT_EQ(c.mean_q[3], 0);
+  EXPECT_EQ(c.mean_q[0], 127);
+  EXPECT_FLOAT_EQ(c.mean_scale, 1.f / 127);
+  EXPECT_EQ(c.peak_q[5], 127);
+  EXPECT_EQ(c.peak_q[0], 0);  // 2 against the largest float
+  EXPECT_FLOAT_EQ(c.peak_scale, std::numeric_limits<float>::max() / 127);
 }
 
 // An all-zero chunk is compact with a zero scale, and scores as its floats do.
