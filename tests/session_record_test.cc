@@ -2,7 +2,11 @@
 // selection; records that fail their checks.
 #include "server/session/session_record.h"
 
+#include <cstring>
+#include <limits>
+
 #include "server/common/error.h"
+#include "server/quant/chunk_quant.h"
 #include "tests/session_fixture.h"
 
 namespace kvtier {
@@ -183,6 +187,38 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
               StatusIs(Code::kDataLoss, "size or offsets"));
   EXPECT_THAT(DecodeStream(record(4, 100), fmt, &e.host, "t", "rec", &s),
               StatusIs(Code::kDataLoss, "rec: a chunk's bytes do not match its size"));
+  // What an append refuses, a record may not bring in: a NaN or Inf row (fp16: 0x7e00, 0x7c00),
+  // or cold parameters that dequantize to NaN.
+  for (uint16_t bad : {uint16_t{0x7e00}, uint16_t{0x7c00}}) {
+    v1::StreamRecord r = record(4, 4 * 32);
+    std::string* data = r.mutable_chunks(0)->mutable_data();
+    std::memcpy(data->data() + 2 * 37, &bad, 2);
+    EXPECT_THAT(DecodeStream(r, fmt, &e.host, "t", "rec", &s),
+                StatusIs(Code::kDataLoss, "rec: a chunk holds a value that is Inf or NaN"));
+  }
+  {
+    const QuantLayout L{8, 4, 4};
+    std::vector<uint16_t> k(4 * 8, FloatToHalf(1.5f)), v(4 * 8, FloatToHalf(-2.f));
+    std::string quant(L.Bytes(), '\0');
+    QuantizeChunk(k.data(), v.data(), L, reinterpret_cast<uint8_t*>(quant.data()));
+    v1::StreamRecord r;
+    v1::ChunkRecord* c = r.add_chunks();
+    c->set_num_tokens(4);
+    c->set_precision(v1::PRECISION_INT4);
+    c->set_data(quant);
+    Stream cold(8);
+    EXPECT_OK(DecodeStream(r, fmt, &e.host, "t", "rec", &cold));  // an encoder's: accepted
+    const float nan = std::numeric_limits<float>::quiet_NaN(), huge = 1e30f;
+    for (auto [at, value] : {std::pair{L.key_header() + 4 * kZeroStep, nan},
+                             std::pair{L.value_header() + 4 * kScaleBase, huge},
+                             std::pair{L.value_header() + 4 * kZeroBase, -huge}}) {
+      v1::StreamRecord broken = r;
+      std::memcpy(broken.mutable_chunks(0)->mutable_data()->data() + at, &value, 4);
+      EXPECT_THAT(DecodeStream(broken, fmt, &e.host, "t", "rec", &cold),
+                  StatusIs(Code::kDataLoss, "parameters are not an encoder's"))
+          << at;
+    }
+  }
   Env small(/*host_capacity=*/512);  // less than one 512-byte slot once one is taken
   Stream t(8);
   ASSERT_OK(DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t));

@@ -3,8 +3,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "server/common/vec.h"
 
 namespace kvtier {
@@ -385,6 +387,30 @@ bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& L, uint32_t ro
     if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;
   }
   return true;
+}
+
+int64_t FindNonFinite(HalfKind kind, const uint16_t* h, uint64_t n) {
+  if (kind == HalfKind::kFp16) return FindNonFinite(h, n);
+  for (uint64_t i = 0; i < n; ++i) {
+    if ((h[i] & 0x7f80u) == 0x7f80u) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+absl::Status CheckQuantHeaders(const uint8_t* quant, const QuantLayout& L, absl::string_view what) {
+  const QuantSections<const uint8_t> q(quant, L);
+  for (const auto& [name, header] : {std::pair{"key", q.key_header}, {"value", q.value_header}}) {
+    float h[kHeaderFloats];
+    std::memcpy(h, header, sizeof(h));
+    const bool ok = std::abs(h[kZeroBase]) <= 65504.f && h[kZeroStep] >= 0.f &&
+                    h[kZeroStep] <= 65504.f && h[kScaleBase] >= 0.f && h[kScaleBase] <= 65504.f;
+    if (!ok) {  // NaN fails every comparison above
+      return absl::DataLossError(absl::StrCat(
+          what, ": a cold chunk's ", name, " parameters are not an encoder's (zero base ",
+          h[kZeroBase], ", step ", h[kZeroStep], ", scale base ", h[kScaleBase], ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 int64_t FindNonFinite(const uint16_t* h, uint64_t n) {

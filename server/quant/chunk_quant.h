@@ -6,7 +6,10 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/quant.h"
+#include "server/common/vec.h"
 
 namespace kvtier {
 
@@ -29,6 +32,14 @@ bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& layout, uint32
 
 // First non-finite (Inf or NaN) element of `n` halves, or -1.
 int64_t FindNonFinite(const uint16_t* halves, uint64_t n);
+// The same for `n` 2-byte floats of `kind` (fp16 as above; bf16: an all-ones exponent).
+int64_t FindNonFinite(HalfKind kind, const uint16_t* h, uint64_t n);
+
+// OK when a cold chunk's parameter headers (key and value: zero base, zero step, scale base)
+// are what an encoder writes for fp16 rows: finite, the base within +-65504, the steps and
+// scale bases in [0, 65504], so that no dequantized value is NaN. `what` prefixes the error.
+absl::Status CheckQuantHeaders(const uint8_t* quant, const QuantLayout& layout,
+                               absl::string_view what);
 
 }  // namespace kvtier
 

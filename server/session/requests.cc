@@ -41,14 +41,8 @@ absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest&
   }
   for (const auto& [field, bytes] : {std::pair{"keys", &req.keys()}, {"values", &req.values()}}) {
     const auto* h = reinterpret_cast<const uint16_t*>(bytes->data());
-    int64_t bad = -1;
-    if (shape.dtype() == v1::DTYPE_BF16) {
-      for (uint64_t i = 0; i < bytes->size() / 2 && bad < 0; ++i) {
-        if ((h[i] & 0x7f80u) == 0x7f80u) bad = static_cast<int64_t>(i);
-      }
-    } else {
-      bad = FindNonFinite(h, bytes->size() / 2);
-    }
+    const int64_t bad = FindNonFinite(
+        shape.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16, h, bytes->size() / 2);
     if (bad >= 0) {
       const uint64_t d = shape.head_dim();
       return InvalidField(

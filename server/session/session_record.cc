@@ -1,9 +1,12 @@
 #include "server/session/session_record.h"
 
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/status_macros.h"
+#include "server/quant/chunk_quant.h"
 
 namespace kvtier {
 namespace {
@@ -107,6 +110,18 @@ absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, 
     }
     const uint64_t bytes = f.StoredBytes(c);
     if (cr.data().size() != bytes) return bad("a chunk's bytes do not match its size");
+    // What appends refuse, a record may not bring in: no Inf or NaN in rows, and no cold
+    // parameters that dequantize to one.
+    const auto* data = reinterpret_cast<const uint8_t*>(cr.data().data());
+    if (c.cold()) {
+      RETURN_IF_ERROR(CheckQuantHeaders(data, f.ColdLayout(c), what));
+    } else {
+      std::vector<uint16_t> rows(bytes / 2);
+      std::memcpy(rows.data(), data, bytes);
+      if (FindNonFinite(f.kind(), rows.data(), rows.size()) >= 0) {
+        return bad("a chunk holds a value that is Inf or NaN");
+      }
+    }
     absl::StatusOr<SlotRef> slot = host->Allocate(tenant, c.cold() ? bytes : f.slot_bytes());
     if (!slot.ok()) return slot.status();
     c.host = *std::move(slot);
