@@ -69,6 +69,15 @@ bool HaveAvx2F16c() { return Cpu().avx2 && Cpu().f16c; }
 
 bool HaveAvx2Fma() { return Cpu().avx2 && Cpu().fma; }
 
+// The sum of the 16 lanes of two accumulators, in the order the dot products below share.
+__attribute__((target("avx"))) inline float SumLanes(__m256 acc0, __m256 acc1) {
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
 __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b, int n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int j = 0;
@@ -79,11 +88,7 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b
   for (; j + 8 <= n; j += 8) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
   }
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float out = _mm_cvtss_f32(s);
+  float out = SumLanes(acc0, acc1);
   for (; j < n; ++j) out += a[j] * b[j];
   return out;
 }
@@ -105,11 +110,7 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   }
   for (; j + 8 <= n; j += 8)
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), Widen8(kind, h + j), acc0);
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float out = _mm_cvtss_f32(s);
+  float out = SumLanes(acc0, acc1);
   for (; j < n; ++j)
     out += a[j] * (kind == HalfKind::kFp16 ? HalfToFloat(h[j]) : Bf16ToFloat(h[j]));
   return out;
@@ -129,11 +130,7 @@ __attribute__((target("avx2,fma"))) float DotInt8Avx2(const float* a, const int8
   }
   for (; j + 8 <= n; j += 8)
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), WidenBytes8(c + j), acc0);
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float out = _mm_cvtss_f32(s);
+  float out = SumLanes(acc0, acc1);
   for (; j < n; ++j) out += a[j] * static_cast<float>(c[j]);
   return out;
 }
