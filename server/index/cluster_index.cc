@@ -93,7 +93,6 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
     }
   }
   StoreBoxes(l, box);
-  LaneScalars(l, b);
   SetScalars(l, b);
 }
 
@@ -106,24 +105,20 @@ void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
   b.min_tokens = std::min(b.min_tokens, tokens);
 }
 
-void ClusterIndex::LaneScalars(Lane l, Bounds& b) const {
-  // In double from the stored halves (which bound the chunks), then inflated past the
-  // float rounding; a side beyond the half range makes them infinite (the lane is unbounded).
-  const Block& blk = *l.blk;
+ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane) const {
   double mu = 0, peak = 0, extent = 0;
   for (int j = 0; j < d_; ++j) {
     auto at = [&](int part) {
-      return double(
-          HalfToFloat(blk.box[BoxIndex(blk, l.lane, static_cast<size_t>(part) * d_ + j)]));
+      return double(HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]));
     };
     const double mh = at(kMuHi), ml = at(kMuLo), ph = at(kPeakHi), pl = at(kPeakLo);
     mu += std::max(mh * mh, ml * ml);
     peak += std::max(ph * ph, pl * pl);
     extent += (mh - ml) * (mh - ml);
   }
-  b.mu_corner = static_cast<float>(std::sqrt(mu) * (1 + 1e-6));
-  b.peak_corner = static_cast<float>(std::sqrt(peak) * (1 + 1e-6));
-  b.extent = static_cast<float>(std::sqrt(extent) * (1 + 1e-6));
+  return {static_cast<float>(std::sqrt(mu) * (1 + 1e-6)),
+          static_cast<float>(std::sqrt(peak) * (1 + 1e-6)),
+          static_cast<float>(std::sqrt(extent) * (1 + 1e-6))};
 }
 
 void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const {
@@ -142,7 +137,6 @@ void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, con
   Peak(chunk, a, p);
   WidenTokens(b, a.tokens(chunk));
   WidenBoxes(l, mu, p);
-  LaneScalars(l, b);
   SetScalars(l, b);
 }
 
@@ -223,11 +217,13 @@ void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak) const 
   if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 
-void ClusterIndex::SetScalars(Lane l, const Bounds& b) const {
+void ClusterIndex::SetScalars(Lane l, Bounds& b) const {
   // The rounding margins scale with the largest norm of a point in each box.
   Block& blk = *l.blk;
-  blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = b.mu_corner;
-  blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = b.peak_corner;
+  const LaneMeasure m = MeasureLane(blk, l.lane);
+  b.extent = m.extent;
+  blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = m.mu_corner;
+  blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = m.peak_corner;
   blk.scalars[ScalarIndex(blk, l.lane, kLogRest)] = b.log_rest;
 }
 
@@ -459,19 +455,15 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
       }
     }
     if (a.tokens(ch) > b.max_tokens) return "tokens above max";
-    if (Norm(mu.data(), d_) > b.mu_corner || Norm(p, d_) > b.peak_corner) {
+    const LaneMeasure m = MeasureLane(blk, lane);
+    if (Norm(mu.data(), d_) > m.mu_corner || Norm(p, d_) > m.peak_corner) {
       return "a point beyond its box's corner";
     }
-    Bounds from_lane = b;
-    LaneScalars(Lane{const_cast<Block*>(&blk), lane}, from_lane);
-    if (from_lane.mu_corner != b.mu_corner || from_lane.peak_corner != b.peak_corner ||
-        from_lane.extent != b.extent) {
-      return "corners or extent differ from the lane's boxes";
-    }
-    if (blk.scalars[ScalarIndex(blk, lane, kMarginA)] != b.mu_corner ||
-        blk.scalars[ScalarIndex(blk, lane, kMarginP)] != b.peak_corner ||
+    if (m.extent != b.extent) return "extent differs from the lane's boxes";
+    if (blk.scalars[ScalarIndex(blk, lane, kMarginA)] != m.mu_corner ||
+        blk.scalars[ScalarIndex(blk, lane, kMarginP)] != m.peak_corner ||
         blk.scalars[ScalarIndex(blk, lane, kLogRest)] != b.log_rest) {
-      return "lane scalars differ from the bounds";
+      return "lane scalars differ from the bounds and boxes";
     }
     return "";
   };

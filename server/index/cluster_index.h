@@ -137,13 +137,10 @@ class ClusterIndex {
   static constexpr uint32_t kNone = ~0u;
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
-  // The bound fields shared by clusters and units, beside the boxes in its lane of a block
-  // (below), and read from them (LaneScalars).
+  // The bound fields shared by clusters and units, beside the boxes and scalars in its lane of
+  // a block (below).
   struct Bounds {
-    // The largest norm of a point in the mean box and in the peak box, sqrt(sum_j max(lo_j^2,
-    // hi_j^2)), inflated past its rounding: what the rounding margins of a bound scale with.
-    float mu_corner = 0, peak_corner = 0;
-    float extent = 0;  // |hi - lo| of the mean box, inflated likewise: its diagonal
+    float extent = 0;  // the mean box's diagonal (MeasureLane), which re-splits compare
     uint32_t max_tokens = 0;
     uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
@@ -206,8 +203,9 @@ class ClusterIndex {
   void StoreBoxes(Lane l, const float* box) const;
   // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards.
   void WidenBoxes(Lane l, const float* mu, const float* peak) const;
-  // Writes the lane's scalars from b (the unbounded mark stays).
-  void SetScalars(Lane l, const Bounds& b) const;
+  // Writes the lane's scalars (the unbounded mark stays): its margins from its boxes
+  // (MeasureLane), its log_rest from b; and b's extent.
+  void SetScalars(Lane l, Bounds& b) const;
   // Copies lane `from` of src (boxes and scalars) to lane `to` of dst.
   void CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const;
   // The lane among blk's first `lanes` (at least one) whose boxes `point` ([mu | peak], 2 *
@@ -239,8 +237,15 @@ class ClusterIndex {
   void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a);
   // b's token counts over one more chunk of `tokens`.
   static void WidenTokens(Bounds& b, uint32_t tokens);
-  // b's corners and extent, read from its lane's boxes.
-  void LaneScalars(Lane l, Bounds& b) const;
+  // What a lane's boxes give, computed in double from the stored halves (which bound the
+  // chunks) and inflated past the float rounding; a side beyond the half range makes them
+  // infinite (the lane is unbounded then). Corners: the largest norm of a point in the mean
+  // box and in the peak box, sqrt(sum_j max(lo_j^2, hi_j^2)), what a bound's rounding margins
+  // scale with. Extent: the mean box's diagonal, |hi - lo|.
+  struct LaneMeasure {
+    float mu_corner, peak_corner, extent;
+  };
+  LaneMeasure MeasureLane(const Block& blk, uint32_t lane) const;
   // The middle of a lane's mean box and of its peak box (head_dim floats each; a side beyond
   // the half range counts as +-65504).
   void LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const;
