@@ -73,10 +73,9 @@ absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerCo
   auto it = md.find(kTenantHeader);
   const bool named = it != md.end() && !it->second.empty();
   const std::string header = named ? std::string(it->second.data(), it->second.size()) : "";
-  if (named && !IsName(header, kTenantExtra, kMaxTenantName)) {
-    return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": ", Quoted(header),
-                                                   " must be 1..", kMaxTenantName, " of [A-Za-z0-9",
-                                                   kTenantExtra, "]"));
+  if (named && !IsTenantName(header)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kTenantHeader, ": ", Quoted(header), " ", kTenantRule));
   }
   const std::string peer = ctx->peer();
   // TCP callers name their tenant (TLS and tokens are to come); every other peer is one of
@@ -108,6 +107,11 @@ absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerCo
   return mapped->second;
 }
 
+absl::StatusOr<std::string> KvTierService::Admit(const grpc::CallbackServerContext* ctx) const {
+  if (draining()) return Draining();
+  return Identify(ctx);
+}
+
 void KvTierService::Record(const char* method, const absl::Status& s, absl::Duration elapsed) {
   MethodMetrics& m = *method_metrics_.at(method);  // every method is registered up front
   const size_t code = std::min<size_t>(static_cast<size_t>(s.code()), m.by_code.size() - 1);
@@ -132,8 +136,7 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
   // The caller's tenant once, at the start: every use in the call is this one.
-  absl::StatusOr<std::string> tenant =
-      draining() ? absl::StatusOr<std::string>(Draining()) : Identify(ctx);
+  absl::StatusOr<std::string> tenant = Admit(ctx);
   absl::Status s = tenant.status();
   if (s.ok()) {
     if constexpr (std::is_invocable_v<Fn&, const std::string&>) {
@@ -321,8 +324,7 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::StatusOr<std::string> tenant =
-        svc_->draining() ? absl::StatusOr<std::string>(Draining()) : svc_->Identify(ctx);
+    absl::StatusOr<std::string> tenant = svc_->Admit(ctx);
     absl::Status s = tenant.status();
     if (s.ok()) s = Load(*tenant, *req);
     if (!s.ok() || ids_.empty()) {
@@ -403,8 +405,7 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
 class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
-    absl::StatusOr<std::string> tenant =
-        svc_->draining() ? absl::StatusOr<std::string>(Draining()) : svc_->Identify(ctx);
+    absl::StatusOr<std::string> tenant = svc_->Admit(ctx);
     if (!tenant.ok()) {
       if (Claim()) Finish(ToGrpcStatus(tenant.status()));
       return;

@@ -130,6 +130,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // call, at its start (Unary hands it to its function; the reactors keep it), so that a
   // call never acts as two tenants.
   absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;
+  // UNAVAILABLE while draining, else Identify: what a new call checks first.
+  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext* ctx) const;
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
