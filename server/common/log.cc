@@ -1,9 +1,8 @@
 #include "server/common/log.h"
 
-#include <cctype>
-
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/names.h"
 
 namespace kvtier {
 
@@ -19,12 +18,7 @@ absl::Status SetLogLevel(const std::string& level) {
 }
 
 std::string LogValue(absl::string_view value) {
-  bool plain = !value.empty();
-  for (unsigned char c : value) {
-    plain = plain && (std::isalnum(c) || std::string_view("_.:/@+-").find(static_cast<char>(c)) !=
-                                             std::string_view::npos);
-  }
-  if (plain) return std::string(value);
+  if (IsName(value, "_.:/@+-", value.size())) return std::string(value);
   return absl::StrCat("\"", absl::CHexEscape(value), "\"");
 }
 

@@ -14,6 +14,8 @@ namespace kvtier {
 // a log line and a metric label.
 inline constexpr size_t kMaxTenantName = 128;
 inline constexpr char kTenantExtra[] = "_.:@-";
+// The rule as an error message states it.
+inline constexpr char kTenantRule[] = "must be 1..128 of [A-Za-z0-9_.:@-]";
 
 // 1..max_len characters, each an ASCII letter, digit, or one of `extra`.
 inline bool IsName(absl::string_view s, absl::string_view extra, size_t max_len) {
@@ -26,6 +28,8 @@ inline bool IsName(absl::string_view s, absl::string_view extra, size_t max_len)
   }
   return true;
 }
+
+inline bool IsTenantName(absl::string_view s) { return IsName(s, kTenantExtra, kMaxTenantName); }
 
 }  // namespace kvtier
 

@@ -259,11 +259,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   for (int i = 0; i < raw.auth().unix_peers_size(); ++i) {
     const v1::UnixPeer& p = raw.auth().unix_peers(i);
     const std::string field = absl::StrCat("auth.unix_peers[", i, "]");
-    if (!IsName(p.tenant(), kTenantExtra, kMaxTenantName)) {
-      return InvalidField(
-          field + ".tenant", p.tenant(),
-          absl::StrCat("must be 1..", kMaxTenantName, " of [A-Za-z0-9", kTenantExtra, "]"));
-    }
+    if (!IsTenantName(p.tenant())) return InvalidField(field + ".tenant", p.tenant(), kTenantRule);
     if (!o.unix_peers.emplace(p.uid(), p.tenant()).second) {
       return InvalidField(field + ".uid", absl::StrCat(p.uid()), "is named twice");
     }
