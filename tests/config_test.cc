@@ -45,10 +45,28 @@ TEST(Config, AuthNamesUnixPeersAndTheOwnUidException) {
   ASSERT_OK_AND_ASSIGN(v1::Config c,
                        ParseConfigText("auth { same_uid_by_metadata: \"off\" unix_peers { uid: "
                                        "1000 tenant: \"alice\" } unix_peers { uid: 1001 "
-                                       "tenant: \"bob\" } }"));
+                                       "tenant: \"ops\" admin: true } }"));
   ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
   EXPECT_FALSE(o.same_uid_by_metadata);
-  EXPECT_EQ(o.unix_peers, (std::map<uint32_t, std::string>{{1000, "alice"}, {1001, "bob"}}));
+  using Grant = ServerOptions::Grant;
+  EXPECT_EQ(o.unix_peers,
+            (std::map<uint32_t, Grant>{{1000, Grant{"alice", false}}, {1001, Grant{"ops", true}}}));
+}
+
+// A token entry keeps its salt and the digest's 32 bytes, decoded from the hex.
+TEST(Config, AuthTokensKeepSaltAndDigestBytes) {
+  ASSERT_OK_AND_ASSIGN(
+      v1::Config c,
+      ParseConfigText("auth { tokens { tenant: \"alice\" salt: \"0123456789abcdefXYZ\" sha256: "
+                      "\"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\" "
+                      "admin: true } }"));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(c));
+  ASSERT_EQ(o.tokens.size(), 1u);
+  EXPECT_EQ(o.tokens[0].grant, (ServerOptions::Grant{"alice", true}));
+  EXPECT_EQ(o.tokens[0].salt, "0123456789abcdefXYZ");
+  EXPECT_EQ(o.tokens[0].sha256[0], 0xba);
+  EXPECT_EQ(o.tokens[0].sha256[1], 0x78);
+  EXPECT_EQ(o.tokens[0].sha256[31], 0xad);
 }
 
 TEST(Config, EveryBadFieldIsNamed) {
@@ -89,6 +107,19 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"auth { unix_peers { uid: 7 } }", "auth.unix_peers[0].tenant"},
       {"auth { unix_peers { uid: 7 tenant: \"a\" } unix_peers { uid: 7 tenant: \"b\" } }",
        "auth.unix_peers[1].uid"},
+      {"auth { tokens { tenant: \"a b\" } }", "auth.tokens[0].tenant"},
+      {"auth { tokens { tenant: \"a\" salt: \"short\" } }", "auth.tokens[0].salt"},
+      {"auth { tokens { tenant: \"a\" salt: \"0123456789abcdef/\" } }", "auth.tokens[0].salt"},
+      {"auth { tokens { tenant: \"a\" salt: \"0123456789abcdef\" sha256: \"abc\" } }",
+       "auth.tokens[0].sha256"},
+      {"auth { tokens { tenant: \"a\" salt: \"0123456789abcdef\" sha256: "
+       "\"BA7816BF8F01CFEA414140DE5DAE2223B00361A396177A9CB410FF61F20015AD\" } }",
+       "auth.tokens[0].sha256"},
+      {"auth { tokens { tenant: \"a\" salt: \"0123456789abcdef\" sha256: "
+       "\"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\" } tokens { tenant: "
+       "\"b\" salt: \"0123456789abcdef\" sha256: "
+       "\"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\" } }",
+       "auth.tokens[1].sha256"},
   };
   for (const Case& c : cases) {
     ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));

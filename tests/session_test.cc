@@ -5,6 +5,7 @@
 
 #include <cstdio>
 
+#include "absl/strings/str_replace.h"
 #include "server/session/layer_budget.h"
 #include "server/session/prefetcher.h"
 #include "tests/session_fixture.h"
@@ -695,7 +696,13 @@ TEST(Session, LeasePinsUntilReleaseOrExpiry) {
   EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // 128 tokens = 8 slots of 1 KiB
   EXPECT_EQ(f.session->Info().active_leases(), 1u);
   EXPECT_EQ(resp.lease_expires_unix_ms(), e.clock.NowMs() + 1000);
-  EXPECT_THAT(e.leases.Release("other-tenant", resp.lease_id()), StatusIs(Code::kPermissionDenied));
+  // Another tenant's lease is answered as a lease that does not exist, in the same words.
+  const absl::Status foreign = e.leases.Release("other-tenant", resp.lease_id());
+  EXPECT_THAT(foreign, StatusIs(Code::kNotFound, "is not a live lease of this tenant"));
+  const absl::Status unknown = e.leases.Release("other-tenant", "no-such-lease");
+  EXPECT_EQ(foreign.code(), unknown.code());
+  EXPECT_EQ(absl::StrReplaceAll(foreign.message(), {{resp.lease_id(), "ID"}}),
+            absl::StrReplaceAll(unknown.message(), {{"no-such-lease", "ID"}}));
   ASSERT_OK(e.leases.Release("t", resp.lease_id()));
   EXPECT_EQ(e.host.Stats().pinned_bytes, 0u);
   EXPECT_THAT(e.leases.Release("t", resp.lease_id()), StatusIs(Code::kNotFound, "lease_id"));
@@ -734,9 +741,14 @@ TEST(Session, LeasesOfADetachedWorkerEndAtOnce) {
   EXPECT_EQ(f.session->Info().active_leases(), 3u);
 
   r.set_worker_id(other);
-  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kPermissionDenied, "worker_id"));
+  // Another tenant's worker is answered as one that does not exist, in the same words.
+  const absl::Status foreign = f.session->Select(r, &a);
   r.set_worker_id("w-999-0000000000000000");
-  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kNotFound, "is not attached"));
+  const absl::Status unknown = f.session->Select(r, &a);
+  EXPECT_THAT(unknown, StatusIs(Code::kNotFound, "is not one of this tenant's attached workers"));
+  EXPECT_EQ(foreign.code(), unknown.code());
+  EXPECT_EQ(absl::StrReplaceAll(foreign.message(), {{other, "ID"}}),
+            absl::StrReplaceAll(unknown.message(), {{"w-999-0000000000000000", "ID"}}));
   EXPECT_EQ(f.session->Info().active_leases(), 3u);
 
   EXPECT_EQ(e.leases.Detach(w), 2);
@@ -745,7 +757,7 @@ TEST(Session, LeasesOfADetachedWorkerEndAtOnce) {
   EXPECT_THAT(e.leases.Release("t", b.lease_id()), StatusIs(Code::kNotFound));
   EXPECT_EQ(e.host.Stats().pinned_bytes, 8u * 1024);  // the unattached lease's 8 slots
   r.set_worker_id(w);
-  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kNotFound, "is not attached"));
+  EXPECT_THAT(f.session->Select(r, &a), StatusIs(Code::kNotFound, "attached workers"));
   // A lease granted to a worker that detached meanwhile is refused and pins nothing.
   std::vector<SlotRef> slots;
   EXPECT_THAT(e.leases.Create("t", "s", slots, 1000, w), StatusIs(Code::kNotFound));

@@ -53,7 +53,7 @@ extern "C" void __tsan_release(void* addr);
 class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachResponse> {
  public:
   Attachment(v1::KvTier::Stub& stub, const ClientOptions& options) {
-    if (!options.tenant.empty()) ctx_.AddMetadata("x-kvtier-tenant", options.tenant);
+    Client::AddCredentials(options, &ctx_);
     stub.async()->Attach(&ctx_, &req_, this);
     KVTIER_HANDOFF(this);
     StartRead(&resp_);
@@ -176,7 +176,12 @@ auto Client::WithWorker(const Req& req, Call&& call) -> decltype(call(req)) {
 void Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(options_.timeout));
-  if (!options_.tenant.empty()) ctx->AddMetadata("x-kvtier-tenant", options_.tenant);
+  AddCredentials(options_, ctx);
+}
+
+void Client::AddCredentials(const ClientOptions& options, grpc::ClientContext* ctx) {
+  if (!options.tenant.empty()) ctx->AddMetadata("x-kvtier-tenant", options.tenant);
+  if (!options.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options.token);
 }
 
 namespace {

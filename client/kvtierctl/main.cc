@@ -1,11 +1,18 @@
 // kvtierctl: inspect and steer a running kvtierd. See `kvtierctl --help`.
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -18,20 +25,28 @@ namespace kvtier::ctl {
 namespace {
 
 constexpr char kUsage[] =
-    R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T] COMMAND
+    R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T]
+                 [--token-file FILE] COMMAND
 
 commands:
   health                 the daemon's gRPC health (exit 0 when SERVING)
-  sessions               every session: tenant, shape, tokens, bytes per tier, leases
+  sessions               the caller's sessions (an admin's: every tenant's): tenant,
+                         shape, tokens, bytes per tier, leases
   session ID             one session: policy, usage, per-layer index statistics
   tiers                  capacity, use, pins, promotions, evictions; the copy cache's
                          policy, hit rate and prefetches, per tier
-  segments               shared-memory segments: names a worker maps, sizes, owners
+  segments               the caller's shared-memory segments (an admin's: all): names a
+                         worker maps, sizes, owners
   chunks ID [--layer L] [--limit N]
                          chunks of a session: positions, precision, bytes, generation
   close ID               close a session (idempotent)
+  token hash --tenant T [--admin]
+                         reads a bearer token on stdin and prints the auth.tokens entry
+                         that admits it (a fresh random salt and the SHA-256 of salt and
+                         token), for kvtierd's config; the token itself is not printed
 
---addr defaults to $KVTIER_ADDR, else unix:/tmp/kvtier.sock. A failed call exits 1 with the
+--addr defaults to $KVTIER_ADDR, else unix:/tmp/kvtier.sock. --token-file (default
+$KVTIER_TOKEN_FILE) holds a bearer token sent with every call. A failed call exits 1 with the
 server's message; bad usage exits 2.
 )";
 
@@ -39,6 +54,8 @@ struct Args {
   std::string addr;
   std::string output = "table";
   std::string tenant;
+  std::string token_file;
+  bool admin = false;
   std::vector<std::string> positional;
   std::optional<uint32_t> layer;
   uint32_t limit = 0;
@@ -71,6 +88,47 @@ int Fail(const absl::Status& s) {
 int Usage(const std::string& why) {
   std::cerr << "kvtierctl: " << why << "\n\n" << kUsage;
   return 2;
+}
+
+// A token as a file or stdin holds it: one trailing newline (LF or CRLF) dropped. It must be
+// 1..4000 printable ASCII characters without spaces (a legal metadata value).
+absl::StatusOr<std::string> ReadToken(std::istream& in, const std::string& from) {
+  std::string token((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (absl::EndsWith(token, "\n")) token.pop_back();
+  if (absl::EndsWith(token, "\r")) token.pop_back();
+  const bool ok =
+      !token.empty() && token.size() <= 4000 &&
+      std::all_of(token.begin(), token.end(), [](char ch) { return ch > ' ' && ch < 127; });
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        from, ": a token is 1..4000 printable ASCII characters without spaces, on one line"));
+  }
+  return token;
+}
+
+// `token hash`: the config entry for the token on stdin.
+int TokenHash(const Args& a) {
+  if (a.positional.size() != 2 || a.positional[1] != "hash") return Usage("token takes: hash");
+  // The daemon checks the whole rule at start-up; this keeps the printed entry well-formed.
+  const bool tenant_ok = !a.tenant.empty() && a.tenant.size() <= 128 &&
+                         std::all_of(a.tenant.begin(), a.tenant.end(), [](char ch) {
+                           return absl::ascii_isalnum(ch) || absl::StrContains("_.:@-", ch);
+                         });
+  if (!tenant_ok) return Usage("token hash needs --tenant T, 1..128 of [A-Za-z0-9_.:@-]");
+  absl::StatusOr<std::string> token = ReadToken(std::cin, "stdin");
+  if (!token.ok()) return Fail(token.status());
+  unsigned char raw[16];
+  if (RAND_bytes(raw, sizeof raw) != 1) return Fail(absl::InternalError("no random bytes"));
+  const std::string salt =
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof raw));
+  const std::string salted = salt + *token;
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(salted.data()), salted.size(), digest);
+  std::cout << "tokens { tenant: \"" << a.tenant << "\" salt: \"" << salt << "\" sha256: \""
+            << absl::BytesToHexString(
+                   absl::string_view(reinterpret_cast<const char*>(digest), sizeof digest))
+            << "\"" << (a.admin ? " admin: true" : "") << " }\n";
+  return 0;
 }
 
 int Run(const Args& a, Client& c) {
@@ -292,12 +350,16 @@ int main(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") {
       std::cout << kUsage;
       return 0;
+    } else if (arg == "--admin") {
+      a.admin = true;
     } else if (arg == "--addr" || arg == "-o" || arg == "--output" || arg == "--tenant" ||
-               arg == "--layer" || arg == "--limit") {
+               arg == "--layer" || arg == "--limit" || arg == "--token-file") {
       auto v = value();
       if (!v) return Usage(absl::StrCat(arg, " needs a value"));
       if (arg == "--addr") {
         a.addr = *v;
+      } else if (arg == "--token-file") {
+        a.token_file = *v;
       } else if (arg == "--tenant") {
         a.tenant = *v;
       } else if (arg == "--layer" || arg == "--limit") {
@@ -319,8 +381,21 @@ int main(int argc, char** argv) {
     }
   }
   if (a.positional.empty()) return Usage("no command");
+  if (a.positional[0] == "token") return TokenHash(a);
   kvtier::ClientOptions opts;
   opts.tenant = a.tenant;
+  if (a.token_file.empty()) {
+    if (const char* env = std::getenv("KVTIER_TOKEN_FILE")) a.token_file = env;
+  }
+  if (!a.token_file.empty()) {
+    std::ifstream in(a.token_file);
+    if (!in)
+      return Fail(
+          absl::NotFoundError(absl::StrCat("--token-file ", a.token_file, ": cannot be read")));
+    absl::StatusOr<std::string> token = ReadToken(in, "--token-file " + a.token_file);
+    if (!token.ok()) return Fail(token.status());
+    opts.token = *std::move(token);
+  }
   opts.timeout = absl::Seconds(10);
   auto client = kvtier::Client::Connect(a.addr, opts);
   if (!client.ok()) return Fail(client.status());

@@ -1,9 +1,13 @@
 #include "server/config/config.h"
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -236,8 +240,8 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   }
   for (const auto& [tenant, q] : raw.quotas()) {
     const std::string field = absl::StrCat("quotas[\"", tenant, "\"]");
-    if (tenant != "*" && !IsName(tenant, "_.:-", 128)) {
-      return InvalidField(field, tenant, "is neither \"*\" nor a tenant name [A-Za-z0-9_.:-]");
+    if (tenant != "*" && !IsTenantName(tenant)) {
+      return InvalidField(field, tenant, absl::StrCat("is not \"*\" and ", kTenantRule));
     }
     ServerOptions::Quota quota;
     if (!q.host_bytes().empty()) {
@@ -260,9 +264,34 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     const v1::UnixPeer& p = raw.auth().unix_peers(i);
     const std::string field = absl::StrCat("auth.unix_peers[", i, "]");
     if (!IsTenantName(p.tenant())) return InvalidField(field + ".tenant", p.tenant(), kTenantRule);
-    if (!o.unix_peers.emplace(p.uid(), p.tenant()).second) {
+    if (!o.unix_peers.emplace(p.uid(), ServerOptions::Grant{p.tenant(), p.admin()}).second) {
       return InvalidField(field + ".uid", absl::StrCat(p.uid()), "is named twice");
     }
+  }
+  for (int i = 0; i < raw.auth().tokens_size(); ++i) {
+    const v1::Token& t = raw.auth().tokens(i);
+    const std::string field = absl::StrCat("auth.tokens[", i, "]");
+    if (!IsTenantName(t.tenant())) return InvalidField(field + ".tenant", t.tenant(), kTenantRule);
+    const bool salt_ok = t.salt().size() >= 16 && t.salt().size() <= 128 &&
+                         absl::c_all_of(t.salt(), [](char ch) { return absl::ascii_isalnum(ch); });
+    if (!salt_ok) {
+      return InvalidField(field + ".salt", t.salt(), "is not 16..128 characters of [A-Za-z0-9]");
+    }
+    ServerOptions::Token token{.grant = {t.tenant(), t.admin()}, .salt = t.salt()};
+    const bool hex_ok = t.sha256().size() == 64 && absl::c_all_of(t.sha256(), [](char ch) {
+                          return absl::ascii_isdigit(ch) || (ch >= 'a' && ch <= 'f');
+                        });
+    if (!hex_ok) {
+      return InvalidField(field + ".sha256", t.sha256(), "is not 64 lowercase hex digits");
+    }
+    const std::string bytes = absl::HexStringToBytes(t.sha256());
+    std::memcpy(token.sha256.data(), bytes.data(), token.sha256.size());
+    for (const ServerOptions::Token& other : o.tokens) {
+      if (other.sha256 == token.sha256 && other.salt == token.salt) {
+        return InvalidField(field + ".sha256", t.sha256(), "is another entry's too");
+      }
+    }
+    o.tokens.push_back(std::move(token));
   }
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {

@@ -4,6 +4,7 @@
 #ifndef KVTIER_SERVER_CONFIG_CONFIG_H_
 #define KVTIER_SERVER_CONFIG_CONFIG_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -69,8 +70,22 @@ struct ServerOptions {
     if (it == quotas.end()) it = quotas.find("*");
     return it == quotas.end() ? Quota{} : it->second;
   }
-  // Unix-socket peers' tenants by uid, and whether the daemon's own uid names its tenant.
-  std::map<uint32_t, std::string> unix_peers;
+  // What one credential gives: a tenant, and maybe the admin role.
+  struct Grant {
+    std::string tenant;
+    bool admin = false;
+    bool operator==(const Grant&) const = default;
+  };
+  // A bearer token's entry: its grant, its salt, and SHA-256(salt || token).
+  struct Token {
+    Grant grant;
+    std::string salt;
+    std::array<uint8_t, 32> sha256{};
+  };
+  // Unix-socket peers' grants by uid, bearer tokens, and whether the daemon's own uid names
+  // its tenant (as an admin).
+  std::map<uint32_t, Grant> unix_peers;
+  std::vector<Token> tokens;
   bool same_uid_by_metadata = true;
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;

@@ -139,6 +139,7 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock),
                 remote_.ok() ? remote_->get() : nullptr),
+      auth_(options_, getuid()),
       service_(ServiceEnv{.sessions = &sessions_,
                           .leases = &leases_,
                           .host = &host_,
@@ -150,13 +151,12 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .on_drain = [this] { RequestShutdown(); },
                           .max_message_bytes = options_.max_message_size,
                           .lease_ttl_ms = options_.lease_ttl_ms,
+                          .metric_tenants = MetricTenants(options_),
                           .unix_peer =
                               [this](absl::string_view peer) {
                                 return listener_ ? listener_->Lookup(peer) : std::nullopt;
                               },
-                          .daemon_uid = getuid(),
-                          .same_uid_by_metadata = options_.same_uid_by_metadata,
-                          .unix_peers = options_.unix_peers}) {}
+                          .auth = &auth_}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {

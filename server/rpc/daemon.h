@@ -86,6 +86,7 @@ class Daemon {
   // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
   // every call, so it is destroyed after the service and the server.
   std::unique_ptr<UnixListener> listener_;
+  const Authenticator auth_;
   KvTierService service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;

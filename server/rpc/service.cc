@@ -33,7 +33,31 @@ absl::Status CheckReply(const char* what, uint64_t bound, uint64_t limit) {
       what, bound, limit));
 }
 
+// The tenant the admin RPCs look sessions up as: an admin's call sees every tenant's (the
+// empty tenant is SessionManager's admin view), any other only its own.
+std::string Scope(const Caller& caller) { return caller.admin ? std::string() : caller.tenant; }
+
+// PERMISSION_DENIED for a caller without the admin role.
+absl::Status NeedAdmin(const Caller& caller, absl::string_view what) {
+  if (caller.admin) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      what,
+      " needs an admin credential (auth.unix_peers or auth.tokens with admin: true, or "
+      "the daemon's own uid); tenant \"",
+      caller.tenant, "\" has none"));
+}
+
 }  // namespace
+
+absl::flat_hash_set<std::string> MetricTenants(const ServerOptions& options) {
+  absl::flat_hash_set<std::string> out = {"default"};
+  for (const auto& [tenant, quota] : options.quotas) {
+    if (tenant != "*") out.insert(tenant);
+  }
+  for (const auto& [uid, grant] : options.unix_peers) out.insert(grant.tenant);
+  for (const ServerOptions::Token& t : options.tokens) out.insert(t.grant.tenant);
+  return out;
+}
 
 grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -55,59 +79,35 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
 
 metrics::Counter& KvTierService::TenantCounter(const std::string& name, const std::string& help,
                                                const std::string& tenant) {
+  // Only the config's tenants have series of their own, so that no caller can grow the
+  // metrics by naming new tenants.
+  const std::string& series =
+      env_.metric_tenants.contains(tenant) ? tenant : std::string(kOtherTenants);
   MutexLock lock(&tenant_mu_);
-  // The first max_tenant_series tenants seen have series of their own; the rest share one, so
-  // that no caller can grow the metrics without bound by naming new tenants.
-  const bool own =
-      tenant_series_.contains(tenant) ||
-      (tenant_series_.size() < env_.max_tenant_series && tenant_series_.insert(tenant).second);
-  const std::string& series = own ? tenant : std::string(kOtherTenants);
   const std::string key = name + '\0' + series;
   auto [it, inserted] = tenant_counters_.try_emplace(key, nullptr);
   if (inserted) it->second = &env_.metrics->GetCounter(name, help, {{"tenant", series}});
   return *it->second;
 }
 
-absl::StatusOr<std::string> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
+absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
   const auto& md = ctx->client_metadata();
-  auto it = md.find(kTenantHeader);
-  const bool named = it != md.end() && !it->second.empty();
-  const std::string header = named ? std::string(it->second.data(), it->second.size()) : "";
-  if (named && !IsTenantName(header)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kTenantHeader, ": ", Quoted(header), " ", kTenantRule));
-  }
+  auto value = [&md](const char* key) -> std::optional<absl::string_view> {
+    auto it = md.find(key);
+    if (it == md.end()) return std::nullopt;
+    return absl::string_view(it->second.data(), it->second.size());
+  };
   const std::string peer = ctx->peer();
-  // TCP callers name their tenant (TLS and tokens are to come); every other peer is one of
-  // the Unix socket's connections, or has no credentials.
-  if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) {
-    return named ? header : std::string("default");
-  }
-  const std::optional<PeerCredentials> cred = env_.unix_peer ? env_.unix_peer(peer) : std::nullopt;
-  if (!cred.has_value()) {
-    return absl::UnauthenticatedError(absl::StrCat("peer ", Quoted(peer),
-                                                   " is neither a TCP caller nor a Unix-socket ",
-                                                   "connection whose credentials are known"));
-  }
-  if (cred->uid == env_.daemon_uid && env_.same_uid_by_metadata) {
-    return named ? header : std::string("default");
-  }
-  auto mapped = env_.unix_peers.find(cred->uid);
-  if (mapped == env_.unix_peers.end()) {
-    return absl::UnauthenticatedError(
-        absl::StrCat("uid ", cred->uid, " (pid ", cred->pid,
-                     ") has no credentials here: the daemon's config names its Unix-socket "
-                     "peers in auth.unix_peers"));
-  }
-  if (named && header != mapped->second) {
-    return absl::PermissionDeniedError(absl::StrCat(kTenantHeader, ": ", Quoted(header),
-                                                    " is not the tenant of uid ", cred->uid, " (",
-                                                    mapped->second, ")"));
-  }
-  return mapped->second;
+  CallCredentials call{.tenant_header = value(kTenantHeader),
+                       .authorization = value(kAuthorizationHeader),
+                       // Only these are TCP; every other peer is one of the Unix socket's
+                       // connections, or has no credentials.
+                       .tcp = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")};
+  if (!call.tcp && env_.unix_peer) call.unix_peer = env_.unix_peer(peer);
+  return env_.auth->Identify(call);
 }
 
-absl::StatusOr<std::string> KvTierService::Admit(const grpc::CallbackServerContext* ctx) const {
+absl::StatusOr<Caller> KvTierService::Admit(const grpc::CallbackServerContext* ctx) const {
   if (draining()) return Draining();
   return Identify(ctx);
 }
@@ -135,12 +135,12 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
                                                Fn&& fn) {
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   absl::Time start = absl::Now();
-  // The caller's tenant once, at the start: every use in the call is this one.
-  absl::StatusOr<std::string> tenant = Admit(ctx);
-  absl::Status s = tenant.status();
+  // The caller once, at the start: every use in the call is this one.
+  absl::StatusOr<Caller> caller = Admit(ctx);
+  absl::Status s = caller.status();
   if (s.ok()) {
-    if constexpr (std::is_invocable_v<Fn&, const std::string&>) {
-      s = fn(*tenant);
+    if constexpr (std::is_invocable_v<Fn&, const Caller&>) {
+      s = fn(*caller);
     } else {
       s = fn();
     }
@@ -155,8 +155,8 @@ grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerContext* ctx,
                                                        const v1::CreateSessionRequest* req,
                                                        v1::CreateSessionResponse* resp) {
-  return Unary(ctx, "CreateSession", [&](const std::string& tenant) -> absl::Status {
-    ASSIGN_OR_RETURN(*resp, env_.sessions->Create(tenant, *req));
+  return Unary(ctx, "CreateSession", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Create(caller.tenant, *req));
     return absl::OkStatus();
   });
 }
@@ -172,10 +172,10 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
       : svc_(svc), resp_(resp), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::StatusOr<std::string> tenant = svc_->Identify(ctx);
-    absl::Status s = tenant.status();
+    absl::StatusOr<Caller> caller = svc_->Identify(ctx);
+    absl::Status s = caller.status();
     tenant_ok_ = s.ok();  // no tenant, no metric series
-    if (s.ok()) tenant_ = *std::move(tenant);
+    if (s.ok()) tenant_ = std::move(caller->tenant);
     if (s.ok() && svc_->draining()) s = Draining();
     if (!s.ok()) {
       Done(s);
@@ -253,15 +253,15 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
 grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
                                                 const v1::SelectRequest* req,
                                                 v1::SelectResponse* resp) {
-  return Unary(ctx, "Select", [&](const std::string& tenant) -> absl::Status {
-    RETURN_IF_ERROR(env_.sessions->Run(tenant, req->session_id(), [&](const auto& session) {
+  return Unary(ctx, "Select", [&](const Caller& caller) -> absl::Status {
+    RETURN_IF_ERROR(env_.sessions->Run(caller.tenant, req->session_id(), [&](const auto& session) {
       resp->Clear();
       RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(*req), env_.max_message_bytes));
       RETURN_IF_ERROR(session->Select(*req, resp));
       if (env_.prefetcher) env_.prefetcher->Enqueue(session, *req);
       return absl::OkStatus();
     }));
-    TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
+    TenantCounter("kvtier_selects_total", "Select calls served", caller.tenant).Inc();
     return absl::OkStatus();
   });
 }
@@ -269,12 +269,12 @@ grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext* ctx,
                                                      const v1::BatchSelectRequest* req,
                                                      v1::BatchSelectResponse* resp) {
-  return Unary(ctx, "BatchSelect", [&](const std::string& tenant) -> absl::Status {
+  return Unary(ctx, "BatchSelect", [&](const Caller& caller) -> absl::Status {
     // The whole reply's bound first: a batch too large to send takes no lease at all.
     uint64_t bound = 0;
     for (int i = 0; i < req->requests_size(); ++i) {
       const v1::SelectRequest& r = req->requests(i);
-      auto session = env_.sessions->Get(tenant, r.session_id());
+      auto session = env_.sessions->Get(caller.tenant, r.session_id());
       if (!session.ok()) {
         return absl::Status(session.status().code(),
                             absl::StrCat("requests[", i, "].", session.status().message()));
@@ -289,7 +289,7 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
       const v1::SelectRequest& r = req->requests(i);
       absl::Status s = [&]() -> absl::Status {
         v1::SelectResponse* out = resp->add_responses();
-        return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
+        return env_.sessions->Run(caller.tenant, r.session_id(), [&](const auto& session) {
           out->Clear();
           RETURN_IF_ERROR(session->Select(r, out));
           if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
@@ -299,13 +299,15 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
       if (!s.ok()) {
         // All or nothing: end the leases already granted in this batch.
         for (const auto& done : resp->responses()) {
-          if (!done.lease_id().empty()) env_.leases->Release(tenant, done.lease_id()).IgnoreError();
+          if (!done.lease_id().empty())
+            env_.leases->Release(caller.tenant, done.lease_id()).IgnoreError();
         }
         resp->Clear();
         return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
       }
     }
-    TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc(req->requests_size());
+    TenantCounter("kvtier_selects_total", "Select calls served", caller.tenant)
+        .Inc(req->requests_size());
     return absl::OkStatus();
   });
 }
@@ -313,8 +315,8 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvTierService::Release(grpc::CallbackServerContext* ctx,
                                                  const v1::ReleaseRequest* req,
                                                  v1::ReleaseResponse* resp) {
-  return Unary(ctx, "Release", [&](const std::string& tenant) {
-    return env_.leases->Release(tenant, req->lease_id());
+  return Unary(ctx, "Release", [&](const Caller& caller) {
+    return env_.leases->Release(caller.tenant, req->lease_id());
   });
 }
 
@@ -324,9 +326,9 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
                     const v1::ReadChunksRequest* req)
       : svc_(svc), start_(absl::Now()) {
     svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    absl::StatusOr<std::string> tenant = svc_->Admit(ctx);
-    absl::Status s = tenant.status();
-    if (s.ok()) s = Load(*tenant, *req);
+    absl::StatusOr<Caller> caller = svc_->Admit(ctx);
+    absl::Status s = caller.status();
+    if (s.ok()) s = Load(caller->tenant, *req);
     if (!s.ok() || ids_.empty()) {
       Done(s);
       return;
@@ -405,12 +407,13 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
 class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
-    absl::StatusOr<std::string> tenant = svc_->Admit(ctx);
-    if (!tenant.ok()) {
-      if (Claim()) Finish(ToGrpcStatus(tenant.status()));
+    absl::StatusOr<Caller> caller = svc_->Admit(ctx);
+    if (!caller.ok()) {
+      if (Claim()) Finish(ToGrpcStatus(caller.status()));
       return;
     }
-    worker_ = svc_->env_.leases->Attach(*tenant);
+    const std::string& tenant = caller->tenant;
+    worker_ = svc_->env_.leases->Attach(tenant);
     resp_.set_worker_id(worker_);
     resp_.set_lease_ttl_ms(svc_->env_.lease_ttl_ms);
     {
@@ -422,7 +425,7 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
       if (Claim()) End(Draining());
       return;
     }
-    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(*tenant));
+    KVLOG(debug, "worker.attach", "worker={} tenant={}", worker_, LogValue(tenant));
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
   }
@@ -500,8 +503,8 @@ void KvTierService::StartDraining() {
 grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext* ctx,
                                                      const v1::ForkSessionRequest* req,
                                                      v1::CreateSessionResponse* resp) {
-  return Unary(ctx, "ForkSession", [&](const std::string& tenant) -> absl::Status {
-    ASSIGN_OR_RETURN(*resp, env_.sessions->Fork(tenant, *req));
+  return Unary(ctx, "ForkSession", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(*resp, env_.sessions->Fork(caller.tenant, *req));
     return absl::OkStatus();
   });
 }
@@ -509,8 +512,8 @@ grpc::ServerUnaryReactor* KvTierService::ForkSession(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvTierService::CloseSession(grpc::CallbackServerContext* ctx,
                                                       const v1::CloseSessionRequest* req,
                                                       v1::CloseSessionResponse* resp) {
-  return Unary(ctx, "CloseSession", [&](const std::string& tenant) -> absl::Status {
-    ASSIGN_OR_RETURN(bool existed, env_.sessions->Close(tenant, req->session_id()));
+  return Unary(ctx, "CloseSession", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(bool existed, env_.sessions->Close(Scope(caller), req->session_id()));
     resp->set_existed(existed);
     return absl::OkStatus();
   });
@@ -519,8 +522,10 @@ grpc::ServerUnaryReactor* KvTierService::CloseSession(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* KvTierService::ListSessions(grpc::CallbackServerContext* ctx,
                                                       const v1::ListSessionsRequest*,
                                                       v1::ListSessionsResponse* resp) {
-  return Unary(ctx, "ListSessions", [&] {
-    for (const auto& s : env_.sessions->List()) *resp->add_sessions() = s->Info();
+  return Unary(ctx, "ListSessions", [&](const Caller& caller) {
+    for (const auto& s : env_.sessions->List()) {
+      if (caller.admin || s->tenant() == caller.tenant) *resp->add_sessions() = s->Info();
+    }
     return absl::OkStatus();
   });
 }
@@ -528,8 +533,8 @@ grpc::ServerUnaryReactor* KvTierService::ListSessions(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* KvTierService::DescribeSession(grpc::CallbackServerContext* ctx,
                                                          const v1::DescribeSessionRequest* req,
                                                          v1::DescribeSessionResponse* resp) {
-  return Unary(ctx, "DescribeSession", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get("", req->session_id()));
+  return Unary(ctx, "DescribeSession", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
     *resp->mutable_info() = session->Info();
     for (auto& l : session->Layers()) *resp->add_layers() = std::move(l);
     return absl::OkStatus();
@@ -539,8 +544,8 @@ grpc::ServerUnaryReactor* KvTierService::DescribeSession(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KvTierService::ListChunks(grpc::CallbackServerContext* ctx,
                                                     const v1::ListChunksRequest* req,
                                                     v1::ListChunksResponse* resp) {
-  return Unary(ctx, "ListChunks", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get("", req->session_id()));
+  return Unary(ctx, "ListChunks", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
     std::optional<uint32_t> layer;
     if (req->has_layer()) layer = req->layer();
     *resp = session->ListChunks(layer, req->limit() ? req->limit() : 10000);
@@ -588,9 +593,10 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContext* ctx,
                                                       const v1::ListSegmentsRequest*,
                                                       v1::ListSegmentsResponse* resp) {
-  return Unary(ctx, "ListSegments", [&] {
+  return Unary(ctx, "ListSegments", [&](const Caller& caller) {
     for (const Tier* t : {env_.device, env_.host}) {
       for (const SegmentInfo& s : t->Segments()) {
+        if (!caller.admin && s.tenant != caller.tenant) continue;
         v1::Segment* out = resp->add_segments();
         out->set_segment_id(s.segment_id);
         out->set_tier(s.tier);
@@ -610,13 +616,13 @@ grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
                                                const v1::EvictRequest* req,
                                                v1::EvictResponse* resp) {
-  return Unary(ctx, "Evict", [&](const std::string& tenant) -> absl::Status {
+  return Unary(ctx, "Evict", [&](const Caller& caller) -> absl::Status {
     if (req->tier() == v1::TIER_HOST) {  // the whole session, down to the remote tier
-      ASSIGN_OR_RETURN(uint64_t bytes, env_.sessions->Demote(tenant, req->session_id()));
+      ASSIGN_OR_RETURN(uint64_t bytes, env_.sessions->Demote(Scope(caller), req->session_id()));
       resp->set_bytes_moved(bytes);
       return absl::OkStatus();
     }
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
     ASSIGN_OR_RETURN(uint64_t bytes, session->Evict(req->tier()));
     resp->set_bytes_moved(bytes);
     return absl::OkStatus();
@@ -626,8 +632,8 @@ grpc::ServerUnaryReactor* KvTierService::Evict(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvTierService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                    const v1::SetPolicyRequest* req,
                                                    v1::SetPolicyResponse* resp) {
-  return Unary(ctx, "SetPolicy", [&](const std::string& tenant) -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(tenant, req->session_id()));
+  return Unary(ctx, "SetPolicy", [&](const Caller& caller) -> absl::Status {
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
     ASSIGN_OR_RETURN(*resp->mutable_policy(), session->SetPolicy(req->policy()));
     return absl::OkStatus();
   });
@@ -636,7 +642,8 @@ grpc::ServerUnaryReactor* KvTierService::SetPolicy(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* KvTierService::Drain(grpc::CallbackServerContext* ctx,
                                                const v1::DrainRequest*, v1::DrainResponse* resp) {
   bool granted = false;  // only a call that passed its checks drains
-  grpc::ServerUnaryReactor* r = Unary(ctx, "Drain", [&] {
+  grpc::ServerUnaryReactor* r = Unary(ctx, "Drain", [&](const Caller& caller) -> absl::Status {
+    RETURN_IF_ERROR(NeedAdmin(caller, "Drain"));
     resp->set_sessions(static_cast<uint32_t>(env_.sessions->size()));
     granted = true;
     return absl::OkStatus();

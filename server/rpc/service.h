@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
+#include "server/rpc/auth.h"
 #include "server/rpc/unix_listener.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
@@ -23,11 +24,6 @@ namespace kvtier {
 
 // The one place absl codes become gRPC codes (their numbers agree).
 grpc::Status ToGrpcStatus(const absl::Status& s);
-
-// Metadata key naming the caller's tenant; absent: "default". A name is 1..kMaxTenantName of
-// letters, digits and kTenantExtra (so that it is safe in a log line and a metric label);
-// any other is INVALID_ARGUMENT naming the header.
-inline constexpr char kTenantHeader[] = "x-kvtier-tenant";
 
 struct ServiceEnv {
   SessionManager* sessions = nullptr;
@@ -46,17 +42,17 @@ struct ServiceEnv {
   uint64_t max_message_bytes = 64ull << 20;
   // --lease_ttl_ms, told to each attached worker.
   uint32_t lease_ttl_ms = 30'000;
-  // Tenants with series of their own in the per-tenant metrics; later ones share "_other".
-  size_t max_tenant_series = 64;
-  // Authentication. Calls on the Unix socket (peers "fd:N") are identified by their
-  // connection's credentials (unix_peer; nullopt: unknown, UNAUTHENTICATED): the daemon's own
-  // uid names its tenant in the header when same_uid_by_metadata, a uid of unix_peers is that
-  // tenant, any other is UNAUTHENTICATED. Calls on TCP name their tenant in the header.
+  // Tenants with series of their own in the per-tenant metrics: those the config names
+  // (MetricTenants); every other shares "_other", so that no caller makes labels.
+  absl::flat_hash_set<std::string> metric_tenants;
+  // Who calls: calls on the Unix socket (peers "fd:N") carry their connection's credentials
+  // (unix_peer; nullopt: unknown), and `auth` judges them with the call's metadata.
   std::function<std::optional<PeerCredentials>(absl::string_view peer)> unix_peer;
-  uid_t daemon_uid = 0;
-  bool same_uid_by_metadata = true;
-  std::map<uint32_t, std::string> unix_peers;
+  const Authenticator* auth = nullptr;
 };
+
+// The tenants the config names ("default", quotas' keys, auth's unix_peers and tokens).
+absl::flat_hash_set<std::string> MetricTenants(const ServerOptions& options);
 
 class KvTierService final : public v1::KvTier::CallbackService {
  public:
@@ -124,14 +120,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
   void Record(const char* method, const absl::Status& s, absl::Duration elapsed);
-  // The tenant a call acts as, from its credentials (ServiceEnv: auth) and its x-kvtier-tenant
-  // header: UNAUTHENTICATED without credentials, PERMISSION_DENIED when the header names a
-  // tenant they do not give, INVALID_ARGUMENT when it names no valid tenant. Taken once per
+  // What a call acts as (Authenticator::Identify on its peer and metadata). Taken once per
   // call, at its start (Unary hands it to its function; the reactors keep it), so that a
   // call never acts as two tenants.
-  absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
   // UNAVAILABLE while draining, else Identify: what a new call checks first.
-  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext* ctx) const;
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
@@ -147,8 +141,6 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
   absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
   absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
-  // Tenants that have series of their own (at most max_tenant_series).
-  absl::flat_hash_set<std::string> tenant_series_ ABSL_GUARDED_BY(tenant_mu_);
   absl::Mutex attach_mu_;  // lock order 12 (server/common/lock_order.h)
   absl::flat_hash_set<AttachReactor*> attached_ ABSL_GUARDED_BY(attach_mu_);
   std::atomic<bool> draining_{false};

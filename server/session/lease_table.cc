@@ -79,14 +79,13 @@ int LeaseTable::Detach(const std::string& worker) {
 absl::Status LeaseTable::CheckWorkerLocked(const std::string& tenant,
                                            const std::string& worker) const {
   if (worker.empty()) return absl::OkStatus();
+  // Another tenant's worker is answered as one that does not exist, in the same words: ids
+  // the daemon hands out are their holder's business.
   auto w = workers_.find(worker);
-  if (w == workers_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("worker_id: ", Quoted(worker), " is not attached (its Attach stream ended)"));
-  }
-  if (w->second.tenant != tenant) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("worker_id: ", Quoted(worker), " belongs to another tenant"));
+  if (w == workers_.end() || w->second.tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("worker_id: ", Quoted(worker),
+                                            " is not one of this tenant's attached workers (its "
+                                            "Attach stream ended, or it never was)"));
   }
   return absl::OkStatus();
 }
@@ -107,13 +106,10 @@ absl::Status LeaseTable::Release(const std::string& tenant, const std::string& l
   {
     MutexLock lock(&mu_);
     auto it = leases_.find(lease_id);
-    if (it == leases_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("lease_id: \"", lease_id, "\" is not a live lease (released or expired)"));
-    }
-    if (it->second.tenant != tenant) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("lease_id: \"", lease_id, "\" belongs to another tenant"));
+    if (it == leases_.end() || it->second.tenant != tenant) {  // another's: as if none (above)
+      return absl::NotFoundError(absl::StrCat("lease_id: ", Quoted(lease_id),
+                                              " is not a live lease of this tenant (released, "
+                                              "expired, or never granted to it)"));
     }
     ended = std::move(it->second);
     leases_.erase(it);

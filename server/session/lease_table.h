@@ -43,11 +43,11 @@ class LeaseTable {
   // Ends the worker and every lease it holds. Returns how many leases ended; idempotent.
   int Detach(const std::string& worker);
   // OK for an empty id or one of `tenant`'s attached workers; NOT_FOUND for an id that is
-  // not attached (never, or no longer); PERMISSION_DENIED for another tenant's worker.
+  // not attached (never, or no longer) and for another tenant's worker, in the same words.
   absl::Status CheckWorker(const std::string& tenant, const std::string& worker) const;
   size_t workers() const;
 
-  // NOT_FOUND for an unknown or expired lease; PERMISSION_DENIED for another tenant's.
+  // NOT_FOUND for an unknown or expired lease and for another tenant's, in the same words.
   absl::Status Release(const std::string& tenant, const std::string& lease_id);
 
   // Ends every lease whose time has come. Returns how many.

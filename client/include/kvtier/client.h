@@ -33,8 +33,12 @@
 namespace kvtier {
 
 struct ClientOptions {
-  // Sent as x-kvtier-tenant on every call; empty: the daemon's "default" tenant.
+  // Sent as x-kvtier-tenant on every call; empty: the tenant the credentials give ("default"
+  // for a caller of the daemon's own uid).
   std::string tenant;
+  // A bearer token, sent as `authorization: Bearer <token>` on every call (the daemon's
+  // auth.tokens); empty: none (on the Unix socket the peer's uid speaks for it).
+  std::string token;
   // Largest message either way; match the daemon's max_message_size.
   int max_message_bytes = 64 << 20;
   // Deadline of each call.
@@ -90,6 +94,8 @@ class Client {
  private:
   Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   void Prepare(grpc::ClientContext* ctx) const;
+  // The tenant and token metadata of every call (Prepare, the Attach stream).
+  static void AddCredentials(const ClientOptions& options, grpc::ClientContext* ctx);
   // Runs `call` with `req` naming this client's worker (unless it names one); once more
   // after attaching anew when the daemon no longer knows the worker (it restarted).
   template <typename Req, typename Call>

@@ -185,13 +185,17 @@ class Client:
     """A connection to kvtierd ("unix:PATH" or "HOST:PORT")."""
 
     def __init__(self, address: str = "unix:/tmp/kvtier.sock", tenant: str | None = None,
-                 timeout: float = 60.0, max_message_bytes: int = 64 << 20, attach: bool = True):
+                 timeout: float = 60.0, max_message_bytes: int = 64 << 20, attach: bool = True,
+                 token: str | None = None):
         """`attach`: from the first select on, hold an Attach stream open and name it in each
         select, so that this client's leases end as soon as it closes or its process dies,
-        instead of at their TTL (against a daemon without Attach: TTL only)."""
+        instead of at their TTL (against a daemon without Attach: TTL only). `token`: a bearer
+        token of the daemon's auth.tokens, sent on every call; `tenant` may then only name its
+        tenant (or any, for an admin's)."""
         self.address = address
         self.timeout = timeout
-        self._metadata = (("x-kvtier-tenant", tenant),) if tenant else ()
+        self._metadata = ((("x-kvtier-tenant", tenant),) if tenant else ()) + \
+            ((("authorization", "Bearer " + token),) if token else ())
         self._channel = grpc.insecure_channel(
             address, options=[("grpc.max_receive_message_length", max_message_bytes),
                               ("grpc.max_send_message_length", max_message_bytes)])

@@ -2,6 +2,7 @@
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,38 @@ def test_tenant_quotas_name_the_quota(start_daemon, tmp_path):
         assert big.append_layers(other, 0, k, v) == 300
 
 
+
+def test_bearer_tokens_name_the_tenant(start_daemon, tmp_path):
+    """The Python client's token: the daemon's auth.tokens entry (made by kvtierctl, checked
+    here against hashlib) admits it as its tenant, and nothing else gets in."""
+    import hashlib
+    token = "py-token-" + os.urandom(8).hex()
+    (tmp_path / "token").write_text(token + "\n")
+    ctl = Path(__file__).resolve().parents[3] / os.environ.get("KVTIER_BUILD", "build") / "bin"
+    made = subprocess.run([str(ctl / "kvtierctl"), "token", "hash", "--tenant", "carol"],
+                          stdin=(tmp_path / "token").open(), capture_output=True, text=True,
+                          timeout=30)
+    assert made.returncode == 0, made.stderr
+    salt = re.search(r'salt: "([0-9a-f]+)"', made.stdout).group(1)
+    digest = re.search(r'sha256: "([0-9a-f]+)"', made.stdout).group(1)
+    assert digest == hashlib.sha256((salt + token).encode()).hexdigest()
+    config = tmp_path / "auth.conf"
+    config.write_text('auth { same_uid_by_metadata: "off" ' + made.stdout + " }\n")
+    d = start_daemon("--config", str(config))
+    rng = np.random.default_rng(8)
+    k, v = make_kv(rng, 100)
+    with kvtier.Client(d.address, token=token) as carol:
+        sid = carol.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert carol.append_layers(sid, 0, k, v) == 100
+        assert [s.tenant for s in carol.list_sessions()] == ["carol"]
+    for kwargs, code in (({}, grpc.StatusCode.UNAUTHENTICATED),
+                         ({"token": token + "x"}, grpc.StatusCode.UNAUTHENTICATED),
+                         ({"token": token, "tenant": "dave"}, grpc.StatusCode.PERMISSION_DENIED)):
+        with kvtier.Client(d.address, **kwargs) as c, pytest.raises(kvtier.KvTierError) as e:
+            c.list_sessions()
+        assert e.value.code == code, kwargs
+        assert token not in e.value.message
+
 WORKER = """
 import sys, time
 import numpy as np
@@ -305,9 +338,9 @@ def test_worker_ids_are_checked_and_close_ends_the_leases(daemon):
         wid = other.worker_id()
         assert wid.startswith("w-")
         request = pb.SelectRequest(session_id=sid, layer=3, query=q.tobytes(), worker_id=wid)
-        with pytest.raises(kvtier.KvTierError) as e:  # another tenant's worker
+        with pytest.raises(kvtier.KvTierError) as e:  # another tenant's worker: as if none
             admin._unary("Select", request)
-        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert "worker_id" in e.value.message
         request.worker_id = "w-1-0000000000000000"
         with pytest.raises(kvtier.KvTierError) as e:

@@ -1,0 +1,132 @@
+// Authenticator: every kind of credential, with and without a tenant header, against the
+// config's auth section. Digests are checked against SHA-256's published test vector.
+#include "server/rpc/auth.h"
+
+#include "absl/strings/escaping.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+constexpr uid_t kDaemonUid = 500;
+
+std::string Hex(const std::array<uint8_t, 32>& d) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(d.data()), d.size()));
+}
+
+TEST(TokenDigest, IsSha256OfTheSaltThenTheToken) {
+  // FIPS 180-2's example: SHA-256("abc").
+  const auto d = TokenDigest("a", "bc");
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(Hex(*d), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(Hex(*TokenDigest("ab", "c")), Hex(*d));
+  EXPECT_EQ(Hex(*TokenDigest("", "")),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+}
+
+ServerOptions::Token Entry(const std::string& tenant, const std::string& salt,
+                           const std::string& token, bool admin = false) {
+  return {.grant = {tenant, admin}, .salt = salt, .sha256 = *TokenDigest(salt, token)};
+}
+
+ServerOptions Options(bool same_uid = true) {
+  ServerOptions o;
+  o.same_uid_by_metadata = same_uid;
+  o.unix_peers[1000] = {"carol", false};
+  o.unix_peers[1002] = {"ops", true};
+  o.tokens = {Entry("alice", "saltsaltsalt0001", "alice-secret"),
+              Entry("bob", "saltsaltsalt0002", "bob-secret"),
+              Entry("root", "saltsaltsalt0003", "root-secret", /*admin=*/true)};
+  return o;
+}
+
+CallCredentials Tcp(std::optional<absl::string_view> auth,
+                    std::optional<absl::string_view> tenant = std::nullopt) {
+  return {.tenant_header = tenant, .authorization = auth, .tcp = true};
+}
+CallCredentials Unix(uid_t uid, std::optional<absl::string_view> tenant = std::nullopt,
+                     std::optional<absl::string_view> auth = std::nullopt) {
+  return {.tenant_header = tenant,
+          .authorization = auth,
+          .unix_peer = PeerCredentials{.uid = uid, .gid = uid, .pid = 42}};
+}
+
+void ExpectCaller(const absl::StatusOr<Caller>& c, const std::string& tenant, bool admin) {
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->tenant, tenant);
+  EXPECT_EQ(c->admin, admin);
+}
+
+TEST(Authenticator, TcpCallersNeedABearerToken) {
+  const Authenticator a(Options(), kDaemonUid);
+  EXPECT_THAT(a.Identify(Tcp(std::nullopt)), StatusIs(Code::kUnauthenticated, "bearer token"));
+  EXPECT_THAT(a.Identify(Tcp(std::nullopt, "alice")), StatusIs(Code::kUnauthenticated));
+  ExpectCaller(a.Identify(Tcp("Bearer alice-secret")), "alice", false);
+  ExpectCaller(a.Identify(Tcp("bearer bob-secret")), "bob", false);  // the scheme in any case
+  ExpectCaller(a.Identify(Tcp("Bearer alice-secret", "alice")), "alice", false);
+  EXPECT_THAT(a.Identify(Tcp("Bearer alice-secret", "bob")),
+              StatusIs(Code::kPermissionDenied,
+                       "x-kvtier-tenant: \"bob\" is not the tenant of "
+                       "the bearer token (alice)"));
+}
+
+TEST(Authenticator, ABadTokenIsUnauthenticatedAndNamesNoSecret) {
+  const Authenticator a(Options(), kDaemonUid);
+  for (const char* bad : {"Bearer alice-secret ", "Bearer alice", "Bearer ", "Basic YWxpY2U=",
+                          "alice-secret", "Bearer saltsaltsalt0001alice-secret"}) {
+    absl::StatusOr<Caller> c = a.Identify(Tcp(bad));
+    EXPECT_THAT(c, StatusIs(Code::kUnauthenticated, "authorization: ")) << bad;
+    EXPECT_EQ(c.status().message().find("secret"), absl::string_view::npos) << c.status();
+  }
+  EXPECT_THAT(a.Identify(Tcp("Bearer " + std::string(kMaxAuthorization, 'x'))),
+              StatusIs(Code::kUnauthenticated, "at most 4096 bytes"));
+  // A bad token is not rescued by the socket: the daemon's own uid sending one is refused.
+  EXPECT_THAT(a.Identify(Unix(kDaemonUid, std::nullopt, "Bearer wrong")),
+              StatusIs(Code::kUnauthenticated, "matches no entry of auth.tokens"));
+}
+
+TEST(Authenticator, AnAdminNarrowsToAnyTenantAndIsThenThatTenantOnly) {
+  const Authenticator a(Options(), kDaemonUid);
+  ExpectCaller(a.Identify(Tcp("Bearer root-secret")), "root", true);
+  ExpectCaller(a.Identify(Tcp("Bearer root-secret", "alice")), "alice", false);
+  ExpectCaller(a.Identify(Unix(1002)), "ops", true);
+  ExpectCaller(a.Identify(Unix(1002, "carol")), "carol", false);
+}
+
+TEST(Authenticator, UnixPeersAreTheirUidsGrants) {
+  const Authenticator a(Options(), kDaemonUid);
+  ExpectCaller(a.Identify(Unix(1000)), "carol", false);
+  ExpectCaller(a.Identify(Unix(1000, "carol")), "carol", false);
+  EXPECT_THAT(a.Identify(Unix(1000, "alice")),
+              StatusIs(Code::kPermissionDenied, "is not the tenant of uid 1000 (carol)"));
+  EXPECT_THAT(a.Identify(Unix(1001)), StatusIs(Code::kUnauthenticated, "uid 1001 (pid 42)"));
+  // A token speaks for a uid named nowhere, and for a mapped one (the token's grant wins).
+  ExpectCaller(a.Identify(Unix(1001, std::nullopt, "Bearer bob-secret")), "bob", false);
+  ExpectCaller(a.Identify(Unix(1000, std::nullopt, "Bearer bob-secret")), "bob", false);
+  EXPECT_THAT(a.Identify(CallCredentials{}), StatusIs(Code::kUnauthenticated, "credentials"));
+}
+
+TEST(Authenticator, TheDaemonsOwnUidNamesItsTenantUnlessTurnedOff) {
+  const Authenticator on(Options(true), kDaemonUid);
+  ExpectCaller(on.Identify(Unix(kDaemonUid)), "default", true);
+  ExpectCaller(on.Identify(Unix(kDaemonUid, "anyone")), "anyone", false);
+  ExpectCaller(on.Identify(Unix(kDaemonUid, "")), "default", true);  // empty: absent
+  const Authenticator off(Options(false), kDaemonUid);
+  EXPECT_THAT(off.Identify(Unix(kDaemonUid)), StatusIs(Code::kUnauthenticated, "uid 500"));
+  ExpectCaller(off.Identify(Unix(kDaemonUid, std::nullopt, "Bearer alice-secret")), "alice", false);
+}
+
+TEST(Authenticator, AMalformedTenantHeaderIsInvalidBeforeAnyCredentialCheck) {
+  const Authenticator a(Options(), kDaemonUid);
+  EXPECT_THAT(a.Identify(Tcp(std::nullopt, "a b")),
+              StatusIs(Code::kInvalidArgument, "x-kvtier-tenant: \"a b\""));
+  EXPECT_THAT(a.Identify(Unix(kDaemonUid, "x=1 level=error")),
+              StatusIs(Code::kInvalidArgument, "x-kvtier-tenant"));
+}
+
+}  // namespace
+}  // namespace kvtier
