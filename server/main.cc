@@ -10,13 +10,15 @@
 #include "server/common/log.h"
 #include "server/config/config.h"
 #include "server/rpc/daemon.h"
+#include "server/rpc/tls.h"
 
 int main(int argc, char** argv) {
   // Signals go to one sigwait thread, so no gRPC thread is interrupted by them.
-  sigset_t stop;
+  sigset_t stop;  // and SIGHUP, which reloads the TLS files
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
   sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   signal(SIGPIPE, SIG_IGN);
   // Debian's Abseil checks every Mutex acquisition for lock cycles (a debug aid that costs
@@ -43,6 +45,10 @@ int main(int argc, char** argv) {
     std::cerr << "kvtierd: invalid configuration: " << options.status().message() << "\n";
     return 2;
   }
+  if (auto s = kvtier::CheckTlsFiles(options->tls); !s.ok()) {  // exit 2, as Validate's
+    std::cerr << "kvtierd: invalid configuration: " << s.message() << "\n";
+    return 2;
+  }
   if (auto s = kvtier::SetLogLevel(options->log_level); !s.ok()) {
     std::cerr << "kvtierd: " << s.message() << "\n";
     return 2;
@@ -52,9 +58,16 @@ int main(int argc, char** argv) {
     std::cerr << "kvtierd: " << daemon.status().message() << "\n";
     return 1;
   }
-  std::thread signals([d = daemon->get(), stop] {
+  std::thread signals([d = daemon->get(), stop, refresh_s = options->tls.refresh_s] {
     int sig = 0;
-    sigwait(&stop, &sig);
+    while (sigwait(&stop, &sig) == 0 && sig == SIGHUP) {
+      const absl::Status s = d->ReloadTls();
+      if (s.ok()) {
+        KVLOG(info, "tls.reload", "served_within_s={}", refresh_s);
+      } else {
+        KVLOG(error, "tls.reload", "kept=previous error={}", kvtier::LogValue(s.message()));
+      }
+    }
     KVLOG(info, "daemon.signal", "signal={}", sig);
     d->RequestShutdown();
   });

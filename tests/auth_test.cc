@@ -38,6 +38,7 @@ ServerOptions Options(bool same_uid = true) {
   o.same_uid_by_metadata = same_uid;
   o.unix_peers[1000] = {"carol", false};
   o.unix_peers[1002] = {"ops", true};
+  o.cert_subjects["CN=dave,O=team-d"] = {"dave", false};
   o.tokens = {Entry("alice", "saltsaltsalt0001", "alice-secret"),
               Entry("bob", "saltsaltsalt0002", "bob-secret"),
               Entry("root", "saltsaltsalt0003", "root-secret", /*admin=*/true)};
@@ -118,6 +119,23 @@ TEST(Authenticator, TheDaemonsOwnUidNamesItsTenantUnlessTurnedOff) {
   const Authenticator off(Options(false), kDaemonUid);
   EXPECT_THAT(off.Identify(Unix(kDaemonUid)), StatusIs(Code::kUnauthenticated, "uid 500"));
   ExpectCaller(off.Identify(Unix(kDaemonUid, std::nullopt, "Bearer alice-secret")), "alice", false);
+}
+
+TEST(Authenticator, AVerifiedCertificatesSubjectIsItsEntrysTenant) {
+  const Authenticator a(Options(), kDaemonUid);
+  CallCredentials call = Tcp(std::nullopt);
+  call.cert_subject = "CN=dave,O=team-d";
+  ExpectCaller(a.Identify(call), "dave", false);
+  call.tenant_header = "alice";
+  EXPECT_THAT(a.Identify(call), StatusIs(Code::kPermissionDenied,
+                                         "is not the tenant of certificate \"CN=dave,O=team-d\""));
+  call.tenant_header.reset();
+  call.authorization = "Bearer bob-secret";  // a token, when sent, is what counts
+  ExpectCaller(a.Identify(call), "bob", false);
+  call.authorization.reset();
+  call.cert_subject = "CN=dave,O=team-x";
+  EXPECT_THAT(a.Identify(call),
+              StatusIs(Code::kUnauthenticated, "\"CN=dave,O=team-x\" is in no entry"));
 }
 
 TEST(Authenticator, AMalformedTenantHeaderIsInvalidBeforeAnyCredentialCheck) {

@@ -120,6 +120,18 @@ TEST(Config, EveryBadFieldIsNamed) {
        "\"b\" salt: \"0123456789abcdef\" sha256: "
        "\"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\" } }",
        "auth.tokens[1].sha256"},
+      {"tcp_listen: \"127.0.0.1:5000\"", "tcp_listen: \"127.0.0.1:5000\" is TCP, which needs tls"},
+      {"listen: \"127.0.0.1:5000\"", "listen: \"127.0.0.1:5000\" is TCP"},
+      {"tcp_plaintext: \"maybe\"", "tcp_plaintext"},
+      {"tls { cert_file: \"/x\" }", "tls.key_file"},
+      {"tls { client_ca_file: \"/x\" }", "tls.client_ca_file"},
+      {"tls { cert_file: \"/a\" key_file: \"/b\" }", "tls.cert_file: \"/a\" is set, but no"},
+      {"tcp_listen: \"127.0.0.1:5000\" tls { cert_file: \"/a\" key_file: \"/b\" refresh_s: 99 }",
+       "tls.refresh_s"},
+      {"auth { cert_subjects { subject: \"CN=a\" tenant: \"a\" } }", "auth.cert_subjects"},
+      {"auth { cert_subjects { tenant: \"a\" } }", "auth.cert_subjects[0].subject"},
+      {"auth { cert_subjects { subject: \"CN=a\" tenant: \"a b\" } }",
+       "auth.cert_subjects[0].tenant"},
   };
   for (const Case& c : cases) {
     ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));

@@ -1,5 +1,6 @@
 // Integration: the real kvtierd binary on a temporary socket, driven by the C++ client.
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -717,7 +718,8 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
   const std::string config = dir.path() + "/kvtierd.conf";
   std::ofstream(config) << "auth { same_uid_by_metadata: \"off\" " << entries << "}\n";
   const int port = testing::FreePort();
-  DaemonProcess d({"--config", config, "--tcp_listen", absl::StrCat("127.0.0.1:", port)});
+  DaemonProcess d({"--config", config, "--tcp_listen", absl::StrCat("127.0.0.1:", port),
+                   "--tcp_plaintext", "on"});
   ASSERT_TRUE(d.started()) << d.Log();
   auto client = [&](const std::string& token, const std::string& tenant = "",
                     const std::string& address = "") {
@@ -889,6 +891,145 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
   // The admin alone drains; the daemon then exits 0.
   ASSERT_OK(admin->Drain().status());
   EXPECT_EQ(d.WaitForExit(20), 0);
+}
+
+// A test PKI made here with openssl: CA `name` (ca-<name>.pem, .key), and leaf certificates
+// it signs.
+class TestPki {
+ public:
+  explicit TestPki(const std::string& dir) : dir_(dir) {}
+  void Ca(const std::string& name) {
+    Run("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 "
+        "-subj /CN=kvtier-test-" +
+        name + " -keyout " + Path("ca-" + name + ".key") + " -out " + Path("ca-" + name + ".pem"));
+  }
+  // <leaf>.pem and <leaf>.key, subject `subj` ("/O=team-a/CN=alice"), signed by CA `ca`; a
+  // server's leaf names 127.0.0.1 and localhost.
+  void Leaf(const std::string& leaf, const std::string& subj, const std::string& ca) {
+    std::ofstream(Path(leaf + ".ext")) << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    Run("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj " + subj +
+        " -keyout " + Path(leaf + ".key") + " -out " + Path(leaf + ".csr"));
+    Run("openssl x509 -req -days 1 -in " + Path(leaf + ".csr") + " -CA " +
+        Path("ca-" + ca + ".pem") + " -CAkey " + Path("ca-" + ca + ".key") +
+        " -CAcreateserial -extfile " + Path(leaf + ".ext") + " -out " + Path(leaf + ".pem"));
+  }
+  std::string Path(const std::string& file) const { return dir_ + "/" + file; }
+
+ private:
+  void Run(const std::string& cmd) {
+    auto [code, out] = testing::RunCommand(cmd + " 2>&1");
+    ASSERT_EQ(code, 0) << cmd << "\n" << out;
+  }
+  std::string dir_;
+};
+
+// TCP is TLS: a client that trusts the daemon's CA and shows a certificate whose subject the
+// config maps acts as that tenant; a client without a certificate, with one of another CA,
+// speaking plaintext, or not trusting the daemon gets no call through; a subject in no entry is
+// UNAUTHENTICATED. A renewed certificate is served after SIGHUP without a restart, and a
+// broken one is refused by name while the last good one stays.
+TEST(Tls, MutualTlsMapsTheCertificateSubjectToItsTenant) {
+  if (access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "needs openssl";
+  TempDir dir;
+  TestPki pki(dir.path());
+  pki.Ca("a");
+  pki.Ca("rogue");
+  pki.Leaf("server", "/CN=localhost", "a");
+  pki.Leaf("alice", "/O=team-a/CN=alice", "a");
+  pki.Leaf("bob", "/O=team-b/CN=bob", "a");
+  pki.Leaf("mallory", "/O=team-a/CN=alice", "rogue");  // alice's subject, another CA
+  const std::string config = pki.Path("kvtierd.conf");
+  std::ofstream(config) << "tls { cert_file: \"" << pki.Path("server.pem") << "\" key_file: \""
+                        << pki.Path("server.key") << "\" client_ca_file: \"" << pki.Path("ca-a.pem")
+                        << "\" refresh_s: 1 }\n"
+                        << "auth { same_uid_by_metadata: \"off\" cert_subjects { subject: "
+                           "\"CN=alice,O=team-a\" tenant: \"alice\" } }\n";
+  const int port = testing::FreePort();
+  const std::string tcp = absl::StrCat("127.0.0.1:", port);
+  DaemonProcess d({"--config", config, "--tcp_listen", tcp});
+  ASSERT_TRUE(d.started()) << d.Log();
+  auto client = [&](const std::string& ca, const std::string& leaf) {
+    ClientOptions o;
+    o.timeout = absl::Seconds(5);
+    if (!ca.empty()) o.tls_ca_file = pki.Path("ca-" + ca + ".pem");
+    if (!leaf.empty()) {
+      o.tls_cert_file = pki.Path(leaf + ".pem");
+      o.tls_key_file = pki.Path(leaf + ".key");
+    }
+    auto c = Client::Connect(tcp, o);
+    EXPECT_OK(c.status());
+    return std::move(*c);
+  };
+  auto alice = client("a", "alice");
+  ASSERT_OK_AND_ASSIGN(auto created, alice->CreateSession(Shape()));
+  ASSERT_OK_AND_ASSIGN(auto listed, alice->ListSessions());
+  ASSERT_EQ(listed.sessions_size(), 1);
+  EXPECT_EQ(listed.sessions(0).tenant(), "alice");
+  EXPECT_THAT(client("a", "bob")->ListSessions(),
+              StatusIs(Code::kUnauthenticated, "\"CN=bob,O=team-b\" is in no entry"));
+  for (const auto& [ca, leaf] : std::vector<std::pair<std::string, std::string>>{
+           {"a", ""}, {"a", "mallory"}, {"rogue", "alice"}, {"", ""}}) {
+    EXPECT_THAT(client(ca, leaf)->Echo("x"), StatusIs(Code::kUnavailable))
+        << "ca " << ca << " leaf " << leaf;
+  }
+  // The Unix socket is not TLS, and there this process's uid has no entry.
+  EXPECT_THAT(Connect(d)->Echo("x"), StatusIs(Code::kUnauthenticated, "auth.unix_peers"));
+
+  // Renewal: a certificate of another CA written over the files is served after SIGHUP.
+  pki.Ca("b");
+  pki.Leaf("renewed", "/CN=localhost", "b");
+  ASSERT_EQ(testing::RunCommand("cp " + pki.Path("renewed.key") + " " + pki.Path("server.key") +
+                                " && cp " + pki.Path("renewed.pem") + " " + pki.Path("server.pem"))
+                .first,
+            0);
+  ASSERT_EQ(kill(d.pid(), SIGHUP), 0);
+  absl::Status renewed = absl::UnknownError("not tried");
+  for (int i = 0; i < 50 && !renewed.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    renewed = client("b", "alice")->Echo("x").status();
+  }
+  EXPECT_OK(renewed);
+  EXPECT_THAT(client("a", "alice")->Echo("x"), StatusIs(Code::kUnavailable));  // the old CA's
+  // A broken key file: SIGHUP says so by field, and the last good certificate stays served.
+  std::ofstream(pki.Path("server.key")) << "not a key\n";
+  ASSERT_EQ(kill(d.pid(), SIGHUP), 0);
+  absl::SleepFor(absl::Milliseconds(2500));
+  EXPECT_NE(d.Log().find("tls.reload"), std::string::npos) << d.Log();
+  EXPECT_NE(d.Log().find("tls.key_file"), std::string::npos) << d.Log();
+  EXPECT_OK(client("b", "alice")->Echo("x").status()) << d.Log();
+}
+
+// TCP without TLS is a start-up error unless plaintext is asked for; bad TLS files are named.
+TEST(Tls, ATcpListenerNeedsTlsOrTheExplicitFlag) {
+  TempDir dir;
+  TestPki pki(dir.path());
+  pki.Ca("a");
+  pki.Leaf("server", "/CN=localhost", "a");
+  pki.Leaf("other", "/CN=localhost", "a");
+  const std::string tcp = absl::StrCat("127.0.0.1:", testing::FreePort());
+  auto start = [&](const std::string& config, const std::vector<std::string>& flags) {
+    std::ofstream(pki.Path("c.conf")) << config;
+    std::string cmd = testing::BinaryPath("kvtierd") + " --listen unix:" + pki.Path("s.sock") +
+                      " --instance tls-" + std::to_string(getpid()) + " --config " +
+                      pki.Path("c.conf");
+    for (const std::string& f : flags) cmd += " " + f;
+    return testing::RunCommand(cmd + " 2>&1");
+  };
+  auto [code, out] = start("", {"--tcp_listen", tcp});
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("tcp_listen"), std::string::npos) << out;
+  EXPECT_NE(out.find("--tcp_plaintext on"), std::string::npos) << out;
+  const std::string mismatched = "tls { cert_file: \"" + pki.Path("server.pem") +
+                                 "\" key_file: \"" + pki.Path("other.key") + "\" }";
+  auto [code2, out2] = start(mismatched, {"--tcp_listen", tcp});
+  EXPECT_EQ(code2, 2) << out2;
+  EXPECT_NE(out2.find("tls.key_file"), std::string::npos) << out2;
+  auto [code3, out3] = start("auth { cert_subjects { subject: \"CN=x\" tenant: \"x\" } }",
+                             {"--tcp_listen", tcp, "--tcp_plaintext", "on"});
+  EXPECT_EQ(code3, 2) << out3;
+  EXPECT_NE(out3.find("tls.client_ca_file"), std::string::npos) << out3;
+  DaemonProcess plain({"--tcp_listen", tcp, "--tcp_plaintext", "on"});
+  EXPECT_TRUE(plain.started()) << plain.Log();
 }
 
 TEST(Kvtierctl, TablesJsonAndErrors) {

@@ -2,8 +2,10 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -21,7 +23,30 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_file.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    const std::pair<const std::string*, std::string*> files[] = {
+        {&options.tls_ca_file, &ssl.pem_root_certs},
+        {&options.tls_cert_file, &ssl.pem_cert_chain},
+        {&options.tls_key_file, &ssl.pem_private_key}};
+    for (const auto& [path, pem] : files) {
+      if (path->empty()) continue;
+      std::ifstream in(*path);
+      pem->assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      if (pem->empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tls: \"", *path, "\" cannot be read or is empty"));
+      }
+    }
+    if (ssl.pem_cert_chain.empty() != ssl.pem_private_key.empty()) {
+      return absl::InvalidArgumentError("tls_cert_file and tls_key_file: both or neither");
+    }
+    creds = grpc::SslCredentials(ssl);
+  } else if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("tls_cert_file and tls_key_file need tls_ca_file");
+  }
+  auto channel = grpc::CreateCustomChannel(address, creds, args);
   if (channel == nullptr) {
     return absl::InvalidArgumentError("address: \"" + address + "\" is not a gRPC target");
   }

@@ -26,7 +26,8 @@ namespace {
 
 constexpr char kUsage[] =
     R"(usage: kvtierctl [--addr unix:PATH|HOST:PORT] [-o table|json] [--tenant T]
-                 [--token-file FILE] COMMAND
+                 [--token-file FILE] [--tls-ca FILE [--tls-cert FILE --tls-key FILE]]
+                 COMMAND
 
 commands:
   health                 the daemon's gRPC health (exit 0 when SERVING)
@@ -46,7 +47,9 @@ commands:
                          token), for kvtierd's config; the token itself is not printed
 
 --addr defaults to $KVTIER_ADDR, else unix:/tmp/kvtier.sock. --token-file (default
-$KVTIER_TOKEN_FILE) holds a bearer token sent with every call. A failed call exits 1 with the
+$KVTIER_TOKEN_FILE) holds a bearer token sent with every call. --tls-ca speaks TLS to a TCP
+address (the CA of the daemon's certificate); --tls-cert and --tls-key add a client
+certificate (mTLS). A failed call exits 1 with the
 server's message; bad usage exits 2.
 )";
 
@@ -55,6 +58,7 @@ struct Args {
   std::string output = "table";
   std::string tenant;
   std::string token_file;
+  std::string tls_ca, tls_cert, tls_key;
   bool admin = false;
   std::vector<std::string> positional;
   std::optional<uint32_t> layer;
@@ -353,13 +357,20 @@ int main(int argc, char** argv) {
     } else if (arg == "--admin") {
       a.admin = true;
     } else if (arg == "--addr" || arg == "-o" || arg == "--output" || arg == "--tenant" ||
-               arg == "--layer" || arg == "--limit" || arg == "--token-file") {
+               arg == "--layer" || arg == "--limit" || arg == "--token-file" || arg == "--tls-ca" ||
+               arg == "--tls-cert" || arg == "--tls-key") {
       auto v = value();
       if (!v) return Usage(absl::StrCat(arg, " needs a value"));
       if (arg == "--addr") {
         a.addr = *v;
       } else if (arg == "--token-file") {
         a.token_file = *v;
+      } else if (arg == "--tls-ca") {
+        a.tls_ca = *v;
+      } else if (arg == "--tls-cert") {
+        a.tls_cert = *v;
+      } else if (arg == "--tls-key") {
+        a.tls_key = *v;
       } else if (arg == "--tenant") {
         a.tenant = *v;
       } else if (arg == "--layer" || arg == "--limit") {
@@ -384,6 +395,9 @@ int main(int argc, char** argv) {
   if (a.positional[0] == "token") return TokenHash(a);
   kvtier::ClientOptions opts;
   opts.tenant = a.tenant;
+  opts.tls_ca_file = a.tls_ca;
+  opts.tls_cert_file = a.tls_cert;
+  opts.tls_key_file = a.tls_key;
   if (a.token_file.empty()) {
     if (const char* env = std::getenv("KVTIER_TOKEN_FILE")) a.token_file = env;
   }

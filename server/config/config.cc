@@ -133,6 +133,7 @@ v1::Config DefaultConfig() {
   c.set_remote_timeout_ms(o.remote_timeout_ms);
   c.set_persist_interval_ms(o.persist_interval_ms);
   c.mutable_auth()->set_same_uid_by_metadata(o.same_uid_by_metadata ? "on" : "off");
+  c.set_tcp_plaintext(o.tcp_plaintext ? "on" : "off");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -292,6 +293,53 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
       }
     }
     o.tokens.push_back(std::move(token));
+  }
+  for (int i = 0; i < raw.auth().cert_subjects_size(); ++i) {
+    const v1::CertSubject& cs = raw.auth().cert_subjects(i);
+    const std::string field = absl::StrCat("auth.cert_subjects[", i, "]");
+    if (!IsTenantName(cs.tenant()))
+      return InvalidField(field + ".tenant", cs.tenant(), kTenantRule);
+    if (cs.subject().empty() || cs.subject().size() > 1024) {
+      return InvalidField(field + ".subject", cs.subject(), "is not 1..1024 bytes");
+    }
+    if (!o.cert_subjects.emplace(cs.subject(), ServerOptions::Grant{cs.tenant(), cs.admin()})
+             .second) {
+      return InvalidField(field + ".subject", cs.subject(), "is named twice");
+    }
+  }
+  const v1::Tls& tls = raw.tls();
+  o.tls = {.cert_file = tls.cert_file(),
+           .key_file = tls.key_file(),
+           .client_ca_file = tls.client_ca_file(),
+           .refresh_s = tls.refresh_s() == 0 ? 1 : tls.refresh_s()};
+  if (o.tls.cert_file.empty() != o.tls.key_file.empty()) {
+    return InvalidField(o.tls.cert_file.empty() ? "tls.cert_file" : "tls.key_file", "",
+                        "is needed with the other (a certificate and its key)");
+  }
+  if (!o.tls.client_ca_file.empty() && o.tls.cert_file.empty()) {
+    return InvalidField("tls.client_ca_file", o.tls.client_ca_file,
+                        "needs tls.cert_file and tls.key_file");
+  }
+  if (o.tls.refresh_s > 60) {
+    return InvalidField("tls.refresh_s", absl::StrCat(o.tls.refresh_s), "is outside [1, 60]");
+  }
+  if (!o.cert_subjects.empty() && o.tls.client_ca_file.empty()) {
+    return InvalidField("auth.cert_subjects", raw.auth().cert_subjects(0).subject(),
+                        "needs tls.client_ca_file to verify client certificates");
+  }
+  const std::string plaintext = c.tcp_plaintext().empty() ? "off" : c.tcp_plaintext();
+  if (plaintext != "on" && plaintext != "off") {
+    return InvalidField("tcp_plaintext", plaintext, "is not on or off");
+  }
+  o.tcp_plaintext = plaintext == "on";
+  if (o.has_tcp() && o.tls.cert_file.empty() && !o.tcp_plaintext) {
+    return InvalidField(o.tcp_listen.empty() ? "listen" : "tcp_listen",
+                        o.tcp_listen.empty() ? o.listen : o.tcp_listen,
+                        "is TCP, which needs tls { cert_file key_file } in the config, or "
+                        "--tcp_plaintext on for a trusted network");
+  }
+  if (!o.has_tcp() && !o.tls.cert_file.empty()) {
+    return InvalidField("tls.cert_file", o.tls.cert_file, "is set, but no listener is TCP");
   }
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {

@@ -86,6 +86,17 @@ struct ServerOptions {
   // its tenant (as an admin).
   std::map<uint32_t, Grant> unix_peers;
   std::vector<Token> tokens;
+  // mTLS client certificates' subjects (RFC 2253) and their grants.
+  std::map<std::string, Grant> cert_subjects;
+  // TLS for TCP listeners; cert_file empty: none (then tcp_plaintext must be on for TCP).
+  struct Tls {
+    std::string cert_file, key_file, client_ca_file;
+    uint32_t refresh_s = 1;
+  };
+  Tls tls;
+  bool tcp_plaintext = false;
+  // Whether some listener is TCP (tcp_listen, or a HOST:PORT listen).
+  bool has_tcp() const { return !tcp_listen.empty() || listen.rfind("unix:", 0) != 0; }
   bool same_uid_by_metadata = true;
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;

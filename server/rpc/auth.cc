@@ -29,7 +29,8 @@ Authenticator::Authenticator(const ServerOptions& options, uid_t daemon_uid)
     : daemon_uid_(daemon_uid),
       same_uid_by_metadata_(options.same_uid_by_metadata),
       unix_peers_(options.unix_peers),
-      tokens_(options.tokens) {}
+      tokens_(options.tokens),
+      cert_subjects_(options.cert_subjects) {}
 
 absl::StatusOr<ServerOptions::Grant> Authenticator::FromToken(
     absl::string_view authorization) const {
@@ -74,10 +75,20 @@ absl::StatusOr<Caller> Authenticator::Identify(const CallCredentials& call) cons
     if (!g.ok()) return g.status();
     grant = *std::move(g);
     who = "the bearer token";
+  } else if (call.cert_subject.has_value()) {
+    auto mapped = cert_subjects_.find(*call.cert_subject);
+    if (mapped == cert_subjects_.end()) {
+      return absl::UnauthenticatedError(absl::StrCat("the client certificate's subject ",
+                                                     Quoted(*call.cert_subject),
+                                                     " is in no entry of auth.cert_subjects"));
+    }
+    grant = mapped->second;
+    who = absl::StrCat("certificate ", Quoted(*call.cert_subject));
   } else if (call.tcp) {
     return absl::UnauthenticatedError(
         absl::StrCat("a TCP caller needs credentials: a bearer token in the ", kAuthorizationHeader,
-                     " metadata (\"Bearer <token>\", auth.tokens)"));
+                     " metadata (\"Bearer <token>\", auth.tokens) or a client certificate "
+                     "(auth.cert_subjects)"));
   } else if (!call.unix_peer.has_value()) {
     return absl::UnauthenticatedError(
         "the caller is neither a TCP caller nor a Unix-socket connection whose credentials "

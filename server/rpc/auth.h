@@ -1,10 +1,10 @@
-// Who a call is. Its credentials (a bearer token on any listener, else the Unix socket's
-// SO_PEERCRED) are checked against the config's auth section (ServerOptions: unix_peers,
-// tokens, same_uid_by_metadata) and give a grant, a tenant and maybe the admin role. The
-// x-kvtier-tenant header narrows a call to one tenant: the grant's own, or any for an admin
-// grant, and a call that names a tenant acts as it only, without the admin role. The daemon's
-// own uid (same_uid_by_metadata) is an admin grant of tenant "default". No gRPC type appears
-// here, so that every case is testable without a server.
+// Who a call is. Its credentials (a bearer token on any listener, else a TLS client
+// certificate, else the Unix socket's SO_PEERCRED) are checked against the config's auth
+// section (ServerOptions: unix_peers, tokens, cert_subjects, same_uid_by_metadata) and give a
+// grant, a tenant and maybe the admin role. The x-kvtier-tenant header narrows a call to one
+// tenant: the grant's own, or any for an admin grant, and a call that names a tenant acts as it
+// only, without the admin role. The daemon's own uid (same_uid_by_metadata) is an admin grant of
+// tenant "default". No gRPC type appears here, so that every case is testable without a server.
 #ifndef KVTIER_SERVER_RPC_AUTH_H_
 #define KVTIER_SERVER_RPC_AUTH_H_
 
@@ -43,6 +43,8 @@ struct CallCredentials {
   // credentials (nullopt: none known).
   bool tcp = false;
   std::optional<PeerCredentials> unix_peer;
+  // A TLS connection's verified client certificate: its subject, RFC 2253.
+  std::optional<std::string> cert_subject;
 };
 
 // SHA-256 of `salt` followed by `token`, as a config entry's sha256 holds it; nullopt when
@@ -54,9 +56,10 @@ class Authenticator {
   Authenticator(const ServerOptions& options, uid_t daemon_uid);
 
   // INVALID_ARGUMENT for a header naming no valid tenant; UNAUTHENTICATED without valid
-  // credentials (a token that matches no entry, a TCP caller without a token, a uid named
-  // nowhere); PERMISSION_DENIED for a header naming a tenant the credentials do not give.
-  // Every message names the header or the config field to look at, never a token.
+  // credentials (a token that matches no entry, a certificate whose subject is in no entry, a
+  // TCP caller with neither, a uid named nowhere); PERMISSION_DENIED for a header naming a tenant
+  // the credentials do not give. Every message names the header or the config field to look at,
+  // never a token.
   absl::StatusOr<Caller> Identify(const CallCredentials& call) const;
 
  private:
@@ -66,6 +69,7 @@ class Authenticator {
   bool same_uid_by_metadata_;
   std::map<uint32_t, ServerOptions::Grant> unix_peers_;
   std::vector<ServerOptions::Token> tokens_;
+  std::map<std::string, ServerOptions::Grant> cert_subjects_;
 };
 
 }  // namespace kvtier

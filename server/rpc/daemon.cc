@@ -21,6 +21,7 @@
 #include "server/common/mutex.h"
 #include "server/common/size.h"
 #include "server/common/status_macros.h"
+#include "server/rpc/tls.h"
 
 namespace kvtier {
 namespace {
@@ -198,16 +199,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (!o.tls.cert_file.empty()) {
+    ASSIGN_OR_RETURN(d->tls_, TlsStage::Create(o.tls));
+  }
   grpc::ServerBuilder builder;
   int tcp_port = 0;
   if (sock.empty()) {
-    builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &tcp_port);
+    builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get()), &tcp_port);
   } else {  // accepted by the listener, which knows each connection's peer
     ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
     d->owns_socket_ = true;
   }
   if (!o.tcp_listen.empty()) {
-    builder.AddListeningPort(o.tcp_listen, grpc::InsecureServerCredentials());
+    builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get()));
   }
   builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_size));
   builder.SetMaxSendMessageSize(static_cast<int>(o.max_message_size));
@@ -230,10 +234,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
-        "listen={} tcp_listen={} instance={} host_capacity={} "
+        "listen={} tcp_listen={} tcp={} instance={} host_capacity={} "
         "device_capacity={} metrics_port={}",
-        o.listen, o.tcp_listen, o.instance, o.host_capacity, o.device_capacity, o.metrics_port);
+        o.listen, o.tcp_listen,
+        !o.has_tcp()                   ? "none"
+        : o.tls.cert_file.empty()      ? "plaintext"
+        : o.tls.client_ca_file.empty() ? "tls"
+                                       : "mtls",
+        o.instance, o.host_capacity, o.device_capacity, o.metrics_port);
   return d;
+}
+
+absl::Status Daemon::ReloadTls() {
+  if (tls_ == nullptr) return absl::OkStatus();
+  return tls_->Reload();
 }
 
 void Daemon::RegisterGauges() {

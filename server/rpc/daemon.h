@@ -20,6 +20,7 @@
 #include "server/metrics/http_exporter.h"
 #include "server/metrics/registry.h"
 #include "server/rpc/service.h"
+#include "server/rpc/tls.h"
 #include "server/session/session_manager.h"
 #include "server/tier/promotion_cache.h"
 #include "server/tier/remote_store.h"
@@ -38,6 +39,8 @@ class Daemon {
   // Asks for shutdown; returns at once. Thread-safe (not async-signal-safe: signals are
   // taken by a sigwait thread).
   void RequestShutdown();
+  // SIGHUP: the TLS files again (TlsStage::Reload); OK and nothing done without TLS.
+  absl::Status ReloadTls();
   // Blocks until RequestShutdown() or a Drain RPC.
   void WaitForShutdownRequest();
   // First phase of a drain: new calls get UNAVAILABLE and health turns NOT_SERVING; the
@@ -86,6 +89,7 @@ class Daemon {
   // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
   // every call, so it is destroyed after the service and the server.
   std::unique_ptr<UnixListener> listener_;
+  std::unique_ptr<TlsStage> tls_;  // null: no TLS
   const Authenticator auth_;
   KvTierService service_;
   std::unique_ptr<grpc::Server> server_;

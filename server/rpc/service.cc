@@ -13,6 +13,7 @@
 #include "server/common/mutex.h"
 #include "server/common/names.h"
 #include "server/common/status_macros.h"
+#include "server/rpc/tls.h"
 
 namespace kvtier {
 namespace {
@@ -103,7 +104,11 @@ absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext
                        // Only these are TCP; every other peer is one of the Unix socket's
                        // connections, or has no credentials.
                        .tcp = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")};
-  if (!call.tcp && env_.unix_peer) call.unix_peer = env_.unix_peer(peer);
+  if (call.tcp) {
+    call.cert_subject = ClientCertSubject(*ctx);
+  } else if (env_.unix_peer) {
+    call.unix_peer = env_.unix_peer(peer);
+  }
   return env_.auth->Identify(call);
 }
 

@@ -39,6 +39,9 @@ struct ClientOptions {
   // A bearer token, sent as `authorization: Bearer <token>` on every call (the daemon's
   // auth.tokens); empty: none (on the Unix socket the peer's uid speaks for it).
   std::string token;
+  // TLS to a TCP listener: the CA that signed the daemon's certificate (PEM file; set: TLS),
+  // and for mTLS this client's certificate chain and key (both or neither).
+  std::string tls_ca_file, tls_cert_file, tls_key_file;
   // Largest message either way; match the daemon's max_message_size.
   int max_message_bytes = 64 << 20;
   // Deadline of each call.

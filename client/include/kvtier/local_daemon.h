@@ -39,6 +39,7 @@ class LocalDaemon {
 
   bool started() const { return started_; }
   bool running() const { return pid_ > 0; }
+  int pid() const { return pid_; }
   std::string address() const { return "unix:" + socket_; }
   const std::string& socket() const { return socket_; }
   const std::string& instance() const { return instance_; }
