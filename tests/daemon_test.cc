@@ -1,7 +1,12 @@
 // Integration: the real kvtierd binary on a temporary socket, driven by the C++ client.
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -545,12 +550,142 @@ TEST(Daemon, ASecondDaemonOnTheSameInstanceOrSocketRefusesAndTouchesNothing) {
   EXPECT_EQ(text, "keep me");
 }
 
-TEST(Daemon, UnixSocketIsMode0660) {
+// The sockets are mode 0660; the segments 0600, so that only the daemon's uid opens them by
+// name, and every other worker gets read-only descriptors of its own tenant's (OpenSegments).
+TEST(Daemon, SocketsAre0660AndSegmentsOwnerOnly) {
   DaemonProcess d;
   ASSERT_TRUE(d.started());
-  struct stat st {};
-  ASSERT_EQ(stat(d.socket().c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  for (const std::string& sock : {d.socket(), d.socket() + ".fds"}) {
+    struct stat st {};
+    ASSERT_EQ(stat(sock.c_str(), &st), 0) << sock;
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << sock;
+  }
+  auto c = Connect(d, "alice");
+  SessionWithTokens(*c, 100);
+  const std::vector<std::string> segs = ShmEntries(d.instance());
+  ASSERT_FALSE(segs.empty());
+  for (const std::string& name : segs) {
+    struct stat st {};
+    ASSERT_EQ(stat(("/dev/shm/" + name).c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << name;
+  }
+}
+
+// OpenSegments hands the caller's own segments as read-only descriptors over <socket>.fds: the
+// bytes are the named segment's, no mapping of them can be made writable, a ticket serves
+// once and only the process that asked, and another tenant's segment is NOT_FOUND.
+TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  auto bob = Connect(d, "bob");
+  const std::string sid = SessionWithTokens(*alice, 300);
+  SessionWithTokens(*bob, 100);
+  ASSERT_OK_AND_ASSIGN(auto listed, alice->ListSegments());
+  ASSERT_GT(listed.segments_size(), 0);
+  const v1::Segment& seg = listed.segments(0);
+  ASSERT_OK_AND_ASSIGN(auto opened, alice->OpenSegments({}));  // every one of alice's
+  ASSERT_EQ(opened.size(), static_cast<size_t>(listed.segments_size()));
+  for (const Client::SegmentFd& f : opened) {
+    EXPECT_EQ(f.segment.tenant(), "alice");
+    EXPECT_EQ(fcntl(f.fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+    void* w = mmap(nullptr, f.segment.size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, f.fd, 0);
+    EXPECT_EQ(w, MAP_FAILED) << "a writable shared mapping of a read-only descriptor";
+    EXPECT_EQ(errno, EACCES);
+    if (f.segment.segment_id() == seg.segment_id()) {
+      // The same bytes as the named file's.
+      const int named = shm_open(seg.shm_name().c_str(), O_RDONLY, 0);
+      ASSERT_GE(named, 0);
+      void* a = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, f.fd, 0);
+      void* b = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, named, 0);
+      ASSERT_NE(a, MAP_FAILED);
+      ASSERT_NE(b, MAP_FAILED);
+      EXPECT_EQ(std::memcmp(a, b, seg.size_bytes()), 0);
+      void* rw = a;
+      EXPECT_NE(mprotect(rw, seg.size_bytes(), PROT_READ | PROT_WRITE), 0);
+      munmap(a, seg.size_bytes());
+      munmap(b, seg.size_bytes());
+      close(named);
+    }
+    close(f.fd);
+  }
+  ASSERT_OK_AND_ASSIGN(auto bobs, bob->ListSegments());
+  ASSERT_GT(bobs.segments_size(), 0);
+  EXPECT_THAT(alice->OpenSegments({bobs.segments(0).segment_id()}),
+              StatusIs(Code::kNotFound, "is not a segment of this tenant's"));
+
+  // A ticket is one process's, once: the raw protocol, from a child process and then twice.
+  v1::OpenSegmentsRequest req;
+  req.add_segment_ids(seg.segment_id());
+  auto ticket = [&] {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant", "alice");
+    v1::OpenSegmentsResponse resp;
+    EXPECT_TRUE(alice->stub().OpenSegments(&ctx, req, &resp).ok());
+    return resp.ticket();
+  };
+  auto collect = [&](const std::string& t) {  // the first message's text and descriptor count
+    const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string path = d.socket() + ".fds";
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    EXPECT_EQ(connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const std::string line = t + "\n";
+    EXPECT_EQ(write(sock, line.data(), line.size()), static_cast<ssize_t>(line.size()));
+    char buf[256];
+    iovec iov{buf, sizeof buf};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = recvmsg(sock, &msg, 0);
+    int fds = 0;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      const int here = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      fds += here;
+      for (int i = 0; i < here; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+        close(fd);
+      }
+    }
+    close(sock);
+    return std::make_pair(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), fds);
+  };
+  // Another process of the same uid is refused. The child makes only system calls (this
+  // process has other threads, so it may not allocate after fork).
+  const std::string line1 = ticket() + "\n";
+  const std::string fd_path = d.socket() + ".fds";
+  sockaddr_un child_addr{};
+  child_addr.sun_family = AF_UNIX;
+  std::memcpy(child_addr.sun_path, fd_path.data(), fd_path.size());
+  const pid_t child = fork();
+  if (child == 0) {
+    const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (connect(sock, reinterpret_cast<sockaddr*>(&child_addr), sizeof child_addr) != 0) _exit(2);
+    if (write(sock, line1.data(), line1.size()) != static_cast<ssize_t>(line1.size())) _exit(3);
+    char buf[64];
+    iovec iov{buf, sizeof buf};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = recvmsg(sock, &msg, 0);
+    const bool refused = n > 0 && buf[0] == 'e' && CMSG_FIRSTHDR(&msg) == nullptr;
+    _exit(refused ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child got descriptors";
+  const std::string t2 = ticket();
+  EXPECT_EQ(collect(t2), std::make_pair(std::string("k"), 1));
+  EXPECT_EQ(collect(t2).second, 0);  // used
+  EXPECT_EQ(collect("0123").second, 0);
 }
 
 TEST(Daemon, DrainStopsNewCallsAndExits) {
@@ -671,7 +806,7 @@ TEST(Auth, UnixPeersAreTheirUidsTenantsAndOthersAreUnauthenticated) {
                                args);
   };
   auto c = Connect(d, "alice");  // the daemon's own uid: the tenant it names
-  ASSERT_OK(c->CreateSession(Shape()).status());
+  ASSERT_FALSE(SessionWithTokens(*c, 100).empty());
 
   auto [code, out] = as(65534, "-o json sessions");
   EXPECT_EQ(code, 0) << out;
@@ -686,6 +821,13 @@ TEST(Auth, UnixPeersAreTheirUidsTenantsAndOthersAreUnauthenticated) {
   // The mapped uid's sessions are its tenant's.
   auto [code4, out4] = as(65534, "close no-such-session");
   EXPECT_EQ(code4, 0) << out4;
+  // Nor can another uid open a segment by name (mode 0600), even in the daemon's group.
+  const std::vector<std::string> segs = ShmEntries(d.instance());
+  ASSERT_FALSE(segs.empty());
+  auto [code5, out5] =
+      testing::RunCommand("/usr/bin/setpriv --reuid=65534 --regid=" + std::to_string(getgid()) +
+                          " --clear-groups cat /dev/shm/" + segs.front() + " > /dev/null");
+  EXPECT_NE(code5, 0) << out5;
 
   // With the own-uid exception off, the daemon's own uid needs an entry too.
   const std::string strict = dir + "/strict.conf";

@@ -1,9 +1,15 @@
 #include "kvtier/client.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <fstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -50,7 +56,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   if (channel == nullptr) {
     return absl::InvalidArgumentError("address: \"" + address + "\" is not a gRPC target");
   }
-  return std::unique_ptr<Client>(new Client(std::move(channel), std::move(options)));
+  return std::unique_ptr<Client>(new Client(address, std::move(channel), std::move(options)));
 }
 
 // gRPC (which Debian does not build with ThreadSanitizer) hands a reactor from the thread that
@@ -137,8 +143,9 @@ class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachRespon
   absl::Status status_;  // guarded by mu_
 };
 
-Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-    : channel_(std::move(channel)),
+Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
       stub_(v1::KvTier::NewStub(channel_)),
       options_(std::move(options)) {}
 
@@ -313,6 +320,102 @@ absl::StatusOr<v1::GetTierStatsResponse> Client::GetTierStats() {
 
 absl::StatusOr<v1::ListSegmentsResponse> Client::ListSegments() {
   return KVTIER_CALL(v1::ListSegmentsResponse, ListSegments, v1::ListSegmentsRequest());
+}
+
+namespace {
+
+// Receives up to `want` descriptors in one message from `sock` into `out`; the message's
+// bytes (one 'k', or "e<reason>") into `text`. Descriptors past `want` are closed.
+absl::Status ReceiveFds(int sock, size_t want, std::vector<int>* out, std::string* text) {
+  char buf[512];
+  iovec iov{buf, sizeof buf};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * 253));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  ssize_t n;
+  do {
+    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("descriptor socket: ", n == 0 ? "closed" : std::strerror(errno)));
+  }
+  text->assign(buf, static_cast<size_t>(n));
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      if (out->size() < want) {
+        out->push_back(fd);
+      } else {
+        close(fd);
+      }
+    }
+  }
+  if (msg.msg_flags & MSG_CTRUNC) {
+    return absl::FailedPreconditionError("descriptor socket: more descriptors than asked for");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
+    const std::vector<uint64_t>& ids) {
+  if (!absl::StartsWith(address_, "unix:")) {
+    return absl::FailedPreconditionError(
+        "OpenSegments: descriptors are handed over the Unix socket only");
+  }
+  v1::OpenSegmentsRequest req;
+  for (uint64_t id : ids) req.add_segment_ids(id);
+  auto resp = KVTIER_CALL(v1::OpenSegmentsResponse, OpenSegments, req);
+  if (!resp.ok()) return resp.status();
+  // The socket's path is this client's own address, never a name the daemon gave.
+  const std::string path = address_.substr(5) + ".fds";
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("descriptor socket ", path, ": path too long"));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  timeval tv{.tv_sec = 5, .tv_usec = 0};
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::vector<int> fds;
+  const size_t want = static_cast<size_t>(resp->segments_size());
+  absl::Status s;
+  const std::string line = resp->ticket() + "\n";
+  if (connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+      write(sock, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    s = absl::UnavailableError(
+        absl::StrCat("descriptor socket ", path, ": ", std::strerror(errno)));
+  }
+  while (s.ok() && fds.size() < want) {
+    std::string text;
+    s = ReceiveFds(sock, want, &fds, &text);
+    if (s.ok() && text != "k") {
+      s = absl::PermissionDeniedError(
+          absl::StrCat("descriptor socket: ", absl::CEscape(text.empty() ? text : text.substr(1))));
+    }
+  }
+  close(sock);
+  if (s.ok() && fds.size() != want) {
+    s = absl::FailedPreconditionError(
+        absl::StrCat("descriptor socket: ", fds.size(), " descriptors for ", want, " segments"));
+  }
+  if (!s.ok()) {
+    for (int fd : fds) close(fd);
+    return s;
+  }
+  std::vector<SegmentFd> out;
+  for (size_t i = 0; i < want; ++i) out.push_back({resp->segments(static_cast<int>(i)), fds[i]});
+  return out;
 }
 
 absl::StatusOr<uint64_t> Client::Evict(const std::string& session_id, v1::Tier tier) {

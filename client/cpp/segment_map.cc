@@ -45,48 +45,69 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
   }
   auto list = client.ListSegments();
   if (!list.ok()) return list.status();
+  const v1::Segment* listed = nullptr;
   for (const v1::Segment& seg : list->segments()) {
-    if (seg.segment_id() != segment_id) continue;
-    // Nothing the daemon says is trusted: the name must be one kvtier segment file (no path;
-    // shm_open does not follow a link), and the file must hold the bytes it claims (a map past
-    // a file's end faults when read).
+    if (seg.segment_id() == segment_id) listed = &seg;
+  }
+  if (listed == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("segment_id: ", segment_id, " is not listed by the daemon"));
+  }
+  // Nothing the daemon says is trusted: a name must be one kvtier segment file (no path;
+  // shm_open does not follow a link). A segment this process may not open by name (another
+  // uid's: they are mode 0600) comes as a read-only descriptor instead.
+  v1::Segment seg = *listed;
+  int fd = -1;
+  if (!seg.shm_name().empty()) {
     if (!IsSegmentName(seg.shm_name())) {
       return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": shm_name \"",
                                                         absl::CEscape(seg.shm_name()),
                                                         "\" is not a kvtier segment name"));
     }
-    int fd = shm_open(seg.shm_name().c_str(), O_RDONLY | O_NOFOLLOW, 0);
-    if (fd < 0) {
+    fd = shm_open(seg.shm_name().c_str(), O_RDONLY | O_NOFOLLOW, 0);
+    if (fd < 0 && errno != EACCES) {
       return absl::NotFoundError(absl::StrCat("segment ", segment_id, ": shm_open ", seg.shm_name(),
                                               ": ", std::strerror(errno)));
     }
-    struct stat st {};
-    if (fstat(fd, &st) != 0) {
-      const int err = errno;
-      close(fd);
-      return absl::InternalError(absl::StrCat("segment ", segment_id, ": fstat ", seg.shm_name(),
-                                              ": ", std::strerror(err)));
-    }
-    if (seg.size_bytes() == 0 || seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
-      close(fd);
-      return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": size_bytes ",
-                                                        seg.size_bytes(), " but ", seg.shm_name(),
-                                                        " holds ", st.st_size, " bytes"));
-    }
-    void* p = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) {
-      return absl::InternalError(absl::StrCat("mmap ", seg.shm_name(), ": ", std::strerror(errno)));
-    }
-    Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
-              seg.generation_table_offset()};
-    std::lock_guard<std::mutex> lock(mu_);
-    auto [it, inserted] = maps_.emplace(segment_id, m);
-    if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
-    return it->second;
   }
-  return absl::NotFoundError(
-      absl::StrCat("segment_id: ", segment_id, " is not listed by the daemon"));
+  if (fd < 0) {
+    auto opened = client.OpenSegments({segment_id});
+    if (!opened.ok()) return opened.status();
+    seg = opened->front().segment;
+    fd = opened->front().fd;
+  }
+  return Map(segment_id, seg, fd);
+}
+
+absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v1::Segment& seg,
+                                                    int fd) {
+  // The file must hold the bytes the daemon claims (a map past a file's end faults when read).
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::InternalError(
+        absl::StrCat("segment ", segment_id, ": fstat: ", std::strerror(err)));
+  }
+  if (seg.segment_id() != segment_id || seg.size_bytes() == 0 ||
+      seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": size_bytes ",
+                                                      seg.size_bytes(), " but its memory holds ",
+                                                      st.st_size, " bytes"));
+  }
+  void* p = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    return absl::InternalError(
+        absl::StrCat("segment ", segment_id, ": mmap: ", std::strerror(errno)));
+  }
+  Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
+            seg.generation_table_offset()};
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = maps_.emplace(segment_id, m);
+  if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
+  return it->second;
 }
 
 absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {

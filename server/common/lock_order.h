@@ -29,6 +29,7 @@
 //  13  AttachReactor::mu_           one Attach stream's finish claim and worker id (leaf); let
 //                                   go before the worker detaches (6)
 //  14  UnixListener::mu_            the Unix socket's connections and their peers (leaf)
+//  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

@@ -157,7 +157,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                               [this](absl::string_view peer) {
                                 return listener_ ? listener_->Lookup(peer) : std::nullopt;
                               },
-                          .auth = &auth_}) {}
+                          .auth = &auth_,
+                          .fds_of = [this] { return fds_.get(); }}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
@@ -180,6 +181,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
       }
       unlink(sock.c_str());  // a killed daemon's: its lock is free, so it is gone
     }
+    const std::string fds = sock + ".fds";
+    if (lstat(fds.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(fds.c_str());
   }
   if (!d->remote_.ok()) return d->remote_.status();
   if (*d->remote_) KVLOG(info, "remote.connected", "address={}", o.remote);
@@ -209,6 +212,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   } else {  // accepted by the listener, which knows each connection's peer
     ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
     d->owns_socket_ = true;
+    ASSIGN_OR_RETURN(
+        d->fds_,
+        FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id) {
+          absl::StatusOr<int> fd = raw->host_.OpenReadOnly(id, tenant);
+          return fd.ok() ? fd : raw->device_.OpenReadOnly(id, tenant);
+        }));
   }
   if (!o.tcp_listen.empty()) {
     builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get()));
@@ -411,6 +420,7 @@ void Daemon::Shutdown() {
           n.demoted, n.bytes, n.failed, n.left, leases);
   }
   sessions_.CloseAll();
+  fds_.reset();  // stops handing out descriptors, removes <socket>.fds
   const std::string sock = SocketPath(options_.listen);
   if (owns_socket_) unlink(sock.c_str());
   owns_socket_ = false;

@@ -89,7 +89,8 @@ class Daemon {
   // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
   // every call, so it is destroyed after the service and the server.
   std::unique_ptr<UnixListener> listener_;
-  std::unique_ptr<TlsStage> tls_;  // null: no TLS
+  std::unique_ptr<TlsStage> tls_;   // null: no TLS
+  std::unique_ptr<FdChannel> fds_;  // null: no Unix socket
   const Authenticator auth_;
   KvTierService service_;
   std::unique_ptr<grpc::Server> server_;

@@ -48,6 +48,18 @@ absl::Status NeedAdmin(const Caller& caller, absl::string_view what) {
       caller.tenant, "\" has none"));
 }
 
+void ToProto(const SegmentInfo& s, v1::Segment* out) {
+  out->set_segment_id(s.segment_id);
+  out->set_tier(s.tier);
+  out->set_shm_name(s.shm_name);
+  out->set_size_bytes(s.size_bytes);
+  out->set_device(-1);  // host shared memory (the device tier here is emulated)
+  out->set_generation(s.generation);
+  out->set_generation_table_offset(s.generation_table_offset);
+  out->set_tenant(s.tenant);
+  out->set_slot_bytes(s.slot_bytes);
+}
+
 }  // namespace
 
 absl::flat_hash_set<std::string> MetricTenants(const ServerOptions& options) {
@@ -601,19 +613,52 @@ grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContex
   return Unary(ctx, "ListSegments", [&](const Caller& caller) {
     for (const Tier* t : {env_.device, env_.host}) {
       for (const SegmentInfo& s : t->Segments()) {
-        if (!caller.admin && s.tenant != caller.tenant) continue;
-        v1::Segment* out = resp->add_segments();
-        out->set_segment_id(s.segment_id);
-        out->set_tier(s.tier);
-        out->set_shm_name(s.shm_name);
-        out->set_size_bytes(s.size_bytes);
-        out->set_device(-1);  // host shared memory (the device tier here is emulated)
-        out->set_generation(s.generation);
-        out->set_generation_table_offset(s.generation_table_offset);
-        out->set_tenant(s.tenant);
-        out->set_slot_bytes(s.slot_bytes);
+        if (caller.admin || s.tenant == caller.tenant) ToProto(s, resp->add_segments());
       }
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::OpenSegments(grpc::CallbackServerContext* ctx,
+                                                      const v1::OpenSegmentsRequest* req,
+                                                      v1::OpenSegmentsResponse* resp) {
+  return Unary(ctx, "OpenSegments", [&](const Caller& caller) -> absl::Status {
+    const std::optional<PeerCredentials> cred =
+        env_.unix_peer ? env_.unix_peer(ctx->peer()) : std::nullopt;
+    FdChannel* fds = env_.fds_of ? env_.fds_of() : nullptr;
+    if (fds == nullptr || !cred.has_value()) {
+      return absl::FailedPreconditionError(
+          "OpenSegments: descriptors are handed over the Unix socket only; over TCP, ask for "
+          "include_data");
+    }
+    constexpr int kMaxIds = 4096;
+    if (req->segment_ids_size() > kMaxIds) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("segment_ids: ", req->segment_ids_size(), " ids, at most ", kMaxIds));
+    }
+    // Only the caller's own tenant's segments, whoever it is (an admin's included).
+    absl::flat_hash_map<uint64_t, SegmentInfo> mine;
+    for (const Tier* t : {env_.device, env_.host}) {
+      for (SegmentInfo& s : t->Segments()) {
+        if (s.tenant == caller.tenant) mine.emplace(s.segment_id, std::move(s));
+      }
+    }
+    std::vector<uint64_t> ids(req->segment_ids().begin(), req->segment_ids().end());
+    if (ids.empty()) {
+      for (const auto& [id, s] : mine) ids.push_back(id);
+      if (ids.size() > kMaxIds) ids.resize(kMaxIds);
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto it = mine.find(ids[i]);
+      if (it == mine.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("segment_ids[", i, "]: ", ids[i], " is not a segment of this tenant's"));
+      }
+      ToProto(it->second, resp->add_segments());
+    }
+    ASSIGN_OR_RETURN(*resp->mutable_ticket(),
+                     fds->Issue(cred->pid, cred->uid, caller.tenant, std::move(ids)));
     return absl::OkStatus();
   });
 }

@@ -16,6 +16,7 @@
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/metrics/registry.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/fd_channel.h"
 #include "server/rpc/unix_listener.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
@@ -49,6 +50,9 @@ struct ServiceEnv {
   // (unix_peer; nullopt: unknown), and `auth` judges them with the call's metadata.
   std::function<std::optional<PeerCredentials>(absl::string_view peer)> unix_peer;
   const Authenticator* auth = nullptr;
+  // The descriptor socket OpenSegments issues tickets for (null: none, no Unix socket); asked
+  // per call, since the daemon makes it after the service.
+  std::function<FdChannel*()> fds_of;
 };
 
 // The tenants the config names ("default", quotas' keys, auth's unix_peers and tokens).
@@ -99,6 +103,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* ListSegments(grpc::CallbackServerContext* ctx,
                                          const v1::ListSegmentsRequest* req,
                                          v1::ListSegmentsResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSegments(grpc::CallbackServerContext* ctx,
+                                         const v1::OpenSegmentsRequest* req,
+                                         v1::OpenSegmentsResponse* resp) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;
   grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,

@@ -57,7 +57,17 @@ UnixListener::~UnixListener() {
 }
 
 void UnixListener::Serve(grpc::Server* server) {
-  thread_ = std::thread([this, server] { Accept(server); });
+  Serve([this, server](int c, const PeerCredentials& cred) {
+    {
+      MutexLock lock(&mu_);
+      peers_[c] = cred;
+    }
+    grpc::AddInsecureChannelFromFd(server, c);
+  });
+}
+
+void UnixListener::Serve(Handler handler) {
+  thread_ = std::thread([this, handler = std::move(handler)] { Accept(handler); });
 }
 
 void UnixListener::Stop() {
@@ -75,7 +85,7 @@ void UnixListener::Stop() {
   }
 }
 
-void UnixListener::Accept(grpc::Server* server) {
+void UnixListener::Accept(const Handler& handler) {
   for (;;) {
     pollfd fds[2] = {{fd_, POLLIN, 0}, {stop_read_, POLLIN, 0}};
     if (poll(fds, 2, -1) < 0) {
@@ -101,11 +111,7 @@ void UnixListener::Accept(grpc::Server* server) {
       close(c);  // no credentials, no connection
       continue;
     }
-    {
-      MutexLock lock(&mu_);
-      peers_[c] = PeerCredentials{cred.uid, cred.gid, cred.pid};
-    }
-    grpc::AddInsecureChannelFromFd(server, c);
+    handler(c, PeerCredentials{cred.uid, cred.gid, cred.pid});
   }
 }
 

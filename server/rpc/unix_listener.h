@@ -15,6 +15,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -43,8 +44,12 @@ class UnixListener {
   ~UnixListener();  // Stop()
 
   // Starts accepting, each connection handed to `server` (started, and not shut down before
-  // Stop returns).
+  // Stop returns), its credentials kept for Lookup.
   void Serve(grpc::Server* server);
+  // Starts accepting, each connection (non-blocking) and its credentials handed to `handler`
+  // on the accept thread; the handler owns the descriptor.
+  using Handler = std::function<void(int fd, const PeerCredentials& cred)>;
+  void Serve(Handler handler);
   // Stops accepting, joins the accept thread and closes the listening socket, so that new
   // clients are refused; idempotent. Connections already handed over stay gRPC's. The socket
   // file stays (its owner removes it).
@@ -57,7 +62,7 @@ class UnixListener {
  private:
   UnixListener(int fd, int stop_read, int stop_write)
       : fd_(fd), stop_read_(stop_read), stop_write_(stop_write) {}
-  void Accept(grpc::Server* server);
+  void Accept(const Handler& handler);
 
   int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop

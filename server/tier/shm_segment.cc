@@ -25,13 +25,12 @@ absl::Status Errno(absl::string_view what, const std::string& name) {
 }  // namespace
 
 absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size) {
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0 && errno == EEXIST) {
     shm_unlink(name.c_str());
-    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   }
   if (fd < 0) return Errno("shm_open", name);
-  fchmod(fd, 0660);  // the umask may have narrowed it
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     absl::Status s = Errno("ftruncate", name);
     close(fd);
@@ -46,6 +45,14 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
     return s;
   }
   return ShmSegment(name, static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
+}
+
+absl::StatusOr<int> ShmSegment::OpenReadOnlyFd() const {
+  // Through this process's own descriptor, not the name: what is opened is this object.
+  const std::string self = absl::StrCat("/proc/self/fd/", fd_);
+  const int fd = open(self.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("open read-only", name_);
+  return fd;
 }
 
 absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {

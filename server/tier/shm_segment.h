@@ -13,7 +13,8 @@ namespace kvtier {
 class ShmSegment {
  public:
   // Creates `name` ("/kvtier-..."), sized `size` bytes (sparse: nothing is committed until
-  // Reserve), mode 0660, mapped read-write. A stale object of that name is replaced.
+  // Reserve), mode 0600 (only the daemon's uid opens it by name; other workers get read-only
+  // descriptors, OpenReadOnlyFd), mapped read-write. A stale object of that name is replaced.
   // INTERNAL (with errno text) when the kernel refuses.
   static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size);
 
@@ -35,6 +36,10 @@ class ShmSegment {
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
   ~ShmSegment();
+
+  // A new descriptor of this object opened read-only (the caller closes it). INTERNAL with
+  // errno text when the kernel refuses.
+  absl::StatusOr<int> OpenReadOnlyFd() const;
 
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }

@@ -311,4 +311,14 @@ std::vector<SegmentInfo> Tier::Segments() const {
   return out;
 }
 
+absl::StatusOr<int> Tier::OpenReadOnly(uint64_t segment_id, const std::string& tenant) const {
+  MutexLock lock(&mu_);
+  auto it = segments_.find(segment_id);
+  if (it == segments_.end() || it->second->tenant != tenant) {
+    return absl::NotFoundError(
+        absl::StrCat("segment_ids: ", segment_id, " is not a segment of this tenant's"));
+  }
+  return it->second->shm.OpenReadOnlyFd();
+}
+
 }  // namespace kvtier

@@ -176,6 +176,10 @@ class Tier {
 
   TierSnapshot Stats() const;
   std::vector<SegmentInfo> Segments() const;
+  // A new read-only descriptor of segment `segment_id` of `tenant` (the caller closes it): a
+  // mapping of it can never be made writable. NOT_FOUND, in the same words, for an id that is
+  // no segment and for another tenant's.
+  absl::StatusOr<int> OpenReadOnly(uint64_t segment_id, const std::string& tenant) const;
   const TierOptions& options() const { return options_; }
   std::string ShmPrefix() const;
   // The segment name prefix of `instance`'s tier `tier`: "/kvtier-<instance>-<tier>-".

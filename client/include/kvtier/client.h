@@ -78,6 +78,16 @@ class Client {
   absl::StatusOr<v1::ListChunksResponse> ListChunks(const v1::ListChunksRequest& req);
   absl::StatusOr<v1::GetTierStatsResponse> GetTierStats();
   absl::StatusOr<v1::ListSegmentsResponse> ListSegments();
+  // Read-only descriptors of this tenant's segments `ids` (empty: all), collected from the
+  // daemon's descriptor socket (this client's socket path + ".fds") with the ticket of an
+  // OpenSegments call; each is paired with the segment it is, and the caller closes them.
+  // FAILED_PRECONDITION over TCP; a refusal on the socket is PERMISSION_DENIED with its
+  // reason, a descriptor count other than the segments' FAILED_PRECONDITION (none kept).
+  struct SegmentFd {
+    v1::Segment segment;
+    int fd;
+  };
+  absl::StatusOr<std::vector<SegmentFd>> OpenSegments(const std::vector<uint64_t>& ids);
   absl::StatusOr<uint64_t> Evict(const std::string& session_id, v1::Tier tier);
   absl::StatusOr<v1::SessionPolicy> SetPolicy(const std::string& session_id,
                                               const v1::SessionPolicy& policy);
@@ -95,7 +105,7 @@ class Client {
   const ClientOptions& options() const { return options_; }
 
  private:
-  Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   void Prepare(grpc::ClientContext* ctx) const;
   // The tenant and token metadata of every call (Prepare, the Attach stream).
   static void AddCredentials(const ClientOptions& options, grpc::ClientContext* ctx);
@@ -105,6 +115,7 @@ class Client {
   auto WithWorker(const Req& req, Call&& call) -> decltype(call(req));
   class Attachment;
 
+  const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvTier::Stub> stub_;
   ClientOptions options_;
@@ -154,6 +165,8 @@ class SegmentMap {
   };
   static absl::Status CheckGeneration(const Mapping& m, const v1::BlockHandle& handle);
   absl::StatusOr<Mapping> Find(Client& client, uint64_t segment_id);
+  // Maps `fd` (closed here) as segment `seg`, once its real size is checked.
+  absl::StatusOr<Mapping> Map(uint64_t segment_id, const v1::Segment& seg, int fd);
 
   // A std::mutex, which ThreadSanitizer sees through pthreads; never held across a call to
   // the daemon.

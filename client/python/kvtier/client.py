@@ -4,6 +4,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -38,24 +39,31 @@ def _call(fn, *args, **kwargs):
 _SHM_NAME = re.compile(r"/?kvtier-[A-Za-z0-9._-]+")
 
 
-def _map_segment(segment_id: int, shm_name: str, size_bytes: int) -> mmap.mmap:
-    """A read-only map of one segment, trusting nothing the daemon said: the name must be a
-    kvtier segment's (one file of /dev/shm, no path), opened without following a link, and the
-    file must hold the size the daemon gave (a map past a file's end faults when read)."""
+def _open_segment(segment_id: int, shm_name: str) -> int | None:
+    """A read-only descriptor of a segment by its name, trusting nothing the daemon said: the
+    name must be a kvtier segment's (one file of /dev/shm, no path), opened without following
+    a link. None when this process may not open it (another uid's: segments are mode 0600)."""
     if not _SHM_NAME.fullmatch(shm_name):
         raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"segment {segment_id}: shm_name {shm_name!r} is not a kvtier "
                           "segment name")
     try:
-        fd = os.open("/dev/shm/" + shm_name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW)
+        return os.open("/dev/shm/" + shm_name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW)
+    except PermissionError:
+        return None
     except OSError as e:
         raise KvTierError(grpc.StatusCode.NOT_FOUND,
                           f"segment {segment_id}: open {shm_name}: {e.strerror}") from None
+
+
+def _map_fd(segment_id: int, fd: int, size_bytes: int) -> mmap.mmap:
+    """A read-only map of `fd` (closed here), once the memory holds the size the daemon gave
+    (a map past a file's end faults when read)."""
     try:
         size = os.fstat(fd).st_size
         if size_bytes <= 0 or size_bytes > size:
             raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"segment {segment_id}: size_bytes {size_bytes} but {shm_name} "
+                              f"segment {segment_id}: size_bytes {size_bytes} but its memory "
                               f"holds {size} bytes")
         return mmap.mmap(fd, size_bytes, prot=mmap.PROT_READ)
     finally:
@@ -80,10 +88,10 @@ class SegmentMap:
         for seg in self._client.list_segments():
             if seg.segment_id != segment_id:
                 continue
-            if not seg.shm_name:
-                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"segment {segment_id} has no shared-memory name")
-            m = _map_segment(segment_id, seg.shm_name, seg.size_bytes)
+            fd = _open_segment(segment_id, seg.shm_name) if seg.shm_name else None
+            if fd is None:  # not ours to open by name: a read-only descriptor instead
+                [(seg, fd)] = self._client.open_segments([segment_id])
+            m = _map_fd(segment_id, fd, seg.size_bytes)
             with self._lock:
                 self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
                 return self._maps.setdefault(segment_id, m)
@@ -384,6 +392,43 @@ class Client:
 
     def tier_stats(self) -> list[pb.TierStats]:
         return list(self._unary("GetTierStats", pb.GetTierStatsRequest()).tiers)
+
+    def open_segments(self, segment_ids: list[int]) -> list[tuple[pb.Segment, int]]:
+        """Read-only descriptors of this tenant's segments `segment_ids` (empty: all), from the
+        daemon's descriptor socket (this client's socket path + ".fds", never a path the daemon
+        names) with the ticket of an OpenSegments call; the caller closes them."""
+        if not self.address.startswith("unix:"):
+            raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "OpenSegments: descriptors are handed over the Unix socket only")
+        resp = self._unary("OpenSegments", pb.OpenSegmentsRequest(segment_ids=segment_ids))
+        want = len(resp.segments)
+        fds: list[int] = []
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(5.0)
+                sock.connect(self.address[len("unix:"):] + ".fds")
+                sock.sendall(resp.ticket.encode() + b"\n")
+                while len(fds) < want:
+                    text, got, flags, _ = socket.recv_fds(sock, 512, 253)
+                    fds.extend(got)
+                    if not text:
+                        raise KvTierError(grpc.StatusCode.UNAVAILABLE,
+                                          "descriptor socket: closed")
+                    if text != b"k":
+                        raise KvTierError(grpc.StatusCode.PERMISSION_DENIED,
+                                          "descriptor socket: " + text[1:].decode(errors="replace"))
+            if len(fds) != want:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"descriptor socket: {len(fds)} descriptors for {want} segments")
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            raise KvTierError(grpc.StatusCode.UNAVAILABLE, f"descriptor socket: {e}") from None
+        except KvTierError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return list(zip(resp.segments, fds))
 
     def list_segments(self) -> list[pb.Segment]:
         return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)

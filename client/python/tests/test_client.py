@@ -242,6 +242,33 @@ def test_bearer_tokens_name_the_tenant(start_daemon, tmp_path):
         assert e.value.code == code, kwargs
         assert token not in e.value.message
 
+
+def test_open_segments_gives_read_only_descriptors_of_ones_own(daemon):
+    """The descriptor socket: alice's segments as read-only descriptors with the bytes of the
+    named files; bob's ids are NOT_FOUND to her."""
+    rng = np.random.default_rng(12)
+    k, v = make_kv(rng, 200)
+    with kvtier.Client(daemon.address, tenant="alice") as alice, \
+            kvtier.Client(daemon.address, tenant="bob") as bob:
+        sid = alice.create_session(L, QH, KVH, D, lossless=True).session_id
+        alice.append_layers(sid, 0, k, v)
+        bsid = bob.create_session(L, QH, KVH, D, lossless=True).session_id
+        bob.append_layers(bsid, 0, k, v)
+        opened = alice.open_segments([])
+        assert opened and all(seg.tenant == "alice" for seg, _ in opened)
+        for seg, fd in opened:
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(fd, seg.size_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with open("/dev/shm/" + seg.shm_name.lstrip("/"), "rb") as f:
+                    named = f.read(seg.size_bytes)
+                assert mmap.mmap(fd, seg.size_bytes, prot=mmap.PROT_READ)[:] == named
+            finally:
+                os.close(fd)
+        with pytest.raises(kvtier.KvTierError) as e:
+            alice.open_segments([bob.list_segments()[0].segment_id])
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
 WORKER = """
 import sys, time
 import numpy as np

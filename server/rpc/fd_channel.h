@@ -1,0 +1,72 @@
+// The daemon's descriptor socket (<socket>.fds): where a worker collects read-only
+// descriptors of its tenant's segments, which it may not open by name (they are mode 0600).
+// An OpenSegments call, authenticated like any other, issues a ticket for the process whose
+// connection made it; that process connects here, writes the ticket and a newline, and gets
+// one descriptor per segment by SCM_RIGHTS. A ticket is used once, by that pid and uid only
+// (SO_PEERCRED), within kTicketLife; descriptors are opened when collected, so a ticket holds
+// none. Connections are served one at a time, each bounded by a 2 s read timeout.
+//
+// Thread-safe. mu_ is lock order 15, a leaf.
+#ifndef KVTIER_SERVER_RPC_FD_CHANNEL_H_
+#define KVTIER_SERVER_RPC_FD_CHANNEL_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/rpc/unix_listener.h"
+
+namespace kvtier {
+
+class FdChannel {
+ public:
+  static constexpr absl::Duration kTicketLife = absl::Seconds(10);
+  static constexpr size_t kMaxTickets = 1024;
+  static constexpr size_t kFdsPerMessage = 250;
+
+  // Opens segment `id` of `tenant` read-only: a descriptor the channel closes after sending.
+  using Opener = std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id)>;
+
+  // Binds `path` (mode 0660) and starts serving. INTERNAL naming the path when it cannot.
+  static absl::StatusOr<std::unique_ptr<FdChannel>> Start(const std::string& path, Opener open);
+  ~FdChannel();  // stops, joins, and removes the socket file
+
+  // A ticket for process `pid` of `uid` to collect `ids` of `tenant`. RESOURCE_EXHAUSTED
+  // while kMaxTickets unexpired tickets are outstanding.
+  absl::StatusOr<std::string> Issue(pid_t pid, uid_t uid, const std::string& tenant,
+                                    std::vector<uint64_t> ids);
+  const std::string& path() const { return path_; }
+
+ private:
+  struct Ticket {
+    pid_t pid;
+    uid_t uid;
+    std::string tenant;
+    std::vector<uint64_t> ids;
+    absl::Time expires;
+  };
+  FdChannel(std::string path, std::unique_ptr<UnixListener> listener, Opener open)
+      : path_(std::move(path)), listener_(std::move(listener)), open_(std::move(open)) {}
+  // One connection: its ticket, then the descriptors or a refusal.
+  void Serve(int conn, const PeerCredentials& cred);
+  absl::StatusOr<Ticket> Take(const std::string& ticket, const PeerCredentials& cred);
+
+  const std::string path_;
+  std::unique_ptr<UnixListener> listener_;
+  const Opener open_;
+  absl::Mutex mu_;  // lock order 15 (server/common/lock_order.h)
+  std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_RPC_FD_CHANNEL_H_
