@@ -1,5 +1,6 @@
 // kvtierd: the KV-cache daemon. See docs/operator-guide.md.
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <iostream>
@@ -21,6 +22,13 @@ int main(int argc, char** argv) {
   sigaddset(&stop, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Descriptors: every Unix-socket connection and every segment holds some; the soft limit
+  // (often 1024) is raised to the hard one.
+  if (rlimit nofile{};
+      getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   // Debian's Abseil checks every Mutex acquisition for lock cycles (a debug aid that costs
   // on each lock); the lock order is documented and tested instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -71,9 +79,12 @@ int main(int argc, char** argv) {
     KVLOG(info, "daemon.signal", "signal={}", sig);
     d->RequestShutdown();
   });
-  signals.detach();  // may stay blocked in sigwait when a Drain RPC ends the daemon
   (*daemon)->WaitForShutdownRequest();
   (*daemon)->Shutdown();
+  // The signal thread ends before the daemon goes (a Drain RPC may have ended it while the
+  // thread waited): a SIGTERM to that thread alone ends its wait, however it got here.
+  pthread_kill(signals.native_handle(), SIGTERM);
+  signals.join();
   daemon->reset();
   return 0;
 }

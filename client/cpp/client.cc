@@ -375,6 +375,16 @@ absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
   for (uint64_t id : ids) req.add_segment_ids(id);
   auto resp = KVTIER_CALL(v1::OpenSegmentsResponse, OpenSegments, req);
   if (!resp.ok()) return resp.status();
+  // The segments named must be those asked for, in order (all of them, when none was asked).
+  bool as_asked = ids.empty() || resp->segments_size() == static_cast<int>(ids.size());
+  for (size_t i = 0; as_asked && !ids.empty() && i < ids.size(); ++i) {
+    as_asked = resp->segments(static_cast<int>(i)).segment_id() == ids[i];
+  }
+  if (!as_asked || resp->segments_size() > 4096) {
+    return absl::FailedPreconditionError(absl::StrCat("OpenSegments: the daemon named ",
+                                                      resp->segments_size(), " segments, not the ",
+                                                      ids.size(), " asked for"));
+  }
   // The socket's path is this client's own address, never a name the daemon gave.
   const std::string path = address_.substr(5) + ".fds";
   sockaddr_un addr{};
@@ -398,7 +408,11 @@ absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
   }
   while (s.ok() && fds.size() < want) {
     std::string text;
+    const size_t before = fds.size();
     s = ReceiveFds(sock, want, &fds, &text);
+    if (s.ok() && text == "k" && fds.size() == before) {  // so that the loop ends
+      s = absl::FailedPreconditionError("descriptor socket: a message without descriptors");
+    }
     if (s.ok() && text != "k") {
       s = absl::PermissionDeniedError(
           absl::StrCat("descriptor socket: ", absl::CEscape(text.empty() ? text : text.substr(1))));

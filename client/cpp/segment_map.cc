@@ -71,7 +71,7 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
     }
   }
   if (fd < 0) {
-    auto opened = client.OpenSegments({segment_id});
+    auto opened = client.OpenSegments({segment_id});  // checked: one, of this id
     if (!opened.ok()) return opened.status();
     seg = opened->front().segment;
     fd = opened->front().fd;

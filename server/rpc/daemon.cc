@@ -209,9 +209,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   int tcp_port = 0;
   if (sock.empty()) {
     builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get()), &tcp_port);
-  } else {  // accepted by the listener, which knows each connection's peer
-    ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
-    d->owns_socket_ = true;
+  } else {  // the gRPC socket is bound once the server runs (below); its descriptor socket now
     ASSIGN_OR_RETURN(
         d->fds_,
         FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id) {
@@ -231,7 +229,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                o.tcp_listen.empty() ? "" : " or " + o.tcp_listen,
                                                " (address in use or not permitted)"));
   }
-  if (d->listener_) d->listener_->Serve(d->server_.get());
+  if (!sock.empty()) {
+    // Accepted by the listener, which knows each connection's peer. Bound last, so that the
+    // socket's appearing means every listener (TCP and TLS included) is serving.
+    ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
+    d->owns_socket_ = true;
+    d->listener_->Serve(d->server_.get());
+  }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {
     auto exporter = metrics::HttpExporter::Start(o.metrics_bind, static_cast<int>(o.metrics_port),

@@ -1,6 +1,7 @@
 #include "server/rpc/fd_channel.h"
 
 #include <fcntl.h>
+#include <openssl/rand.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -8,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/random/random.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -70,29 +71,60 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& p
   ASSIGN_OR_RETURN(std::unique_ptr<UnixListener> listener, UnixListener::Bind(path));
   auto channel = std::unique_ptr<FdChannel>(new FdChannel(path, std::move(listener), open));
   channel->listener_->Serve(
-      [raw = channel.get()](int conn, const PeerCredentials& cred) { raw->Serve(conn, cred); });
+      [raw = channel.get()](int conn, const PeerCredentials& cred) { raw->Dispatch(conn, cred); });
   return channel;
 }
 
 FdChannel::~FdChannel() {
-  listener_->Stop();
+  listener_->Stop();  // no new connections; then the ones being served end (each is bounded)
+  std::unique_lock lock(active_mu_);
+  idle_.wait(lock, [this] { return active_total_ == 0; });
   unlink(path_.c_str());
+}
+
+void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
+  {
+    std::lock_guard lock(active_mu_);
+    int& mine = active_[cred.uid];
+    if (mine >= kConnectionsPerUid || active_total_ >= kConnections) {
+      if (mine == 0) active_.erase(cred.uid);
+      close(conn);
+      return;
+    }
+    ++mine;
+    ++active_total_;
+  }
+  std::thread([this, conn, cred] {
+    Serve(conn, cred);
+    std::lock_guard lock(active_mu_);
+    if (--active_[cred.uid] == 0) active_.erase(cred.uid);
+    if (--active_total_ == 0) idle_.notify_all();
+  }).detach();
 }
 
 absl::StatusOr<std::string> FdChannel::Issue(pid_t pid, uid_t uid, const std::string& tenant,
                                              std::vector<uint64_t> ids) {
   const absl::Time now = absl::Now();
-  absl::BitGen gen;
-  const std::string ticket =
-      absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
-  MutexLock lock(&mu_);
-  for (auto it = tickets_.begin(); it != tickets_.end();) {
-    it = it->second.expires < now ? tickets_.erase(it) : std::next(it);
+  unsigned char raw[16];
+  if (RAND_bytes(raw, sizeof raw) != 1) {
+    return absl::UnavailableError("OpenSegments: no random bytes for a ticket; try again");
   }
-  if (tickets_.size() >= kMaxTickets) {
+  const std::string ticket =
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof raw));
+  MutexLock lock(&mu_);
+  size_t theirs = 0;
+  for (auto it = tickets_.begin(); it != tickets_.end();) {
+    if (it->second.expires < now) {
+      it = tickets_.erase(it);
+      continue;
+    }
+    theirs += it->second.uid == uid;
+    ++it;
+  }
+  if (theirs >= kTicketsPerUid) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "OpenSegments: ", kMaxTickets, " tickets are outstanding; collect them or wait ",
-        absl::FormatDuration(kTicketLife)));
+        "OpenSegments: uid ", uid, " has ", kTicketsPerUid,
+        " tickets outstanding; collect them or wait ", absl::FormatDuration(kTicketLife)));
   }
   tickets_[ticket] = Ticket{pid, uid, tenant, std::move(ids), now + kTicketLife};
   return ticket;
@@ -117,33 +149,36 @@ void FdChannel::Serve(int conn, const PeerCredentials& cred) {
   auto refuse = [conn](const absl::Status& s) {
     SendWithFds(conn, absl::StrCat("e", s.message()), nullptr, 0);
   };
-  absl::StatusOr<Ticket> t = Take(ReadLine(conn, absl::Seconds(2)), cred);
+  absl::StatusOr<Ticket> t = Take(ReadLine(conn, kReadTimeout), cred);
   if (!t.ok()) {
     refuse(t.status());
     close(conn);
     return;
   }
+  // kFdsPerMessage at a time: opened, sent, closed, so that a large set never holds more of
+  // the daemon's descriptors than that. A segment retired meanwhile ends the set with a
+  // refusal (what was sent is the client's to close).
   std::vector<int> fds;
-  absl::Status s;
-  for (uint64_t id : t->ids) {
-    absl::StatusOr<int> fd = open_(t->tenant, id);
-    if (!fd.ok()) {
-      s = fd.status();  // retired since the call: the whole set is refused
-      break;
-    }
-    fds.push_back(*fd);
-  }
-  if (!s.ok()) {
-    refuse(s);
-  } else {
-    for (size_t at = 0; at < fds.size(); at += kFdsPerMessage) {
-      if (!SendWithFds(conn, "k", fds.data() + at, std::min(kFdsPerMessage, fds.size() - at))) {
-        KVLOG(debug, "fds.send", "pid={} error={}", cred.pid, LogValue(std::strerror(errno)));
-        break;
+  for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
+    absl::Status s;
+    for (size_t i = at; i < std::min(t->ids.size(), at + kFdsPerMessage) && s.ok(); ++i) {
+      absl::StatusOr<int> fd = open_(t->tenant, t->ids[i]);
+      if (fd.ok()) {
+        fds.push_back(*fd);
+      } else {
+        s = fd.status();
       }
     }
+    const bool sent = s.ok() && SendWithFds(conn, "k", fds.data(), fds.size());
+    for (int fd : fds) close(fd);
+    fds.clear();
+    if (!s.ok()) refuse(s);
+    if (!sent) {
+      if (s.ok())
+        KVLOG(debug, "fds.send", "pid={} error={}", cred.pid, LogValue(std::strerror(errno)));
+      break;
+    }
   }
-  for (int fd : fds) close(fd);
   close(conn);
 }
 

@@ -3,19 +3,25 @@
 // An OpenSegments call, authenticated like any other, issues a ticket for the process whose
 // connection made it; that process connects here, writes the ticket and a newline, and gets
 // one descriptor per segment by SCM_RIGHTS. A ticket is used once, by that pid and uid only
-// (SO_PEERCRED), within kTicketLife; descriptors are opened when collected, so a ticket holds
-// none. Connections are served one at a time, each bounded by a 2 s read timeout.
+// (SO_PEERCRED), within kTicketLife; descriptors are opened when collected, kFdsPerMessage at
+// a time, so a ticket holds none. Each connection is served on a thread of its own, within
+// kReadTimeout for its ticket line; at most kConnectionsPerUid at once per uid and
+// kConnections in all (more are closed at once), and at most kTicketsPerUid outstanding
+// tickets per uid, so that no caller starves another.
 //
-// Thread-safe. mu_ is lock order 15, a leaf.
+// Thread-safe. mu_ is lock order 15, a leaf; active_mu_ (a std::mutex, for its condition
+// variable) is taken alone.
 #ifndef KVTIER_SERVER_RPC_FD_CHANNEL_H_
 #define KVTIER_SERVER_RPC_FD_CHANNEL_H_
 
 #include <sys/types.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,8 +36,10 @@ namespace kvtier {
 class FdChannel {
  public:
   static constexpr absl::Duration kTicketLife = absl::Seconds(10);
-  static constexpr size_t kMaxTickets = 1024;
+  static constexpr size_t kTicketsPerUid = 16;
   static constexpr size_t kFdsPerMessage = 250;
+  static constexpr int kConnectionsPerUid = 4, kConnections = 32;
+  static constexpr absl::Duration kReadTimeout = absl::Milliseconds(500);
 
   // Opens segment `id` of `tenant` read-only: a descriptor the channel closes after sending.
   using Opener = std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id)>;
@@ -41,7 +49,7 @@ class FdChannel {
   ~FdChannel();  // stops, joins, and removes the socket file
 
   // A ticket for process `pid` of `uid` to collect `ids` of `tenant`. RESOURCE_EXHAUSTED
-  // while kMaxTickets unexpired tickets are outstanding.
+  // while `uid` has kTicketsPerUid unexpired tickets outstanding.
   absl::StatusOr<std::string> Issue(pid_t pid, uid_t uid, const std::string& tenant,
                                     std::vector<uint64_t> ids);
   const std::string& path() const { return path_; }
@@ -56,6 +64,8 @@ class FdChannel {
   };
   FdChannel(std::string path, std::unique_ptr<UnixListener> listener, Opener open)
       : path_(std::move(path)), listener_(std::move(listener)), open_(std::move(open)) {}
+  // On the accept thread: a thread for the connection, or a close when past the caps.
+  void Dispatch(int conn, const PeerCredentials& cred);
   // One connection: its ticket, then the descriptors or a refusal.
   void Serve(int conn, const PeerCredentials& cred);
   absl::StatusOr<Ticket> Take(const std::string& ticket, const PeerCredentials& cred);
@@ -65,6 +75,10 @@ class FdChannel {
   const Opener open_;
   absl::Mutex mu_;  // lock order 15 (server/common/lock_order.h)
   std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+  std::mutex active_mu_;
+  std::condition_variable idle_;  // signalled as the last connection ends
+  std::map<uid_t, int> active_;   // connections being served, by uid (active_mu_)
+  int active_total_ = 0;          // (active_mu_)
 };
 
 }  // namespace kvtier

@@ -69,6 +69,7 @@ absl::flat_hash_set<std::string> MetricTenants(const ServerOptions& options) {
   }
   for (const auto& [uid, grant] : options.unix_peers) out.insert(grant.tenant);
   for (const ServerOptions::Token& t : options.tokens) out.insert(t.grant.tenant);
+  for (const auto& [subject, grant] : options.cert_subjects) out.insert(grant.tenant);
   return out;
 }
 

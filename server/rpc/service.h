@@ -55,7 +55,8 @@ struct ServiceEnv {
   std::function<FdChannel*()> fds_of;
 };
 
-// The tenants the config names ("default", quotas' keys, auth's unix_peers and tokens).
+// The tenants the config names ("default", quotas' keys, auth's unix_peers, tokens and
+// cert_subjects).
 absl::flat_hash_set<std::string> MetricTenants(const ServerOptions& options);
 
 class KvTierService final : public v1::KvTier::CallbackService {

@@ -1,6 +1,7 @@
 #include "server/rpc/tls.h"
 
 #include <fcntl.h>
+#include <openssl/bio.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <unistd.h>
@@ -24,44 +25,63 @@ absl::Status Bad(const char* field, const std::string& path, const std::string& 
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", Quoted(path), " ", why));
 }
 
-// The file's first PEM object of the kind `read` reads, or null.
+// The first PEM object of the kind `read` reads in `pem`, or null.
 template <typename T, typename Read>
-std::unique_ptr<T, void (*)(T*)> ReadPem(const std::string& path, Read read, void (*free)(T*)) {
+std::unique_ptr<T, void (*)(T*)> ParsePem(const std::string& pem, Read read, void (*free)(T*)) {
   std::unique_ptr<T, void (*)(T*)> out(nullptr, free);
-  if (FILE* f = std::fopen(path.c_str(), "r")) {
-    out.reset(read(f, nullptr, nullptr, nullptr));
-    std::fclose(f);
+  if (BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()))) {
+    out.reset(read(bio, nullptr, nullptr, nullptr));
+    BIO_free(bio);
   }
   return out;
+}
+
+// The configured files, each read once: what is checked is what is staged.
+struct TlsBytes {
+  std::string cert, key, ca;
+};
+
+TlsBytes ReadTls(const ServerOptions::Tls& tls) {
+  auto read = [](const std::string& path) {
+    if (path.empty()) return std::string();
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  return {read(tls.cert_file), read(tls.key_file), read(tls.client_ca_file)};
+}
+
+absl::Status CheckTls(const ServerOptions::Tls& tls, const TlsBytes& b) {
+  auto cert = ParsePem<X509>(b.cert, PEM_read_bio_X509, X509_free);
+  if (cert == nullptr) return Bad("tls.cert_file", tls.cert_file, "holds no PEM certificate");
+  auto key = ParsePem<EVP_PKEY>(b.key, PEM_read_bio_PrivateKey, EVP_PKEY_free);
+  if (key == nullptr) return Bad("tls.key_file", tls.key_file, "holds no PEM private key");
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    return Bad("tls.key_file", tls.key_file, "is not the key of tls.cert_file's certificate");
+  }
+  if (!tls.client_ca_file.empty() &&
+      ParsePem<X509>(b.ca, PEM_read_bio_X509, X509_free) == nullptr) {
+    return Bad("tls.client_ca_file", tls.client_ca_file, "holds no PEM certificate");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::Status CheckTlsFiles(const ServerOptions::Tls& tls) {
   if (tls.cert_file.empty()) return absl::OkStatus();
-  auto cert = ReadPem<X509>(tls.cert_file, PEM_read_X509, X509_free);
-  if (cert == nullptr) return Bad("tls.cert_file", tls.cert_file, "holds no PEM certificate");
-  auto key = ReadPem<EVP_PKEY>(tls.key_file, PEM_read_PrivateKey, EVP_PKEY_free);
-  if (key == nullptr) return Bad("tls.key_file", tls.key_file, "holds no PEM private key");
-  if (X509_check_private_key(cert.get(), key.get()) != 1) {
-    return Bad("tls.key_file", tls.key_file, "is not the key of tls.cert_file's certificate");
-  }
-  if (!tls.client_ca_file.empty() &&
-      ReadPem<X509>(tls.client_ca_file, PEM_read_X509, X509_free) == nullptr) {
-    return Bad("tls.client_ca_file", tls.client_ca_file, "holds no PEM certificate");
-  }
-  return absl::OkStatus();
+  return CheckTls(tls, ReadTls(tls));
 }
 
 absl::StatusOr<std::unique_ptr<TlsStage>> TlsStage::Create(const ServerOptions::Tls& tls) {
-  RETURN_IF_ERROR(CheckTlsFiles(tls));
+  const TlsBytes bytes = ReadTls(tls);
+  RETURN_IF_ERROR(CheckTls(tls, bytes));
   char dir[] = "/tmp/kvtier-tls-XXXXXX";  // mkdtemp makes it 0700
   if (mkdtemp(dir) == nullptr) {
     return absl::InternalError(
         absl::StrCat("tls: cannot make a private directory in /tmp: ", std::strerror(errno)));
   }
   auto stage = std::unique_ptr<TlsStage>(new TlsStage(tls, dir));
-  RETURN_IF_ERROR(stage->Copy());
+  RETURN_IF_ERROR(stage->Write(bytes.cert, bytes.key, bytes.ca));
   return stage;
 }
 
@@ -70,18 +90,19 @@ TlsStage::~TlsStage() {
   rmdir(dir_.c_str());
 }
 
-absl::Status TlsStage::Copy() {
+absl::Status TlsStage::Write(const std::string& cert, const std::string& key,
+                             const std::string& ca) {
+  // The key first: the certificate it matches follows within microseconds, and the provider
+  // reads both once a refresh_s.
   const std::pair<const std::string*, const char*> files[] = {
-      {&tls_.cert_file, "cert.pem"}, {&tls_.key_file, "key.pem"}, {&tls_.client_ca_file, "ca.pem"}};
-  for (const auto& [from, name] : files) {
-    if (from->empty()) continue;
-    std::ifstream in(*from, std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      {&key, "key.pem"}, {&cert, "cert.pem"}, {&ca, "ca.pem"}};
+  for (const auto& [bytes, name] : files) {
+    if (bytes->empty()) continue;
     // Written whole beside the copy, then renamed over it: the provider reads old or new.
     const std::string next = Staged("next");
     const int fd = open(next.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     const bool ok =
-        fd >= 0 && write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+        fd >= 0 && write(fd, bytes->data(), bytes->size()) == static_cast<ssize_t>(bytes->size());
     if (fd >= 0) close(fd);
     if (!ok || rename(next.c_str(), Staged(name).c_str()) != 0) {
       return absl::InternalError(
@@ -92,8 +113,9 @@ absl::Status TlsStage::Copy() {
 }
 
 absl::Status TlsStage::Reload() {
-  RETURN_IF_ERROR(CheckTlsFiles(tls_));
-  return Copy();
+  const TlsBytes bytes = ReadTls(tls_);
+  RETURN_IF_ERROR(CheckTls(tls_, bytes));
+  return Write(bytes.cert, bytes.key, bytes.ca);
 }
 
 std::shared_ptr<grpc::ServerCredentials> TlsStage::Credentials() const {

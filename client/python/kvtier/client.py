@@ -90,7 +90,7 @@ class SegmentMap:
                 continue
             fd = _open_segment(segment_id, seg.shm_name) if seg.shm_name else None
             if fd is None:  # not ours to open by name: a read-only descriptor instead
-                [(seg, fd)] = self._client.open_segments([segment_id])
+                [(seg, fd)] = self._client.open_segments([segment_id])  # checked: this one
             m = _map_fd(segment_id, fd, seg.size_bytes)
             with self._lock:
                 self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
@@ -194,19 +194,36 @@ class Client:
 
     def __init__(self, address: str = "unix:/tmp/kvtier.sock", tenant: str | None = None,
                  timeout: float = 60.0, max_message_bytes: int = 64 << 20, attach: bool = True,
-                 token: str | None = None):
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
         """`attach`: from the first select on, hold an Attach stream open and name it in each
         select, so that this client's leases end as soon as it closes or its process dies,
         instead of at their TTL (against a daemon without Attach: TTL only). `token`: a bearer
         token of the daemon's auth.tokens, sent on every call; `tenant` may then only name its
-        tenant (or any, for an admin's)."""
+        tenant (or any, for an admin's). `tls_ca`: speak TLS to a TCP address, trusting that CA
+        (a PEM file); `tls_cert` and `tls_key`: this client's certificate for mTLS."""
         self.address = address
         self.timeout = timeout
         self._metadata = ((("x-kvtier-tenant", tenant),) if tenant else ()) + \
             ((("authorization", "Bearer " + token),) if token else ())
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", max_message_bytes),
-                              ("grpc.max_send_message_length", max_message_bytes)])
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls_ca is not None:
+            if (tls_cert is None) != (tls_key is None):
+                raise ValueError("tls_cert and tls_key: both or neither")
+
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca),
+                private_key=read(tls_key) if tls_key is not None else None,
+                certificate_chain=read(tls_cert) if tls_cert is not None else None)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        elif tls_cert is not None or tls_key is not None:
+            raise ValueError("tls_cert and tls_key need tls_ca")
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.KvTierStub(self._channel)
         self.segments = SegmentMap(self)
         self._shapes: dict[str, pb.ModelShape] = {}
@@ -402,6 +419,11 @@ class Client:
                               "OpenSegments: descriptors are handed over the Unix socket only")
         resp = self._unary("OpenSegments", pb.OpenSegmentsRequest(segment_ids=segment_ids))
         want = len(resp.segments)
+        named = [seg.segment_id for seg in resp.segments]
+        if (segment_ids and named != list(segment_ids)) or want > 4096:
+            raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"OpenSegments: the daemon named {want} segments, not the "
+                              f"{len(segment_ids)} asked for")
         fds: list[int] = []
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -411,6 +433,9 @@ class Client:
                 while len(fds) < want:
                     text, got, flags, _ = socket.recv_fds(sock, 512, 253)
                     fds.extend(got)
+                    if text == b"k" and not got:  # so that the loop ends
+                        raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                          "descriptor socket: a message without descriptors")
                     if not text:
                         raise KvTierError(grpc.StatusCode.UNAVAILABLE,
                                           "descriptor socket: closed")
