@@ -1120,6 +1120,13 @@ TEST(Tls, MutualTlsMapsTheCertificateSubjectToItsTenant) {
   const std::string tcp = absl::StrCat("127.0.0.1:", port);
   DaemonProcess d({"--config", config, "--tcp_listen", tcp});
   ASSERT_TRUE(d.started()) << d.Log();
+  // The Unix socket comes first; the TCP port follows.
+  for (int i = 0; i < 100 && testing::RunCommand("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" +
+                                                 std::to_string(port) + "' 2>/dev/null")
+                                     .first != 0;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   auto client = [&](const std::string& ca, const std::string& leaf) {
     ClientOptions o;
     o.timeout = absl::Seconds(5);

@@ -155,7 +155,9 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                           .metric_tenants = MetricTenants(options_),
                           .unix_peer =
                               [this](absl::string_view peer) {
-                                return listener_ ? listener_->Lookup(peer) : std::nullopt;
+                                const UnixListener* l =
+                                    serving_listener_.load(std::memory_order_acquire);
+                                return l ? l->Lookup(peer) : std::nullopt;
                               },
                           .auth = &auth_,
                           .fds_of = [this] { return fds_.get(); }}) {}
@@ -209,7 +211,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   int tcp_port = 0;
   if (sock.empty()) {
     builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get()), &tcp_port);
-  } else {  // the gRPC socket is bound once the server runs (below); its descriptor socket now
+  } else {  // accepted by the listener, which knows each connection's peer
+    ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
+    d->owns_socket_ = true;
     ASSIGN_OR_RETURN(
         d->fds_,
         FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id) {
@@ -229,11 +233,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                o.tcp_listen.empty() ? "" : " or " + o.tcp_listen,
                                                " (address in use or not permitted)"));
   }
-  if (!sock.empty()) {
-    // Accepted by the listener, which knows each connection's peer. Bound last, so that the
-    // socket's appearing means every listener (TCP and TLS included) is serving.
-    ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
-    d->owns_socket_ = true;
+  if (d->listener_) {
+    d->serving_listener_.store(d->listener_.get(), std::memory_order_release);
     d->listener_->Serve(d->server_.get());
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);

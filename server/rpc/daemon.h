@@ -7,6 +7,7 @@
 #ifndef KVTIER_SERVER_RPC_DAEMON_H_
 #define KVTIER_SERVER_RPC_DAEMON_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -89,6 +90,8 @@ class Daemon {
   // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
   // every call, so it is destroyed after the service and the server.
   std::unique_ptr<UnixListener> listener_;
+  // listener_ as calls read it: set once, when the server runs.
+  std::atomic<const UnixListener*> serving_listener_{nullptr};
   std::unique_ptr<TlsStage> tls_;   // null: no TLS
   std::unique_ptr<FdChannel> fds_;  // null: no Unix socket
   const Authenticator auth_;

@@ -112,11 +112,12 @@ absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext
     return absl::string_view(it->second.data(), it->second.size());
   };
   const std::string peer = ctx->peer();
-  CallCredentials call{.tenant_header = value(kTenantHeader),
-                       .authorization = value(kAuthorizationHeader),
-                       // Only these are TCP; every other peer is one of the Unix socket's
-                       // connections, or has no credentials.
-                       .tcp = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")};
+  CallCredentials call;
+  call.tenant_header = value(kTenantHeader);
+  call.authorization = value(kAuthorizationHeader);
+  // Only these are TCP; every other peer is one of the Unix socket's connections, or has no
+  // credentials.
+  call.tcp = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:");
   if (call.tcp) {
     call.cert_subject = ClientCertSubject(*ctx);
   } else if (env_.unix_peer) {

@@ -298,6 +298,11 @@ def test_mtls_names_the_tenant_by_certificate(start_daemon, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start_daemon("--config", str(config), "--tcp_listen", f"127.0.0.1:{port}")
+    for _ in range(100):  # the Unix socket comes first; the TCP port follows
+        with so.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
     tls = dict(tls_ca=str(tmp_path / "ca.pem"))
     with kvtier.Client(f"127.0.0.1:{port}", timeout=10, tls_cert=str(tmp_path / "carol.pem"),
                        tls_key=str(tmp_path / "carol.key"), **tls) as carol:
