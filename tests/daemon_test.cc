@@ -571,6 +571,53 @@ TEST(Daemon, SocketsAre0660AndSegmentsOwnerOnly) {
   }
 }
 
+// The descriptor socket's address.
+sockaddr_un UnixAddress(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 1));
+  return addr;
+}
+
+// A connection to `addr`, or -1. System calls only: safe in a child after fork.
+int ConnectTo(const sockaddr_un& addr) {
+  const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
+  if (connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    close(sock);
+    return -1;
+  }
+  return sock;
+}
+
+// One message from `sock` into `buf`: its length (<= 0: none) and the descriptors it carried,
+// which are closed. System calls only: safe in a child after fork.
+struct Received {
+  ssize_t bytes;
+  int fds;
+};
+Received ReceiveOne(int sock, char* buf, size_t size) {
+  iovec iov{buf, size};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  const ssize_t n = recvmsg(sock, &msg, 0);
+  int fds = 0;
+  if (n <= 0) msg.msg_controllen = 0;  // nothing received: no control data to read
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    const int here = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+    fds += here;
+    for (int i = 0; i < here; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      close(fd);
+    }
+  }
+  return {n, fds};
+}
+
 // OpenSegments hands the caller's own segments as read-only descriptors over <socket>.fds: the
 // bytes are the named segment's, no mapping of them can be made writable, a ticket serves
 // once and only the process that asked, and another tenant's segment is NOT_FOUND.
@@ -624,61 +671,28 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
     alice->stub().OpenSegments(&ctx, req, &resp);  // checked where it matters: by collecting
     return resp.ticket();
   };
+  const sockaddr_un fd_addr = UnixAddress(d.socket() + ".fds");
   auto collect = [&](const std::string& t) {  // the first message's text and descriptor count
-    const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    const std::string path = d.socket() + ".fds";
-    std::memcpy(addr.sun_path, path.data(), path.size());
-    EXPECT_EQ(connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const int sock = ConnectTo(fd_addr);
+    EXPECT_GE(sock, 0);
     const std::string line = t + "\n";  // the daemon may have closed it: no SIGPIPE
     send(sock, line.data(), line.size(), MSG_NOSIGNAL);
     char buf[256];
-    iovec iov{buf, sizeof buf};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    const ssize_t n = recvmsg(sock, &msg, 0);
-    int fds = 0;
-    if (n <= 0) msg.msg_controllen = 0;  // nothing received: no control data to read
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      const int here = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      fds += here;
-      for (int i = 0; i < here; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        close(fd);
-      }
-    }
+    const Received r = ReceiveOne(sock, buf, sizeof buf);
     close(sock);
-    return std::make_pair(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), fds);
+    return std::make_pair(std::string(buf, r.bytes > 0 ? static_cast<size_t>(r.bytes) : 0), r.fds);
   };
   // Another process of the same uid is refused. The child makes only system calls (this
   // process has other threads, so it may not allocate after fork).
   const std::string line1 = ticket() + "\n";
-  const std::string fd_path = d.socket() + ".fds";
-  sockaddr_un child_addr{};
-  child_addr.sun_family = AF_UNIX;
-  std::memcpy(child_addr.sun_path, fd_path.data(), fd_path.size());
   const pid_t child = fork();
   if (child == 0) {
-    const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
-    if (connect(sock, reinterpret_cast<sockaddr*>(&child_addr), sizeof child_addr) != 0) _exit(2);
+    const int sock = ConnectTo(fd_addr);
+    if (sock < 0) _exit(2);
     if (write(sock, line1.data(), line1.size()) != static_cast<ssize_t>(line1.size())) _exit(3);
     char buf[64];
-    iovec iov{buf, sizeof buf};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    const ssize_t n = recvmsg(sock, &msg, 0);
-    const bool refused = n > 0 && buf[0] == 'e' && CMSG_FIRSTHDR(&msg) == nullptr;
-    _exit(refused ? 0 : 1);
+    const Received r = ReceiveOne(sock, buf, sizeof buf);
+    _exit(r.bytes > 0 && buf[0] == 'e' && r.fds == 0 ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
@@ -691,11 +705,8 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
   // Idle connections cost their uid only: with three open the fourth slot still serves; with
   // four the next is closed at once; they end by themselves within the read timeout.
   auto idle = [&] {
-    const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, fd_path.data(), fd_path.size());
-    EXPECT_EQ(connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const int sock = ConnectTo(fd_addr);
+    EXPECT_GE(sock, 0);
     return sock;
   };
   std::vector<int> idlers = {idle(), idle(), idle()};

@@ -33,6 +33,9 @@ inline constexpr size_t kMaxAuthorization = 4096;
 struct Caller {
   std::string tenant;
   bool admin = false;
+  // The Unix-socket connection's credentials, taken with the rest when the call started;
+  // nullopt for a call that came another way.
+  std::optional<PeerCredentials> unix_peer;
 };
 
 // What a call brings. Empty header values count as absent.

@@ -123,7 +123,9 @@ absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext
   } else if (env_.unix_peer) {
     call.unix_peer = env_.unix_peer(peer);
   }
-  return env_.auth->Identify(call);
+  ASSIGN_OR_RETURN(Caller caller, env_.auth->Identify(call));
+  caller.unix_peer = call.unix_peer;
+  return caller;
 }
 
 absl::StatusOr<Caller> KvTierService::Admit(const grpc::CallbackServerContext* ctx) const {
@@ -626,8 +628,7 @@ grpc::ServerUnaryReactor* KvTierService::OpenSegments(grpc::CallbackServerContex
                                                       const v1::OpenSegmentsRequest* req,
                                                       v1::OpenSegmentsResponse* resp) {
   return Unary(ctx, "OpenSegments", [&](const Caller& caller) -> absl::Status {
-    const std::optional<PeerCredentials> cred =
-        env_.unix_peer ? env_.unix_peer(ctx->peer()) : std::nullopt;
+    const std::optional<PeerCredentials>& cred = caller.unix_peer;  // the call's, from its start
     FdChannel* fds = env_.fds_of ? env_.fds_of() : nullptr;
     if (fds == nullptr || !cred.has_value()) {
       return absl::FailedPreconditionError(
