@@ -72,7 +72,10 @@ LocalDaemon::LocalDaemon(const std::string& instance_prefix,
     execv(argv[0], argv.data());
     _exit(127);
   }
-  for (int i = 0; i < 200; ++i) {
+  // A sanitizer build on a loaded machine (two cores, fuzzers beside it) can take many seconds
+  // to listen: wait for the socket, or the process's exit, up to a minute.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
     if (Accepts(socket_)) {
       started_ = true;
       return;

@@ -40,7 +40,8 @@ class LocalDaemon:
              "--log_level", "warn", *flags],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         started = False
-        for _ in range(200):
+        # up to a minute: a loaded machine (sanitizers, fuzzers beside it) starts slowly
+        for _ in range(1200):
             started = _accepts(self.socket)
             if started or self.proc.poll() is not None:
                 break
