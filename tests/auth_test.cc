@@ -47,13 +47,18 @@ ServerOptions Options(bool same_uid = true) {
 
 CallCredentials Tcp(std::optional<absl::string_view> auth,
                     std::optional<absl::string_view> tenant = std::nullopt) {
-  return {.tenant_header = tenant, .authorization = auth, .tcp = true};
+  return {.tenant_header = tenant,
+          .authorization = auth,
+          .tcp = true,
+          .unix_peer = std::nullopt,
+          .cert_subject = std::nullopt};
 }
 CallCredentials Unix(uid_t uid, std::optional<absl::string_view> tenant = std::nullopt,
                      std::optional<absl::string_view> auth = std::nullopt) {
   return {.tenant_header = tenant,
           .authorization = auth,
-          .unix_peer = PeerCredentials{.uid = uid, .gid = uid, .pid = 42}};
+          .unix_peer = PeerCredentials{.uid = uid, .gid = uid, .pid = 42},
+          .cert_subject = std::nullopt};
 }
 
 void ExpectCaller(const absl::StatusOr<Caller>& c, const std::string& tenant, bool admin) {

@@ -53,6 +53,29 @@ TEST(Config, AuthNamesUnixPeersAndTheOwnUidException) {
             (std::map<uint32_t, Grant>{{1000, Grant{"alice", false}}, {1001, Grant{"ops", true}}}));
 }
 
+// Segments are named files while the daemon's own uid is trusted by metadata (the default,
+// which the conformance client and same-uid tools that open /dev/shm rely on), unnamed once
+// that trust is off, and whatever segment_memory says when it says one.
+TEST(Config, SegmentMemoryFollowsTheOwnUidExceptionUnlessNamed) {
+  struct Case {
+    std::string text;
+    bool memfd;
+  };
+  const Case cases[] = {
+      {"", false},
+      {"segment_memory: \"auto\"", false},
+      {"auth { same_uid_by_metadata: \"off\" }", true},
+      {"segment_memory: \"named\" auth { same_uid_by_metadata: \"off\" }", false},
+      {"segment_memory: \"memfd\"", true},
+      {"segment_memory: \"memfd\" auth { same_uid_by_metadata: \"on\" }", true},
+  };
+  for (const Case& c : cases) {
+    ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));
+    ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(config));
+    EXPECT_EQ(o.memfd_segments, c.memfd) << c.text;
+  }
+}
+
 // A token entry keeps its salt and the digest's 32 bytes, decoded from the hex.
 TEST(Config, AuthTokensKeepSaltAndDigestBytes) {
   ASSERT_OK_AND_ASSIGN(
@@ -123,6 +146,7 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"tcp_listen: \"127.0.0.1:5000\"", "tcp_listen: \"127.0.0.1:5000\" is TCP, which needs tls"},
       {"listen: \"127.0.0.1:5000\"", "listen: \"127.0.0.1:5000\" is TCP"},
       {"tcp_plaintext: \"maybe\"", "tcp_plaintext"},
+      {"segment_memory: \"files\"", "segment_memory: \"files\" is not one of auto, named, memfd"},
       {"tls { cert_file: \"/x\" }", "tls.key_file"},
       {"tls { client_ca_file: \"/x\" }", "tls.client_ca_file"},
       {"tls { cert_file: \"/a\" key_file: \"/b\" }", "tls.cert_file: \"/a\" is set, but no"},

@@ -170,6 +170,52 @@ TEST(Daemon, HandlesAreReadableFromThisProcessThroughSharedMemory) {
   }
 }
 
+// With segment_memory memfd nothing of the daemon's memory has a name: no file in /dev/shm
+// while it serves or after it is killed, ListSegments names none, and this process (the
+// daemon's own uid) reads every handle's exact bytes through descriptors it collected.
+TEST(Daemon, MemfdSegmentsHaveNoNameAndDieWithTheDaemon) {
+  DaemonProcess d({"--segment_memory", "memfd"});
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d, "alice");
+  const std::string sid = SessionWithTokens(*c, 300);
+  ASSERT_OK_AND_ASSIGN(auto listed, c->ListSegments());
+  ASSERT_GT(listed.segments_size(), 0);
+  for (const v1::Segment& s : listed.segments()) EXPECT_EQ(s.shm_name(), "") << s.segment_id();
+  EXPECT_TRUE(ShmEntries(d.instance()).empty());
+  // The daemon holds them as memfds (its descriptors' targets say so).
+  int memfds = 0;
+  const std::string fd_dir = "/proc/" + std::to_string(d.pid()) + "/fd";
+  DIR* dir = opendir(fd_dir.c_str());
+  ASSERT_NE(dir, nullptr);
+  while (dirent* e = readdir(dir)) {
+    char target[256] = {};
+    const std::string link = fd_dir + "/" + e->d_name;
+    if (readlink(link.c_str(), target, sizeof target - 1) > 0 &&
+        absl::StartsWith(target, "/memfd:kvtier-" + d.instance() + "-")) {
+      ++memfds;
+    }
+  }
+  closedir(dir);
+  EXPECT_EQ(memfds, listed.segments_size());
+
+  ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(sid, 2, 96, /*data=*/true)));
+  SegmentMap segments;
+  int checked = 0;
+  for (const auto& head : sel.heads()) {
+    for (const auto& b : head.blocks()) {
+      ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, b));
+      EXPECT_EQ(b.keys(),
+                std::string(reinterpret_cast<const char*>(view.keys.data()), view.keys.size() * 2));
+      EXPECT_EQ(b.values(), std::string(reinterpret_cast<const char*>(view.values.data()),
+                                        view.values.size() * 2));
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 3);
+  EXPECT_EQ(d.Kill(), 128 + SIGKILL);
+  EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "a killed daemon left named memory";
+}
+
 // Each slot's generation lives in shared memory: a reader holding a handle whose slot was
 // freed, or freed and reused by another session, finds out after copying, never uses it.
 TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
@@ -957,7 +1003,9 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
          auto lease = alice->Select(Select(a, 3, 128));
          if (!lease.ok()) return lease.status();
          absl::Status s = c.Release(lease->lease_id());
-         if (!s.ok()) EXPECT_OK(alice->Release(lease->lease_id()));
+         if (!s.ok()) {
+           EXPECT_OK(alice->Release(lease->lease_id()));
+         }
          return s;
        },
        kUnauth, kOk, Code::kNotFound, Code::kNotFound},
@@ -975,7 +1023,9 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
        [&](Client& c) {
          const std::string victim = session_of(*alice);
          absl::StatusOr<bool> r = c.CloseSession(victim);
-         if (r.ok()) EXPECT_TRUE(*r);
+         if (r.ok()) {
+           EXPECT_TRUE(*r);
+         }
          return r.status();
        },
        kUnauth, kOk, kDenied, kOk},

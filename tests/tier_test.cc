@@ -1,6 +1,9 @@
 #include "server/tier/tier.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -151,6 +154,55 @@ TEST(Tier, AnotherProcessReadsTheBytesByName) {
   waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "2: cannot open, 3: bytes differ";
+}
+
+// An unnamed (memfd) segment has no file anywhere: its name is empty and /dev/shm holds
+// nothing of the instance. A descriptor of it reads the written bytes but cannot write them,
+// and its seals forbid any new writable mapping and any change of size (even through a
+// writable descriptor), while the tier's own mapping still writes.
+TEST(Tier, AMemfdSegmentIsReachedByDescriptorOnlyAndSealed) {
+  TierOptions o = Options(1 << 20);
+  o.naming = ShmSegment::Naming::kMemfd;
+  Tier tier(o);
+  ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+  for (uint64_t i = 0; i < s->bytes(); ++i) s->data()[i] = static_cast<uint8_t>(i * 13 + 1);
+  const SegmentInfo info = tier.Segments().at(0);
+  EXPECT_EQ(info.shm_name, "");
+  DIR* dir = opendir("/dev/shm");
+  ASSERT_NE(dir, nullptr);
+  while (dirent* e = readdir(dir)) {
+    EXPECT_FALSE(absl::StartsWith(e->d_name, "kvtier-" + o.instance)) << e->d_name;
+  }
+  closedir(dir);
+
+  ASSERT_OK_AND_ASSIGN(int fd, tier.OpenReadOnly(info.segment_id, "a"));
+  EXPECT_EQ(fcntl(fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  const int seals = fcntl(fd, F_GET_SEALS);
+  for (int seal : {F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE, F_SEAL_SEAL}) {
+    EXPECT_NE(seals & seal, 0) << "seal " << seal << " missing from " << seals;
+  }
+  void* p = mmap(nullptr, info.size_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  const uint8_t* bytes = static_cast<const uint8_t*>(p) + s->offset();
+  for (uint64_t i = 0; i < s->bytes(); ++i) {
+    ASSERT_EQ(bytes[i], static_cast<uint8_t>(i * 13 + 1)) << i;
+  }
+  EXPECT_NE(mprotect(p, info.size_bytes, PROT_READ | PROT_WRITE), 0);
+  EXPECT_EQ(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0), MAP_FAILED);
+  // A writable descriptor reopened through /proc (what a leak would give) is held by the seals.
+  const int rw = open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDWR);
+  ASSERT_GE(rw, 0);
+  EXPECT_EQ(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(ftruncate(rw, 0), 0);
+  EXPECT_NE(pwrite(rw, "x", 1, 0), 1);
+  close(rw);
+  s->data()[0] = 0xAB;  // the tier's own mapping still writes, and readers see it
+  EXPECT_EQ(bytes[0], 0xAB);
+  munmap(p, info.size_bytes);
+  close(fd);
+  // A second slot commits pages (fallocate within the sealed size).
+  ASSERT_OK(tier.Allocate("a", 4096).status());
 }
 
 TEST(Tier, TenantQuotaLimitsOneTenantOnly) {

@@ -286,7 +286,9 @@ int Run(const Args& a, Client& c) {
     Table t({"SEGMENT", "TIER", "SHM NAME", "SIZE", "SLOT", "TENANT", "GENERATION"},
             {true, false, false, true, true, false, true});
     for (const auto& s : r->segments()) {
-      t.Add({absl::StrCat(s.segment_id()), TierName(s.tier()), s.shm_name(), Bytes(s.size_bytes()),
+      // An unnamed (memfd) segment is reached by descriptor only.
+      const std::string name = s.shm_name().empty() ? "(memfd)" : s.shm_name();
+      t.Add({absl::StrCat(s.segment_id()), TierName(s.tier()), name, Bytes(s.size_bytes()),
              Bytes(s.slot_bytes()), s.tenant(), absl::StrCat(s.generation())});
     }
     std::cout << t.Render();

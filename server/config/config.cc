@@ -134,6 +134,7 @@ v1::Config DefaultConfig() {
   c.set_persist_interval_ms(o.persist_interval_ms);
   c.mutable_auth()->set_same_uid_by_metadata(o.same_uid_by_metadata ? "on" : "off");
   c.set_tcp_plaintext(o.tcp_plaintext ? "on" : "off");
+  c.set_segment_memory("auto");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -338,6 +339,11 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
                         "is TCP, which needs tls { cert_file key_file } in the config, or "
                         "--tcp_plaintext on for a trusted network");
   }
+  const std::string memory = c.segment_memory().empty() ? "auto" : c.segment_memory();
+  if (memory != "auto" && memory != "named" && memory != "memfd") {
+    return InvalidField("segment_memory", memory, "is not one of auto, named, memfd");
+  }
+  o.memfd_segments = memory == "memfd" || (memory == "auto" && !o.same_uid_by_metadata);
   if (!o.has_tcp() && !o.tls.cert_file.empty()) {
     return InvalidField("tls.cert_file", o.tls.cert_file, "is set, but no listener is TCP");
   }

@@ -98,6 +98,9 @@ struct ServerOptions {
   // Whether some listener is TCP (tcp_listen, or a HOST:PORT listen).
   bool has_tcp() const { return !tcp_listen.empty() || listen.rfind("unix:", 0) != 0; }
   bool same_uid_by_metadata = true;
+  // Segments unnamed (memfd: every worker maps them by descriptor) rather than files of
+  // /dev/shm; config segment_memory, whose "auto" is memfd when same_uid_by_metadata is off.
+  bool memfd_segments = false;
   // Complete: no zero fields.
   v1::SessionPolicy default_policy;
 };

@@ -96,7 +96,7 @@ absl::StatusOr<Caller> Authenticator::Identify(const CallCredentials& call) cons
   } else if (call.unix_peer->uid == daemon_uid_ && same_uid_by_metadata_) {
     // The documented exception: the daemon's own uid could read its memory anyway, so it is
     // an admin and names whichever tenant it acts as.
-    return Caller{named ? header : std::string("default"), /*admin=*/!named};
+    return Caller{named ? header : std::string("default"), /*admin=*/!named, std::nullopt};
   } else {
     auto mapped = unix_peers_.find(call.unix_peer->uid);
     if (mapped == unix_peers_.end()) {
@@ -114,7 +114,7 @@ absl::StatusOr<Caller> Authenticator::Identify(const CallCredentials& call) cons
                                                     grant.tenant, ")"));
   }
   // A header narrows the call to one tenant: an admin naming one acts as it, and as it only.
-  return Caller{named ? header : grant.tenant, grant.admin && !named};
+  return Caller{named ? header : grant.tenant, grant.admin && !named, std::nullopt};
 }
 
 }  // namespace kvtier

@@ -34,6 +34,7 @@ TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
   t.segment_bytes = o.segment_size;
   // The daemon does not drive a GPU yet: the device tier is host shared memory, same path.
   t.emulated = tier == v1::TIER_DEVICE;
+  t.naming = o.memfd_segments ? ShmSegment::Naming::kMemfd : ShmSegment::Naming::kNamed;
   if (!o.quotas.empty()) {
     t.tenant_limit = [&o, tier](const std::string& tenant) {
       const ServerOptions::Quota q = o.QuotaFor(tenant);
@@ -248,14 +249,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
-        "listen={} tcp_listen={} tcp={} instance={} host_capacity={} "
+        "listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
         "device_capacity={} metrics_port={}",
         o.listen, o.tcp_listen,
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
         : o.tls.client_ca_file.empty() ? "tls"
                                        : "mtls",
-        o.instance, o.host_capacity, o.device_capacity, o.metrics_port);
+        o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
+        o.metrics_port);
   return d;
 }
 

@@ -24,27 +24,41 @@ absl::Status Errno(absl::string_view what, const std::string& name) {
 
 }  // namespace
 
-absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size) {
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0 && errno == EEXIST) {
-    shm_unlink(name.c_str());
+absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size,
+                                              Naming naming) {
+  const bool named = naming == Naming::kNamed;
+  int fd;
+  if (named) {
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0 && errno == EEXIST) {
+      shm_unlink(name.c_str());
+      fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    }
+    if (fd < 0) return Errno("shm_open", name);
+  } else {
+    const std::string label = name.starts_with("/") ? name.substr(1) : name;
+    fd = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return Errno("memfd_create", name);
   }
-  if (fd < 0) return Errno("shm_open", name);
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    absl::Status s = Errno("ftruncate", name);
+  // Undoes what was made when a later step fails.
+  auto fail = [&](absl::string_view what) {
+    absl::Status s = Errno(what, name);
     close(fd);
-    shm_unlink(name.c_str());
+    if (named) shm_unlink(name.c_str());
     return s;
-  }
+  };
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    absl::Status s = Errno("mmap", name);
-    close(fd);
-    shm_unlink(name.c_str());
-    return s;
+  if (p == MAP_FAILED) return fail("mmap");
+  // A memfd's size is fixed, and no mapping made after this one can write: not through a
+  // descriptor that leaks, nor through one reopened from /proc. Reserve's fallocate within
+  // the size is still allowed.
+  if (!named && fcntl(fd, F_ADD_SEALS,
+                      F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    munmap(p, size);
+    return fail("seal");
   }
-  return ShmSegment(name, static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
+  return ShmSegment(name, named, static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
 }
 
 absl::StatusOr<int> ShmSegment::OpenReadOnlyFd() const {
@@ -80,7 +94,8 @@ absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
   void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) return Errno("mmap", name);
-  return ShmSegment(name, static_cast<uint8_t*>(p), st.st_size, /*owner=*/false, -1);
+  return ShmSegment(name, /*named=*/true, static_cast<uint8_t*>(p), st.st_size, /*owner=*/false,
+                    -1);
 }
 
 int ShmSegment::RemoveStale(const std::string& prefix) {
@@ -105,6 +120,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
   if (this != &other) {
     Reset();
     name_ = std::move(other.name_);
+    named_ = other.named_;
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     owner_ = std::exchange(other.owner_, false);
@@ -117,7 +133,7 @@ ShmSegment::~ShmSegment() { Reset(); }
 
 void ShmSegment::Reset() {
   if (data_ != nullptr) munmap(data_, size_);
-  if (owner_) shm_unlink(name_.c_str());
+  if (owner_ && named_) shm_unlink(name_.c_str());
   if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   owner_ = false;

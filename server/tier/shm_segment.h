@@ -1,5 +1,6 @@
-// A POSIX shared-memory object mapped into this process. Move-only; the destructor unmaps,
-// and the creating side also unlinks the name, so nothing is left in /dev/shm.
+// A shared-memory object mapped into this process: a named POSIX object (/dev/shm/<name>) or
+// an unnamed memfd that no other process can open by any path. Move-only; the destructor
+// unmaps, and the creating side also unlinks a name, so nothing is left in /dev/shm.
 #ifndef KVTIER_SERVER_TIER_SHM_SEGMENT_H_
 #define KVTIER_SERVER_TIER_SHM_SEGMENT_H_
 
@@ -12,11 +13,19 @@ namespace kvtier {
 
 class ShmSegment {
  public:
+  enum class Naming {
+    kNamed,  // /dev/shm/<name>, mode 0600: the daemon's uid may open it by name
+    kMemfd,  // unnamed (memfd_create): only descriptors reach it, and it dies with them
+  };
+
   // Creates `name` ("/kvtier-..."), sized `size` bytes (sparse: nothing is committed until
-  // Reserve), mode 0600 (only the daemon's uid opens it by name; other workers get read-only
-  // descriptors, OpenReadOnlyFd), mapped read-write. A stale object of that name is replaced.
-  // INTERNAL (with errno text) when the kernel refuses.
-  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size);
+  // Reserve), mapped read-write. kNamed: mode 0600 (only the daemon's uid opens it by name;
+  // other workers get read-only descriptors, OpenReadOnlyFd), and a stale object of that name
+  // is replaced. kMemfd: `name` only labels it (/proc/<pid>/fd shows "memfd:kvtier-..."); its
+  // size is sealed, and so is any later writable mapping (F_SEAL_FUTURE_WRITE): only this
+  // process's own mapping writes it. INTERNAL (with errno text) when the kernel refuses.
+  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size,
+                                           Naming naming = Naming::kNamed);
 
   // Commits the pages of [offset, offset + length) before they are written (posix_fallocate),
   // so that a full /dev/shm is RESOURCE_EXHAUSTED here rather than a SIGBUS on first touch.
@@ -43,14 +52,17 @@ class ShmSegment {
 
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // The creating name; for a memfd segment a label only, which nothing can open.
   const std::string& name() const { return name_; }
+  bool named() const { return named_; }
 
  private:
-  ShmSegment(std::string name, uint8_t* data, uint64_t size, bool owner, int fd)
-      : name_(std::move(name)), data_(data), size_(size), owner_(owner), fd_(fd) {}
+  ShmSegment(std::string name, bool named, uint8_t* data, uint64_t size, bool owner, int fd)
+      : name_(std::move(name)), named_(named), data_(data), size_(size), owner_(owner), fd_(fd) {}
   void Reset();
 
   std::string name_;
+  bool named_ = true;
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
   bool owner_ = false;

@@ -103,7 +103,8 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
   }
   if (seg == nullptr) {
     uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
-    auto shm = ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes);
+    auto shm =
+        ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes, options_.naming);
     // The generation table is written at once (each slot's cell): its pages first.
     absl::Status reserved =
         shm.ok() ? shm->Reserve(table_at(num_slots), num_slots * sizeof(uint64_t)) : shm.status();
@@ -300,7 +301,7 @@ std::vector<SegmentInfo> Tier::Segments() const {
     out.push_back(SegmentInfo{
         .segment_id = id,
         .tier = options_.tier,
-        .shm_name = s->shm.name(),
+        .shm_name = s->shm.named() ? s->shm.name() : std::string(),
         .size_bytes = s->shm.size(),
         .slot_bytes = s->slot_bytes,
         .tenant = s->tenant,

@@ -49,6 +49,8 @@ struct TierOptions {
   uint64_t segment_bytes = 64ull << 20;
   // A device tier held in host shared memory because no GPU is in use.
   bool emulated = false;
+  // Segments named in /dev/shm (mode 0600), or unnamed memfds reached only by descriptor.
+  ShmSegment::Naming naming = ShmSegment::Naming::kNamed;
   // The bytes of slots one tenant may hold (its quota); 0 or unset: no limit.
   std::function<uint64_t(const std::string& tenant)> tenant_limit;
 };
@@ -131,7 +133,7 @@ struct TierSnapshot {
 struct SegmentInfo {
   uint64_t segment_id;
   v1::Tier tier;
-  std::string shm_name;
+  std::string shm_name;  // empty for an unnamed (memfd) segment
   uint64_t size_bytes;
   uint64_t slot_bytes;
   std::string tenant;

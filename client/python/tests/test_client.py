@@ -270,6 +270,28 @@ def test_open_segments_gives_read_only_descriptors_of_ones_own(daemon):
         assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_memfd_segments_are_read_by_descriptor(start_daemon):
+    """segment_memory memfd: the daemon names no segment and /dev/shm holds none of its
+    memory, yet the client's gather reads every row exactly, through descriptors."""
+    d = start_daemon("--segment_memory", "memfd")
+    rng = np.random.default_rng(21)
+    k, v = make_kv(rng, 400)
+    with kvtier.Client(d.address, tenant="alice") as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert c.append_layers(sid, 0, k, v) == 400
+        segs = c.list_segments()
+        assert segs and all(s.shm_name == "" for s in segs)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{d.instance}-")]
+        sel = c.select(sid, 1, rng.standard_normal((QH, D)), budget_tokens=5000)
+        for head in sel.heads:
+            pos, hk, hv = c.gather(head, sid)
+            order = np.argsort(pos)
+            assert pos[order].tolist() == list(range(400))
+            np.testing.assert_array_equal(hk[order], k[1, head.kv_head])
+            np.testing.assert_array_equal(hv[order], v[1, head.kv_head])
+        c.release(sel.lease_id)
+
+
 def _pki(tmp_path):
     """A CA, a server certificate for 127.0.0.1 and a client certificate CN=carol, O=team-c."""
     def run(*args):
