@@ -68,6 +68,9 @@ TEST(Config, SegmentMemoryFollowsTheOwnUidExceptionUnlessNamed) {
       {"segment_memory: \"named\" auth { same_uid_by_metadata: \"off\" }", false},
       {"segment_memory: \"memfd\"", true},
       {"segment_memory: \"memfd\" auth { same_uid_by_metadata: \"on\" }", true},
+      // Descriptors travel over the Unix socket only: a TCP-only daemon keeps names.
+      {"listen: \"127.0.0.1:5000\" tcp_plaintext: \"on\" auth { same_uid_by_metadata: \"off\" }",
+       false},
   };
   for (const Case& c : cases) {
     ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));
@@ -147,6 +150,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"listen: \"127.0.0.1:5000\"", "listen: \"127.0.0.1:5000\" is TCP"},
       {"tcp_plaintext: \"maybe\"", "tcp_plaintext"},
       {"segment_memory: \"files\"", "segment_memory: \"files\" is not one of auto, named, memfd"},
+      {"listen: \"127.0.0.1:5000\" tcp_plaintext: \"on\" segment_memory: \"memfd\"",
+       "segment_memory: \"memfd\" needs a Unix-socket listen"},
       {"tls { cert_file: \"/x\" }", "tls.key_file"},
       {"tls { client_ca_file: \"/x\" }", "tls.client_ca_file"},
       {"tls { cert_file: \"/a\" key_file: \"/b\" }", "tls.cert_file: \"/a\" is set, but no"},

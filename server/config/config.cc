@@ -343,7 +343,15 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   if (memory != "auto" && memory != "named" && memory != "memfd") {
     return InvalidField("segment_memory", memory, "is not one of auto, named, memfd");
   }
-  o.memfd_segments = memory == "memfd" || (memory == "auto" && !o.same_uid_by_metadata);
+  // Descriptors are handed over the Unix socket only: without one, unnamed memory would be
+  // unreachable to every worker.
+  const bool unix_listener = absl::StartsWith(o.listen, "unix:");
+  if (memory == "memfd" && !unix_listener) {
+    return InvalidField("segment_memory", memory,
+                        "needs a Unix-socket listen (workers collect descriptors there)");
+  }
+  o.memfd_segments =
+      memory == "memfd" || (memory == "auto" && !o.same_uid_by_metadata && unix_listener);
   if (!o.has_tcp() && !o.tls.cert_file.empty()) {
     return InvalidField("tls.cert_file", o.tls.cert_file, "is set, but no listener is TCP");
   }

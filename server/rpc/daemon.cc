@@ -195,10 +195,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
   ReclaimDeadInstances(o.instance);
   // Each slot's pages are committed when it is handed out, so a /dev/shm smaller than the
-  // tiers makes appends RESOURCE_EXHAUSTED once it fills; say so at start.
+  // tiers makes appends RESOURCE_EXHAUSTED once it fills; say so at start. (Unnamed segments
+  // are not held to /dev/shm's size.)
   struct statvfs fs {};
   const uint64_t tiers = o.host_capacity + o.device_capacity;
-  if (statvfs("/dev/shm", &fs) == 0 && uint64_t{fs.f_bavail} * fs.f_frsize < tiers) {
+  if (!o.memfd_segments && statvfs("/dev/shm", &fs) == 0 &&
+      uint64_t{fs.f_bavail} * fs.f_frsize < tiers) {
     KVLOG(warn, "shm.small", "dev_shm_free={} tier_capacity={}",
           FormatBytes(uint64_t{fs.f_bavail} * fs.f_frsize), FormatBytes(tiers));
   }

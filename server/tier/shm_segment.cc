@@ -16,6 +16,13 @@
 namespace kvtier {
 namespace {
 
+// linux/memfd.h's MFD_NOEXEC_SEAL (Linux 6.3), which Debian 12's C library does not name.
+#ifdef MFD_NOEXEC_SEAL
+constexpr unsigned kMfdNoexecSeal = MFD_NOEXEC_SEAL;
+#else
+constexpr unsigned kMfdNoexecSeal = 0x0008U;
+#endif
+
 absl::Status Errno(absl::string_view what, const std::string& name) {
   int e = errno;
   std::string msg = absl::StrCat(what, " ", name, ": ", std::strerror(e));
@@ -37,7 +44,11 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
     if (fd < 0) return Errno("shm_open", name);
   } else {
     const std::string label = name.starts_with("/") ? name.substr(1) : name;
-    fd = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    constexpr unsigned kFlags = MFD_CLOEXEC | MFD_ALLOW_SEALING;
+    // Linux 6.3 and later: never executable (vm.memfd_noexec=2 refuses a memfd without it);
+    // older kernels do not know the flag.
+    fd = memfd_create(label.c_str(), kFlags | kMfdNoexecSeal);
+    if (fd < 0 && errno == EINVAL) fd = memfd_create(label.c_str(), kFlags);
     if (fd < 0) return Errno("memfd_create", name);
   }
   // Undoes what was made when a later step fails.
@@ -75,9 +86,11 @@ absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {
   if (e == 0) return absl::OkStatus();
   const std::string msg = absl::StrCat("shared memory: ", name_, " cannot commit ", length,
                                        " bytes at ", offset, ": ", std::strerror(e));
-  // A full /dev/shm (or its size= limit) is like a full tier: the caller may make room.
-  if (e == ENOSPC) {
-    return absl::ResourceExhaustedError(absl::StrCat(msg, " (/dev/shm is full)"));
+  // A full /dev/shm (or its size= limit), or no memory left for an unnamed segment, is like a
+  // full tier: the caller may make room.
+  if (e == ENOSPC || e == ENOMEM) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(msg, named_ ? " (/dev/shm is full)" : " (out of shared memory)"));
   }
   return absl::InternalError(msg);
 }

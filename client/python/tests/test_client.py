@@ -284,6 +284,7 @@ def test_memfd_segments_are_read_by_descriptor(start_daemon):
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{d.instance}-")]
         sel = c.select(sid, 1, rng.standard_normal((QH, D)), budget_tokens=5000)
         for head in sel.heads:
+            assert not any(b.keys for b in head.blocks)  # nothing inline: read from memory
             pos, hk, hv = c.gather(head, sid)
             order = np.argsort(pos)
             assert pos[order].tolist() == list(range(400))
