@@ -23,7 +23,9 @@ COMMANDS = {
 
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
 TARGETS = [
-    ("select_rpc_", "<=", 1.5, "Select RPC vs a bare echo of the same bytes, same channel"),
+    ("select_rpc_", "<=", 1.3, "Select RPC vs a bare echo of the same bytes, same channel"),
+    ("select_scaling", ">=", 1.7, "Select throughput of two workers at once (each its own "
+     "channel and session) vs one worker alone, on the same daemon"),
     ("appendkv_ingest", ">=", 0.25, "AppendKV ingest (with int4 quantization of cold chunks) "
      "vs memcpy of the same bytes"),
     ("quantize_throughput", ">=", 0.5, "CPU int4/int8 quantize, fp16 bytes in, vs memcpy"),
