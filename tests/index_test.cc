@@ -197,6 +197,86 @@ TEST(ChunkRanker, LsePeakKeepsTheChunkWhoseMassSitsOnOneKey) {
   EXPECT_EQ(SelectChunks(v1::RANKING_LSE_PEAK, q, 1, d, cands, 16), (std::vector<uint32_t>{0}));
 }
 
+// BalancedGroups as its comment states it, spelled out the slow way: every (row, center) pair
+// sorted by (distance, row, center), then taken in that order while the row is unplaced and
+// the center has room; centers seeded farthest-first and moved to their rows' means.
+std::vector<std::vector<uint32_t>> ReferenceGroups(const std::vector<float>& x, uint32_t n, int d,
+                                                   uint32_t size, int rounds) {
+  const uint32_t k = n / size;
+  auto dist = [&](const float* a, const float* b) {
+    float s = 0;  // the same float sum, in the same order, as the daemon's
+    for (int j = 0; j < d; ++j) s += (a[j] - b[j]) * (a[j] - b[j]);
+    return s;
+  };
+  auto mean_of = [&](const std::vector<uint32_t>& members) {
+    std::vector<float> m(d, 0.f);
+    for (uint32_t r : members) {
+      for (int j = 0; j < d; ++j) m[j] += x[size_t(r) * d + j];
+    }
+    for (float& v : m) v /= float(members.size());
+    return m;
+  };
+  std::vector<uint32_t> all(n);
+  std::iota(all.begin(), all.end(), 0u);
+  std::vector<std::vector<float>> centers;
+  const std::vector<float> mu = mean_of(all);
+  uint32_t far = 0;
+  for (uint32_t r = 0; r < n; ++r) {
+    if (dist(&x[size_t(r) * d], mu.data()) > dist(&x[size_t(far) * d], mu.data())) far = r;
+  }
+  centers.emplace_back(x.begin() + size_t(far) * d, x.begin() + size_t(far + 1) * d);
+  std::vector<float> nearest(n, std::numeric_limits<float>::infinity());
+  while (centers.size() < k) {
+    uint32_t best = 0;
+    float best_dist = -1.f;
+    for (uint32_t r = 0; r < n; ++r) {
+      nearest[r] = std::min(nearest[r], dist(&x[size_t(r) * d], centers.back().data()));
+      if (nearest[r] > best_dist) best_dist = nearest[r], best = r;
+    }
+    centers.emplace_back(x.begin() + size_t(best) * d, x.begin() + size_t(best + 1) * d);
+  }
+  std::vector<std::vector<uint32_t>> groups(k);
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<std::tuple<float, uint32_t, uint32_t>> pairs;
+    for (uint32_t r = 0; r < n; ++r) {
+      for (uint32_t g = 0; g < k; ++g)
+        pairs.emplace_back(dist(&x[size_t(r) * d], centers[g].data()), r, g);
+    }
+    std::sort(pairs.begin(), pairs.end());
+    std::vector<uint32_t> room(k, size);
+    std::vector<bool> placed(n, false);
+    for (auto& grp : groups) grp.clear();
+    for (auto [dd, r, g] : pairs) {
+      if (placed[r] || room[g] == 0) continue;
+      placed[r] = true;
+      --room[g];
+      groups[g].push_back(r);
+    }
+    for (uint32_t g = 0; g < k; ++g) {
+      std::sort(groups[g].begin(), groups[g].end());
+      centers[g] = mean_of(groups[g]);
+    }
+  }
+  std::sort(groups.begin(), groups.end());
+  return groups;
+}
+
+// The daemon's assignment (rows' sorted pairs merged through a heap) is the reference's, on
+// random rows and on rows of few distinct values, where many distances tie.
+TEST(BalancedGroups, EqualsTheFullSortGreedyAssignment) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0, 1);
+  for (int trial = 0; trial < 60; ++trial) {
+    const auto [rows, size, d] = std::vector<std::tuple<uint32_t, uint32_t, int>>{
+        {128, 16, 64}, {128, 32, 16}, {96, 8, 8}, {64, 16, 4}}[trial % 4];
+    std::vector<float> x(size_t(rows) * d);
+    for (auto& v : x) v = trial % 3 == 0 ? std::round(n(rng)) : n(rng);
+    EXPECT_EQ(BalancedGroups(x.data(), rows, d, size),
+              ReferenceGroups(x, rows, d, size, /*rounds=*/4))
+        << "trial " << trial;
+  }
+}
+
 // Semantic chunking's grouping: a partition into equal groups, deterministic, that finds
 // planted clusters however their rows are interleaved.
 TEST(BalancedGroups, PartitionsIntoEqualGroupsAndRecoversPlantedClusters) {
