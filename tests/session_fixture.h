@@ -68,7 +68,7 @@ struct Env {
 struct Fixture {
   int layers, qh, kvh, d, total;
   std::vector<std::vector<uint16_t>> k, v;
-  std::unique_ptr<Session> session;
+  std::shared_ptr<Session> session;  // shared: an aging pool holds it weakly
 };
 
 // The tests below check whole contiguous 16-token chunks against brute force: they say so,
@@ -222,7 +222,8 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
                                             const std::vector<std::vector<int64_t>>& chunks,
                                             uint32_t budget, uint32_t seed, int sink = 16,
                                             int window = 64,
-                                            v1::Ranking ranking = v1::RANKING_LSE_PEAK) {
+                                            v1::Ranking ranking = v1::RANKING_LSE_PEAK,
+                                            bool compact = true) {
   const int group = f.qh / f.kvh;
   std::vector<float> q;
   Query(f, seed, &q);
@@ -255,10 +256,10 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
     }
     // A chunk outside the sinks and the window has aged, so its statistics are compact
     // (ChunkStats): each vector as bytes, rounded to nearest, times its largest magnitude over
-    // 127.
+    // 127. (`compact` false: aging has not finished, and they are still floats.)
     std::vector<double> pk(f.d);
     for (int j = 0; j < f.d; ++j) pk[j] = key(peak, j);
-    {
+    if (compact) {
       for (std::vector<double>* v : {&mu, &pk}) {
         float top = 0;
         for (double x : *v) top = std::max(top, std::fabs(float(x)));
@@ -327,13 +328,14 @@ inline v1::AppendKVRequest ReqIds(const Fixture& f, int layer, int start, int n,
 // without data) return the chunks brute force picks.
 inline void ExpectLongContextSelections(Fixture& f, int tokens,
                                         const std::vector<std::vector<int64_t>>& chunks,
-                                        uint32_t seed) {
+                                        uint32_t seed, bool compact = true) {
   for (uint32_t budget : {256u, 1024u}) {
     v1::SelectResponse resp;
     auto req = SelectReq(f, 2, budget, seed);
     req.set_include_data(false);
     ASSERT_OK(f.session->Select(req, &resp));
-    EXPECT_EQ(ChunkIndices(resp.heads(0)), ExpectedSelection(f, 2, 0, tokens, chunks, budget, seed))
+    EXPECT_EQ(ChunkIndices(resp.heads(0)), ExpectedSelection(f, 2, 0, tokens, chunks, budget, seed,
+                                                             16, 64, v1::RANKING_LSE_PEAK, compact))
         << "budget " << budget;
   }
 }

@@ -239,12 +239,16 @@ class Daemon(Policy):
         self.effective_policy = s.policy
         self.tiers_before = self._cache_counts()
         ids = self.token_ids[:P] if self.send_ids else None
+        # wait_aged: every Select sees the chunks in their aged (int4, indexed) form, as it
+        # would once the aging pool caught up, whatever the pool's pace on this machine.
         for layer in range(L):
-            self.client.append_kv(self.sid, [(layer, 0, K[layer], V[layer], ids)])
+            self.client.append_kv(self.sid, [(layer, 0, K[layer], V[layer], ids)],
+                                  wait_aged=True)
 
     def on_append(self, layer, pos, k, v):
         ids = self.token_ids[pos:pos + 1] if self.send_ids else None
-        self.client.append_kv(self.sid, [(layer, pos, k[:, None, :], v[:, None, :], ids)])
+        self.client.append_kv(self.sid, [(layer, pos, k[:, None, :], v[:, None, :], ids)],
+                              wait_aged=True)
 
     def attend(self, layer, n, q, cache):
         t0 = time.perf_counter()

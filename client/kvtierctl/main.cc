@@ -213,6 +213,7 @@ int Run(const Args& a, Client& c) {
       kv.Add({absl::StrCat("bytes ", Label(tier)), Bytes(bytes)});
     }
     kv.Add({"metadata", Bytes(i.metadata_bytes())});
+    kv.Add({"aging backlog", absl::StrCat(i.aging_backlog_tokens(), " tokens")});
     for (const auto& [prec, n] : i.chunks_by_precision()) {
       kv.Add({absl::StrCat("chunks ", Label(prec)), absl::StrCat(n)});
     }

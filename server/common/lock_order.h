@@ -30,6 +30,8 @@
 //                                   go before the worker detaches (6)
 //  14  UnixListener::mu_            the Unix socket's connections and their peers (leaf)
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
+//  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one under
+//                                   its own lock (3)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

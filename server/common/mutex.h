@@ -58,6 +58,15 @@ inline void WaitOn(absl::CondVar* cv, absl::Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQU
   KVTIER_TSAN_ACQUIRE(mu);
 }
 
+// WaitOn with a deadline; true when it passed (the caller still tests its condition).
+inline bool WaitOnUntil(absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  KVTIER_TSAN_RELEASE(mu);
+  const bool timed_out = cv->WaitWithDeadline(mu, deadline);
+  KVTIER_TSAN_ACQUIRE(mu);
+  return timed_out;
+}
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_MUTEX_H_

@@ -135,6 +135,7 @@ v1::Config DefaultConfig() {
   c.mutable_auth()->set_same_uid_by_metadata(o.same_uid_by_metadata ? "on" : "off");
   c.set_tcp_plaintext(o.tcp_plaintext ? "on" : "off");
   c.set_segment_memory("auto");
+  c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -338,6 +339,15 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
                         o.tcp_listen.empty() ? o.listen : o.tcp_listen,
                         "is TCP, which needs tls { cert_file key_file } in the config, or "
                         "--tcp_plaintext on for a trusted network");
+  }
+  o.aging_threads = c.aging_threads();  // 0: the core count, when the daemon starts
+  if (o.aging_threads > 256) {
+    return InvalidField("aging_threads", absl::StrCat(c.aging_threads()), "is outside [1, 256]");
+  }
+  o.max_aging_backlog_tokens = c.max_aging_backlog_tokens();
+  if (o.max_aging_backlog_tokens < 1024 || o.max_aging_backlog_tokens > (1u << 31)) {
+    return InvalidField("max_aging_backlog_tokens", absl::StrCat(o.max_aging_backlog_tokens),
+                        "is outside [1024, 2^31]");
   }
   const std::string memory = c.segment_memory().empty() ? "auto" : c.segment_memory();
   if (memory != "auto" && memory != "named" && memory != "memfd") {

@@ -57,6 +57,10 @@ struct ServerOptions {
   uint32_t remote_timeout_ms = 5000;
   // Write-behind snapshots to the remote tier every this many ms; 0: off.
   uint32_t persist_interval_ms = 0;
+  // Threads that age sessions off the append path (0: the core count),
+  // and the un-aged tokens a session may hold (summed over layers) before appends wait.
+  uint32_t aging_threads = 0;
+  uint32_t max_aging_backlog_tokens = 262'144;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

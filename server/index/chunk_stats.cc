@@ -140,6 +140,12 @@ void ChunkStats::MarkFinal(uint32_t n) {
   }
   sums_.erase(sums_.begin(), sums_.begin() + static_cast<ptrdiff_t>(moved));
   peaks_.erase(peaks_.begin(), peaks_.begin() + static_cast<ptrdiff_t>(moved));
+  // Many chunks at once left the float arrays (an aging pool catching up on a long backlog,
+  // a large append): their room goes back rather than staying held for the recent window.
+  if (sums_.capacity() > 2 * sums_.size() + 16 * static_cast<size_t>(d_)) {
+    sums_.shrink_to_fit();
+    peaks_.shrink_to_fit();
+  }
   compact_ = n;
 }
 

@@ -57,8 +57,11 @@ absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& 
 }
 
 SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* host_copies,
-                          PromotionCache* device_copies, LeaseTable* leases, const Clock* clock) {
+                          PromotionCache* device_copies, LeaseTable* leases, const Clock* clock,
+                          AgingPool* aging) {
   SessionEnv env;
+  env.aging = aging;
+  env.max_aging_backlog_tokens = o.max_aging_backlog_tokens;
   env.host = host;
   env.host_copies = host_copies;
   env.device_copies = device_copies;
@@ -138,8 +141,12 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       remote_(ConnectRemote(options_)),
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
+      aging_(std::make_unique<AgingPool>(static_cast<int>(
+          std::max(1u, options_.aging_threads ? options_.aging_threads
+                                              : std::thread::hardware_concurrency())))),
       sessions_(options_,
-                MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock),
+                MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,
+                               aging_.get()),
                 remote_.ok() ? remote_->get() : nullptr),
       auth_(options_, getuid()),
       service_(ServiceEnv{.sessions = &sessions_,
@@ -327,6 +334,20 @@ void Daemon::RegisterGauges() {
           .GetCounter("kvtier_prefetch_failed_total",
                       "Prefetches that ended early (full tier, closed session)")
           .IncreaseTo(p.failed);
+    }
+    {
+      const AgingPool::Counters a = aging_->counters();
+      metrics_.GetCounter("kvtier_aging_tasks_total", "Aging passes the aging pool ran")
+          .IncreaseTo(a.tasks);
+      metrics_.GetGauge("kvtier_aging_queued", "Sessions waiting for the aging pool")
+          .Set(static_cast<double>(a.queued));
+      uint64_t backlog = 0;
+      for (const std::shared_ptr<Session>& s : sessions_.List())
+        backlog += s->aging_backlog_tokens();
+      metrics_
+          .GetGauge("kvtier_aging_backlog_tokens",
+                    "Tokens appended but not yet aged, summed over sessions and layers")
+          .Set(static_cast<double>(backlog));
     }
     if (sessions_.has_remote()) {
       const SessionManager::RemoteCounters r = sessions_.remote_counters();

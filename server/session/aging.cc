@@ -137,8 +137,8 @@ uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const S
   return tokens <= window ? 0 : head0.ChunksEndingBy(tokens - window);
 }
 
-void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
-                AgingState* state) {
+uint32_t PeakLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                   AgingState* state) {
   const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
   // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
   // computed here, once, rather than on every append to a growing chunk.
@@ -148,6 +148,12 @@ void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> head
     }
   }
   state->peaked = std::max(state->peaked, aged);
+  return aged;
+}
+
+void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                AgingState* state) {
+  const uint32_t aged = PeakLayer(ctx, tokens, heads, state);
   // The index keeps a chunk's statistics fixed, so it takes a chunk only once they are final:
   // regrouped (semantic chunking) and quantized (a chunk that should be cold but is not yet,
   // because the host tier was full, waits).

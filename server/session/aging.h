@@ -13,8 +13,11 @@
 // changed to int4 afterwards applies to the chunks that age out from then on).
 //
 // Aging reads only its AgingContext, the layer's token count, its streams and its AgingState,
-// so a caller can run it wherever it holds those (today: the append path, under the session's
-// lock). Chunk boundaries are the same in every KV head of a layer, so one state serves them.
+// so a caller can run it wherever it holds those: the aging pool (aging_pool.h) under the
+// session's lock, one layer at a time, or the append path itself (no pool; wait_aged). An
+// append that leaves the rest to the pool still computes the peaks of the chunks it aged out
+// (PeakLayer, cheap), so that Select ranks them exactly beside the index meanwhile. Chunk
+// boundaries are the same in every KV head of a layer, so one state serves them.
 #ifndef KVTIER_SERVER_SESSION_AGING_H_
 #define KVTIER_SERVER_SESSION_AGING_H_
 
@@ -51,6 +54,10 @@ struct AgingContext {
 
 // Every step, for a layer holding `tokens` tokens whose streams are `heads`.
 void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state);
+// Only the peaks of the chunks aged out (what Select needs to rank them); returns how many
+// chunks have aged out.
+uint32_t PeakLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                   AgingState* state);
 // Only peaks and the index: after a fork or a policy change, which store no new rows.
 void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                 AgingState* state);

@@ -121,6 +121,8 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   const uint64_t n = req.num_tokens();
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
+  const bool defer = env_.aging != nullptr && !req.wait_aged();
+  if (defer && env_.max_aging_backlog_tokens > 0) RETURN_IF_ERROR(WaitForBacklog());
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
   const uint64_t stored = layers_[layer].tokens;
@@ -181,10 +183,76 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
     heads(layer)[h].Write(plan, keys(h, overlap), values(h, overlap), stored, f,
                           [&] { return std::move(fresh[next++]); });
   }
-  layers_[layer].tokens = start + n;
+  Layer& l = layers_[layer];
+  l.tokens = start + n;
   ++version_;
-  AgeLayer(aging(), layers_[layer].tokens, heads(layer), &layers_[layer].aging);
+  std::weak_ptr<Session> self = weak_from_this();
+  if (!defer || self.expired()) {
+    AgeLayer(aging(), l.tokens, heads(layer), &l.aging);  // `settle` charges what it adds
+    l.aged_tokens = l.tokens;
+    return MinTokens();
+  }
+  // Select ranks the chunks this append aged out beside the index, by their peaks: those now;
+  // the rest (regroup, quantize, index) on the pool.
+  PeakLayer(aging(), l.tokens, heads(layer), &l.aging);
+  if (!aging_queued_) {
+    aging_queued_ = true;
+    env_.aging->Submit([self = std::move(self)] {
+      if (std::shared_ptr<Session> s = self.lock()) s->AgeBacklog();
+    });
+  }
   return MinTokens();
+}
+
+void Session::AgeBacklog() {
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    MutexLock lock(&mu_);               // let go between layers: appends and Selects interleave
+    if (l == 0) aging_queued_ = false;  // an append from now on queues another task
+    if (closed_) return;
+    if (layers_[l].aged_tokens == layers_[l].tokens) continue;
+    AgeLayerLocked(l);
+    aged_.SignalAll();
+  }
+}
+
+uint64_t Session::aging_backlog_tokens() const {
+  MutexLock lock(&mu_);
+  return BacklogLocked();
+}
+
+uint64_t Session::BacklogLocked() const {
+  uint64_t backlog = 0;
+  for (const Layer& l : layers_) backlog += l.tokens - l.aged_tokens;
+  return backlog;
+}
+
+void Session::AgeLayerLocked(uint32_t l) {
+  uint64_t before = 0, after = 0;
+  for (const Stream& s : heads(l)) before += s.HeapBytes();
+  AgeLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
+  layers_[l].aged_tokens = layers_[l].tokens;
+  for (const Stream& s : heads(l)) after += s.HeapBytes();
+  charge_.Set(charge_.bytes() + after - before);
+}
+
+void Session::AgeAllLocked() {
+  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
+    if (layers_[l].aged_tokens != layers_[l].tokens) AgeLayerLocked(l);
+  }
+}
+
+absl::Status Session::WaitForBacklog() {
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(env_.aging_wait_ms);
+  while (BacklogLocked() >= env_.max_aging_backlog_tokens) {
+    if (WaitOnUntil(&aged_, &mu_, deadline) && BacklogLocked() >= env_.max_aging_backlog_tokens) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "aging backlog: session \"%s\" holds %d tokens not yet aged (max_aging_backlog_tokens "
+          "%d) and the aging pool did not catch up within %d ms; retry, or add aging_threads",
+          id_, BacklogLocked(), env_.max_aging_backlog_tokens, env_.aging_wait_ms));
+    }
+    RETURN_IF_ERROR(CheckOpen());
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const float> q,
@@ -402,6 +470,7 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
 absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint64_t num_tokens) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
+  AgeAllLocked();  // the child starts from chunks in their final form
   const uint64_t have = MinTokens();
   if (num_tokens == 0) num_tokens = have;
   if (num_tokens > have) {
@@ -462,6 +531,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
     Layer& to = child->layers_[l];
     const AgingState& was = layers_[l].aging;
     to.tokens = num_tokens;
+    to.aged_tokens = num_tokens;
     to.aging = {.regrouped = std::min(was.regrouped, keep[l]),
                 .quantized = std::min(was.quantized, keep[l]),
                 .peaked = std::min(was.peaked, keep[l])};
@@ -528,6 +598,7 @@ void Session::Close() {
   {
     MutexLock lock(&mu_);
     closed_ = true;
+    aged_.SignalAll();  // an append waiting on the backlog finds the session closed
     dropped.swap(streams_);
     charge_.Set(0);
   }
@@ -579,6 +650,7 @@ absl::StatusOr<uint64_t> Session::Demote(
     bytes = record.ByteSizeLong();
     RETURN_IF_ERROR(store(record));
     demoted_ = closed_ = true;
+    aged_.SignalAll();
     dropped.swap(streams_);
     charge_.Set(0);
   }
@@ -663,6 +735,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
     // Regrouping and quantization resume where the record left them; the index is rebuilt
     // over the chunks that had left the window.
     AgeLayer(s->aging(), layer.tokens, s->heads(l), &layer.aging);
+    layer.aged_tokens = layer.tokens;
   }
   s->charge_.Set(s->MeasureMetadata());
   return s;

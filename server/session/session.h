@@ -36,6 +36,7 @@
 #include "kvtier/v1/record.pb.h"
 #include "server/common/clock.h"
 #include "server/session/aging.h"
+#include "server/session/aging_pool.h"
 #include "server/session/layer_budget.h"
 #include "server/session/lease_table.h"
 #include "server/session/promotion.h"
@@ -58,9 +59,17 @@ struct SessionEnv {
   uint32_t lease_ttl_ms = 30'000;
   uint32_t max_lease_ms = 600'000;
   uint32_t max_leases_per_tenant = 4096;
+  // Runs aging off the append path; null: each append ages its layer before it returns.
+  AgingPool* aging = nullptr;
+  // With a pool: the un-aged tokens, summed over layers, past which an append waits for the
+  // pool (aging_wait_ms at most, then RESOURCE_EXHAUSTED naming the backlog); 0: no bound.
+  uint64_t max_aging_backlog_tokens = 0;
+  uint32_t aging_wait_ms = 30'000;
 };
 
-class Session {
+// Held by a std::shared_ptr wherever aging runs in a pool (SessionManager's), whose tasks hold
+// it weakly; a session owned otherwise ages on its append path.
+class Session : public std::enable_shared_from_this<Session> {
  public:
   // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy). The session's
   // metadata is charged to the host tier: `charge`, grown by the caller by at least
@@ -91,7 +100,17 @@ class Session {
   // counts INVALID_ARGUMENT; a full host tier RESOURCE_EXHAUSTED (ErrorReason kHostTierFull,
   // or kQuota), with nothing stored; a closed session NOT_FOUND; a demoted one UNAVAILABLE
   // (kSessionMoved). Returns the tokens now stored in every layer.
+  // With an aging pool (SessionEnv::aging) it returns once the rows are stored in fp16 and the
+  // peaks of the chunks they aged out are computed (Select ranks those exactly beside the
+  // index), and the pool regroups, quantizes and indexes them; `wait_aged`, or no pool: the
+  // layer is aged before it returns. Past max_aging_backlog_tokens an append first waits for
+  // the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
   absl::StatusOr<uint64_t> Append(const v1::AppendKVRequest& req);
+
+  // The pool's task: ages every layer holding un-aged tokens, one layer per hold of the lock.
+  void AgeBacklog();
+  // Tokens appended but not yet aged, summed over layers (0 without a pool).
+  uint64_t aging_backlog_tokens() const;
 
   // Chooses, per KV head, the sinks, the recent window and the best chunks within the
   // budget; pins them under a lease; fills `out`. INVALID_ARGUMENT for the query size, a
@@ -169,7 +188,8 @@ class Session {
  private:
   // One layer: its tokens, its aging, and Select's work on it.
   struct Layer {
-    uint64_t tokens = 0;  // stored in every KV head
+    uint64_t tokens = 0;       // stored in every KV head
+    uint64_t aged_tokens = 0;  // tokens when the layer was last aged (AgeLayer)
     AgingState aging;
     // Select's candidate chunks and how many of them were scored, cumulative.
     uint64_t select_candidates = 0;
@@ -201,6 +221,14 @@ class Session {
                            format()};
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ages layer `l` now (regroup, quantize, index) and settles the metadata charge.
+  void AgeLayerLocked(uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ages every layer with un-aged tokens now (before a fork copies them).
+  void AgeAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits, with the lock let go, while the backlog is at its bound. RESOURCE_EXHAUSTED after
+  // aging_wait_ms; the session's own errors if it closed meanwhile.
+  absl::Status WaitForBacklog() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckChunkId(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
@@ -232,6 +260,8 @@ class Session {
   // The metadata's charge on the host tier: grown by an estimate before each change, set to
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
+  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;  // a pool task is queued for it
+  absl::CondVar aged_;  // a layer was aged, or the session closed (appends waiting on backlog)
 };
 
 }  // namespace kvtier

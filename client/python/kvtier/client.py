@@ -283,10 +283,13 @@ class Client:
         return self._shapes[session_id]
 
     def append_kv(self, session_id: str,
-                  items: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> int:
+                  items: Iterable[tuple[int, int, np.ndarray, np.ndarray]],
+                  wait_aged: bool = False) -> int:
         """Streams (layer, start_token, keys, values[, token_ids]), keys/values
         [kv_heads][n][head_dim] in the session's dtype, token_ids [n] (they feed boundary
-        chunking); returns the tokens now stored in every layer."""
+        chunking); returns the tokens now stored in every layer. The daemon acknowledges once
+        the rows are stored and selectable, and ages (quantizes, indexes) them in the
+        background; `wait_aged`: once each layer's aged-out chunks are aged too."""
         def requests() -> Iterator[pb.AppendKVRequest]:
             for item in items:
                 layer, start, k, v = item[:4]
@@ -300,15 +303,15 @@ class Client:
                                          num_tokens=k.shape[1], keys=k.tobytes(),
                                          values=v.tobytes(),
                                          token_ids=[] if ids is None else
-                                         [int(i) for i in ids])
+                                         [int(i) for i in ids], wait_aged=wait_aged)
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 
     def append_layers(self, session_id: str, start: int, keys: np.ndarray,
-                      values: np.ndarray) -> int:
+                      values: np.ndarray, wait_aged: bool = False) -> int:
         """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`."""
         return self.append_kv(session_id, ((layer, start, keys[layer], values[layer])
-                                           for layer in range(keys.shape[0])))
+                                           for layer in range(keys.shape[0])), wait_aged)
 
     def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
                placement: str | None = None, include_data: bool = False, lease_ms: int = 0,

@@ -161,7 +161,7 @@ def test_cold_copies_are_cached_and_prefetched(client):
     # leave), so that the first Select leaves cold chunks for the prefetch to promote.
     k, v = make_kv(rng, 3000)
     sid = client.create_session(L, QH, KVH, D).session_id  # int4 cold chunks
-    client.append_layers(sid, 0, k, v)
+    client.append_layers(sid, 0, k, v, wait_aged=True)  # cold before the first Select
 
     def host():
         return next(t for t in client.tier_stats() if t.tier == pb.TIER_HOST)
@@ -614,6 +614,8 @@ def test_metrics_endpoint(start_daemon):
     assert 'kvtier_appended_tokens_total{tenant="default"} 160' in body
     assert 'kvtier_tier_used_bytes{tier="host"} 147456' in body  # 4 x 3 x 3 slots of 4 KiB
     assert "# TYPE kvtier_rpc_latency_seconds histogram" in body
+    assert "# TYPE kvtier_aging_backlog_tokens gauge" in body  # the aging pool's
+    assert "# TYPE kvtier_aging_tasks_total counter" in body
     # The client closed: its Attach stream ended, and its lease with it.
     deadline = time.monotonic() + 5
     while "kvtier_leases 0" not in body and time.monotonic() < deadline:
