@@ -299,7 +299,23 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
   ClusterIndex::Options by_mean;  // as the daemon clusters a session with the mean ranking
   by_mean.cluster_by_peak = false;
   ClusterIndex mean_index(kD, by_mean);
-  const std::vector<ChunkCandidate> cands = Candidates(contiguous, &index);
+  // The default index's insertions, each timed over the last tenth of the chunks: what one
+  // more chunk costs an index grown to this many tokens (index_add_us).
+  std::vector<ChunkCandidate> cands;
+  double add_seconds = 0;
+  int adds_timed = 0;
+  for (size_t c = 0; c < contiguous.chunks(); ++c) {
+    if (contiguous.mandatory[c]) continue;
+    if (c < contiguous.chunks() * 9 / 10) {
+      index.Add(uint32_t(c), contiguous.stats);
+    } else {
+      const double t0 = bench::NowSeconds();
+      index.Add(uint32_t(c), contiguous.stats);
+      add_seconds += bench::NowSeconds() - t0;
+      ++adds_timed;
+    }
+    cands.push_back(contiguous.stats.candidate(uint32_t(c)));
+  }
   Candidates(contiguous, &mean_index);
   Candidates(boundary, &boundary_index);
   Candidates(semantic, &semantic_index);
@@ -454,6 +470,18 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
         bench::Quantile(r.ratio, 0.1), Mean(r.chunk_ratio), r.total ? r.scored / r.total : 0.0,
         name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(), index.num_units());
     (*growth)[name].push_back({double(tokens), us});
+  }
+  if (adds_timed > 0) {
+    const double add_us = add_seconds / adds_timed * 1e6,
+                 search_us = bench::Median(res["kvtier"].us);
+    std::printf(
+        "{\"name\": \"index_add_us\", \"value\": %.3f, \"unit\": \"us\", \"baseline\": %.3f, "
+        "\"baseline_name\": \"the same index's search\", \"ratio\": %.4f, \"policy\": "
+        "\"kvtier\", \"tokens\": %d, \"parameters\": {\"tokens\": %d, \"chunks_timed\": %d, "
+        "\"timed\": \"each Add of the last tenth of the chunks\", \"clusters\": %zu, "
+        "\"units\": %zu}}\n",
+        add_us, search_us, add_us / search_us, tokens, tokens, adds_timed, index.num_clusters(),
+        index.num_units());
   }
   // How loose the unit level is: the units a search opened against those holding a cluster
   // whose bound reaches the k-th score (all it would open were each unit's bound the largest

@@ -56,6 +56,9 @@ TARGETS = [
      "the units holding a cluster whose bound reaches the k-th score (all it would open were "
      "each unit's bound the largest of its clusters'); the parameters give the work done and "
      "the work it would then do (EVAL's target: <= 10% at 32K)"),
+    ("index_add_us", None, None, "one chunk's insertion into the cluster index grown to this "
+     "many tokens (each Add of the last tenth of the chunks timed), against one search of the "
+     "same index (issue target: a few us at 128K)"),
     ("select_growth_exponent", None, None, "exponent of a log-log fit of Select time "
      "against context tokens, 4K to 128K (below 1: sub-linear)"),
     ("remote_demote_throughput", None, None, "a whole int4 session (SmolLM2 shape, 4096 "
