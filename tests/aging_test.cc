@@ -3,6 +3,8 @@
 #include "server/session/aging.h"
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 
 #include "server/quant/chunk_quant.h"
 #include "tests/session_fixture.h"
@@ -516,6 +518,44 @@ TEST(AgeLayer, AChunkAlreadyIndexedIsNeverQuantizedLater) {
     EXPECT_EQ(Precisions(s), want);
     EXPECT_EQ(s.index()->num_chunks(), 13u);
     EXPECT_EQ(s.index()->CheckInvariants(s.stats()), "");
+  }
+}
+
+// The pool regroups a span without the session's lock (NextSpan, RegroupSpan, CommitSpan): a
+// span that was regrouped meanwhile (a fork or a wait_aged append ages it inline) is not
+// committed a second time, and its fresh slots go back; an unchanged one commits as AgeLayer
+// would have regrouped it.
+TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
+  for (bool meanwhile : {false, true}) {
+    LayerEnv e(4 << 20), twin(4 << 20);
+    e.policy.set_chunking(v1::CHUNKING_SEMANTIC);
+    twin.policy.set_chunking(v1::CHUNKING_SEMANTIC);
+    e.Append(0, 16 + 128 + 64);  // one whole span past the sink, then the window
+    twin.Append(0, 16 + 128 + 64);
+    std::optional<SpanJob> job = NextSpan(e.ctx(), e.tokens, e.heads, &e.state);
+    ASSERT_TRUE(job.has_value());
+    EXPECT_EQ(job->first, 1u);
+    ASSERT_TRUE(RegroupSpan(SpanContext::Of(e.ctx()), &*job));
+    if (meanwhile) e.Age();  // the span is regrouped (and quantized, indexed) meanwhile
+    const uint64_t used = e.host.Stats().used_bytes;
+    EXPECT_EQ(CommitSpan(e.f, e.heads, &e.state, std::move(*job)), !meanwhile);
+    job.reset();
+    if (meanwhile) {
+      EXPECT_LT(e.host.Stats().used_bytes, used) << "the job's slots went back";
+    }
+    e.Age();
+    twin.Age();
+    EXPECT_EQ(e.state.regrouped, twin.state.regrouped);
+    for (int h = 0; h < 2; ++h) {
+      ASSERT_EQ(e.heads[h].chunks().size(), twin.heads[h].chunks().size());
+      for (size_t c = 0; c < e.heads[h].chunks().size(); ++c) {
+        const Chunk& a = e.heads[h].chunks()[c];
+        const Chunk& b = twin.heads[h].chunks()[c];
+        EXPECT_EQ(a.offsets, b.offsets) << h << ":" << c;
+        EXPECT_EQ(a.precision, b.precision);
+        EXPECT_EQ(std::memcmp(a.host->data(), b.host->data(), a.host->bytes()), 0);
+      }
+    }
   }
 }
 

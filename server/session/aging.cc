@@ -9,6 +9,104 @@
 #include "server/quant/chunk_quant.h"
 
 namespace kvtier {
+
+SpanContext SpanContext::Of(const AgingContext& ctx) {
+  return SpanContext{ctx.format, ctx.policy.chunk_tokens(), ctx.host, ctx.tenant};
+}
+
+std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                                AgingState* state) {
+  if (ctx.policy.chunking() != v1::CHUNKING_SEMANTIC) return std::nullopt;
+  const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
+  const std::vector<Chunk>& head0 = heads[0].chunks();
+  uint32_t r = state->regrouped;
+  while (r < aged && head0[r].first < ctx.policy.sink_tokens()) ++r;  // sinks stay as they are
+  state->regrouped = r;
+  if (r + kSemanticSpanChunks > aged) return std::nullopt;
+  SpanJob job;
+  job.first = r;
+  for (const Stream& s : heads) {
+    for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) job.sources.push_back(s.chunks()[r + i]);
+  }
+  return job;
+}
+
+bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
+  const ChunkFormat& f = ctx.format;
+  const uint32_t d = f.head_dim;
+  const uint32_t ct = ctx.chunk_tokens;
+  const size_t heads = job->sources.size() / kSemanticSpanChunks;
+  std::vector<SlotRef> slots;
+  for (size_t i = 0; i < job->sources.size(); ++i) {
+    auto slot = ctx.host->Allocate(ctx.tenant, f.slot_bytes());
+    if (!slot.ok()) return false;
+    slots.push_back(*std::move(slot));
+  }
+  const uint32_t span_rows = kSemanticSpanChunks * ct;
+  std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
+  std::vector<float> key_floats(keys.size());
+  const uint64_t base = job->sources[0].first;
+  for (size_t h = 0; h < heads; ++h) {
+    // The span's rows in position order (its chunks are contiguous and full).
+    for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
+      const Chunk& c = job->sources[h * kSemanticSpanChunks + i];
+      CHECK(c.offsets.empty() && c.num_tokens == ct && c.first == base + i * ct);
+      const uint16_t* rows = f.Fp16Rows(c, scratch);
+      std::copy_n(rows, size_t{ct} * d, keys.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+      std::copy_n(rows + size_t{ct} * d, size_t{ct} * d,
+                  values.begin() + static_cast<ptrdiff_t>(i) * ct * d);
+    }
+    std::fill(key_floats.begin(), key_floats.end(), 0.f);
+    for (uint32_t row = 0; row < span_rows; ++row) {
+      AddRows(f.kind(), keys.data() + size_t{row} * d, 1, static_cast<int>(d),
+              key_floats.data() + size_t{row} * d);
+    }
+    const auto groups = BalancedGroups(key_floats.data(), span_rows, static_cast<int>(d), ct);
+    for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
+      Chunk c;
+      c.host = std::move(slots[h * kSemanticSpanChunks + g]);
+      c.num_tokens = ct;
+      c.first = base;
+      c.sealed = true;
+      uint8_t* dst = c.host->data();
+      for (uint32_t j = 0; j < ct; ++j) {
+        const uint32_t row = groups[g][j];
+        c.offsets.push_back(static_cast<uint16_t>(row));
+        std::memcpy(dst + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d, f.row_bytes());
+        std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
+                    f.row_bytes());
+      }
+      job->regrouped.push_back(std::move(c));
+    }
+  }
+  return true;
+}
+
+bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, SpanJob&& job) {
+  if (state->regrouped != job.first || job.sources.size() != heads.size() * kSemanticSpanChunks ||
+      job.regrouped.size() != job.sources.size()) {
+    return false;
+  }
+  for (size_t h = 0; h < heads.size(); ++h) {
+    for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
+      const std::vector<Chunk>& chunks = heads[h].chunks();
+      if (job.first + i >= chunks.size() ||
+          chunks[job.first + i].host != job.sources[h * kSemanticSpanChunks + i].host) {
+        return false;  // someone else regrouped (or changed) it meanwhile
+      }
+    }
+  }
+  for (size_t h = 0; h < heads.size(); ++h) {
+    for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
+      Chunk& c = job.regrouped[h * kSemanticSpanChunks + g];
+      const auto* rows = reinterpret_cast<const uint16_t*>(c.host->data());
+      heads[h].Replace(job.first + g, std::move(c), rows, f);
+    }
+  }
+  state->regrouped = job.first + kSemanticSpanChunks;
+  return true;
+}
+
 namespace {
 
 // The chunks [0, n) whose rows are final: aged out, and regrouped when semantic.
@@ -19,62 +117,9 @@ uint32_t FinalRows(const AgingContext& ctx, uint32_t aged, const AgingState& sta
 // Semantic chunking: regroups every whole span of aged-out chunks not yet regrouped. A span
 // whose slots cannot be had waits for the next call.
 void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state) {
-  if (ctx.policy.chunking() != v1::CHUNKING_SEMANTIC) return;
-  const ChunkFormat& f = ctx.format;
-  const uint32_t d = f.head_dim;
-  const uint32_t ct = ctx.policy.chunk_tokens();
-  const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
-  const std::vector<Chunk>& head0 = heads[0].chunks();
-  uint32_t r = state->regrouped;
-  while (r < aged && head0[r].first < ctx.policy.sink_tokens()) ++r;  // sinks stay as they are
-  state->regrouped = r;
-  const uint32_t span_rows = kSemanticSpanChunks * ct;
-  std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
-  std::vector<float> key_floats(keys.size());
-  for (; r + kSemanticSpanChunks <= aged; r += kSemanticSpanChunks) {
-    std::vector<SlotRef> slots;
-    for (size_t i = 0; i < heads.size() * kSemanticSpanChunks; ++i) {
-      auto slot = ctx.host->Allocate(ctx.tenant, f.slot_bytes());
-      if (!slot.ok()) return;  // retried on the next call; the span stays contiguous
-      slots.push_back(*std::move(slot));
-    }
-    const uint64_t base = head0[r].first;
-    for (size_t h = 0; h < heads.size(); ++h) {
-      Stream& s = heads[h];
-      // The span's rows in position order (its chunks are contiguous and full).
-      for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
-        const Chunk& c = s.chunks()[r + i];
-        CHECK(c.offsets.empty() && c.num_tokens == ct && c.first == base + i * ct);
-        const uint16_t* rows = f.Fp16Rows(c, scratch);
-        std::copy_n(rows, size_t{ct} * d, keys.begin() + static_cast<ptrdiff_t>(i) * ct * d);
-        std::copy_n(rows + size_t{ct} * d, size_t{ct} * d,
-                    values.begin() + static_cast<ptrdiff_t>(i) * ct * d);
-      }
-      std::fill(key_floats.begin(), key_floats.end(), 0.f);
-      for (uint32_t row = 0; row < span_rows; ++row) {
-        AddRows(f.kind(), keys.data() + size_t{row} * d, 1, static_cast<int>(d),
-                key_floats.data() + size_t{row} * d);
-      }
-      const auto groups = BalancedGroups(key_floats.data(), span_rows, static_cast<int>(d), ct);
-      for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
-        Chunk c;
-        c.host = std::move(slots[h * kSemanticSpanChunks + g]);
-        c.num_tokens = ct;
-        c.first = base;
-        c.sealed = true;
-        uint8_t* dst = c.host->data();
-        for (uint32_t j = 0; j < ct; ++j) {
-          const uint32_t row = groups[g][j];
-          c.offsets.push_back(static_cast<uint16_t>(row));
-          std::memcpy(dst + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d,
-                      f.row_bytes());
-          std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
-                      f.row_bytes());
-        }
-        s.Replace(r + g, std::move(c), reinterpret_cast<const uint16_t*>(dst), f);
-      }
-    }
-    state->regrouped = r + kSemanticSpanChunks;
+  while (std::optional<SpanJob> job = NextSpan(ctx, tokens, heads, state)) {
+    if (!RegroupSpan(SpanContext::Of(ctx), &*job)) return;  // the span stays contiguous
+    CommitSpan(ctx.format, heads, state, std::move(*job));
   }
 }
 

@@ -22,8 +22,10 @@
 #define KVTIER_SERVER_SESSION_AGING_H_
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/session/stream.h"
@@ -61,6 +63,31 @@ uint32_t PeakLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> h
 // Only peaks and the index: after a fork or a policy change, which store no new rows.
 void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                 AgingState* state);
+
+// Regrouping one span in three steps, so that an aging pool does the work (RegroupSpan)
+// without the session's lock: NextSpan and CommitSpan run under it. AgeLayer runs the three
+// in a row.
+struct SpanContext {  // what RegroupSpan reads, copied: the session may change meanwhile
+  ChunkFormat format;
+  uint32_t chunk_tokens = 0;
+  Tier* host = nullptr;
+  std::string tenant;
+  static SpanContext Of(const AgingContext& ctx);
+};
+struct SpanJob {
+  uint32_t first = 0;  // the span's first chunk
+  // The span's chunks as they were, [kv_head * kSemanticSpanChunks + i] (their slots held),
+  // and what RegroupSpan made of them, in the same order.
+  std::vector<Chunk> sources, regrouped;
+};
+// The next whole span of aged-out chunks not yet regrouped (semantic chunking), or nullopt.
+std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                                AgingState* state);
+// Regroups the span into fresh slots; false when they cannot be had (the span waits).
+bool RegroupSpan(const SpanContext& ctx, SpanJob* job);
+// Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan (then
+// false, and the job's slots go back).
+bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, SpanJob&& job);
 
 // The chunks [0, n) of a layer holding `tokens` that lie wholly before its recent window.
 uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const Stream& head0);

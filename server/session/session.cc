@@ -205,13 +205,60 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
 }
 
 void Session::AgeBacklog() {
+  {
+    MutexLock lock(&mu_);
+    aging_queued_ = false;  // an append from now on queues another task
+  }
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
-    MutexLock lock(&mu_);               // let go between layers: appends and Selects interleave
-    if (l == 0) aging_queued_ = false;  // an append from now on queues another task
-    if (closed_) return;
-    if (layers_[l].aged_tokens == layers_[l].tokens) continue;
-    AgeLayerLocked(l);
-    aged_.SignalAll();
+    // Semantic spans are regrouped without the lock, so that appends and Selects go on beside
+    // the heavy part; the rest of aging (quantize, index) runs under it, a layer at a time.
+    {
+      MutexLock lock(&mu_);
+      if (layers_[l].aging_busy) continue;  // that thread ages what arrives meanwhile too
+      layers_[l].aging_busy = true;
+    }
+    AgeLayerInPool(l);
+  }
+}
+
+void Session::AgeLayerInPool(uint32_t l) {
+  for (;;) {
+    std::optional<SpanJob> job;
+    std::optional<SpanContext> context;
+    {
+      MutexLock lock(&mu_);
+      if (closed_ || layers_[l].aged_tokens == layers_[l].tokens) {
+        layers_[l].aging_busy = false;
+        return;
+      }
+      job = NextSpan(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
+      if (!job) {
+        AgeLayerLocked(l);
+        aged_.SignalAll();
+        continue;  // appends may have come while it aged
+      }
+      context = SpanContext::Of(aging());
+    }
+    const bool made = RegroupSpan(*context, &*job);
+    MutexLock lock(&mu_);
+    if (closed_) continue;
+    if (!made) {  // no slots: what is left waits for the next append, as on the append path
+      AgeLayerLocked(l);
+      aged_.SignalAll();
+      layers_[l].aging_busy = false;
+      return;
+    }
+    uint64_t before = 0, after = 0;
+    for (const Stream& s : heads(l)) before += s.HeapBytes();
+    const uint32_t first = job->first;
+    // False when the span changed meanwhile (a fork aged it): then its slots go back.
+    const bool committed = CommitSpan(format(), heads(l), &layers_[l].aging, std::move(*job));
+    for (const Stream& s : heads(l)) after += s.HeapBytes();
+    charge_.Set(charge_.bytes() + after - before);
+    if (!committed && layers_[l].aging.regrouped == first) {  // never loop on one span
+      AgeLayerLocked(l);
+      aged_.SignalAll();
+    }
   }
 }
 

@@ -190,6 +190,7 @@ class Session : public std::enable_shared_from_this<Session> {
   struct Layer {
     uint64_t tokens = 0;       // stored in every KV head
     uint64_t aged_tokens = 0;  // tokens when the layer was last aged (AgeLayer)
+    bool aging_busy = false;   // a pool thread is ageing it (another leaves it to that one)
     AgingState aging;
     // Select's candidate chunks and how many of them were scored, cumulative.
     uint64_t select_candidates = 0;
@@ -222,6 +223,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pool's work on layer `l` (marked aging_busy by the caller): semantic spans regrouped
+  // without the lock, then the rest under it, until it holds no un-aged tokens.
+  void AgeLayerInPool(uint32_t l);
   // Ages layer `l` now (regroup, quantize, index) and settles the metadata charge.
   void AgeLayerLocked(uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ages every layer with un-aged tokens now (before a fork copies them).

@@ -63,7 +63,7 @@ def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
     rng = np.random.default_rng(2)
     k, v = make_kv(rng, 2000)
     sid = client.create_session(L, QH, KVH, D, lossless=True).session_id
-    client.append_layers(sid, 0, k, v)
+    client.append_layers(sid, 0, k, v, wait_aged=True)  # Selects below compare
     q = rng.standard_normal((QH, D))
     mapped = client.select(sid, 3, q, budget_tokens=256)
     inline = client.select(sid, 3, q, budget_tokens=256, include_data=True)
@@ -89,7 +89,7 @@ def test_refined_selections_gather_only_the_chosen_rows(client):
     k, v = make_kv(rng, 2000)
     sid = client.create_session(L, QH, KVH, D, lossless=True, refine_factor=4).session_id
     assert client.describe_session(sid).info.policy.refine_factor == 4
-    client.append_layers(sid, 0, k, v)
+    client.append_layers(sid, 0, k, v, wait_aged=True)  # Selects below compare
     q = rng.standard_normal((QH, D))
     mapped = client.select(sid, 3, q, budget_tokens=256)
     inline = client.select(sid, 3, q, budget_tokens=256, include_data=True)
@@ -145,7 +145,7 @@ def test_token_ids_drive_boundary_chunks_and_semantic_chunks_keep_positions(clie
 
     sid = client.create_session(L, QH, KVH, D, lossless=True,
                                 chunking=pb.CHUNKING_SEMANTIC).session_id
-    client.append_layers(sid, 0, k, v)
+    client.append_layers(sid, 0, k, v, wait_aged=True)  # Selects below compare
     sel = client.select(sid, L - 1, rng.standard_normal((QH, D)), budget_tokens=5000)
     for head in sel.heads:
         pos, hk, hv = client.gather(head, sid)
