@@ -13,8 +13,9 @@
 // changed to int4 afterwards applies to the chunks that age out from then on).
 //
 // Aging reads only its AgingContext, the layer's token count, its streams and its AgingState,
-// so a caller can run it wherever it holds those: the aging pool (aging_pool.h) under the
-// session's lock, one layer at a time, or the append path itself (no pool; wait_aged). An
+// so a caller can run it wherever it holds those: the aging pool (aging_pool.h), one layer at a
+// time, under the session's lock but for the regrouping of each span (NextSpan, RegroupSpan,
+// CommitSpan below), or the append path itself (no pool; wait_aged). An
 // append that leaves the rest to the pool still computes the peaks of the chunks it aged out
 // (PeakLayer, cheap), so that Select ranks them exactly beside the index meanwhile. Chunk
 // boundaries are the same in every KV head of a layer, so one state serves them.

@@ -38,8 +38,7 @@ void AgingPool::WaitIdle() {
 
 AgingPool::Counters AgingPool::counters() const {
   MutexLock lock(&mu_);
-  return Counters{
-      .tasks = tasks_, .queued = queue_.size(), .threads = static_cast<uint32_t>(threads_.size())};
+  return Counters{.tasks = tasks_, .queued = queue_.size()};
 }
 
 void AgingPool::Run() {

@@ -35,7 +35,6 @@ class AgingPool {
   struct Counters {
     uint64_t tasks = 0;   // tasks run
     uint64_t queued = 0;  // tasks waiting now
-    uint32_t threads = 0;
   };
   Counters counters() const;
 

@@ -161,14 +161,11 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   }
   // The metadata's growth, then every slot, first: a full tier or quota leaves the session
   // exactly as it was. The charge is set to what the append came to at the end.
-  uint64_t layer_bytes = 0;
-  for (const Stream& s : heads(layer)) layer_bytes += s.HeapBytes();
+  const uint64_t layer_bytes = LayerHeapBytes(layer);
   const uint64_t charged = charge_.bytes();
   RETURN_IF_ERROR(charge_.Grow(kvh * plan.new_chunks() * ChunkBytesEstimate(f)));
   absl::Cleanup settle = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under this call's lock
-    uint64_t now = 0;
-    for (const Stream& s : heads(layer)) now += s.HeapBytes();
-    charge_.Set(charged + now - layer_bytes);
+    charge_.Set(charged + LayerHeapBytes(layer) - layer_bytes);
   };
   uint64_t slots_needed = kvh * plan.new_chunks();
   for (const Stream& s : heads(layer)) slots_needed += s.CopiesOnGrow(plan);
@@ -248,13 +245,11 @@ void Session::AgeLayerInPool(uint32_t l) {
       layers_[l].aging_busy = false;
       return;
     }
-    uint64_t before = 0, after = 0;
-    for (const Stream& s : heads(l)) before += s.HeapBytes();
+    const uint64_t before = LayerHeapBytes(l);
     const uint32_t first = job->first;
     // False when the span changed meanwhile (a fork aged it): then its slots go back.
     const bool committed = CommitSpan(format(), heads(l), &layers_[l].aging, std::move(*job));
-    for (const Stream& s : heads(l)) after += s.HeapBytes();
-    charge_.Set(charge_.bytes() + after - before);
+    charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
     if (!committed && layers_[l].aging.regrouped == first) {  // never loop on one span
       AgeLayerLocked(l);
       aged_.SignalAll();
@@ -273,13 +268,17 @@ uint64_t Session::BacklogLocked() const {
   return backlog;
 }
 
+uint64_t Session::LayerHeapBytes(uint32_t l) const {
+  uint64_t bytes = 0;
+  for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) bytes += stream(l, h).HeapBytes();
+  return bytes;
+}
+
 void Session::AgeLayerLocked(uint32_t l) {
-  uint64_t before = 0, after = 0;
-  for (const Stream& s : heads(l)) before += s.HeapBytes();
+  const uint64_t before = LayerHeapBytes(l);
   AgeLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
   layers_[l].aged_tokens = layers_[l].tokens;
-  for (const Stream& s : heads(l)) after += s.HeapBytes();
-  charge_.Set(charge_.bytes() + after - before);
+  charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
 }
 
 void Session::AgeAllLocked() {

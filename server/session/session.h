@@ -223,6 +223,8 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stream::HeapBytes over layer `l`'s KV heads: what its metadata charge follows.
+  uint64_t LayerHeapBytes(uint32_t l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's work on layer `l` (marked aging_busy by the caller): semantic spans regrouped
   // without the lock, then the rest under it, until it holds no un-aged tokens.
   void AgeLayerInPool(uint32_t l);
