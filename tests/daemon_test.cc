@@ -811,6 +811,116 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
   EXPECT_NE(capped.error_message().find("tickets outstanding"), std::string::npos);
 }
 
+// The inline append `r` as a staged one: its keys and values written into `area` at 0 and at
+// the keys' size, and named there.
+v1::AppendKVRequest Staged(v1::AppendKVRequest r, const StagingBuffer& area) {
+  std::memcpy(area.data(), r.keys().data(), r.keys().size());
+  std::memcpy(area.data() + r.keys().size(), r.values().data(), r.values().size());
+  r.mutable_staged()->set_staging_id(area.id());
+  r.mutable_staged()->set_keys_offset(0);
+  r.mutable_staged()->set_values_offset(r.keys().size());
+  r.clear_keys();
+  r.clear_values();
+  return r;
+}
+
+// Zero-copy ingest: appends whose bytes a worker wrote into its session's staging area store
+// what the same bytes sent inline store, and fail with the inline path's errors; the area is
+// an unnamed memfd of the daemon's, handed read-write to its tenant only, one per session,
+// and its bytes are bounded by --max_staging_size and given back with the session.
+TEST(Daemon, StagedAppendsStoreWhatInlineOnesStore) {
+  DaemonProcess d({"--max_staging_size", "1M"});
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  auto bob = Connect(d, "bob");
+  ASSERT_OK_AND_ASSIGN(auto staged, alice->CreateSession(Shape()));
+  ASSERT_OK_AND_ASSIGN(auto inline_, alice->CreateSession(Shape()));
+  const std::string sid = staged.session_id();
+  const Data data = MakeData(600);
+  ASSERT_OK_AND_ASSIGN(auto area, alice->OpenStaging(sid, 600 * 1024));
+  EXPECT_EQ(area->size(), 600u * 1024);  // whole pages
+  // In parts, as an engine's prefill does: every layer of [0, 300) then of [300, 600).
+  for (int start : {0, 300}) {
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_OK(alice->AppendKV({Staged(Append(sid, data, l, start, 300), *area)}).status());
+    }
+  }
+  ASSERT_OK(alice->AppendKV(AllLayers(inline_.session_id(), data, 0, 600)).status());
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_OK_AND_ASSIGN(auto a, alice->Select(Select(sid, l, 256, /*data=*/true)));
+    ASSERT_OK_AND_ASSIGN(auto b, alice->Select(Select(inline_.session_id(), l, 256, true)));
+    ASSERT_EQ(a.heads_size(), b.heads_size());
+    for (int h = 0; h < a.heads_size(); ++h) {
+      ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size()) << "layer " << l;
+      for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
+        EXPECT_EQ(a.heads(h).blocks(i).keys(), b.heads(h).blocks(i).keys());
+        EXPECT_EQ(a.heads(h).blocks(i).values(), b.heads(h).blocks(i).values());
+        EXPECT_EQ(a.heads(h).blocks(i).positions_size(), b.heads(h).blocks(i).positions_size());
+      }
+    }
+  }
+  // A repeat with the same bytes is a no-op; other bytes are refused, as inline.
+  ASSERT_OK(alice->AppendKV({Staged(Append(sid, data, 0, 0, 10), *area)}).status());
+  const Data other = MakeData(600, 9);
+  auto refusal = [&](v1::AppendKVRequest r) { return alice->AppendKV({r}).status(); };
+  const absl::Status inline_rewrite = refusal(Append(sid, other, 0, 0, 10));
+  EXPECT_THAT(inline_rewrite, StatusIs(Code::kFailedPrecondition));
+  EXPECT_EQ(refusal(Staged(Append(sid, other, 0, 0, 10), *area)), inline_rewrite);
+  // NaN: the same message naming the same element.
+  v1::AppendKVRequest nan = Append(sid, data, 1, 600, 4);
+  (*nan.mutable_values())[2 * 70 + 1] = static_cast<char>(0x7e);  // 0x7eXX: fp16 NaN
+  const absl::Status inline_nan = refusal(nan);
+  EXPECT_THAT(inline_nan, StatusIs(Code::kInvalidArgument, "values: element 70"));
+  EXPECT_EQ(refusal(Staged(nan, *area)), inline_nan);
+  // Fields of the staged form.
+  v1::AppendKVRequest past = Staged(Append(sid, data, 1, 600, 4), *area);
+  past.mutable_staged()->set_values_offset(area->size() - 100);
+  EXPECT_THAT(refusal(past), StatusIs(Code::kInvalidArgument, "staged.values_offset"));
+  past.mutable_staged()->set_values_offset(~uint64_t{0});
+  EXPECT_THAT(refusal(past), StatusIs(Code::kInvalidArgument, "staged.values_offset"));
+  v1::AppendKVRequest both = Staged(Append(sid, data, 1, 600, 4), *area);
+  both.set_keys("xx");
+  EXPECT_THAT(refusal(both), StatusIs(Code::kInvalidArgument, "keys: bytes sent inline"));
+  v1::AppendKVRequest elsewhere = Staged(Append(inline_.session_id(), data, 1, 600, 4), *area);
+  EXPECT_THAT(refusal(elsewhere), StatusIs(Code::kNotFound, "it has none"));
+
+  // The daemon's descriptor of it is a memfd with no name; the worker's is read-write.
+  int memfds = 0;
+  const std::string fd_dir = absl::StrCat("/proc/", d.pid(), "/fd");
+  DIR* dir = opendir(fd_dir.c_str());
+  ASSERT_NE(dir, nullptr);
+  while (dirent* e = readdir(dir)) {
+    char target[256] = {};
+    if (readlink((fd_dir + "/" + e->d_name).c_str(), target, sizeof target - 1) > 0 &&
+        absl::StrContains(target, "-staging-")) {
+      EXPECT_TRUE(absl::StartsWith(target, "/memfd:kvtier-")) << target;
+      ++memfds;
+    }
+  }
+  closedir(dir);
+  EXPECT_EQ(memfds, 1);
+  EXPECT_TRUE(ShmEntries(d.instance() + "-staging").empty());
+
+  // Another tenant cannot open a staging area of alice's session, nor name hers.
+  EXPECT_THAT(bob->OpenStaging(sid, 4096).status(), StatusIs(Code::kPermissionDenied));
+  ASSERT_OK_AND_ASSIGN(auto bobs, bob->CreateSession(Shape()));
+  v1::AppendKVRequest theirs = Staged(Append(bobs.session_id(), data, 0, 0, 4), *area);
+  EXPECT_THAT(bob->AppendKV({theirs}).status(), StatusIs(Code::kNotFound));
+
+  // Bounded: 1M in all. A new area replaces the session's last (whose id is then unknown).
+  EXPECT_THAT(alice->OpenStaging(sid, 2 << 20).status(),
+              StatusIs(Code::kInvalidArgument, "size_bytes"));
+  EXPECT_THAT(alice->OpenStaging(inline_.session_id(), 600 * 1024).status(),
+              StatusIs(Code::kResourceExhausted, "max_staging_size"));
+  ASSERT_OK_AND_ASSIGN(auto small, alice->OpenStaging(sid, 4096));
+  EXPECT_THAT(refusal(Staged(Append(sid, data, 1, 600, 4), *area)),
+              StatusIs(Code::kNotFound, absl::StrCat("it has ", small->id())));
+  ASSERT_OK_AND_ASSIGN(auto second, alice->OpenStaging(inline_.session_id(), 600 * 1024));
+  ASSERT_OK(alice->CloseSession(inline_.session_id()).status());  // gives its area back
+  ASSERT_OK_AND_ASSIGN(auto next, alice->CreateSession(Shape()));
+  EXPECT_OK(alice->OpenStaging(next.session_id(), 600 * 1024).status());
+}
+
 TEST(Daemon, DrainStopsNewCallsAndExits) {
   DaemonProcess d({"--drain_timeout_ms", "2000"});
   ASSERT_TRUE(d.started());
@@ -1089,6 +1199,9 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
          return c.SetPolicy(a, p).status();
        },
        kUnauth, kOk, kDenied, kOk},
+      // The caller's own sessions only, an admin's too (the area is handed to its tenant).
+      {"OpenStaging", [&](Client& c) { return c.OpenStaging(a, 4096).status(); }, kUnauth, kOk,
+       kDenied, kDenied},
       {"Echo", [&](Client& c) { return c.Echo("hi").status(); }, kUnauth, kOk, kOk, kOk},
       {"Attach", [&](Client& c) { return c.WorkerId().status(); }, kUnauth, kOk, kOk, kOk},
       {"Drain (refused)", [&](Client& c) { return c.Drain().status(); }, kUnauth, kDenied, kDenied,

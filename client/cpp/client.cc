@@ -1,6 +1,8 @@
 #include "kvtier/client.h"
 
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -365,26 +367,7 @@ absl::Status ReceiveFds(int sock, size_t want, std::vector<int>* out, std::strin
 
 }  // namespace
 
-absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
-    const std::vector<uint64_t>& ids) {
-  if (!absl::StartsWith(address_, "unix:")) {
-    return absl::FailedPreconditionError(
-        "OpenSegments: descriptors are handed over the Unix socket only");
-  }
-  v1::OpenSegmentsRequest req;
-  for (uint64_t id : ids) req.add_segment_ids(id);
-  auto resp = KVTIER_CALL(v1::OpenSegmentsResponse, OpenSegments, req);
-  if (!resp.ok()) return resp.status();
-  // The segments named must be those asked for, in order (all of them, when none was asked).
-  bool as_asked = ids.empty() || resp->segments_size() == static_cast<int>(ids.size());
-  for (size_t i = 0; as_asked && !ids.empty() && i < ids.size(); ++i) {
-    as_asked = resp->segments(static_cast<int>(i)).segment_id() == ids[i];
-  }
-  if (!as_asked || resp->segments_size() > 4096) {
-    return absl::FailedPreconditionError(absl::StrCat("OpenSegments: the daemon named ",
-                                                      resp->segments_size(), " segments, not the ",
-                                                      ids.size(), " asked for"));
-  }
+absl::StatusOr<std::vector<int>> Client::CollectFds(const std::string& ticket, size_t want) {
   // The socket's path is this client's own address, never a name the daemon gave.
   const std::string path = address_.substr(5) + ".fds";
   sockaddr_un addr{};
@@ -398,9 +381,8 @@ absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
   timeval tv{.tv_sec = 5, .tv_usec = 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   std::vector<int> fds;
-  const size_t want = static_cast<size_t>(resp->segments_size());
   absl::Status s;
-  const std::string line = resp->ticket() + "\n";
+  const std::string line = ticket + "\n";
   if (connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
       write(sock, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
     s = absl::UnavailableError(
@@ -421,15 +403,77 @@ absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
   close(sock);
   if (s.ok() && fds.size() != want) {
     s = absl::FailedPreconditionError(
-        absl::StrCat("descriptor socket: ", fds.size(), " descriptors for ", want, " segments"));
+        absl::StrCat("descriptor socket: ", fds.size(), " descriptors for ", want, " asked for"));
   }
   if (!s.ok()) {
     for (int fd : fds) close(fd);
     return s;
   }
+  return fds;
+}
+
+absl::StatusOr<std::vector<Client::SegmentFd>> Client::OpenSegments(
+    const std::vector<uint64_t>& ids) {
+  if (!absl::StartsWith(address_, "unix:")) {
+    return absl::FailedPreconditionError(
+        "OpenSegments: descriptors are handed over the Unix socket only");
+  }
+  v1::OpenSegmentsRequest req;
+  for (uint64_t id : ids) req.add_segment_ids(id);
+  auto resp = KVTIER_CALL(v1::OpenSegmentsResponse, OpenSegments, req);
+  if (!resp.ok()) return resp.status();
+  // The segments named must be those asked for, in order (all of them, when none was asked).
+  bool as_asked = ids.empty() || resp->segments_size() == static_cast<int>(ids.size());
+  for (size_t i = 0; as_asked && !ids.empty() && i < ids.size(); ++i) {
+    as_asked = resp->segments(static_cast<int>(i)).segment_id() == ids[i];
+  }
+  if (!as_asked || resp->segments_size() > 4096) {
+    return absl::FailedPreconditionError(absl::StrCat("OpenSegments: the daemon named ",
+                                                      resp->segments_size(), " segments, not the ",
+                                                      ids.size(), " asked for"));
+  }
+  const size_t want = static_cast<size_t>(resp->segments_size());
+  absl::StatusOr<std::vector<int>> fds = CollectFds(resp->ticket(), want);
+  if (!fds.ok()) return fds.status();
   std::vector<SegmentFd> out;
-  for (size_t i = 0; i < want; ++i) out.push_back({resp->segments(static_cast<int>(i)), fds[i]});
+  for (size_t i = 0; i < want; ++i) out.push_back({resp->segments(static_cast<int>(i)), (*fds)[i]});
   return out;
+}
+
+StagingBuffer::~StagingBuffer() {
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+absl::StatusOr<std::unique_ptr<StagingBuffer>> Client::OpenStaging(const std::string& session_id,
+                                                                   uint64_t size_bytes) {
+  if (!absl::StartsWith(address_, "unix:")) {
+    return absl::FailedPreconditionError(
+        "OpenStaging: staging areas are handed over the Unix socket only");
+  }
+  v1::OpenStagingRequest req;
+  req.set_session_id(session_id);
+  req.set_size_bytes(size_bytes);
+  auto resp = KVTIER_CALL(v1::OpenStagingResponse, OpenStaging, req);
+  if (!resp.ok()) return resp.status();
+  absl::StatusOr<std::vector<int>> fds = CollectFds(resp->ticket(), 1);
+  if (!fds.ok()) return fds.status();
+  const int fd = (*fds)[0];
+  // The size the descriptor has, not the one the daemon named, bounds every write.
+  struct stat st {};
+  const bool sized = fstat(fd, &st) == 0 && st.st_size > 0 &&
+                     static_cast<uint64_t>(st.st_size) >= resp->size_bytes();
+  void* p = sized ? mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE,
+                         MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStaging: staging area ", resp->staging_id(), " cannot be mapped: ",
+                     sized ? std::strerror(err) : "its descriptor is smaller than named"));
+  }
+  return std::unique_ptr<StagingBuffer>(new StagingBuffer(
+      resp->staging_id(), static_cast<uint8_t*>(p), static_cast<uint64_t>(st.st_size)));
 }
 
 absl::StatusOr<uint64_t> Client::Evict(const std::string& session_id, v1::Tier tier) {

@@ -32,6 +32,7 @@
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
 //  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one under
 //                                   its own lock (3)
+//  17  StagingRegistry::mu_         the staging areas by id (leaf)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

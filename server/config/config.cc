@@ -136,6 +136,7 @@ v1::Config DefaultConfig() {
   c.set_tcp_plaintext(o.tcp_plaintext ? "on" : "off");
   c.set_segment_memory("auto");
   c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
+  c.set_max_staging_size("1G");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -348,6 +349,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   if (o.max_aging_backlog_tokens < 1024 || o.max_aging_backlog_tokens > (1u << 31)) {
     return InvalidField("max_aging_backlog_tokens", absl::StrCat(o.max_aging_backlog_tokens),
                         "is outside [1024, 2^31]");
+  }
+  ASSIGN_OR_RETURN(o.max_staging_size, ParseSize(c.max_staging_size(), "max_staging_size"));
+  if (o.max_staging_size > (1ull << 40)) {
+    return InvalidField("max_staging_size", c.max_staging_size(), "must be at most 1T");
   }
   const std::string memory = c.segment_memory().empty() ? "auto" : c.segment_memory();
   if (memory != "auto" && memory != "named" && memory != "memfd") {

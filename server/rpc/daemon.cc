@@ -141,6 +141,7 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       remote_(ConnectRemote(options_)),
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
+      staging_(absl::StrCat("kvtier-", options_.instance), options_.max_staging_size),
       aging_(std::make_unique<AgingPool>(static_cast<int>(
           std::max(1u, options_.aging_threads ? options_.aging_threads
                                               : std::thread::hardware_concurrency())))),
@@ -168,7 +169,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                                 return l ? l->Lookup(peer) : std::nullopt;
                               },
                           .auth = &auth_,
-                          .fds_of = [this] { return fds_.get(); }}) {}
+                          .fds_of = [this] { return fds_.get(); },
+                          .staging = &staging_}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
@@ -226,7 +228,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     d->owns_socket_ = true;
     ASSIGN_OR_RETURN(
         d->fds_,
-        FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id) {
+        FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id,
+                                                        FdChannel::Grant grant) {
+          if (grant == FdChannel::Grant::kStaging) return raw->staging_.OpenWritable(id, tenant);
           absl::StatusOr<int> fd = raw->host_.OpenReadOnly(id, tenant);
           return fd.ok() ? fd : raw->device_.OpenReadOnly(id, tenant);
         }));

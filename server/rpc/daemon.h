@@ -25,6 +25,7 @@
 #include "server/session/session_manager.h"
 #include "server/tier/promotion_cache.h"
 #include "server/tier/remote_store.h"
+#include "server/tier/staging.h"
 #include "server/tier/tier.h"
 
 namespace kvtier {
@@ -86,6 +87,8 @@ class Daemon {
   absl::StatusOr<std::unique_ptr<RemoteStore>> remote_;
   LeaseTable leases_;
   std::unique_ptr<Prefetcher> prefetcher_;  // null when prefetch is off
+  // Sessions hold their staging areas: declared before them, it outlives every area.
+  StagingRegistry staging_;
   // Ages sessions off the append path. Declared before the sessions and after the tiers: a
   // task in hand keeps its session alive until it ends, and the pool's threads are joined
   // before the tiers go.

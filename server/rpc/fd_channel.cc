@@ -103,7 +103,7 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
 }
 
 absl::StatusOr<std::string> FdChannel::Issue(pid_t pid, uid_t uid, const std::string& tenant,
-                                             std::vector<uint64_t> ids) {
+                                             std::vector<uint64_t> ids, Grant grant) {
   const absl::Time now = absl::Now();
   unsigned char raw[16];
   if (RAND_bytes(raw, sizeof raw) != 1) {
@@ -126,7 +126,7 @@ absl::StatusOr<std::string> FdChannel::Issue(pid_t pid, uid_t uid, const std::st
         "OpenSegments: uid ", uid, " has ", kTicketsPerUid,
         " tickets outstanding; collect them or wait ", absl::FormatDuration(kTicketLife)));
   }
-  tickets_[ticket] = Ticket{pid, uid, tenant, std::move(ids), now + kTicketLife};
+  tickets_[ticket] = Ticket{pid, uid, tenant, std::move(ids), grant, now + kTicketLife};
   return ticket;
 }
 
@@ -162,7 +162,7 @@ void FdChannel::Serve(int conn, const PeerCredentials& cred) {
   for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
     absl::Status s;
     for (size_t i = at; i < std::min(t->ids.size(), at + kFdsPerMessage) && s.ok(); ++i) {
-      absl::StatusOr<int> fd = open_(t->tenant, t->ids[i]);
+      absl::StatusOr<int> fd = open_(t->tenant, t->ids[i], t->grant);
       if (fd.ok()) {
         fds.push_back(*fd);
       } else {

@@ -41,8 +41,12 @@ class FdChannel {
   static constexpr int kConnectionsPerUid = 4, kConnections = 32;
   static constexpr absl::Duration kReadTimeout = absl::Milliseconds(500);
 
-  // Opens segment `id` of `tenant` read-only: a descriptor the channel closes after sending.
-  using Opener = std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id)>;
+  // What a ticket hands over: segments, read-only (OpenSegments), or a staging area,
+  // read-write (OpenStaging).
+  enum class Grant { kSegments, kStaging };
+  // Opens `id` of `tenant` as `grant` says: a descriptor the channel closes after sending.
+  using Opener =
+      std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id, Grant grant)>;
 
   // Binds `path` (mode 0660) and starts serving. INTERNAL naming the path when it cannot.
   static absl::StatusOr<std::unique_ptr<FdChannel>> Start(const std::string& path, Opener open);
@@ -51,7 +55,7 @@ class FdChannel {
   // A ticket for process `pid` of `uid` to collect `ids` of `tenant`. RESOURCE_EXHAUSTED
   // while `uid` has kTicketsPerUid unexpired tickets outstanding.
   absl::StatusOr<std::string> Issue(pid_t pid, uid_t uid, const std::string& tenant,
-                                    std::vector<uint64_t> ids);
+                                    std::vector<uint64_t> ids, Grant grant = Grant::kSegments);
   const std::string& path() const { return path_; }
 
  private:
@@ -60,6 +64,7 @@ class FdChannel {
     uid_t uid;
     std::string tenant;
     std::vector<uint64_t> ids;
+    Grant grant;
     absl::Time expires;
   };
   FdChannel(std::string path, std::unique_ptr<UnixListener> listener, Opener open)

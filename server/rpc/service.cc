@@ -236,6 +236,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
     RETURN_IF_ERROR(svc_->env_.sessions->Run(
         tenant_, req_.session_id(),
         [&](const std::shared_ptr<Session>& s) {
+          RETURN_IF_ERROR(s->Unstage(&req_));  // staged bytes become the request's own
           stored = s->Append(req_);
           return stored.status();
         },
@@ -663,6 +664,34 @@ grpc::ServerUnaryReactor* KvTierService::OpenSegments(grpc::CallbackServerContex
     ASSIGN_OR_RETURN(*resp->mutable_ticket(),
                      fds->Issue(cred->pid, cred->uid, caller.tenant, std::move(ids)));
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::OpenStaging(grpc::CallbackServerContext* ctx,
+                                                     const v1::OpenStagingRequest* req,
+                                                     v1::OpenStagingResponse* resp) {
+  return Unary(ctx, "OpenStaging", [&](const Caller& caller) -> absl::Status {
+    const std::optional<PeerCredentials>& cred = caller.unix_peer;
+    FdChannel* fds = env_.fds_of ? env_.fds_of() : nullptr;
+    if (fds == nullptr || !cred.has_value() || env_.staging == nullptr) {
+      return absl::FailedPreconditionError(
+          "OpenStaging: staging areas are handed over the Unix socket only; over TCP, send the "
+          "bytes in AppendKVRequest.keys and values");
+    }
+    if (env_.staging->max_bytes() == 0) {
+      return absl::FailedPreconditionError(
+          "OpenStaging: this daemon has no staging (--max_staging_size 0); send the bytes in "
+          "AppendKVRequest.keys and values");
+    }
+    // The caller's own sessions only, an admin's too: the descriptor goes to its tenant.
+    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(caller.tenant, req->session_id()));
+    ASSIGN_OR_RETURN(std::shared_ptr<StagingArea> area,
+                     env_.staging->Create(caller.tenant, req->size_bytes()));
+    resp->set_staging_id(area->id());
+    resp->set_size_bytes(area->size());
+    ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant,
+                                                         {area->id()}, FdChannel::Grant::kStaging));
+    return session->SetStaging(std::move(area));
   });
 }
 

@@ -20,6 +20,7 @@
 #include "server/rpc/unix_listener.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
+#include "server/tier/staging.h"
 
 namespace kvtier {
 
@@ -53,6 +54,8 @@ struct ServiceEnv {
   // The descriptor socket OpenSegments issues tickets for (null: none, no Unix socket); asked
   // per call, since the daemon makes it after the service.
   std::function<FdChannel*()> fds_of;
+  // Where OpenStaging makes areas (null: it is refused).
+  StagingRegistry* staging = nullptr;
 };
 
 // The tenants the config names ("default", quotas' keys, auth's unix_peers, tokens and
@@ -107,6 +110,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* OpenSegments(grpc::CallbackServerContext* ctx,
                                          const v1::OpenSegmentsRequest* req,
                                          v1::OpenSegmentsResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenStaging(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenStagingRequest* req,
+                                        v1::OpenStagingResponse* resp) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;
   grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,

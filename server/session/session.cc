@@ -201,6 +201,52 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   return MinTokens();
 }
 
+absl::Status Session::SetStaging(std::shared_ptr<StagingArea> area) {
+  std::shared_ptr<StagingArea> old;
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  old = std::exchange(staging_, std::move(area));
+  return absl::OkStatus();  // (the old area ends after the lock, with `old`)
+}
+
+absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
+  if (!req->has_staged()) return absl::OkStatus();
+  if (!req->keys().empty() || !req->values().empty()) {
+    return InvalidField(req->keys().empty() ? "values" : "keys",
+                        "bytes sent inline beside `staged`; an append carries them one way");
+  }
+  const v1::StagedKV& staged = req->staged();
+  std::shared_ptr<StagingArea> area;
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckOpen());
+    area = staging_;
+  }
+  if (area == nullptr || area->id() != staged.staging_id()) {
+    return absl::NotFoundError(
+        absl::StrFormat("staged.staging_id: %d is not session_id \"%s\"'s staging area (%s)",
+                        staged.staging_id(), id_,
+                        area == nullptr ? "it has none; OpenStaging makes one"
+                                        : absl::StrCat("it has ", area->id())));
+  }
+  // Sizes as the inline bytes'; a wrong num_tokens still reaches CheckAppend's message.
+  const uint64_t want = uint64_t{shape_.num_kv_heads()} * req->num_tokens() * shape_.head_dim() * 2;
+  for (const auto& [field, offset] : {std::pair{"staged.keys_offset", staged.keys_offset()},
+                                      {"staged.values_offset", staged.values_offset()}}) {
+    if (offset > area->size() || want > area->size() - offset) {
+      return InvalidField(field, absl::StrFormat("%d + %d bytes passes the staging area's %d",
+                                                 offset, want, area->size()));
+    }
+  }
+  // Copied out first: the worker may write the area at any time, and what is checked is what
+  // is stored.
+  const char* base = reinterpret_cast<const char*>(area->data());
+  req->mutable_keys()->assign(base + staged.keys_offset(), want);
+  req->mutable_values()->assign(base + staged.values_offset(), want);
+  req->clear_staged();
+  return absl::OkStatus();
+}
+
 void Session::AgeBacklog() {
   {
     MutexLock lock(&mu_);
@@ -641,12 +687,14 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
 
 void Session::Close() {
   std::vector<Stream> dropped;
+  std::shared_ptr<StagingArea> area;
   {
     MutexLock lock(&mu_);
     closed_ = true;
     aged_.SignalAll();  // an append waiting on the backlog finds the session closed
     dropped.swap(streams_);
     charge_.Set(0);
+    area.swap(staging_);
   }
   // Slots go back to their tiers here, outside the session lock.
 }
@@ -684,6 +732,7 @@ void Session::MarkPersisted(uint64_t version) {
 absl::StatusOr<uint64_t> Session::Demote(
     const std::function<absl::Status(const v1::SessionRecord&)>& store) {
   std::vector<Stream> dropped;
+  std::shared_ptr<StagingArea> area;
   uint64_t bytes;
   {
     MutexLock lock(&mu_);
@@ -699,6 +748,7 @@ absl::StatusOr<uint64_t> Session::Demote(
     aged_.SignalAll();
     dropped.swap(streams_);
     charge_.Set(0);
+    area.swap(staging_);
   }
   return bytes;  // the slots go back to their tiers here, outside the lock
 }

@@ -43,6 +43,7 @@
 #include "server/session/selection.h"
 #include "server/session/stream.h"
 #include "server/tier/promotion_cache.h"
+#include "server/tier/staging.h"
 #include "server/tier/tier.h"
 
 namespace kvtier {
@@ -106,6 +107,15 @@ class Session : public std::enable_shared_from_this<Session> {
   // layer is aged before it returns. Past max_aging_backlog_tokens an append first waits for
   // the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
   absl::StatusOr<uint64_t> Append(const v1::AppendKVRequest& req);
+
+  // Makes `area` this session's staging area, in place of the one it had (which ends with
+  // its last holder). NOT_FOUND when closed; UNAVAILABLE when demoted.
+  absl::Status SetStaging(std::shared_ptr<StagingArea> area);
+  // For an append that names its bytes in the staging area (req->staged()): copies them into
+  // req->keys and req->values and clears `staged`, so that Append checks and stores them as
+  // bytes sent inline. INVALID_ARGUMENT naming the field for bytes sent both ways or a range
+  // past the area; NOT_FOUND for an area that is not this session's. No-op without `staged`.
+  absl::Status Unstage(v1::AppendKVRequest* req) const;
 
   // The pool's task: ages every layer holding un-aged tokens, one layer per hold of the lock.
   void AgeBacklog();
@@ -266,7 +276,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // The metadata's charge on the host tier: grown by an estimate before each change, set to
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
-  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;  // a pool task is queued for it
+  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;             // a pool task is queued for it
+  std::shared_ptr<StagingArea> staging_ ABSL_GUARDED_BY(mu_);  // OpenStaging's, or none
   absl::CondVar aged_;  // a layer was aged, or the session closed (appends waiting on backlog)
 };
 

@@ -64,21 +64,27 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
   // A memfd's size is fixed, and no mapping made after this one can write: not through a
   // descriptor that leaks, nor through one reopened from /proc. Reserve's fallocate within
   // the size is still allowed.
-  if (!named && fcntl(fd, F_ADD_SEALS,
-                      F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+  // A shared memfd seals its size only.
+  const int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL |
+                    (naming == Naming::kMemfd ? F_SEAL_FUTURE_WRITE : 0);
+  if (!named && fcntl(fd, F_ADD_SEALS, seals) != 0) {
     munmap(p, size);
     return fail("seal");
   }
   return ShmSegment(name, named, static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
 }
 
-absl::StatusOr<int> ShmSegment::OpenReadOnlyFd() const {
+absl::StatusOr<int> ShmSegment::Reopen(int flags) const {
   // Through this process's own descriptor, not the name: what is opened is this object.
   const std::string self = absl::StrCat("/proc/self/fd/", fd_);
-  const int fd = open(self.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Errno("open read-only", name_);
+  const int fd = open(self.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return Errno(flags == O_RDONLY ? "open read-only" : "open read-write", name_);
   return fd;
 }
+
+absl::StatusOr<int> ShmSegment::OpenReadOnlyFd() const { return Reopen(O_RDONLY); }
+
+absl::StatusOr<int> ShmSegment::OpenWritableFd() const { return Reopen(O_RDWR); }
 
 absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {
   if (length == 0) return absl::OkStatus();

@@ -16,6 +16,9 @@ class ShmSegment {
   enum class Naming {
     kNamed,  // /dev/shm/<name>, mode 0600: the daemon's uid may open it by name
     kMemfd,  // unnamed (memfd_create): only descriptors reach it, and it dies with them
+    // Unnamed like kMemfd, but every holder of a writable descriptor may write it (a worker's
+    // staging area): only its size is sealed.
+    kMemfdShared,
   };
 
   // Creates `name` ("/kvtier-..."), sized `size` bytes (sparse: nothing is committed until
@@ -49,6 +52,8 @@ class ShmSegment {
   // A new descriptor of this object opened read-only (the caller closes it). INTERNAL with
   // errno text when the kernel refuses.
   absl::StatusOr<int> OpenReadOnlyFd() const;
+  // The same, read-write (kMemfdShared: its holder writes the object).
+  absl::StatusOr<int> OpenWritableFd() const;
 
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -60,6 +65,7 @@ class ShmSegment {
   ShmSegment(std::string name, bool named, uint8_t* data, uint64_t size, bool owner, int fd)
       : name_(std::move(name)), named_(named), data_(data), size_(size), owner_(owner), fd_(fd) {}
   void Reset();
+  absl::StatusOr<int> Reopen(int flags) const;
 
   std::string name_;
   bool named_ = true;

@@ -53,6 +53,8 @@ struct ClientOptions {
   bool attach = true;
 };
 
+class StagingBuffer;
+
 class Client {
  public:
   // "unix:PATH" or "HOST:PORT". Connects lazily: the first call reports an unreachable daemon
@@ -88,6 +90,11 @@ class Client {
     int fd;
   };
   absl::StatusOr<std::vector<SegmentFd>> OpenSegments(const std::vector<uint64_t>& ids);
+  // A staging area of session `session_id` (OpenStaging), mapped read-write here: write K and
+  // V into it and name them in AppendKVRequest.staged, so that the bytes never pass through
+  // gRPC. It replaces the session's previous area. FAILED_PRECONDITION over TCP.
+  absl::StatusOr<std::unique_ptr<StagingBuffer>> OpenStaging(const std::string& session_id,
+                                                             uint64_t size_bytes);
   absl::StatusOr<uint64_t> Evict(const std::string& session_id, v1::Tier tier);
   absl::StatusOr<v1::SessionPolicy> SetPolicy(const std::string& session_id,
                                               const v1::SessionPolicy& policy);
@@ -114,6 +121,9 @@ class Client {
   template <typename Req, typename Call>
   auto WithWorker(const Req& req, Call&& call) -> decltype(call(req));
   class Attachment;
+  // The `want` descriptors of an OpenSegments or OpenStaging ticket, from this client's
+  // socket path + ".fds"; none kept on an error.
+  absl::StatusOr<std::vector<int>> CollectFds(const std::string& ticket, size_t want);
 
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -126,6 +136,24 @@ class Client {
 
 // The server status as an absl::Status (codes agree).
 absl::Status FromGrpcStatus(const grpc::Status& s);
+
+// A session's staging area mapped read-write in this process; unmapped when destroyed.
+class StagingBuffer {
+ public:
+  ~StagingBuffer();
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  uint64_t id() const { return id_; }  // for StagedKV.staging_id
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  friend class Client;
+  StagingBuffer(uint64_t id, uint8_t* data, uint64_t size) : id_(id), data_(data), size_(size) {}
+  const uint64_t id_;
+  uint8_t* const data_;
+  const uint64_t size_;
+};
 
 // K and V of one handle, in the daemon's memory (or in the handle's inline bytes).
 struct ChunkView {
