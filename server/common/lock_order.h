@@ -33,6 +33,8 @@
 //  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one under
 //                                   its own lock (3)
 //  17  StagingRegistry::mu_         the staging areas by id (leaf)
+//  18  Session::staging_mu_         one session's staging area (leaf); taken under its mu_ (3)
+//                                   where the area is set or dropped, and alone by an append
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

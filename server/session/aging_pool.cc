@@ -1,5 +1,9 @@
 #include "server/session/aging_pool.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <utility>
 
 #include "server/common/check.h"
@@ -7,9 +11,15 @@
 
 namespace kvtier {
 
-AgingPool::AgingPool(int threads) {
+AgingPool::AgingPool(int threads, int nice) {
   CHECK_GT(threads, 0);
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([this, nice] {
+      // Linux: a thread's own nice value (a lower priority only; no privilege needed).
+      if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+      Run();
+    });
+  }
 }
 
 AgingPool::~AgingPool() {

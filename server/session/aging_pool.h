@@ -21,7 +21,12 @@ namespace kvtier {
 
 class AgingPool {
  public:
-  explicit AgingPool(int threads);
+  // The daemon's: aging is background work beside the calls it serves.
+  static constexpr int kBackgroundNice = 10;
+  // `nice` > 0: each thread runs at that nice value, so that on a busy machine the appends
+  // and Selects it serves take the cores first (the backlog bound stops aging falling behind
+  // without end).
+  explicit AgingPool(int threads, int nice = 0);
   // Finishes the tasks in hand, drops the queued ones, joins the threads.
   ~AgingPool();
   AgingPool(const AgingPool&) = delete;

@@ -204,9 +204,10 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
 absl::Status Session::SetStaging(std::shared_ptr<StagingArea> area) {
   std::shared_ptr<StagingArea> old;
   MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpen());
+  RETURN_IF_ERROR(CheckOpen());  // held on, so that a close cannot pass between
+  MutexLock staging(&staging_mu_);
   old = std::exchange(staging_, std::move(area));
-  return absl::OkStatus();  // (the old area ends after the lock, with `old`)
+  return absl::OkStatus();  // (the old area ends after the locks, with `old`)
 }
 
 absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
@@ -218,11 +219,14 @@ absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
   const v1::StagedKV& staged = req->staged();
   std::shared_ptr<StagingArea> area;
   {
-    MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CheckOpen());
+    MutexLock lock(&staging_mu_);  // a closed session's is gone: Append then says closed
     area = staging_;
   }
   if (area == nullptr || area->id() != staged.staging_id()) {
+    {
+      MutexLock lock(&mu_);  // a closed or moved session says so first
+      RETURN_IF_ERROR(CheckOpen());
+    }
     return absl::NotFoundError(
         absl::StrFormat("staged.staging_id: %d is not session_id \"%s\"'s staging area (%s)",
                         staged.staging_id(), id_,
@@ -694,6 +698,7 @@ void Session::Close() {
     aged_.SignalAll();  // an append waiting on the backlog finds the session closed
     dropped.swap(streams_);
     charge_.Set(0);
+    MutexLock staging(&staging_mu_);
     area.swap(staging_);
   }
   // Slots go back to their tiers here, outside the session lock.
@@ -748,6 +753,7 @@ absl::StatusOr<uint64_t> Session::Demote(
     aged_.SignalAll();
     dropped.swap(streams_);
     charge_.Set(0);
+    MutexLock staging(&staging_mu_);
     area.swap(staging_);
   }
   return bytes;  // the slots go back to their tiers here, outside the lock

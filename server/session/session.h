@@ -277,7 +277,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
   bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;             // a pool task is queued for it
-  std::shared_ptr<StagingArea> staging_ ABSL_GUARDED_BY(mu_);  // OpenStaging's, or none
+  // OpenStaging's area, or none: under a lock of its own, so that an append naming it does not
+  // wait for aging's hold of mu_ twice.
+  mutable absl::Mutex staging_mu_;  // lock order 18 (server/common/lock_order.h)
+  std::shared_ptr<StagingArea> staging_ ABSL_GUARDED_BY(staging_mu_);
   absl::CondVar aged_;  // a layer was aged, or the session closed (appends waiting on backlog)
 };
 

@@ -189,6 +189,25 @@ class SessionHandle:
     policy: pb.SessionPolicy
 
 
+class Staging:
+    """A session's staging area, mapped read-write in this process (Client.open_staging)."""
+
+    def __init__(self, staging_id: int, buf: mmap.mmap):
+        self.id = staging_id
+        self.buffer = buf
+        self.bytes = np.frombuffer(buf, dtype=np.uint8)  # a writable view of every byte
+
+    @property
+    def size(self) -> int:
+        return len(self.buffer)
+
+    def put(self, offset: int, array: np.ndarray) -> int:
+        """Writes `array`'s bytes at `offset`; returns the offset after them."""
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.bytes[offset:offset + raw.size] = raw
+        return offset + raw.size
+
+
 class Client:
     """A connection to kvtierd ("unix:PATH" or "HOST:PORT")."""
 
@@ -228,6 +247,9 @@ class Client:
         self.segments = SegmentMap(self)
         self._shapes: dict[str, pb.ModelShape] = {}
         self._attach = attach
+        self._staging: dict[str, Staging] = {}  # append_layers' areas, by session
+        self._staging_ok = True  # false once the daemon refused OpenStaging
+        self._staging_lock = threading.Lock()
         self._attach_lock = threading.Lock()
         self._attachment: _Attachment | None = None
 
@@ -284,13 +306,16 @@ class Client:
 
     def append_kv(self, session_id: str,
                   items: Iterable[tuple[int, int, np.ndarray, np.ndarray]],
-                  wait_aged: bool = False) -> int:
+                  wait_aged: bool = False, staging: Staging | None = None) -> int:
         """Streams (layer, start_token, keys, values[, token_ids]), keys/values
         [kv_heads][n][head_dim] in the session's dtype, token_ids [n] (they feed boundary
         chunking); returns the tokens now stored in every layer. The daemon acknowledges once
         the rows are stored and selectable, and ages (quantizes, indexes) them in the
-        background; `wait_aged`: once each layer's aged-out chunks are aged too."""
+        background; `wait_aged`: once each layer's aged-out chunks are aged too. `staging`: the
+        session's staging area (open_staging), large enough for every item's K and V: they are
+        written into it and named there instead of sent (zero-copy ingest)."""
         def requests() -> Iterator[pb.AppendKVRequest]:
+            at = 0
             for item in items:
                 layer, start, k, v = item[:4]
                 ids = item[4] if len(item) > 4 else None
@@ -299,19 +324,61 @@ class Client:
                 if k.shape != v.shape or k.ndim != 3:
                     raise ValueError(f"keys {k.shape} and values {v.shape} must both be "
                                      "[kv_heads][tokens][head_dim]")
-                yield pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
-                                         num_tokens=k.shape[1], keys=k.tobytes(),
-                                         values=v.tobytes(),
-                                         token_ids=[] if ids is None else
-                                         [int(i) for i in ids], wait_aged=wait_aged)
+                r = pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
+                                       num_tokens=k.shape[1],
+                                       token_ids=[] if ids is None else [int(i) for i in ids],
+                                       wait_aged=wait_aged)
+                if staging is None:
+                    r.keys = k.tobytes()
+                    r.values = v.tobytes()
+                else:
+                    values_at = staging.put(at, k)
+                    r.staged.staging_id = staging.id
+                    r.staged.keys_offset = at
+                    r.staged.values_offset = values_at
+                    at = staging.put(values_at, v)
+                yield r
+        if staging is not None:  # checked before anything is written or sent
+            items = list(items)
+            need = sum(np.asarray(i[2]).nbytes + np.asarray(i[3]).nbytes for i in items)
+            if need > staging.size:
+                raise ValueError(f"staging area {staging.id} holds {staging.size} bytes, "
+                                 f"fewer than these appends' {need} bytes of K and V")
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 
     def append_layers(self, session_id: str, start: int, keys: np.ndarray,
-                      values: np.ndarray, wait_aged: bool = False) -> int:
-        """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`."""
-        return self.append_kv(session_id, ((layer, start, keys[layer], values[layer])
-                                           for layer in range(keys.shape[0])), wait_aged)
+                      values: np.ndarray, wait_aged: bool = False,
+                      zero_copy: bool | None = None) -> int:
+        """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`.
+        `zero_copy` (default: on a Unix socket): through the session's staging area, which this
+        client opens (and grows) as needed and keeps while the session lasts here; a daemon
+        without staging gets the bytes instead, and so does one that lost the area (a restart,
+        a session restored from the remote tier), which gets a new area next time."""
+        items = lambda: ((layer, start, keys[layer], values[layer])  # noqa: E731
+                         for layer in range(keys.shape[0]))
+        if zero_copy is None:
+            zero_copy = self.address.startswith("unix:") and self._staging_ok
+        if not zero_copy:
+            return self.append_kv(session_id, items(), wait_aged)
+        need = keys.nbytes + values.nbytes
+        with self._staging_lock:  # one writer of a session's area at a time
+            area = self._staging.get(session_id)
+            try:
+                if area is None or area.size < need:
+                    area = self._staging[session_id] = self.open_staging(session_id, need)
+                return self.append_kv(session_id, items(), wait_aged, staging=area)
+            except KvTierError as e:
+                if e.code == grpc.StatusCode.FAILED_PRECONDITION and "OpenStaging" in e.message:
+                    self._staging_ok = False  # this daemon has none: bytes from now on
+                elif e.code == grpc.StatusCode.NOT_FOUND and "staging area" in e.message:
+                    # The daemon's session lost it (moved to the remote tier and back, or a
+                    # restart): this time the bytes (what was applied is rewritten as a
+                    # no-op), the next time a new area.
+                    self._staging.pop(session_id, None)
+                else:
+                    raise
+        return self.append_kv(session_id, items(), wait_aged)
 
     def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
                placement: str | None = None, include_data: bool = False, lease_ms: int = 0,
@@ -393,6 +460,8 @@ class Client:
 
     def close_session(self, session_id: str) -> bool:
         self._shapes.pop(session_id, None)
+        with self._staging_lock:
+            self._staging.pop(session_id, None)
         return self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id)).existed
 
     # Admin ------------------------------------------------------------------------------
@@ -427,12 +496,18 @@ class Client:
             raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"OpenSegments: the daemon named {want} segments, not the "
                               f"{len(segment_ids)} asked for")
+        fds = self._collect_fds(resp.ticket, want)
+        return list(zip(resp.segments, fds))
+
+    def _collect_fds(self, ticket: str, want: int) -> list[int]:
+        """The `want` descriptors of an OpenSegments or OpenStaging ticket, from this client's
+        socket path + ".fds"; none kept on an error."""
         fds: list[int] = []
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(5.0)
                 sock.connect(self.address[len("unix:"):] + ".fds")
-                sock.sendall(resp.ticket.encode() + b"\n")
+                sock.sendall(ticket.encode() + b"\n")
                 while len(fds) < want:
                     text, got, flags, _ = socket.recv_fds(sock, 512, 253)
                     fds.extend(got)
@@ -447,7 +522,7 @@ class Client:
                                           "descriptor socket: " + text[1:].decode(errors="replace"))
             if len(fds) != want:
                 raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"descriptor socket: {len(fds)} descriptors for {want} segments")
+                                  f"descriptor socket: {len(fds)} descriptors for {want} asked for")
         except OSError as e:
             for fd in fds:
                 os.close(fd)
@@ -456,7 +531,28 @@ class Client:
             for fd in fds:
                 os.close(fd)
             raise
-        return list(zip(resp.segments, fds))
+        return fds
+
+    def open_staging(self, session_id: str, size_bytes: int) -> Staging:
+        """A staging area of the session's (OpenStaging), mapped read-write here: K and V
+        written into it and named by append_kv(..., staging=...) never pass through gRPC. It
+        replaces the session's previous area. Unix socket only."""
+        if not self.address.startswith("unix:"):
+            raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "OpenStaging: staging areas are handed over the Unix socket only")
+        resp = self._unary("OpenStaging", pb.OpenStagingRequest(session_id=session_id,
+                                                                size_bytes=size_bytes))
+        fd = self._collect_fds(resp.ticket, 1)[0]
+        try:
+            size = os.fstat(fd).st_size
+            if size < resp.size_bytes or size <= 0:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"staging area {resp.staging_id}: size_bytes "
+                                  f"{resp.size_bytes} but its memory holds {size} bytes")
+            buf = mmap.mmap(fd, size)  # read-write, shared
+        finally:
+            os.close(fd)
+        return Staging(resp.staging_id, buf)
 
     def list_segments(self) -> list[pb.Segment]:
         return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)

@@ -293,6 +293,58 @@ def test_memfd_segments_are_read_by_descriptor(start_daemon):
         c.release(sel.lease_id)
 
 
+def _staging_fds(d) -> int:
+    """How many staging areas the daemon holds (its memfds named "...-staging-N")."""
+    fd_dir = f"/proc/{d.proc.pid}/fd"
+    return sum("-staging-" in os.readlink(f"{fd_dir}/{n}") for n in os.listdir(fd_dir))
+
+
+def test_append_layers_goes_through_a_staging_area_and_stores_the_same(start_daemon):
+    """On a Unix socket append_layers writes K and V into the session's staging area (zero-copy
+    ingest); what it stores is what the bytes sent inline store. It opens a new area when the
+    daemon lost its own, and sends the bytes to a daemon without staging."""
+    d = start_daemon()
+    rng = np.random.default_rng(23)
+    k, v = make_kv(rng, 300)
+    q = rng.standard_normal((QH, D))
+    with kvtier.Client(d.address, tenant="alice") as c:
+        staged = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        inline = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert _staging_fds(d) == 0
+        assert c.append_layers(staged, 0, k[:, :, :200], v[:, :, :200], wait_aged=True) == 200
+        assert _staging_fds(d) == 1
+        # Another area replaces the client's: the next append opens one anew, transparently.
+        other = c.open_staging(staged, 4096)
+        assert other.size == 4096
+        assert c.append_layers(staged, 200, k[:, :, 200:], v[:, :, 200:], wait_aged=True) == 300
+        assert _staging_fds(d) == 1
+        assert c.append_layers(staged, 0, k, v) == 300  # a repeat: a new area, and a no-op
+        assert _staging_fds(d) == 1
+        assert c.append_layers(inline, 0, k, v, wait_aged=True, zero_copy=False) == 300
+        assert _staging_fds(d) == 1  # the inline one opened none
+        for layer in range(L):
+            a = c.select(staged, layer, q, budget_tokens=5000, include_data=True)
+            b = c.select(inline, layer, q, budget_tokens=5000, include_data=True)
+            for ha, hb in zip(a.heads, b.heads):
+                assert [x.keys for x in ha.blocks] == [x.keys for x in hb.blocks]
+                assert [x.values for x in ha.blocks] == [x.values for x in hb.blocks]
+                assert sum(x.num_tokens for x in ha.blocks) == 300
+        # A staged append past the area is refused by name, before anything is sent.
+        small = c.open_staging(staged, 4096)
+        with pytest.raises(ValueError, match="staging area"):
+            c.append_kv(staged, [(0, 300, k[0], v[0])], staging=small)
+        assert c.close_session(staged)
+        assert _staging_fds(d) == 0  # the area went with its session
+    bare = start_daemon("--max_staging_size", "0")
+    with kvtier.Client(bare.address) as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert c.append_layers(sid, 0, k, v) == 300  # sent as bytes
+        with pytest.raises(kvtier.KvTierError) as e:
+            c.open_staging(sid, 4096)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "max_staging_size" in e.value.message
+
+
 def _pki(tmp_path):
     """A CA, a server certificate for 127.0.0.1 and a client certificate CN=carol, O=team-c."""
     def run(*args):
