@@ -26,6 +26,9 @@ TARGETS = [
     ("select_rpc_", "<=", 1.3, "Select RPC vs a bare echo of the same bytes, same channel"),
     ("select_scaling", ">=", 1.7, "Select throughput of two workers at once (each its own "
      "channel and session) vs one worker alone, on the same daemon"),
+    ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes K and "
+     "V into its session's staging area, timed, and the stream names them), acknowledged, vs "
+     "memcpy"),
     ("appendkv_ingest", ">=", 0.25, "AppendKV ingest, acknowledged (rows stored in fp16 and "
      "selectable; aging runs on the pool) vs memcpy of the same bytes"),
     ("appendkv_to_indexed", ">=", 0.2, "AppendKV from the first byte until the aging pool "

@@ -142,10 +142,11 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
       staging_(absl::StrCat("kvtier-", options_.instance), options_.max_staging_size),
-      aging_(std::make_unique<AgingPool>(static_cast<int>(
-          std::max(1u, options_.aging_threads ? options_.aging_threads
-                                              : std::thread::hardware_concurrency())),
-                                          AgingPool::kBackgroundNice)),
+      aging_(std::make_unique<AgingPool>(
+          static_cast<int>(std::max(1u, options_.aging_threads
+                                            ? options_.aging_threads
+                                            : std::thread::hardware_concurrency())),
+          AgingPool::kBackgroundNice)),
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,
                                aging_.get()),

@@ -276,7 +276,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // The metadata's charge on the host tier: grown by an estimate before each change, set to
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
-  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;             // a pool task is queued for it
+  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;  // a pool task is queued for it
   // OpenStaging's area, or none: under a lock of its own, so that an append naming it does not
   // wait for aging's hold of mu_ twice.
   mutable absl::Mutex staging_mu_;  // lock order 18 (server/common/lock_order.h)
