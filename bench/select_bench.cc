@@ -4,6 +4,8 @@
 // whole-chunk selection (refine_factor 1), with the bytes inline, and with the default
 // token-level refinement (refine_factor 8), its rows gathered into compact blocks
 // (select_rpc_p50_refined) or named in place (row_handles: select_rpc_p50_refined_rows).
+// select_shm_p50/p99: the same whole-chunk Select through a shared-memory Select channel
+// (OpenChannel), interleaved with the same Echo RPCs, against them.
 // select_scaling: Select throughput of two workers at once, each with its own channel and
 // session, against one worker alone.
 #include <cstdio>
@@ -38,7 +40,7 @@ v1::SelectRequest Request(const std::string& sid, uint32_t budget) {
 
 void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
          bool row_handles, const std::string& mode, const std::string& suffix, int reps,
-         int iters) {
+         int iters, SelectChannel* channel = nullptr) {
   v1::SelectRequest req = Request(sid, budget);
   req.set_include_data(include_data);
   req.set_row_handles(row_handles);
@@ -49,9 +51,9 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   }
   (void)c.Release(probe->lease_id());
   const uint32_t resp_bytes = static_cast<uint32_t>(probe->ByteSizeLong());
-  std::vector<double> p50_ratio, p99_ratio, sel50, echo50, sel99, echo99;
+  std::vector<double> p50_ratio, p99_ratio, sel50, echo50, sel99, echo99, shm50, shm99;
   for (int r = 0; r < reps; ++r) {
-    std::vector<double> sel, echo;
+    std::vector<double> sel, echo, shm;
     for (int i = 0; i < iters + 50; ++i) {
       double t0 = NowSeconds();
       auto s = c.Select(req);
@@ -60,15 +62,26 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
       double t2 = NowSeconds();
       if (!s.ok() || !e.ok()) std::exit(1);
       (void)c.Release(s->lease_id());
+      double t3 = 0, t4 = 0;
+      if (channel != nullptr) {
+        t3 = NowSeconds();
+        auto m = channel->Select(req);
+        t4 = NowSeconds();
+        if (!m.ok()) std::exit(1);
+        (void)channel->Release(m->lease_id());
+      }
       if (i >= 50) {  // warm-up
         sel.push_back((t1 - t0) * 1e6);
         echo.push_back((t2 - t1) * 1e6);
+        shm.push_back((t4 - t3) * 1e6);
       }
     }
     sel50.push_back(Quantile(sel, 0.5));
     echo50.push_back(Quantile(echo, 0.5));
     sel99.push_back(Quantile(sel, 0.99));
     echo99.push_back(Quantile(echo, 0.99));
+    shm50.push_back(Quantile(shm, 0.5));
+    shm99.push_back(Quantile(shm, 0.99));
     p50_ratio.push_back(sel50.back() / echo50.back());
     p99_ratio.push_back(sel99.back() / echo99.back());
   }
@@ -84,6 +97,11 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
   Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
+  if (channel == nullptr) return;
+  params["target_ratio"] = "0.25";
+  params["path"] = "shared-memory Select channel (OpenChannel); the echo is the gRPC one";
+  Print({"select_shm_p50" + suffix, Median(shm50), "us", Median(echo50), "echo_rpc_p50", params});
+  Print({"select_shm_p99" + suffix, Median(shm99), "us", Median(echo99), "echo_rpc_p99", params});
 }
 
 // Selects per second of one worker on `sids[0]` and of two at once on both sessions, each
@@ -176,7 +194,9 @@ int main(int argc, char** argv) {
     }
     if (!c.AppendKV(reqs).ok()) return 1;
   }
-  Run(c, s->session_id(), context, 256, false, false, "whole chunks", "", 5, 400);
+  auto channel = c.OpenChannel();
+  if (!channel.ok()) return 1;
+  Run(c, s->session_id(), context, 256, false, false, "whole chunks", "", 5, 400, channel->get());
   v1::ForkSessionRequest fork;  // a second session of the same tokens, for a second worker
   fork.set_session_id(s->session_id());
   fork.set_num_tokens(context);

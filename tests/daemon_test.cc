@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "kvtier/channel_layout.h"
 #include "kvtier/client.h"
 #include "kvtier/local_daemon.h"
 #include "server/config/config.h"
@@ -921,6 +922,126 @@ TEST(Daemon, StagedAppendsStoreWhatInlineOnesStore) {
   EXPECT_OK(alice->OpenStaging(next.session_id(), 600 * 1024).status());
 }
 
+// The leases a session holds now (SessionInfo.active_leases), polled until `want` (a channel's
+// end is seen by its thread, not by the call that closed it) or 10 s.
+uint32_t LeasesBecome(Client& c, const std::string& sid, uint32_t want) {
+  uint32_t n = ~0u;
+  for (int i = 0; i < 200 && n != want; ++i) {
+    auto d = c.DescribeSession(sid);
+    if (!d.ok()) return ~0u;
+    n = d->info().active_leases();
+    if (n != want) absl::SleepFor(absl::Milliseconds(50));
+  }
+  return n;
+}
+
+// The shared-memory Select channel answers as the RPCs do (the same handles, the same errors,
+// its tenant's sessions only); its Selects' leases end when its worker closes it, even in the
+// middle of a call, and a drain hangs it up.
+TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  auto bob = Connect(d, "bob");
+  const std::string sid = SessionWithTokens(*alice, 700);
+  const std::string bobs = SessionWithTokens(*bob, 100);
+  ASSERT_OK_AND_ASSIGN(auto ch, alice->OpenChannel());
+  EXPECT_FALSE(ch->worker_id().empty());
+  for (int layer : {0, 3}) {
+    ASSERT_OK_AND_ASSIGN(auto a, ch->Select(Select(sid, layer, 256, /*data=*/true)));
+    ASSERT_OK_AND_ASSIGN(auto b, alice->Select(Select(sid, layer, 256, true)));
+    EXPECT_FALSE(a.lease_id().empty());
+    EXPECT_NE(a.lease_id(), b.lease_id());
+    ASSERT_EQ(a.heads_size(), b.heads_size());
+    for (int h = 0; h < a.heads_size(); ++h) {
+      ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size());
+      for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
+        const v1::BlockHandle &x = a.heads(h).blocks(i), &y = b.heads(h).blocks(i);
+        EXPECT_EQ(x.chunk_id(), y.chunk_id());
+        EXPECT_EQ(x.keys(), y.keys());
+        EXPECT_EQ(x.values(), y.values());
+      }
+    }
+    EXPECT_OK(ch->Release(b.lease_id()));  // a lease of the tenant's, whichever way it came
+    EXPECT_OK(alice->Release(a.lease_id()));
+  }
+  v1::BatchSelectRequest batch;
+  for (int l = 0; l < kLayers; ++l) *batch.add_requests() = Select(sid, l, 128);
+  ASSERT_OK_AND_ASSIGN(auto all, ch->BatchSelect(batch));
+  EXPECT_EQ(all.responses_size(), kLayers);
+  EXPECT_EQ(LeasesBecome(*alice, sid, kLayers), static_cast<uint32_t>(kLayers));
+  // The RPCs' errors, word for word.
+  for (const v1::SelectRequest& bad : {Select(sid, kLayers, 128), Select(bobs, 0, 128)}) {
+    const absl::Status over_grpc = alice->Select(bad).status();
+    EXPECT_FALSE(over_grpc.ok());
+    EXPECT_EQ(ch->Select(bad).status(), over_grpc);
+  }
+  EXPECT_THAT(ch->Release("no-such-lease"), StatusIs(Code::kNotFound));
+
+  // Closing the channel ends the leases of its Selects (the batch's), and only those.
+  ASSERT_OK_AND_ASSIGN(auto kept, alice->Select(Select(sid, 1, 128)));
+  ch.reset();
+  EXPECT_EQ(LeasesBecome(*alice, sid, 1), 1u);
+  EXPECT_OK(alice->Release(kept.lease_id()));
+
+  // A worker that goes away in the middle of a call: the raw protocol, rung and then closed.
+  {
+    v1::OpenChannelResponse opened;
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant", "alice");
+    ASSERT_TRUE(alice->stub().OpenChannel(&ctx, v1::OpenChannelRequest(), &opened).ok());
+    const int sock = ConnectTo(UnixAddress(d.socket() + ".fds"));
+    ASSERT_GE(sock, 0);
+    const std::string line = opened.ticket() + "\n";
+    ASSERT_EQ(write(sock, line.data(), line.size()), static_cast<ssize_t>(line.size()));
+    char byte;
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ASSERT_EQ(recvmsg(sock, &msg, 0), 1);
+    close(sock);
+    ASSERT_EQ(byte, 'k');
+    int fds[4];
+    ASSERT_EQ(CMSG_FIRSTHDR(&msg)->cmsg_len, CMSG_LEN(sizeof fds));
+    std::memcpy(fds, CMSG_DATA(CMSG_FIRSTHDR(&msg)), sizeof fds);
+    struct stat st {};
+    ASSERT_EQ(fstat(fds[0], &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), opened.size_bytes());
+    auto* mem = static_cast<uint8_t*>(
+        mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0));
+    ASSERT_NE(mem, MAP_FAILED);
+    channel::Header h;
+    std::memcpy(&h, mem, sizeof h);
+    EXPECT_EQ(h.magic, channel::kMagic);
+    const std::string req = Select(sid, 2, 128).SerializeAsString();
+    std::memcpy(mem + h.request_offset, req.data(), req.size());
+    h.op = channel::kSelect;
+    h.request_bytes = static_cast<uint32_t>(req.size());
+    h.seq = 1;
+    std::memcpy(mem, &h, sizeof h);
+    const uint64_t one = 1;
+    ASSERT_EQ(write(fds[1], &one, sizeof one), 8);
+    munmap(mem, st.st_size);
+    for (int fd : fds) close(fd);  // gone before the answer
+    EXPECT_EQ(LeasesBecome(*alice, sid, 0), 0u) << "the dead worker's Select kept its lease";
+  }
+
+  // Another tenant's channel reaches its own sessions only; a drain hangs every channel up.
+  ASSERT_OK_AND_ASSIGN(auto bobs_channel, bob->OpenChannel());
+  EXPECT_THAT(bobs_channel->Select(Select(sid, 0, 128)), StatusIs(Code::kPermissionDenied));
+  EXPECT_OK(bobs_channel->Select(Select(bobs, 0, 128)).status());
+  EXPECT_THAT(bob->OpenChannel(1024).status(), StatusIs(Code::kInvalidArgument, "size_bytes"));
+  ASSERT_OK_AND_ASSIGN(auto admin, Client::Connect(d.address()));
+  ASSERT_OK(admin->Drain().status());
+  const absl::Status after = bobs_channel->Select(Select(bobs, 0, 128)).status();
+  EXPECT_TRUE(after.code() == Code::kUnavailable) << after;
+  EXPECT_EQ(d.WaitForExit(20), 0);
+}
+
 TEST(Daemon, DrainStopsNewCallsAndExits) {
   DaemonProcess d({"--drain_timeout_ms", "2000"});
   ASSERT_TRUE(d.started());
@@ -1202,6 +1323,8 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
       // The caller's own sessions only, an admin's too (the area is handed to its tenant).
       {"OpenStaging", [&](Client& c) { return c.OpenStaging(a, 4096).status(); }, kUnauth, kOk,
        kDenied, kDenied},
+      {"OpenChannel", [&](Client& c) { return c.OpenChannel().status(); }, kUnauth, kOk, kOk,
+       kOk},
       {"Echo", [&](Client& c) { return c.Echo("hi").status(); }, kUnauth, kOk, kOk, kOk},
       {"Attach", [&](Client& c) { return c.WorkerId().status(); }, kUnauth, kOk, kOk, kOk},
       {"Drain (refused)", [&](Client& c) { return c.Drain().status(); }, kUnauth, kDenied, kDenied,

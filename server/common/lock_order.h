@@ -35,6 +35,8 @@
 //  17  StagingRegistry::mu_         the staging areas by id (leaf)
 //  18  Session::staging_mu_         one session's staging area (leaf); taken under its mu_ (3)
 //                                   where the area is set or dropped, and alone by an append
+//  19  ChannelHub::mu_              the Select channels (leaf); a channel's worker is attached
+//                                   and detached (6) outside it
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

@@ -172,6 +172,7 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
                               },
                           .auth = &auth_,
                           .fds_of = [this] { return fds_.get(); },
+                          .channels_of = [this] { return channels_.get(); },
                           .staging = &staging_}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
@@ -228,11 +229,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   } else {  // accepted by the listener, which knows each connection's peer
     ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
     d->owns_socket_ = true;
+    KvTierService* service = &d->service_;
+    LeaseTable* leases = &d->leases_;
+    d->channels_ = std::make_unique<ChannelHub>(
+        absl::StrCat("kvtier-", o.instance),
+        ChannelHub::Hooks{
+            .serve = [service](const ChannelHub::Call& call,
+                               std::string* out) { return service->ServeChannel(call, out); },
+            .attach = [leases](const std::string& tenant) { return leases->Attach(tenant); },
+            .detach = [leases](const std::string& worker) { leases->Detach(worker); }});
     ASSIGN_OR_RETURN(
         d->fds_,
         FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id,
-                                                        FdChannel::Grant grant) {
+                                                        FdChannel::Grant grant, size_t index) {
           if (grant == FdChannel::Grant::kStaging) return raw->staging_.OpenWritable(id, tenant);
+          if (grant == FdChannel::Grant::kChannel) return raw->channels_->OpenFd(id, tenant, index);
           absl::StatusOr<int> fd = raw->host_.OpenReadOnly(id, tenant);
           return fd.ok() ? fd : raw->device_.OpenReadOnly(id, tenant);
         }));
@@ -455,6 +466,7 @@ void Daemon::Shutdown() {
     KVLOG(info, "daemon.drain_to_remote", "demoted={} bytes={} failed={} left={} leases_ended={}",
           n.demoted, n.bytes, n.failed, n.left, leases);
   }
+  if (channels_) channels_->Stop();  // each worker sees its channel hang up
   sessions_.CloseAll();
   fds_.reset();  // stops handing out descriptors, removes <socket>.fds
   const std::string sock = SocketPath(options_.listen);

@@ -103,6 +103,9 @@ class Daemon {
   std::unique_ptr<FdChannel> fds_;  // null: no Unix socket
   const Authenticator auth_;
   KvTierService service_;
+  // The shared-memory Select channels (null: no Unix socket); their threads call the service,
+  // so they are stopped before it goes.
+  std::unique_ptr<ChannelHub> channels_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
 

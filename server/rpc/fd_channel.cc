@@ -162,7 +162,7 @@ void FdChannel::Serve(int conn, const PeerCredentials& cred) {
   for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
     absl::Status s;
     for (size_t i = at; i < std::min(t->ids.size(), at + kFdsPerMessage) && s.ok(); ++i) {
-      absl::StatusOr<int> fd = open_(t->tenant, t->ids[i], t->grant);
+      absl::StatusOr<int> fd = open_(t->tenant, t->ids[i], t->grant, i);
       if (fd.ok()) {
         fds.push_back(*fd);
       } else {

@@ -41,12 +41,13 @@ class FdChannel {
   static constexpr int kConnectionsPerUid = 4, kConnections = 32;
   static constexpr absl::Duration kReadTimeout = absl::Milliseconds(500);
 
-  // What a ticket hands over: segments, read-only (OpenSegments), or a staging area,
-  // read-write (OpenStaging).
-  enum class Grant { kSegments, kStaging };
-  // Opens `id` of `tenant` as `grant` says: a descriptor the channel closes after sending.
-  using Opener =
-      std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id, Grant grant)>;
+  // What a ticket hands over: segments, read-only (OpenSegments), a staging area, read-write
+  // (OpenStaging), or a Select channel's descriptors (OpenChannel: its id once per descriptor).
+  enum class Grant { kSegments, kStaging, kChannel };
+  // Opens `id` of `tenant` as `grant` says, the ticket's `index`th: a descriptor the channel
+  // closes after sending.
+  using Opener = std::function<absl::StatusOr<int>(const std::string& tenant, uint64_t id,
+                                                   Grant grant, size_t index)>;
 
   // Binds `path` (mode 0660) and starts serving. INTERNAL naming the path when it cannot.
   static absl::StatusOr<std::unique_ptr<FdChannel>> Start(const std::string& path, Opener open);

@@ -13,6 +13,7 @@
 #include "server/common/mutex.h"
 #include "server/common/names.h"
 #include "server/common/status_macros.h"
+#include "kvtier/channel_layout.h"
 #include "server/rpc/tls.h"
 
 namespace kvtier {
@@ -272,66 +273,128 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
   return new AppendReactor(this, ctx, resp);
 }
 
+absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::SelectRequest& req,
+                                     v1::SelectResponse* resp, uint64_t reply_limit) {
+  RETURN_IF_ERROR(env_.sessions->Run(tenant, req.session_id(), [&](const auto& session) {
+    resp->Clear();
+    RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(req), reply_limit));
+    RETURN_IF_ERROR(session->Select(req, resp));
+    if (env_.prefetcher) env_.prefetcher->Enqueue(session, req);
+    return absl::OkStatus();
+  }));
+  TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
+  return absl::OkStatus();
+}
+
+absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
+                                          const v1::BatchSelectRequest& req,
+                                          v1::BatchSelectResponse* resp, uint64_t reply_limit) {
+  // The whole reply's bound first: a batch too large to send takes no lease at all.
+  uint64_t bound = 0;
+  for (int i = 0; i < req.requests_size(); ++i) {
+    const v1::SelectRequest& r = req.requests(i);
+    auto session = env_.sessions->Get(tenant, r.session_id());
+    if (!session.ok()) {
+      return absl::Status(session.status().code(),
+                          absl::StrCat("requests[", i, "].", session.status().message()));
+    }
+    bound += (*session)->ReplyBytesBound(r) + 8;  // and its framing in the batch
+    if (bound > reply_limit) {
+      return CheckReply(absl::StrCat("requests[0..", i, "]").c_str(), bound, reply_limit);
+    }
+  }
+  for (int i = 0; i < req.requests_size(); ++i) {
+    const v1::SelectRequest& r = req.requests(i);
+    absl::Status s = [&]() -> absl::Status {
+      v1::SelectResponse* out = resp->add_responses();
+      return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
+        out->Clear();
+        RETURN_IF_ERROR(session->Select(r, out));
+        if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
+        return absl::OkStatus();
+      });
+    }();
+    if (!s.ok()) {
+      // All or nothing: end the leases already granted in this batch.
+      for (const auto& done : resp->responses()) {
+        if (!done.lease_id().empty()) env_.leases->Release(tenant, done.lease_id()).IgnoreError();
+      }
+      resp->Clear();
+      return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
+    }
+  }
+  TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc(req.requests_size());
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* KvTierService::Select(grpc::CallbackServerContext* ctx,
                                                 const v1::SelectRequest* req,
                                                 v1::SelectResponse* resp) {
-  return Unary(ctx, "Select", [&](const Caller& caller) -> absl::Status {
-    RETURN_IF_ERROR(env_.sessions->Run(caller.tenant, req->session_id(), [&](const auto& session) {
-      resp->Clear();
-      RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(*req), env_.max_message_bytes));
-      RETURN_IF_ERROR(session->Select(*req, resp));
-      if (env_.prefetcher) env_.prefetcher->Enqueue(session, *req);
-      return absl::OkStatus();
-    }));
-    TenantCounter("kvtier_selects_total", "Select calls served", caller.tenant).Inc();
-    return absl::OkStatus();
+  return Unary(ctx, "Select", [&](const Caller& caller) {
+    return DoSelect(caller.tenant, *req, resp, env_.max_message_bytes);
   });
 }
 
 grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext* ctx,
                                                      const v1::BatchSelectRequest* req,
                                                      v1::BatchSelectResponse* resp) {
-  return Unary(ctx, "BatchSelect", [&](const Caller& caller) -> absl::Status {
-    // The whole reply's bound first: a batch too large to send takes no lease at all.
-    uint64_t bound = 0;
-    for (int i = 0; i < req->requests_size(); ++i) {
-      const v1::SelectRequest& r = req->requests(i);
-      auto session = env_.sessions->Get(caller.tenant, r.session_id());
-      if (!session.ok()) {
-        return absl::Status(session.status().code(),
-                            absl::StrCat("requests[", i, "].", session.status().message()));
-      }
-      bound += (*session)->ReplyBytesBound(r) + 8;  // and its framing in the batch
-      if (bound > env_.max_message_bytes) {
-        return CheckReply(absl::StrCat("requests[0..", i, "]").c_str(), bound,
-                          env_.max_message_bytes);
-      }
-    }
-    for (int i = 0; i < req->requests_size(); ++i) {
-      const v1::SelectRequest& r = req->requests(i);
-      absl::Status s = [&]() -> absl::Status {
-        v1::SelectResponse* out = resp->add_responses();
-        return env_.sessions->Run(caller.tenant, r.session_id(), [&](const auto& session) {
-          out->Clear();
-          RETURN_IF_ERROR(session->Select(r, out));
-          if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
-          return absl::OkStatus();
-        });
-      }();
-      if (!s.ok()) {
-        // All or nothing: end the leases already granted in this batch.
-        for (const auto& done : resp->responses()) {
-          if (!done.lease_id().empty())
-            env_.leases->Release(caller.tenant, done.lease_id()).IgnoreError();
-        }
-        resp->Clear();
-        return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
-      }
-    }
-    TenantCounter("kvtier_selects_total", "Select calls served", caller.tenant)
-        .Inc(req->requests_size());
-    return absl::OkStatus();
+  return Unary(ctx, "BatchSelect", [&](const Caller& caller) {
+    return DoBatchSelect(caller.tenant, *req, resp, env_.max_message_bytes);
   });
+}
+
+absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::string* out) {
+  const absl::Time start = absl::Now();
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  const char* method = "Select";
+  absl::Status s = [&]() -> absl::Status {
+    if (draining()) return Draining();
+    // The channel's worker names every Select that names none, so its leases end with it.
+    auto with_worker = [&](v1::SelectRequest* r) {
+      if (r->worker_id().empty()) r->set_worker_id(call.worker);
+    };
+    switch (call.op) {
+      case channel::kSelect: {
+        v1::SelectRequest req;
+        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
+          return absl::InvalidArgumentError("request: not a SelectRequest");
+        }
+        with_worker(&req);
+        v1::SelectResponse resp;
+        RETURN_IF_ERROR(DoSelect(call.tenant, req, &resp, call.reply_limit));
+        resp.SerializeToString(out);
+        return absl::OkStatus();
+      }
+      case channel::kBatchSelect: {
+        method = "BatchSelect";
+        v1::BatchSelectRequest req;
+        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
+          return absl::InvalidArgumentError("request: not a BatchSelectRequest");
+        }
+        for (v1::SelectRequest& r : *req.mutable_requests()) with_worker(&r);
+        v1::BatchSelectResponse resp;
+        RETURN_IF_ERROR(DoBatchSelect(call.tenant, req, &resp, call.reply_limit));
+        resp.SerializeToString(out);
+        return absl::OkStatus();
+      }
+      case channel::kRelease: {
+        method = "Release";
+        v1::ReleaseRequest req;
+        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
+          return absl::InvalidArgumentError("request: not a ReleaseRequest");
+        }
+        RETURN_IF_ERROR(env_.leases->Release(call.tenant, req.lease_id()));
+        v1::ReleaseResponse().SerializeToString(out);
+        return absl::OkStatus();
+      }
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("op: ", call.op, " is none of Select (1), BatchSelect (2), Release (3)"));
+    }
+  }();
+  Record(method, s, absl::Now() - start);  // the same series as the gRPC calls'
+  in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+  return s;
 }
 
 grpc::ServerUnaryReactor* KvTierService::Release(grpc::CallbackServerContext* ctx,
@@ -692,6 +755,29 @@ grpc::ServerUnaryReactor* KvTierService::OpenStaging(grpc::CallbackServerContext
     ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant,
                                                          {area->id()}, FdChannel::Grant::kStaging));
     return session->SetStaging(std::move(area));
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierService::OpenChannel(grpc::CallbackServerContext* ctx,
+                                                     const v1::OpenChannelRequest* req,
+                                                     v1::OpenChannelResponse* resp) {
+  return Unary(ctx, "OpenChannel", [&](const Caller& caller) -> absl::Status {
+    const std::optional<PeerCredentials>& cred = caller.unix_peer;
+    FdChannel* fds = env_.fds_of ? env_.fds_of() : nullptr;
+    ChannelHub* hub = env_.channels_of ? env_.channels_of() : nullptr;
+    if (fds == nullptr || hub == nullptr || !cred.has_value()) {
+      return absl::FailedPreconditionError(
+          "OpenChannel: channels are handed over the Unix socket only; over TCP, call Select");
+    }
+    ASSIGN_OR_RETURN(ChannelHub::Opened opened,
+                     hub->Open(caller.tenant, req->size_bytes(), env_.max_message_bytes));
+    resp->set_channel_id(opened.id);
+    resp->set_size_bytes(opened.size_bytes);
+    resp->set_worker_id(opened.worker_id);
+    std::vector<uint64_t> ids(channel::kDescriptors, opened.id);
+    ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant,
+                                                         std::move(ids), FdChannel::Grant::kChannel));
+    return absl::OkStatus();
   });
 }
 

@@ -17,6 +17,7 @@
 #include "server/metrics/registry.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/fd_channel.h"
+#include "server/rpc/select_channel.h"
 #include "server/rpc/unix_listener.h"
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
@@ -54,6 +55,9 @@ struct ServiceEnv {
   // The descriptor socket OpenSegments issues tickets for (null: none, no Unix socket); asked
   // per call, since the daemon makes it after the service.
   std::function<FdChannel*()> fds_of;
+  // The shared-memory Select channels OpenChannel makes (null: none, no Unix socket); asked per
+  // call, like fds_of.
+  std::function<ChannelHub*()> channels_of;
   // Where OpenStaging makes areas (null: it is refused).
   StagingRegistry* staging = nullptr;
 };
@@ -71,6 +75,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls whose handler or reactor has not finished.
   int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+  // One call of a shared-memory Select channel (ChannelHub::Hooks::serve): the same checks,
+  // leases and metrics as the gRPC call of its op.
+  absl::Status ServeChannel(const ChannelHub::Call& call, std::string* out);
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -110,6 +117,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* OpenSegments(grpc::CallbackServerContext* ctx,
                                          const v1::OpenSegmentsRequest* req,
                                          v1::OpenSegmentsResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenChannelRequest* req,
+                                        v1::OpenChannelResponse* resp) override;
   grpc::ServerUnaryReactor* OpenStaging(grpc::CallbackServerContext* ctx,
                                         const v1::OpenStagingRequest* req,
                                         v1::OpenStagingResponse* resp) override;
@@ -140,6 +150,13 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
   // UNAVAILABLE while draining, else Identify: what a new call checks first.
   absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext* ctx) const;
+
+  // The bodies of Select and BatchSelect as `tenant`, for gRPC and the channels alike; a reply
+  // that may pass `reply_limit` bytes is RESOURCE_EXHAUSTED before any work.
+  absl::Status DoSelect(const std::string& tenant, const v1::SelectRequest& req,
+                        v1::SelectResponse* resp, uint64_t reply_limit);
+  absl::Status DoBatchSelect(const std::string& tenant, const v1::BatchSelectRequest& req,
+                             v1::BatchSelectResponse* resp, uint64_t reply_limit);
 
   // Per-tenant counter `name`, looked up once per tenant.
   metrics::Counter& TenantCounter(const std::string& name, const std::string& help,

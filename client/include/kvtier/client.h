@@ -54,6 +54,7 @@ struct ClientOptions {
 };
 
 class StagingBuffer;
+class SelectChannel;
 
 class Client {
  public:
@@ -95,6 +96,10 @@ class Client {
   // gRPC. It replaces the session's previous area. FAILED_PRECONDITION over TCP.
   absl::StatusOr<std::unique_ptr<StagingBuffer>> OpenStaging(const std::string& session_id,
                                                              uint64_t size_bytes);
+  // A shared-memory Select channel (OpenChannel) for this thread's decode loop: Select,
+  // BatchSelect and Release without gRPC, as this client's tenant. `size_bytes` 0: 4 MiB.
+  // FAILED_PRECONDITION over TCP.
+  absl::StatusOr<std::unique_ptr<SelectChannel>> OpenChannel(uint64_t size_bytes = 0);
   absl::StatusOr<uint64_t> Evict(const std::string& session_id, v1::Tier tier);
   absl::StatusOr<v1::SessionPolicy> SetPolicy(const std::string& session_id,
                                               const v1::SessionPolicy& policy);
@@ -153,6 +158,44 @@ class StagingBuffer {
   const uint64_t id_;
   uint8_t* const data_;
   const uint64_t size_;
+};
+
+// A Select channel's memory and descriptors in this process (Client::OpenChannel). One call at
+// a time (a second thread waits for the first); each call waits at most the client's timeout,
+// after which the channel is unusable (FAILED_PRECONDITION). Destroying it closes the channel:
+// the daemon ends the leases of its Selects.
+class SelectChannel {
+ public:
+  ~SelectChannel();
+  SelectChannel(const SelectChannel&) = delete;
+  SelectChannel& operator=(const SelectChannel&) = delete;
+
+  // As the RPCs of the same names. A Select naming no worker_id gets the channel's.
+  absl::StatusOr<v1::SelectResponse> Select(const v1::SelectRequest& req);
+  absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
+  absl::Status Release(const std::string& lease_id);
+
+  uint64_t id() const { return id_; }
+  const std::string& worker_id() const { return worker_; }
+
+ private:
+  friend class Client;
+  SelectChannel() = default;
+  // Writes `op`'s request, rings, waits for the answer and parses it into `resp`.
+  absl::Status Call(uint32_t op, const google::protobuf::Message& req,
+                    google::protobuf::Message* resp);
+
+  uint64_t id_ = 0;
+  std::string worker_;
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t request_offset_ = 0, request_capacity_ = 0;
+  uint64_t response_offset_ = 0, response_capacity_ = 0;
+  int fds_[4] = {-1, -1, -1, -1};  // memory, request doorbell, response doorbell, socket
+  absl::Duration timeout_;
+  std::mutex mu_;
+  uint64_t seq_ = 0;     // guarded by mu_
+  bool broken_ = false;  // guarded by mu_: a call timed out, or the daemon hung up
 };
 
 // K and V of one handle, in the daemon's memory (or in the handle's inline bytes).

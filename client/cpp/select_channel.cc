@@ -1,0 +1,156 @@
+// The worker's side of a shared-memory Select channel (kvtier/channel_layout.h).
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvtier/channel_layout.h"
+#include "kvtier/client.h"
+
+namespace kvtier {
+
+absl::StatusOr<std::unique_ptr<SelectChannel>> Client::OpenChannel(uint64_t size_bytes) {
+  if (!absl::StartsWith(address_, "unix:")) {
+    return absl::FailedPreconditionError(
+        "OpenChannel: channels are handed over the Unix socket only");
+  }
+  v1::OpenChannelRequest req;
+  req.set_size_bytes(size_bytes);
+  v1::OpenChannelResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  if (grpc::Status s = stub_->OpenChannel(&ctx, req, &resp); !s.ok()) return FromGrpcStatus(s);
+  absl::StatusOr<std::vector<int>> fds = CollectFds(resp.ticket(), channel::kDescriptors);
+  if (!fds.ok()) return fds.status();
+  auto c = std::unique_ptr<SelectChannel>(new SelectChannel());
+  for (size_t i = 0; i < channel::kDescriptors; ++i) c->fds_[i] = (*fds)[i];
+  c->id_ = resp.channel_id();
+  c->worker_ = resp.worker_id();
+  c->timeout_ = options_.timeout;
+  // The memory's real size bounds everything; the header's areas must lie inside it.
+  struct stat st {};
+  if (fstat(c->fds_[0], &st) != 0 || st.st_size < static_cast<off_t>(channel::kHeaderBytes)) {
+    return absl::FailedPreconditionError("OpenChannel: the channel's memory is too small");
+  }
+  c->size_ = static_cast<uint64_t>(st.st_size);
+  void* p = mmap(nullptr, c->size_, PROT_READ | PROT_WRITE, MAP_SHARED, c->fds_[0], 0);
+  if (p == MAP_FAILED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenChannel: the channel's memory cannot be mapped: ", std::strerror(errno)));
+  }
+  c->data_ = static_cast<uint8_t*>(p);
+  channel::Header h;
+  std::memcpy(&h, c->data_, sizeof h);
+  auto inside = [&](uint64_t offset, uint64_t length) {
+    return offset >= channel::kHeaderBytes && offset <= c->size_ && length <= c->size_ - offset;
+  };
+  if (h.magic != channel::kMagic || h.version != channel::kVersion ||
+      !inside(h.request_offset, h.request_capacity) ||
+      !inside(h.response_offset, h.response_capacity)) {
+    return absl::FailedPreconditionError(
+        "OpenChannel: the channel's header is not a version-1 kvtier channel's");
+  }
+  c->request_offset_ = h.request_offset;
+  c->request_capacity_ = h.request_capacity;
+  c->response_offset_ = h.response_offset;
+  c->response_capacity_ = h.response_capacity;
+  return c;
+}
+
+SelectChannel::~SelectChannel() {
+  if (data_ != nullptr) munmap(data_, size_);
+  for (int fd : fds_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+absl::StatusOr<v1::SelectResponse> SelectChannel::Select(const v1::SelectRequest& req) {
+  v1::SelectResponse resp;
+  if (absl::Status s = Call(channel::kSelect, req, &resp); !s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::BatchSelectResponse> SelectChannel::BatchSelect(
+    const v1::BatchSelectRequest& req) {
+  v1::BatchSelectResponse resp;
+  if (absl::Status s = Call(channel::kBatchSelect, req, &resp); !s.ok()) return s;
+  return resp;
+}
+
+absl::Status SelectChannel::Release(const std::string& lease_id) {
+  v1::ReleaseRequest req;
+  req.set_lease_id(lease_id);
+  v1::ReleaseResponse resp;
+  return Call(channel::kRelease, req, &resp);
+}
+
+absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& req,
+                                 google::protobuf::Message* resp) {
+  std::lock_guard lock(mu_);
+  if (broken_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("channel ", id_, " is closed (a call timed out or the daemon hung up)"));
+  }
+  const size_t bytes = req.ByteSizeLong();
+  if (bytes > request_capacity_) {
+    return absl::ResourceExhaustedError(absl::StrCat("request: ", bytes, " bytes past channel ",
+                                                     id_, "'s request area of ",
+                                                     request_capacity_));
+  }
+  req.SerializeWithCachedSizesToArray(data_ + request_offset_);
+  auto* h = reinterpret_cast<channel::Header*>(data_);
+  h->op = op;
+  h->request_bytes = static_cast<uint32_t>(bytes);
+  h->seq = ++seq_;
+  std::atomic_thread_fence(std::memory_order_release);
+  if (eventfd_write(fds_[1], 1) != 0) {
+    broken_ = true;
+    return absl::UnavailableError(absl::StrCat("channel ", id_, ": ", std::strerror(errno)));
+  }
+  const absl::Time deadline = absl::Now() + timeout_;
+  for (;;) {
+    pollfd p[2] = {{fds_[2], POLLIN, 0}, {fds_[3], POLLIN, 0}};
+    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+    const int n = poll(p, 2, static_cast<int>(std::max<int64_t>(left, 0)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      broken_ = true;  // the answer may still come: the memory is no longer this call's
+      return absl::DeadlineExceededError(
+          absl::StrCat("channel ", id_, ": no answer within ", absl::FormatDuration(timeout_)));
+    }
+    eventfd_t rung = 0;
+    if (p[0].revents & POLLIN) eventfd_read(fds_[2], &rung);  // nonblocking: a lost race is fine
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (h->answered_seq == seq_) break;
+    if (p[1].revents != 0) {  // the daemon hung up (drained, exited) before answering
+      broken_ = true;
+      return absl::UnavailableError(absl::StrCat("channel ", id_, ": the daemon closed it"));
+    }
+  }
+  const int32_t code = h->code;
+  const uint32_t got = h->response_bytes;
+  if (got > response_capacity_) {
+    broken_ = true;
+    return absl::FailedPreconditionError(
+        absl::StrCat("channel ", id_, ": an answer of ", got, " bytes past its response area"));
+  }
+  const uint8_t* out = data_ + response_offset_;
+  if (code != 0) {
+    const auto c = static_cast<absl::StatusCode>(code >= 1 && code <= 16 ? code : 2 /*UNKNOWN*/);
+    return absl::Status(c, std::string(reinterpret_cast<const char*>(out), got));
+  }
+  if (!resp->ParseFromArray(out, static_cast<int>(got))) {
+    return absl::DataLossError(absl::StrCat("channel ", id_, ": an answer that does not parse"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,60 @@
+// The shared-memory Select channel (OpenChannel): its memory's layout and its descriptors, as
+// the daemon and every client read them. Part of the API: a client in another language
+// follows this file.
+//
+// The channel is one memory object (an unnamed memfd, read-write) and three more descriptors,
+// handed in this order by the ticket of the OpenChannel call on the descriptor socket:
+//   0  the memory: a Header at offset 0, the request area and the response area after it
+//   1  the request doorbell, an eventfd the worker adds 1 to once a request is written
+//   2  the response doorbell, an eventfd the daemon adds 1 to once the answer is written
+//   3  the worker's end of a socket pair: nothing travels on it; it closes when either side
+//      goes away, so the daemon ends the channel (and the leases of its Selects) when the
+//      worker dies, and the worker sees a daemon that exits or drains
+// One call at a time per channel: the worker writes the request's bytes (the serialized
+// message of `op`) at request_offset, then op, request_bytes and a new seq, then rings the
+// request doorbell; it waits for the response doorbell (and the socket) until answered_seq is
+// its seq, then reads code and response_bytes: the serialized response when code is 0, else
+// the error's message (code is an absl/gRPC status code). Fields are little-endian.
+#ifndef KVTIER_CHANNEL_LAYOUT_H_
+#define KVTIER_CHANNEL_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvtier::channel {
+
+constexpr uint32_t kMagic = 0x4843564bu;  // "KVCH"
+constexpr uint32_t kVersion = 1;
+
+enum Op : uint32_t {
+  kSelect = 1,       // SelectRequest -> SelectResponse
+  kBatchSelect = 2,  // BatchSelectRequest -> BatchSelectResponse
+  kRelease = 3,      // ReleaseRequest -> ReleaseResponse
+};
+
+struct Header {
+  // Written by the daemon when it opens the channel.
+  uint32_t magic;
+  uint32_t version;
+  uint64_t request_offset;
+  uint64_t request_capacity;
+  uint64_t response_offset;
+  uint64_t response_capacity;
+  // Written by the worker, per call, before it rings.
+  uint32_t op;
+  uint32_t request_bytes;
+  uint64_t seq;
+  // Written by the daemon, per answer, before it rings.
+  uint64_t answered_seq;
+  int32_t code;
+  uint32_t response_bytes;
+};
+
+// The areas start here (a page), so the header never shares a page with them.
+constexpr size_t kHeaderBytes = 4096;
+// Descriptors a channel's ticket hands over, in the order above.
+constexpr size_t kDescriptors = 4;
+
+}  // namespace kvtier::channel
+
+#endif  // KVTIER_CHANNEL_LAYOUT_H_

@@ -1,0 +1,228 @@
+#include "server/rpc/select_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvtier/channel_layout.h"
+#include "server/common/log.h"
+#include "server/common/mutex.h"
+
+namespace kvtier {
+namespace {
+
+absl::Status Errno(absl::string_view what) {
+  return absl::InternalError(absl::StrCat("OpenChannel: ", what, ": ", std::strerror(errno)));
+}
+
+void CloseFd(int fd) {
+  if (fd >= 0) close(fd);
+}
+
+}  // namespace
+
+struct ChannelHub::Channel {
+  Channel(uint64_t id, std::string tenant, ShmSegment shm)
+      : id(id), tenant(std::move(tenant)), shm(std::move(shm)) {}
+  ~Channel() {
+    for (int fd : {request_fd, response_fd, sock, worker_sock.load()}) CloseFd(fd);
+  }
+  const uint64_t id;
+  const std::string tenant;
+  std::string worker;  // set before the thread starts
+  ShmSegment shm;
+  uint64_t request_capacity = 0, response_capacity = 0;
+  int request_fd = -1, response_fd = -1;  // eventfds
+  int sock = -1;                          // the daemon's end
+  std::atomic<int> worker_sock{-1};       // the worker's end, until collected
+  absl::Time collect_by;
+  std::thread thread;
+  std::atomic<bool> ended{false};
+};
+
+ChannelHub::ChannelHub(std::string label, Hooks hooks)
+    : label_(std::move(label)), hooks_(std::move(hooks)), stop_fd_(eventfd(0, EFD_CLOEXEC)) {}
+
+ChannelHub::~ChannelHub() {
+  Stop();
+  CloseFd(stop_fd_);
+}
+
+absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, uint64_t size_bytes,
+                                                    uint64_t max_bytes) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t want = size_bytes == 0 ? kDefaultBytes : size_bytes;
+  if (want < kMinBytes || want > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("size_bytes: ", size_bytes, "; a channel holds ",
+                                                   kMinBytes, " to ", max_bytes,
+                                                   " bytes (max_message_size), 0: ", kDefaultBytes));
+  }
+  const uint64_t size = (want + page - 1) / page * page;
+  uint64_t id;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || stop_fd_ < 0) return absl::UnavailableError("kvtierd is draining");
+    ReapLocked();
+    int mine = 0;
+    for (const auto& [other, c] : channels_) mine += c->tenant == tenant;
+    if (channels_.size() >= kMaxChannels || mine >= kMaxPerTenant) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "OpenChannel: tenant \"", tenant, "\" has ", mine, " channels open (at most ",
+          kMaxPerTenant, "; ", channels_.size(), " of ", kMaxChannels,
+          " in all); close one (its worker's descriptors) first"));
+    }
+    id = next_id_++;
+  }
+  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(absl::StrCat(label_, "-channel-", id), size,
+                                                      ShmSegment::Naming::kMemfdShared);
+  if (!shm.ok()) return shm.status();
+  auto c = std::make_unique<Channel>(id, tenant, *std::move(shm));
+  c->request_capacity = (size - channel::kHeaderBytes) / 4 / page * page;
+  c->response_capacity = size - channel::kHeaderBytes - c->request_capacity;
+  c->request_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  c->response_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (c->request_fd < 0 || c->response_fd < 0) return Errno("eventfd");
+  int pair[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return Errno("socketpair");
+  c->sock = pair[0];
+  c->worker_sock.store(pair[1]);
+  channel::Header h{};
+  h.magic = channel::kMagic;
+  h.version = channel::kVersion;
+  h.request_offset = channel::kHeaderBytes;
+  h.request_capacity = c->request_capacity;
+  h.response_offset = channel::kHeaderBytes + c->request_capacity;
+  h.response_capacity = c->response_capacity;
+  std::memcpy(c->shm.data(), &h, sizeof h);
+  c->collect_by = absl::Now() + kCollectWithin;
+  c->worker = hooks_.attach(tenant);  // before mu_: the lease table's lock comes first
+  const Opened opened{id, size, c->worker};
+  MutexLock lock(&mu_);
+  if (stopping_) {
+    hooks_.detach(c->worker);
+    return absl::UnavailableError("kvtierd is draining");
+  }
+  Channel* raw = c.get();
+  raw->thread = std::thread([this, raw] { Serve(raw); });
+  channels_.emplace(id, std::move(c));
+  return opened;
+}
+
+absl::StatusOr<int> ChannelHub::OpenFd(uint64_t id, const std::string& tenant, size_t index) {
+  MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  if (it == channels_.end() || it->second->tenant != tenant || it->second->ended.load()) {
+    return absl::NotFoundError(absl::StrCat("channel ", id, " is not this tenant's"));
+  }
+  Channel& c = *it->second;
+  switch (index) {
+    case 0:
+      return c.shm.OpenWritableFd();
+    case 1:
+    case 2: {
+      const int fd = fcntl(index == 1 ? c.request_fd : c.response_fd, F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) return Errno("dup");
+      return fd;
+    }
+    case 3: {
+      const int fd = c.worker_sock.exchange(-1);  // the channel lets go: it hangs up with it
+      if (fd < 0) return absl::NotFoundError(absl::StrCat("channel ", id, " was collected"));
+      return fd;
+    }
+    default:
+      return absl::NotFoundError(absl::StrCat("channel ", id, " has no descriptor ", index));
+  }
+}
+
+void ChannelHub::Stop() {
+  std::map<uint64_t, std::unique_ptr<Channel>> all;
+  {
+    MutexLock lock(&mu_);
+    if (!stopping_ && stop_fd_ >= 0) eventfd_write(stop_fd_, 1);
+    stopping_ = true;
+    all.swap(channels_);
+  }
+  for (auto& [id, c] : all) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+}
+
+int ChannelHub::open_channels() const {
+  MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& [id, c] : channels_) n += !c->ended.load();
+  return n;
+}
+
+void ChannelHub::ReapLocked() {
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    if (!it->second->ended.load()) {
+      ++it;
+      continue;
+    }
+    it->second->thread.join();  // it has ended: this returns at once
+    it = channels_.erase(it);
+  }
+}
+
+void ChannelHub::Serve(Channel* c) {
+  for (;;) {
+    const bool uncollected = c->worker_sock.load() >= 0;
+    if (uncollected && absl::Now() > c->collect_by) break;  // nobody came for it
+    pollfd p[3] = {{c->request_fd, POLLIN, 0}, {c->sock, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (poll(p, 3, uncollected ? 1000 : -1) < 0) {
+      if (errno == EINTR) continue;
+      KVLOG(error, "channel.poll", "channel={} error={}", c->id, LogValue(std::strerror(errno)));
+      break;
+    }
+    if (p[2].revents != 0) break;  // the daemon stops
+    // The worker's end closed (or it wrote to a socket that carries nothing): the channel ends.
+    if (p[1].revents != 0) break;
+    eventfd_t rung = 0;
+    if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0) Answer(c);
+  }
+  hooks_.detach(c->worker);  // its Selects' leases end now
+  shutdown(c->sock, SHUT_RDWR);  // the worker sees the hang-up
+  c->ended.store(true);
+  KVLOG(debug, "channel.end", "channel={} tenant={}", c->id, LogValue(c->tenant));
+}
+
+void ChannelHub::Answer(Channel* c) {
+  uint8_t* base = c->shm.data();
+  channel::Header h;
+  std::memcpy(&h, base, sizeof h);  // a snapshot: the worker may write meanwhile
+  absl::Status s;
+  std::string out;
+  if (h.request_bytes > c->request_capacity) {
+    s = absl::InvalidArgumentError(absl::StrCat("request_bytes: ", h.request_bytes,
+                                                " past the request area's ", c->request_capacity));
+  } else {
+    const std::string request(reinterpret_cast<const char*>(base + channel::kHeaderBytes),
+                              h.request_bytes);
+    s = hooks_.serve(Call{c->tenant, c->worker, h.op, request, c->response_capacity}, &out);
+    if (s.ok() && out.size() > c->response_capacity) {  // the bound is checked first: a bug
+      s = absl::InternalError("the reply outgrew the channel's response area");
+    }
+  }
+  if (!s.ok()) out = std::string(s.message().substr(0, c->response_capacity));
+  std::memcpy(base + channel::kHeaderBytes + c->request_capacity, out.data(), out.size());
+  // The answer's fields, then its seq, then the doorbell.
+  auto* shared = reinterpret_cast<channel::Header*>(base);
+  shared->code = static_cast<int32_t>(s.code());
+  shared->response_bytes = static_cast<uint32_t>(out.size());
+  std::atomic_thread_fence(std::memory_order_release);
+  shared->answered_seq = h.seq;
+  eventfd_write(c->response_fd, 1);
+}
+
+}  // namespace kvtier

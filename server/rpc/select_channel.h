@@ -1,0 +1,94 @@
+// Shared-memory Select channels (OpenChannel; the layout is kvtier/channel_layout.h): a
+// worker on this host calls Select, BatchSelect and Release through memory it shares with
+// the daemon and two eventfd doorbells, without gRPC. Each channel is one tenant's, fixed
+// when the authenticated OpenChannel call made it, and is a worker of that tenant's (its
+// Selects' leases end with it); a thread of its own serves it, one call at a time. The
+// request's bytes are copied out of the shared memory before they are parsed, so a worker
+// writing meanwhile changes only what it sent. A channel ends when its worker's end of the
+// socket pair closes (the worker exited or closed it), when its descriptors are not collected
+// within kCollectWithin, or when the hub stops (the daemon drains): then the worker's socket
+// end sees the hang-up.
+//
+// Thread-safe. mu_ is lock order 19, a leaf.
+#ifndef KVTIER_SERVER_RPC_SELECT_CHANNEL_H_
+#define KVTIER_SERVER_RPC_SELECT_CHANNEL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/tier/shm_segment.h"
+
+namespace kvtier {
+
+class ChannelHub {
+ public:
+  static constexpr int kMaxChannels = 256, kMaxPerTenant = 64;
+  static constexpr uint64_t kDefaultBytes = 4ull << 20, kMinBytes = 64ull << 10;
+  static constexpr absl::Duration kCollectWithin = absl::Seconds(15);
+
+  struct Call {
+    const std::string& tenant;
+    const std::string& worker;  // the channel's own worker id
+    uint32_t op;                // channel::Op
+    absl::string_view request;  // the serialized request, a private copy
+    uint64_t reply_limit;       // the response area's bytes: a larger reply is refused first
+  };
+  struct Hooks {
+    // Serves one call: the serialized response into `out`, or an error.
+    std::function<absl::Status(const Call& call, std::string* out)> serve;
+    // A new worker of `tenant` for a channel, and its end.
+    std::function<std::string(const std::string& tenant)> attach;
+    std::function<void(const std::string& worker)> detach;
+  };
+
+  ChannelHub(std::string label, Hooks hooks);
+  ~ChannelHub();  // Stop()
+  ChannelHub(const ChannelHub&) = delete;
+  ChannelHub& operator=(const ChannelHub&) = delete;
+
+  struct Opened {
+    uint64_t id;
+    uint64_t size_bytes;
+    std::string worker_id;
+  };
+  // A channel of `tenant` whose memory holds `size_bytes` (0: kDefaultBytes; rounded up to
+  // pages; at most `max_bytes`): INVALID_ARGUMENT naming size_bytes out of range,
+  // RESOURCE_EXHAUSTED past kMaxChannels or kMaxPerTenant, UNAVAILABLE once stopping,
+  // INTERNAL when the kernel refuses a descriptor.
+  absl::StatusOr<Opened> Open(const std::string& tenant, uint64_t size_bytes, uint64_t max_bytes);
+  // Descriptor `index` (channel_layout.h) of channel `id` of `tenant`, for the descriptor
+  // socket, which closes it after sending. The worker's socket end is handed once (the
+  // channel lets go of it); NOT_FOUND for no such live channel of this tenant.
+  absl::StatusOr<int> OpenFd(uint64_t id, const std::string& tenant, size_t index);
+  // Ends every channel and joins their threads; Open is UNAVAILABLE from then on.
+  void Stop();
+  int open_channels() const;
+
+ private:
+  struct Channel;
+  void Serve(Channel* c);           // the channel's thread
+  void Answer(Channel* c);          // one call
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // joins ended channels' threads
+
+  const std::string label_;
+  const Hooks hooks_;
+  int stop_fd_ = -1;  // an eventfd every channel's thread polls; written once by Stop
+  mutable absl::Mutex mu_;  // lock order 19 (server/common/lock_order.h)
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_RPC_SELECT_CHANNEL_H_
