@@ -29,6 +29,20 @@ void CloseFd(int fd) {
   if (fd >= 0) close(fd);
 }
 
+// Spins up to kSpin until `ready()`; true when it became so.
+template <typename Ready>
+bool SpinFor(Ready&& ready) {
+  constexpr absl::Duration kSpin = absl::Microseconds(ChannelHub::kSpinUs);
+  const absl::Time until = absl::Now() + kSpin;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 63) == 63 && absl::Now() > until) return false;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 }  // namespace
 
 struct ChannelHub::Channel {
@@ -176,7 +190,15 @@ void ChannelHub::ReapLocked() {
 }
 
 void ChannelHub::Serve(Channel* c) {
+  const auto* shared = reinterpret_cast<const channel::Header*>(c->shm.data());
+  uint64_t answered = 0;  // the last seq answered
   for (;;) {
+    // A decode loop's next call often comes at once: a short spin on the worker's seq saves
+    // the doorbell's wake-up (the doorbell is drained when the thread next polls).
+    if (SpinFor([&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; })) {
+      answered = Answer(c);
+      continue;
+    }
     const bool uncollected = c->worker_sock.load() >= 0;
     if (uncollected && absl::Now() > c->collect_by) break;  // nobody came for it
     pollfd p[3] = {{c->request_fd, POLLIN, 0}, {c->sock, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
@@ -189,7 +211,10 @@ void ChannelHub::Serve(Channel* c) {
     // The worker's end closed (or it wrote to a socket that carries nothing): the channel ends.
     if (p[1].revents != 0) break;
     eventfd_t rung = 0;
-    if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0) Answer(c);
+    if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0 &&
+        __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered) {
+      answered = Answer(c);
+    }
   }
   hooks_.detach(c->worker);  // its Selects' leases end now
   shutdown(c->sock, SHUT_RDWR);  // the worker sees the hang-up
@@ -197,7 +222,7 @@ void ChannelHub::Serve(Channel* c) {
   KVLOG(debug, "channel.end", "channel={} tenant={}", c->id, LogValue(c->tenant));
 }
 
-void ChannelHub::Answer(Channel* c) {
+uint64_t ChannelHub::Answer(Channel* c) {
   uint8_t* base = c->shm.data();
   channel::Header h;
   std::memcpy(&h, base, sizeof h);  // a snapshot: the worker may write meanwhile
@@ -221,8 +246,9 @@ void ChannelHub::Answer(Channel* c) {
   shared->code = static_cast<int32_t>(s.code());
   shared->response_bytes = static_cast<uint32_t>(out.size());
   std::atomic_thread_fence(std::memory_order_release);
-  shared->answered_seq = h.seq;
+  __atomic_store_n(&shared->answered_seq, h.seq, __ATOMIC_RELEASE);
   eventfd_write(c->response_fd, 1);
+  return h.seq;
 }
 
 }  // namespace kvtier
