@@ -8,6 +8,12 @@
 // (OpenChannel), interleaved with the same Echo RPCs, against them.
 // select_scaling: Select throughput of two workers at once, each with its own channel and
 // session, against one worker alone.
+// decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
+// (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
+// worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
+// on fp16 K and V held in its memory).
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <thread>
@@ -164,6 +170,118 @@ void Scaling(const std::string& address, const std::vector<std::string>& sids, i
           {"target_ratio", "1.7"}}});
 }
 
+// Exact attention of one layer in the worker: every query head over all `n` tokens of its KV
+// head (K and V fp32 [kv][n][d]); `out` [q][d].
+void ExactAttention(const std::vector<float>& q, const std::vector<float>& k,
+                    const std::vector<float>& v, int n, std::vector<float>* out,
+                    std::vector<float>* scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  scores->resize(n);
+  for (int h = 0; h < kQ; ++h) {
+    const int g = h / (kQ / kKv);
+    const float* qh = q.data() + h * kD;
+    const float* kg = k.data() + size_t(g) * n * kD;
+    const float* vg = v.data() + size_t(g) * n * kD;
+    float peak = -1e30f;
+    for (int t = 0; t < n; ++t) {
+      float dot = 0;
+      for (int i = 0; i < kD; ++i) dot += qh[i] * kg[size_t(t) * kD + i];
+      (*scores)[t] = dot * scale;
+      peak = std::max(peak, (*scores)[t]);
+    }
+    float sum = 0;
+    for (int t = 0; t < n; ++t) sum += (*scores)[t] = std::exp((*scores)[t] - peak);
+    float* o = out->data() + h * kD;
+    std::fill(o, o + kD, 0.0f);
+    for (int t = 0; t < n; ++t) {
+      const float p = (*scores)[t] / sum;
+      for (int i = 0; i < kD; ++i) o[i] += p * vg[size_t(t) * kD + i];
+    }
+  }
+}
+
+void DecodeStep(Client& c, int context, int steps) {
+  auto s = c.CreateSession(SmolLm2Session());
+  if (!s.ok()) std::exit(1);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0, 1);
+  constexpr int kPart = 512;
+  std::vector<float> k0(size_t(kKv) * context * kD), v0(k0.size());  // layer 0's, in fp32
+  std::vector<uint16_t> keys(size_t(kKv) * kPart * kD), values(keys.size());
+  for (int start = 0; start < context; start += kPart) {
+    std::vector<v1::AppendKVRequest> reqs;
+    for (int l = 0; l < kLayers; ++l) {
+      for (auto& h : keys) h = FloatToHalf(n(rng));
+      for (auto& h : values) h = FloatToHalf(n(rng));
+      if (l == 0) {
+        for (int g = 0; g < kKv; ++g) {
+          for (size_t i = 0; i < size_t(kPart) * kD; ++i) {
+            const size_t at = (size_t(g) * context + start) * kD + i;
+            k0[at] = HalfToFloat(keys[size_t(g) * kPart * kD + i]);
+            v0[at] = HalfToFloat(values[size_t(g) * kPart * kD + i]);
+          }
+        }
+      }
+      v1::AppendKVRequest r;
+      r.set_session_id(s->session_id());
+      r.set_layer(l);
+      r.set_start_token(start);
+      r.set_num_tokens(kPart);
+      r.set_keys(std::string(reinterpret_cast<const char*>(keys.data()), keys.size() * 2));
+      r.set_values(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 2));
+      reqs.push_back(std::move(r));
+    }
+    if (!c.AppendKV(reqs).ok()) std::exit(1);
+  }
+  for (;;) {  // every chunk aged, as in a decode after the prefill
+    auto d = c.DescribeSession(s->session_id());
+    if (!d.ok()) std::exit(1);
+    if (d->info().aging_backlog_tokens() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto channel = c.OpenChannel();
+  if (!channel.ok()) std::exit(1);
+  std::vector<v1::SelectRequest> layers;
+  for (int l = 0; l < kLayers; ++l) {
+    v1::SelectRequest r = Request(s->session_id(), 256);
+    r.set_layer(l);
+    layers.push_back(std::move(r));
+  }
+  std::vector<float> q(size_t(kQ) * kD), out(q.size()), scores;
+  for (auto& x : q) x = n(rng);
+  std::vector<double> kvtier_ms, exact_ms;
+  for (int step = 0; step < steps + 3; ++step) {
+    const double t0 = NowSeconds();
+    for (const v1::SelectRequest& r : layers) {
+      auto m = (*channel)->Select(r);
+      if (!m.ok()) std::exit(1);
+      (void)(*channel)->Release(m->lease_id());
+    }
+    const double t1 = NowSeconds();
+    for (int l = 0; l < kLayers; ++l) ExactAttention(q, k0, v0, context, &out, &scores);
+    const double t2 = NowSeconds();
+    if (out[0] == 12345.0f) std::puts("");  // keep the arithmetic
+    if (step >= 3) {  // warm-up
+      kvtier_ms.push_back((t1 - t0) * 1e3);
+      exact_ms.push_back((t2 - t1) * 1e3);
+    }
+  }
+  (void)c.CloseSession(s->session_id());
+  Print({"decode_step_kvtier_ms",
+         Median(kvtier_ms),
+         "ms",
+         Median(exact_ms),
+         "exact_attention_ms",
+         {{"context_tokens", std::to_string(context)},
+          {"budget_tokens", "256"},
+          {"layers", std::to_string(kLayers)},
+          {"shape", "30x9/3x64"},
+          {"path", "Select channel, each Select then its Release; default policy"},
+          {"baseline", "the worker's exact attention over the whole context, fp32 arithmetic, "
+                       "one thread"},
+          {"steps", std::to_string(steps)}}});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -211,5 +329,9 @@ int main(int argc, char** argv) {
       400);
   Run(c, s->session_id(), context, 256, false, true, "rows of an 8x pool, row handles",
       "_refined_rows", 5, 400);
+  (void)c.CloseSession(s->session_id());
+  (void)c.CloseSession(forked->session_id());
+  DecodeStep(c, 4096, 20);
+  DecodeStep(c, 32768, 10);
   return 0;
 }

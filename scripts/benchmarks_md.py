@@ -24,6 +24,12 @@ COMMANDS = {
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
 TARGETS = [
     ("select_rpc_", "<=", 1.3, "Select RPC vs a bare echo of the same bytes, same channel"),
+    ("select_shm_", "<=", 0.25, "Select through a shared-memory Select channel (OpenChannel) vs "
+     "the bare gRPC echo of the same bytes"),
+    ("decode_step_kvtier_ms", None, None, "what kvtier adds to one decoded token: 30 sequential "
+     "layer Selects and their Releases through a Select channel (default policy, budget 256), "
+     "vs the worker's own exact attention of the 30 layers over the whole context (fp32 on one "
+     "core; EVAL: reported, and below it at 32K)"),
     ("select_scaling", ">=", 1.7, "Select throughput of two workers at once (each its own "
      "channel and session) vs one worker alone, on the same daemon"),
     ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes K and "
