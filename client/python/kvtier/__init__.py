@@ -11,6 +11,6 @@
 
 The stubs in kvtier.v1 are generated from proto/ by `make venv`.
 """
-from kvtier.client import Client, KvTierError, SegmentMap
+from kvtier.client import Client, KvTierError, SegmentMap, SelectChannel, Staging
 
-__all__ = ["Client", "KvTierError", "SegmentMap"]
+__all__ = ["Client", "KvTierError", "SegmentMap", "SelectChannel", "Staging"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import select
 import socket
+import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -206,6 +209,119 @@ class Staging:
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.bytes[offset:offset + raw.size] = raw
         return offset + raw.size
+
+
+# The Select channel's header (client/include/kvtier/channel_layout.h), little-endian.
+_CHANNEL_HEADER = struct.Struct("<IIQQQQIIQQiI")
+_CHANNEL_MAGIC, _CHANNEL_VERSION, _CHANNEL_HEADER_BYTES = 0x4843564B, 1, 4096
+_OP_SELECT, _OP_BATCH_SELECT, _OP_RELEASE = 1, 2, 3
+
+
+class SelectChannel:
+    """A shared-memory Select channel (Client.open_channel): select, batch_select and release
+    without gRPC, as the client's tenant. One call at a time; `close()` (or the process's end)
+    ends it, and the leases of its Selects with it."""
+
+    def __init__(self, channel_id: int, worker_id: str, fds: list[int], timeout: float):
+        self.id = channel_id
+        self.worker_id = worker_id
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._fds = fds
+        try:
+            size = os.fstat(fds[0]).st_size
+            self._mem = mmap.mmap(fds[0], size)
+            (magic, version, self._req_off, self._req_cap, self._resp_off,
+             self._resp_cap) = _CHANNEL_HEADER.unpack_from(self._mem, 0)[:6]
+            def inside(off, n):
+                return _CHANNEL_HEADER_BYTES <= off <= size and n <= size - off
+            if (magic != _CHANNEL_MAGIC or version != _CHANNEL_VERSION
+                    or not inside(self._req_off, self._req_cap)
+                    or not inside(self._resp_off, self._resp_cap)):
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  "OpenChannel: the header is not a version-1 kvtier channel's")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "_mem", None) is not None:
+            self._mem.close()
+            self._mem = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, op: int, request, response):
+        with self._lock:
+            if not self._fds:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"channel {self.id} is closed")
+            raw = request.SerializeToString()
+            if len(raw) > self._req_cap:
+                raise KvTierError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"request: {len(raw)} bytes past channel {self.id}'s request "
+                                  f"area of {self._req_cap}")
+            self._mem[self._req_off:self._req_off + len(raw)] = raw
+            self._seq += 1
+            struct.pack_into("<IIQ", self._mem, 40, op, len(raw), self._seq)
+            os.eventfd_write(self._fds[1], 1)
+            deadline = time.monotonic() + self._timeout
+            poller = select.poll()
+            poller.register(self._fds[2], select.POLLIN)
+            poller.register(self._fds[3], select.POLLIN)
+            while True:
+                answered, code, got = struct.unpack_from("<QiI", self._mem, 56)
+                if answered == self._seq:
+                    break
+                left = deadline - time.monotonic()
+                events = dict(poller.poll(max(left, 0) * 1000)) if left > 0 else {}
+                if not events:
+                    self.close()
+                    raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"channel {self.id}: no answer within {self._timeout} s")
+                if self._fds[2] in events:
+                    try:
+                        os.eventfd_read(self._fds[2])
+                    except BlockingIOError:
+                        pass
+                if self._fds[3] in events and struct.unpack_from("<Q", self._mem, 56)[0] != \
+                        self._seq:
+                    self.close()
+                    raise KvTierError(grpc.StatusCode.UNAVAILABLE,
+                                      f"channel {self.id}: the daemon closed it")
+            if got > self._resp_cap:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"channel {self.id}: an answer past its response area")
+            body = self._mem[self._resp_off:self._resp_off + got]
+        if code != 0:
+            status = {c.value[0]: c for c in grpc.StatusCode}.get(code, grpc.StatusCode.UNKNOWN)
+            raise KvTierError(status, body.decode(errors="replace"))
+        response.ParseFromString(body)
+        return response
+
+    def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
+               include_data: bool = False, row_handles: bool = True,
+               **fields) -> pb.SelectResponse:
+        """As Client.select; the lease is the channel's worker's unless `worker_id` is given."""
+        q = np.ascontiguousarray(query, dtype=np.float32)
+        return self._call(_OP_SELECT, pb.SelectRequest(
+            session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
+            include_data=include_data, row_handles=row_handles, **fields), pb.SelectResponse())
+
+    def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
+        return self._call(_OP_BATCH_SELECT, pb.BatchSelectRequest(requests=requests),
+                          pb.BatchSelectResponse())
+
+    def release(self, lease_id: str) -> None:
+        self._call(_OP_RELEASE, pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse())
 
 
 class Client:
@@ -553,6 +669,16 @@ class Client:
         finally:
             os.close(fd)
         return Staging(resp.staging_id, buf)
+
+    def open_channel(self, size_bytes: int = 0) -> SelectChannel:
+        """A shared-memory Select channel (OpenChannel) for this thread's decode loop. Unix
+        socket only."""
+        if not self.address.startswith("unix:"):
+            raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "OpenChannel: channels are handed over the Unix socket only")
+        resp = self._unary("OpenChannel", pb.OpenChannelRequest(size_bytes=size_bytes))
+        fds = self._collect_fds(resp.ticket, 4)
+        return SelectChannel(resp.channel_id, resp.worker_id, fds, self.timeout)
 
     def list_segments(self) -> list[pb.Segment]:
         return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)

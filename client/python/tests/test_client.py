@@ -345,6 +345,60 @@ def test_append_layers_goes_through_a_staging_area_and_stores_the_same(start_dae
         assert "max_staging_size" in e.value.message
 
 
+def test_select_channel_answers_as_the_rpc_and_a_dead_worker_loses_its_leases(start_daemon):
+    """A Select through the shared-memory channel returns the RPC's handles and errors; a worker
+    process that dies holding the channel's leases (it never releases them) loses them at once,
+    not at their TTL."""
+    d = start_daemon("--lease_ttl_ms", "600000")
+    rng = np.random.default_rng(25)
+    k, v = make_kv(rng, 500)
+    q = rng.standard_normal((QH, D))
+    with kvtier.Client(d.address, tenant="alice") as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(sid, 0, k, v, wait_aged=True)
+        with c.open_channel() as ch:
+            assert ch.worker_id
+            a = ch.select(sid, 2, q, budget_tokens=128, include_data=True)
+            b = c.select(sid, 2, q, budget_tokens=128, include_data=True)
+            for ha, hb in zip(a.heads, b.heads):
+                assert [x.chunk_id for x in ha.blocks] == [x.chunk_id for x in hb.blocks]
+                assert [x.keys for x in ha.blocks] == [x.keys for x in hb.blocks]
+            ch.release(a.lease_id)
+            c.release(b.lease_id)
+            with pytest.raises(kvtier.KvTierError) as e:
+                ch.select(sid, L, q)  # no such layer: the RPC's own error
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "layer" in e.value.message
+            batch = ch.batch_select([pb.SelectRequest(
+                session_id=sid, layer=layer, query=np.float32(q).tobytes(), budget_tokens=128)
+                for layer in range(L)])
+            assert len(batch.responses) == L
+            assert c.describe_session(sid).info.active_leases == L
+        # Closed: its leases end (seen by the daemon's channel thread, so polled).
+        for _ in range(100):
+            if c.describe_session(sid).info.active_leases == 0:
+                break
+            time.sleep(0.05)
+        assert c.describe_session(sid).info.active_leases == 0
+        worker = subprocess.run(
+            [sys.executable, "-c", f"""
+import os, numpy as np, kvtier
+c = kvtier.Client({d.address!r}, tenant="alice")
+ch = c.open_channel()
+for layer in range({L}):
+    ch.select({sid!r}, layer, np.ones(({QH}, {D}), np.float32), budget_tokens=128)
+print("selected", c.describe_session({sid!r}).info.active_leases, flush=True)
+os._exit(0)  # dies holding the leases: nothing released, nothing closed
+"""], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(kvtier.__file__).parents[1])})
+        assert worker.stdout.split() == ["selected", str(L)], worker.stderr
+        for _ in range(100):
+            if c.describe_session(sid).info.active_leases == 0:
+                break
+            time.sleep(0.05)
+        assert c.describe_session(sid).info.active_leases == 0, "the dead worker's leases stayed"
+
+
 def _pki(tmp_path):
     """A CA, a server certificate for 127.0.0.1 and a client certificate CN=carol, O=team-c."""
     def run(*args):
