@@ -45,8 +45,8 @@ v1::SelectRequest Request(const std::string& sid, uint32_t budget) {
 }
 
 void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
-         bool row_handles, const std::string& mode, const std::string& suffix, int reps,
-         int iters, SelectChannel* channel = nullptr) {
+         bool row_handles, const std::string& mode, const std::string& suffix, int reps, int iters,
+         SelectChannel* channel = nullptr) {
   v1::SelectRequest req = Request(sid, budget);
   req.set_include_data(include_data);
   req.set_row_handles(row_handles);
@@ -261,7 +261,7 @@ void DecodeStep(Client& c, int context, int steps) {
     for (int l = 0; l < kLayers; ++l) ExactAttention(q, k0, v0, context, &out, &scores);
     const double t2 = NowSeconds();
     if (out[0] == 12345.0f) std::puts("");  // keep the arithmetic
-    if (step >= 3) {  // warm-up
+    if (step >= 3) {                        // warm-up
       kvtier_ms.push_back((t1 - t0) * 1e3);
       exact_ms.push_back((t2 - t1) * 1e3);
     }
@@ -277,8 +277,9 @@ void DecodeStep(Client& c, int context, int steps) {
           {"layers", std::to_string(kLayers)},
           {"shape", "30x9/3x64"},
           {"path", "Select channel, each Select then its Release; default policy"},
-          {"baseline", "the worker's exact attention over the whole context, fp32 arithmetic, "
-                       "one thread"},
+          {"baseline",
+           "the worker's exact attention over the whole context, fp32 arithmetic, "
+           "one thread"},
           {"steps", std::to_string(steps)}}});
 }
 

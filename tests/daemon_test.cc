@@ -1323,8 +1323,7 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
       // The caller's own sessions only, an admin's too (the area is handed to its tenant).
       {"OpenStaging", [&](Client& c) { return c.OpenStaging(a, 4096).status(); }, kUnauth, kOk,
        kDenied, kDenied},
-      {"OpenChannel", [&](Client& c) { return c.OpenChannel().status(); }, kUnauth, kOk, kOk,
-       kOk},
+      {"OpenChannel", [&](Client& c) { return c.OpenChannel().status(); }, kUnauth, kOk, kOk, kOk},
       {"Echo", [&](Client& c) { return c.Echo("hi").status(); }, kUnauth, kOk, kOk, kOk},
       {"Attach", [&](Client& c) { return c.WorkerId().status(); }, kUnauth, kOk, kOk, kOk},
       {"Drain (refused)", [&](Client& c) { return c.Drain().status(); }, kUnauth, kDenied, kDenied,

@@ -104,9 +104,8 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
   }
   const size_t bytes = req.ByteSizeLong();
   if (bytes > request_capacity_) {
-    return absl::ResourceExhaustedError(absl::StrCat("request: ", bytes, " bytes past channel ",
-                                                     id_, "'s request area of ",
-                                                     request_capacity_));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: ", bytes, " bytes past channel ", id_, "'s request area of ", request_capacity_));
   }
   req.SerializeWithCachedSizesToArray(data_ + request_offset_);
   auto* h = reinterpret_cast<channel::Header*>(data_);

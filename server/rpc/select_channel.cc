@@ -77,9 +77,9 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t want = size_bytes == 0 ? kDefaultBytes : size_bytes;
   if (want < kMinBytes || want > max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("size_bytes: ", size_bytes, "; a channel holds ",
-                                                   kMinBytes, " to ", max_bytes,
-                                                   " bytes (max_message_size), 0: ", kDefaultBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("size_bytes: ", size_bytes, "; a channel holds ", kMinBytes, " to ", max_bytes,
+                     " bytes (max_message_size), 0: ", kDefaultBytes));
   }
   const uint64_t size = (want + page - 1) / page * page;
   uint64_t id;
@@ -90,10 +90,10 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
     int mine = 0;
     for (const auto& [other, c] : channels_) mine += c->tenant == tenant;
     if (channels_.size() >= kMaxChannels || mine >= kMaxPerTenant) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "OpenChannel: tenant \"", tenant, "\" has ", mine, " channels open (at most ",
-          kMaxPerTenant, "; ", channels_.size(), " of ", kMaxChannels,
-          " in all); close one (its worker's descriptors) first"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("OpenChannel: tenant \"", tenant, "\" has ", mine,
+                       " channels open (at most ", kMaxPerTenant, "; ", channels_.size(), " of ",
+                       kMaxChannels, " in all); close one (its worker's descriptors) first"));
     }
     id = next_id_++;
   }
@@ -216,7 +216,7 @@ void ChannelHub::Serve(Channel* c) {
       answered = Answer(c);
     }
   }
-  hooks_.detach(c->worker);  // its Selects' leases end now
+  hooks_.detach(c->worker);      // its Selects' leases end now
   shutdown(c->sock, SHUT_RDWR);  // the worker sees the hang-up
   c->ended.store(true);
   KVLOG(debug, "channel.end", "channel={} tenant={}", c->id, LogValue(c->tenant));

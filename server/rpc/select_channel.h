@@ -79,13 +79,13 @@ class ChannelHub {
 
  private:
   struct Channel;
-  void Serve(Channel* c);           // the channel's thread
-  uint64_t Answer(Channel* c);      // one call; returns the seq it answered
+  void Serve(Channel* c);                                // the channel's thread
+  uint64_t Answer(Channel* c);                           // one call; returns the seq it answered
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // joins ended channels' threads
 
   const std::string label_;
   const Hooks hooks_;
-  int stop_fd_ = -1;  // an eventfd every channel's thread polls; written once by Stop
+  int stop_fd_ = -1;        // an eventfd every channel's thread polls; written once by Stop
   mutable absl::Mutex mu_;  // lock order 19 (server/common/lock_order.h)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

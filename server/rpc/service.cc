@@ -8,12 +8,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
+#include "kvtier/channel_layout.h"
 #include "server/common/error.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
 #include "server/common/names.h"
 #include "server/common/status_macros.h"
-#include "kvtier/channel_layout.h"
 #include "server/rpc/tls.h"
 
 namespace kvtier {
@@ -775,8 +775,9 @@ grpc::ServerUnaryReactor* KvTierService::OpenChannel(grpc::CallbackServerContext
     resp->set_size_bytes(opened.size_bytes);
     resp->set_worker_id(opened.worker_id);
     std::vector<uint64_t> ids(channel::kDescriptors, opened.id);
-    ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant,
-                                                         std::move(ids), FdChannel::Grant::kChannel));
+    ASSIGN_OR_RETURN(*resp->mutable_ticket(),
+                     fds->Issue(cred->pid, cred->uid, caller.tenant, std::move(ids),
+                                FdChannel::Grant::kChannel));
     return absl::OkStatus();
   });
 }
