@@ -38,10 +38,13 @@ TEXT = "/usr/share/common-licenses/GPL-3"  # GPLv3 itself: verbatim copying is p
 # kvtier: the daemon's defaults (semantic chunks, rows refined from a pool of 8x the budget);
 # kvtier-chunks: whole contiguous chunks, the default before refinement; kvtier-contiguous:
 # contiguous chunks with refinement; the others change one thing of the defaults
-# (kvtier-split: the step's budget shared among the layers by their measured need).
+# (kvtier-split: the step's budget shared among the layers by their measured need;
+# kvtier-ahead-step: every layer's selection asked a step ahead, with the previous step's
+# queries, in one BatchSelect; kvtier-ahead-layer: each layer's asked with the previous
+# layer's query).
 ALL = ["full", "daemon-full", "int4-only", "oracle", "window", "quest", "kvtier",
        "kvtier-chunks", "kvtier-contiguous", "kvtier-mean", "kvtier-fp16", "kvtier-summaries",
-       "kvtier-boundary", "kvtier-split"]
+       "kvtier-boundary", "kvtier-split", "kvtier-ahead-step", "kvtier-ahead-layer"]
 # Token-level refinement: kvtier[-semantic]-refine<factor>[-mass][-p<percent>], e.g.
 # kvtier-refine4 (the pool 4x the budget, scored by the max over the query group),
 # kvtier-refine4-mass (by the group's mean softmax mass over the pool), kvtier-refine4-p95
@@ -95,6 +98,9 @@ def make_policies(names, budgets, client, window_share=0.25, delimiters=None):
                     out.append(Quest(b, window=window(b)))
                 elif name == "kvtier":
                     out.append(Daemon(client, "kvtier", b, window=window(b)))
+                elif name in ("kvtier-ahead-step", "kvtier-ahead-layer"):
+                    out.append(Daemon(client, name, b, window=window(b),
+                                      lookahead=name.rsplit("-", 1)[1]))
                 elif name == "kvtier-chunks":
                     out.append(Daemon(client, name, b, window=window(b), refine_factor=1,
                                       chunking=pb.CHUNKING_CONTIGUOUS))

@@ -199,14 +199,26 @@ class Daemon(Policy):
 
     `summaries`: the response also carries a mean key, mean value and count for every
     left-out group; each adds a pseudo-token with logit q.mu/sqrt(d) + log(count) and value
-    the mean value (the mass the worker did not fetch, approximated)."""
+    the mean value (the mass the worker did not fetch, approximated).
+
+    `lookahead`: selections asked for before the query they serve exists, so that a worker's
+    bytes are ready when its layer runs. "step": at the end of each step one BatchSelect
+    asks for every layer's next-step selection with this step's queries; "layer": each layer
+    asks for the next layer's selection with its own query. Either selection was made before
+    the newest token reached that layer, so the worker adds that token (its own) to what came
+    back. Token-major: each token through every layer, as a decoder runs."""
 
     def __init__(self, client, name: str, budget: int | None, *, lossless: bool = False,
                  cold_precision: int = 0, sinks: int = SINKS, window: int | None = None,
                  dense_layers: int = 2, summaries: bool = False, placement: str | None = None,
                  ranking: int = 0, chunking: int = 0, delimiters: list[int] | None = None,
                  refine_factor: int = 0, refine_score: int = 0, mass_target: float = 0.0,
-                 layer_budget: int = 0, chunk_tokens: int = 0):
+                 layer_budget: int = 0, chunk_tokens: int = 0, lookahead: str | None = None):
+        if lookahead not in (None, "step", "layer"):
+            raise ValueError(f"lookahead: {lookahead!r} is none of step, layer")
+        self.lookahead = lookahead
+        self.ahead: dict[int, pb.SelectResponse] = {}  # layer -> its selection, asked earlier
+        self.step_q: dict[int, np.ndarray] = {}        # this step's queries (lookahead step)
         self.client = client
         self.name = name
         self.budget = budget
@@ -220,7 +232,7 @@ class Daemon(Policy):
                            layer_budget=layer_budget, chunk_tokens=chunk_tokens)
         self.send_ids = bool(delimiters)  # boundary chunking cuts at the ids sent
         # Layer budgets by need share a step's rows among its layers.
-        self.token_major = layer_budget == pb.LAYER_BUDGET_BY_NEED
+        self.token_major = layer_budget == pb.LAYER_BUDGET_BY_NEED or lookahead is not None
         self.dense_layers = dense_layers
         self.summaries = summaries
         self.placement = placement
@@ -250,12 +262,43 @@ class Daemon(Policy):
         self.client.append_kv(self.sid, [(layer, pos, k[:, None, :], v[:, None, :], ids)],
                               wait_aged=True)
 
-    def attend(self, layer, n, q, cache):
+    def _request(self, layer, q) -> pb.SelectRequest:
+        return pb.SelectRequest(session_id=self.sid, layer=layer,
+                                query=np.ascontiguousarray(q, np.float32).tobytes(),
+                                budget_tokens=self.budget or 0,
+                                placement={None: pb.TIER_UNSPECIFIED, "device": pb.TIER_DEVICE,
+                                           "host": pb.TIER_HOST}[self.placement],
+                                include_summaries=self.summaries, row_handles=True)
+
+    def _select(self, layer, q) -> pb.SelectResponse:
         t0 = time.perf_counter()
         r = self.client.select(self.sid, layer, q, budget_tokens=self.budget or 0,
                                placement=self.placement, include_summaries=self.summaries)
         self.select_seconds.append(time.perf_counter() - t0)
-        if r.context_tokens != n:
+        return r
+
+    def _look_ahead(self, layer, q, num_layers):
+        """Asks now for what later attends will read (self.lookahead)."""
+        if self.lookahead == "layer" and layer + 1 < num_layers:
+            self.ahead[layer + 1] = self._select(layer + 1, q)
+        elif self.lookahead == "step":
+            self.step_q[layer] = np.array(q, np.float32)
+            if layer == num_layers - 1:  # the step's last layer: the next step's, in one call
+                t0 = time.perf_counter()
+                batch = self.client._unary("BatchSelect", pb.BatchSelectRequest(
+                    requests=[self._request(l, self.step_q[l]) for l in range(num_layers)]))
+                self.select_seconds.append(time.perf_counter() - t0)
+                self.ahead = dict(enumerate(batch.responses))
+
+    def attend(self, layer, n, q, cache):
+        r = self.ahead.pop(layer, None)
+        if r is None:
+            r = self._select(layer, q)
+        if self.lookahead:
+            self._look_ahead(layer, q, cache.K.shape[0])
+        # A selection asked ahead saw the context before this token reached the layer.
+        newest = r.context_tokens == n - 1 and self.lookahead is not None
+        if r.context_tokens != n and not newest:
             raise AssertionError(f"{self.name}: layer {layer} context {r.context_tokens} != {n}")
         H = len(r.heads)
         g = q.shape[0] // H
@@ -269,6 +312,10 @@ class Daemon(Policy):
                 else:
                     self.shm_blocks += 1
             pos, k, v = self.client.gather(head, head_dim=d)
+            if newest:  # the worker's own newest token
+                pos = np.append(pos, n - 1)
+                k = np.concatenate([k, cache.K[layer, head.kv_head, n - 1:n].astype(k.dtype)])
+                v = np.concatenate([v, cache.V[layer, head.kv_head, n - 1:n].astype(v.dtype)])
             # Position order (semantic chunks hold rows out of it): attention then sums in the
             # harness's own order, so reading everything reproduces full attention exactly.
             order = np.argsort(pos, kind="stable")
@@ -300,6 +347,9 @@ class Daemon(Policy):
         return {}
 
     def end(self):
+        for r in self.ahead.values():  # asked ahead for a step that never came
+            self.client.release(r.lease_id)
+        self.ahead = {}
         if self.sid and self.budget:
             after = self._cache_counts()
             self.cache = {k: after[k] - self.tiers_before[k] for k in after}
@@ -312,7 +362,7 @@ class Daemon(Policy):
             return {}
         ms = np.asarray(self.select_seconds) * 1e3
         out = {"select_ms_p50": float(np.median(ms)), "select_ms_p99": float(np.percentile(ms, 99)),
-               "selects": len(ms)}
+               "selects": len(ms), "select_ms_total": float(ms.sum())}
         c = getattr(self, "cache", None)
         if c and c["cache_hits"] + c["cache_misses"]:
             # Of the selected chunks that needed an fp16 copy (cold ones, on the host), the

@@ -73,3 +73,23 @@ def test_layer_budgets_by_need_keep_the_average_budget(model, small, client):
     rec = run(model, small, split)
     assert abs(rec["tokens_per_head_mean"] - 128) < 2, rec
     assert 0 < rec["oracle_ratio_p10"] <= rec["oracle_ratio_mean"] <= 1 + 1e-6, rec
+
+
+@pytest.mark.parametrize("ahead", ["step", "layer"])
+def test_look_ahead_reads_what_was_asked_early_plus_the_newest_token(model, small, client, ahead):
+    """A selection asked ahead (a step early with the last step's queries, or a layer early
+    with the previous layer's query) misses only the newest token, which the worker adds: with
+    every token returned, the logits equal full attention's (both token-major); with a budget,
+    the rows stay within it (and the newest) and below the oracle."""
+    ref_policy = Full()
+    ref_policy.token_major = True
+    ref = run(model, small, ref_policy)
+    everything = Daemon(client, f"daemon-full-ahead-{ahead}", None, lossless=True,
+                        dense_layers=1 << 20, lookahead=ahead)
+    got = run(model, small, everything)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    budgeted = Daemon(client, f"kvtier-ahead-{ahead}", 128, lookahead=ahead)
+    rec = run(model, small, budgeted)
+    assert 0 < rec["oracle_ratio_p10"] <= rec["oracle_ratio_mean"] <= 1 + 1e-6, rec
+    assert rec["tokens_per_head_mean"] <= 129, rec
+    assert client.list_sessions() == []  # the leases asked ahead went with the session
