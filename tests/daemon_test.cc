@@ -837,7 +837,7 @@ TEST(Daemon, StagedAppendsStoreWhatInlineOnesStore) {
   ASSERT_OK_AND_ASSIGN(auto staged, alice->CreateSession(Shape()));
   ASSERT_OK_AND_ASSIGN(auto inline_, alice->CreateSession(Shape()));
   const std::string sid = staged.session_id();
-  const Data data = MakeData(600);
+  const Data data = MakeData(700);  // 600 stored; the refusals below name tokens 600..603
   ASSERT_OK_AND_ASSIGN(auto area, alice->OpenStaging(sid, 600 * 1024));
   EXPECT_EQ(area->size(), 600u * 1024);  // whole pages
   // In parts, as an engine's prefill does: every layer of [0, 300) then of [300, 600).
