@@ -1,0 +1,219 @@
+// ChannelHub, the daemon's side of the shared-memory Select channels, driven through the raw
+// protocol of kvtier/channel_layout.h from threads of this process (one per channel), with
+// an echoing serve hook: every answer is its own request's, the worker's socket end closing
+// ends its channel and detaches its worker, and Stop hangs up channels in the middle of
+// their calls. Also run under ThreadSanitizer (make tsan).
+#include "server/rpc/select_channel.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kvtier/channel_layout.h"
+#include "server/common/log.h"
+
+namespace kvtier {
+namespace {
+
+// The logger made once, before any channel's thread logs (as the daemon does at start).
+[[maybe_unused]] const bool kLogging = SetLogLevel("warn").ok();
+
+// The hooks' record: workers attached and detached, calls served.
+struct Record {
+  std::mutex mu;
+  std::set<std::string> attached, detached;
+  std::atomic<int> calls{0};
+};
+
+ChannelHub::Hooks EchoHooks(Record* r) {
+  return ChannelHub::Hooks{
+      .serve =
+          [r](const ChannelHub::Call& call, std::string* out) -> absl::Status {
+            r->calls.fetch_add(1);
+            if (call.op == channel::kRelease) return absl::NotFoundError("no such lease");
+            *out = absl::StrCat(call.tenant, "/", call.worker, "/", call.op, ":", call.request);
+            return absl::OkStatus();
+          },
+      .attach =
+          [r](const std::string& tenant) {
+            std::lock_guard lock(r->mu);
+            const std::string w = absl::StrCat(tenant, "-w", r->attached.size());
+            r->attached.insert(w);
+            return w;
+          },
+      .detach =
+          [r](const std::string& worker) {
+            std::lock_guard lock(r->mu);
+            r->detached.insert(worker);
+          }};
+}
+
+// A worker's end of one channel: its four descriptors and the mapped memory.
+struct Worker {
+  int fds[channel::kDescriptors] = {-1, -1, -1, -1};
+  uint8_t* mem = nullptr;
+  size_t size = 0;
+  uint64_t seq = 0;
+
+  bool Open(ChannelHub& hub, uint64_t id, const std::string& tenant) {
+    for (size_t i = 0; i < channel::kDescriptors; ++i) {
+      absl::StatusOr<int> fd = hub.OpenFd(id, tenant, i);
+      if (!fd.ok()) return false;
+      fds[i] = *fd;
+    }
+    struct stat st {};
+    if (fstat(fds[0], &st) != 0) return false;
+    size = static_cast<size_t>(st.st_size);
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+    if (p == MAP_FAILED) return false;
+    mem = static_cast<uint8_t*>(p);
+    return true;
+  }
+  void Close() {
+    if (mem != nullptr) munmap(mem, size);
+    mem = nullptr;
+    for (int& fd : fds) {
+      if (fd >= 0) close(fd);
+      fd = -1;
+    }
+  }
+  channel::Header* header() { return reinterpret_cast<channel::Header*>(mem); }
+
+  // One call: the code and the answer's bytes; code -1 when the daemon hung up first.
+  std::pair<int, std::string> Call(uint32_t op, const std::string& request) {
+    channel::Header* h = header();
+    std::memcpy(mem + h->request_offset, request.data(), request.size());
+    h->op = op;
+    h->request_bytes = static_cast<uint32_t>(request.size());
+    __atomic_store_n(&h->seq, ++seq, __ATOMIC_RELEASE);
+    eventfd_write(fds[1], 1);
+    while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq) {
+      pollfd p[2] = {{fds[2], POLLIN, 0}, {fds[3], POLLIN, 0}};
+      if (poll(p, 2, 10000) <= 0) return {-2, "timed out"};
+      eventfd_t n;
+      if (p[0].revents & POLLIN) eventfd_read(fds[2], &n);
+      if (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) == seq) break;
+      if (p[1].revents != 0) return {-1, "hung up"};
+    }
+    return {h->code, std::string(reinterpret_cast<const char*>(mem + h->response_offset),
+                                 h->response_bytes)};
+  }
+};
+
+TEST(SelectChannel, EachChannelAnswersItsOwnCallsAsItsTenantsWorker) {
+  Record record;
+  ChannelHub hub("kvtier-test", EchoHooks(&record));
+  constexpr int kChannels = 4, kCalls = 300;
+  std::vector<ChannelHub::Opened> opened;
+  for (int i = 0; i < kChannels; ++i) {
+    auto o = hub.Open(absl::StrCat("t", i % 2), 0, 64 << 20);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->size_bytes, ChannelHub::kDefaultBytes);
+    opened.push_back(*o);
+  }
+  EXPECT_EQ(hub.open_channels(), kChannels);
+  // Another tenant gets none of a channel's descriptors.
+  EXPECT_EQ(hub.OpenFd(opened[0].id, "t1", 0).status().code(), absl::StatusCode::kNotFound);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int i = 0; i < kChannels; ++i) {
+    threads.emplace_back([&, i] {
+      Worker w;
+      if (!w.Open(hub, opened[i].id, absl::StrCat("t", i % 2))) {
+        wrong.fetch_add(1000);
+        return;
+      }
+      // The socket end is handed once.
+      if (hub.OpenFd(opened[i].id, absl::StrCat("t", i % 2), 3).ok()) wrong.fetch_add(1000);
+      for (int c = 0; c < kCalls; ++c) {
+        const std::string req = absl::StrCat("req-", i, "-", c, std::string(c % 50, 'x'));
+        const auto [code, got] = w.Call(channel::kSelect, req);
+        const std::string want =
+            absl::StrCat("t", i % 2, "/", opened[i].worker_id, "/1:", req);
+        if (code != 0 || got != want) wrong.fetch_add(1);
+      }
+      const auto [code, message] = w.Call(channel::kRelease, "x");
+      if (code != static_cast<int>(absl::StatusCode::kNotFound) || message != "no such lease") {
+        wrong.fetch_add(1);
+      }
+      // A request longer than the request area is refused by name, and served no further.
+      channel::Header* h = w.header();
+      h->request_bytes = static_cast<uint32_t>(h->request_capacity + 1);
+      h->op = channel::kSelect;
+      __atomic_store_n(&h->seq, ++w.seq, __ATOMIC_RELEASE);
+      eventfd_write(w.fds[1], 1);
+      while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != w.seq) {
+        pollfd p{w.fds[2], POLLIN, 0};
+        poll(&p, 1, 1000);
+      }
+      if (h->code != static_cast<int>(absl::StatusCode::kInvalidArgument)) wrong.fetch_add(1);
+      w.Close();  // the worker goes: its channel ends
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(record.calls.load(), kChannels * (kCalls + 1));
+  for (int i = 0; i < 200 && hub.open_channels() > 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(hub.open_channels(), 0);
+  std::lock_guard lock(record.mu);
+  EXPECT_EQ(record.detached, record.attached);
+  EXPECT_EQ(record.attached.size(), static_cast<size_t>(kChannels));
+}
+
+TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
+  Record record;
+  auto hub = std::make_unique<ChannelHub>("kvtier-test", EchoHooks(&record));
+  auto o = hub->Open("t", 128 << 10, 64 << 20);
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(hub->Open("t", 1024, 64 << 20).status().code(), absl::StatusCode::kInvalidArgument);
+  Worker w;
+  ASSERT_TRUE(w.Open(*hub, o->id, "t"));
+  std::atomic<bool> go{true};
+  std::atomic<int> answered{0}, hung_up{0};
+  std::thread caller([&] {
+    while (go.load()) {
+      const auto [code, got] = w.Call(channel::kSelect, "q");
+      if (code == -1) {
+        hung_up.fetch_add(1);
+        return;
+      }
+      answered.fetch_add(1);
+    }
+  });
+  while (answered.load() < 50) absl::SleepFor(absl::Milliseconds(1));
+  hub->Stop();
+  EXPECT_EQ(hub->Open("t", 0, 64 << 20).status().code(), absl::StatusCode::kUnavailable);
+  caller.join();
+  EXPECT_EQ(hung_up.load(), 1) << "the caller never saw the hang-up";
+  hub.reset();
+  w.Close();
+  std::lock_guard lock(record.mu);
+  EXPECT_EQ(record.detached, record.attached);
+}
+
+TEST(SelectChannel, ChannelsAreBoundedPerTenant) {
+  Record record;
+  ChannelHub hub("kvtier-test", EchoHooks(&record));
+  for (int i = 0; i < ChannelHub::kMaxPerTenant; ++i) {
+    auto o = hub.Open("t", 64 << 10, 64 << 20);
+    ASSERT_TRUE(o.ok()) << i << ": " << o.status();
+  }
+  const auto over = hub.Open("t", 64 << 10, 64 << 20);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(hub.Open("u", 64 << 10, 64 << 20).ok());  // another tenant still may
+}
+
+}  // namespace
+}  // namespace kvtier
