@@ -327,7 +327,7 @@ int main(int argc, char** argv) {
   refine.set_refine_factor(8);  // the default
   if (!c.SetPolicy(s->session_id(), refine).ok()) return 1;
   Run(c, s->session_id(), context, 256, false, false, "rows of an 8x pool, gathered", "_refined", 5,
-      400);
+      400, channel->get());
   Run(c, s->session_id(), context, 256, false, true, "rows of an 8x pool, row handles",
       "_refined_rows", 5, 400);
   (void)c.CloseSession(s->session_id());

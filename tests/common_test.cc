@@ -186,6 +186,32 @@ TEST(DotInt8, AgreesWithDoubleAcrossWidths) {
   }
 }
 
+// A query group against one row of halves: each result is DotHalves' own, bit for bit, at
+// every group size (the vectorized path's up to 8 and the fallback past it) and width.
+TEST(DotHalvesGroup, EachEqualsDotHalvesBitForBit) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> n(0, 1);
+  for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 128}) {
+      for (int group : {1, 2, 3, 4, 7, 8, 9, 16}) {
+        std::vector<float> a(size_t(group) * d);
+        for (float& x : a) x = n(rng);
+        std::vector<uint16_t> h(d);
+        for (uint16_t& x : h) {
+          x = kind == HalfKind::kFp16 ? FloatToHalf(n(rng)) : FloatToBf16(n(rng));
+        }
+        std::vector<float> got(group);
+        DotHalvesGroup(kind, a.data(), group, h.data(), d, got.data());
+        for (int g = 0; g < group; ++g) {
+          const float want = DotHalves(kind, a.data() + size_t(g) * d, h.data(), d);
+          EXPECT_EQ(std::bit_cast<uint32_t>(got[g]), std::bit_cast<uint32_t>(want))
+              << "d " << d << " group " << group << " g " << g;
+        }
+      }
+    }
+  }
+}
+
 // A value goes into a log line as one field: plain names as they are, anything else quoted
 // with what could end the quotes or the line escaped.
 TEST(LogValue, QuotesAndEscapesAnythingButAPlainName) {

@@ -39,13 +39,12 @@ struct Record {
 
 ChannelHub::Hooks EchoHooks(Record* r) {
   return ChannelHub::Hooks{
-      .serve =
-          [r](const ChannelHub::Call& call, std::string* out) -> absl::Status {
-            r->calls.fetch_add(1);
-            if (call.op == channel::kRelease) return absl::NotFoundError("no such lease");
-            *out = absl::StrCat(call.tenant, "/", call.worker, "/", call.op, ":", call.request);
-            return absl::OkStatus();
-          },
+      .serve = [r](const ChannelHub::Call& call, std::string* out) -> absl::Status {
+        r->calls.fetch_add(1);
+        if (call.op == channel::kRelease) return absl::NotFoundError("no such lease");
+        *out = absl::StrCat(call.tenant, "/", call.worker, "/", call.op, ":", call.request);
+        return absl::OkStatus();
+      },
       .attach =
           [r](const std::string& tenant) {
             std::lock_guard lock(r->mu);
@@ -140,8 +139,7 @@ TEST(SelectChannel, EachChannelAnswersItsOwnCallsAsItsTenantsWorker) {
       for (int c = 0; c < kCalls; ++c) {
         const std::string req = absl::StrCat("req-", i, "-", c, std::string(c % 50, 'x'));
         const auto [code, got] = w.Call(channel::kSelect, req);
-        const std::string want =
-            absl::StrCat("t", i % 2, "/", opened[i].worker_id, "/1:", req);
+        const std::string want = absl::StrCat("t", i % 2, "/", opened[i].worker_id, "/1:", req);
         if (code != 0 || got != want) wrong.fetch_add(1);
       }
       const auto [code, message] = w.Call(channel::kRelease, "x");

@@ -116,6 +116,34 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   return out;
 }
 
+// DotHalvesAvx2 for up to kMaxGroup vectors of `a` at once, each summed exactly as it does.
+constexpr int kMaxGroup = 8;
+__attribute__((target("avx2,fma,f16c"))) void DotHalvesGroupAvx2(HalfKind kind, const float* a,
+                                                                 int group, const uint16_t* h,
+                                                                 int n, float* out) {
+  __m256 acc0[kMaxGroup], acc1[kMaxGroup];
+  for (int g = 0; g < group; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 lo = Widen8(kind, h + j), hi = Widen8(kind, h + j + 8);
+    for (int g = 0; g < group; ++g) {
+      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j + 8), hi, acc1[g]);
+    }
+  }
+  for (; j + 8 <= n; j += 8) {
+    const __m256 w = Widen8(kind, h + j);
+    for (int g = 0; g < group; ++g)
+      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
+  }
+  for (int g = 0; g < group; ++g) {
+    float v = SumLanes(acc0[g], acc1[g]);
+    for (int t = j; t < n; ++t)
+      v += a[g * n + t] * (kind == HalfKind::kFp16 ? HalfToFloat(h[t]) : Bf16ToFloat(h[t]));
+    out[g] = v;
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline __m256 WidenBytes8(const int8_t* c) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
@@ -478,6 +506,15 @@ float (*const kDotHalves)(HalfKind, const float*, const uint16_t*,
 
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
   return kDotHalves(kind, a, h, n);
+}
+
+void DotHalvesGroup(HalfKind kind, const float* a, int group, const uint16_t* h, int n,
+                    float* out) {
+  if (kDotHalves == DotHalvesAvx2 && group <= kMaxGroup) {
+    DotHalvesGroupAvx2(kind, a, group, h, n, out);
+    return;
+  }
+  for (int g = 0; g < group; ++g) out[g] = kDotHalves(kind, a + g * n, h, n);
 }
 
 float DotInt8Scalar(const float* a, const int8_t* c, int n) {

@@ -30,6 +30,9 @@ float DotScalar(const float* a, const float* b, int n);
 // product with a chunk's compact statistics. The same caveat as Dot between the two paths.
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n);
 float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
+// out[g] = DotHalves(kind, a + g * n, h, n) for g in [0, group), bit for bit, with each of h's
+// halves widened once for the whole group (a query group against one key row).
+void DotHalvesGroup(HalfKind kind, const float* a, int group, const uint16_t* h, int n, float* out);
 // a . c over n floats and n signed bytes (exactly widened): the ranking's dot product with a
 // chunk's compact statistics, before their scale. The same caveat as Dot between the paths.
 float DotInt8(const float* a, const int8_t* c, int n);

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "server/common/check.h"
+#include "server/common/vec.h"
 
 namespace kvtier {
 
@@ -21,11 +22,11 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
   size_t r = 0;
   for (const RefineChunk& c : chunks) {
     for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
-      // Straight from the 2-byte keys (widened in registers), no float copy of the row.
-      for (int h = 0; h < group; ++h) {
-        logits[r * group + h] =
-            DotHalves(kind, queries.data() + h * d, c.keys + row * d, head_dim) * inv_sqrt_d;
-      }
+      // Straight from the 2-byte keys (widened in registers, once for the group), no float
+      // copy of the row.
+      float* out = &logits[r * group];
+      DotHalvesGroup(kind, queries.data(), group, c.keys + row * d, head_dim, out);
+      for (int h = 0; h < group; ++h) out[h] *= inv_sqrt_d;
     }
   }
   return logits;
@@ -37,16 +38,17 @@ std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector
                                int group) {
   const size_t n = rows.size() / group, m = others.size() / group;
   std::vector<float> mass(n, 0.f);
+  std::vector<float> e(n + m);  // one head's exps: the rows', then the others'
   for (int h = 0; h < group; ++h) {
     float top = -std::numeric_limits<float>::infinity();
     for (size_t i = 0; i < n; ++i) top = std::max(top, rows[i * group + h]);
     for (size_t i = 0; i < m; ++i) top = std::max(top, others[i * group + h]);
+    for (size_t i = 0; i < n; ++i) e[i] = rows[i * group + h] - top;
+    for (size_t i = 0; i < m; ++i) e[n + i] = others[i * group + h] - top;
+    ExpInPlace(e.data(), static_cast<int>(n + m));  // eight at a time; each within 1e-6
     double z = 0;
-    for (size_t i = 0; i < n; ++i) z += std::exp(double(rows[i * group + h]) - top);
-    for (size_t i = 0; i < m; ++i) z += std::exp(double(others[i * group + h]) - top);
-    for (size_t i = 0; i < n; ++i) {
-      mass[i] += static_cast<float>(std::exp(double(rows[i * group + h]) - top) / z);
-    }
+    for (float v : e) z += v;
+    for (size_t i = 0; i < n; ++i) mass[i] += static_cast<float>(e[i] / z);
   }
   return mass;
 }
@@ -96,7 +98,10 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
     while (n < take && held < mass_target) held += value[order[n++]];
     take = n;
   } else {
-    std::partial_sort(order.begin(), order.begin() + take, order.end(), better);
+    // The best `take` (`better` is a strict total order, so the set is the one a full sort
+    // would give); in order only where their masses are summed below, as they always were.
+    if (take < total) std::nth_element(order.begin(), order.begin() + take, order.end(), better);
+    if (missed != nullptr) std::sort(order.begin(), order.begin() + take, better);
   }
   std::vector<bool> chosen(total, false);
   double held = fixed_mass;
