@@ -1017,11 +1017,37 @@ TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
     channel::Header h;
     std::memcpy(&h, mem, sizeof h);
     EXPECT_EQ(h.magic, channel::kMagic);
+    // Bytes that are no request, and an op that is none, are refused by name.
+    auto answer = [&](uint32_t op, const std::string& bytes, uint64_t seq) {
+      std::memcpy(mem + h.request_offset, bytes.data(), bytes.size());
+      auto* shared = reinterpret_cast<channel::Header*>(mem);
+      shared->op = op;
+      shared->request_bytes = static_cast<uint32_t>(bytes.size());
+      __atomic_store_n(&shared->seq, seq, __ATOMIC_RELEASE);
+      const uint64_t one = 1;
+      EXPECT_EQ(write(fds[1], &one, sizeof one), 8);
+      for (int i = 0; i < 100 && __atomic_load_n(&shared->answered_seq, __ATOMIC_ACQUIRE) != seq;
+           ++i) {
+        pollfd p{fds[2], POLLIN, 0};
+        uint64_t rung;
+        if (poll(&p, 1, 100) == 1) EXPECT_EQ(read(fds[2], &rung, sizeof rung), 8);
+      }
+      EXPECT_EQ(shared->answered_seq, seq);
+      return std::make_pair(shared->code,
+                            std::string(reinterpret_cast<const char*>(mem + h.response_offset),
+                                        shared->response_bytes));
+    };
+    auto [code, message] = answer(channel::kSelect, "\xff\xff\xff", 1);
+    EXPECT_EQ(code, static_cast<int>(Code::kInvalidArgument));
+    EXPECT_TRUE(absl::StrContains(message, "not a SelectRequest")) << message;
+    std::tie(code, message) = answer(7, "", 2);
+    EXPECT_EQ(code, static_cast<int>(Code::kInvalidArgument));
+    EXPECT_TRUE(absl::StrContains(message, "op: 7")) << message;
     const std::string req = Select(sid, 2, 128).SerializeAsString();
     std::memcpy(mem + h.request_offset, req.data(), req.size());
     h.op = channel::kSelect;
     h.request_bytes = static_cast<uint32_t>(req.size());
-    h.seq = 1;
+    h.seq = 3;
     std::memcpy(mem, &h, sizeof h);
     const uint64_t one = 1;
     ASSERT_EQ(write(fds[1], &one, sizeof one), 8);

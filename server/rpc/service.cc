@@ -353,12 +353,17 @@ absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::stri
     auto with_worker = [&](v1::SelectRequest* r) {
       if (r->worker_id().empty()) r->set_worker_id(call.worker);
     };
+    auto parse = [&](google::protobuf::Message* m) -> absl::Status {
+      if (m->ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
+        return absl::OkStatus();
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("request: not a ", m->GetDescriptor()->name(), " (op ", call.op, ")"));
+    };
     switch (call.op) {
       case channel::kSelect: {
         v1::SelectRequest req;
-        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
-          return absl::InvalidArgumentError("request: not a SelectRequest");
-        }
+        RETURN_IF_ERROR(parse(&req));
         with_worker(&req);
         v1::SelectResponse resp;
         RETURN_IF_ERROR(DoSelect(call.tenant, req, &resp, call.reply_limit));
@@ -368,9 +373,7 @@ absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::stri
       case channel::kBatchSelect: {
         method = "BatchSelect";
         v1::BatchSelectRequest req;
-        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
-          return absl::InvalidArgumentError("request: not a BatchSelectRequest");
-        }
+        RETURN_IF_ERROR(parse(&req));
         for (v1::SelectRequest& r : *req.mutable_requests()) with_worker(&r);
         v1::BatchSelectResponse resp;
         RETURN_IF_ERROR(DoBatchSelect(call.tenant, req, &resp, call.reply_limit));
@@ -380,9 +383,7 @@ absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::stri
       case channel::kRelease: {
         method = "Release";
         v1::ReleaseRequest req;
-        if (!req.ParseFromArray(call.request.data(), static_cast<int>(call.request.size()))) {
-          return absl::InvalidArgumentError("request: not a ReleaseRequest");
-        }
+        RETURN_IF_ERROR(parse(&req));
         RETURN_IF_ERROR(env_.leases->Release(call.tenant, req.lease_id()));
         v1::ReleaseResponse().SerializeToString(out);
         return absl::OkStatus();
