@@ -285,8 +285,8 @@ class Daemon(Policy):
             self.step_q[layer] = np.array(q, np.float32)
             if layer == num_layers - 1:  # the step's last layer: the next step's, in one call
                 t0 = time.perf_counter()
-                batch = self.client._unary("BatchSelect", pb.BatchSelectRequest(
-                    requests=[self._request(l, self.step_q[l]) for l in range(num_layers)]))
+                batch = self.client.batch_select(
+                    [self._request(l, self.step_q[l]) for l in range(num_layers)])
                 self.select_seconds.append(time.perf_counter() - t0)
                 self.ahead = dict(enumerate(batch.responses))
 

@@ -518,6 +518,17 @@ class Client:
                         and "worker_id" in e.message):
                     raise
 
+    def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
+        """Several Selects in one call (all or nothing: one refused ends the leases the others
+        got), e.g. every layer's for the next step with this step's queries (look-ahead). A
+        request naming no worker_id gets this client's, as `select` does."""
+        worker = self.worker_id()
+        batch = pb.BatchSelectRequest(requests=requests)
+        for r in batch.requests:
+            if not r.worker_id:
+                r.worker_id = worker
+        return self._unary("BatchSelect", batch)
+
     def gather(self, head: pb.HeadSelection, session_id: str | None = None, head_dim=None):
         """(positions int64 [n], K [n][d], V [n][d]) of the rows one HeadSelection selected,
         in handle order (a handle's `rows`, when it lists some, else all of its rows), read

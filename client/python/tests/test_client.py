@@ -399,6 +399,36 @@ os._exit(0)  # dies holding the leases: nothing released, nothing closed
         assert c.describe_session(sid).info.active_leases == 0, "the dead worker's leases stayed"
 
 
+def test_batch_select_takes_every_layer_at_once_as_this_clients_worker(start_daemon):
+    """batch_select answers each request as select does, and its leases are this client's
+    worker's: they end when the client closes."""
+    d = start_daemon("--lease_ttl_ms", "600000")
+    rng = np.random.default_rng(27)
+    k, v = make_kv(rng, 400)
+    q = np.float32(rng.standard_normal((QH, D)))
+    with kvtier.Client(d.address, tenant="alice") as watcher:
+        c = kvtier.Client(d.address, tenant="alice")
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(sid, 0, k, v, wait_aged=True)
+        batch = c.batch_select([pb.SelectRequest(session_id=sid, layer=layer, query=q.tobytes(),
+                                                 budget_tokens=128, include_data=True,
+                                                 row_handles=True)
+                                for layer in range(L)])
+        assert len(batch.responses) == L
+        for layer, r in enumerate(batch.responses):
+            one = c.select(sid, layer, q, budget_tokens=128, include_data=True)
+            assert [[b.keys for b in h.blocks] for h in r.heads] == \
+                [[b.keys for b in h.blocks] for h in one.heads]
+            c.release(one.lease_id)
+        assert watcher.describe_session(sid).info.active_leases == L
+        c.close()  # its worker goes, and the batch's leases with it
+        for _ in range(100):
+            if watcher.describe_session(sid).info.active_leases == 0:
+                break
+            time.sleep(0.05)
+        assert watcher.describe_session(sid).info.active_leases == 0
+
+
 def _pki(tmp_path):
     """A CA, a server certificate for 127.0.0.1 and a client certificate CN=carol, O=team-c."""
     def run(*args):
