@@ -1043,12 +1043,17 @@ TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
     std::tie(code, message) = answer(7, "", 2);
     EXPECT_EQ(code, static_cast<int>(Code::kInvalidArgument));
     EXPECT_TRUE(absl::StrContains(message, "op: 7")) << message;
-    const std::string req = Select(sid, 2, 128).SerializeAsString();
+    // A Select answered (its lease taken) and never released, then one rung and left: the
+    // worker goes with both.
+    std::tie(code, message) = answer(channel::kSelect, Select(sid, 2, 128).SerializeAsString(), 3);
+    EXPECT_EQ(code, 0) << message;
+    EXPECT_EQ(LeasesBecome(*alice, sid, 1), 1u);
+    const std::string req = Select(sid, 1, 128).SerializeAsString();
     std::memcpy(mem + h.request_offset, req.data(), req.size());
-    h.op = channel::kSelect;
-    h.request_bytes = static_cast<uint32_t>(req.size());
-    h.seq = 3;
-    std::memcpy(mem, &h, sizeof h);
+    auto* shared = reinterpret_cast<channel::Header*>(mem);
+    shared->op = channel::kSelect;
+    shared->request_bytes = static_cast<uint32_t>(req.size());
+    __atomic_store_n(&shared->seq, 4, __ATOMIC_RELEASE);  // last: the daemon may be watching
     const uint64_t one = 1;
     ASSERT_EQ(write(fds[1], &one, sizeof one), 8);
     munmap(mem, st.st_size);

@@ -11,10 +11,11 @@
 //      goes away, so the daemon ends the channel (and the leases of its Selects) when the
 //      worker dies, and the worker sees a daemon that exits or drains
 // One call at a time per channel: the worker writes the request's bytes (the serialized
-// message of `op`) at request_offset, then op, request_bytes and a new seq, then rings the
-// request doorbell; it waits for the response doorbell (and the socket) until answered_seq is
-// its seq, then reads code and response_bytes: the serialized response when code is 0, else
-// the error's message (code is an absl/gRPC status code). Fields are little-endian.
+// message of `op`) at request_offset, then op and request_bytes, then a new seq, last and as
+// one aligned 8-byte store (the daemon may be watching seq, and serves what it sees when seq
+// changes), then rings the request doorbell; it waits for the response doorbell (and the socket)
+// until answered_seq is its seq, then reads code and response_bytes: the serialized response when
+// code is 0, else the error's message (code is an absl/gRPC status code). Fields are little-endian.
 #ifndef KVTIER_CHANNEL_LAYOUT_H_
 #define KVTIER_CHANNEL_LAYOUT_H_
 

@@ -232,6 +232,8 @@ class SelectChannel:
         try:
             size = os.fstat(fds[0]).st_size
             self._mem = mmap.mmap(fds[0], size)
+            # The header as 8-byte words: [6] is seq, [7] answered_seq (channel_layout.h).
+            self._words = np.frombuffer(self._mem, dtype="<u8", count=9)
             (magic, version, self._req_off, self._req_cap, self._resp_off,
              self._resp_cap) = _CHANNEL_HEADER.unpack_from(self._mem, 0)[:6]
             def inside(off, n):
@@ -246,6 +248,7 @@ class SelectChannel:
             raise
 
     def close(self) -> None:
+        self._words = None  # the view first: a map with views on it cannot close
         if getattr(self, "_mem", None) is not None:
             self._mem.close()
             self._mem = None
@@ -271,15 +274,19 @@ class SelectChannel:
                                   f"area of {self._req_cap}")
             self._mem[self._req_off:self._req_off + len(raw)] = raw
             self._seq += 1
-            struct.pack_into("<IIQ", self._mem, 40, op, len(raw), self._seq)
+            struct.pack_into("<II", self._mem, 40, op, len(raw))
+            # The seq last, as one 8-byte store (numpy's; struct writes byte by byte, and the
+            # daemon, which may be watching it, would see the values between): it reads op and
+            # request_bytes once the seq changes (x86 keeps stores in program order).
+            self._words[6] = self._seq
             os.eventfd_write(self._fds[1], 1)
             deadline = time.monotonic() + self._timeout
             poller = select.poll()
             poller.register(self._fds[2], select.POLLIN)
             poller.register(self._fds[3], select.POLLIN)
             while True:
-                answered, code, got = struct.unpack_from("<QiI", self._mem, 56)
-                if answered == self._seq:
+                if int(self._words[7]) == self._seq:  # answered_seq, one 8-byte load
+                    code, got = struct.unpack_from("<iI", self._mem, 64)
                     break
                 left = deadline - time.monotonic()
                 events = dict(poller.poll(max(left, 0) * 1000)) if left > 0 else {}
@@ -292,8 +299,7 @@ class SelectChannel:
                         os.eventfd_read(self._fds[2])
                     except BlockingIOError:
                         pass
-                if self._fds[3] in events and struct.unpack_from("<Q", self._mem, 56)[0] != \
-                        self._seq:
+                if self._fds[3] in events and int(self._words[7]) != self._seq:
                     self.close()
                     raise KvTierError(grpc.StatusCode.UNAVAILABLE,
                                       f"channel {self.id}: the daemon closed it")
