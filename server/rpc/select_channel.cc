@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvtier/channel_layout.h"
@@ -87,16 +88,25 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
     MutexLock lock(&mu_);
     if (stopping_ || stop_fd_ < 0) return absl::UnavailableError("kvtierd is draining");
     ReapLocked();
-    int mine = 0;
+    // Channels being made count too, so that calls at once cannot pass the bounds together.
+    int mine = reserved_[tenant];
     for (const auto& [other, c] : channels_) mine += c->tenant == tenant;
-    if (channels_.size() >= kMaxChannels || mine >= kMaxPerTenant) {
+    const size_t all = channels_.size() + reserved_total_;
+    if (all >= kMaxChannels || mine >= kMaxPerTenant) {
       return absl::ResourceExhaustedError(
           absl::StrCat("OpenChannel: tenant \"", tenant, "\" has ", mine,
-                       " channels open (at most ", kMaxPerTenant, "; ", channels_.size(), " of ",
-                       kMaxChannels, " in all); close one (its worker's descriptors) first"));
+                       " channels open (at most ", kMaxPerTenant, "; ", all, " of ", kMaxChannels,
+                       " in all); close one (its worker's descriptors) first"));
     }
+    ++reserved_[tenant];
+    ++reserved_total_;
     id = next_id_++;
   }
+  absl::Cleanup unreserve = [this, &tenant] {
+    MutexLock lock(&mu_);
+    if (--reserved_[tenant] == 0) reserved_.erase(tenant);
+    --reserved_total_;
+  };
   absl::StatusOr<ShmSegment> shm = ShmSegment::Create(absl::StrCat(label_, "-channel-", id), size,
                                                       ShmSegment::Naming::kMemfdShared);
   if (!shm.ok()) return shm.status();
@@ -121,15 +131,17 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
   c->collect_by = absl::Now() + kCollectWithin;
   c->worker = hooks_.attach(tenant);  // before mu_: the lease table's lock comes first
   const Opened opened{id, size, c->worker};
-  MutexLock lock(&mu_);
-  if (stopping_) {
-    hooks_.detach(c->worker);
-    return absl::UnavailableError("kvtierd is draining");
+  {
+    MutexLock lock(&mu_);
+    if (!stopping_) {
+      Channel* raw = c.get();
+      raw->thread = std::thread([this, raw] { Serve(raw); });
+      channels_.emplace(id, std::move(c));
+      return opened;  // (`unreserve` runs after the lock: the channel counts in channels_)
+    }
   }
-  Channel* raw = c.get();
-  raw->thread = std::thread([this, raw] { Serve(raw); });
-  channels_.emplace(id, std::move(c));
-  return opened;
+  hooks_.detach(opened.worker_id);  // after mu_, as every detach
+  return absl::UnavailableError("kvtierd is draining");
 }
 
 absl::StatusOr<int> ChannelHub::OpenFd(uint64_t id, const std::string& tenant, size_t index) {

@@ -90,6 +90,9 @@ class ChannelHub {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Channels an Open is making (outside mu_), by tenant and in all: counted in the bounds.
+  std::map<std::string, int> reserved_ ABSL_GUARDED_BY(mu_);
+  size_t reserved_total_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvtier
