@@ -468,8 +468,16 @@ TEST(Daemon, AKilledDaemonsSegmentsGoWhenAnyDaemonStarts) {
   ASSERT_TRUE(next.started());
   EXPECT_TRUE(ShmEntries(killed.instance()).empty()) << "a dead daemon's segments stayed";
   EXPECT_FALSE(ShmEntries(live.instance()).empty());
-  EXPECT_NE(next.Log().find("shm.reclaimed instance=" + killed.instance()), std::string::npos)
-      << next.Log();
+  const std::string log = next.Log();
+  const size_t reclaimed = log.find("shm.reclaimed instances=");
+  ASSERT_NE(reclaimed, std::string::npos) << log;
+  EXPECT_NE(log.substr(reclaimed, log.find('\n', reclaimed) - reclaimed).find(killed.instance()),
+            std::string::npos)
+      << log;
+  // The dead instance's lock file goes too (unlinked under its lock); the live one's stays.
+  struct stat st {};
+  EXPECT_NE(stat(("/dev/shm/kvtier-" + killed.instance() + ".lock").c_str(), &st), 0);
+  EXPECT_EQ(stat(("/dev/shm/kvtier-" + live.instance() + ".lock").c_str(), &st), 0);
   ASSERT_OK(cl->ListSessions().status());  // the live one serves on
 }
 

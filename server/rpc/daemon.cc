@@ -13,6 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -77,23 +78,8 @@ std::string SocketPath(const std::string& listen) {
   return absl::StartsWith(listen, "unix:") ? listen.substr(5) : "";
 }
 
-// An exclusive flock on `path` (created 0600), with this process's pid written in it; the fd,
-// or FAILED_PRECONDITION naming `flag` and the holder's pid when another process holds it.
-absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
-                             absl::string_view what) {
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat(flag, ": cannot open the lock ", path, ": ", std::strerror(errno)));
-  }
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    char buf[32] = {};
-    const ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
-    close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(flag, ": another kvtierd (pid ",
-                                                      n > 0 ? absl::StripAsciiWhitespace(buf) : "?",
-                                                      ") holds ", path, "; ", what));
-  }
+// Writes this process's pid into the lock file `fd` holds; returns fd.
+int WritePid(int fd, const std::string& path) {
   const std::string pid = absl::StrCat(getpid(), "\n");
   if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
     KVLOG(warn, "lock.pid", "path={} error={}", LogValue(path), LogValue(std::strerror(errno)));
@@ -101,31 +87,85 @@ absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
   return fd;
 }
 
+// An exclusive flock on `path` (created 0600), with this process's pid written in it; the fd,
+// or FAILED_PRECONDITION naming `flag` and the holder's pid when another process holds it.
+absl::StatusOr<int> TakeLock(const std::string& path, absl::string_view flag,
+                             absl::string_view what) {
+  for (int attempt = 0;; ++attempt) {
+    const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      return absl::InternalError(
+          absl::StrCat(flag, ": cannot open the lock ", path, ": ", std::strerror(errno)));
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char buf[32] = {};
+      const ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(
+          flag, ": another kvtierd (pid ", n > 0 ? absl::StripAsciiWhitespace(buf) : "?",
+          ") holds ", path, "; ", what));
+    }
+    // Another daemon reclaiming a dead instance unlinks its lock file while holding it; a lock
+    // on the file it unlinked is no lock on the path, so take the path's file again.
+    struct stat held {
+    }, named{};
+    if (fstat(fd, &held) == 0 && stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino) {
+      return WritePid(fd, path);
+    }
+    close(fd);
+    if (attempt == 8) {
+      return absl::InternalError(
+          absl::StrCat(flag, ": the lock ", path, " was replaced 8 times while being taken"));
+    }
+  }
+}
+
 // The segments of every other instance whose daemon is dead: its lock in /dev/shm is free
 // (the kernel let go of it when the process died, SIGKILL included), so nothing maps them
-// any more but workers that already did, whose mappings outlive the names. The lock file
-// stays: it is empty, and removing it could race a new daemon of that instance opening it.
+// any more but workers that already did, whose mappings outlive the names. The lock file goes
+// too, unlinked while it is held: a daemon of that instance starting meanwhile finds that the
+// file it locked is no longer the path's and takes the lock again (TakeLock), so two never
+// both believe they hold it. /dev/shm is read once for the locks and once for the segments,
+// however many dead instances it holds.
 void ReclaimDeadInstances(const std::string& own) {
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return;
+  std::vector<std::string> locks;
   while (dirent* e = readdir(dir)) {
     const absl::string_view name(e->d_name);
     if (!absl::StartsWith(name, "kvtier-") || !absl::EndsWith(name, ".lock")) continue;
     const std::string instance(name.substr(7, name.size() - 7 - 5));
     if (instance == own || instance.empty()) continue;
-    const int fd = open(absl::StrCat("/dev/shm/", name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) continue;
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {  // removed under its lock: it cannot start meanwhile
-      for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE}) {
-        const int n = ShmSegment::RemoveStale(Tier::ShmPrefixOf(instance, t));
-        if (n > 0)
-          KVLOG(warn, "shm.reclaimed", "instance={} tier={} removed={}", instance, v1::Tier_Name(t),
-                n);
-      }
-    }
-    close(fd);
+    locks.emplace_back(name);
   }
   closedir(dir);
+  std::vector<int> held;
+  std::vector<std::string> prefixes, instances;
+  for (const std::string& name : locks) {
+    const std::string path = absl::StrCat("/dev/shm/", name);
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {  // a live daemon's
+      close(fd);
+      continue;
+    }
+    const std::string instance = name.substr(7, name.size() - 7 - 5);
+    for (v1::Tier t : {v1::TIER_HOST, v1::TIER_DEVICE})
+      prefixes.push_back(Tier::ShmPrefixOf(instance, t));
+    instances.push_back(instance);
+    held.push_back(fd);
+  }
+  // Removed under their locks: none of those instances can start meanwhile.
+  const int n = ShmSegment::RemoveStale(prefixes);
+  if (n > 0) {
+    KVLOG(warn, "shm.reclaimed", "instances={} removed={}", LogValue(absl::StrJoin(instances, ",")),
+          n);
+  }
+  for (size_t i = 0; i < held.size(); ++i) {
+    unlink(absl::StrCat("/dev/shm/kvtier-", instances[i], ".lock").c_str());
+    close(held[i]);
+  }
 }
 
 }  // namespace
@@ -202,8 +242,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (!d->remote_.ok()) return d->remote_.status();
   if (*d->remote_) KVLOG(info, "remote.connected", "address={}", o.remote);
   // The instance's lock is free, so whoever made its segments is dead.
-  int stale = 0;
-  for (const Tier* t : {&d->host_, &d->device_}) stale += ShmSegment::RemoveStale(t->ShmPrefix());
+  const int stale = ShmSegment::RemoveStale({d->host_.ShmPrefix(), d->device_.ShmPrefix()});
   if (stale > 0) KVLOG(warn, "shm.stale", "instance={} removed={}", o.instance, stale);
   ReclaimDeadInstances(o.instance);
   // Each slot's pages are committed when it is handed out, so a /dev/shm smaller than the

@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace kvtier {
 namespace {
@@ -118,16 +119,24 @@ absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
 }
 
 int ShmSegment::RemoveStale(const std::string& prefix) {
-  std::string bare = prefix.starts_with("/") ? prefix.substr(1) : prefix;
+  return RemoveStale(std::vector<std::string>{prefix});
+}
+
+int ShmSegment::RemoveStale(const std::vector<std::string>& prefixes) {
+  if (prefixes.empty()) return 0;
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return 0;
   int removed = 0;
   while (dirent* e = readdir(dir)) {
     const absl::string_view name(e->d_name);
-    if (!absl::StartsWith(name, bare) || name.size() == bare.size()) continue;
-    const absl::string_view id = name.substr(bare.size());
-    if (!std::all_of(id.begin(), id.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
-    if (shm_unlink(absl::StrCat("/", name).c_str()) == 0) ++removed;
+    for (const std::string& prefix : prefixes) {
+      const absl::string_view bare = absl::StripPrefix(prefix, "/");
+      if (!absl::StartsWith(name, bare) || name.size() == bare.size()) continue;
+      const absl::string_view id = name.substr(bare.size());
+      if (!std::all_of(id.begin(), id.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+      if (shm_unlink(absl::StrCat("/", name).c_str()) == 0) ++removed;
+      break;
+    }
   }
   closedir(dir);
   return removed;

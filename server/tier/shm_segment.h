@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -40,8 +41,10 @@ class ShmSegment {
 
   // Removes every object in /dev/shm named `prefix` followed by digits only (a crashed
   // daemon's segments: "/kvtier-<instance>-<tier>-" and the segment id, so that instance "a"
-  // never matches instance "a-host"'s). Returns how many were removed.
+  // never matches instance "a-host"'s). Returns how many were removed. One pass over
+  // /dev/shm for all the prefixes (a directory of thousands of names is read once).
   static int RemoveStale(const std::string& prefix);
+  static int RemoveStale(const std::vector<std::string>& prefixes);
 
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;
