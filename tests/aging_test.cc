@@ -559,5 +559,80 @@ TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
   }
 }
 
+// The pool quantizes without the session's lock too (NextQuant, RunQuant, CommitQuant), a few
+// chunks at a time: a job whose chunks were aged meanwhile commits nothing and gives its slots
+// back; jobs of two chunks end exactly where AgeLayer does, byte for byte.
+TEST(AgeLayer, QuantJobsEqualAgeLayerAndSkipChunksAgedMeanwhile) {
+  for (bool meanwhile : {false, true}) {
+    LayerEnv e, twin;
+    e.Append(0, 256);
+    twin.Append(0, 256);
+    if (meanwhile) {
+      std::optional<QuantJob> job = NextQuant(e.ctx(), e.tokens, e.heads, e.state, 3);
+      ASSERT_TRUE(job.has_value());
+      EXPECT_EQ(job->first, 0u);
+      EXPECT_EQ(job->end, 3u);
+      EXPECT_EQ(job->items.size(), 4u);  // chunks 1 and 2 of two heads (chunk 0 is a sink)
+      RunQuant(SpanContext::Of(e.ctx()), &*job);
+      EXPECT_TRUE(job->progressed());
+      e.Age();  // quantized (and indexed) meanwhile
+      const uint64_t used = e.host.Stats().used_bytes;
+      const std::vector<v1::Precision> before = Precisions(e.heads[0]);
+      CommitQuant(e.f, e.heads, &e.state, std::move(*job));
+      job.reset();
+      EXPECT_LT(e.host.Stats().used_bytes, used) << "the job's slots went back";
+      EXPECT_EQ(Precisions(e.heads[0]), before);
+      EXPECT_EQ(e.state.quantized, 12u);
+    } else {
+      while (std::optional<QuantJob> job = NextQuant(e.ctx(), e.tokens, e.heads, e.state, 2)) {
+        EXPECT_LE(job->end - job->first, 2u);
+        RunQuant(SpanContext::Of(e.ctx()), &*job);
+        CommitQuant(e.f, e.heads, &e.state, std::move(*job));
+      }
+      EXPECT_EQ(e.state.quantized, 12u);
+      e.Age();  // the index
+    }
+    twin.Age();
+    for (int h = 0; h < 2; ++h) {
+      ASSERT_EQ(e.heads[h].chunks().size(), twin.heads[h].chunks().size());
+      EXPECT_EQ(Precisions(e.heads[h]), Precisions(twin.heads[h]));
+      for (size_t c = 0; c < e.heads[h].chunks().size(); ++c) {
+        const Chunk& a = e.heads[h].chunks()[c];
+        const Chunk& b = twin.heads[h].chunks()[c];
+        ASSERT_EQ(e.f.StoredBytes(a), twin.f.StoredBytes(b));
+        EXPECT_EQ(std::memcmp(a.host->data(), b.host->data(), e.f.StoredBytes(a)), 0) << h << c;
+      }
+      EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
+    }
+  }
+}
+
+// The index a slice at a time: at most that many chunks of each head per call, and in the
+// end the same index as IndexLayer's, whose search is the linear scan's.
+TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
+  LayerEnv e, twin;
+  e.policy.set_cold_precision(v1::PRECISION_FP16);
+  twin.policy.set_cold_precision(v1::PRECISION_FP16);
+  e.Append(0, 256);
+  twin.Append(0, 256);
+  int calls = 0;
+  uint32_t final_before = e.heads[0].stats().final_chunks();
+  for (;;) {
+    const bool more = IndexLayerSlice(e.ctx(), e.tokens, e.heads, &e.state, 3);
+    ++calls;
+    for (const Stream& s : e.heads) EXPECT_LE(s.stats().final_chunks() - final_before, 3u);
+    final_before = e.heads[0].stats().final_chunks();
+    if (!more) break;
+    ASSERT_LT(calls, 10);
+  }
+  EXPECT_EQ(calls, 4);  // 12 aged-out chunks, 3 a call
+  IndexLayer(twin.ctx(), twin.tokens, twin.heads, &twin.state);
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_EQ(e.heads[h].stats().final_chunks(), 12u);
+    EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
+    EXPECT_EQ(e.heads[h].index()->CheckInvariants(e.heads[h].stats()), "");
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -1,12 +1,15 @@
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "server/common/error.h"
 #include "server/common/fp16.h"
 #include "server/common/log.h"
+#include "server/common/mutex.h"
 #include "server/common/size.h"
 #include "server/common/vec.h"
 #include "tests/test_util.h"
@@ -420,6 +423,36 @@ TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
       }
     }
   }
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// A ForegroundLock counts itself while it waits for the lock (and only then), and
+// YieldToForeground waits while one does, until its bound (2 ms) when the waiter cannot get in.
+TEST(ForegroundLock, CountsItsWaitAndBackgroundYieldsABoundedWhile) {
+  absl::Mutex mu;
+  std::atomic<int> waiting = 0;
+  std::atomic<bool> got = false;
+  mu.Lock();
+  std::thread fg([&] {
+    ForegroundLock lock(&mu, &waiting);
+    got = true;
+  });
+  while (waiting.load() == 0) std::this_thread::yield();
+  EXPECT_EQ(waiting.load(), 1);
+  EXPECT_FALSE(got.load());
+  const absl::Time t0 = absl::Now();
+  YieldToForeground(waiting);  // the waiter cannot get in: the yield ends by its bound
+  const absl::Duration yielded = absl::Now() - t0;
+  EXPECT_GE(yielded, absl::Milliseconds(2));
+  mu.Unlock();
+  fg.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_EQ(waiting.load(), 0);
 }
 
 }  // namespace

@@ -74,6 +74,26 @@ TEST(Tier, FullTierRefusesAndNeverOverruns) {
   EXPECT_OK(tier.Allocate("a", 4096).status());
 }
 
+// An append's slots come at once, all or none: a refusal part way leaves the tier as it was.
+TEST(Tier, AllocateManyIsAllOrNone) {
+  Tier tier(Options(3 * 4096));
+  std::vector<SlotRef> slots;
+  EXPECT_THAT(tier.AllocateMany("a", 4096, 5, &slots),
+              StatusIs(Code::kResourceExhausted, "host tier full"));
+  EXPECT_TRUE(slots.empty());
+  EXPECT_EQ(tier.Stats().used_bytes, 0u);
+  EXPECT_EQ(tier.Stats().num_slots, 0u);
+  ASSERT_OK(tier.AllocateMany("a", 4096, 3, &slots));
+  ASSERT_EQ(slots.size(), 3u);
+  std::set<uint64_t> offsets;
+  for (const SlotRef& s : slots) {
+    std::memset(s->data(), 7, s->bytes());  // committed and mapped: no signal
+    offsets.insert(s->offset());
+  }
+  EXPECT_EQ(offsets.size(), 3u);
+  EXPECT_EQ(tier.Stats().used_bytes, 3u * 4096);
+}
+
 TEST(Tier, SlotLargerThanASegmentIsInvalid) {
   Tier tier(Options(8 << 20, 1 << 20));
   EXPECT_THAT(tier.Allocate("a", (1 << 20) + 1), StatusIs(Code::kInvalidArgument));

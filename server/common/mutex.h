@@ -7,8 +7,11 @@
 #ifndef KVTIER_SERVER_COMMON_MUTEX_H_
 #define KVTIER_SERVER_COMMON_MUTEX_H_
 
+#include <atomic>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define KVTIER_TSAN 1
@@ -48,6 +51,37 @@ class ABSL_SCOPED_LOCKABLE MutexLock {
  private:
   absl::Mutex* const mu_;
 };
+
+// Priority on one mutex for the calls a worker waits on over background work that takes it
+// often (aging): a ForegroundLock counts itself in `waiting` while it waits for the lock, and
+// background work calls YieldToForeground before it locks, so that it lets them in first and
+// a worker waits for at most the one piece of background work that holds the lock already.
+class ABSL_SCOPED_LOCKABLE ForegroundLock {
+ public:
+  ForegroundLock(absl::Mutex* mu, std::atomic<int>* waiting) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu)
+      : mu_(mu) {
+    waiting->fetch_add(1, std::memory_order_relaxed);
+    mu_->Lock();
+    waiting->fetch_sub(1, std::memory_order_relaxed);
+    KVTIER_TSAN_ACQUIRE(mu_);
+  }
+  ~ForegroundLock() ABSL_UNLOCK_FUNCTION() {
+    KVTIER_TSAN_RELEASE(mu_);
+    mu_->Unlock();
+  }
+  ForegroundLock(const ForegroundLock&) = delete;
+  ForegroundLock& operator=(const ForegroundLock&) = delete;
+
+ private:
+  absl::Mutex* const mu_;
+};
+
+// Waits, 2 ms at most (background work is never starved), while a ForegroundLock waits.
+inline void YieldToForeground(const std::atomic<int>& waiting) {
+  for (int i = 0; i < 100 && waiting.load(std::memory_order_relaxed) > 0; ++i) {
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
 
 // cv->Wait(mu) with the TSAN edges of the unlock and relock it does inside Abseil. Callers
 // test their condition in their own code, in a loop, after it returns (never through an

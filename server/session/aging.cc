@@ -37,10 +37,8 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
   const uint32_t ct = ctx.chunk_tokens;
   const size_t heads = job->sources.size() / kSemanticSpanChunks;
   std::vector<SlotRef> slots;
-  for (size_t i = 0; i < job->sources.size(); ++i) {
-    auto slot = ctx.host->Allocate(ctx.tenant, f.slot_bytes());
-    if (!slot.ok()) return false;
-    slots.push_back(*std::move(slot));
+  if (!ctx.host->AllocateMany(ctx.tenant, f.slot_bytes(), job->sources.size(), &slots).ok()) {
+    return false;
   }
   const uint32_t span_rows = kSemanticSpanChunks * ct;
   std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
@@ -124,46 +122,99 @@ void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, 
 }
 
 // Quantizes the chunks whose rows are final and that have wholly left the recent window
-// (sinks stay fp16). A chunk whose slot cannot be had stays fp16 and is retried next call.
+// (sinks stay fp16). A chunk whose slot cannot be had, even after the chunks before it gave
+// their fp16 slots back, stays fp16 and is retried next call.
 void Quantize(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
               AgingState* state) {
-  const uint32_t bits = ctx.cold_bits();
-  if (bits == 0) return;
-  const uint32_t limit = FinalRows(ctx, AgedOutChunks(ctx.policy, tokens, heads[0]), *state);
-  if (state->quantized >= limit) return;  // most appends (a decode step) quantize nothing
-  const ChunkFormat& f = ctx.format;
-  const uint32_t d = f.head_dim;
-  const v1::Precision precision = bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
-  std::vector<uint16_t> rows;
-  uint32_t c = state->quantized;
-  for (; c < limit; ++c) {
-    for (Stream& s : heads) {
-      const Chunk& chunk = s.chunks()[c];
-      if (chunk.first < ctx.policy.sink_tokens()) break;  // sinks stay fp16
-      if (chunk.cold() || c < s.stats().final_chunks()) continue;
-      const uint32_t n = chunk.num_tokens;
-      const QuantLayout layout{d, n, bits};
-      auto slot = ctx.host->Allocate(ctx.tenant, layout.Bytes());
-      if (!slot.ok()) {
-        state->quantized = c;  // retried on the next call
-        return;
-      }
-      const auto* k = reinterpret_cast<const uint16_t*>(chunk.host->data());
-      QuantizeChunk(k, k + uint64_t{n} * d, layout, (*slot)->data());
-      Chunk cold = chunk;
-      cold.host = *std::move(slot);  // the fp16 slot goes back (unless a lease or fork holds it)
-      cold.precision = precision;
-      cold.device.reset();
-      // The chunk's statistics describe what attention will now read: the dequantized keys.
-      rows.resize(2ull * n * d);
-      DequantizeChunk(cold.host->data(), layout, rows.data(), rows.data() + uint64_t{n} * d);
-      s.Replace(c, std::move(cold), rows.data(), f);
-    }
+  while (std::optional<QuantJob> job = NextQuant(ctx, tokens, heads, *state, UINT32_MAX)) {
+    RunQuant(SpanContext::Of(ctx), &*job);
+    const bool progressed = job->progressed();
+    CommitQuant(ctx.format, heads, state, std::move(*job));
+    if (!progressed) return;
   }
-  state->quantized = c;
 }
 
 }  // namespace
+
+std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
+                                  std::span<const Stream> heads, const AgingState& state,
+                                  uint32_t max_chunks) {
+  const uint32_t bits = ctx.cold_bits();
+  if (bits == 0) return std::nullopt;
+  uint32_t limit = FinalRows(ctx, AgedOutChunks(ctx.policy, tokens, heads[0]), state);
+  if (state.quantized >= limit)
+    return std::nullopt;  // most appends (a decode step) quantize nothing
+  limit = state.quantized + std::min(max_chunks, limit - state.quantized);
+  QuantJob job;
+  job.first = state.quantized;
+  job.end = limit;
+  job.bits = bits;
+  for (uint32_t c = job.first; c < limit; ++c) {
+    for (uint32_t h = 0; h < heads.size(); ++h) {
+      const Stream& s = heads[h];
+      const Chunk& chunk = s.chunks()[c];
+      if (chunk.first < ctx.policy.sink_tokens()) break;  // sinks stay fp16
+      if (chunk.cold() || c < s.stats().final_chunks()) continue;
+      job.items.push_back(
+          {.chunk = c, .head = h, .tokens = chunk.num_tokens, .source = chunk.host});
+    }
+  }
+  return job;
+}
+
+void RunQuant(const SpanContext& ctx, QuantJob* job) {
+  const uint32_t d = ctx.format.head_dim;
+  job->done = job->end;
+  for (QuantJob::Item& item : job->items) {
+    const QuantLayout layout{d, item.tokens, job->bits};
+    auto slot = ctx.host->Allocate(ctx.tenant, layout.Bytes());
+    if (!slot.ok()) {  // this chunk and those after it wait for the next call
+      job->done = item.chunk;
+      break;
+    }
+    const auto* k = reinterpret_cast<const uint16_t*>(item.source->data());
+    QuantizeChunk(k, k + uint64_t{item.tokens} * d, layout, (*slot)->data());
+    // The chunk's statistics describe what attention will now read: the dequantized keys.
+    item.rows.resize(2ull * item.tokens * d);
+    DequantizeChunk((*slot)->data(), layout, item.rows.data(),
+                    item.rows.data() + uint64_t{item.tokens} * d);
+    item.cold = *std::move(slot);
+  }
+}
+
+void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, QuantJob&& job) {
+  const v1::Precision precision = job.bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
+  for (QuantJob::Item& item : job.items) {
+    if (item.cold == nullptr) break;  // RunQuant stopped here
+    Stream& s = heads[item.head];
+    // Changed meanwhile (aged by another path, or gone): whoever changed it settled it.
+    if (item.chunk >= s.chunks().size() || s.chunks()[item.chunk].host != item.source ||
+        item.chunk < s.stats().final_chunks()) {
+      continue;
+    }
+    Chunk cold = s.chunks()[item.chunk];
+    cold.host = std::move(item.cold);  // the fp16 slot goes back (unless a lease or fork holds it)
+    cold.precision = precision;
+    cold.device.reset();
+    s.Replace(item.chunk, std::move(cold), item.rows.data(), f);
+  }
+  if (state->quantized == job.first) state->quantized = job.done;
+}
+
+bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                     AgingState* state, uint32_t max_chunks) {
+  const uint32_t aged = PeakLayer(ctx, tokens, heads, state);
+  uint32_t limit = FinalRows(ctx, aged, *state);
+  if (ctx.cold_bits() != 0) limit = std::min(limit, state->quantized);
+  bool more = false;
+  for (Stream& s : heads) {
+    const uint32_t from = s.stats().final_chunks();
+    const uint32_t to = from + std::min(max_chunks, limit > from ? limit - from : 0);
+    s.Finalize(to, ctx.policy.sink_tokens(), ctx.policy.ranking());
+    more = more || to < limit;
+  }
+  return more;
+}
 
 uint32_t AgingContext::cold_bits() const {
   if (policy.lossless() || format.dtype != v1::DTYPE_FP16) return 0;
@@ -198,13 +249,10 @@ uint32_t PeakLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> h
 
 void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                 AgingState* state) {
-  const uint32_t aged = PeakLayer(ctx, tokens, heads, state);
   // The index keeps a chunk's statistics fixed, so it takes a chunk only once they are final:
   // regrouped (semantic chunking) and quantized (a chunk that should be cold but is not yet,
   // because the host tier was full, waits).
-  uint32_t limit = FinalRows(ctx, aged, *state);
-  if (ctx.cold_bits() != 0) limit = std::min(limit, state->quantized);
-  for (Stream& s : heads) s.Finalize(limit, ctx.policy.sink_tokens(), ctx.policy.ranking());
+  IndexLayerSlice(ctx, tokens, heads, state, UINT32_MAX);
 }
 
 void AgeLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,

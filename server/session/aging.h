@@ -14,8 +14,9 @@
 //
 // Aging reads only its AgingContext, the layer's token count, its streams and its AgingState,
 // so a caller can run it wherever it holds those: the aging pool (aging_pool.h), one layer at a
-// time, under the session's lock but for the regrouping of each span (NextSpan, RegroupSpan,
-// CommitSpan below), or the append path itself (no pool; wait_aged). An
+// time, regrouping spans and quantizing chunks without the session's lock (NextSpan,
+// RegroupSpan, CommitSpan; NextQuant, RunQuant, CommitQuant below) and indexing under it a
+// slice at a time (IndexLayerSlice), or the append path itself (no pool; wait_aged). An
 // append that leaves the rest to the pool still computes the peaks of the chunks it aged out
 // (PeakLayer, cheap), so that Select ranks them exactly beside the index meanwhile. Chunk
 // boundaries are the same in every KV head of a layer, so one state serves them.
@@ -89,6 +90,36 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job);
 // Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan (then
 // false, and the job's slots go back).
 bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, SpanJob&& job);
+
+// Quantizing in the same three steps: NextQuant (under the lock) names up to `max_chunks`
+// chunks of every head and holds their slots, RunQuant (without it) quantizes each into a fresh
+// slot and dequantizes it back (the rows attention will read), CommitQuant (under it) puts
+// each in place of its chunk unless the chunk changed meanwhile. Quantize runs them in a row.
+struct QuantJob {
+  uint32_t first = 0, end = 0;  // chunks [first, end) of every head
+  uint32_t bits = 0;
+  uint32_t done = 0;  // after RunQuant: chunks [first, done) were quantized; < end: no slots
+  struct Item {
+    uint32_t chunk = 0, head = 0, tokens = 0;
+    SlotRef source;              // the chunk's fp16 slot, held: its bytes stay as they are
+    SlotRef cold;                // RunQuant: the quantized bytes
+    std::vector<uint16_t> rows;  // RunQuant: K then V as dequantized, [tokens][head_dim] each
+  };
+  std::vector<Item> items;  // chunk-major, then head
+  // After RunQuant: whether any chunk got its slot (each commit gives fp16 slots back, so a
+  // job on a full tier that made some progress may make more when tried again).
+  bool progressed() const { return done > first || (!items.empty() && items[0].cold != nullptr); }
+};
+std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
+                                  std::span<const Stream> heads, const AgingState& state,
+                                  uint32_t max_chunks);
+void RunQuant(const SpanContext& ctx, QuantJob* job);
+void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, QuantJob&& job);
+
+// IndexLayer a slice at a time: at most `max_chunks` more chunks of each head enter the index;
+// returns whether any chunk that could enter is still left out.
+bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
+                     AgingState* state, uint32_t max_chunks);
 
 // The chunks [0, n) of a layer holding `tokens` that lie wholly before its recent window.
 uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const Stream& head0);

@@ -119,7 +119,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   RETURN_IF_ERROR(CheckAppend(shape_, req));
   const uint32_t kvh = shape_.num_kv_heads();
   const uint64_t n = req.num_tokens();
-  MutexLock lock(&mu_);
+  ForegroundLock lock(&mu_, &foreground_);
   RETURN_IF_ERROR(CheckOpen());
   const bool defer = env_.aging != nullptr && !req.wait_aged();
   if (defer && env_.max_aging_backlog_tokens > 0) RETURN_IF_ERROR(WaitForBacklog());
@@ -171,10 +171,7 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   for (const Stream& s : heads(layer)) slots_needed += s.CopiesOnGrow(plan);
   std::vector<SlotRef> fresh;
   fresh.reserve(slots_needed);
-  for (uint64_t i = 0; i < slots_needed; ++i) {
-    ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, f.slot_bytes()));
-    fresh.push_back(std::move(s));
-  }
+  RETURN_IF_ERROR(env_.host->AllocateMany(tenant_, f.slot_bytes(), slots_needed, &fresh));
   size_t next = 0;
   for (uint32_t h = 0; h < kvh; ++h) {
     heads(layer)[h].Write(plan, keys(h, overlap), values(h, overlap), stored, f,
@@ -257,9 +254,9 @@ void Session::AgeBacklog() {
     aging_queued_ = false;  // an append from now on queues another task
   }
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
-    // Semantic spans are regrouped without the lock, so that appends and Selects go on beside
-    // the heavy part; the rest of aging (quantize, index) runs under it, a layer at a time.
+    // A layer at a time; AgeLayerInPool says what runs under the lock.
     {
+      YieldToForeground(foreground_);
       MutexLock lock(&mu_);
       if (layers_[l].aging_busy) continue;  // that thread ages what arrives meanwhile too
       layers_[l].aging_busy = true;
@@ -269,24 +266,53 @@ void Session::AgeBacklog() {
 }
 
 void Session::AgeLayerInPool(uint32_t l) {
+  // The heavy steps (regrouping a span, quantizing chunks) run without the lock; what runs
+  // under it is bounded by kAgingSlice chunks of each head, so that an append or a Select
+  // waits for at most one slice, not for a layer's whole backlog.
+  bool quant_stuck = false;  // no slots for quantizing: the rest waits for the next run
   for (;;) {
     std::optional<SpanJob> job;
+    std::optional<QuantJob> quant;
     std::optional<SpanContext> context;
     {
+      YieldToForeground(foreground_);
       MutexLock lock(&mu_);
-      if (closed_ || layers_[l].aged_tokens == layers_[l].tokens) {
-        layers_[l].aging_busy = false;
+      Layer& layer = layers_[l];
+      if (closed_ || layer.aged_tokens == layer.tokens) {
+        layer.aging_busy = false;
         return;
       }
-      job = NextSpan(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
-      if (!job) {
-        AgeLayerLocked(l);
-        aged_.SignalAll();
-        continue;  // appends may have come while it aged
+      job = NextSpan(aging(), layer.tokens, heads(l), &layer.aging);
+      if (!job && !quant_stuck) {
+        quant = NextQuant(aging(), layer.tokens, heads(l), layer.aging, kAgingSlice);
+      }
+      if (!job && !quant) {
+        const uint64_t before = LayerHeapBytes(l);
+        const bool more =
+            IndexLayerSlice(aging(), layer.tokens, heads(l), &layer.aging, kAgingSlice);
+        charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
+        if (!more) {
+          layer.aged_tokens = layer.tokens;
+          aged_.SignalAll();
+          quant_stuck = false;
+        }
+        continue;  // appends may have come meanwhile
       }
       context = SpanContext::Of(aging());
     }
+    if (quant) {
+      RunQuant(*context, &*quant);
+      YieldToForeground(foreground_);
+      MutexLock lock(&mu_);
+      if (closed_) continue;
+      quant_stuck = !quant->progressed();
+      const uint64_t before = LayerHeapBytes(l);
+      CommitQuant(format(), heads(l), &layers_[l].aging, std::move(*quant));
+      charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
+      continue;
+    }
     const bool made = RegroupSpan(*context, &*job);
+    YieldToForeground(foreground_);
     MutexLock lock(&mu_);
     if (closed_) continue;
     if (!made) {  // no slots: what is left waits for the next append, as on the append path
@@ -421,7 +447,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
         env_.max_leases_per_tenant, Quoted(tenant_), held));
   }
   RETURN_IF_ERROR(env_.leases->CheckWorker(tenant_, req.worker_id()));
-  MutexLock lock(&mu_);
+  ForegroundLock lock(&mu_, &foreground_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
@@ -498,7 +524,7 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_
 }
 
 uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
-  MutexLock lock(&mu_);
+  ForegroundLock lock(&mu_, &foreground_);
   if (req.layer() >= shape_.num_layers()) return 0;
   const ChunkFormat f = format();
   const uint64_t total = layers_[req.layer()].tokens;
@@ -542,7 +568,7 @@ absl::Status Session::CheckChunkId(uint64_t id) const {
 }
 
 absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vector<uint64_t>& ids) {
-  MutexLock lock(&mu_);
+  ForegroundLock lock(&mu_, &foreground_);
   RETURN_IF_ERROR(CheckOpen());
   last_access_ms_ = env_.clock->NowMs();
   const ChunkFormat f = format();
@@ -749,7 +775,8 @@ absl::StatusOr<uint64_t> Session::Demote(
     const v1::SessionRecord record = Export();
     bytes = record.ByteSizeLong();
     RETURN_IF_ERROR(store(record));
-    demoted_ = closed_ = true;
+    demoted_ = true;
+    closed_ = true;
     aged_.SignalAll();
     dropped.swap(streams_);
     charge_.Set(0);
@@ -843,15 +870,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
   return s;
 }
 
-bool Session::demoted() const {
-  MutexLock lock(&mu_);
-  return demoted_;
-}
+bool Session::demoted() const { return demoted_.load(std::memory_order_acquire); }
 
-bool Session::closed() const {
-  MutexLock lock(&mu_);
-  return closed_;
-}
+bool Session::closed() const { return closed_.load(std::memory_order_acquire); }
 
 int64_t Session::last_access_ms() const {
   MutexLock lock(&mu_);

@@ -20,6 +20,7 @@
 #ifndef KVTIER_SERVER_SESSION_SESSION_H_
 #define KVTIER_SERVER_SESSION_SESSION_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -236,8 +237,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // Stream::HeapBytes over layer `l`'s KV heads: what its metadata charge follows.
   uint64_t LayerHeapBytes(uint32_t l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's work on layer `l` (marked aging_busy by the caller): semantic spans regrouped
-  // without the lock, then the rest under it, until it holds no un-aged tokens.
+  // and chunks quantized without the lock, peaks and the index under it a slice at a time,
+  // until it holds no un-aged tokens.
   void AgeLayerInPool(uint32_t l);
+  // Chunks of each KV head that one hold of the lock quantizes or indexes, at most.
+  static constexpr uint32_t kAgingSlice = 4;
   // Ages layer `l` now (regroup, quantize, index) and settles the metadata charge.
   void AgeLayerLocked(uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ages every layer with un-aged tokens now (before a fork copies them).
@@ -264,11 +268,15 @@ class Session : public std::enable_shared_from_this<Session> {
   const SessionEnv env_;
   int64_t created_ms_;      // set once, before the session is shared (Import restores it)
   mutable absl::Mutex mu_;  // lock order 3 (server/common/lock_order.h)
+  // Appends, Selects and ReadChunks waiting for mu_ (ForegroundLock): aging lets them in first.
+  mutable std::atomic<int> foreground_ = 0;
   v1::SessionPolicy policy_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  // Set under mu_, read without it too (demoted(), closed(): a stream's cached session is
+  // checked on every message, and must not wait for aging holding mu_).
+  std::atomic<bool> closed_ = false;
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 1;    // counts changes a snapshot would show
   uint64_t persisted_ ABSL_GUARDED_BY(mu_) = 0;  // the version last stored by write-behind
-  bool demoted_ ABSL_GUARDED_BY(mu_) = false;    // closed because it moved to the remote tier
+  std::atomic<bool> demoted_ = false;  // closed because it moved to the remote tier (as closed_)
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED

@@ -102,6 +102,19 @@ absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {
   return absl::InternalError(msg);
 }
 
+void ShmSegment::Populate(uint64_t offset, uint64_t length) {
+#ifdef MADV_POPULATE_WRITE
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t from = offset / page * page;
+  if (data_ == nullptr || length == 0 || from >= size_) return;
+  const uint64_t to = std::min(size_, offset + length);
+  (void)madvise(data_ + from, to - from, MADV_POPULATE_WRITE);
+#else
+  (void)offset;
+  (void)length;
+#endif
+}
+
 absl::StatusOr<ShmSegment> ShmSegment::OpenReadOnly(const std::string& name) {
   int fd = shm_open(name.c_str(), O_RDONLY, 0);
   if (fd < 0) return Errno("shm_open", name);

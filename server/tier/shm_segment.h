@@ -35,6 +35,10 @@ class ShmSegment {
   // so that a full /dev/shm is RESOURCE_EXHAUSTED here rather than a SIGBUS on first touch.
   // The creating side only.
   absl::Status Reserve(uint64_t offset, uint64_t length);
+  // Maps the committed pages of [offset, offset + length) into this process ahead of their
+  // first write (MADV_POPULATE_WRITE), so that filling them takes no page fault per page. Best
+  // effort: a kernel without it leaves them to fault in as before.
+  void Populate(uint64_t offset, uint64_t length);
 
   // Maps an existing object read-only, as a worker does. NOT_FOUND if it does not exist.
   static absl::StatusOr<ShmSegment> OpenReadOnly(const std::string& name);

@@ -79,6 +79,36 @@ std::string Tier::ShmPrefixOf(const std::string& instance, v1::Tier tier) {
 std::string Tier::ShmPrefix() const { return ShmPrefixOf(options_.instance, options_.tier); }
 
 absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
+  std::vector<SlotRef> one;
+  RETURN_IF_ERROR(AllocateMany(tenant, slot_bytes, 1, &one));
+  return std::move(one[0]);
+}
+
+absl::Status Tier::AllocateMany(const std::string& tenant, uint64_t slot_bytes, uint64_t count,
+                                std::vector<SlotRef>* out) {
+  std::vector<PopulateRange> populate;
+  std::vector<SlotRef> taken;
+  absl::Status status;
+  {
+    MutexLock lock(&mu_);
+    for (uint64_t i = 0; i < count && status.ok(); ++i) {
+      absl::StatusOr<SlotRef> slot = AllocateLocked(tenant, slot_bytes, &populate);
+      if (slot.ok()) {
+        taken.push_back(*std::move(slot));
+      } else {
+        status = slot.status();
+      }
+    }
+  }
+  if (!status.ok()) return status;  // `taken` goes back, each slot taking the lock to free
+  // The segments stay mapped: each range's segment has a slot just taken from it.
+  for (const PopulateRange& r : populate) r.shm->Populate(r.offset, r.length);
+  for (SlotRef& s : taken) out->push_back(std::move(s));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
+                                             std::vector<PopulateRange>* populate) {
   // Slots, then the generation table at a 64-byte boundary.
   uint64_t num_slots = slot_bytes == 0 ? 0 : options_.segment_bytes / slot_bytes;
   auto table_at = [slot_bytes](uint64_t n) { return (n * slot_bytes + 63) / 64 * 64; };
@@ -90,7 +120,6 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
         absl::StrFormat("slot of %d bytes does not fit a %d-byte segment with its generation",
                         slot_bytes, options_.segment_bytes));
   }
-  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckRoomLocked(tenant, slot_bytes, ""));
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];
@@ -132,12 +161,25 @@ absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_
     index = seg->free.back();  // its pages were committed when first handed out
     seg->free.pop_back();
   } else {
-    // A slot never handed out: its pages are committed now, so that a full /dev/shm is an
-    // error here and never a SIGBUS where the bytes are first written.
-    absl::Status s = seg->shm.Reserve(uint64_t{seg->next_unused} * slot_bytes, slot_bytes);
-    if (!s.ok()) {
-      ++allocation_failures_;
-      return WithTierReason(s);
+    // A slot never handed out: its pages are committed by now, so that a full /dev/shm is an
+    // error here and never a SIGBUS where the bytes are first written. They are committed
+    // (and mapped) kReserveAhead at a time, not a syscall and a page fault per slot; a
+    // /dev/shm too full for that still gives the slot alone.
+    const uint64_t end = uint64_t{seg->next_unused + 1} * slot_bytes;
+    if (end > seg->reserved) {
+      const uint64_t ahead = std::min<uint64_t>(uint64_t{seg->num_slots} * slot_bytes,
+                                                std::max(end, seg->reserved + kReserveAhead));
+      absl::Status s = seg->shm.Reserve(seg->reserved, ahead - seg->reserved);
+      if (s.ok()) {
+        populate->push_back({&seg->shm, seg->reserved, ahead - seg->reserved});
+        seg->reserved = ahead;
+      } else {
+        s = seg->shm.Reserve(end - slot_bytes, slot_bytes);
+        if (!s.ok()) {
+          ++allocation_failures_;
+          return WithTierReason(s);
+        }
+      }
     }
     index = seg->next_unused++;
   }

@@ -158,6 +158,10 @@ class Tier {
   // reason) when /dev/shm has no room for a new slot's pages, which are committed before the
   // slot is handed out; INTERNAL when shared memory cannot be created.
   absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
+  // `count` such slots appended to `out`, all or none (the first refusal's status), under one
+  // hold of the tier's lock: an append's slots at once.
+  absl::Status AllocateMany(const std::string& tenant, uint64_t slot_bytes, uint64_t count,
+                            std::vector<SlotRef>* out);
 
   // Bytes `tenant` may still take before its quota, or the tier's free bytes when that is
   // less (or the tenant has no quota).
@@ -189,6 +193,17 @@ class Tier {
 
  private:
   friend class Slot;
+  // A segment's fresh slots are committed this many bytes at a time (at most the segment).
+  static constexpr uint64_t kReserveAhead = 1 << 20;
+  // Pages committed under the lock, to be mapped in (ShmSegment::Populate) after it.
+  struct PopulateRange {
+    ShmSegment* shm;
+    uint64_t offset, length;
+  };
+  // One slot, under the lock; a range it committed goes to `populate`.
+  absl::StatusOr<SlotRef> AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
+                                         std::vector<PopulateRange>* populate)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Segment {
     uint64_t id;
     std::string tenant;
@@ -196,6 +211,7 @@ class Tier {
     uint32_t num_slots;
     uint64_t table_offset;     // the generation table: uint64 [num_slots]
     uint32_t next_unused = 0;  // slots below this have been handed out at least once
+    uint64_t reserved = 0;     // the slots' bytes [0, reserved) are committed (Reserve)
     uint32_t used = 0;
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
     ShmSegment shm;
