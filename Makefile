@@ -40,7 +40,8 @@ configure: $(BUILD)/build.ninja
 build: deps $(BUILD)/build.ninja
 	ninja -C $(BUILD) -j $(JOBS)
 
-run: build
+# The README's tour uses the Python client from .venv, so run makes it too.
+run: build venv
 	$(BUILD)/bin/kvtierd $(ARGS)
 
 unit: build
