@@ -30,7 +30,7 @@ venv: $(VENV)/.stamp client/python/kvtier/v1/kvtier_pb2.py
 
 # Python stubs, generated into the kvtier package (kvtier.v1.kvtier_pb2).
 client/python/kvtier/v1/kvtier_pb2.py: $(PROTOS) $(VENV)/.stamp
-	$(PY) -m grpc_tools.protoc -I proto --python_out=client/python --grpc_python_out=client/python $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=client/python --pyi_out=client/python --grpc_python_out=client/python $(PROTOS)
 
 $(BUILD)/build.ninja: | deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
