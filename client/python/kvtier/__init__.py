@@ -6,11 +6,16 @@
     c.append_layers(sid, start=0, keys=K, values=V)         # fp16 [layers][kv_heads][n][64]
     sel = c.select(sid, layer=12, query=q, budget_tokens=256)  # q fp32 [9][64]
     for head in sel.heads:
-        positions, k, v = c.gather(head)                     # read in place from shared memory
+        positions, k, v = c.gather(head, sid)                # copies of the selected rows
     c.release(sel.lease_id)
 
-The stubs in kvtier.v1 are generated from proto/ by `make venv`.
+The stubs in kvtier.v1 are generated from proto/ by `pip install ./client/python` (or, in
+the repository, `make venv`). A mistake in a call's arguments raises KvTierArgumentError
+(INVALID_ARGUMENT, naming the argument) before anything is sent; a refused call raises
+KvTierError with the daemon's code and message.
 """
-from kvtier.client import Client, KvTierError, SegmentMap, SelectChannel, Staging
+from kvtier.client import (Client, KvTierArgumentError, KvTierError, SegmentMap, SelectChannel,
+                           Staging)
 
-__all__ = ["Client", "KvTierError", "SegmentMap", "SelectChannel", "Staging"]
+__all__ = ["Client", "KvTierArgumentError", "KvTierError", "SegmentMap", "SelectChannel",
+           "Staging"]

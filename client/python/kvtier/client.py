@@ -32,6 +32,24 @@ class KvTierError(Exception):
         self.message = message
 
 
+class KvTierArgumentError(KvTierError, ValueError):
+    """A mistake in a call's arguments, found before anything was sent: INVALID_ARGUMENT,
+    the message starting with the argument's name. Also a ValueError."""
+
+    def __init__(self, argument: str, problem: str):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, f"{argument}: {problem}")
+        self.argument = argument
+
+
+def _choice(argument: str, table: dict, value):
+    """table[value], or KvTierArgumentError naming `argument` and what it may be."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(k) for k in table)
+        raise KvTierArgumentError(argument, f"{value!r} is not one of {allowed}") from None
+
+
 def _call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -351,18 +369,22 @@ class Client:
                    ("grpc.max_send_message_length", max_message_bytes)]
         if tls_ca is not None:
             if (tls_cert is None) != (tls_key is None):
-                raise ValueError("tls_cert and tls_key: both or neither")
+                raise KvTierArgumentError("tls_cert", "tls_cert and tls_key: both or neither")
 
-            def read(path):
-                with open(path, "rb") as f:
-                    return f.read()
+            def read(argument, path):
+                try:
+                    with open(path, "rb") as f:
+                        return f.read()
+                except OSError as e:
+                    raise KvTierArgumentError(argument, f"cannot read {path}: {e.strerror}") \
+                        from None
             creds = grpc.ssl_channel_credentials(
-                root_certificates=read(tls_ca),
-                private_key=read(tls_key) if tls_key is not None else None,
-                certificate_chain=read(tls_cert) if tls_cert is not None else None)
+                root_certificates=read("tls_ca", tls_ca),
+                private_key=read("tls_key", tls_key) if tls_key is not None else None,
+                certificate_chain=read("tls_cert", tls_cert) if tls_cert is not None else None)
             self._channel = grpc.secure_channel(address, creds, options=options)
         elif tls_cert is not None or tls_key is not None:
-            raise ValueError("tls_cert and tls_key need tls_ca")
+            raise KvTierArgumentError("tls_ca", "tls_cert and tls_key need tls_ca")
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.KvTierStub(self._channel)
@@ -414,7 +436,7 @@ class Client:
         """`policy` takes SessionPolicy fields (sink_tokens=16, recent_window=64, ...)."""
         shape = pb.ModelShape(num_layers=num_layers, num_q_heads=num_q_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim,
-                              dtype=_DTYPES[dtype][0], model_id=model_id)
+                              dtype=_choice("dtype", _DTYPES, dtype)[0], model_id=model_id)
         r = self._unary("CreateSession", pb.CreateSessionRequest(
             session_id=session_id, shape=shape, policy=pb.SessionPolicy(**policy),
             labels=labels or {}))
@@ -436,16 +458,36 @@ class Client:
         background; `wait_aged`: once each layer's aged-out chunks are aged too. `staging`: the
         session's staging area (open_staging), large enough for every item's K and V: they are
         written into it and named there instead of sent (zero-copy ingest)."""
+        # Every item is checked before the stream starts: a mistake is this call's error,
+        # naming the item, and nothing of it is sent (the stream would otherwise end in
+        # UNKNOWN, some items applied).
+        checked = []
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
+                raise KvTierArgumentError(
+                    f"items[{i}]", "must be (layer, start_token, keys, values[, token_ids])")
+            layer, start, k, v = item[:4]
+            ids = item[4] if len(item) > 4 else None
+            k = np.ascontiguousarray(k)
+            v = np.ascontiguousarray(v)
+            for name, a in (("keys", k), ("values", v)):
+                if a.ndim != 3:
+                    raise KvTierArgumentError(f"items[{i}].{name}",
+                                              f"shape {a.shape} is not [kv_heads][tokens][head_dim]")
+                if a.dtype.itemsize != 2:
+                    raise KvTierArgumentError(f"items[{i}].{name}",
+                                              f"dtype {a.dtype} is not 2 bytes (fp16 or bf16)")
+            if k.shape != v.shape:
+                raise KvTierArgumentError(f"items[{i}].values",
+                                          f"shape {v.shape} differs from keys' {k.shape}")
+            if ids is not None and len(ids) != k.shape[1]:
+                raise KvTierArgumentError(f"items[{i}].token_ids",
+                                          f"{len(ids)} ids for {k.shape[1]} tokens")
+            checked.append((int(layer), int(start), k, v, ids))
+
         def requests() -> Iterator[pb.AppendKVRequest]:
             at = 0
-            for item in items:
-                layer, start, k, v = item[:4]
-                ids = item[4] if len(item) > 4 else None
-                k = np.ascontiguousarray(k)
-                v = np.ascontiguousarray(v)
-                if k.shape != v.shape or k.ndim != 3:
-                    raise ValueError(f"keys {k.shape} and values {v.shape} must both be "
-                                     "[kv_heads][tokens][head_dim]")
+            for layer, start, k, v, ids in checked:
                 r = pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
                                        num_tokens=k.shape[1],
                                        token_ids=[] if ids is None else [int(i) for i in ids],
@@ -461,11 +503,11 @@ class Client:
                     at = staging.put(values_at, v)
                 yield r
         if staging is not None:  # checked before anything is written or sent
-            items = list(items)
-            need = sum(np.asarray(i[2]).nbytes + np.asarray(i[3]).nbytes for i in items)
+            need = sum(k.nbytes + v.nbytes for _, _, k, v, _ in checked)
             if need > staging.size:
-                raise ValueError(f"staging area {staging.id} holds {staging.size} bytes, "
-                                 f"fewer than these appends' {need} bytes of K and V")
+                raise KvTierArgumentError(
+                    "staging", f"staging area {staging.id} holds {staging.size} bytes, "
+                    f"fewer than these appends' {need} bytes of K and V")
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 
@@ -477,6 +519,13 @@ class Client:
         client opens (and grows) as needed and keeps while the session lasts here; a daemon
         without staging gets the bytes instead, and so does one that lost the area (a restart,
         a session restored from the remote tier), which gets a new area next time."""
+        for name, a in (("keys", keys), ("values", values)):
+            if np.ndim(a) != 4:
+                raise KvTierArgumentError(
+                    name, f"shape {np.shape(a)} is not [layers][kv_heads][tokens][head_dim]")
+        if np.shape(keys) != np.shape(values):
+            raise KvTierArgumentError("values", f"shape {np.shape(values)} differs from keys' "
+                                      f"{np.shape(keys)}")
         items = lambda: ((layer, start, keys[layer], values[layer])  # noqa: E731
                          for layer in range(keys.shape[0]))
         if zero_copy is None:
@@ -514,7 +563,7 @@ class Client:
             try:
                 return self._unary("Select", pb.SelectRequest(
                     session_id=session_id, layer=layer, query=q.tobytes(),
-                    budget_tokens=budget_tokens, placement=_TIERS[placement],
+                    budget_tokens=budget_tokens, placement=_choice("placement", _TIERS, placement),
                     include_data=include_data, lease_ms=lease_ms,
                     include_summaries=include_summaries, row_handles=row_handles,
                     worker_id=worker))
@@ -541,7 +590,7 @@ class Client:
         through shared memory (inline bytes when the response carried them)."""
         if head_dim is None:
             if session_id is None:
-                raise ValueError("gather needs session_id or head_dim")
+                raise KvTierArgumentError("session_id", "gather needs session_id or head_dim")
             head_dim = self._shape(session_id).head_dim
         blocks = head.blocks
         total = sum(len(b.rows) or b.num_tokens for b in blocks)
@@ -702,7 +751,7 @@ class Client:
 
     def evict(self, session_id: str, tier: str) -> int:
         return self._unary("Evict", pb.EvictRequest(session_id=session_id,
-                                                    tier=_TIERS[tier])).bytes_moved
+                                                    tier=_choice("tier", _TIERS, tier))).bytes_moved
 
     def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
         return self._unary("SetPolicy", pb.SetPolicyRequest(

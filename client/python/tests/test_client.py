@@ -771,3 +771,27 @@ def test_sigterm_cleans_up(start_daemon):
     assert d.stop() == 0
     assert not d.socket.exists()
     assert not any(n.startswith(f"kvtier-{d.instance}-") for n in os.listdir("/dev/shm"))
+
+
+def test_client_side_mistakes_name_their_argument(daemon):
+    c = kvtier.Client(daemon.address)
+    with pytest.raises(kvtier.KvTierArgumentError, match="^INVALID_ARGUMENT: dtype: 'fp8'"):
+        c.create_session(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8, dtype="fp8")
+    sid = c.create_session(num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=8).session_id
+    k = np.ones((1, 4, 8), np.float16)
+    # A 2-D array among the items: refused before the stream starts, nothing of it applied.
+    with pytest.raises(kvtier.KvTierArgumentError, match=r"items\[1\]\.keys: shape \(4, 8\)") as e:
+        c.append_kv(sid, [(0, 0, k, k), (1, 0, k[0], k[0])])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.argument == "items[1].keys"
+    assert isinstance(e.value, ValueError)
+    assert c.describe_session(sid).info.num_tokens == 0  # item 0 was not sent either
+    with pytest.raises(kvtier.KvTierArgumentError, match=r"items\[0\]\.keys: dtype float32"):
+        c.append_kv(sid, [(0, 0, k.astype(np.float32), k.astype(np.float32))])
+    with pytest.raises(kvtier.KvTierArgumentError, match=r"^INVALID_ARGUMENT: keys: shape"):
+        c.append_layers(sid, 0, k, k)  # 3-D where [layers][kv_heads][tokens][d] is wanted
+    with pytest.raises(kvtier.KvTierArgumentError, match="placement: 'gpu' is not one of"):
+        c.select(sid, 0, np.ones((2, 8), np.float32), placement="gpu")
+    with pytest.raises(kvtier.KvTierArgumentError, match="tls_ca: cannot read /nonexistent"):
+        kvtier.Client("localhost:1", tls_ca="/nonexistent/ca.pem")
+    with pytest.raises(kvtier.KvTierArgumentError, match="tier: 'disk'"):
+        c.evict(sid, tier="disk")
