@@ -17,8 +17,9 @@
 // time, regrouping spans and quantizing chunks without the session's lock (NextSpan,
 // RegroupSpan, CommitSpan; NextQuant, RunQuant, CommitQuant below) and indexing under it a
 // slice at a time (IndexLayerSlice), or the append path itself (no pool; wait_aged). An
-// append that leaves the rest to the pool still computes the peaks of the chunks it aged out
-// (PeakLayer, cheap), so that Select ranks them exactly beside the index meanwhile. Chunk
+// append that leaves the work to the pool computes nothing; a Select that comes first
+// computes the peaks of the chunks aged out since (PeakLayer), so that it ranks them exactly
+// beside the index meanwhile. Chunk
 // boundaries are the same in every KV head of a layer, so one state serves them.
 #ifndef KVTIER_SERVER_SESSION_AGING_H_
 #define KVTIER_SERVER_SESSION_AGING_H_

@@ -186,9 +186,8 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
     l.aged_tokens = l.tokens;
     return MinTokens();
   }
-  // Select ranks the chunks this append aged out beside the index, by their peaks: those now;
-  // the rest (regroup, quantize, index) on the pool.
-  PeakLayer(aging(), l.tokens, heads(layer), &l.aging);
+  // The rest (peaks, regroup, quantize, index) on the pool; a Select before it gets there
+  // computes the peaks it ranks by itself (Choose).
   if (!aging_queued_) {
     aging_queued_ = true;
     env_.aging->Submit([self = std::move(self)] {
@@ -387,6 +386,9 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   const uint64_t window_start = total - std::min<uint64_t>(policy_.recent_window(), total);
   LayerChoice c;
   c.everything = layer < policy_.dense_layers() || total <= budget;
+  // Chunks that left the window are ranked beside the index by their peaks: those the aging
+  // pool has not computed yet (the append path leaves them to it) are computed now, once.
+  if (!c.everything) PeakLayer(aging(), total, heads(layer), &layers_[layer].aging);
   c.sink_end = sink_end;
   c.window_start = window_start;
   // Refinement returns rows, so the sinks and the window cost only their own rows.
