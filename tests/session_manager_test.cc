@@ -230,6 +230,16 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
   const absl::Status moved = stale->Append(Tokens("s", 32, 16)).status();
   EXPECT_THAT(moved, StatusIs(Code::kUnavailable, "remote tier"));
   EXPECT_EQ(ReasonOf(moved), ErrorReason::kSessionMoved);
+  // So does every other call on it, those that only size or check a request too (they read
+  // streams the moved session no longer holds: a Select found it just before it moved).
+  v1::SelectRequest sel;
+  sel.set_session_id("s");
+  sel.set_layer(0);
+  EXPECT_EQ(stale->ReplyBytesBound(sel), 0u);
+  EXPECT_THAT(stale->CheckChunkIds({EncodeChunkId({0, 0, 0})}),
+              StatusIs(Code::kUnavailable, "remote tier"));
+  EXPECT_THAT(stale->ReadChunks({EncodeChunkId({0, 0, 0})}).status(),
+              StatusIs(Code::kUnavailable, "remote tier"));
   // Run restores it and applies the call there; the cached pointer follows.
   const auto r = Tokens("s", 32, 16);
   ASSERT_OK(m.Run(

@@ -527,7 +527,9 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_
 
 uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
   ForegroundLock lock(&mu_, &foreground_);
-  if (req.layer() >= shape_.num_layers()) return 0;
+  // A session closed or moved since the caller found it holds no streams; the Select that
+  // follows says so (CheckOpen).
+  if (closed_ || req.layer() >= shape_.num_layers()) return 0;
   const ChunkFormat f = format();
   const uint64_t total = layers_[req.layer()].tokens;
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
@@ -554,6 +556,7 @@ uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
 
 absl::Status Session::CheckChunkIds(const std::vector<uint64_t>& ids) const {
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());  // a closed or moved session holds no streams
   for (uint64_t id : ids) RETURN_IF_ERROR(CheckChunkId(id));
   return absl::OkStatus();
 }
