@@ -1354,6 +1354,7 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
        kOk},
       {"ListSegments", [&](Client& c) { return c.ListSegments().status(); }, kUnauth, kOk, kOk,
        kOk},
+      {"ListLeases", [&](Client& c) { return c.ListLeases().status(); }, kUnauth, kOk, kOk, kOk},
       {"Evict", [&](Client& c) { return c.Evict(a, v1::TIER_DEVICE).status(); }, kUnauth, kOk,
        kDenied, kOk},
       {"SetPolicy",
@@ -1409,6 +1410,23 @@ TEST(Auth, EveryRpcAnswersEachCallerWithItsCode) {
   EXPECT_EQ(tenants_of_segments(*bob), (std::set<std::string>{"bob"}));
   EXPECT_TRUE(tenants_of_segments(*admin).contains("bob"));
   EXPECT_TRUE(tenants_of_segments(*admin).contains("alice"));
+  // Leases likewise: alice's lease is hers and the admin's to see, never bob's.
+  ASSERT_OK_AND_ASSIGN(auto held, alice->Select(Select(a, 3, 128)));
+  auto lease_tenants = [&](Client& c) {
+    std::set<std::string> out;
+    auto r = c.ListLeases(a);
+    EXPECT_OK(r.status());
+    if (r.ok()) {
+      for (const auto& l : r->leases()) {
+        if (l.lease_id() == held.lease_id()) out.insert(l.tenant());
+      }
+    }
+    return out;
+  };
+  EXPECT_EQ(lease_tenants(*alice), (std::set<std::string>{"alice"}));
+  EXPECT_TRUE(lease_tenants(*bob).empty());
+  EXPECT_EQ(lease_tenants(*admin), (std::set<std::string>{"alice"}));
+  ASSERT_OK(alice->Release(held.lease_id()));
 
   // An admin that names a tenant acts as that tenant only; others may not name another.
   auto as_alice = client("admin", "alice");

@@ -324,6 +324,14 @@ absl::StatusOr<v1::ListSegmentsResponse> Client::ListSegments() {
   return KVTIER_CALL(v1::ListSegmentsResponse, ListSegments, v1::ListSegmentsRequest());
 }
 
+absl::StatusOr<v1::ListLeasesResponse> Client::ListLeases(const std::string& session_id,
+                                                          uint32_t limit) {
+  v1::ListLeasesRequest req;
+  req.set_session_id(session_id);
+  req.set_limit(limit);
+  return KVTIER_CALL(v1::ListLeasesResponse, ListLeases, req);
+}
+
 namespace {
 
 // Receives up to `want` descriptors in one message from `sock` into `out`; the message's

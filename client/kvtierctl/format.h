@@ -25,6 +25,10 @@ class Table {
 // The message as indented JSON with proto field names (snake_case) and zero fields shown.
 std::string ToJson(const google::protobuf::Message& m);
 
+// The same as YAML: every field, maps as mappings ordered by key, strings double-quoted,
+// enums by name, 64-bit integers as numbers (JSON quotes them), bytes as base64.
+std::string ToYaml(const google::protobuf::Message& m);
+
 // "3s ago", "5m ago", "2h ago", "4d ago" from a Unix time in ms and now.
 std::string Age(int64_t unix_ms, int64_t now_ms);
 

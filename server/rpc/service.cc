@@ -689,6 +689,28 @@ grpc::ServerUnaryReactor* KvTierService::ListSegments(grpc::CallbackServerContex
   });
 }
 
+grpc::ServerUnaryReactor* KvTierService::ListLeases(grpc::CallbackServerContext* ctx,
+                                                    const v1::ListLeasesRequest* req,
+                                                    v1::ListLeasesResponse* resp) {
+  return Unary(ctx, "ListLeases", [&](const Caller& caller) {
+    const size_t limit = req->limit() ? req->limit() : 10000;
+    size_t total = 0;
+    for (const LeaseTable::Info& l : env_.leases->List(caller.admin ? nullptr : &caller.tenant,
+                                                       req->session_id(), limit, &total)) {
+      v1::LeaseInfo* out = resp->add_leases();
+      out->set_lease_id(l.lease_id);
+      out->set_tenant(l.tenant);
+      out->set_session_id(l.session_id);
+      out->set_worker_id(l.worker);
+      out->set_slots(l.slots);
+      out->set_pinned_bytes(l.pinned_bytes);
+      out->set_expires_unix_ms(l.expires_unix_ms);
+    }
+    resp->set_total(total);
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* KvTierService::OpenSegments(grpc::CallbackServerContext* ctx,
                                                       const v1::OpenSegmentsRequest* req,
                                                       v1::OpenSegmentsResponse* resp) {

@@ -114,6 +114,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* ListSegments(grpc::CallbackServerContext* ctx,
                                          const v1::ListSegmentsRequest* req,
                                          v1::ListSegmentsResponse* resp) override;
+  grpc::ServerUnaryReactor* ListLeases(grpc::CallbackServerContext* ctx,
+                                       const v1::ListLeasesRequest* req,
+                                       v1::ListLeasesResponse* resp) override;
   grpc::ServerUnaryReactor* OpenSegments(grpc::CallbackServerContext* ctx,
                                          const v1::OpenSegmentsRequest* req,
                                          v1::OpenSegmentsResponse* resp) override;

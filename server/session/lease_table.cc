@@ -34,6 +34,32 @@ std::string LeaseTable::NewId(char kind) {
   return absl::StrFormat("%c-%d-%016x", kind, next_++, absl::Uniform<uint64_t>(gen));
 }
 
+std::vector<LeaseTable::Info> LeaseTable::List(const std::string* tenant,
+                                               const std::string& session_id, size_t limit,
+                                               size_t* total) const {
+  std::vector<Info> out;
+  MutexLock lock(&mu_);
+  for (const auto& [id, l] : leases_) {
+    if ((tenant != nullptr && l.tenant != *tenant) ||
+        (!session_id.empty() && l.session_id != session_id)) {
+      continue;
+    }
+    Info i{.lease_id = id,
+           .tenant = l.tenant,
+           .session_id = l.session_id,
+           .worker = l.worker,
+           .slots = static_cast<uint32_t>(l.slots.size()),
+           .expires_unix_ms = l.expires_ms};
+    for (const SlotRef& s : l.slots) i.pinned_bytes += s->bytes();
+    out.push_back(std::move(i));
+  }
+  *total = out.size();
+  std::sort(out.begin(), out.end(),
+            [](const Info& a, const Info& b) { return a.lease_id < b.lease_id; });
+  if (out.size() > limit) out.resize(limit);
+  return out;
+}
+
 absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::string& tenant,
                                                        const std::string& session_id,
                                                        std::vector<SlotRef> slots, uint32_t ttl_ms,

@@ -55,6 +55,17 @@ class LeaseTable {
   // Ends every lease (shutdown). Returns how many.
   int EndAll();
 
+  struct Info {
+    std::string lease_id, tenant, session_id, worker;
+    uint32_t slots = 0;
+    uint64_t pinned_bytes = 0;
+    int64_t expires_unix_ms = 0;
+  };
+  // The live leases of `tenant` (every tenant's when null), of `session_id` only unless it is
+  // empty, ordered by id, at most `limit`; `total` receives how many matched.
+  std::vector<Info> List(const std::string* tenant, const std::string& session_id, size_t limit,
+                         size_t* total) const;
+
   size_t size() const;
   size_t CountForSession(const std::string& session_id) const;
   size_t CountForTenant(const std::string& tenant) const;

@@ -81,6 +81,9 @@ class Client {
   absl::StatusOr<v1::ListChunksResponse> ListChunks(const v1::ListChunksRequest& req);
   absl::StatusOr<v1::GetTierStatsResponse> GetTierStats();
   absl::StatusOr<v1::ListSegmentsResponse> ListSegments();
+  // Live leases (the caller's tenant's; an admin's: all), of one session when it is named.
+  absl::StatusOr<v1::ListLeasesResponse> ListLeases(const std::string& session_id = "",
+                                                    uint32_t limit = 0);
   // Read-only descriptors of this tenant's segments `ids` (empty: all), collected from the
   // daemon's descriptor socket (this client's socket path + ".fds") with the ticket of an
   // OpenSegments call; each is paired with the segment it is, and the caller closes them.

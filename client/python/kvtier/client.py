@@ -749,6 +749,10 @@ class Client:
     def list_segments(self) -> list[pb.Segment]:
         return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)
 
+    def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
+        """Live leases: this tenant's (an admin's: every tenant's), of one session when named."""
+        return self._unary("ListLeases", pb.ListLeasesRequest(session_id=session_id, limit=limit))
+
     def evict(self, session_id: str, tier: str) -> int:
         return self._unary("Evict", pb.EvictRequest(session_id=session_id,
                                                     tier=_choice("tier", _TIERS, tier))).bytes_moved

@@ -795,3 +795,75 @@ def test_client_side_mistakes_name_their_argument(daemon):
         kvtier.Client("localhost:1", tls_ca="/nonexistent/ca.pem")
     with pytest.raises(kvtier.KvTierArgumentError, match="tier: 'disk'"):
         c.evict(sid, tier="disk")
+
+
+def _normalize(x):
+    """JSON of a proto quotes 64-bit integers; YAML of it writes them as numbers."""
+    if isinstance(x, dict):
+        return {k: _normalize(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_normalize(v) for v in x]
+    if isinstance(x, str) and re.fullmatch(r"-?\d+", x):
+        return int(x)
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+
+def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
+    import yaml
+    d = start_daemon()
+    rng = np.random.default_rng(5)
+    k, v = make_kv(rng, 300)
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D, session_id="ops", labels={"team": "a"}).session_id
+        c.append_layers(sid, 0, k, v)
+        sel = c.select(sid, 1, rng.standard_normal((QH, D)).astype(np.float32),
+                       budget_tokens=128, lease_ms=60000)
+        # leases: the one just taken, with its pins; yaml says what json says.
+        out = kvtierctl(d.address, "-o", "json", "leases", "--session", sid)
+        assert out.returncode == 0, out.stderr
+        leases = json.loads(out.stdout)
+        assert [l["lease_id"] for l in leases["leases"]] == [sel.lease_id]
+        assert int(leases["leases"][0]["pinned_bytes"]) > 0 and leases["leases"][0]["worker_id"]
+        for args in (["leases"], ["sessions"], ["tiers"], ["session", sid], ["chunks", sid]):
+            as_json = json.loads(kvtierctl(d.address, "-o", "json", *args).stdout)
+            as_yaml = yaml.safe_load(kvtierctl(d.address, *args, "-o", "yaml").stdout)
+            if args[0] == "session":  # last access moves between the two calls
+                for doc in (as_json, as_yaml):
+                    doc["info"].pop("last_access_unix_ms")
+            if args[0] == "sessions":
+                for doc in (as_json, as_yaml):
+                    for s in doc["sessions"]:
+                        s.pop("last_access_unix_ms")
+            assert _normalize(as_yaml) == _normalize(as_json), args
+        wide = kvtierctl(d.address, "-o", "wide", "leases").stdout
+        assert "WORKER" in wide and sel.lease_id in wide
+        assert "team=a" in kvtierctl(d.address, "-o", "wide", "sessions").stdout
+        # top refreshes: --count 2 shows the tiers and the session twice.
+        top = kvtierctl(d.address, "top", "--count", "2", "--interval", "0.1")
+        assert top.returncode == 0, top.stderr
+        assert top.stdout.count("TIER ") == 2 and top.stdout.count("ops ") == 2, top.stdout
+        watched = kvtierctl(d.address, "-o", "json", "sessions", "--watch", "--count", "2",
+                            "--interval", "0.1")
+        assert watched.stdout.count('"session_id": "ops"') == 2
+        c.release(sel.lease_id)
+        assert json.loads(kvtierctl(d.address, "-o", "json", "leases").stdout)["leases"] == []
+        # evict: off the device tier (nothing there: 0 bytes), and a bad tier is usage.
+        ev = kvtierctl(d.address, "-o", "json", "evict", sid, "--tier", "device")
+        assert ev.returncode == 0 and json.loads(ev.stdout)["bytes_moved"] == "0"
+        assert kvtierctl(d.address, "evict", sid, "--tier", "disk").returncode == 2
+    # Usage and help.
+    version = kvtierctl(d.address, "--version")
+    assert version.returncode == 0 and re.fullmatch(r"kvtierctl \d+\.\d+\.\d+\n", version.stdout)
+    assert kvtierctl(d.address, "--timeout", "0", "health").returncode == 2
+    assert kvtierctl(d.address, "nosuchcommand").returncode == 2
+    script = kvtierctl(d.address, "completion", "bash").stdout
+    assert "complete -F _kvtierctl kvtierctl" in script and " leases " in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    down = kvtierctl("unix:/nonexistent/kvtier.sock", "health")
+    assert down.returncode == 1 and "hint: no kvtierd answered" in down.stderr
+    # drain: the daemon (its uid's caller is an admin) stops and exits 0.
+    dr = kvtierctl(d.address, "drain")
+    assert dr.returncode == 0 and "draining" in dr.stdout
+    assert d.proc.wait(timeout=30) == 0
