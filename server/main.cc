@@ -42,6 +42,10 @@ int main(int argc, char** argv) {
     std::cout << kvtier::Usage();
     return 0;
   }
+  if (cl->version) {
+    std::cout << "kvtierd " << KVTIER_VERSION << "\n";
+    return 0;
+  }
   if (cl->print_default_config) {
     std::string text;
     google::protobuf::TextFormat::PrintToString(kvtier::DefaultConfig(), &text);
@@ -57,6 +61,8 @@ int main(int argc, char** argv) {
     std::cerr << "kvtierd: invalid configuration: " << s.message() << "\n";
     return 2;
   }
+  kvtier::SetLogFormat(options->log_format == "json" ? kvtier::LogFormat::kJson
+                                                     : kvtier::LogFormat::kLogfmt);
   if (auto s = kvtier::SetLogLevel(options->log_level); !s.ok()) {
     std::cerr << "kvtierd: " << s.message() << "\n";
     return 2;

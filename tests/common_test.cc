@@ -457,3 +457,24 @@ TEST(ForegroundLock, CountsItsWaitAndBackgroundYieldsABoundedWhile) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// --log_format json: each logfmt field a string member, a quoted value unescaped (so that a
+// caller's words with quotes, newlines and escapes arrive as they were), the time in UTC.
+TEST(Log, JsonLinesCarryTheFieldsUnescaped) {
+  const std::string tricky = "a \"quoted\" word\nand \\ a backslash\x01";
+  const std::string message =
+      "event=rpc.error method=Select code=NOT_FOUND message=" + LogValue(tricky) + " tenant=alice";
+  EXPECT_EQ(LogfmtToJson(message, "info", 1767322445678),
+            "{\"ts\": \"2026-01-02T02:54:05.678Z\", \"level\": \"info\", \"event\": "
+            "\"rpc.error\", \"method\": \"Select\", \"code\": \"NOT_FOUND\", \"message\": "
+            "\"a \\\"quoted\\\" word\\nand \\\\ a backslash\\u0001\", \"tenant\": \"alice\"}");
+  EXPECT_EQ(LogfmtToJson("event=x empty= last=\"\"", "warn", 0),
+            "{\"ts\": \"1970-01-01T00:00:00.000Z\", \"level\": \"warn\", \"event\": \"x\", "
+            "\"empty\": \"\", \"last\": \"\"}");
+}
+
+}  // namespace
+}  // namespace kvtier

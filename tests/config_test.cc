@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "google/protobuf/text_format.h"
 #include "server/config/policy.h"
 #include "server/config/shape.h"
@@ -191,6 +192,31 @@ TEST(Config, QuotasParsePerTenantWithAWildcard) {
   EXPECT_EQ(o.QuotaFor("bob").host_bytes, 0u);
   ASSERT_OK_AND_ASSIGN(ServerOptions none, Validate(v1::Config()));
   EXPECT_EQ(none.QuotaFor("anyone").host_bytes, 0u);
+}
+
+// kvtierd --help: every flag of the Config message, with its default (as DefaultConfig has it)
+// and a line saying what it does (its comment in config.proto); message fields as file-only.
+TEST(CommandLine, HelpGivesEveryFlagItsDefaultAndMeaning) {
+  const std::string help = Usage();
+  const v1::Config defaults = DefaultConfig();
+  const auto* desc = v1::Config::descriptor();
+  for (int i = 0; i < desc->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = desc->field(i);
+    if (f->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
+      EXPECT_NE(help.find(f->name()), std::string::npos) << f->name();
+      continue;
+    }
+    std::string def;
+    google::protobuf::TextFormat::PrintFieldValueToString(defaults, f, -1, &def);
+    const std::string head = "  --" + f->name() + " (default " + def + ")\n";
+    const size_t at = help.find(head);
+    ASSERT_NE(at, std::string::npos) << head << help;
+    const size_t next = help.find('\n', at + head.size());
+    const std::string meaning = help.substr(at + head.size(), next - at - head.size());
+    EXPECT_TRUE(absl::StartsWith(meaning, "      ") && meaning.size() > 12) << f->name();
+  }
+  ASSERT_OK_AND_ASSIGN(CommandLine version, ParseCommandLine({"--version"}));
+  EXPECT_TRUE(version.version);
 }
 
 TEST(CommandLine, FlagsOverrideTheFile) {

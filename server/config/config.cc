@@ -12,6 +12,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -125,6 +127,7 @@ v1::Config DefaultConfig() {
   c.set_max_message_size("64M");
   c.set_drain_timeout_ms(o.drain_timeout_ms);
   c.set_log_level(o.log_level);
+  c.set_log_format(o.log_format);
   c.set_eviction_policy(o.eviction_policy);
   c.set_eviction_half_life_ms(o.eviction_half_life_ms);
   c.set_prefetch(o.prefetch ? "on" : "off");
@@ -209,6 +212,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   o.max_sessions = c.max_sessions();
   o.drain_timeout_ms = c.drain_timeout_ms();
   o.log_level = c.log_level();
+  if (!c.log_format().empty()) o.log_format = c.log_format();
   o.eviction_policy = c.eviction_policy();
   if (o.eviction_policy != "lru" && o.eviction_policy != "frequency" &&
       o.eviction_policy != "cost") {
@@ -374,6 +378,9 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {
     return InvalidField("log_level", o.log_level, "is not one of trace, debug, info, warn, error");
   }
+  if (o.log_format != "logfmt" && o.log_format != "json") {
+    return InvalidField("log_format", o.log_format, "is not one of logfmt, json");
+  }
   ASSIGN_OR_RETURN(o.default_policy,
                    ResolvePolicy(c.default_policy(), BuiltinPolicy(), "default_policy"));
   return o;
@@ -389,8 +396,8 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", a, "\""));
     }
     std::string name = a.substr(2), value;
-    if (name == "help" || name == "print_default_config") {
-      (name == "help" ? cl.help : cl.print_default_config) = true;
+    if (name == "help" || name == "print_default_config" || name == "version") {
+      (name == "help" ? cl.help : name == "version" ? cl.version : cl.print_default_config) = true;
       continue;
     }
     if (auto eq = name.find('='); eq != std::string::npos) {
@@ -425,16 +432,54 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
 }
 
 std::string Usage() {
+  // {flag, meaning}: the comment above each Config field (scripts/config-help).
+  static constexpr std::pair<const char*, const char*> kHelp[] = {
+#include "config_help.inc"
+  };
   std::string out =
       "usage: kvtierd [--config FILE] [--FIELD VALUE]... [--print_default_config]\n"
-      "Every field of the Config message (see --print_default_config) is also a flag;\n"
-      "flags override the file. SIZE is bytes with an optional K, M or G suffix.\n\nflags:\n";
+      "Every scalar field of the Config message is also a flag; flags override the file\n"
+      "(text format of kvtier.v1.Config; --print_default_config prints one with every\n"
+      "default). SIZE is bytes with an optional K, M or G suffix.\n\nflags:\n";
+  const v1::Config defaults = DefaultConfig();
   const auto* desc = v1::Config::descriptor();
-  for (int i = 0; i < desc->field_count(); ++i) {
-    if (desc->field(i)->type() == FieldDescriptor::TYPE_MESSAGE) continue;
-    absl::StrAppend(&out, "  --", desc->field(i)->name(), "\n");
+  const auto* refl = defaults.GetReflection();
+  std::vector<std::string> file_only;
+  for (const auto& [name, meaning] : kHelp) {
+    const FieldDescriptor* f = desc->FindFieldByName(name);
+    if (f == nullptr) continue;
+    if (f->type() == FieldDescriptor::TYPE_MESSAGE) {
+      file_only.push_back(name);
+      continue;
+    }
+    std::string def;
+    switch (f->cpp_type()) {
+      case FieldDescriptor::CPPTYPE_STRING:
+        def = absl::StrCat("\"", refl->GetString(defaults, f), "\"");
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        def = absl::StrCat(refl->GetUInt32(defaults, f));
+        break;
+      default:
+        def = "?";
+    }
+    absl::StrAppend(&out, "  --", name, " (default ", def, ")\n");
+    // The meaning, wrapped at 80 columns under the flag.
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(meaning, ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 80 && line.size() > 5) {
+        absl::StrAppend(&out, line, "\n");
+        line = "     ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    absl::StrAppend(&out, line, "\n");
   }
-  absl::StrAppend(&out, "  --config FILE\n  --print_default_config\n  --help\n");
+  absl::StrAppend(&out, "\nin the config file only: ", absl::StrJoin(file_only, ", "),
+                  "\n\n  --config FILE           the config file\n"
+                  "  --print_default_config  print the defaults as a config file, and exit\n"
+                  "  --version               print the version, and exit\n"
+                  "  --help                  this text\n");
   return out;
 }
 

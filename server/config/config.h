@@ -46,6 +46,7 @@ struct ServerOptions {
   // Time in-flight calls get to finish after SIGTERM or Drain.
   uint32_t drain_timeout_ms = 10'000;
   std::string log_level = "info";
+  std::string log_format = "logfmt";
   // Promotion caches: eviction order, and prefetch after each Select.
   std::string eviction_policy = "lru";
   uint32_t eviction_half_life_ms = 10'000;
@@ -125,6 +126,7 @@ struct CommandLine {
   v1::Config config;  // file (if any) with flags applied over it
   bool print_default_config = false;
   bool help = false;
+  bool version = false;
 };
 
 // Reads `--config FILE` first, then applies every other `--name value` or `--name=value`

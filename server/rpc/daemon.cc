@@ -314,15 +314,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
-        "listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
-        "device_capacity={} metrics_port={}",
-        o.listen, o.tcp_listen,
+        "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
+        "device_capacity={} device={} remote={} aging_threads={} eviction_policy={} "
+        "prefetch={} metrics_port={}",
+        KVTIER_VERSION, o.listen, o.tcp_listen,
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
         : o.tls.client_ca_file.empty() ? "tls"
                                        : "mtls",
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
-        o.metrics_port);
+        "emulated", o.remote.empty() ? "none" : "redis", d->aging_->threads(), o.eviction_policy,
+        o.prefetch ? "on" : "off", o.metrics_port);
   return d;
 }
 

@@ -146,9 +146,10 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
   }
   counter->Inc();
   m.latency->Observe(absl::ToDoubleSeconds(elapsed));
-  if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
-    KVLOG(debug, "rpc.error", "method={} code={} message={}", method,
-          absl::StatusCodeToString(s.code()), LogValue(s.message()));
+  if (!s.ok()) {  // every failed call, its code and words, as an access log would
+    KVLOG(info, "rpc.error", "method={} code={} ms={:.3f} message={}", method,
+          absl::StatusCodeToString(s.code()), absl::ToDoubleMilliseconds(elapsed),
+          LogValue(s.message()));
   }
 }
 

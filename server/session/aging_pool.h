@@ -32,6 +32,7 @@ class AgingPool {
   AgingPool(const AgingPool&) = delete;
   AgingPool& operator=(const AgingPool&) = delete;
 
+  int threads() const { return static_cast<int>(threads_.size()); }
   // Queues `task`; a no-op once the pool is stopping.
   void Submit(std::function<void()> task);
   // Blocks until no task is queued or running (tests, benchmarks).
