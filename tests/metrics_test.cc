@@ -1,6 +1,7 @@
 #include <cmath>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "server/metrics/http_exporter.h"
 #include "server/metrics/registry.h"
 #include "tests/test_util.h"
@@ -23,11 +24,11 @@ TEST(Registry, RendersTheExpositionFormatExactly) {
   EXPECT_EQ(r.Render(),
             "# HELP kvtier_latency_seconds Latency\n"
             "# TYPE kvtier_latency_seconds histogram\n"
+            "kvtier_latency_seconds_count{m=\"x\"} 3\n"
+            "kvtier_latency_seconds_sum{m=\"x\"} 4.75\n"
             "kvtier_latency_seconds_bucket{m=\"x\",le=\"0.5\"} 2\n"
             "kvtier_latency_seconds_bucket{m=\"x\",le=\"1\"} 2\n"
             "kvtier_latency_seconds_bucket{m=\"x\",le=\"+Inf\"} 3\n"
-            "kvtier_latency_seconds_sum{m=\"x\"} 4.75\n"
-            "kvtier_latency_seconds_count{m=\"x\"} 3\n"
             "# HELP kvtier_rpc_total RPCs\n"
             "# TYPE kvtier_rpc_total counter\n"
             "kvtier_rpc_total{code=\"OK\",method=\"Append\"} 1\n"
@@ -49,19 +50,33 @@ TEST(Registry, SameNameAndLabelsIsTheSameMetric) {
 }
 
 TEST(Registry, EscapesLabelValuesAndHelp) {
-  EXPECT_EQ(EscapeLabelValue("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
   Registry r;
-  r.GetGauge("g", "line1\nline2 \\ end", {{"tenant", "we\"ird"}}).Set(1.5);
+  r.GetGauge("g", "line1\nline2 \\ end", {{"tenant", "we\"ird\\"}}).Set(1.5);
   EXPECT_EQ(r.Render(),
-            "# HELP g line1\\nline2 \\\\ end\n# TYPE g gauge\ng{tenant=\"we\\\"ird\"} 1.5\n");
+            "# HELP g line1\\nline2 \\\\ end\n# TYPE g gauge\ng{tenant=\"we\\\"ird\\\\\"} 1.5\n");
 }
 
-TEST(Registry, SpecialValues) {
-  EXPECT_EQ(FormatValue(NAN), "NaN");
-  EXPECT_EQ(FormatValue(INFINITY), "+Inf");
-  EXPECT_EQ(FormatValue(-INFINITY), "-Inf");
-  EXPECT_EQ(FormatValue(42), "42");
-  EXPECT_EQ(FormatValue(0.25), "0.25");
+// Special values and bucket bounds as the exposition format writes them: le="0.0025", not
+// the double's 17 digits, so that {le="0.0025"} matches in a real Prometheus.
+TEST(Registry, SpecialValuesAndBoundsAsPrometheusWritesThem) {
+  Registry r;
+  r.GetGauge("nan", "n").Set(NAN);
+  r.GetGauge("inf", "i").Set(INFINITY);
+  r.GetGauge("ninf", "i").Set(-INFINITY);
+  r.GetHistogram("lat_seconds", "l", LatencyBuckets()).Observe(0.002);
+  const std::string out = r.Render();
+  // NaN in any case, as Prometheus parses it (prometheus-cpp writes "Nan").
+  EXPECT_NE(absl::AsciiStrToLower(out).find("\nnan nan\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\ninf +Inf\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\nninf -Inf\n"), std::string::npos) << out;
+  for (const char* le : {"5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01",
+                         "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "10"}) {
+    EXPECT_NE(out.find(std::string("lat_seconds_bucket{le=\"") + le + "\"}"), std::string::npos)
+        << le << "\n"
+        << out;
+  }
+  EXPECT_NE(out.find("lat_seconds_bucket{le=\"0.0025\"} 1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("lat_seconds_bucket{le=\"0.001\"} 0\n"), std::string::npos) << out;
 }
 
 TEST(Registry, ScrapeHooksRunBeforeRendering) {

@@ -1,10 +1,9 @@
 #include "server/metrics/registry.h"
 
-#include <cmath>
+#include <sstream>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "prometheus/text_serializer.h"
 #include "server/common/check.h"
 #include "server/common/mutex.h"
 #include "server/common/names.h"
@@ -12,36 +11,18 @@
 namespace kvtier::metrics {
 namespace {
 
-void AtomicAdd(std::atomic<double>& a, double v) {
-  double cur = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(cur, cur + v, std::memory_order_relaxed)) {
-  }
-}
-
-std::string RenderLabels(const Labels& labels, const std::string& extra_key = "",
-                         const std::string& extra_value = "") {
-  if (labels.empty() && extra_key.empty()) return "";
-  std::string out = "{";
-  bool first = true;
-  for (const auto& [k, v] : labels) {
-    absl::StrAppend(&out, first ? "" : ",", k, "=\"", EscapeLabelValue(v), "\"");
-    first = false;
-  }
-  if (!extra_key.empty()) {
-    absl::StrAppend(&out, first ? "" : ",", extra_key, "=\"", extra_value, "\"");
-  }
-  return out + "}";
-}
-
+// HELP text as the exposition format wants it (backslash and newline escaped), which
+// prometheus-cpp 1.0 writes as it is given.
 std::string EscapeHelp(const std::string& h) {
   std::string out;
   for (char c : h) {
-    if (c == '\\')
+    if (c == '\\') {
       out += "\\\\";
-    else if (c == '\n')
+    } else if (c == '\n') {
       out += "\\n";
-    else
+    } else {
       out += c;
+    }
   }
   return out;
 }
@@ -50,67 +31,39 @@ std::string EscapeHelp(const std::string& h) {
 
 void Counter::Inc(double v) {
   CHECK_GE(v, 0.0) << "counters only go up";
-  AtomicAdd(value_, v);
+  c_->Increment(v);
 }
 
 void Counter::IncreaseTo(double total) {
-  double cur = value_.load(std::memory_order_relaxed);
-  while (cur < total && !value_.compare_exchange_weak(cur, total, std::memory_order_relaxed)) {
+  MutexLock lock(&raise_mu_);
+  const double cur = c_->Value();
+  if (total > cur) c_->Increment(total - cur);
+}
+
+void Gauge::Add(double v) {
+  if (v >= 0) {
+    g_->Increment(v);
+  } else {
+    g_->Decrement(-v);
   }
-}
-
-void Gauge::Add(double v) { AtomicAdd(value_, v); }
-
-Histogram::Histogram(std::vector<double> bounds)
-    : bounds_(std::move(bounds)), buckets_(new std::atomic<uint64_t>[bounds_.size() + 1]) {
-  for (size_t i = 0; i + 1 < bounds_.size(); ++i) CHECK_LT(bounds_[i], bounds_[i + 1]);
-  for (size_t i = 0; i <= bounds_.size(); ++i) buckets_[i].store(0);
-}
-
-void Histogram::Observe(double v) {
-  size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
-  buckets_[i].fetch_add(1, std::memory_order_relaxed);
-  AtomicAdd(sum_, v);
-  count_.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::vector<uint64_t> Histogram::CumulativeCounts() const {
-  std::vector<uint64_t> out(bounds_.size() + 1);
-  uint64_t run = 0;
-  for (size_t i = 0; i <= bounds_.size(); ++i) {
-    run += buckets_[i].load(std::memory_order_relaxed);
-    out[i] = run;
-  }
+  std::vector<uint64_t> out;
+  for (const auto& b : h_->Collect().histogram.bucket) out.push_back(b.cumulative_count);
   return out;
 }
+
+double Histogram::sum() const { return h_->Collect().histogram.sample_sum; }
+
+uint64_t Histogram::count() const { return h_->Collect().histogram.sample_count; }
 
 std::vector<double> LatencyBuckets() {
   return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3,   2.5e-3, 5e-3, 10e-3,
           25e-3, 50e-3,  100e-3, 250e-3, 500e-3, 1.0,    2.5,  10.0};
 }
 
-std::string EscapeLabelValue(const std::string& v) {
-  std::string out;
-  out.reserve(v.size());
-  for (char c : v) {
-    if (c == '\\')
-      out += "\\\\";
-    else if (c == '"')
-      out += "\\\"";
-    else if (c == '\n')
-      out += "\\n";
-    else
-      out += c;
-  }
-  return out;
-}
-
-std::string FormatValue(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  if (v == std::floor(v) && std::fabs(v) < 1e15) return absl::StrFormat("%.0f", v);
-  return absl::StrFormat("%.17g", v);
-}
+Registry::Registry() : registry_(std::make_shared<prometheus::Registry>()) {}
 
 Registry::Family& Registry::GetFamily(const std::string& name, const std::string& help, Type type,
                                       const Labels& labels) {
@@ -121,35 +74,54 @@ Registry::Family& Registry::GetFamily(const std::string& name, const std::string
         << "bad label name " << k;
   }
   auto [it, inserted] = families_.try_emplace(name);
+  Family& f = it->second;
   if (inserted) {
-    it->second.type = type;
-    it->second.help = help;
+    f.type = type;
+    switch (type) {
+      case Type::kCounter:
+        f.counters =
+            &prometheus::BuildCounter().Name(name).Help(EscapeHelp(help)).Register(*registry_);
+        break;
+      case Type::kGauge:
+        f.gauges = &prometheus::BuildGauge().Name(name).Help(EscapeHelp(help)).Register(*registry_);
+        break;
+      case Type::kHistogram:
+        f.histograms =
+            &prometheus::BuildHistogram().Name(name).Help(EscapeHelp(help)).Register(*registry_);
+        break;
+    }
   }
-  CHECK(it->second.type == type) << "metric " << name << " registered with two types";
-  return it->second;
+  CHECK(f.type == type) << "metric " << name << " registered with two types";
+  return f;
 }
 
 Counter& Registry::GetCounter(const std::string& name, const std::string& help,
                               const Labels& labels) {
   MutexLock lock(&mu_);
-  auto& slot = GetFamily(name, help, Type::kCounter, labels).counters[labels];
-  if (!slot) slot = std::make_unique<Counter>();
+  Family& f = GetFamily(name, help, Type::kCounter, labels);
+  auto& slot = f.counter_handles[labels];
+  if (!slot) slot = std::make_unique<Counter>(&f.counters->Add(labels));
   return *slot;
 }
 
 Gauge& Registry::GetGauge(const std::string& name, const std::string& help, const Labels& labels) {
   MutexLock lock(&mu_);
-  auto& slot = GetFamily(name, help, Type::kGauge, labels).gauges[labels];
-  if (!slot) slot = std::make_unique<Gauge>();
+  Family& f = GetFamily(name, help, Type::kGauge, labels);
+  auto& slot = f.gauge_handles[labels];
+  if (!slot) slot = std::make_unique<Gauge>(&f.gauges->Add(labels));
   return *slot;
 }
 
 Histogram& Registry::GetHistogram(const std::string& name, const std::string& help,
                                   const std::vector<double>& bounds, const Labels& labels) {
   CHECK(!labels.contains("le")) << "le is reserved for histogram buckets";
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) CHECK_LT(bounds[i], bounds[i + 1]);
   MutexLock lock(&mu_);
-  auto& slot = GetFamily(name, help, Type::kHistogram, labels).histograms[labels];
-  if (!slot) slot = std::make_unique<Histogram>(bounds);
+  Family& f = GetFamily(name, help, Type::kHistogram, labels);
+  auto& slot = f.histogram_handles[labels];
+  if (!slot) {
+    slot = std::make_unique<Histogram>(&f.histograms->Add(labels, bounds), bounds);
+  }
   return *slot;
 }
 
@@ -165,31 +137,10 @@ std::string Registry::Render() const {
     hooks = hooks_;
   }
   for (auto& h : hooks) h();  // outside the lock: hooks set gauges through this registry
-  MutexLock lock(&mu_);
-  std::string out;
-  for (const auto& [name, f] : families_) {
-    const char* type = f.type == Type::kCounter ? "counter"
-                       : f.type == Type::kGauge ? "gauge"
-                                                : "histogram";
-    absl::StrAppend(&out, "# HELP ", name, " ", EscapeHelp(f.help), "\n# TYPE ", name, " ", type,
-                    "\n");
-    for (const auto& [labels, c] : f.counters) {
-      absl::StrAppend(&out, name, RenderLabels(labels), " ", FormatValue(c->value()), "\n");
-    }
-    for (const auto& [labels, g] : f.gauges) {
-      absl::StrAppend(&out, name, RenderLabels(labels), " ", FormatValue(g->value()), "\n");
-    }
-    for (const auto& [labels, h] : f.histograms) {
-      std::vector<uint64_t> cum = h->CumulativeCounts();
-      for (size_t i = 0; i < cum.size(); ++i) {
-        std::string le = i < h->bounds().size() ? FormatValue(h->bounds()[i]) : "+Inf";
-        absl::StrAppend(&out, name, "_bucket", RenderLabels(labels, "le", le), " ", cum[i], "\n");
-      }
-      absl::StrAppend(&out, name, "_sum", RenderLabels(labels), " ", FormatValue(h->sum()), "\n");
-      absl::StrAppend(&out, name, "_count", RenderLabels(labels), " ", cum.back(), "\n");
-    }
-  }
-  return out;
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::sort(families.begin(), families.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace kvtier::metrics

@@ -1,10 +1,10 @@
-// Prometheus metrics, text exposition format 0.0.4, without prometheus-cpp (not packaged
-// here). A Registry owns metric families; each family holds one metric per label set.
-// Metric objects live as long as the registry; updates are lock-free atomics.
+// Prometheus metrics through prometheus-cpp (Debian's prometheus-cpp-dev): a Registry owns
+// metric families, each family one metric per label set, and renders the text exposition
+// format 0.0.4 with prometheus-cpp's serializer. The metric objects below are handles to
+// prometheus-cpp's, live as long as the registry, and update lock-free.
 #ifndef KVTIER_SERVER_METRICS_REGISTRY_H_
 #define KVTIER_SERVER_METRICS_REGISTRY_H_
 
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -13,6 +13,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 
 namespace kvtier::metrics {
 
@@ -20,41 +25,42 @@ using Labels = std::map<std::string, std::string>;
 
 class Counter {
  public:
+  explicit Counter(prometheus::Counter* c) : c_(c) {}
   void Inc(double v = 1.0);
   // For counters kept elsewhere (a tier's promotions): raises the value to `total`.
   void IncreaseTo(double total);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  double value() const { return c_->Value(); }
 
  private:
-  std::atomic<double> value_{0.0};
+  prometheus::Counter* const c_;
+  absl::Mutex raise_mu_;  // IncreaseTo's read and add as one (two scrapes may run at once)
 };
 
 class Gauge {
  public:
-  void Set(double v) { value_.store(v, std::memory_order_relaxed); }
+  explicit Gauge(prometheus::Gauge* g) : g_(g) {}
+  void Set(double v) { g_->Set(v); }
   void Add(double v);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  double value() const { return g_->Value(); }
 
  private:
-  std::atomic<double> value_{0.0};
+  prometheus::Gauge* const g_;
 };
 
 class Histogram {
  public:
-  // `bounds`: strictly increasing upper bounds; +Inf is implicit.
-  explicit Histogram(std::vector<double> bounds);
-  void Observe(double v);
+  Histogram(prometheus::Histogram* h, std::vector<double> bounds)
+      : h_(h), bounds_(std::move(bounds)) {}
+  void Observe(double v) { h_->Observe(v); }
   // Cumulative counts per bound, then +Inf.
   std::vector<uint64_t> CumulativeCounts() const;
-  double sum() const { return sum_.load(std::memory_order_relaxed); }
-  uint64_t count() const { return count_.load(std::memory_order_relaxed); }
+  double sum() const;
+  uint64_t count() const;
   const std::vector<double>& bounds() const { return bounds_; }
 
  private:
+  prometheus::Histogram* const h_;
   const std::vector<double> bounds_;
-  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // [bounds.size() + 1], not cumulative
-  std::atomic<double> sum_{0.0};
-  std::atomic<uint64_t> count_{0};
 };
 
 // Latency buckets in seconds, 50 us .. 10 s.
@@ -62,6 +68,7 @@ std::vector<double> LatencyBuckets();
 
 class Registry {
  public:
+  Registry();
   // The same (name, labels) returns the same object. A name registered as another type,
   // or a malformed name or label name, is a programming error (CHECK).
   Counter& GetCounter(const std::string& name, const std::string& help, const Labels& labels = {});
@@ -72,30 +79,28 @@ class Registry {
   // Called at the start of every Render(), to refresh gauges from their sources.
   void OnScrape(std::function<void()> hook);
 
-  // The text exposition, families and label sets in sorted order.
+  // The text exposition (prometheus-cpp's TextSerializer), families in name order.
   std::string Render() const;
 
  private:
   enum class Type { kCounter, kGauge, kHistogram };
   struct Family {
     Type type;
-    std::string help;
-    std::map<Labels, std::unique_ptr<Counter>> counters;
-    std::map<Labels, std::unique_ptr<Gauge>> gauges;
-    std::map<Labels, std::unique_ptr<Histogram>> histograms;
+    prometheus::Family<prometheus::Counter>* counters = nullptr;
+    prometheus::Family<prometheus::Gauge>* gauges = nullptr;
+    prometheus::Family<prometheus::Histogram>* histograms = nullptr;
+    std::map<Labels, std::unique_ptr<Counter>> counter_handles;
+    std::map<Labels, std::unique_ptr<Gauge>> gauge_handles;
+    std::map<Labels, std::unique_ptr<Histogram>> histogram_handles;
   };
   Family& GetFamily(const std::string& name, const std::string& help, Type type,
                     const Labels& labels) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const std::shared_ptr<prometheus::Registry> registry_;
   mutable absl::Mutex mu_;  // lock order 10 (server/common/lock_order.h)
   std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
 };
-
-// Escapes a label value: backslash, double quote and newline.
-std::string EscapeLabelValue(const std::string& v);
-// "1", "0.25", "+Inf", "NaN" as Prometheus writes them.
-std::string FormatValue(double v);
 
 }  // namespace kvtier::metrics
 

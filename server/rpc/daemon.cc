@@ -334,6 +334,14 @@ absl::Status Daemon::ReloadTls() {
 }
 
 void Daemon::RegisterGauges() {
+  // Always 1; its labels say what runs, for joins in queries and dashboards.
+  metrics_
+      .GetGauge("kvtier_build_info", "kvtierd's version and the backends it runs with (always 1)",
+                {{"version", KVTIER_VERSION},
+                 {"segments", options_.memfd_segments ? "memfd" : "named"},
+                 {"device", "emulated"},
+                 {"remote", options_.remote.empty() ? "none" : "redis"}})
+      .Set(1);
   metrics_.OnScrape([this] {
     for (const Tier* t : {&host_, &device_}) {
       TierSnapshot s = t->Stats();
