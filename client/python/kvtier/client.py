@@ -50,6 +50,104 @@ def _choice(argument: str, table: dict, value):
         raise KvTierArgumentError(argument, f"{value!r} is not one of {allowed}") from None
 
 
+def _metadata(tenant: str | None, token: str | None) -> tuple:
+    """The metadata every call carries: the tenant it names, the bearer token."""
+    return ((("x-kvtier-tenant", tenant),) if tenant else ()) + \
+        ((("authorization", "Bearer " + token),) if token else ())
+
+
+def _channel_setup(tls_ca, tls_cert, tls_key, max_message_bytes):
+    """(TLS credentials or None, channel options), the arguments checked."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    if tls_ca is None:
+        if tls_cert is not None or tls_key is not None:
+            raise KvTierArgumentError("tls_ca", "tls_cert and tls_key need tls_ca")
+        return None, options
+    if (tls_cert is None) != (tls_key is None):
+        raise KvTierArgumentError("tls_cert", "tls_cert and tls_key: both or neither")
+
+    def read(argument, path):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise KvTierArgumentError(argument, f"cannot read {path}: {e.strerror}") from None
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=read("tls_ca", tls_ca),
+        private_key=read("tls_key", tls_key) if tls_key is not None else None,
+        certificate_chain=read("tls_cert", tls_cert) if tls_cert is not None else None)
+    return creds, options
+
+
+def _create_session_request(num_layers, num_q_heads, num_kv_heads, head_dim, dtype, session_id,
+                            model_id, labels, policy) -> pb.CreateSessionRequest:
+    shape = pb.ModelShape(num_layers=num_layers, num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          dtype=_choice("dtype", _DTYPES, dtype)[0], model_id=model_id)
+    return pb.CreateSessionRequest(session_id=session_id, shape=shape,
+                                   policy=pb.SessionPolicy(**policy), labels=labels or {})
+
+
+def _checked_items(items) -> list:
+    """append_kv's items as (layer, start, keys, values, token_ids), every one checked before a
+    stream starts: a mistake is the call's error, naming the item, and nothing of it is sent
+    (the stream would otherwise end in UNKNOWN, some items applied)."""
+    checked = []
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
+            raise KvTierArgumentError(
+                f"items[{i}]", "must be (layer, start_token, keys, values[, token_ids])")
+        layer, start, k, v = item[:4]
+        ids = item[4] if len(item) > 4 else None
+        k = np.ascontiguousarray(k)
+        v = np.ascontiguousarray(v)
+        for name, a in (("keys", k), ("values", v)):
+            if a.ndim != 3:
+                raise KvTierArgumentError(f"items[{i}].{name}",
+                                          f"shape {a.shape} is not [kv_heads][tokens][head_dim]")
+            if a.dtype.itemsize != 2:
+                raise KvTierArgumentError(f"items[{i}].{name}",
+                                          f"dtype {a.dtype} is not 2 bytes (fp16 or bf16)")
+        if k.shape != v.shape:
+            raise KvTierArgumentError(f"items[{i}].values",
+                                      f"shape {v.shape} differs from keys' {k.shape}")
+        if ids is not None and len(ids) != k.shape[1]:
+            raise KvTierArgumentError(f"items[{i}].token_ids",
+                                      f"{len(ids)} ids for {k.shape[1]} tokens")
+        checked.append((int(layer), int(start), k, v, ids))
+    return checked
+
+
+def _append_request(session_id, layer, start, k, v, ids, wait_aged) -> pb.AppendKVRequest:
+    return pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
+                              num_tokens=k.shape[1],
+                              token_ids=[] if ids is None else [int(i) for i in ids],
+                              wait_aged=wait_aged)
+
+
+def _layer_items(start, keys, values):
+    """append_layers' arrays [layers][kv_heads][tokens][d] as append_kv items, checked."""
+    for name, a in (("keys", keys), ("values", values)):
+        if np.ndim(a) != 4:
+            raise KvTierArgumentError(
+                name, f"shape {np.shape(a)} is not [layers][kv_heads][tokens][head_dim]")
+    if np.shape(keys) != np.shape(values):
+        raise KvTierArgumentError("values", f"shape {np.shape(values)} differs from keys' "
+                                  f"{np.shape(keys)}")
+    return lambda: ((layer, start, keys[layer], values[layer]) for layer in range(keys.shape[0]))
+
+
+def _select_request(session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
+                    include_summaries, row_handles, worker_id="") -> pb.SelectRequest:
+    q = np.ascontiguousarray(query, dtype=np.float32)
+    return pb.SelectRequest(
+        session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
+        placement=_choice("placement", _TIERS, placement), include_data=include_data,
+        lease_ms=lease_ms, include_summaries=include_summaries, row_handles=row_handles,
+        worker_id=worker_id)
+
+
 def _call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -363,30 +461,10 @@ class Client:
         (a PEM file); `tls_cert` and `tls_key`: this client's certificate for mTLS."""
         self.address = address
         self.timeout = timeout
-        self._metadata = ((("x-kvtier-tenant", tenant),) if tenant else ()) + \
-            ((("authorization", "Bearer " + token),) if token else ())
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
-        if tls_ca is not None:
-            if (tls_cert is None) != (tls_key is None):
-                raise KvTierArgumentError("tls_cert", "tls_cert and tls_key: both or neither")
-
-            def read(argument, path):
-                try:
-                    with open(path, "rb") as f:
-                        return f.read()
-                except OSError as e:
-                    raise KvTierArgumentError(argument, f"cannot read {path}: {e.strerror}") \
-                        from None
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=read("tls_ca", tls_ca),
-                private_key=read("tls_key", tls_key) if tls_key is not None else None,
-                certificate_chain=read("tls_cert", tls_cert) if tls_cert is not None else None)
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        elif tls_cert is not None or tls_key is not None:
-            raise KvTierArgumentError("tls_ca", "tls_cert and tls_key need tls_ca")
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._metadata = _metadata(tenant, token)
+        creds, options = _channel_setup(tls_ca, tls_cert, tls_key, max_message_bytes)
+        self._channel = (grpc.secure_channel(address, creds, options=options) if creds
+                         else grpc.insecure_channel(address, options=options))
         self.stub = pb_grpc.KvTierStub(self._channel)
         self.segments = SegmentMap(self)
         self._shapes: dict[str, pb.ModelShape] = {}
@@ -434,12 +512,10 @@ class Client:
                        model_id: str = "", labels: dict[str, str] | None = None,
                        **policy) -> SessionHandle:
         """`policy` takes SessionPolicy fields (sink_tokens=16, recent_window=64, ...)."""
-        shape = pb.ModelShape(num_layers=num_layers, num_q_heads=num_q_heads,
-                              num_kv_heads=num_kv_heads, head_dim=head_dim,
-                              dtype=_choice("dtype", _DTYPES, dtype)[0], model_id=model_id)
-        r = self._unary("CreateSession", pb.CreateSessionRequest(
-            session_id=session_id, shape=shape, policy=pb.SessionPolicy(**policy),
-            labels=labels or {}))
+        req = _create_session_request(num_layers, num_q_heads, num_kv_heads, head_dim, dtype,
+                                      session_id, model_id, labels, policy)
+        shape = req.shape
+        r = self._unary("CreateSession", req)
         self._shapes[r.session_id] = shape
         return SessionHandle(r.session_id, r.policy)
 
@@ -458,40 +534,12 @@ class Client:
         background; `wait_aged`: once each layer's aged-out chunks are aged too. `staging`: the
         session's staging area (open_staging), large enough for every item's K and V: they are
         written into it and named there instead of sent (zero-copy ingest)."""
-        # Every item is checked before the stream starts: a mistake is this call's error,
-        # naming the item, and nothing of it is sent (the stream would otherwise end in
-        # UNKNOWN, some items applied).
-        checked = []
-        for i, item in enumerate(items):
-            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
-                raise KvTierArgumentError(
-                    f"items[{i}]", "must be (layer, start_token, keys, values[, token_ids])")
-            layer, start, k, v = item[:4]
-            ids = item[4] if len(item) > 4 else None
-            k = np.ascontiguousarray(k)
-            v = np.ascontiguousarray(v)
-            for name, a in (("keys", k), ("values", v)):
-                if a.ndim != 3:
-                    raise KvTierArgumentError(f"items[{i}].{name}",
-                                              f"shape {a.shape} is not [kv_heads][tokens][head_dim]")
-                if a.dtype.itemsize != 2:
-                    raise KvTierArgumentError(f"items[{i}].{name}",
-                                              f"dtype {a.dtype} is not 2 bytes (fp16 or bf16)")
-            if k.shape != v.shape:
-                raise KvTierArgumentError(f"items[{i}].values",
-                                          f"shape {v.shape} differs from keys' {k.shape}")
-            if ids is not None and len(ids) != k.shape[1]:
-                raise KvTierArgumentError(f"items[{i}].token_ids",
-                                          f"{len(ids)} ids for {k.shape[1]} tokens")
-            checked.append((int(layer), int(start), k, v, ids))
+        checked = _checked_items(items)
 
         def requests() -> Iterator[pb.AppendKVRequest]:
             at = 0
             for layer, start, k, v, ids in checked:
-                r = pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
-                                       num_tokens=k.shape[1],
-                                       token_ids=[] if ids is None else [int(i) for i in ids],
-                                       wait_aged=wait_aged)
+                r = _append_request(session_id, layer, start, k, v, ids, wait_aged)
                 if staging is None:
                     r.keys = k.tobytes()
                     r.values = v.tobytes()
@@ -519,15 +567,7 @@ class Client:
         client opens (and grows) as needed and keeps while the session lasts here; a daemon
         without staging gets the bytes instead, and so does one that lost the area (a restart,
         a session restored from the remote tier), which gets a new area next time."""
-        for name, a in (("keys", keys), ("values", values)):
-            if np.ndim(a) != 4:
-                raise KvTierArgumentError(
-                    name, f"shape {np.shape(a)} is not [layers][kv_heads][tokens][head_dim]")
-        if np.shape(keys) != np.shape(values):
-            raise KvTierArgumentError("values", f"shape {np.shape(values)} differs from keys' "
-                                      f"{np.shape(keys)}")
-        items = lambda: ((layer, start, keys[layer], values[layer])  # noqa: E731
-                         for layer in range(keys.shape[0]))
+        items = _layer_items(start, keys, values)
         if zero_copy is None:
             zero_copy = self.address.startswith("unix:") and self._staging_ok
         if not zero_copy:
@@ -557,16 +597,12 @@ class Client:
         """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease.
         `row_handles`: refined rows come as their chunks' handles with a row list, read in
         place by `gather` (False: gathered by the daemon into compact blocks of their own)."""
-        q = np.ascontiguousarray(query, dtype=np.float32)
         for attempt in range(2):
             worker = self.worker_id()
             try:
-                return self._unary("Select", pb.SelectRequest(
-                    session_id=session_id, layer=layer, query=q.tobytes(),
-                    budget_tokens=budget_tokens, placement=_choice("placement", _TIERS, placement),
-                    include_data=include_data, lease_ms=lease_ms,
-                    include_summaries=include_summaries, row_handles=row_handles,
-                    worker_id=worker))
+                return self._unary("Select", _select_request(
+                    session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
+                    include_summaries, row_handles, worker))
             except KvTierError as e:
                 # The daemon lost the worker (it restarted; the stream just ended): once more.
                 if not (worker and attempt == 0 and e.code == grpc.StatusCode.NOT_FOUND

@@ -867,3 +867,41 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
     dr = kvtierctl(d.address, "drain")
     assert dr.returncode == 0 and "draining" in dr.stdout
     assert d.proc.wait(timeout=30) == 0
+
+
+def test_asyncio_client_equals_the_sync_one(daemon):
+    import asyncio
+
+    import kvtier.aio
+    rng = np.random.default_rng(9)
+    k, v = make_kv(rng, 300)
+    q = rng.standard_normal((QH, D)).astype(np.float32)
+
+    async def run():
+        async with kvtier.aio.Client(daemon.address) as c:
+            sid = (await c.create_session(L, QH, KVH, D, session_id="aio")).session_id
+            # Aged before the reply, so that both clients read the same final chunks.
+            assert await c.append_layers(sid, 0, k, v, wait_aged=True) == 300
+            with pytest.raises(kvtier.KvTierArgumentError, match=r"items\[0\]\.keys"):
+                await c.append_kv(sid, [(0, 300, k[0, 0], v[0, 0])])
+            # Several Selects at once on one channel.
+            sels = await asyncio.gather(*[c.select(sid, layer, q, budget_tokens=128)
+                                          for layer in range(L)])
+            got = [await c.gather(s.heads[0], sid) for s in sels]
+            assert (await c.list_leases(sid)).total == L
+            for s in sels:
+                await c.release(s.lease_id)
+            with pytest.raises(kvtier.KvTierError) as e:
+                await c.describe_session("nope")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            return sid, got
+
+    sid, got = asyncio.run(run())
+    with kvtier.Client(daemon.address) as c:
+        for layer in range(L):
+            sel = c.select(sid, layer, q, budget_tokens=128)
+            pos, kk, vv = c.gather(sel.heads[0], sid)
+            np.testing.assert_array_equal(pos, got[layer][0])
+            np.testing.assert_array_equal(kk, got[layer][1])
+            np.testing.assert_array_equal(vv, got[layer][2])
+            c.release(sel.lease_id)

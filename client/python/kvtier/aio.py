@@ -1,0 +1,143 @@
+"""kvtier.aio.Client: the calls of kvtier.Client for asyncio code, over grpc.aio.
+
+    import asyncio, numpy as np, kvtier.aio
+    async def main():
+        async with kvtier.aio.Client("unix:/tmp/kvtier.sock") as c:
+            sid = (await c.create_session(30, 9, 3, 64)).session_id
+            await c.append_layers(sid, 0, K, V)              # fp16 [layers][kv_heads][n][64]
+            sel = await c.select(sid, 12, q, budget_tokens=256)
+            positions, k, v = await c.gather(sel.heads[0], sid)
+            await c.release(sel.lease_id)
+    asyncio.run(main())
+
+It sends the bytes (no zero-copy staging) and does not attach: a lease ends at Release or at
+its TTL. Reading handles' bytes maps the daemon's segments through a kvtier.Client of the same
+address and credentials, made on first use. Mistakes in arguments raise KvTierArgumentError
+before anything is sent; refused calls raise KvTierError, as kvtier.Client does."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from kvtier import client as _sync
+from kvtier.client import KvTierError, SessionHandle
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+
+class Client:
+    """An asyncio connection to kvtierd ("unix:PATH" or "HOST:PORT"); arguments as
+    kvtier.Client's."""
+
+    def __init__(self, address: str = "unix:/tmp/kvtier.sock", tenant: str | None = None,
+                 timeout: float = 60.0, max_message_bytes: int = 64 << 20,
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._metadata = _sync._metadata(tenant, token)
+        creds, options = _sync._channel_setup(tls_ca, tls_cert, tls_key, max_message_bytes)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
+                         else grpc.aio.insecure_channel(address, options=options))
+        self.stub = pb_grpc.KvTierStub(self._channel)
+        self._sync_args = dict(tenant=tenant, timeout=timeout, token=token, tls_ca=tls_ca,
+                               tls_cert=tls_cert, tls_key=tls_key, attach=False)
+        self._reader: _sync.Client | None = None
+        self._shapes: dict[str, pb.ModelShape] = {}
+
+    async def close(self) -> None:
+        await self._channel.close()
+        if self._reader is not None:
+            self._reader.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _unary(self, name: str, request):
+        try:
+            return await getattr(self.stub, name)(request, timeout=self.timeout,
+                                                  metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise KvTierError(e.code(), e.details() or "") from None
+
+    async def create_session(self, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                             head_dim: int, dtype: str = "fp16", session_id: str = "",
+                             model_id: str = "", labels: dict[str, str] | None = None,
+                             **policy) -> SessionHandle:
+        """`policy` takes SessionPolicy fields (sink_tokens=16, recent_window=64, ...)."""
+        req = _sync._create_session_request(num_layers, num_q_heads, num_kv_heads, head_dim,
+                                            dtype, session_id, model_id, labels, policy)
+        r = await self._unary("CreateSession", req)
+        self._shapes[r.session_id] = req.shape
+        return SessionHandle(r.session_id, r.policy)
+
+    async def append_kv(self, session_id: str,
+                        items: Iterable[tuple[int, int, np.ndarray, np.ndarray]],
+                        wait_aged: bool = False) -> int:
+        """Streams (layer, start_token, keys, values[, token_ids]) as kvtier.Client.append_kv
+        does, every item checked first; returns the tokens now stored in every layer."""
+        checked = _sync._checked_items(items)
+
+        async def requests():
+            for layer, start, k, v, ids in checked:
+                r = _sync._append_request(session_id, layer, start, k, v, ids, wait_aged)
+                r.keys = k.tobytes()
+                r.values = v.tobytes()
+                yield r
+        try:
+            r = await self.stub.AppendKV(requests(), timeout=self.timeout,
+                                         metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise KvTierError(e.code(), e.details() or "") from None
+        return r.num_tokens
+
+    async def append_layers(self, session_id: str, start: int, keys: np.ndarray,
+                            values: np.ndarray, wait_aged: bool = False) -> int:
+        """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`."""
+        return await self.append_kv(session_id, _sync._layer_items(start, keys, values)(),
+                                    wait_aged)
+
+    async def select(self, session_id: str, layer: int, query: np.ndarray,
+                     budget_tokens: int = 0, placement: str | None = None,
+                     include_data: bool = False, lease_ms: int = 0,
+                     include_summaries: bool = False,
+                     row_handles: bool = True) -> pb.SelectResponse:
+        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease."""
+        return await self._unary("Select", _sync._select_request(
+            session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
+            include_summaries, row_handles))
+
+    async def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
+        return await self._unary("BatchSelect", pb.BatchSelectRequest(requests=list(requests)))
+
+    async def release(self, lease_id: str) -> None:
+        await self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    async def gather(self, head: pb.HeadSelection, session_id: str):
+        """(positions, K, V) of one HeadSelection's rows, as kvtier.Client.gather."""
+        if session_id not in self._shapes:
+            self._shapes[session_id] = (await self.describe_session(session_id)).info.shape
+        if self._reader is None:
+            self._reader = _sync.Client(self.address, **self._sync_args)
+        return self._reader.gather(head, head_dim=self._shapes[session_id].head_dim)
+
+    async def close_session(self, session_id: str) -> bool:
+        self._shapes.pop(session_id, None)
+        return (await self._unary("CloseSession",
+                                  pb.CloseSessionRequest(session_id=session_id))).existed
+
+    async def list_sessions(self) -> list[pb.SessionInfo]:
+        return list((await self._unary("ListSessions", pb.ListSessionsRequest())).sessions)
+
+    async def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
+        return await self._unary("DescribeSession",
+                                 pb.DescribeSessionRequest(session_id=session_id))
+
+    async def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
+        return await self._unary("ListLeases",
+                                 pb.ListLeasesRequest(session_id=session_id, limit=limit))
