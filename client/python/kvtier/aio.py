@@ -48,6 +48,7 @@ class Client:
         self._shapes: dict[str, pb.ModelShape] = {}
 
     async def close(self) -> None:
+        """Closes the channel (and the reader of handles' bytes, when one was made)."""
         await self._channel.close()
         if self._reader is not None:
             self._reader.close()
@@ -113,9 +114,11 @@ class Client:
             include_summaries, row_handles))
 
     async def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
+        """Several Selects in one call, all or nothing, as kvtier.Client.batch_select."""
         return await self._unary("BatchSelect", pb.BatchSelectRequest(requests=list(requests)))
 
     async def release(self, lease_id: str) -> None:
+        """Ends a lease: its handles may be reused from now on."""
         await self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
 
     async def gather(self, head: pb.HeadSelection, session_id: str):
@@ -127,17 +130,21 @@ class Client:
         return self._reader.gather(head, head_dim=self._shapes[session_id].head_dim)
 
     async def close_session(self, session_id: str) -> bool:
+        """Closes a session; False when there was none (idempotent)."""
         self._shapes.pop(session_id, None)
         return (await self._unary("CloseSession",
                                   pb.CloseSessionRequest(session_id=session_id))).existed
 
     async def list_sessions(self) -> list[pb.SessionInfo]:
+        """This tenant's sessions (an admin's: every tenant's)."""
         return list((await self._unary("ListSessions", pb.ListSessionsRequest())).sessions)
 
     async def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
+        """One session: shape, policy, usage, and statistics per layer."""
         return await self._unary("DescribeSession",
                                  pb.DescribeSessionRequest(session_id=session_id))
 
     async def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
+        """Live leases: this tenant's (an admin's: every tenant's), of one session when named."""
         return await self._unary("ListLeases",
                                  pb.ListLeasesRequest(session_id=session_id, limit=limit))

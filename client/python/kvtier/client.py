@@ -364,6 +364,7 @@ class SelectChannel:
             raise
 
     def close(self) -> None:
+        """Hangs up: the daemon ends the channel's thread and the leases it holds."""
         self._words = None  # the view first: a map with views on it cannot close
         if getattr(self, "_mem", None) is not None:
             self._mem.close()
@@ -439,10 +440,12 @@ class SelectChannel:
             include_data=include_data, row_handles=row_handles, **fields), pb.SelectResponse())
 
     def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
+        """Several Selects in one call through the channel, all or nothing."""
         return self._call(_OP_BATCH_SELECT, pb.BatchSelectRequest(requests=requests),
                           pb.BatchSelectResponse())
 
     def release(self, lease_id: str) -> None:
+        """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""
         self._call(_OP_RELEASE, pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse())
 
 
@@ -476,6 +479,7 @@ class Client:
         self._attachment: _Attachment | None = None
 
     def close(self):
+        """Ends this client: its Attach stream (and so its leases), then the channel."""
         with self._attach_lock:
             if self._attachment is not None:
                 self._attachment.close()
@@ -662,9 +666,11 @@ class Client:
         return self.segments.view(handle, head_dim)
 
     def release(self, lease_id: str) -> None:
+        """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""
         self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
 
     def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
+        """Handles of the named chunks (ListChunks' chunk_id), each read once, in order."""
         stream = _call(self.stub.ReadChunks,
                        pb.ReadChunksRequest(session_id=session_id, chunk_ids=list(chunk_ids)),
                        timeout=self.timeout, metadata=self._metadata)
@@ -672,11 +678,13 @@ class Client:
 
     def fork_session(self, session_id: str, num_tokens: int = 0,
                      new_session_id: str = "") -> SessionHandle:
+        """A new session sharing the first `num_tokens` (0: all) of this one's."""
         r = self._unary("ForkSession", pb.ForkSessionRequest(
             session_id=session_id, num_tokens=num_tokens, new_session_id=new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
     def close_session(self, session_id: str) -> bool:
+        """Closes a session; False when there was none (idempotent)."""
         self._shapes.pop(session_id, None)
         with self._staging_lock:
             self._staging.pop(session_id, None)
@@ -685,19 +693,23 @@ class Client:
     # Admin ------------------------------------------------------------------------------
 
     def list_sessions(self) -> list[pb.SessionInfo]:
+        """This tenant's sessions (an admin's: every tenant's)."""
         return list(self._unary("ListSessions", pb.ListSessionsRequest()).sessions)
 
     def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
+        """One session: shape, policy, usage, and statistics per layer."""
         return self._unary("DescribeSession", pb.DescribeSessionRequest(session_id=session_id))
 
     def list_chunks(self, session_id: str, layer: int | None = None,
                     limit: int = 0) -> pb.ListChunksResponse:
+        """A session's chunks (one layer's when named): positions, precision, bytes."""
         req = pb.ListChunksRequest(session_id=session_id, limit=limit)
         if layer is not None:
             req.layer = layer
         return self._unary("ListChunks", req)
 
     def tier_stats(self) -> list[pb.TierStats]:
+        """Capacity, use, pins, promotions, evictions and copy caches, per tier."""
         return list(self._unary("GetTierStats", pb.GetTierStatsRequest()).tiers)
 
     def open_segments(self, segment_ids: list[int]) -> list[tuple[pb.Segment, int]]:
@@ -783,6 +795,7 @@ class Client:
         return SelectChannel(resp.channel_id, resp.worker_id, fds, self.timeout)
 
     def list_segments(self) -> list[pb.Segment]:
+        """This tenant's shared-memory segments (an admin's: all)."""
         return list(self._unary("ListSegments", pb.ListSegmentsRequest()).segments)
 
     def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
@@ -790,14 +803,17 @@ class Client:
         return self._unary("ListLeases", pb.ListLeasesRequest(session_id=session_id, limit=limit))
 
     def evict(self, session_id: str, tier: str) -> int:
+        """Moves a session off "device" (to host) or "host" (to the remote tier); bytes moved."""
         return self._unary("Evict", pb.EvictRequest(session_id=session_id,
                                                     tier=_choice("tier", _TIERS, tier))).bytes_moved
 
     def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
+        """Changes SessionPolicy fields (the chunks that age from now on follow them)."""
         return self._unary("SetPolicy", pb.SetPolicyRequest(
             session_id=session_id, policy=pb.SessionPolicy(**policy))).policy
 
     def drain(self) -> int:
+        """An admin's: the daemon stops taking calls and exits; the sessions live then."""
         return self._unary("Drain", pb.DrainRequest()).sessions
 
     def health(self) -> bool:

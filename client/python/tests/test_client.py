@@ -905,3 +905,14 @@ def test_asyncio_client_equals_the_sync_one(daemon):
             np.testing.assert_array_equal(kk, got[layer][1])
             np.testing.assert_array_equal(vv, got[layer][2])
             c.release(sel.lease_id)
+
+
+def test_the_public_api_is_documented():
+    import inspect
+
+    import kvtier.aio
+    for cls in (kvtier.Client, kvtier.aio.Client, kvtier.SegmentMap, kvtier.SelectChannel,
+                kvtier.Staging):
+        undocumented = [n for n, f in inspect.getmembers(cls, inspect.isfunction)
+                        if not n.startswith("_") and not (f.__doc__ or "").strip()]
+        assert not undocumented, (cls.__name__, undocumented)
