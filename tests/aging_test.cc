@@ -621,6 +621,8 @@ TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
     const bool more = IndexLayerSlice(e.ctx(), e.tokens, e.heads, &e.state, 3);
     ++calls;
     for (const Stream& s : e.heads) EXPECT_LE(s.stats().final_chunks() - final_before, 3u);
+    EXPECT_LE(e.state.peaked, 3u * calls);  // the peaks a slice at a time too
+    EXPECT_GE(e.state.peaked, e.heads[0].stats().final_chunks());  // none indexed before its peak
     final_before = e.heads[0].stats().final_chunks();
     if (!more) break;
     ASSERT_LT(calls, 10);

@@ -121,6 +121,21 @@ void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, 
   }
 }
 
+// The peaks of at most `max_chunks` more of the `aged` chunks aged out. Peaks are needed only
+// once a chunk can be ranked, that is once it leaves the window: computed once, rather than on
+// every append to a growing chunk (a cold chunk got its own when it was quantized).
+void PeakChunks(const AgingContext& ctx, std::span<Stream> heads, AgingState* state, uint32_t aged,
+                uint32_t max_chunks) {
+  const uint32_t to =
+      state->peaked + std::min(max_chunks, aged > state->peaked ? aged - state->peaked : 0);
+  for (uint32_t c = state->peaked; c < to; ++c) {
+    for (Stream& s : heads) {
+      if (!s.chunks()[c].cold()) s.ComputePeak(c, ctx.format);
+    }
+  }
+  state->peaked = std::max(state->peaked, to);
+}
+
 // Quantizes the chunks whose rows are final and that have wholly left the recent window
 // (sinks stay fp16). A chunk whose slot cannot be had, even after the chunks before it gave
 // their fp16 slots back, stays fp16 and is retried next call.
@@ -203,10 +218,14 @@ void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* stat
 
 bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                      AgingState* state, uint32_t max_chunks) {
-  const uint32_t aged = PeakLayer(ctx, tokens, heads, state);
+  // Peaks first, at most `max_chunks` more of them too; a chunk enters the index only with
+  // its peak.
+  const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
+  PeakChunks(ctx, heads, state, aged, max_chunks);
   uint32_t limit = FinalRows(ctx, aged, *state);
   if (ctx.cold_bits() != 0) limit = std::min(limit, state->quantized);
-  bool more = false;
+  bool more = state->peaked < aged;
+  limit = std::min(limit, state->peaked);
   for (Stream& s : heads) {
     const uint32_t from = s.stats().final_chunks();
     const uint32_t to = from + std::min(max_chunks, limit > from ? limit - from : 0);
@@ -236,14 +255,7 @@ uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const S
 uint32_t PeakLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                    AgingState* state) {
   const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
-  // Peaks are needed only once a chunk can be ranked, that is once it leaves the window:
-  // computed here, once, rather than on every append to a growing chunk.
-  for (uint32_t c = state->peaked; c < aged; ++c) {
-    for (Stream& s : heads) {
-      if (!s.chunks()[c].cold()) s.ComputePeak(c, ctx.format);
-    }
-  }
-  state->peaked = std::max(state->peaked, aged);
+  PeakChunks(ctx, heads, state, aged, UINT32_MAX);
   return aged;
 }
 

@@ -117,8 +117,9 @@ std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
 void RunQuant(const SpanContext& ctx, QuantJob* job);
 void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, QuantJob&& job);
 
-// IndexLayer a slice at a time: at most `max_chunks` more chunks of each head enter the index;
-// returns whether any chunk that could enter is still left out.
+// IndexLayer a slice at a time: at most `max_chunks` more chunks get their peaks and at most
+// `max_chunks` more of each head enter the index; returns whether any peak or chunk that could
+// be made or enter is still left out.
 bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                      AgingState* state, uint32_t max_chunks);
 
