@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/kvtierctl/format.h"
 #include "kvtier/client.h"
@@ -309,10 +310,21 @@ int TopCmd(Client& c, const Globals& g, uint32_t limit) {
   });
   v1::ListSessionsResponse busiest;
   for (size_t i = 0; i < all.size() && i < limit; ++i) *busiest.add_sessions() = all[i];
-  if (g.output == "json" || g.output == "yaml") {
-    v1::GetTierStatsResponse t = *tiers;  // one document: the tiers, then the sessions
-    Print(g, t, nullptr);
-    return Print(g, busiest, nullptr);
+  // One document: {"tiers": [...], "busiest": {"sessions": [...]}}.
+  if (g.output == "json") {
+    std::cout << "{\"tiers\": " << ToJson(*tiers) << ", \"busiest\": " << ToJson(busiest) << "}\n";
+    return 0;
+  }
+  if (g.output == "yaml") {
+    auto indent = [](const std::string& yaml) {
+      std::string out;
+      for (absl::string_view line : absl::StrSplit(yaml, '\n', absl::SkipEmpty())) {
+        absl::StrAppend(&out, "  ", line, "\n");
+      }
+      return out;
+    };
+    std::cout << "tiers:\n" << indent(ToYaml(*tiers)) << "busiest:\n" << indent(ToYaml(busiest));
+    return 0;
   }
   std::cout << absl::StrFormat("kvtierd at %s, %d sessions\n\n", g.addr, all.size())
             << TiersTable(*tiers) << "\n"
@@ -502,7 +514,6 @@ int main(int argc, char** argv) {
   auto client = kvtier::Client::Connect(g.addr, opts);
   if (!client.ok()) return Fail(client.status(), &g);
   kvtier::Client& c = **client;
-  const bool structured = g.output == "json" || g.output == "yaml";
   const bool wide = g.output == "wide";
 
   if (app.got_subcommand("health")) {
@@ -611,6 +622,5 @@ int main(int argc, char** argv) {
     });
   }
   if (top->parsed()) return Repeat(top_w, [&] { return TopCmd(c, g, top_limit); });
-  (void)structured;
   return 2;
 }

@@ -844,6 +844,11 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
         top = kvtierctl(d.address, "top", "--count", "2", "--interval", "0.1")
         assert top.returncode == 0, top.stderr
         assert top.stdout.count("TIER ") == 2 and top.stdout.count("ops ") == 2, top.stdout
+        # top as one document: its tiers and busiest sessions, in JSON and in YAML alike.
+        top_json = json.loads(kvtierctl(d.address, "-o", "json", "top", "--count", "1").stdout)
+        top_yaml = yaml.safe_load(kvtierctl(d.address, "-o", "yaml", "top", "--count", "1").stdout)
+        assert [s["session_id"] for s in top_json["busiest"]["sessions"]] == ["ops"]
+        assert {t["tier"] for t in top_yaml["tiers"]["tiers"]} == {"TIER_DEVICE", "TIER_HOST"}
         watched = kvtierctl(d.address, "-o", "json", "sessions", "--watch", "--count", "2",
                             "--interval", "0.1")
         assert watched.stdout.count('"session_id": "ops"') == 2
