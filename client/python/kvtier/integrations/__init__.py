@@ -1,0 +1,1 @@
+"""Adapters that put kvtier inside inference engines (kvtier.integrations.transformers)."""

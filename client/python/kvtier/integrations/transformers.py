@@ -1,0 +1,125 @@
+"""kvtier inside Hugging Face transformers: a Cache whose keys and values live in kvtierd, and
+an attention function ("kvtier") that attends over what Select returns.
+
+    from transformers import AutoModelForCausalLM
+    from kvtier.integrations.transformers import KvTierCache
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvtier")
+    cache = KvTierCache(kvtier.Client("unix:/tmp/kvtier.sock"), model.config, budget_tokens=256)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    cache.close()
+
+Each layer's update appends the new tokens' keys and values (after RoPE, as fp16) to the
+cache's kvtierd session. The prompt (a forward from an empty cache) attends over its own keys
+and values, causally, as transformers does; each decoded token's query then goes to Select
+for its layer, and the token attends over the rows Select returned (the sinks, the recent
+window and the chunks that matter, read from shared memory), whose lease ends right after.
+Importing this module registers the attention function. Batch size 1; a Llama-family model
+(grouped-query attention, no sliding window)."""
+from __future__ import annotations
+
+import contextvars
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+
+import kvtier
+
+# The cache whose layer was just updated: the attention function that follows in the same
+# layer's forward reads it.
+_ACTIVE: contextvars.ContextVar["KvTierCache | None"] = contextvars.ContextVar(
+    "kvtier_active_cache", default=None)
+
+
+class _KvTierLayer(DynamicLayer):
+    """One layer's length; its keys and values are in kvtierd, never kept here."""
+
+    def __init__(self, cache: "KvTierCache", layer: int):
+        super().__init__()
+        self._cache = cache
+        self._layer = layer
+        self.tokens = 0
+        self.appended_now = 0  # tokens the last update appended (the attention's query length)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise kvtier.KvTierArgumentError("key_states", "kvtier's cache takes batch size 1")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k = key_states[0].detach().to(torch.float16).cpu().numpy()  # [kv_heads][n][d]
+        v = value_states[0].detach().to(torch.float16).cpu().numpy()
+        self._cache.client.append_kv(self._cache.session_id,
+                                     [(self._layer, self.tokens, k, v)])
+        self.appended_now = k.shape[1]
+        self.tokens += k.shape[1]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+
+class KvTierCache(Cache):
+    """A transformers Cache over one kvtierd session, made for `config`'s shape; `policy`
+    takes SessionPolicy fields (lossless=True keeps every token in fp16), `budget_tokens`
+    each Select's budget (0: the session's default)."""
+
+    def __init__(self, client: kvtier.Client, config, budget_tokens: int = 0,
+                 session_id: str = "", **policy):
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        self.client = client
+        self.budget_tokens = budget_tokens
+        self.head_dim = head_dim
+        self.session_id = client.create_session(
+            num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=head_dim, session_id=session_id,
+            model_id=getattr(config, "name_or_path", "") or "", **policy).session_id
+        super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _ACTIVE.set(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def close(self) -> None:
+        """Closes the kvtierd session."""
+        self.client.close_session(self.session_id)
+
+
+def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """transformers' attention interface: (output [batch][q_len][heads][d], None)."""
+    cache = _ACTIVE.get()
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q_len = query.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    if cache is None or cache.layers[layer].tokens == q_len:
+        # The prompt from an empty cache: causal attention over its own keys and values.
+        k = key.repeat_interleave(groups, dim=1)
+        v = value.repeat_interleave(groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, attn_mask=None, is_causal=q_len > 1, scale=scale)
+        return out.transpose(1, 2).contiguous(), None
+    if q_len != 1:
+        raise kvtier.KvTierArgumentError(
+            "query", "kvtier's attention takes a prompt from an empty cache, then one token at "
+            "a time")
+    q = query[0, :, 0, :].detach().float().cpu().numpy()  # [q_heads][d]
+    sel = cache.client.select(cache.session_id, layer, q, budget_tokens=cache.budget_tokens)
+    try:
+        out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
+        for head in sel.heads:
+            _, k, v = cache.client.gather(head, head_dim=cache.head_dim)
+            kt = torch.from_numpy(k.astype(np.float32))
+            vt = torch.from_numpy(v.astype(np.float32))
+            h0 = head.kv_head * groups
+            qh = query[0, h0:h0 + groups, 0, :].float()
+            weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
+            out[h0:h0 + groups] = weights @ vt
+    finally:
+        cache.client.release(sel.lease_id)
+    return out.to(query.dtype)[None, None], None
+
+
+AttentionInterface.register("kvtier", kvtier_attention)

