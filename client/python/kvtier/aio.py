@@ -121,13 +121,23 @@ class Client:
         """Ends a lease: its handles may be reused from now on."""
         await self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
 
-    async def gather(self, head: pb.HeadSelection, session_id: str):
-        """(positions, K, V) of one HeadSelection's rows, as kvtier.Client.gather."""
+    async def _mapped(self, session_id: str) -> tuple["_sync.Client", int]:
+        """The client that maps segments, and the session's head_dim."""
         if session_id not in self._shapes:
             self._shapes[session_id] = (await self.describe_session(session_id)).info.shape
         if self._reader is None:
             self._reader = _sync.Client(self.address, **self._sync_args)
-        return self._reader.gather(head, head_dim=self._shapes[session_id].head_dim)
+        return self._reader, self._shapes[session_id].head_dim
+
+    async def gather(self, head: pb.HeadSelection, session_id: str):
+        """(positions, K, V) of one HeadSelection's rows, as kvtier.Client.gather."""
+        reader, head_dim = await self._mapped(session_id)
+        return reader.gather(head, head_dim=head_dim)
+
+    async def view(self, handle: pb.BlockHandle, session_id: str, like: str = "numpy"):
+        """Zero-copy (K, V) of one handle, numpy or torch, as kvtier.Client.view."""
+        reader, head_dim = await self._mapped(session_id)
+        return reader.view(handle, head_dim, like=like)
 
     async def close_session(self, session_id: str) -> bool:
         """Closes a session; False when there was none (idempotent)."""

@@ -155,6 +155,19 @@ def _call(fn, *args, **kwargs):
         raise KvTierError(e.code(), e.details() or "") from None
 
 
+_LIKES = ("numpy", "torch")
+
+
+def _torch():
+    """torch, imported on first use: the client needs it only for torch views."""
+    try:
+        import torch
+    except ImportError:
+        raise KvTierArgumentError("like", "torch views need PyTorch, which is not installed") \
+            from None
+    return torch
+
+
 _SHM_NAME = re.compile(r"/?kvtier-[A-Za-z0-9._-]+")
 
 
@@ -197,6 +210,7 @@ class SegmentMap:
         self._maps: dict[int, mmap.mmap] = {}
         self._tables: dict[int, tuple[int, int]] = {}  # (slot_bytes, generation table offset)
         self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
+        self._tensors: dict = {}  # each map as one torch fp16 tensor, made on first use
         self._lock = threading.Lock()
 
     def _segment(self, segment_id: int) -> mmap.mmap:
@@ -245,9 +259,24 @@ class SegmentMap:
                               f"{handle.segment_id}, offset {handle.offset}) names generation "
                               f"{handle.generation} but the slot now holds {held}")
 
-    def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16):
-        """K and V of `handle` as read-only arrays [num_tokens][head_dim] over shared memory.
-        Checked against the slot's generation first; call check() again after reading."""
+    def _tensor(self, segment_id: int):
+        """The whole segment as one torch fp16 tensor over the same mapping (DLPack, no copy)."""
+        t = self._tensors.get(segment_id)
+        if t is None:
+            t = _torch().from_dlpack(self.halves(segment_id))  # read-only array: no copy
+            with self._lock:
+                t = self._tensors.setdefault(segment_id, t)
+        return t
+
+    def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16,
+             like: str = "numpy"):
+        """K and V of `handle` as read-only [num_tokens][head_dim] views over shared memory:
+        numpy arrays, or torch tensors with like="torch" (the same bytes, through DLPack; torch
+        has no read-only tensors, and writing to one faults). Either exports DLPack
+        (`np.from_dlpack`, `torch.from_dlpack`). Checked against the slot's generation first;
+        call check() again after reading."""
+        if like not in _LIKES:
+            raise KvTierArgumentError("like", f"{like!r} is not one of {', '.join(_LIKES)}")
         n = handle.num_tokens * head_dim
         a = self.halves(handle.segment_id)
         self.check(handle)
@@ -256,6 +285,12 @@ class SegmentMap:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
                               f"handle of chunk {handle.chunk_id} does not fit its segment")
         o = handle.offset // 2
+        if like == "torch":
+            if dtype is not np.float16:
+                raise KvTierArgumentError("dtype", "torch views are fp16")
+            t = self._tensor(handle.segment_id)
+            return (t[o:o + n].view(handle.num_tokens, head_dim),
+                    t[o + n:o + 2 * n].view(handle.num_tokens, head_dim))
         k, v = a[o:o + n], a[o + n:o + 2 * n]
         if dtype is not np.float16:
             k, v = k.view(dtype), v.view(dtype)
@@ -661,9 +696,12 @@ class Client:
             at += m
         return pos, keys, values
 
-    def view(self, handle: pb.BlockHandle, head_dim: int):
-        """Zero-copy (K, V) of one handle over the daemon's shared memory."""
-        return self.segments.view(handle, head_dim)
+    def view(self, handle: pb.BlockHandle, head_dim: int, like: str = "numpy"):
+        """Zero-copy (K, V) of one handle over the daemon's shared memory, every row of its
+        chunk (a handle's `rows`, when it lists some, are the ones selected): read-only numpy
+        arrays, or torch tensors with like="torch"; both export DLPack. Call
+        `segments.check(handle)` after reading, as gather does."""
+        return self.segments.view(handle, head_dim, like=like)
 
     def release(self, lease_id: str) -> None:
         """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""

@@ -59,6 +59,36 @@ def test_round_trip_through_shared_memory_is_exact_and_zero_copy(client):
     client.release(sel.lease_id)
 
 
+def test_torch_views_are_the_mapped_bytes_without_a_copy(client):
+    """like="torch" gives tensors over the same mapping as the numpy views (same address, no
+    copy), equal to what was appended; both export DLPack to the other without a copy."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    k, v = make_kv(rng, 300)
+    sid = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(sid, 0, k, v, wait_aged=True)
+    sel = client.select(sid, 2, rng.standard_normal((QH, D)), budget_tokens=5000)
+    for head in sel.heads:
+        pos = []
+        for b in head.blocks:
+            kt, vt = client.view(b, D, like="torch")
+            kn, vn = client.view(b, D)
+            assert kt.dtype == torch.float16 and tuple(kt.shape) == (b.num_tokens, D)
+            assert kt.data_ptr() == kn.ctypes.data and vt.data_ptr() == vn.ctypes.data
+            p = np.asarray(b.positions)
+            np.testing.assert_array_equal(kt.numpy(), k[2, head.kv_head][p])
+            np.testing.assert_array_equal(vt.numpy(), v[2, head.kv_head][p])
+            back = np.from_dlpack(kt)
+            assert back.ctypes.data == kn.ctypes.data
+            assert torch.from_dlpack(kn).data_ptr() == kt.data_ptr()
+            client.segments.check(b)
+            pos += p.tolist()
+        assert sorted(pos) == list(range(300))
+    with pytest.raises(kvtier.KvTierArgumentError, match="like"):
+        client.view(sel.heads[0].blocks[0], D, like="jax")
+    client.release(sel.lease_id)
+
+
 def test_budget_semantics_and_inline_bytes_match_mapped_bytes(client):
     rng = np.random.default_rng(2)
     k, v = make_kv(rng, 2000)
@@ -893,6 +923,12 @@ def test_asyncio_client_equals_the_sync_one(daemon):
             sels = await asyncio.gather(*[c.select(sid, layer, q, budget_tokens=128)
                                           for layer in range(L)])
             got = [await c.gather(s.heads[0], sid) for s in sels]
+            # A view of a handle is its chunk's rows, as gather copied them.
+            first = sels[L - 1].heads[0].blocks[0]
+            kview, _ = await c.view(first, sid)
+            n = len(first.rows) or first.num_tokens
+            rows = list(first.rows) or list(range(n))
+            np.testing.assert_array_equal(kview[rows], got[L - 1][1][:n])
             assert (await c.list_leases(sid)).total == L
             for s in sels:
                 await c.release(s.lease_id)

@@ -12,7 +12,8 @@ Each layer's update appends the new tokens' keys and values (after RoPE, as fp16
 cache's kvtierd session. The prompt (a forward from an empty cache) attends over its own keys
 and values, causally, as transformers does; each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
-window and the chunks that matter, read from shared memory), whose lease ends right after.
+window and the chunks that matter, read through torch views over kvtierd's shared memory,
+with no copy in between), whose lease ends right after.
 Importing this module registers the attention function. Batch size 1; a Llama-family model
 (grouped-query attention, no sliding window)."""
 from __future__ import annotations
@@ -86,6 +87,34 @@ class KvTierCache(Cache):
         self.client.close_session(self.session_id)
 
 
+def _read(client: kvtier.Client, head, head_dim: int):
+    """The selected rows' K and V of one HeadSelection as fp32 [n][head_dim], read straight
+    from torch views over kvtierd's shared memory (each handle's selected rows converted in one
+    copy, no gather buffer between), then checked: every slot still holds its handle's
+    generation."""
+    n = sum(len(b.rows) or b.num_tokens for b in head.blocks)
+    kt = torch.empty(n, head_dim, dtype=torch.float32)
+    vt = torch.empty(n, head_dim, dtype=torch.float32)
+    at = 0
+    for b in head.blocks:
+        if b.keys:  # the bytes came inline (a remote daemon)
+            k, v = (torch.from_dlpack(np.frombuffer(x, np.float16).reshape(b.num_tokens, -1))
+                    for x in (b.keys, b.values))
+        else:
+            k, v = client.view(b, head_dim, like="torch")
+        if b.rows:
+            rows = torch.tensor(b.rows, dtype=torch.int64)
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+        m = k.shape[0]
+        kt[at:at + m].copy_(k)
+        vt[at:at + m].copy_(v)
+        at += m
+    for b in head.blocks:
+        if not b.keys:
+            client.segments.check(b)
+    return kt, vt
+
+
 def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """transformers' attention interface: (output [batch][q_len][heads][d], None)."""
@@ -110,9 +139,7 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     try:
         out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
         for head in sel.heads:
-            _, k, v = cache.client.gather(head, head_dim=cache.head_dim)
-            kt = torch.from_numpy(k.astype(np.float32))
-            vt = torch.from_numpy(v.astype(np.float32))
+            kt, vt = _read(cache.client, head, cache.head_dim)
             h0 = head.kv_head * groups
             qh = query[0, h0:h0 + groups, 0, :].float()
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
