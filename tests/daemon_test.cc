@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -219,6 +221,62 @@ TEST(Daemon, MemfdSegmentsHaveNoNameAndAreReadByDescriptor) {
     }
   }
   EXPECT_GT(checked, 3);
+}
+
+// A worker whose /dev/shm is not the daemon's (the daemon in a container) finds no file of a
+// segment's name, or someone else's file under it, whose stamp differs: either way it reads the
+// daemon's own bytes, by descriptor. The reading thread gets a private mount namespace with its
+// own /dev/shm (unshare(CLONE_NEWNS) is per thread); root only.
+TEST(Daemon, ASegmentNotInThisDevShmOrAnotherDaemonsIsReadByDescriptor) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d, "alice");
+  const std::string sid = SessionWithTokens(*c, 300);
+  ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(sid, 2, 96, /*data=*/true)));
+  ASSERT_OK_AND_ASSIGN(auto listed, c->ListSegments());
+  // The stamp is in the daemon's file, where it says.
+  for (const v1::Segment& s : listed.segments()) {
+    const int fd = shm_open(s.shm_name().c_str(), O_RDONLY, 0);
+    ASSERT_GE(fd, 0) << s.shm_name();
+    uint64_t stamp = 0;
+    EXPECT_EQ(pread(fd, &stamp, 8, static_cast<off_t>(s.stamp_offset())), 8);
+    close(fd);
+    EXPECT_EQ(stamp, s.stamp()) << s.shm_name();
+  }
+  std::string skipped;
+  int checked = 0;
+  auto read_all = [&](const char* how) {
+    SegmentMap segments;
+    for (const auto& head : sel.heads()) {
+      for (const auto& b : head.blocks()) {
+        auto view = segments.View(*c, b);
+        ASSERT_TRUE(view.ok()) << how << ": " << view.status();
+        EXPECT_EQ(b.keys(), std::string(reinterpret_cast<const char*>(view->keys.data()),
+                                        view->keys.size() * 2))
+            << how;
+        ++checked;
+      }
+    }
+  };
+  std::thread([&] {
+    if (geteuid() != 0 || unshare(CLONE_NEWNS) != 0 ||
+        mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=64m") != 0) {
+      skipped = std::strerror(errno);
+      return;
+    }
+    read_all("no file of that name");
+    for (const v1::Segment& s : listed.segments()) {  // as big, other bytes
+      const int fd = shm_open(s.shm_name().c_str(), O_RDWR | O_CREAT, 0600);
+      ASSERT_GE(fd, 0);
+      std::string other(s.size_bytes(), '\x3c');
+      ASSERT_EQ(write(fd, other.data(), other.size()), static_cast<ssize_t>(other.size()));
+      close(fd);
+    }
+    read_all("another daemon's file of that name");
+  }).join();
+  if (!skipped.empty()) GTEST_SKIP() << "needs root and a private /dev/shm: " << skipped;
+  EXPECT_GT(checked, 6);
 }
 
 // Each slot's generation lives in shared memory: a reader holding a handle whose slot was

@@ -38,6 +38,13 @@ SegmentMap::~SegmentMap() {
   for (auto& [id, m] : maps_) munmap(const_cast<uint8_t*>(m.data), m.size);
 }
 
+bool SegmentMap::StampMatches(int fd, const v1::Segment& seg) {
+  if (seg.stamp_offset() == 0) return true;  // a daemon that writes none
+  uint64_t stamp = 0;
+  const ssize_t n = pread(fd, &stamp, sizeof stamp, static_cast<off_t>(seg.stamp_offset()));
+  return n == static_cast<ssize_t>(sizeof stamp) && stamp == seg.stamp();
+}
+
 absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t segment_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -65,9 +72,13 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
                                                         "\" is not a kvtier segment name"));
     }
     fd = shm_open(seg.shm_name().c_str(), O_RDONLY | O_NOFOLLOW, 0);
-    if (fd < 0 && errno != EACCES) {
+    if (fd < 0 && errno != EACCES && errno != ENOENT) {
       return absl::NotFoundError(absl::StrCat("segment ", segment_id, ": shm_open ", seg.shm_name(),
                                               ": ", std::strerror(errno)));
+    }
+    if (fd >= 0 && !StampMatches(fd, seg)) {
+      close(fd);
+      fd = -1;
     }
   }
   if (fd < 0) {

@@ -57,6 +57,8 @@ void ToProto(const SegmentInfo& s, v1::Segment* out) {
   out->set_device(-1);  // host shared memory (the device tier here is emulated)
   out->set_generation(s.generation);
   out->set_generation_table_offset(s.generation_table_offset);
+  out->set_stamp_offset(s.stamp_offset);
+  out->set_stamp(s.stamp);
   out->set_tenant(s.tenant);
   out->set_slot_bytes(s.slot_bytes);
 }

@@ -1,7 +1,9 @@
 #include "server/tier/tier.h"
 
+#include <cstring>
 #include <utility>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/check.h"
@@ -15,6 +17,12 @@ namespace {
 
 // Segment ids are unique across all tiers of the process: clients key ListSegments by id.
 std::atomic<uint64_t> next_segment_id{1};
+
+// A segment's stamp: random, so that another daemon's same-named segment holds another one.
+uint64_t RandomStamp() {
+  static thread_local absl::BitGen gen;
+  return absl::Uniform<uint64_t>(gen);
+}
 
 }  // namespace
 
@@ -109,10 +117,10 @@ absl::Status Tier::AllocateMany(const std::string& tenant, uint64_t slot_bytes, 
 
 absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
                                              std::vector<PopulateRange>* populate) {
-  // Slots, then the generation table at a 64-byte boundary.
+  // Slots, then the generation table at a 64-byte boundary, then the segment's stamp.
   uint64_t num_slots = slot_bytes == 0 ? 0 : options_.segment_bytes / slot_bytes;
   auto table_at = [slot_bytes](uint64_t n) { return (n * slot_bytes + 63) / 64 * 64; };
-  while (num_slots > 0 && table_at(num_slots) + 8 * num_slots > options_.segment_bytes) {
+  while (num_slots > 0 && table_at(num_slots) + 8 * (num_slots + 1) > options_.segment_bytes) {
     --num_slots;
   }
   if (num_slots == 0) {
@@ -134,9 +142,10 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
     auto shm =
         ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes, options_.naming);
-    // The generation table is written at once (each slot's cell): its pages first.
-    absl::Status reserved =
-        shm.ok() ? shm->Reserve(table_at(num_slots), num_slots * sizeof(uint64_t)) : shm.status();
+    // The generation table and the stamp are written at once: their pages first.
+    absl::Status reserved = shm.ok() ? shm->Reserve(table_at(num_slots),
+                                                    (num_slots + 1) * sizeof(uint64_t))
+                                     : shm.status();
     if (!reserved.ok()) {
       ++allocation_failures_;
       return WithTierReason(reserved);
@@ -151,7 +160,10 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
                 .used = 0,
                 .free = {},
                 .shm = *std::move(shm),
-                .generation = next_generation_.fetch_add(1, std::memory_order_relaxed)});
+                .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
+                .stamp = RandomStamp()});
+    std::memcpy(s->shm.data() + s->table_offset + num_slots * sizeof(uint64_t), &s->stamp,
+                sizeof(s->stamp));
     seg = s.get();
     segments_.emplace(id, std::move(s));
     ids.push_back(id);
@@ -349,6 +361,8 @@ std::vector<SegmentInfo> Tier::Segments() const {
         .tenant = s->tenant,
         .generation = s->generation,
         .generation_table_offset = s->table_offset,
+        .stamp_offset = s->table_offset + uint64_t{s->num_slots} * sizeof(uint64_t),
+        .stamp = s->stamp,
     });
   }
   return out;

@@ -139,6 +139,8 @@ struct SegmentInfo {
   std::string tenant;
   uint64_t generation;
   uint64_t generation_table_offset;
+  uint64_t stamp_offset;  // where `stamp` is written in the segment (after the table)
+  uint64_t stamp;
 };
 
 class MetadataCharge;
@@ -216,6 +218,7 @@ class Tier {
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
     ShmSegment shm;
     uint64_t generation;
+    uint64_t stamp;  // random, at table_offset + 8 * num_slots (SegmentInfo::stamp)
   };
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 

@@ -241,6 +241,8 @@ class SegmentMap {
   absl::StatusOr<Mapping> Find(Client& client, uint64_t segment_id);
   // Maps `fd` (closed here) as segment `seg`, once its real size is checked.
   absl::StatusOr<Mapping> Map(uint64_t segment_id, const v1::Segment& seg, int fd);
+  // Whether `fd` holds the segment's stamp (the daemon's file of that name, not another's).
+  static bool StampMatches(int fd, const v1::Segment& seg);
 
   // A std::mutex, which ThreadSanitizer sees through pthreads; never held across a call to
   // the daemon.

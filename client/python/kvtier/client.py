@@ -171,21 +171,27 @@ def _torch():
 _SHM_NAME = re.compile(r"/?kvtier-[A-Za-z0-9._-]+")
 
 
-def _open_segment(segment_id: int, shm_name: str) -> int | None:
+def _open_segment(seg: pb.Segment) -> int | None:
     """A read-only descriptor of a segment by its name, trusting nothing the daemon said: the
     name must be a kvtier segment's (one file of /dev/shm, no path), opened without following
-    a link. None when this process may not open it (another uid's: segments are mode 0600)."""
-    if not _SHM_NAME.fullmatch(shm_name):
+    a link. None when this process may not open it (another uid's: segments are mode 0600),
+    cannot find it (another /dev/shm: the daemon in a container) or finds another stamp in it
+    (another daemon's file of that name): the caller asks for the descriptor then."""
+    if not _SHM_NAME.fullmatch(seg.shm_name):
         raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"segment {segment_id}: shm_name {shm_name!r} is not a kvtier "
+                          f"segment {seg.segment_id}: shm_name {seg.shm_name!r} is not a kvtier "
                           "segment name")
     try:
-        return os.open("/dev/shm/" + shm_name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW)
-    except PermissionError:
+        fd = os.open("/dev/shm/" + seg.shm_name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW)
+    except (PermissionError, FileNotFoundError):
         return None
     except OSError as e:
         raise KvTierError(grpc.StatusCode.NOT_FOUND,
-                          f"segment {segment_id}: open {shm_name}: {e.strerror}") from None
+                          f"segment {seg.segment_id}: open {seg.shm_name}: {e.strerror}") from None
+    if seg.stamp_offset and os.pread(fd, 8, seg.stamp_offset) != seg.stamp.to_bytes(8, "little"):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _map_fd(segment_id: int, fd: int, size_bytes: int) -> mmap.mmap:
@@ -221,7 +227,7 @@ class SegmentMap:
         for seg in self._client.list_segments():
             if seg.segment_id != segment_id:
                 continue
-            fd = _open_segment(segment_id, seg.shm_name) if seg.shm_name else None
+            fd = _open_segment(seg) if seg.shm_name else None
             if fd is None:  # not ours to open by name: a read-only descriptor instead
                 [(seg, fd)] = self._client.open_segments([segment_id])  # checked: this one
             m = _map_fd(segment_id, fd, seg.size_bytes)

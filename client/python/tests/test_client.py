@@ -300,6 +300,59 @@ def test_open_segments_gives_read_only_descriptors_of_ones_own(daemon):
         assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+OTHER_SHM = """
+import os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+import kvtier
+from kvtier.v1 import kvtier_pb2 as pb
+address, sid = sys.argv[1], sys.argv[2]
+want_k = np.load(sys.argv[4])
+def read():
+    with kvtier.Client(address) as c:
+        sel = c.select(sid, 3, np.ones((9, 64), np.float32), budget_tokens=5000)
+        pos, k, _ = c.gather(sel.heads[0], sid)
+        c.release(sel.lease_id)
+        return np.array_equal(k[np.argsort(pos)], want_k), c.list_segments()
+# This /dev/shm is not the daemon's: no file of its names is here.
+ok, segments = read()
+assert segments and all(s.shm_name and s.stamp_offset for s in segments), segments
+print("absent", ok)
+# A same-named file of someone else's, as big, with other bytes (another daemon's segment).
+for s in segments:
+    with open("/dev/shm/" + s.shm_name.lstrip("/"), "wb") as f:
+        f.write(b"\x3c" * s.size_bytes)
+print("decoy", read()[0])
+"""
+
+
+def test_a_daemon_behind_another_dev_shm_is_read_by_descriptor(daemon, tmp_path):
+    """A worker whose /dev/shm is not the daemon's (the daemon in a container): its segment names
+    are not found there, or name someone else's files, whose stamp differs. Either way the
+    client reads the daemon's own bytes, by descriptor. Run in a private mount namespace with
+    its own /dev/shm (root only)."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs root and unshare -m for a private /dev/shm")
+    rng = np.random.default_rng(21)
+    k, v = make_kv(rng, 120)
+    with kvtier.Client(daemon.address) as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        c.append_layers(sid, 0, k, v, wait_aged=True)
+        for seg in c.list_segments():  # the stamp is in the daemon's file where it says
+            with open("/dev/shm/" + seg.shm_name.lstrip("/"), "rb") as f:
+                f.seek(seg.stamp_offset)
+                assert f.read(8) == seg.stamp.to_bytes(8, "little")
+    np.save(tmp_path / "k.npy", k[3, 0])
+    (tmp_path / "other_shm.py").write_text(OTHER_SHM)
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
+         "sh", sys.executable, str(tmp_path / "other_shm.py"), daemon.address, sid,
+         str(Path(kvtier.__file__).resolve().parents[1]), str(tmp_path / "k.npy")],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["absent True", "decoy True"], out.stdout
+
+
 def test_memfd_segments_are_read_by_descriptor(start_daemon):
     """segment_memory memfd: the daemon names no segment and /dev/shm holds none of its
     memory, yet the client's gather reads every row exactly, through descriptors."""
