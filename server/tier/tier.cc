@@ -143,9 +143,9 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     auto shm =
         ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes, options_.naming);
     // The generation table and the stamp are written at once: their pages first.
-    absl::Status reserved = shm.ok() ? shm->Reserve(table_at(num_slots),
-                                                    (num_slots + 1) * sizeof(uint64_t))
-                                     : shm.status();
+    absl::Status reserved =
+        shm.ok() ? shm->Reserve(table_at(num_slots), (num_slots + 1) * sizeof(uint64_t))
+                 : shm.status();
     if (!reserved.ok()) {
       ++allocation_failures_;
       return WithTierReason(reserved);
