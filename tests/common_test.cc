@@ -302,6 +302,46 @@ TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
   }
 }
 
+TEST(WidenHalves, TakesTheLargerOrSmallerValueWithTheSameBitsOnBothPaths) {
+  // Random halves with every special among them: zeros of both signs, subnormals, the largest
+  // finite, infinities and NaNs; lengths that leave a scalar tail.
+  std::mt19937 rng(17);
+  const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x7bff, 0xfbff,
+                               0x7c00, 0xfc00, 0x7e00, 0xfe00, 0x3c00, 0xbc00};
+  auto half = [&] {
+    return rng() % 4 == 0 ? specials[rng() % std::size(specials)] : static_cast<uint16_t>(rng());
+  };
+  auto value = [](uint16_t h) {  // the order: -NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN
+    const bool neg = (h & 0x8000) != 0;
+    if ((h & 0x7fff) > 0x7c00) return neg ? -3.0 : 3.0;
+    if ((h & 0x7fff) == 0x7c00) return neg ? -2.0 : 2.0;
+    if ((h & 0x7fff) == 0) return neg ? -1e-20 : 0.0;
+    return double(HalfToFloat(h)) / 70000.0;
+  };
+  for (int n : {1, 15, 16, 17, 64, 100}) {
+    for (bool up : {true, false}) {
+      std::vector<uint16_t> x(n), v(n);
+      for (auto& h : x) h = half();
+      for (auto& h : v) h = half();
+      std::vector<uint16_t> fast = v, slow = v;
+      bool finite = true;
+      for (uint16_t h : x) finite &= (h & 0x7c00) != 0x7c00;
+      EXPECT_EQ(WidenHalves(x.data(), n, up, fast.data()), finite);
+      EXPECT_EQ(WidenHalvesScalar(x.data(), n, up, slow.data()), finite);
+      EXPECT_EQ(fast, slow) << n << " " << up;
+      for (int i = 0; i < n; ++i) {
+        const double vx = value(x[i]), vv = value(v[i]);
+        if (vx == vv) {  // the same value (NaNs of one sign): either one
+          EXPECT_TRUE(fast[i] == x[i] || fast[i] == v[i]);
+        } else {
+          EXPECT_EQ(fast[i], (up ? vx > vv : vx < vv) ? x[i] : v[i])
+              << std::hex << x[i] << " " << v[i] << " up " << up;
+        }
+      }
+    }
+  }
+}
+
 TEST(BoxGrowth, EachLaneAgreesWithDoubleAndTheScalarPath) {
   // Boxes drawn as halves (hi >= lo), points inside, outside and on their faces; lane counts
   // around the groups of 8 and 16, and a stride with no room past the last group.

@@ -433,6 +433,37 @@ __attribute__((target("avx2,fma"))) void LogInPlaceAvx2(float* x, int n) {
   EightAtATime(x, n, 1.f, LogEight());
 }
 
+// A half's bits as a key whose unsigned order is the value order: negatives flipped, positives
+// with the sign bit set. Its own inverse is KeyHalf.
+inline uint16_t HalfOrderKey(uint16_t h) {
+  return (h & 0x8000u) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000u);
+}
+inline uint16_t KeyHalf(uint16_t k) {
+  return (k & 0x8000u) ? static_cast<uint16_t>(k & 0x7fffu) : static_cast<uint16_t>(~k);
+}
+
+__attribute__((target("avx2"))) bool WidenHalvesAvx2(const uint16_t* x, int n, bool up,
+                                                     uint16_t* v) {
+  const __m256i sign = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m256i exp = _mm256_set1_epi16(0x7c00);
+  const __m256i ones = _mm256_set1_epi16(-1);
+  __m256i nonfinite = _mm256_setzero_si256();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    // key = h ^ ((h >> 15 arithmetic) | 0x8000); back: k ^ (~(k >> 15) | 0x8000).
+    const __m256i kx = _mm256_xor_si256(hx, _mm256_or_si256(_mm256_srai_epi16(hx, 15), sign));
+    const __m256i kv = _mm256_xor_si256(hv, _mm256_or_si256(_mm256_srai_epi16(hv, 15), sign));
+    const __m256i k = up ? _mm256_max_epu16(kx, kv) : _mm256_min_epu16(kx, kv);
+    const __m256i back = _mm256_or_si256(_mm256_andnot_si256(_mm256_srai_epi16(k, 15), ones), sign);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), _mm256_xor_si256(k, back));
+    nonfinite = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi16(_mm256_and_si256(hx, exp), exp));
+  }
+  bool finite = _mm256_testz_si256(nonfinite, nonfinite);
+  return WidenHalvesScalar(x + i, n - i, up, v + i) && finite;
+}
+
 __attribute__((target("avx2,f16c"))) void FloatsToHalvesDirectedF16c(const float* x, int n, bool up,
                                                                      uint16_t* out) {
   int i = 0;
@@ -553,6 +584,21 @@ void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int strid
                float* grow, float* width) {
   static const auto impl = HaveAvx2F16c() ? BoxGrowthAvx2 : BoxGrowthScalar;
   impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+bool WidenHalvesScalar(const uint16_t* x, int n, bool up, uint16_t* v) {
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    const uint16_t kx = HalfOrderKey(x[i]), kv = HalfOrderKey(v[i]);
+    v[i] = KeyHalf(up ? std::max(kx, kv) : std::min(kx, kv));
+    finite &= (x[i] & 0x7c00u) != 0x7c00u;
+  }
+  return finite;
+}
+
+bool WidenHalves(const uint16_t* x, int n, bool up, uint16_t* v) {
+  static const auto impl = HaveAvx2F16c() ? WidenHalvesAvx2 : WidenHalvesScalar;
+  return impl(x, n, up, v);
 }
 
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out) {

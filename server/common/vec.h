@@ -60,6 +60,12 @@ void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int strid
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width);
 
+// v[i] = the larger (up) or the smaller (!up) of the IEEE halves v[i] and x[i], ordered as
+// their values with -0 below +0 (and a NaN beyond the infinities on its sign's side); returns
+// whether every x[i] is finite. AVX2: sixteen at a time, the same bits.
+bool WidenHalves(const uint16_t* x, int n, bool up, uint16_t* v);
+bool WidenHalvesScalar(const uint16_t* x, int n, bool up, uint16_t* v);
+
 // out[i] = x[i] as an IEEE half rounded towards +Inf (up) or towards -Inf (!up): the same bits
 // as FloatToHalfUp / FloatToHalfDown (F16C's directed rounding, eight at a time).
 void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);

@@ -93,7 +93,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
     }
   }
   StoreBoxes(l, box);
-  SetScalars(l, b);
+  SetScalars(l, b, MeasureLane(*l.blk, l.lane));
 }
 
 void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
@@ -105,13 +105,21 @@ void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
   b.min_tokens = std::min(b.min_tokens, tokens);
 }
 
-ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane) const {
+void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, uint16_t* box) const {
+  const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];  // row r at col[r * w]
+  const size_t w = TileWidth(blk, lane / kTile * kTile);
+  for (size_t r = 0; r < BoxRows(); ++r) box[r] = col[r * w];
+}
+
+ClusterIndex::LaneMeasure ClusterIndex::Measure(const uint16_t* box) const {
+  // The halves as floats (exact), eight at a time; a -0 comes out +0, which no sum below sees.
+  float f[kBoxParts * kMaxHeadDim] = {};
+  AddRows(HalfKind::kFp16, box, 1, static_cast<int>(BoxRows()), f);
+  const size_t d = d_;
   double mu = 0, peak = 0, extent = 0;
-  for (int j = 0; j < d_; ++j) {
-    auto at = [&](int part) {
-      return double(HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]));
-    };
-    const double mh = at(kMuHi), ml = at(kMuLo), ph = at(kPeakHi), pl = at(kPeakLo);
+  for (size_t j = 0; j < d; ++j) {
+    const double mh = f[kMuHi * d + j], ml = f[kMuLo * d + j], ph = f[kPeakHi * d + j],
+                 pl = f[kPeakLo * d + j];
     mu += std::max(mh * mh, ml * ml);
     peak += std::max(ph * ph, pl * pl);
     extent += (mh - ml) * (mh - ml);
@@ -119,6 +127,12 @@ ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t l
   return {static_cast<float>(std::sqrt(mu) * (1 + 1e-6)),
           static_cast<float>(std::sqrt(peak) * (1 + 1e-6)),
           static_cast<float>(std::sqrt(extent) * (1 + 1e-6))};
+}
+
+ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane) const {
+  uint16_t box[kBoxParts * kMaxHeadDim];
+  ReadLane(blk, lane, box);
+  return Measure(box);
 }
 
 void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const {
@@ -132,22 +146,16 @@ void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, float* mu, float
   }
 }
 
-void ClusterIndex::Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a) {
-  float p[kMaxHeadDim];
-  Peak(chunk, a, p);
-  WidenTokens(b, a.tokens(chunk));
-  WidenBoxes(l, mu, p);
-  SetScalars(l, b);
+void ClusterIndex::Widen(Bounds& b, Lane l, const float* point, uint32_t tokens, bool inside) {
+  WidenTokens(b, tokens);
+  if (inside) {  // the boxes and what they measure stay; only the token count may move
+    l.blk->scalars[ScalarIndex(*l.blk, l.lane, kLogRest)] = b.log_rest;
+    return;
+  }
+  uint16_t box[kBoxParts * kMaxHeadDim];
+  WidenBoxes(l, point, point + d_, box);
+  SetScalars(l, b, Measure(box));
 }
-
-namespace {
-
-// Halves in an order that integer comparison keeps (finite values and infinities).
-inline uint16_t HalfKey(uint16_t h) {
-  return (h & 0x8000u) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000u);
-}
-
-}  // namespace
 
 ClusterIndex::Lane ClusterIndex::ClusterLane(uint32_t cluster) {
   return {&units_[clusters_[cluster].unit].block, clusters_[cluster].lane};
@@ -195,32 +203,27 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = finite ? 0.f : 1.f;
 }
 
-void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak) const {
+void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, uint16_t* out) const {
   uint16_t rounded[kBoxParts * kMaxHeadDim];
   FloatsToHalvesDirected(mu, d_, true, &rounded[kMuHi * d_]);
   FloatsToHalvesDirected(mu, d_, false, &rounded[kMuLo * d_]);
   FloatsToHalvesDirected(peak, d_, true, &rounded[kPeakHi * d_]);
   FloatsToHalvesDirected(peak, d_, false, &rounded[kPeakLo * d_]);
-  uint16_t* box = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at box[r * w]
-  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
+  ReadLane(*l.blk, l.lane, out);
+  const size_t d = d_;
   bool finite = true;
   for (int part = 0; part < kBoxParts; ++part) {
-    const bool hi = IsUpper(part);
-    for (int j = 0; j < d_; ++j) {
-      const size_t r = static_cast<size_t>(part) * d_ + j;
-      uint16_t& v = box[r * w];
-      const bool wider = hi ? HalfKey(rounded[r]) > HalfKey(v) : HalfKey(rounded[r]) < HalfKey(v);
-      if (wider) v = rounded[r];
-      finite = finite && !HalfIsNonFinite(rounded[r]);
-    }
+    finite &= WidenHalves(&rounded[part * d], d_, IsUpper(part), &out[part * d]);
   }
+  uint16_t* col = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at col[r * w]
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
+  for (size_t r = 0; r < BoxRows(); ++r) col[r * w] = out[r];
   if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 
-void ClusterIndex::SetScalars(Lane l, Bounds& b) const {
+void ClusterIndex::SetScalars(Lane l, Bounds& b, const LaneMeasure& m) const {
   // The rounding margins scale with the largest norm of a point in each box.
   Block& blk = *l.blk;
-  const LaneMeasure m = MeasureLane(blk, l.lane);
   b.extent = m.extent;
   blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = m.mu_corner;
   blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = m.peak_corner;
@@ -237,25 +240,44 @@ void ClusterIndex::CopyLane(const Block& src, uint32_t from, Block& dst, uint32_
   }
 }
 
-uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const float* point) const {
+uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const float* point,
+                                    float* growth) const {
   const int pairs = opt_.cluster_by_peak ? 2 : 1;  // [mu_hi | mu_lo] (| [peak_hi | peak_lo])
-  float grow[kTile], width[kTile];
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float grow[kTile], width[kTile], more[kTile], wider[kTile];
   uint32_t best = 0;
-  float best_grow = std::numeric_limits<float>::infinity();
-  float best_width = std::numeric_limits<float>::infinity();
+  float best_grow = kInf;
+  float best_width = kInf;
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint32_t n = std::min(kTile, lanes - t);
-    BoxGrowth(point, pairs, d_, &blk.box[BoxIndex(blk, t, 0)], static_cast<int>(TileWidth(blk, t)),
-              static_cast<int>(n), grow, width);
+    const int w = static_cast<int>(TileWidth(blk, t));
+    const uint16_t* cols = &blk.box[BoxIndex(blk, t, 0)];
+    // With the peak (cluster_by_peak), its growth first: every term is >= 0, so a tile none of
+    // whose lanes grows less than the best so far over the peak alone is passed without
+    // reading its mean boxes. (Measured at 128K tokens, the peak's growth prunes; the mean's
+    // would not.)
+    if (pairs == 2) {
+      BoxGrowth(point + d_, 1, d_, cols + static_cast<size_t>(2) * d_ * w, w, static_cast<int>(n),
+                grow, width);
+      float least = kInf;
+      for (uint32_t i = 0; i < n; ++i) least = std::min(least, grow[i]);
+      if (least > best_grow) continue;
+    }
+    BoxGrowth(point, 1, d_, cols, w, static_cast<int>(n), more, wider);
+    for (uint32_t i = 0; i < n; ++i) {
+      grow[i] = pairs == 2 ? grow[i] + more[i] : more[i];
+      width[i] = pairs == 2 ? width[i] + wider[i] : wider[i];
+    }
     for (uint32_t i = 0; i < n; ++i) {
       // An unbounded lane (a box beyond the half range: infinite or NaN width) is taken only
       // when no lane is bounded.
-      const float g = std::isfinite(width[i]) ? grow[i] : std::numeric_limits<float>::infinity();
+      const float g = std::isfinite(width[i]) ? grow[i] : kInf;
       if (g < best_grow || (g == best_grow && width[i] < best_width)) {
         best = t + i, best_grow = g, best_width = width[i];
       }
     }
   }
+  if (growth != nullptr) *growth = best_grow;
   return best;
 }
 
@@ -292,7 +314,14 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, b
   std::vector<int> side(n, 0);
   std::vector<float> sum0(d), sum1(d);
   for (int iter = 0; iter < 6; ++iter) {
-    for (size_t i = 0; i < n; ++i) side[i] = dist2(i, c1.data()) < dist2(i, c0.data());
+    // Once no point changes side, the means and every later round stay as they are.
+    bool moved = iter == 0;
+    for (size_t i = 0; i < n; ++i) {
+      const int now = dist2(i, c1.data()) < dist2(i, c0.data());
+      moved |= now != side[i];
+      side[i] = now;
+    }
+    if (!moved) break;
     std::fill(sum0.begin(), sum0.end(), 0.f);
     std::fill(sum1.begin(), sum1.end(), 0.f);
     size_t n1 = 0;
@@ -417,17 +446,22 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   // mean and, with cluster_by_peak, of its peak; among boxes it does not widen, the narrowest.
   std::vector<float> point(2 * static_cast<size_t>(d_));
   ChunkPoint(chunk, a, point.data());
-  const float* mu = point.data();
+  float unit_growth = 0, cluster_growth = 0;
   const uint32_t best_unit =
-      LeastWidened(units_block_, static_cast<uint32_t>(units_.size()), point.data());
+      LeastWidened(units_block_, static_cast<uint32_t>(units_.size()), point.data(), &unit_growth);
   const Unit& unit = units_[best_unit];
   const uint32_t best_cluster = unit.clusters[LeastWidened(
-      unit.block, static_cast<uint32_t>(unit.clusters.size()), point.data())];
+      unit.block, static_cast<uint32_t>(unit.clusters.size()), point.data(), &cluster_growth)];
   Cluster& cl = clusters_[best_cluster];
   cl.chunks.push_back(chunk);
   node_of_[chunk] = best_cluster;
-  Widen(cl.b, ClusterLane(best_cluster), chunk, mu, a);
-  Widen(units_[best_unit].b, UnitLane(best_unit), chunk, mu, a);
+  // A chunk inside a node's boxes (no growth over its mean and its peak) leaves them as they
+  // are: its halves rounded outwards stay inside too.
+  const bool both = opt_.cluster_by_peak;  // growth covered the peak as well
+  Widen(cl.b, ClusterLane(best_cluster), point.data(), a.tokens(chunk),
+        both && cluster_growth == 0.f);
+  Widen(units_[best_unit].b, UnitLane(best_unit), point.data(), a.tokens(chunk),
+        both && unit_growth == 0.f);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
   const bool too_wide = cl.chunks.size() >= 4 && cl.built_extent > 0 &&
                         cl.b.extent > opt_.resplit_extent * cl.built_extent;

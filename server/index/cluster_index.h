@@ -189,6 +189,14 @@ class ClusterIndex {
     return static_cast<size_t>(t) * kScalars + static_cast<size_t>(s) * TileWidth(blk, t) +
            lane % kTile;
   }
+  // What a lane's boxes give, computed in double from the stored halves (which bound the
+  // chunks) and inflated past the float rounding; a side beyond the half range makes them
+  // infinite (the lane is unbounded then). Corners: the largest norm of a point in the mean
+  // box and in the peak box, sqrt(sum_j max(lo_j^2, hi_j^2)), what a bound's rounding margins
+  // scale with. Extent: the mean box's diagonal, |hi - lo|.
+  struct LaneMeasure {
+    float mu_corner, peak_corner, extent;
+  };
   // A node's lane: its boxes and scalars. Taken afresh where used (units_ may grow).
   struct Lane {
     Block* blk;
@@ -201,16 +209,19 @@ class ClusterIndex {
   // Writes a lane's boxes from floats [kBoxParts][d], rounding outwards, and marks it
   // unbounded if they leave the half range.
   void StoreBoxes(Lane l, const float* box) const;
-  // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards.
-  void WidenBoxes(Lane l, const float* mu, const float* peak) const;
-  // Writes the lane's scalars (the unbounded mark stays): its margins from its boxes
-  // (MeasureLane), its log_rest from b; and b's extent.
-  void SetScalars(Lane l, Bounds& b) const;
+  // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards; `out` gets
+  // the widened boxes as ReadLane gives them.
+  void WidenBoxes(Lane l, const float* mu, const float* peak, uint16_t* out) const;
+  // Writes the lane's scalars (the unbounded mark stays): its margins from m (its boxes'
+  // measure), its log_rest from b; and b's extent.
+  void SetScalars(Lane l, Bounds& b, const LaneMeasure& m) const;
   // Copies lane `from` of src (boxes and scalars) to lane `to` of dst.
   void CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const;
   // The lane among blk's first `lanes` (at least one) whose boxes `point` ([mu | peak], 2 *
   // head_dim floats) widens least, ties to the narrowest (BoxGrowth), then to the lowest lane.
-  uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point) const;
+  // `growth` (when given) gets the chosen lane's growth: 0 when the point lies in its boxes.
+  uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point,
+                        float* growth = nullptr) const;
 
   struct Cluster {
     Bounds b;
@@ -233,19 +244,16 @@ class ClusterIndex {
   void ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const;
   // Recomputes b and its lane from scratch over these chunks: boxes, tokens, scalars.
   void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkStats& a);
-  // Widens b and its lane to cover one more chunk, whose mean key is `mu`.
-  void Widen(Bounds& b, Lane l, uint32_t chunk, const float* mu, const ChunkStats& a);
+  // Widens b and its lane to cover one more chunk of `tokens` tokens, whose [mean | peak] is
+  // `point`; `inside`: the point lies in the lane's boxes already (LeastWidened's growth 0).
+  void Widen(Bounds& b, Lane l, const float* point, uint32_t tokens, bool inside);
   // b's token counts over one more chunk of `tokens`.
   static void WidenTokens(Bounds& b, uint32_t tokens);
-  // What a lane's boxes give, computed in double from the stored halves (which bound the
-  // chunks) and inflated past the float rounding; a side beyond the half range makes them
-  // infinite (the lane is unbounded then). Corners: the largest norm of a point in the mean
-  // box and in the peak box, sqrt(sum_j max(lo_j^2, hi_j^2)), what a bound's rounding margins
-  // scale with. Extent: the mean box's diagonal, |hi - lo|.
-  struct LaneMeasure {
-    float mu_corner, peak_corner, extent;
-  };
   LaneMeasure MeasureLane(const Block& blk, uint32_t lane) const;
+  // The same of boxes read out of their lane: [kBoxParts][head_dim] halves.
+  LaneMeasure Measure(const uint16_t* box) const;
+  // A lane's boxes, [kBoxParts][head_dim] halves, out of its tile.
+  void ReadLane(const Block& blk, uint32_t lane, uint16_t* box) const;
   // The middle of a lane's mean box and of its peak box (head_dim floats each; a side beyond
   // the half range counts as +-65504).
   void LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const;
