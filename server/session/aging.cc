@@ -170,8 +170,12 @@ std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
       const Chunk& chunk = s.chunks()[c];
       if (chunk.first < ctx.policy.sink_tokens()) break;  // sinks stay fp16
       if (chunk.cold() || c < s.stats().final_chunks()) continue;
-      job.items.push_back(
-          {.chunk = c, .head = h, .tokens = chunk.num_tokens, .source = chunk.host});
+      job.items.push_back({.chunk = c,
+                           .head = h,
+                           .tokens = chunk.num_tokens,
+                           .source = chunk.host,
+                           .cold = nullptr,
+                           .rows = {}});
     }
   }
   return job;
