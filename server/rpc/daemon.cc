@@ -317,7 +317,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
         "device_capacity={} device={} remote={} aging_threads={} eviction_policy={} "
         "prefetch={} metrics_port={}",
-        KVTIER_VERSION, o.listen, o.tcp_listen,
+        KVTIER_VERSION, LogValue(o.listen), LogValue(o.tcp_listen),
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
         : o.tls.client_ca_file.empty() ? "tls"

@@ -497,7 +497,8 @@ class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::A
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
-    if (!caller.ok()) {
+    if (!caller.ok()) {  // counted and logged as a refused call of any other method is
+      svc_->Record("Attach", caller.status(), absl::ZeroDuration());
       if (Claim()) Finish(ToGrpcStatus(caller.status()));
       return;
     }

@@ -11,7 +11,8 @@
     asyncio.run(main())
 
 It sends the bytes (no zero-copy staging) and does not attach: a lease ends at Release or at
-its TTL. Reading handles' bytes maps the daemon's segments through a kvtier.Client of the same
+its TTL. What hands over descriptors (open_segments, open_staging, open_channel) is
+kvtier.Client's only. Reading handles' bytes maps the daemon's segments through a kvtier.Client of the same
 address and credentials, made on first use. Mistakes in arguments raise KvTierArgumentError
 before anything is sent; refused calls raise KvTierError, as kvtier.Client does."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ import grpc
 import numpy as np
 
 from kvtier import client as _sync
-from kvtier.client import KvTierError, SessionHandle
+from kvtier.client import KvTierError, SessionHandle, _msg
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -35,6 +36,7 @@ class Client:
                  timeout: float = 60.0, max_message_bytes: int = 64 << 20,
                  token: str | None = None, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None):
+        _sync._check_client_args(address, timeout, max_message_bytes)
         self.address = address
         self.timeout = timeout
         self._metadata = _sync._metadata(tenant, token)
@@ -100,6 +102,7 @@ class Client:
     async def append_layers(self, session_id: str, start: int, keys: np.ndarray,
                             values: np.ndarray, wait_aged: bool = False) -> int:
         """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`."""
+        keys, values = _sync._as_array("keys", keys), _sync._as_array("values", values)
         return await self.append_kv(session_id, _sync._layer_items(start, keys, values)(),
                                     wait_aged)
 
@@ -115,11 +118,11 @@ class Client:
 
     async def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
         """Several Selects in one call, all or nothing, as kvtier.Client.batch_select."""
-        return await self._unary("BatchSelect", pb.BatchSelectRequest(requests=list(requests)))
+        return await self._unary("BatchSelect", _sync._batch(requests))
 
     async def release(self, lease_id: str) -> None:
         """Ends a lease: its handles may be reused from now on."""
-        await self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+        await self._unary("Release", _msg(pb.ReleaseRequest, lease_id=lease_id))
 
     async def _mapped(self, session_id: str) -> tuple["_sync.Client", int]:
         """The client that maps segments, and the session's head_dim."""
@@ -143,7 +146,7 @@ class Client:
         """Closes a session; False when there was none (idempotent)."""
         self._shapes.pop(session_id, None)
         return (await self._unary("CloseSession",
-                                  pb.CloseSessionRequest(session_id=session_id))).existed
+                                  _msg(pb.CloseSessionRequest, session_id=session_id))).existed
 
     async def list_sessions(self) -> list[pb.SessionInfo]:
         """This tenant's sessions (an admin's: every tenant's)."""
@@ -152,9 +155,69 @@ class Client:
     async def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
         """One session: shape, policy, usage, and statistics per layer."""
         return await self._unary("DescribeSession",
-                                 pb.DescribeSessionRequest(session_id=session_id))
+                                 _msg(pb.DescribeSessionRequest, session_id=session_id))
 
     async def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
         """Live leases: this tenant's (an admin's: every tenant's), of one session when named."""
         return await self._unary("ListLeases",
-                                 pb.ListLeasesRequest(session_id=session_id, limit=limit))
+                                 _msg(pb.ListLeasesRequest, session_id=session_id, limit=limit))
+
+    async def fork_session(self, session_id: str, num_tokens: int = 0,
+                           new_session_id: str = "") -> SessionHandle:
+        """A new session sharing the first `num_tokens` (0: all) of this one's."""
+        r = await self._unary("ForkSession", _msg(pb.ForkSessionRequest, session_id=session_id,
+                                                  num_tokens=num_tokens,
+                                                  new_session_id=new_session_id))
+        return SessionHandle(r.session_id, r.policy)
+
+    async def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
+        """Handles of the named chunks (ListChunks' chunk_id), each read once, in order."""
+        if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
+            raise _sync.KvTierArgumentError("chunk_ids", f"{chunk_ids!r} is not a sequence of ids")
+        req = _msg(pb.ReadChunksRequest, session_id=session_id, chunk_ids=list(chunk_ids))
+        try:
+            return [h async for h in self.stub.ReadChunks(req, timeout=self.timeout,
+                                                          metadata=self._metadata)]
+        except grpc.aio.AioRpcError as e:
+            raise KvTierError(e.code(), e.details() or "") from None
+
+    async def list_chunks(self, session_id: str, layer: int | None = None,
+                          limit: int = 0) -> pb.ListChunksResponse:
+        """A session's chunks (one layer's when named): positions, precision, bytes."""
+        layer_field = {} if layer is None else {"layer": layer}
+        return await self._unary("ListChunks", _msg(pb.ListChunksRequest, session_id=session_id,
+                                                    limit=limit, **layer_field))
+
+    async def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
+        """Changes SessionPolicy fields (the chunks that age from now on follow them)."""
+        return (await self._unary("SetPolicy", _msg(pb.SetPolicyRequest, session_id=session_id,
+                                                    policy=_msg(pb.SessionPolicy, **policy)))
+                ).policy
+
+    async def tier_stats(self) -> list[pb.TierStats]:
+        """Capacity, use, pins, promotions, evictions and copy caches, per tier."""
+        return list((await self._unary("GetTierStats", pb.GetTierStatsRequest())).tiers)
+
+    async def list_segments(self) -> list[pb.Segment]:
+        """This tenant's shared-memory segments (an admin's: all)."""
+        return list((await self._unary("ListSegments", pb.ListSegmentsRequest())).segments)
+
+    async def evict(self, session_id: str, tier: str) -> int:
+        """Moves a session off "device" (to host) or "host" (to the remote tier); bytes moved."""
+        req = _msg(pb.EvictRequest, session_id=session_id,
+                   tier=_sync._choice("tier", _sync._TIERS, tier))
+        return (await self._unary("Evict", req)).bytes_moved
+
+    async def drain(self) -> int:
+        """An admin's: the daemon stops taking calls and exits; the sessions live then."""
+        return (await self._unary("Drain", pb.DrainRequest())).sessions
+
+    async def health(self) -> bool:
+        """grpc.health.v1 Check of the whole server: True when SERVING."""
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
+                                          request_serializer=lambda b: b,
+                                          response_deserializer=lambda b: b)
+        try:  # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.
+            return await check(b"", timeout=self.timeout) == b"\x08\x01"
+        except grpc.aio.AioRpcError as e:
+            raise KvTierError(e.code(), e.details() or "") from None

@@ -50,6 +50,29 @@ def _choice(argument: str, table: dict, value):
         raise KvTierArgumentError(argument, f"{value!r} is not one of {allowed}") from None
 
 
+def _msg(cls, **fields):
+    """cls(**fields); a field protobuf refuses (an unknown name, a value of the wrong type or
+    out of its range) is a KvTierArgumentError naming it, before anything is sent."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        for name, value in fields.items():  # which one: each alone
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as one:
+                raise KvTierArgumentError(name, f"{value!r}: {one}") from None
+        raise KvTierArgumentError(cls.DESCRIPTOR.name, str(e)) from None
+
+
+def _query(query) -> np.ndarray:
+    """A query as contiguous fp32, or KvTierArgumentError naming it."""
+    try:
+        return np.ascontiguousarray(query, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise KvTierArgumentError("query", f"not an fp32 array [num_q_heads][head_dim]: {e}") \
+            from None
+
+
 def _metadata(tenant: str | None, token: str | None) -> tuple:
     """The metadata every call carries: the tenant it names, the bearer token."""
     return ((("x-kvtier-tenant", tenant),) if tenant else ()) + \
@@ -82,11 +105,11 @@ def _channel_setup(tls_ca, tls_cert, tls_key, max_message_bytes):
 
 def _create_session_request(num_layers, num_q_heads, num_kv_heads, head_dim, dtype, session_id,
                             model_id, labels, policy) -> pb.CreateSessionRequest:
-    shape = pb.ModelShape(num_layers=num_layers, num_q_heads=num_q_heads,
-                          num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          dtype=_choice("dtype", _DTYPES, dtype)[0], model_id=model_id)
-    return pb.CreateSessionRequest(session_id=session_id, shape=shape,
-                                   policy=pb.SessionPolicy(**policy), labels=labels or {})
+    shape = _msg(pb.ModelShape, num_layers=num_layers, num_q_heads=num_q_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 dtype=_choice("dtype", _DTYPES, dtype)[0], model_id=model_id)
+    return _msg(pb.CreateSessionRequest, session_id=session_id, shape=shape,
+                policy=_msg(pb.SessionPolicy, **policy), labels=labels or {})
 
 
 def _checked_items(items) -> list:
@@ -94,12 +117,24 @@ def _checked_items(items) -> list:
     stream starts: a mistake is the call's error, naming the item, and nothing of it is sent
     (the stream would otherwise end in UNKNOWN, some items applied)."""
     checked = []
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise KvTierArgumentError(
+            "items", "must be a sequence of (layer, start_token, keys, values[, token_ids])")
     for i, item in enumerate(items):
         if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
             raise KvTierArgumentError(
                 f"items[{i}]", "must be (layer, start_token, keys, values[, token_ids])")
         layer, start, k, v = item[:4]
         ids = item[4] if len(item) > 4 else None
+        for name, x in (("layer", layer), ("start_token", start)):
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                raise KvTierArgumentError(f"items[{i}].{name}", f"{x!r} is not an integer")
+        if ids is not None:
+            try:
+                ids = [int(t) for t in ids]
+            except (TypeError, ValueError):
+                raise KvTierArgumentError(f"items[{i}].token_ids",
+                                          f"{ids!r} is not a sequence of integers") from None
         k = np.ascontiguousarray(k)
         v = np.ascontiguousarray(v)
         for name, a in (("keys", k), ("values", v)):
@@ -120,10 +155,16 @@ def _checked_items(items) -> list:
 
 
 def _append_request(session_id, layer, start, k, v, ids, wait_aged) -> pb.AppendKVRequest:
-    return pb.AppendKVRequest(session_id=session_id, layer=layer, start_token=start,
-                              num_tokens=k.shape[1],
-                              token_ids=[] if ids is None else [int(i) for i in ids],
-                              wait_aged=wait_aged)
+    return _msg(pb.AppendKVRequest, session_id=session_id, layer=layer, start_token=start,
+                num_tokens=k.shape[1], token_ids=[] if ids is None else ids, wait_aged=wait_aged)
+
+
+def _as_array(argument: str, a) -> np.ndarray:
+    """`a` as an ndarray, or KvTierArgumentError naming it."""
+    try:
+        return np.asarray(a)
+    except (TypeError, ValueError) as e:
+        raise KvTierArgumentError(argument, f"not an array: {e}") from None
 
 
 def _layer_items(start, keys, values):
@@ -140,12 +181,37 @@ def _layer_items(start, keys, values):
 
 def _select_request(session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
                     include_summaries, row_handles, worker_id="") -> pb.SelectRequest:
-    q = np.ascontiguousarray(query, dtype=np.float32)
-    return pb.SelectRequest(
+    q = _query(query)
+    return _msg(pb.SelectRequest,
         session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
         placement=_choice("placement", _TIERS, placement), include_data=include_data,
         lease_ms=lease_ms, include_summaries=include_summaries, row_handles=row_handles,
         worker_id=worker_id)
+
+
+def _batch(requests) -> pb.BatchSelectRequest:
+    """A BatchSelectRequest of SelectRequests, or KvTierArgumentError naming the one that is
+    not."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise KvTierArgumentError("requests", "must be a sequence of SelectRequest")
+    requests = list(requests)
+    for i, r in enumerate(requests):
+        if not isinstance(r, pb.SelectRequest):
+            raise KvTierArgumentError(f"requests[{i}]",
+                                      f"a {type(r).__name__}, not a kvtier.v1.SelectRequest")
+    return pb.BatchSelectRequest(requests=requests)
+
+
+def _check_client_args(address, timeout, max_message_bytes) -> None:
+    """A client's address, timeout and message limit, checked before a channel is made."""
+    if not isinstance(address, str) or not address:
+        raise KvTierArgumentError("address", f"{address!r} is not \"unix:PATH\" or \"HOST:PORT\"")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise KvTierArgumentError("timeout", f"{timeout!r} is not a positive number of seconds")
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
+            max_message_bytes <= 0:
+        raise KvTierArgumentError("max_message_bytes", f"{max_message_bytes!r} is not a "
+                                  "positive number of bytes")
 
 
 def _call(fn, *args, **kwargs):
@@ -345,6 +411,8 @@ class _Attachment:
 
 @dataclass
 class SessionHandle:
+    """What create_session and fork_session return: the session's id and its policy as the
+    daemon completed it (defaults filled in)."""
     session_id: str
     policy: pb.SessionPolicy
 
@@ -475,19 +543,18 @@ class SelectChannel:
                include_data: bool = False, row_handles: bool = True,
                **fields) -> pb.SelectResponse:
         """As Client.select; the lease is the channel's worker's unless `worker_id` is given."""
-        q = np.ascontiguousarray(query, dtype=np.float32)
-        return self._call(_OP_SELECT, pb.SelectRequest(
-            session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
-            include_data=include_data, row_handles=row_handles, **fields), pb.SelectResponse())
+        req = _msg(pb.SelectRequest, session_id=session_id, layer=layer,
+                   query=_query(query).tobytes(), budget_tokens=budget_tokens,
+                   include_data=include_data, row_handles=row_handles, **fields)
+        return self._call(_OP_SELECT, req, pb.SelectResponse())
 
     def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
         """Several Selects in one call through the channel, all or nothing."""
-        return self._call(_OP_BATCH_SELECT, pb.BatchSelectRequest(requests=requests),
-                          pb.BatchSelectResponse())
+        return self._call(_OP_BATCH_SELECT, _batch(requests), pb.BatchSelectResponse())
 
     def release(self, lease_id: str) -> None:
         """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""
-        self._call(_OP_RELEASE, pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse())
+        self._call(_OP_RELEASE, _msg(pb.ReleaseRequest, lease_id=lease_id), pb.ReleaseResponse())
 
 
 class Client:
@@ -503,6 +570,7 @@ class Client:
         token of the daemon's auth.tokens, sent on every call; `tenant` may then only name its
         tenant (or any, for an admin's). `tls_ca`: speak TLS to a TCP address, trusting that CA
         (a PEM file); `tls_cert` and `tls_key`: this client's certificate for mTLS."""
+        _check_client_args(address, timeout, max_message_bytes)
         self.address = address
         self.timeout = timeout
         self._metadata = _metadata(tenant, token)
@@ -612,6 +680,7 @@ class Client:
         client opens (and grows) as needed and keeps while the session lasts here; a daemon
         without staging gets the bytes instead, and so does one that lost the area (a restart,
         a session restored from the remote tier), which gets a new area next time."""
+        keys, values = _as_array("keys", keys), _as_array("values", values)
         items = _layer_items(start, keys, values)
         if zero_copy is None:
             zero_copy = self.address.startswith("unix:") and self._staging_ok
@@ -642,12 +711,14 @@ class Client:
         """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease.
         `row_handles`: refined rows come as their chunks' handles with a row list, read in
         place by `gather` (False: gathered by the daemon into compact blocks of their own)."""
+        # Checked before anything is sent (the Attach stream included).
+        req = _select_request(session_id, layer, query, budget_tokens, placement, include_data,
+                              lease_ms, include_summaries, row_handles)
         for attempt in range(2):
-            worker = self.worker_id()
+            req.worker_id = self.worker_id()
+            worker = req.worker_id
             try:
-                return self._unary("Select", _select_request(
-                    session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
-                    include_summaries, row_handles, worker))
+                return self._unary("Select", req)
             except KvTierError as e:
                 # The daemon lost the worker (it restarted; the stream just ended): once more.
                 if not (worker and attempt == 0 and e.code == grpc.StatusCode.NOT_FOUND
@@ -658,8 +729,8 @@ class Client:
         """Several Selects in one call (all or nothing: one refused ends the leases the others
         got), e.g. every layer's for the next step with this step's queries (look-ahead). A
         request naming no worker_id gets this client's, as `select` does."""
+        batch = _batch(requests)
         worker = self.worker_id()
-        batch = pb.BatchSelectRequest(requests=requests)
         for r in batch.requests:
             if not r.worker_id:
                 r.worker_id = worker
@@ -682,6 +753,10 @@ class Client:
         for b in blocks:
             n = b.num_tokens
             if b.keys:
+                if len(b.keys) != 2 * n * head_dim or len(b.values) != len(b.keys):
+                    raise KvTierArgumentError(
+                        "head_dim", f"{head_dim} does not fit chunk {b.chunk_id}'s inline bytes "
+                        f"({len(b.keys)} of keys for {n} tokens)")
                 k = np.frombuffer(b.keys, np.float16).reshape(n, head_dim)
                 v = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
             else:
@@ -711,20 +786,21 @@ class Client:
 
     def release(self, lease_id: str) -> None:
         """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""
-        self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+        self._unary("Release", _msg(pb.ReleaseRequest, lease_id=lease_id))
 
     def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
         """Handles of the named chunks (ListChunks' chunk_id), each read once, in order."""
-        stream = _call(self.stub.ReadChunks,
-                       pb.ReadChunksRequest(session_id=session_id, chunk_ids=list(chunk_ids)),
-                       timeout=self.timeout, metadata=self._metadata)
+        if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
+            raise KvTierArgumentError("chunk_ids", f"{chunk_ids!r} is not a sequence of ids")
+        req = _msg(pb.ReadChunksRequest, session_id=session_id, chunk_ids=list(chunk_ids))
+        stream = _call(self.stub.ReadChunks, req, timeout=self.timeout, metadata=self._metadata)
         return _call(list, stream)
 
     def fork_session(self, session_id: str, num_tokens: int = 0,
                      new_session_id: str = "") -> SessionHandle:
         """A new session sharing the first `num_tokens` (0: all) of this one's."""
-        r = self._unary("ForkSession", pb.ForkSessionRequest(
-            session_id=session_id, num_tokens=num_tokens, new_session_id=new_session_id))
+        r = self._unary("ForkSession", _msg(pb.ForkSessionRequest, session_id=session_id,
+                                            num_tokens=num_tokens, new_session_id=new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
     def close_session(self, session_id: str) -> bool:
@@ -732,7 +808,8 @@ class Client:
         self._shapes.pop(session_id, None)
         with self._staging_lock:
             self._staging.pop(session_id, None)
-        return self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id)).existed
+        req = _msg(pb.CloseSessionRequest, session_id=session_id)
+        return self._unary("CloseSession", req).existed
 
     # Admin ------------------------------------------------------------------------------
 
@@ -742,15 +819,15 @@ class Client:
 
     def describe_session(self, session_id: str) -> pb.DescribeSessionResponse:
         """One session: shape, policy, usage, and statistics per layer."""
-        return self._unary("DescribeSession", pb.DescribeSessionRequest(session_id=session_id))
+        return self._unary("DescribeSession",
+                           _msg(pb.DescribeSessionRequest, session_id=session_id))
 
     def list_chunks(self, session_id: str, layer: int | None = None,
                     limit: int = 0) -> pb.ListChunksResponse:
         """A session's chunks (one layer's when named): positions, precision, bytes."""
-        req = pb.ListChunksRequest(session_id=session_id, limit=limit)
-        if layer is not None:
-            req.layer = layer
-        return self._unary("ListChunks", req)
+        layer_field = {} if layer is None else {"layer": layer}
+        return self._unary("ListChunks", _msg(pb.ListChunksRequest, session_id=session_id,
+                                              limit=limit, **layer_field))
 
     def tier_stats(self) -> list[pb.TierStats]:
         """Capacity, use, pins, promotions, evictions and copy caches, per tier."""
@@ -763,7 +840,7 @@ class Client:
         if not self.address.startswith("unix:"):
             raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                               "OpenSegments: descriptors are handed over the Unix socket only")
-        resp = self._unary("OpenSegments", pb.OpenSegmentsRequest(segment_ids=segment_ids))
+        resp = self._unary("OpenSegments", _msg(pb.OpenSegmentsRequest, segment_ids=segment_ids))
         want = len(resp.segments)
         named = [seg.segment_id for seg in resp.segments]
         if (segment_ids and named != list(segment_ids)) or want > 4096:
@@ -814,7 +891,7 @@ class Client:
         if not self.address.startswith("unix:"):
             raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                               "OpenStaging: staging areas are handed over the Unix socket only")
-        resp = self._unary("OpenStaging", pb.OpenStagingRequest(session_id=session_id,
+        resp = self._unary("OpenStaging", _msg(pb.OpenStagingRequest, session_id=session_id,
                                                                 size_bytes=size_bytes))
         fd = self._collect_fds(resp.ticket, 1)[0]
         try:
@@ -834,7 +911,7 @@ class Client:
         if not self.address.startswith("unix:"):
             raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                               "OpenChannel: channels are handed over the Unix socket only")
-        resp = self._unary("OpenChannel", pb.OpenChannelRequest(size_bytes=size_bytes))
+        resp = self._unary("OpenChannel", _msg(pb.OpenChannelRequest, size_bytes=size_bytes))
         fds = self._collect_fds(resp.ticket, 4)
         return SelectChannel(resp.channel_id, resp.worker_id, fds, self.timeout)
 
@@ -844,17 +921,18 @@ class Client:
 
     def list_leases(self, session_id: str = "", limit: int = 0) -> pb.ListLeasesResponse:
         """Live leases: this tenant's (an admin's: every tenant's), of one session when named."""
-        return self._unary("ListLeases", pb.ListLeasesRequest(session_id=session_id, limit=limit))
+        return self._unary("ListLeases",
+                           _msg(pb.ListLeasesRequest, session_id=session_id, limit=limit))
 
     def evict(self, session_id: str, tier: str) -> int:
         """Moves a session off "device" (to host) or "host" (to the remote tier); bytes moved."""
-        return self._unary("Evict", pb.EvictRequest(session_id=session_id,
-                                                    tier=_choice("tier", _TIERS, tier))).bytes_moved
+        req = _msg(pb.EvictRequest, session_id=session_id, tier=_choice("tier", _TIERS, tier))
+        return self._unary("Evict", req).bytes_moved
 
     def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
         """Changes SessionPolicy fields (the chunks that age from now on follow them)."""
-        return self._unary("SetPolicy", pb.SetPolicyRequest(
-            session_id=session_id, policy=pb.SessionPolicy(**policy))).policy
+        return self._unary("SetPolicy", _msg(pb.SetPolicyRequest, session_id=session_id,
+                                             policy=_msg(pb.SessionPolicy, **policy))).policy
 
     def drain(self) -> int:
         """An admin's: the daemon stops taking calls and exits; the sessions live then."""

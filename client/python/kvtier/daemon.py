@@ -51,6 +51,7 @@ class LocalDaemon:
             raise RuntimeError(f"kvtierd did not start: {self.log.read_text()}")
 
     def stop(self) -> int:
+        """SIGTERM (unless it has exited already); its exit status, waited for up to 30 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)

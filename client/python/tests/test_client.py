@@ -844,6 +844,41 @@ def test_metrics_endpoint(start_daemon):
     assert "kvtier_workers_attached 0" in body
 
 
+def test_the_daemon_s_own_log_lines(start_daemon):
+    """kvtierd's stderr as an operator reads it: logfmt with ts= in UTC, the start-up line
+    with the version and every backend, failed calls (an Attach among them) at info with
+    their code, values quoted where they need it; and the same events as JSON lines."""
+    d = start_daemon("--log_level", "info")
+    with kvtier.Client(d.address) as c, pytest.raises(kvtier.KvTierError):
+        c.describe_session("no such session")
+    with kvtier.Client(d.address, tenant="not a tenant") as bad, \
+            pytest.raises(kvtier.KvTierError, match="INVALID_ARGUMENT"):
+        bad.worker_id()  # the Attach stream is refused
+    assert d.stop() == 0
+    lines = d.log.read_text().splitlines()
+    ts = r"ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z level=(debug|info|warning|error)"
+    ours = [line for line in lines if line.startswith("ts=")]
+    assert ours and all(re.match(ts + r" event=[a-z_.]+( |$)", line) for line in ours), ours
+    start = next(line for line in ours if " event=daemon.start " in line)
+    for field in (r"version=\d+\.\d+\.\d+", "listen=unix:", 'tcp_listen="" tcp=none',
+                  "segments=named", "device=emulated", "remote=none", r"aging_threads=\d+",
+                  "prefetch=on"):
+        assert re.search(field, start), (field, start)
+    errors = [line for line in ours if " event=rpc.error " in line]
+    assert any("level=info" in e and "method=DescribeSession" in e and "code=NOT_FOUND" in e
+               and 'message="' in e for e in errors), errors
+    assert any("method=Attach" in e for e in errors), errors
+    j = start_daemon("--log_level", "info", "--log_format", "json")
+    with kvtier.Client(j.address) as c, pytest.raises(kvtier.KvTierError):
+        c.describe_session("no such session")
+    assert j.stop() == 0
+    events = [json.loads(line) for line in j.log.read_text().splitlines()
+              if line.startswith("{")]
+    assert events and all(e["ts"].endswith("Z") for e in events)
+    assert any(e["event"] == "daemon.start" and e["device"] == "emulated" for e in events)
+    assert any(e["event"] == "rpc.error" and e["code"] == "NOT_FOUND" for e in events)
+
+
 def test_sigterm_cleans_up(start_daemon):
     d = start_daemon()
     with kvtier.Client(d.address) as c:
@@ -878,6 +913,77 @@ def test_client_side_mistakes_name_their_argument(daemon):
         kvtier.Client("localhost:1", tls_ca="/nonexistent/ca.pem")
     with pytest.raises(kvtier.KvTierArgumentError, match="tier: 'disk'"):
         c.evict(sid, tier="disk")
+    # Every other way a call's arguments can be wrong: the argument named, nothing sent.
+    q = np.ones((2, 8), np.float32)
+    cases = [
+        ("bogus", lambda: c.create_session(1, 1, 1, 8, bogus=1)),
+        ("num_layers", lambda: c.create_session("2", 1, 1, 8)),
+        ("sink_tokens", lambda: c.create_session(1, 1, 1, 8, sink_tokens="x")),
+        ("labels", lambda: c.create_session(1, 1, 1, 8, labels=[1])),
+        ("bogus", lambda: c.set_policy(sid, bogus=1)),
+        ("layer", lambda: c.list_chunks(sid, layer="x")),
+        ("lease_id", lambda: c.release(5)),
+        ("segment_ids", lambda: c.open_segments("x")),
+        ("chunk_ids", lambda: c.read_chunks(sid, 5)),
+        ("items", lambda: c.append_kv(sid, None)),
+        ("items[0].layer", lambda: c.append_kv(sid, [("a", 0, k, k)])),
+        ("items[0].token_ids", lambda: c.append_kv(sid, [(0, 0, k, k, 5)])),
+        ("keys", lambda: c.append_layers(sid, 0, k.tolist(), k.tolist())),
+        ("query", lambda: c.select(sid, 0, "abc")),
+        ("layer", lambda: c.select(sid, "x", q)),
+        ("requests[0]", lambda: c.batch_select([5])),
+        ("address", lambda: kvtier.Client(None)),
+        ("timeout", lambda: kvtier.Client(daemon.address, timeout="a")),
+    ]
+    for argument, call in cases:
+        with pytest.raises(kvtier.KvTierArgumentError) as e:
+            call()
+        assert e.value.argument == argument, (argument, e.value)
+        assert e.value.message.startswith(argument + ":"), e.value.message
+    assert c.describe_session(sid).info.num_tokens == 0
+    with c.open_channel() as ch:
+        with pytest.raises(kvtier.KvTierArgumentError) as e:
+            ch.select(sid, 0, q, bogus=1)
+        assert e.value.argument == "bogus"
+    # Inline bytes read with the wrong head_dim.
+    c.append_kv(sid, [(1, 0, k, k)], wait_aged=True)
+    inline = c.select(sid, 1, q, budget_tokens=64, include_data=True)
+    with pytest.raises(kvtier.KvTierArgumentError) as e:
+        c.gather(inline.heads[0], head_dim=5)
+    assert e.value.argument == "head_dim"
+    c.release(inline.lease_id)
+
+
+def test_asyncio_client_names_bad_arguments_and_has_the_admin_calls(daemon):
+    import asyncio
+
+    import kvtier.aio
+
+    async def run():
+        async with kvtier.aio.Client(daemon.address) as c:
+            for argument, call in [("bogus", c.create_session(1, 1, 1, 8, bogus=1)),
+                                   ("keys", c.append_layers("s", 0, [[1]], [[1]])),
+                                   ("requests[0]", c.batch_select([5])),
+                                   ("lease_id", c.release(5))]:
+                with pytest.raises(kvtier.KvTierArgumentError) as e:
+                    await call
+                assert e.value.argument == argument
+            sid = (await c.create_session(2, 2, 1, 8)).session_id
+            k = np.ones((1, 40, 8), np.float16)
+            await c.append_kv(sid, [(0, 0, k, k), (1, 0, k, k)], wait_aged=True)
+            assert await c.health()
+            assert (await c.set_policy(sid, default_budget=32)).default_budget == 32
+            chunks = await c.list_chunks(sid, layer=1)
+            assert chunks.chunks and all(ch.layer == 1 for ch in chunks.chunks)
+            handles = await c.read_chunks(sid, [chunks.chunks[0].chunk_id])
+            assert handles[0].chunk_id == chunks.chunks[0].chunk_id
+            fork = await c.fork_session(sid, num_tokens=16)
+            assert (await c.describe_session(fork.session_id)).info.num_tokens == 16
+            assert await c.list_segments() and await c.tier_stats()
+            assert await c.evict(sid, "device") == 0
+            assert await c.drain() >= 2
+    asyncio.run(run())
+    assert daemon.proc.wait(timeout=30) == 0
 
 
 def _normalize(x):
@@ -1005,8 +1111,18 @@ def test_the_public_api_is_documented():
     import inspect
 
     import kvtier.aio
-    for cls in (kvtier.Client, kvtier.aio.Client, kvtier.SegmentMap, kvtier.SelectChannel,
-                kvtier.Staging):
+    import kvtier.daemon
+    classes = [kvtier.Client, kvtier.aio.Client, kvtier.SegmentMap, kvtier.SelectChannel,
+               kvtier.Staging, kvtier.client.SessionHandle, kvtier.daemon.LocalDaemon,
+               kvtier.KvTierError, kvtier.KvTierArgumentError]
+    try:
+        import kvtier.integrations.transformers as hf
+        classes.append(hf.KvTierCache)
+    except ImportError:  # transformers is not installed
+        pass
+    for cls in classes:
+        assert (cls.__doc__ or "").strip(), cls.__name__
         undocumented = [n for n, f in inspect.getmembers(cls, inspect.isfunction)
-                        if not n.startswith("_") and not (f.__doc__ or "").strip()]
+                        if not n.startswith("_") and f.__qualname__.startswith(cls.__name__)
+                        and not (f.__doc__ or "").strip()]
         assert not undocumented, (cls.__name__, undocumented)

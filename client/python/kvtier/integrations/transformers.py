@@ -5,7 +5,7 @@ an attention function ("kvtier") that attends over what Select returns.
     from kvtier.integrations.transformers import KvTierCache
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvtier")
     cache = KvTierCache(kvtier.Client("unix:/tmp/kvtier.sock"), model.config, budget_tokens=256)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(ids, cache=cache, max_new_tokens=32)
     cache.close()
 
 Each layer's update appends the new tokens' keys and values (after RoPE, as fp16) to the
@@ -79,6 +79,8 @@ class KvTierCache(Cache):
         super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Appends the layer's new keys and values to the session (Cache.update); the
+        attention function that follows in this layer's forward reads this cache."""
         _ACTIVE.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
