@@ -3,8 +3,8 @@ installs, loaded through transformers' GGUF support), on the CPU:
 - a lossless session with a budget above the context generates exactly transformers' own
   tokens, greedy, token for token;
 - the default policy (int4 old chunks, budget 256) runs, and its perplexity over a text is
-  reported beside transformers' own full attention and the numpy harness's (bench/model) for
-  the same tokens."""
+  reported beside transformers' own full attention, the numpy harness's (bench/model) full
+  attention, and the harness's own run of the same kvtier policy, over the same tokens."""
 import glob
 import json
 import math
@@ -63,7 +63,7 @@ def perplexity(logits, ids, first):
 def test_default_policy_runs_and_its_perplexity_is_reported(daemon, models):
     tok, ours, ref, gguf = models
     ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :1024]
-    prompt, scored = 768, ids.shape[1] - 768
+    prompt = 768
     with torch.no_grad():
         full = ref(ids).logits[0].float().numpy()
         with kvtier.Client(daemon.address) as c:
@@ -74,16 +74,26 @@ def test_default_policy_runs_and_its_perplexity_is_reported(daemon, models):
             info = c.describe_session(cache.session_id).info
             cache.close()
     flat = ids[0].numpy()
-    ppl_full = perplexity(full, flat, prompt)
+    # Every perplexity over the same targets, tokens prompt+1 .. the last (the harness scores
+    # the tokens after its context, each predicting the next).
+    first = prompt + 1
+    ppl_full = perplexity(full, flat, first)
     ppl_kvtier = perplexity(np.concatenate([np.zeros((prompt - 1, full.shape[1])),
-                                            np.stack(logits)]), flat, prompt)
+                                            np.stack(logits)]), flat, first)
     sys.path.insert(0, str(ROOT / "bench" / "model"))
-    from llama import Model  # the numpy harness's model, from the same GGUF file
-    numpy_logits, _, _, _ = Model(gguf).prefill(flat)
-    ppl_numpy = perplexity(numpy_logits, flat, prompt)
-    report = {"text": TEXT, "tokens": int(ids.shape[1]), "scored": scored, "budget": 256,
-              "ppl_transformers_full": ppl_full, "ppl_numpy_harness_full": ppl_numpy,
-              "ppl_kvtier_default": ppl_kvtier,
+    from harness import prefill, run  # the numpy harness, on the same GGUF file
+    from llama import Model
+    from policies import Daemon
+    model = Model(gguf)
+    numpy_logits, _, _, _ = model.prefill(flat)
+    ppl_numpy = perplexity(numpy_logits, flat, first)
+    with kvtier.Client(daemon.address) as c:  # the harness's kvtier policy, the defaults
+        rec = run(model, prefill(model, flat, prompt, len(flat) - first), Daemon(c, "kvtier", 256),
+                  measure=False)
+    report = {"text": TEXT, "tokens": int(ids.shape[1]), "scored": int(len(flat) - first),
+              "budget": 256, "ppl_transformers_full": ppl_full,
+              "ppl_numpy_harness_full": ppl_numpy, "ppl_kvtier_default": ppl_kvtier,
+              "ppl_numpy_harness_kvtier_default": rec["perplexity"],
               "int4_chunks": info.chunks_by_precision.get("PRECISION_INT4", 0)}
     print("transformers-integration", json.dumps(report))
     out = ROOT / "bench" / "out"
@@ -93,3 +103,6 @@ def test_default_policy_runs_and_its_perplexity_is_reported(daemon, models):
     # The same weights in both implementations: their exact perplexities agree.
     assert abs(ppl_full / ppl_numpy - 1) < 0.02, report
     assert math.isfinite(ppl_kvtier) and ppl_kvtier < 2 * ppl_full, report
+    # The same policy through both: near each other (they differ in arithmetic, transformers'
+    # fp32 against the harness's, and in what each attends over during the prompt).
+    assert abs(ppl_kvtier / rec["perplexity"] - 1) < 0.1, report
