@@ -279,6 +279,26 @@ TEST(Daemon, ASegmentNotInThisDevShmOrAnotherDaemonsIsReadByDescriptor) {
   EXPECT_GT(checked, 6);
 }
 
+// The prefetcher's guesses run only on a core nothing else wants: its thread is named and
+// scheduled SCHED_IDLE, so that it never takes a busy machine's time from the Selects.
+TEST(Daemon, ThePrefetcherRunsAtIdlePriority) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  const std::string tasks = "/proc/" + std::to_string(d.pid()) + "/task";
+  DIR* dir = opendir(tasks.c_str());
+  ASSERT_NE(dir, nullptr);
+  int found = 0;
+  while (dirent* e = readdir(dir)) {
+    std::ifstream comm(tasks + "/" + e->d_name + "/comm");
+    std::string name;
+    if (!std::getline(comm, name) || name != "kvtier-prefetch") continue;
+    ++found;
+    EXPECT_EQ(sched_getscheduler(std::stoi(e->d_name)), SCHED_IDLE);
+  }
+  closedir(dir);
+  EXPECT_EQ(found, 1);
+}
+
 // Each slot's generation lives in shared memory: a reader holding a handle whose slot was
 // freed, or freed and reused by another session, finds out after copying, never uses it.
 TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
