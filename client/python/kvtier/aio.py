@@ -12,9 +12,10 @@
 
 It sends the bytes (no zero-copy staging) and does not attach: a lease ends at Release or at
 its TTL. What hands over descriptors (open_segments, open_staging, open_channel) is
-kvtier.Client's only. Reading handles' bytes maps the daemon's segments through a kvtier.Client of the same
-address and credentials, made on first use. Mistakes in arguments raise KvTierArgumentError
-before anything is sent; refused calls raise KvTierError, as kvtier.Client does."""
+kvtier.Client's only. Reading handles' bytes maps the daemon's segments through a
+kvtier.Client of the same address and credentials, made on first use. Mistakes in arguments
+raise KvTierArgumentError before anything is sent; refused calls raise KvTierError, as
+kvtier.Client does."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -165,16 +166,13 @@ class Client:
     async def fork_session(self, session_id: str, num_tokens: int = 0,
                            new_session_id: str = "") -> SessionHandle:
         """A new session sharing the first `num_tokens` (0: all) of this one's."""
-        r = await self._unary("ForkSession", _msg(pb.ForkSessionRequest, session_id=session_id,
-                                                  num_tokens=num_tokens,
-                                                  new_session_id=new_session_id))
+        r = await self._unary("ForkSession",
+                              _sync._fork_request(session_id, num_tokens, new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
     async def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
         """Handles of the named chunks (ListChunks' chunk_id), each read once, in order."""
-        if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
-            raise _sync.KvTierArgumentError("chunk_ids", f"{chunk_ids!r} is not a sequence of ids")
-        req = _msg(pb.ReadChunksRequest, session_id=session_id, chunk_ids=list(chunk_ids))
+        req = _sync._read_chunks_request(session_id, chunk_ids)
         try:
             return [h async for h in self.stub.ReadChunks(req, timeout=self.timeout,
                                                           metadata=self._metadata)]
@@ -184,15 +182,13 @@ class Client:
     async def list_chunks(self, session_id: str, layer: int | None = None,
                           limit: int = 0) -> pb.ListChunksResponse:
         """A session's chunks (one layer's when named): positions, precision, bytes."""
-        layer_field = {} if layer is None else {"layer": layer}
-        return await self._unary("ListChunks", _msg(pb.ListChunksRequest, session_id=session_id,
-                                                    limit=limit, **layer_field))
+        return await self._unary("ListChunks",
+                                 _sync._list_chunks_request(session_id, layer, limit))
 
     async def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
         """Changes SessionPolicy fields (the chunks that age from now on follow them)."""
-        return (await self._unary("SetPolicy", _msg(pb.SetPolicyRequest, session_id=session_id,
-                                                    policy=_msg(pb.SessionPolicy, **policy)))
-                ).policy
+        resp = await self._unary("SetPolicy", _sync._set_policy_request(session_id, policy))
+        return resp.policy
 
     async def tier_stats(self) -> list[pb.TierStats]:
         """Capacity, use, pins, promotions, evictions and copy caches, per tier."""
@@ -204,9 +200,7 @@ class Client:
 
     async def evict(self, session_id: str, tier: str) -> int:
         """Moves a session off "device" (to host) or "host" (to the remote tier); bytes moved."""
-        req = _msg(pb.EvictRequest, session_id=session_id,
-                   tier=_sync._choice("tier", _sync._TIERS, tier))
-        return (await self._unary("Evict", req)).bytes_moved
+        return (await self._unary("Evict", _sync._evict_request(session_id, tier))).bytes_moved
 
     async def drain(self) -> int:
         """An admin's: the daemon stops taking calls and exits; the sessions live then."""
@@ -214,10 +208,8 @@ class Client:
 
     async def health(self) -> bool:
         """grpc.health.v1 Check of the whole server: True when SERVING."""
-        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
-                                          request_serializer=lambda b: b,
-                                          response_deserializer=lambda b: b)
-        try:  # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.
-            return await check(b"", timeout=self.timeout) == b"\x08\x01"
+        try:
+            return await _sync._health_check(self._channel)(b"", timeout=self.timeout) == \
+                _sync._SERVING
         except grpc.aio.AioRpcError as e:
             raise KvTierError(e.code(), e.details() or "") from None

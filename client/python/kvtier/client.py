@@ -189,6 +189,43 @@ def _select_request(session_id, layer, query, budget_tokens, placement, include_
         worker_id=worker_id)
 
 
+def _read_chunks_request(session_id, chunk_ids) -> pb.ReadChunksRequest:
+    if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
+        raise KvTierArgumentError("chunk_ids", f"{chunk_ids!r} is not a sequence of ids")
+    return _msg(pb.ReadChunksRequest, session_id=session_id, chunk_ids=list(chunk_ids))
+
+
+def _list_chunks_request(session_id, layer, limit) -> pb.ListChunksRequest:
+    layer_field = {} if layer is None else {"layer": layer}  # unset: every layer
+    return _msg(pb.ListChunksRequest, session_id=session_id, limit=limit, **layer_field)
+
+
+def _evict_request(session_id, tier) -> pb.EvictRequest:
+    return _msg(pb.EvictRequest, session_id=session_id, tier=_choice("tier", _TIERS, tier))
+
+
+def _set_policy_request(session_id, policy) -> pb.SetPolicyRequest:
+    return _msg(pb.SetPolicyRequest, session_id=session_id,
+                policy=_msg(pb.SessionPolicy, **policy))
+
+
+def _fork_request(session_id, num_tokens, new_session_id) -> pb.ForkSessionRequest:
+    return _msg(pb.ForkSessionRequest, session_id=session_id, num_tokens=num_tokens,
+                new_session_id=new_session_id)
+
+
+# grpc.health.v1 Check of the whole server, as raw bytes: HealthCheckRequest{} is empty, and
+# HealthCheckResponse{status: SERVING} is 08 01.
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_SERVING = b"\x08\x01"
+
+
+def _health_check(channel):
+    """The Check method on `channel`, bytes in and out."""
+    return channel.unary_unary(_HEALTH_CHECK, request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+
+
 def _batch(requests) -> pb.BatchSelectRequest:
     """A BatchSelectRequest of SelectRequests, or KvTierArgumentError naming the one that is
     not."""
@@ -790,17 +827,14 @@ class Client:
 
     def read_chunks(self, session_id: str, chunk_ids: Sequence[int]) -> list[pb.BlockHandle]:
         """Handles of the named chunks (ListChunks' chunk_id), each read once, in order."""
-        if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
-            raise KvTierArgumentError("chunk_ids", f"{chunk_ids!r} is not a sequence of ids")
-        req = _msg(pb.ReadChunksRequest, session_id=session_id, chunk_ids=list(chunk_ids))
-        stream = _call(self.stub.ReadChunks, req, timeout=self.timeout, metadata=self._metadata)
+        stream = _call(self.stub.ReadChunks, _read_chunks_request(session_id, chunk_ids),
+                       timeout=self.timeout, metadata=self._metadata)
         return _call(list, stream)
 
     def fork_session(self, session_id: str, num_tokens: int = 0,
                      new_session_id: str = "") -> SessionHandle:
         """A new session sharing the first `num_tokens` (0: all) of this one's."""
-        r = self._unary("ForkSession", _msg(pb.ForkSessionRequest, session_id=session_id,
-                                            num_tokens=num_tokens, new_session_id=new_session_id))
+        r = self._unary("ForkSession", _fork_request(session_id, num_tokens, new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
     def close_session(self, session_id: str) -> bool:
@@ -825,9 +859,7 @@ class Client:
     def list_chunks(self, session_id: str, layer: int | None = None,
                     limit: int = 0) -> pb.ListChunksResponse:
         """A session's chunks (one layer's when named): positions, precision, bytes."""
-        layer_field = {} if layer is None else {"layer": layer}
-        return self._unary("ListChunks", _msg(pb.ListChunksRequest, session_id=session_id,
-                                              limit=limit, **layer_field))
+        return self._unary("ListChunks", _list_chunks_request(session_id, layer, limit))
 
     def tier_stats(self) -> list[pb.TierStats]:
         """Capacity, use, pins, promotions, evictions and copy caches, per tier."""
@@ -926,13 +958,11 @@ class Client:
 
     def evict(self, session_id: str, tier: str) -> int:
         """Moves a session off "device" (to host) or "host" (to the remote tier); bytes moved."""
-        req = _msg(pb.EvictRequest, session_id=session_id, tier=_choice("tier", _TIERS, tier))
-        return self._unary("Evict", req).bytes_moved
+        return self._unary("Evict", _evict_request(session_id, tier)).bytes_moved
 
     def set_policy(self, session_id: str, **policy) -> pb.SessionPolicy:
         """Changes SessionPolicy fields (the chunks that age from now on follow them)."""
-        return self._unary("SetPolicy", _msg(pb.SetPolicyRequest, session_id=session_id,
-                                             policy=_msg(pb.SessionPolicy, **policy))).policy
+        return self._unary("SetPolicy", _set_policy_request(session_id, policy)).policy
 
     def drain(self) -> int:
         """An admin's: the daemon stops taking calls and exits; the sessions live then."""
@@ -940,8 +970,4 @@ class Client:
 
     def health(self) -> bool:
         """grpc.health.v1 Check of the whole server: True when SERVING."""
-        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
-                                          request_serializer=lambda b: b,
-                                          response_deserializer=lambda b: b)
-        # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.
-        return _call(check, b"", timeout=self.timeout) == b"\x08\x01"
+        return _call(_health_check(self._channel), b"", timeout=self.timeout) == _SERVING
