@@ -162,8 +162,7 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
                 .shm = *std::move(shm),
                 .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
                 .stamp = RandomStamp()});
-    std::memcpy(s->shm.data() + s->table_offset + num_slots * sizeof(uint64_t), &s->stamp,
-                sizeof(s->stamp));
+    std::memcpy(s->shm.data() + s->stamp_offset(), &s->stamp, sizeof(s->stamp));
     seg = s.get();
     segments_.emplace(id, std::move(s));
     ids.push_back(id);
@@ -361,7 +360,7 @@ std::vector<SegmentInfo> Tier::Segments() const {
         .tenant = s->tenant,
         .generation = s->generation,
         .generation_table_offset = s->table_offset,
-        .stamp_offset = s->table_offset + uint64_t{s->num_slots} * sizeof(uint64_t),
+        .stamp_offset = s->stamp_offset(),
         .stamp = s->stamp,
     });
   }

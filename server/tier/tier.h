@@ -218,7 +218,9 @@ class Tier {
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
     ShmSegment shm;
     uint64_t generation;
-    uint64_t stamp;  // random, at table_offset + 8 * num_slots (SegmentInfo::stamp)
+    uint64_t stamp;  // random, at stamp_offset() (SegmentInfo::stamp)
+    // Where the stamp lies: right after the generation table.
+    uint64_t stamp_offset() const { return table_offset + uint64_t{num_slots} * sizeof(uint64_t); }
   };
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
