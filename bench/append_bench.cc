@@ -106,6 +106,8 @@ int main() {
       {"tokens_per_message", std::to_string(kStep)},
       {"reps", "5"},
       {"aging_threads", "2"},
+      {"segments",
+       "retained: each session's slots reuse the closed one's (--retained_segment_size)"},
       {"policy", "default: int4 cold chunks, semantic regrouping, LSE-peak peaks, cluster index"},
       {"target_ratio", "0.25"}};
   Print({"appendkv_ingest", Median(append_bw), "GB/s", Median(memcpy_bw), "memcpy", params});

@@ -1116,7 +1116,9 @@ TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
            ++i) {
         pollfd p{fds[2], POLLIN, 0};
         uint64_t rung;
-        if (poll(&p, 1, 100) == 1) EXPECT_EQ(read(fds[2], &rung, sizeof rung), 8);
+        if (poll(&p, 1, 100) == 1) {
+          EXPECT_EQ(read(fds[2], &rung, sizeof rung), 8);
+        }
       }
       EXPECT_EQ(shared->answered_seq, seq);
       return std::make_pair(shared->code,

@@ -138,6 +138,68 @@ TEST(Tier, EmptySegmentIsUnlinkedAtOnce) {
   EXPECT_EQ(tier.Stats().used_bytes, 0u);
 }
 
+// With retain_bytes, an emptied segment stays, committed and mapped, for its tenant's next
+// slot of its size; another tenant or another size never gets it.
+TEST(Tier, AnEmptiedSegmentIsKeptForItsTenantsNextSlots) {
+  TierOptions o = Options(4 << 20);
+  o.retain_bytes = 1 << 20;
+  Tier tier(o);
+  ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));
+  const uint64_t id = s->segment_id();
+  const std::string name = tier.Segments().at(0).shm_name;
+  std::memset(s->data(), 0x5a, s->bytes());
+  s.reset();
+  EXPECT_TRUE(ShmExists(name));
+  TierSnapshot st = tier.Stats();
+  EXPECT_EQ(st.num_segments, 1u);
+  EXPECT_EQ(st.used_bytes, 0u);
+  EXPECT_EQ(st.num_slots, 0u);
+  EXPECT_GT(st.retained_bytes, 0u);
+  EXPECT_LE(st.retained_bytes, 1u << 20);
+  ASSERT_OK_AND_ASSIGN(SlotRef other_tenant, tier.Allocate("b", 4096));
+  ASSERT_OK_AND_ASSIGN(SlotRef other_size, tier.Allocate("a", 8192));
+  EXPECT_NE(other_tenant->segment_id(), id);
+  EXPECT_NE(other_size->segment_id(), id);
+  ASSERT_OK_AND_ASSIGN(SlotRef again, tier.Allocate("a", 4096));
+  EXPECT_EQ(again->segment_id(), id);
+  EXPECT_EQ(tier.Stats().retained_bytes, 0u);  // in use again
+  again.reset();
+  other_tenant.reset();
+  other_size.reset();  // three emptied segments of about 1 MiB: the last alone is kept
+  EXPECT_EQ(tier.Stats().num_segments, 1u);
+  EXPECT_EQ(tier.Segments().at(0).tenant, "a");
+  EXPECT_EQ(tier.Segments().at(0).slot_bytes, 8192u);
+}
+
+// What is retained is bounded by retain_bytes, oldest released first, and never keeps a slot
+// from being allocated: with the slots in use it stays within the capacity.
+TEST(Tier, RetainedSegmentsAreBoundedAndGiveWayToSlots) {
+  TierOptions o = Options(3 << 20);  // three 1 MiB segments
+  o.retain_bytes = 2 << 20;
+  Tier tier(o);
+  std::vector<std::string> names;
+  for (const char* tenant : {"a", "b", "c"}) {
+    std::vector<SlotRef> slots;
+    ASSERT_OK(tier.AllocateMany(tenant, 64 << 10, 15, &slots));  // a segment holds 15
+    names.push_back(tier.Segments().back().shm_name);
+  }
+  // Each emptied in turn: the third passes retain_bytes, so the first goes.
+  EXPECT_FALSE(ShmExists(names[0]));
+  EXPECT_TRUE(ShmExists(names[1]));
+  EXPECT_TRUE(ShmExists(names[2]));
+  EXPECT_EQ(tier.Stats().num_segments, 2u);
+  EXPECT_LE(tier.Stats().retained_bytes, 2u << 20);
+  // Slots of a fourth tenant up to the whole capacity: the retained segments make way.
+  std::vector<SlotRef> d;
+  ASSERT_OK(tier.AllocateMany("d", 64 << 10, 45, &d));
+  EXPECT_FALSE(ShmExists(names[1]));
+  EXPECT_FALSE(ShmExists(names[2]));
+  const TierSnapshot st = tier.Stats();
+  EXPECT_EQ(st.retained_bytes, 0u);
+  EXPECT_EQ(st.used_bytes, 45u * (64 << 10));
+  EXPECT_LE(st.used_bytes + st.retained_bytes, st.capacity_bytes);
+}
+
 TEST(Tier, PinnedBytesFollowPins) {
   Tier tier(Options(1 << 20));
   ASSERT_OK_AND_ASSIGN(SlotRef s, tier.Allocate("a", 4096));

@@ -173,9 +173,10 @@ std::string SessionsTable(const v1::ListSessionsResponse& r, bool wide) {
 
 std::string TiersTable(const v1::GetTierStatsResponse& r) {
   Table t(
-      {"TIER", "CAPACITY", "USED", "METADATA", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "PROMOTIONS",
-       "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
-      {false, true, true, true, true, true, true, true, true, true, false, true, true, true, true});
+      {"TIER", "CAPACITY", "USED", "METADATA", "USE%", "PINNED", "CHUNKS", "SEGMENTS", "RETAINED",
+       "PROMOTIONS", "EVICTIONS", "POLICY", "COPIES", "HIT%", "PREFETCHED", "PF_HITS"},
+      {false, true, true, true, true, true, true, true, true, true, true, false, true, true, true,
+       true});
   for (const auto& s : r.tiers()) {
     const double pct = s.capacity_bytes()
                            ? 100.0 * (s.used_bytes() + s.metadata_bytes()) / s.capacity_bytes()
@@ -184,8 +185,8 @@ std::string TiersTable(const v1::GetTierStatsResponse& r) {
     t.Add({TierName(s.tier()) + (s.emulated() ? " (emulated)" : ""), Bytes(s.capacity_bytes()),
            Bytes(s.used_bytes()), Bytes(s.metadata_bytes()), absl::StrFormat("%.1f", pct),
            Bytes(s.pinned_bytes()), absl::StrCat(s.num_chunks()), absl::StrCat(s.num_segments()),
-           absl::StrCat(s.promotions()), absl::StrCat(s.evictions()), s.eviction_policy(),
-           absl::StrCat(s.cached_copies()),
+           Bytes(s.retained_bytes()), absl::StrCat(s.promotions()), absl::StrCat(s.evictions()),
+           s.eviction_policy(), absl::StrCat(s.cached_copies()),
            reads ? absl::StrFormat("%.1f", 100.0 * s.cache_hits() / reads) : "-",
            absl::StrCat(s.prefetched()), absl::StrCat(s.prefetch_hits())});
   }

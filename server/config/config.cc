@@ -140,6 +140,7 @@ v1::Config DefaultConfig() {
   c.set_segment_memory("auto");
   c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
   c.set_max_staging_size("1G");
+  c.set_retained_segment_size("1G");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -357,6 +358,11 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   ASSIGN_OR_RETURN(o.max_staging_size, ParseSize(c.max_staging_size(), "max_staging_size"));
   if (o.max_staging_size > (1ull << 40)) {
     return InvalidField("max_staging_size", c.max_staging_size(), "must be at most 1T");
+  }
+  ASSIGN_OR_RETURN(o.retained_segment_size,
+                   ParseSize(c.retained_segment_size(), "retained_segment_size"));
+  if (o.retained_segment_size > (1ull << 40)) {
+    return InvalidField("retained_segment_size", c.retained_segment_size(), "must be at most 1T");
   }
   const std::string memory = c.segment_memory().empty() ? "auto" : c.segment_memory();
   if (memory != "auto" && memory != "named" && memory != "memfd") {

@@ -33,6 +33,7 @@ TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
   t.instance = o.instance;
   t.capacity_bytes = tier == v1::TIER_HOST ? o.host_capacity : o.device_capacity;
   t.segment_bytes = o.segment_size;
+  t.retain_bytes = o.retained_segment_size;
   // The daemon does not drive a GPU yet: the device tier is host shared memory, same path.
   t.emulated = tier == v1::TIER_DEVICE;
   t.naming = o.memfd_segments ? ShmSegment::Naming::kMemfd : ShmSegment::Naming::kNamed;
@@ -361,6 +362,10 @@ void Daemon::RegisterGauges() {
       metrics_.GetGauge("kvtier_tier_chunks", "Slots allocated", l).Set(s.num_slots);
       metrics_.GetGauge("kvtier_tier_segments", "Shared-memory segments mapped", l)
           .Set(s.num_segments);
+      metrics_
+          .GetGauge("kvtier_tier_retained_bytes",
+                    "Committed bytes of emptied segments kept for reuse", l)
+          .Set(s.retained_bytes);
       metrics_
           .GetCounter("kvtier_tier_allocation_failures_total",
                       "Allocations refused (tier full or shm error)", l)

@@ -667,6 +667,7 @@ grpc::ServerUnaryReactor* KvTierService::GetTierStats(grpc::CallbackServerContex
       out->set_promotions(c.promotions);
       out->set_evictions(c.evictions + c.drops);
       out->set_num_segments(s.num_segments);
+      out->set_retained_bytes(s.retained_bytes);
       out->set_emulated(s.emulated);
     }
     if (env_.sessions->has_remote()) {  // what moved down and came back, as whole sessions

@@ -194,8 +194,10 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     }
     index = seg->next_unused++;
   }
+  if (seg->retained_seq != 0) UnretainLocked(seg);
   ++seg->used;
   used_bytes_ += slot_bytes;
+  TrimRetainedLocked();
   tenant_used_[tenant] += slot_bytes;
   ++num_slots_;
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
@@ -213,14 +215,40 @@ void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
   used_bytes_ -= bytes;
   if ((tenant_used_[seg->tenant] -= bytes) == 0) tenant_used_.erase(seg->tenant);
   --num_slots_;
-  if (--seg->used == 0) {
-    auto& ids = classes_[{seg->tenant, seg->slot_bytes}];
-    std::erase(ids, segment_id);
-    if (ids.empty()) classes_.erase({seg->tenant, seg->slot_bytes});
-    segments_.erase(it);  // unmaps and unlinks
+  seg->free.push_back(index);
+  if (--seg->used > 0) return;
+  const uint64_t committed = seg->reserved;
+  if (committed == 0 || committed > options_.retain_bytes) {
+    ReleaseLocked(seg);
     return;
   }
-  seg->free.push_back(index);
+  seg->retained_seq = next_retained_seq_++;
+  seg->retained_bytes = committed;
+  retained_.emplace(seg->retained_seq, seg->id);
+  retained_bytes_ += committed;
+  TrimRetainedLocked();
+}
+
+void Tier::ReleaseLocked(Segment* seg) {
+  if (seg->retained_seq != 0) UnretainLocked(seg);
+  auto& ids = classes_[{seg->tenant, seg->slot_bytes}];
+  std::erase(ids, seg->id);
+  if (ids.empty()) classes_.erase({seg->tenant, seg->slot_bytes});
+  segments_.erase(seg->id);  // unmaps and unlinks
+}
+
+void Tier::UnretainLocked(Segment* seg) {
+  retained_.erase(seg->retained_seq);
+  retained_bytes_ -= seg->retained_bytes;
+  seg->retained_seq = 0;
+  seg->retained_bytes = 0;
+}
+
+void Tier::TrimRetainedLocked() {
+  while (!retained_.empty() && (retained_bytes_ > options_.retain_bytes ||
+                                used_bytes_ + retained_bytes_ > options_.capacity_bytes)) {
+    ReleaseLocked(segments_.at(retained_.begin()->second).get());
+  }
 }
 
 absl::Status Tier::CheckRoomLocked(const std::string& tenant, uint64_t bytes,
@@ -249,6 +277,7 @@ absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, boo
   MutexLock lock(&mu_);
   if (checked) RETURN_IF_ERROR(CheckRoomLocked(tenant, bytes, " of session metadata"));
   used_bytes_ += bytes;
+  TrimRetainedLocked();
   metadata_bytes_ += bytes;
   tenant_used_[tenant] += bytes;
   return absl::OkStatus();
@@ -343,6 +372,7 @@ TierSnapshot Tier::Stats() const {
       .num_segments = segments_.size(),
       .allocation_failures = allocation_failures_,
       .metadata_bytes = metadata_bytes_,
+      .retained_bytes = retained_bytes_,
   };
 }
 

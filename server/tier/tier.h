@@ -3,8 +3,12 @@
 // A segment holds slots of one size for one tenant only, so that its permissions (or, on a
 // GPU, who receives its IPC handle) can keep tenants apart. Slots leave the allocator as
 // `SlotRef`s (shared, since a chunk, a fork of its session and a lease may all hold one);
-// the last reference gives the space back. A segment whose last slot is freed is unmapped
-// and unlinked at once, so closed sessions return their memory to the OS.
+// the last reference gives the space back. A segment whose last slot is freed is retained,
+// committed and mapped, for its tenant's next slots of its size, while the emptied segments
+// kept take at most `retain_bytes` (and never, with the slots in use, past the capacity);
+// past that the oldest is unmapped and unlinked, so closed sessions return their memory to the
+// OS. A retained segment's pages need no kernel work when they are taken again: a session
+// that follows a closed one writes its bytes at memory speed.
 //
 // Capacity counts slot bytes: a slot is refused (RESOURCE_EXHAUSTED) when it would take
 // used bytes past the capacity, so committed shared memory never exceeds the capacity by
@@ -51,6 +55,8 @@ struct TierOptions {
   bool emulated = false;
   // Segments named in /dev/shm (mode 0600), or unnamed memfds reached only by descriptor.
   ShmSegment::Naming naming = ShmSegment::Naming::kNamed;
+  // Committed bytes of emptied segments kept for reuse (see above); 0: released at once.
+  uint64_t retain_bytes = 0;
   // The bytes of slots one tenant may hold (its quota); 0 or unset: no limit.
   std::function<uint64_t(const std::string& tenant)> tenant_limit;
 };
@@ -128,6 +134,8 @@ struct TierSnapshot {
   // Heap bytes of session metadata (chunk records, statistics, index) charged to this tier
   // beside its slots (MetadataCharge); they count against its capacity and tenants' quotas.
   uint64_t metadata_bytes;
+  // Committed bytes of emptied segments kept for reuse (TierOptions::retain_bytes).
+  uint64_t retained_bytes;
 };
 
 struct SegmentInfo {
@@ -219,12 +227,22 @@ class Tier {
     ShmSegment shm;
     uint64_t generation;
     uint64_t stamp;  // random, at stamp_offset() (SegmentInfo::stamp)
+    // While emptied and retained: its place in retained_ (from 1) and the bytes it counts.
+    uint64_t retained_seq = 0;
+    uint64_t retained_bytes = 0;
     // Where the stamp lies: right after the generation table.
     uint64_t stamp_offset() const { return table_offset + uint64_t{num_slots} * sizeof(uint64_t); }
   };
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
   void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
+  // Unmaps and unlinks a segment with no slot in use.
+  void ReleaseLocked(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A retained segment taken into use again.
+  void UnretainLocked(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases the oldest retained segments while they pass retain_bytes or, with the bytes in
+  // use, the capacity.
+  void TrimRetainedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A RESOURCE_EXHAUSTED status (the capacity, or a full /dev/shm under a segment) with this
   // tier's full reason; other statuses pass unchanged.
   absl::Status WithTierReason(absl::Status s) const;
@@ -253,6 +271,9 @@ class Tier {
   uint64_t num_slots_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t metadata_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // part of used_bytes_ and tenant_used_
+  std::map<uint64_t, uint64_t> retained_ ABSL_GUARDED_BY(mu_);  // retained_seq -> segment id
+  uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_retained_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::atomic<uint64_t> next_generation_{1};
   std::atomic<int64_t> pinned_bytes_{0};
 };
