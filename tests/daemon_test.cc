@@ -24,6 +24,7 @@
 #include "kvtier/client.h"
 #include "kvtier/local_daemon.h"
 #include "server/config/config.h"
+#include "server/transfer/gpu.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -1237,6 +1238,34 @@ TEST(Daemon, ForkDevicePlacementAndAdminCalls) {
   EXPECT_THAT(c->BatchSelect(batch), StatusIs(Code::kNotFound, "requests[2]"));
   ASSERT_OK_AND_ASSIGN(std::string echo, c->Echo("ping"));
   EXPECT_EQ(echo, "ping");
+}
+
+// --device: "auto" runs the device tier on a CUDA device this process can use, else emulated,
+// and the start-up log says which and why; a GPU index the machine does not have is a start-up
+// error naming `device`, never a silent fallback.
+TEST(Daemon, TheDeviceTierIsAGpuOrEmulatedAndStartUpSaysWhich) {
+  const bool gpu = ProbeGpus().ok();
+  TempDir dir;
+  const std::string base = testing::BinaryPath("kvtierd") + " --listen unix:" + dir.path() +
+                           "/d.sock --instance devflag-" + std::to_string(getpid());
+  auto [code, out] = testing::RunCommand("timeout -s TERM 3 " + base + " 2>&1");
+  EXPECT_NE(out.find(gpu ? "event=device.tier mode=cuda device=0"
+                         : "event=device.tier mode=emulated reason="),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find(gpu ? " device=cuda:0 " : " device=emulated "), std::string::npos) << out;
+  std::tie(code, out) =
+      testing::RunCommand("timeout -s TERM 3 " + base + " --device emulated 2>&1");
+  EXPECT_NE(out.find("mode=emulated reason=\"--device emulated\""), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand("timeout -s TERM 3 " + base + " --device 63 2>&1");
+  EXPECT_EQ(code, 1) << out;  // no machine here has 64 GPUs
+  EXPECT_NE(out.find("device: 63 names"), std::string::npos) << out;
+  EXPECT_EQ(out.find("event=daemon.start"), std::string::npos) << out;
+  std::tie(code, out) = testing::RunCommand(base + " --device gpu0 2>&1");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("device: \"gpu0\" is not auto, emulated or a CUDA device index"),
+            std::string::npos)
+      << out;
 }
 
 TEST(Daemon, BadConfigurationExitsTwoNamingTheField) {

@@ -21,6 +21,7 @@
 #include "server/config/policy.h"
 #include "server/config/shape.h"
 #include "server/session/session.h"
+#include "tests/fake_device.h"
 #include "tests/test_util.h"
 
 namespace kvtier::testing {
@@ -40,13 +41,24 @@ inline TierOptions TierOpts(v1::Tier t, uint64_t capacity,
   return o;
 }
 
+// The device tier over device memory (the GPU path's CPU twin): FakeDeviceMemory regions.
+inline TierOptions FakeDeviceTierOpts(uint64_t capacity, std::shared_ptr<FakeDeviceState> state) {
+  TierOptions o = TierOpts(v1::TIER_DEVICE, capacity);
+  o.emulated = false;
+  o.device_memory = FakeDeviceAllocator(std::move(state));
+  return o;
+}
+
 // Tiers first: everything holding slots is destroyed before them. `host_quota`: each
-// tenant's bytes on the host tier (0: no limit).
+// tenant's bytes on the host tier (0: no limit). `fake_device`: the device tier's slots in
+// fake device memory (else host shared memory, as an emulated tier).
 struct Env {
   explicit Env(uint64_t host_capacity = 64 << 20, uint64_t device_capacity = 16 << 20,
-               std::function<uint64_t(const std::string&)> host_quota = {})
+               std::function<uint64_t(const std::string&)> host_quota = {},
+               std::shared_ptr<FakeDeviceState> fake_device = nullptr)
       : host(TierOpts(v1::TIER_HOST, host_capacity, std::move(host_quota))),
-        device(TierOpts(v1::TIER_DEVICE, device_capacity)) {
+        device(fake_device ? FakeDeviceTierOpts(device_capacity, fake_device)
+                           : TierOpts(v1::TIER_DEVICE, device_capacity)) {
     env.host = &host;
     env.host_copies = &host_copies;
     env.device_copies = &device_copies;

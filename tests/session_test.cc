@@ -902,6 +902,58 @@ TEST(Session, DevicePlacementPromotesCopiesAndEvictDropsThem) {
   EXPECT_THAT(f.session->Evict(v1::TIER_REMOTE), StatusIs(Code::kInvalidArgument, "tier"));
 }
 
+// The same on device memory (the GPU path's CPU twin): promoted copies and gathered rows are
+// written to the device through copies and read back inline through copies, exact; a copy
+// that fails fails the Select.
+TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
+  auto state = std::make_shared<FakeDeviceState>();
+  Env e(64 << 20, 16 << 20, {}, state);
+  // Whole chunks (promotion), then refined rows gathered into device blocks.
+  for (bool refined : {false, true}) {
+    v1::SessionPolicy p = Lossless();
+    if (refined) p.set_refine_factor(4);
+    Fixture f = Make(e, 3, 2, 1, 16, 512, p);  // layer 2: past the dense layers
+    ASSERT_OK(AppendAll(f, 512, 512));
+    auto r = SelectReq(f, 2, refined ? 160 : 512);
+    r.set_placement(v1::TIER_DEVICE);
+    v1::SelectResponse resp;
+    const int writes = state->writes;
+    ASSERT_OK(f.session->Select(r, &resp));
+    EXPECT_GT(state->writes, writes);
+    ASSERT_GT(resp.heads(0).blocks_size(), 0);
+    bool gathered = false;
+    for (const auto& b : resp.heads(0).blocks()) {
+      EXPECT_EQ(b.tier(), v1::TIER_DEVICE);
+      gathered = gathered || b.gathered();
+    }
+    EXPECT_EQ(gathered, refined);
+    // The host placement of the same request: the same rows, the same bytes.
+    v1::SelectResponse on_host;
+    r.set_placement(v1::TIER_HOST);
+    ASSERT_OK(f.session->Select(r, &on_host));
+    Gathered dev = Gather(resp.heads(0).blocks()), host = Gather(on_host.heads(0).blocks());
+    EXPECT_EQ(dev.pos, host.pos) << (refined ? "refined" : "whole chunks");
+    EXPECT_EQ(dev.k, host.k);
+    EXPECT_EQ(dev.v, host.v);
+    if (!refined) {
+      EXPECT_EQ(dev.k, HeadRows(f.k[2], f, 0, 0, 512));
+      EXPECT_EQ(dev.v, HeadRows(f.v[2], f, 0, 0, 512));
+    }
+    ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    ASSERT_OK(e.leases.Release("t", on_host.lease_id()));
+    ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
+  }
+  Fixture f = Make(e, 1, 2, 1, 16, 64);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 64)).status());
+  auto r = SelectReq(f, 0, 64);
+  r.set_placement(v1::TIER_DEVICE);
+  state->fail_copies = true;
+  v1::SelectResponse failed;
+  EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "injected"));
+  EXPECT_EQ(failed.heads_size(), 0);
+  EXPECT_EQ(e.leases.CountForSession("s"), 0u);
+}
+
 TEST(Session, SetPolicyKeepsChunkingOnceTokensAreStored) {
   Env e;
   Fixture f = Make(e, 1, 2, 1, 16, 64);

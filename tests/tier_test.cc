@@ -14,11 +14,15 @@
 
 #include "absl/strings/match.h"
 #include "server/common/error.h"
+#include "tests/fake_device.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
 
+using testing::FakeDeviceAllocator;
+using testing::FakeDeviceMemory;
+using testing::FakeDeviceState;
 using testing::StatusIs;
 using Code = absl::StatusCode;
 
@@ -198,6 +202,79 @@ TEST(Tier, RetainedSegmentsAreBoundedAndGiveWayToSlots) {
   EXPECT_EQ(st.retained_bytes, 0u);
   EXPECT_EQ(st.used_bytes, 45u * (64 << 10));
   EXPECT_LE(st.used_bytes + st.retained_bytes, st.capacity_bytes);
+}
+
+// A tier over device memory (a GPU's, here its CPU twin): slots have no host address and
+// their bytes go through Write and Read at the slot's offset of its segment's region; the
+// generation table and the stamp are a host segment of their own, where another process reads
+// a slot's generation; ListSegments names the region's IPC handle and device.
+TEST(Tier, DeviceMemorySlotsHaveNoHostAddressAndTheirTableIsInSharedMemory) {
+  auto state = std::make_shared<FakeDeviceState>();
+  TierOptions o = Options(4 << 20);
+  o.tier = v1::TIER_DEVICE;
+  o.device_memory = FakeDeviceAllocator(state);
+  Tier tier(o);
+  std::vector<SlotRef> slots;
+  ASSERT_OK(tier.AllocateMany("a", 4096, 3, &slots));
+  EXPECT_EQ(state->regions, 1);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    EXPECT_EQ(slots[i]->data(), nullptr);
+    EXPECT_TRUE(slots[i]->on_device());
+    std::vector<uint8_t> bytes(4096);
+    for (size_t j = 0; j < bytes.size(); ++j) bytes[j] = static_cast<uint8_t>(j * 7 + i);
+    ASSERT_OK(slots[i]->Write(0, bytes.data(), bytes.size()));
+    std::vector<uint8_t> back(4096);
+    ASSERT_OK(slots[i]->Read(0, back.data(), back.size()));
+    EXPECT_EQ(back, bytes);
+  }
+  ASSERT_EQ(tier.Segments().size(), 1u);
+  const SegmentInfo seg = tier.Segments()[0];
+  EXPECT_EQ(seg.device, FakeDeviceMemory::kDevice);
+  EXPECT_EQ(seg.cuda_ipc_handle.size(), kCudaIpcHandleBytes);
+  EXPECT_EQ(seg.size_bytes, 256u * 4096);  // a 1 MiB segment's slots, no table among them
+  EXPECT_EQ(seg.generation_table_offset, 0u);
+  EXPECT_EQ(seg.stamp_offset, 256u * 8);
+  // The table, read by another process through the host segment's name.
+  const SlotRef& s = slots[2];
+  const uint64_t index = s->offset() / 4096, generation = s->generation();
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto shm = ShmSegment::OpenReadOnly(seg.shm_name);
+    if (!shm.ok()) _exit(2);
+    uint64_t g = 0, stamp = 0;
+    std::memcpy(&g, shm->data() + seg.generation_table_offset + 8 * index, 8);
+    std::memcpy(&stamp, shm->data() + seg.stamp_offset, 8);
+    _exit(g == generation && stamp == seg.stamp ? 0 : 3);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: cannot open, 3: generation or stamp differ";
+  // A failed copy is the caller's error; the region goes with the segment's last slot.
+  state->fail_copies = true;
+  uint8_t byte = 1;
+  EXPECT_THAT(slots[0]->Write(0, &byte, 1), StatusIs(Code::kInternal, "injected"));
+  state->fail_copies = false;
+  slots.clear();
+  EXPECT_EQ(state->regions, 0);
+  EXPECT_FALSE(ShmExists(seg.shm_name));
+}
+
+// Device memory that cannot be had (cudaMalloc out of memory) is the device tier's full reason.
+TEST(Tier, DeviceMemoryThatCannotBeMadeIsTheTierFull) {
+  auto state = std::make_shared<FakeDeviceState>();
+  state->fail_allocations = true;
+  TierOptions o = Options(4 << 20);
+  o.tier = v1::TIER_DEVICE;
+  o.device_memory = FakeDeviceAllocator(state);
+  Tier tier(o);
+  absl::StatusOr<SlotRef> s = tier.Allocate("a", 4096);
+  EXPECT_THAT(s, StatusIs(Code::kResourceExhausted, "cudaMalloc"));
+  EXPECT_EQ(ReasonOf(s.status()), ErrorReason::kDeviceTierFull);
+  EXPECT_EQ(tier.Stats().allocation_failures, 1u);
+  EXPECT_EQ(tier.Stats().num_segments, 0u);
+  state->fail_allocations = false;
+  EXPECT_OK(tier.Allocate("a", 4096).status());
 }
 
 TEST(Tier, PinnedBytesFollowPins) {

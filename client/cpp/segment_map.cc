@@ -92,6 +92,12 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
 
 absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v1::Segment& seg,
                                                     int fd) {
+  if (!seg.cuda_ipc_handle().empty()) {  // its slots are GPU memory: nothing here to map
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "segment ", segment_id, " is memory of CUDA device ", seg.device(),
+        ": open its cuda_ipc_handle with cudaIpcOpenMemHandle, or Select with include_data"));
+  }
   // The file must hold the bytes the daemon claims (a map past a file's end faults when read).
   struct stat st {};
   if (fstat(fd, &st) != 0) {

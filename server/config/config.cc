@@ -141,6 +141,7 @@ v1::Config DefaultConfig() {
   c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
   c.set_max_staging_size("1G");
   c.set_retained_segment_size("1G");
+  c.set_device("auto");
   *c.mutable_default_policy() = BuiltinPolicy();
   return c;
 }
@@ -363,6 +364,12 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
                    ParseSize(c.retained_segment_size(), "retained_segment_size"));
   if (o.retained_segment_size > (1ull << 40)) {
     return InvalidField("retained_segment_size", c.retained_segment_size(), "must be at most 1T");
+  }
+  o.device = c.device().empty() ? "auto" : c.device();
+  if (int n = 0;
+      o.device != "auto" && o.device != "emulated" &&
+      (!absl::SimpleAtoi(o.device, &n) || n < 0 || n > 63 || o.device != absl::StrCat(n))) {
+    return InvalidField("device", o.device, "is not auto, emulated or a CUDA device index 0..63");
   }
   const std::string memory = c.segment_memory().empty() ? "auto" : c.segment_memory();
   if (memory != "auto" && memory != "named" && memory != "memfd") {

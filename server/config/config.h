@@ -62,6 +62,8 @@ struct ServerOptions {
   // and the un-aged tokens a session may hold (summed over layers) before appends wait.
   uint32_t aging_threads = 0;
   uint32_t max_aging_backlog_tokens = 262'144;
+  // The device tier's memory: "auto", "emulated" or a CUDA device index (config.proto).
+  std::string device = "auto";
   // Committed bytes of emptied segments each local tier keeps for reuse; 0: none kept.
   uint64_t retained_segment_size = 1ull << 30;
   // Staging areas' bytes alive at once (OpenStaging); 0: OpenStaging is refused.

@@ -12,6 +12,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -27,15 +28,21 @@
 namespace kvtier {
 namespace {
 
-TierOptions MakeTier(const ServerOptions& o, v1::Tier tier) {
+TierOptions MakeTier(const ServerOptions& o, v1::Tier tier, int gpu) {
   TierOptions t;
   t.tier = tier;
   t.instance = o.instance;
   t.capacity_bytes = tier == v1::TIER_HOST ? o.host_capacity : o.device_capacity;
   t.segment_bytes = o.segment_size;
   t.retain_bytes = o.retained_segment_size;
-  // The daemon does not drive a GPU yet: the device tier is host shared memory, same path.
-  t.emulated = tier == v1::TIER_DEVICE;
+  // The device tier on a GPU: slots in its memory, exported by CUDA IPC handles. Else host
+  // shared memory, through the same interface.
+  const bool on_gpu = tier == v1::TIER_DEVICE && gpu >= 0;
+  t.emulated = tier == v1::TIER_DEVICE && !on_gpu;
+  if (on_gpu) {
+    t.gpu = gpu;
+    t.device_memory = [gpu](uint64_t bytes) { return AllocateGpuMemory(gpu, bytes); };
+  }
   t.naming = o.memfd_segments ? ShmSegment::Naming::kMemfd : ShmSegment::Naming::kNamed;
   if (!o.quotas.empty()) {
     t.tenant_limit = [&o, tier](const std::string& tenant) {
@@ -171,10 +178,44 @@ void ReclaimDeadInstances(const std::string& own) {
 
 }  // namespace
 
-Daemon::Daemon(const ServerOptions& options, const Clock* clock)
+absl::StatusOr<Daemon::DeviceChoice> Daemon::ChooseDevice(const std::string& device) {
+  auto emulated = [](absl::string_view why) {
+    DeviceChoice c;
+    c.why_emulated = std::string(why);
+    return c;
+  };
+  auto gpu = [](int n, GpuInfo info) {
+    DeviceChoice c;
+    c.gpu = n;
+    c.info = std::move(info);
+    return c;
+  };
+  if (device == "emulated") return emulated("--device emulated");
+  absl::StatusOr<std::vector<GpuInfo>> gpus = ProbeGpus();
+  if (device == "auto") {
+    if (!gpus.ok()) return emulated(gpus.status().message());
+    return gpu(0, gpus->front());
+  }
+  int n = 0;
+  CHECK(absl::SimpleAtoi(device, &n));  // Validate checked it
+  if (!gpus.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: ", device, " names a CUDA device, and this process can use none (",
+                     gpus.status().message(), "); --device auto or emulated uses host memory"));
+  }
+  if (n >= static_cast<int>(gpus->size())) {
+    return absl::FailedPreconditionError(absl::StrCat("device: ", device, " names CUDA device ", n,
+                                                      "; this machine has ", gpus->size(), " (0..",
+                                                      gpus->size() - 1, ")"));
+  }
+  return gpu(n, (*gpus)[n]);
+}
+
+Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* clock)
     : options_(options),
-      host_(MakeTier(options_, v1::TIER_HOST)),
-      device_(MakeTier(options_, v1::TIER_DEVICE)),
+      device_choice_(std::move(device)),
+      host_(MakeTier(options_, v1::TIER_HOST, -1)),
+      device_(MakeTier(options_, v1::TIER_DEVICE, device_choice_.gpu)),
       host_copies_(&host_, clock, MakePolicy(options_),
                    {.half_life_ms = options_.eviction_half_life_ms}),
       device_copies_(&device_, clock, MakePolicy(options_),
@@ -218,7 +259,8 @@ Daemon::Daemon(const ServerOptions& options, const Clock* clock)
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
-  auto d = std::unique_ptr<Daemon>(new Daemon(options, clock));
+  ASSIGN_OR_RETURN(DeviceChoice device, ChooseDevice(options.device));
+  auto d = std::unique_ptr<Daemon>(new Daemon(options, std::move(device), clock));
   const ServerOptions& o = d->options_;
   // Nothing is touched before both locks are held: a second daemon of this instance, or on
   // this socket, refuses to start and leaves the first one's segments and socket alone.
@@ -311,6 +353,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     if (!exporter.ok()) return exporter.status();
     d->exporter_ = *std::move(exporter);
   }
+  if (const DeviceChoice& dev = d->device_choice_; dev.gpu >= 0) {
+    KVLOG(info, "device.tier", "mode=cuda device={} name={} memory={} compute={}.{} pci={}",
+          dev.gpu, LogValue(dev.info.name), FormatBytes(dev.info.memory_bytes),
+          dev.info.compute_major, dev.info.compute_minor, LogValue(dev.info.pci_bus_id));
+  } else {
+    KVLOG(info, "device.tier", "mode=emulated reason={}", LogValue(dev.why_emulated));
+  }
   d->RegisterGauges();
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
@@ -324,8 +373,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         : o.tls.client_ca_file.empty() ? "tls"
                                        : "mtls",
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
-        "emulated", o.remote.empty() ? "none" : "redis", d->aging_->threads(), o.eviction_policy,
-        o.prefetch ? "on" : "off", o.metrics_port);
+        d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
+        o.eviction_policy, o.prefetch ? "on" : "off", o.metrics_port);
   return d;
 }
 
@@ -340,7 +389,7 @@ void Daemon::RegisterGauges() {
       .GetGauge("kvtier_build_info", "kvtierd's version and the backends it runs with (always 1)",
                 {{"version", KVTIER_VERSION},
                  {"segments", options_.memfd_segments ? "memfd" : "named"},
-                 {"device", "emulated"},
+                 {"device", DeviceName()},
                  {"remote", options_.remote.empty() ? "none" : "redis"}})
       .Set(1);
   metrics_.OnScrape([this] {

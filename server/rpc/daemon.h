@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
@@ -27,6 +28,7 @@
 #include "server/tier/remote_store.h"
 #include "server/tier/staging.h"
 #include "server/tier/tier.h"
+#include "server/transfer/gpu.h"
 
 namespace kvtier {
 
@@ -57,12 +59,27 @@ class Daemon {
   metrics::Registry& metrics() { return metrics_; }
 
  private:
-  explicit Daemon(const ServerOptions& options, const Clock* clock);
+  // Where the device tier lives: a CUDA device, or emulated (gpu -1) and why.
+  struct DeviceChoice {
+    int gpu = -1;
+    GpuInfo info;
+    std::string why_emulated;
+  };
+  // --device against the GPUs this process can use; FAILED_PRECONDITION naming `device` when
+  // it names a CUDA device there is not.
+  static absl::StatusOr<DeviceChoice> ChooseDevice(const std::string& device);
+
+  Daemon(const ServerOptions& options, DeviceChoice device, const Clock* clock);
+  // "cuda:N" or "emulated", as the start-up line and kvtier_build_info say it.
+  std::string DeviceName() const {
+    return device_choice_.gpu >= 0 ? absl::StrCat("cuda:", device_choice_.gpu) : "emulated";
+  }
   void RegisterGauges();
   void ReapLeases();
   void Persist();
 
   const ServerOptions options_;
+  const DeviceChoice device_choice_;
   // A descriptor closed with its holder.
   struct Fd {
     int fd = -1;

@@ -54,7 +54,10 @@ void ToProto(const SegmentInfo& s, v1::Segment* out) {
   out->set_tier(s.tier);
   out->set_shm_name(s.shm_name);
   out->set_size_bytes(s.size_bytes);
-  out->set_device(-1);  // host shared memory (the device tier here is emulated)
+  // -1: host shared memory (the host tier, an emulated device tier); else the CUDA device whose
+  // memory cuda_ipc_handle exports, the generation table in host shared memory (shm_name).
+  out->set_device(s.device);
+  out->set_cuda_ipc_handle(s.cuda_ipc_handle);
   out->set_generation(s.generation);
   out->set_generation_table_offset(s.generation_table_offset);
   out->set_stamp_offset(s.stamp_offset);

@@ -37,11 +37,19 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    cache->Allocate(target.tenant, target.format.slot_bytes(), todo.size()));
+  std::vector<uint8_t> scratch;
   for (size_t j = 0; j < todo.size(); ++j) {
     const auto [h, i] = todo[j];
     const uint32_t c = chosen[h][i];
     const Chunk& ch = heads[h].chunks()[c];
-    target.format.WriteFp16(ch, slots[j]->data());
+    if (slots[j]->on_device()) {  // made here, then copied over
+      scratch.resize(slots[j]->bytes());
+      target.format.WriteFp16(ch, scratch.data());
+      RETURN_IF_ERROR(
+          slots[j]->Write(0, scratch.data(), 2 * ch.num_tokens * target.format.row_bytes()));
+    } else {
+      target.format.WriteFp16(ch, slots[j]->data());
+    }
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
     (to_device ? heads[h].device(c) : heads[h].promoted(c)) =
         cache->Insert(slots[j], target.tenant, cost, prefetch);

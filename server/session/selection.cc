@@ -102,18 +102,23 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    target.cache->Allocate(target.tenant, f.slot_bytes(), blocks));
   std::vector<std::vector<GatheredBlock>> out(heads.size());
+  std::vector<uint8_t> scratch;
   size_t next = 0;
   for (size_t h = 0; h < heads.size(); ++h) {
     for (size_t at = 0; at < rows[h].size(); at += f.capacity) {
       const size_t n = std::min<size_t>(f.capacity, rows[h].size() - at);
       GatheredBlock& b = out[h].emplace_back();
       b.slot = std::move(slots[next++]);
+      // Into the slot where it is mapped here, else made here and copied over (a device slot).
+      if (b.slot->on_device()) scratch.resize(2 * n * rb);
+      uint8_t* dst = b.slot->on_device() ? scratch.data() : b.slot->data();
       for (size_t j = 0; j < n; ++j) {
         const Row& row = rows[h][at + j];
-        std::memcpy(b.slot->data() + j * rb, row.k, rb);
-        std::memcpy(b.slot->data() + (n + j) * rb, row.v, rb);
+        std::memcpy(dst + j * rb, row.k, rb);
+        std::memcpy(dst + (n + j) * rb, row.v, rb);
         b.positions.push_back(row.position);
       }
+      if (b.slot->on_device()) RETURN_IF_ERROR(b.slot->Write(0, scratch.data(), 2 * n * rb));
     }
     // What was gathered leaves the chunk handles.
     std::vector<uint32_t> chunks;

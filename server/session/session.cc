@@ -488,14 +488,15 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     for (size_t i = 0; i < c.chunks[h].size(); ++i) {
       const uint32_t chunk = c.chunks[h][i];
       const SlotRef& slot = readable[h][i];
-      FillHandle(s.chunks()[chunk], f, slot.get(), slot->data(), EncodeChunkId({layer, h, chunk}),
-                 req.include_data(), c.rows.empty() ? std::span<const uint32_t>() : c.rows[h][i],
-                 hs->add_blocks());
+      RETURN_IF_ERROR(FillHandle(s.chunks()[chunk], f, slot.get(), slot->data(),
+                                 EncodeChunkId({layer, h, chunk}), req.include_data(),
+                                 c.rows.empty() ? std::span<const uint32_t>() : c.rows[h][i],
+                                 hs->add_blocks()));
       pinned.push_back(slot);
     }
     for (GatheredBlock& g : gathered[h]) {
-      FillGatheredHandle(g.slot.get(), g.positions, f, layer, h, req.include_data(),
-                         hs->add_blocks());
+      RETURN_IF_ERROR(FillGatheredHandle(g.slot.get(), g.positions, f, layer, h, req.include_data(),
+                                         hs->add_blocks()));
       pinned.push_back(std::move(g.slot));
     }
     if (req.include_summaries() && !c.everything) AddSummaries(s, f, returned[h], hs);
@@ -589,7 +590,8 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
     std::vector<uint16_t> scratch;
     const uint8_t* fp16 =
         readable ? readable->data() : reinterpret_cast<const uint8_t*>(f.Fp16Rows(c, scratch));
-    FillHandle(c, f, readable, fp16, id, /*include_data=*/true, {}, &out.emplace_back());
+    RETURN_IF_ERROR(
+        FillHandle(c, f, readable, fp16, id, /*include_data=*/true, {}, &out.emplace_back()));
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "server/common/mutex.h"
+#include "server/common/status_macros.h"
 #include "server/common/vec.h"
 #include "server/session/session.h"
 
@@ -17,9 +18,29 @@ uint64_t CopyBytes(const PromotionCache& cache, const CopyRef& copy) {
 
 }  // namespace
 
-void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const uint8_t* fp16,
-                uint64_t chunk_id, bool include_data, std::span<const uint32_t> rows,
-                v1::BlockHandle* h) {
+namespace {
+
+// A handle's K and V bytes, inline: from `fp16` where they are mapped here, else read out of
+// `slot` (a device slot's).
+absl::Status SetData(const Slot* slot, const uint8_t* fp16, uint64_t half, v1::BlockHandle* h) {
+  if (fp16 != nullptr) {
+    h->set_keys(fp16, half);
+    h->set_values(fp16 + half, half);
+    return absl::OkStatus();
+  }
+  std::string* keys = h->mutable_keys();
+  std::string* values = h->mutable_values();
+  keys->resize(half);
+  values->resize(half);
+  RETURN_IF_ERROR(slot->Read(0, keys->data(), half));
+  return slot->Read(half, values->data(), half);
+}
+
+}  // namespace
+
+absl::Status FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const uint8_t* fp16,
+                        uint64_t chunk_id, bool include_data, std::span<const uint32_t> rows,
+                        v1::BlockHandle* h) {
   const uint64_t half = c.num_tokens * f.row_bytes();
   const ChunkAddress a = DecodeChunkId(chunk_id);
   h->set_chunk_id(chunk_id);
@@ -35,14 +56,12 @@ void FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, const ui
   h->set_kv_head(a.kv_head);
   for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(static_cast<int64_t>(c.position(r)));
   h->mutable_rows()->Add(rows.begin(), rows.end());
-  if (include_data) {
-    h->set_keys(fp16, half);
-    h->set_values(fp16 + half, half);
-  }
+  return include_data ? SetData(slot, fp16, half, h) : absl::OkStatus();
 }
 
-void FillGatheredHandle(const Slot* slot, std::span<const int64_t> positions, const ChunkFormat& f,
-                        uint32_t layer, uint32_t kv_head, bool include_data, v1::BlockHandle* h) {
+absl::Status FillGatheredHandle(const Slot* slot, std::span<const int64_t> positions,
+                                const ChunkFormat& f, uint32_t layer, uint32_t kv_head,
+                                bool include_data, v1::BlockHandle* h) {
   const uint64_t half = positions.size() * f.row_bytes();
   h->set_chunk_id(0);
   h->set_gathered(true);
@@ -57,10 +76,7 @@ void FillGatheredHandle(const Slot* slot, std::span<const int64_t> positions, co
   h->set_layer(layer);
   h->set_kv_head(kv_head);
   h->mutable_positions()->Add(positions.begin(), positions.end());
-  if (include_data) {
-    h->set_keys(slot->data(), half);
-    h->set_values(slot->data() + half, half);
-  }
+  return include_data ? SetData(slot, slot->data(), half, h) : absl::OkStatus();
 }
 
 void AddSummaries(const Stream& s, const ChunkFormat& f, const std::vector<uint32_t>& chosen,

@@ -47,6 +47,20 @@ Slot::~Slot() {
 
 v1::Tier Slot::tier() const { return tier_->options().tier; }
 
+absl::Status Slot::Write(uint64_t at, const void* src, uint64_t n) {
+  CHECK(at <= bytes_ && n <= bytes_ - at) << n << " bytes at " << at << " of a " << bytes_;
+  if (device_ != nullptr) return device_->Write(offset_ + at, src, n);
+  std::memcpy(data_ + at, src, n);
+  return absl::OkStatus();
+}
+
+absl::Status Slot::Read(uint64_t at, void* dst, uint64_t n) const {
+  CHECK(at <= bytes_ && n <= bytes_ - at) << n << " bytes at " << at << " of a " << bytes_;
+  if (device_ != nullptr) return device_->Read(offset_ + at, dst, n);
+  std::memcpy(dst, data_ + at, n);
+  return absl::OkStatus();
+}
+
 void Slot::Renew() {
   const uint64_t g = tier_->next_generation_.fetch_add(1, std::memory_order_relaxed);
   generation_.store(g, std::memory_order_release);
@@ -117,10 +131,15 @@ absl::Status Tier::AllocateMany(const std::string& tenant, uint64_t slot_bytes, 
 
 absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
                                              std::vector<PopulateRange>* populate) {
-  // Slots, then the generation table at a 64-byte boundary, then the segment's stamp.
+  // Host memory: slots, then the generation table at a 64-byte boundary, then the segment's
+  // stamp. Device memory: the slots alone; the table at 0 of a host segment, then the stamp.
+  const bool on_device = static_cast<bool>(options_.device_memory);
   uint64_t num_slots = slot_bytes == 0 ? 0 : options_.segment_bytes / slot_bytes;
-  auto table_at = [slot_bytes](uint64_t n) { return (n * slot_bytes + 63) / 64 * 64; };
-  while (num_slots > 0 && table_at(num_slots) + 8 * (num_slots + 1) > options_.segment_bytes) {
+  auto table_at = [slot_bytes, on_device](uint64_t n) {
+    return on_device ? 0 : (n * slot_bytes + 63) / 64 * 64;
+  };
+  while (!on_device && num_slots > 0 &&
+         table_at(num_slots) + 8 * (num_slots + 1) > options_.segment_bytes) {
     --num_slots;
   }
   if (num_slots == 0) {
@@ -139,33 +158,7 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     }
   }
   if (seg == nullptr) {
-    uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
-    auto shm =
-        ShmSegment::Create(absl::StrCat(ShmPrefix(), id), options_.segment_bytes, options_.naming);
-    // The generation table and the stamp are written at once: their pages first.
-    absl::Status reserved =
-        shm.ok() ? shm->Reserve(table_at(num_slots), (num_slots + 1) * sizeof(uint64_t))
-                 : shm.status();
-    if (!reserved.ok()) {
-      ++allocation_failures_;
-      return WithTierReason(reserved);
-    }
-    auto s = std::make_unique<Segment>(
-        Segment{.id = id,
-                .tenant = tenant,
-                .slot_bytes = slot_bytes,
-                .num_slots = static_cast<uint32_t>(num_slots),
-                .table_offset = table_at(num_slots),
-                .next_unused = 0,
-                .used = 0,
-                .free = {},
-                .shm = *std::move(shm),
-                .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
-                .stamp = RandomStamp()});
-    std::memcpy(s->shm.data() + s->stamp_offset(), &s->stamp, sizeof(s->stamp));
-    seg = s.get();
-    segments_.emplace(id, std::move(s));
-    ids.push_back(id);
+    ASSIGN_OR_RETURN(seg, NewSegmentLocked(tenant, slot_bytes, num_slots, table_at(num_slots)));
   }
   uint32_t index;
   if (!seg->free.empty()) {
@@ -175,7 +168,7 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     // A slot never handed out: its pages are committed by now, so that a full /dev/shm is an
     // error here and never a SIGBUS where the bytes are first written. They are committed
     // (and mapped) kReserveAhead at a time, not a syscall and a page fault per slot; a
-    // /dev/shm too full for that still gives the slot alone.
+    // /dev/shm too full for that still gives the slot alone. (Device memory is whole.)
     const uint64_t end = uint64_t{seg->next_unused + 1} * slot_bytes;
     if (end > seg->reserved) {
       const uint64_t ahead = std::min<uint64_t>(uint64_t{seg->num_slots} * slot_bytes,
@@ -203,8 +196,56 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
   uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
   auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
   return std::make_shared<Slot>(
-      Slot::Key{}, this, seg->id, index, seg->shm.data() + offset, slot_bytes, offset,
+      Slot::Key{}, this, seg->id, index, seg->device ? nullptr : seg->shm.data() + offset,
+      seg->device.get(), slot_bytes, offset,
       next_generation_.fetch_add(1, std::memory_order_relaxed), table + index);
+}
+
+absl::StatusOr<Tier::Segment*> Tier::NewSegmentLocked(const std::string& tenant,
+                                                      uint64_t slot_bytes, uint64_t num_slots,
+                                                      uint64_t table_offset) {
+  const uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t table_end = table_offset + (num_slots + 1) * sizeof(uint64_t);
+  std::unique_ptr<DeviceMemory> device;
+  if (options_.device_memory) {
+    absl::StatusOr<std::unique_ptr<DeviceMemory>> m =
+        options_.device_memory(num_slots * slot_bytes);
+    if (!m.ok()) {
+      ++allocation_failures_;
+      return WithTierReason(m.status());
+    }
+    device = *std::move(m);
+  }
+  const uint64_t page = 4096;
+  auto shm = ShmSegment::Create(
+      absl::StrCat(ShmPrefix(), id),
+      device ? (table_end + page - 1) / page * page : options_.segment_bytes, options_.naming);
+  // The generation table and the stamp are written at once: their pages first.
+  absl::Status reserved =
+      shm.ok() ? shm->Reserve(table_offset, table_end - table_offset) : shm.status();
+  if (!reserved.ok()) {
+    ++allocation_failures_;
+    return WithTierReason(reserved);
+  }
+  auto s = std::make_unique<Segment>(
+      Segment{.id = id,
+              .tenant = tenant,
+              .slot_bytes = slot_bytes,
+              .num_slots = static_cast<uint32_t>(num_slots),
+              .table_offset = table_offset,
+              .next_unused = 0,
+              .reserved = device ? num_slots * slot_bytes : 0,
+              .used = 0,
+              .free = {},
+              .shm = *std::move(shm),
+              .device = std::move(device),
+              .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
+              .stamp = RandomStamp()});
+  std::memcpy(s->shm.data() + s->stamp_offset(), &s->stamp, sizeof(s->stamp));
+  Segment* seg = s.get();
+  segments_.emplace(id, std::move(s));
+  classes_[{tenant, slot_bytes}].push_back(id);
+  return seg;
 }
 
 void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
@@ -385,13 +426,15 @@ std::vector<SegmentInfo> Tier::Segments() const {
         .segment_id = id,
         .tier = options_.tier,
         .shm_name = s->shm.named() ? s->shm.name() : std::string(),
-        .size_bytes = s->shm.size(),
+        .size_bytes = s->device ? s->device->size() : s->shm.size(),
         .slot_bytes = s->slot_bytes,
         .tenant = s->tenant,
         .generation = s->generation,
         .generation_table_offset = s->table_offset,
         .stamp_offset = s->stamp_offset(),
         .stamp = s->stamp,
+        .cuda_ipc_handle = s->device ? s->device->ipc_handle() : std::string(),
+        .device = s->device ? s->device->device() : -1,
     });
   }
   return out;

@@ -24,6 +24,13 @@
 //   +----------+------------+-----  ...  --+-------------+---------------------+----+
 //   | slot 0   | slot 1     |              | (pad)       | u64 gen[n]          |    |
 //   +----------+------------+-----  ...  --+-------------+---------------------+----+
+//
+// A tier with `device_memory` (a GPU's HBM) keeps its slots there, one DeviceMemory region per
+// segment exported by a CUDA IPC handle, and the segment's generation table and stamp in a small
+// shared-memory segment of their own (table at 0, stamp after it), so that a worker re-checks a
+// generation on the host after its kernel read. Such a slot has no host address (data() is
+// null): its bytes go in and out through Slot::Write and Slot::Read, which every path that
+// may meet a device slot uses.
 #ifndef KVTIER_SERVER_TIER_TIER_H_
 #define KVTIER_SERVER_TIER_TIER_H_
 
@@ -42,6 +49,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/tier/shm_segment.h"
+#include "server/transfer/gpu.h"
 
 namespace kvtier {
 
@@ -59,6 +67,11 @@ struct TierOptions {
   uint64_t retain_bytes = 0;
   // The bytes of slots one tenant may hold (its quota); 0 or unset: no limit.
   std::function<uint64_t(const std::string& tenant)> tenant_limit;
+  // Set: each segment's slots are memory this makes (of segment_bytes; on a GPU,
+  // AllocateGpuMemory), not host shared memory.
+  std::function<absl::StatusOr<std::unique_ptr<DeviceMemory>>(uint64_t bytes)> device_memory;
+  // The CUDA device of device_memory, as ListSegments reports it (-1: none).
+  int gpu = -1;
 };
 
 class Tier;
@@ -71,11 +84,12 @@ class Slot {
     friend class Tier;
     Key() = default;
   };
-  Slot(Key, Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, uint64_t bytes,
-       uint64_t offset, uint64_t generation, uint64_t* shared_generation)
+  Slot(Key, Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, DeviceMemory* device,
+       uint64_t bytes, uint64_t offset, uint64_t generation, uint64_t* shared_generation)
       : tier_(tier),
         segment_id_(segment_id),
         data_(data),
+        device_(device),
         bytes_(bytes),
         offset_(offset),
         generation_(generation),
@@ -87,7 +101,14 @@ class Slot {
   Slot& operator=(const Slot&) = delete;
   ~Slot();  // gives the space back to its tier
 
+  // The bytes, mapped here; null for a slot in device memory (see Write and Read).
   uint8_t* data() const { return data_; }
+  bool on_device() const { return device_ != nullptr; }
+  // `n` bytes of `src` into the slot at `at`, wherever it lives (a copy to the device for a
+  // device slot); the device's error when that copy fails.
+  absl::Status Write(uint64_t at, const void* src, uint64_t n);
+  // `n` bytes of the slot at `at` into `dst`.
+  absl::Status Read(uint64_t at, void* dst, uint64_t n) const;
   uint64_t bytes() const { return bytes_; }
   uint64_t segment_id() const { return segment_id_; }
   uint64_t offset() const { return offset_; }
@@ -112,11 +133,12 @@ class Slot {
   Tier* const tier_;
   const uint64_t segment_id_;
   uint8_t* const data_;
+  DeviceMemory* const device_;  // its segment's, when the slot is in device memory
   const uint64_t bytes_;
   const uint64_t offset_;
   std::atomic<uint64_t> generation_;
   uint64_t* const shared_generation_;  // this slot's cell of its segment's generation table
-  const uint32_t index_;               // beside pins_: 64 bytes in all
+  const uint32_t index_;               // beside pins_
   std::atomic<int32_t> pins_{0};
 };
 
@@ -149,6 +171,10 @@ struct SegmentInfo {
   uint64_t generation_table_offset;
   uint64_t stamp_offset;  // where `stamp` is written in the segment (after the table)
   uint64_t stamp;
+  // A device-memory segment: its CUDA IPC handle and device; shm_name, generation_table_offset
+  // and stamp_offset then name the host segment of its generation table.
+  std::string cuda_ipc_handle;
+  int device = -1;
 };
 
 class MetadataCharge;
@@ -224,7 +250,8 @@ class Tier {
     uint64_t reserved = 0;     // the slots' bytes [0, reserved) are committed (Reserve)
     uint32_t used = 0;
     std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
-    ShmSegment shm;
+    ShmSegment shm;  // the slots and the table; the table alone when `device` holds the slots
+    std::unique_ptr<DeviceMemory> device;
     uint64_t generation;
     uint64_t stamp;  // random, at stamp_offset() (SegmentInfo::stamp)
     // While emptied and retained: its place in retained_ (from 1) and the bytes it counts.
@@ -236,6 +263,10 @@ class Tier {
   using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
 
   void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
+  // A new segment of `tenant`'s for `num_slots` slots, its table at `table_offset`.
+  absl::StatusOr<Segment*> NewSegmentLocked(const std::string& tenant, uint64_t slot_bytes,
+                                            uint64_t num_slots, uint64_t table_offset)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps and unlinks a segment with no slot in use.
   void ReleaseLocked(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A retained segment taken into use again.

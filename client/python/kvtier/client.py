@@ -330,6 +330,11 @@ class SegmentMap:
         for seg in self._client.list_segments():
             if seg.segment_id != segment_id:
                 continue
+            if seg.cuda_ipc_handle:  # its slots are GPU memory: nothing here to map
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"segment {segment_id} is memory of CUDA device {seg.device}: "
+                                  f"open its cuda_ipc_handle with cudaIpcOpenMemHandle, or "
+                                  f"select with include_data")
             fd = _open_segment(seg) if seg.shm_name else None
             if fd is None:  # not ours to open by name: a read-only descriptor instead
                 [(seg, fd)] = self._client.open_segments([segment_id])  # checked: this one

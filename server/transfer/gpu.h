@@ -1,0 +1,84 @@
+// The GPU runtime kvtierd drives: which CUDA devices this process can use, and device memory
+// that another process maps through a CUDA IPC handle.
+//
+// Built with CUDA (KVTIER_HAVE_CUDA) it calls the CUDA runtime, linked statically: the driver
+// (libcuda) is loaded when first called, so the same binary on a machine without one finds no
+// device and says why. Built without CUDA it finds none ("built without CUDA"). Nothing here
+// dereferences device memory on the host: bytes go in and out through Write and Read.
+#ifndef KVTIER_SERVER_TRANSFER_GPU_H_
+#define KVTIER_SERVER_TRANSFER_GPU_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtier {
+
+struct GpuInfo {
+  int index = 0;
+  std::string name;
+  uint64_t memory_bytes = 0;
+  int compute_major = 0, compute_minor = 0;
+  std::string pci_bus_id;
+};
+
+// Whether this build calls the CUDA runtime at all.
+bool BuiltWithCuda();
+
+// The CUDA devices this process can use, in the runtime's order; FAILED_PRECONDITION saying
+// why there are none (no driver, no device, a build without CUDA).
+absl::StatusOr<std::vector<GpuInfo>> ProbeGpus();
+
+// The size of a CUDA IPC memory handle (cudaIpcMemHandle_t), as ListSegments carries it.
+inline constexpr size_t kCudaIpcHandleBytes = 64;
+
+// Memory a tier's slots live in when it is not mapped into this process: on a GPU, one
+// cudaMalloc'd region exported by a CUDA IPC handle. data() is an address on the device, never
+// read or written here; Write and Read copy, and are done when they return.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual uint64_t size() const = 0;
+  // The device address (an opaque value on the host).
+  virtual uint8_t* data() const = 0;
+  virtual int device() const = 0;
+  // kCudaIpcHandleBytes bytes another process opens (cudaIpcOpenMemHandle); empty where
+  // there is none to give.
+  virtual std::string ipc_handle() const = 0;
+  // Host to device: `n` bytes of `src` at `offset`. INVALID_ARGUMENT past the end; the
+  // runtime's error (INTERNAL, naming the call) when the copy fails.
+  virtual absl::Status Write(uint64_t offset, const void* src, uint64_t n) = 0;
+  // Device to host.
+  virtual absl::Status Read(uint64_t offset, void* dst, uint64_t n) const = 0;
+};
+
+// `bytes` of memory on CUDA device `device` (cudaMalloc), exported for IPC. RESOURCE_EXHAUSTED
+// when the device has no room; FAILED_PRECONDITION when there is no such device (or no CUDA).
+absl::StatusOr<std::unique_ptr<DeviceMemory>> AllocateGpuMemory(int device, uint64_t bytes);
+
+// A worker's side of an IPC handle: the other process's memory mapped on `device` of this one
+// (cudaIpcOpenMemHandle), unmapped when destroyed.
+class GpuMapping {
+ public:
+  static absl::StatusOr<std::unique_ptr<GpuMapping>> Open(int device, absl::string_view handle);
+  ~GpuMapping();
+  GpuMapping(const GpuMapping&) = delete;
+  GpuMapping& operator=(const GpuMapping&) = delete;
+  uint8_t* data() const { return data_; }
+  int device() const { return device_; }
+  // Device to host, as DeviceMemory::Read.
+  absl::Status Read(uint64_t offset, void* dst, uint64_t n) const;
+
+ private:
+  GpuMapping(uint8_t* data, int device) : data_(data), device_(device) {}
+  uint8_t* data_;
+  int device_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_TRANSFER_GPU_H_

@@ -1,0 +1,81 @@
+// Device memory for the CPU twins of the GPU path: bytes held in a host buffer the daemon code
+// has no address of (Tier gives a device slot no host pointer), so a path that would read or
+// write a device slot directly crashes here as it would on a GPU; every byte goes through
+// Write and Read, which count calls and can be told to fail like a failed CUDA copy.
+#ifndef KVTIER_TESTS_FAKE_DEVICE_H_
+#define KVTIER_TESTS_FAKE_DEVICE_H_
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "server/transfer/gpu.h"
+
+namespace kvtier::testing {
+
+struct FakeDeviceState {
+  std::atomic<int> regions{0};  // alive
+  std::atomic<int> writes{0}, reads{0};
+  std::atomic<bool> fail_copies{false};
+  std::atomic<bool> fail_allocations{false};
+};
+
+class FakeDeviceMemory final : public DeviceMemory {
+ public:
+  static constexpr int kDevice = 7;
+  FakeDeviceMemory(uint64_t bytes, std::shared_ptr<FakeDeviceState> state)
+      : bytes_(bytes), state_(std::move(state)), id_(++next_id_) {
+    ++state_->regions;
+  }
+  ~FakeDeviceMemory() override { --state_->regions; }
+
+  uint64_t size() const override { return bytes_.size(); }
+  uint8_t* data() const override { return nullptr; }  // an address on "the device"
+  int device() const override { return kDevice; }
+  // 64 bytes that name this region.
+  std::string ipc_handle() const override {
+    std::string h(kCudaIpcHandleBytes, '\0');
+    std::memcpy(h.data(), &id_, sizeof id_);
+    return h;
+  }
+  absl::Status Write(uint64_t offset, const void* src, uint64_t n) override {
+    if (state_->fail_copies) return absl::InternalError("cudaMemcpyAsync: injected failure");
+    if (offset > size() || n > size() - offset) return absl::InvalidArgumentError("past the end");
+    std::memcpy(bytes_.data() + offset, src, n);
+    ++state_->writes;
+    return absl::OkStatus();
+  }
+  absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override {
+    if (state_->fail_copies) return absl::InternalError("cudaMemcpyAsync: injected failure");
+    if (offset > size() || n > size() - offset) return absl::InvalidArgumentError("past the end");
+    std::memcpy(dst, bytes_.data() + offset, n);
+    ++state_->reads;
+    return absl::OkStatus();
+  }
+  // What the region holds, for the tests' own checks.
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  std::shared_ptr<FakeDeviceState> state_;
+  uint64_t id_;
+  static inline std::atomic<uint64_t> next_id_{0};
+};
+
+// TierOptions::device_memory over fake regions sharing `state`.
+inline auto FakeDeviceAllocator(std::shared_ptr<FakeDeviceState> state) {
+  return [state](uint64_t bytes) -> absl::StatusOr<std::unique_ptr<DeviceMemory>> {
+    if (state->fail_allocations) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cudaMalloc(%d): cudaErrorMemoryAllocation (injected)", bytes));
+    }
+    return std::make_unique<FakeDeviceMemory>(bytes, state);
+  };
+}
+
+}  // namespace kvtier::testing
+
+#endif  // KVTIER_TESTS_FAKE_DEVICE_H_
