@@ -78,8 +78,8 @@ void Run(uint32_t d, uint32_t bits, int chunks) {
     }));
   }
   const double copy_gbs = bytes / (Median(tc) * 1e-3) / 1e9;
-  for (auto [name, t] : {std::pair{"gpu_quantize_throughput", Median(tq)},
-                         std::pair{"gpu_dequantize_throughput", Median(td)}}) {
+  for (auto [name, t] :
+       {std::pair{"quantize_gpu", Median(tq)}, std::pair{"dequantize_gpu", Median(td)}}) {
     const double gbs = bytes / (t * 1e-3) / 1e9;
     std::printf(
         "{\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"baseline\": %.4g, "

@@ -48,8 +48,13 @@ TARGETS = [
     ("attention_output_error_int4", None, None, "relative attention-output error of int4 "
      "chunks vs fp16, against int4 with keys per token, on keys with outlier channels "
      "(lower ratio: per-channel keys help)"),
-    ("gpu_quantize_throughput", ">=", 0.7, "GPU quantize kernel vs device-to-device copy"),
-    ("gpu_dequantize_throughput", ">=", 0.7, "GPU gather-dequantize kernel vs device-to-device copy"),
+    ("quantize_gpu", ">=", 0.7, "GPU quantize kernel vs device-to-device copy"),
+    ("dequantize_gpu", ">=", 0.7, "GPU gather-dequantize kernel vs device-to-device copy"),
+    ("promotion_h2d", ">=", 0.8, "promotion of a Select's worth of chunks to the GPU device "
+     "tier (FillDevice: pinned staging, one copy, gather and dequantize kernels), as the bytes "
+     "moved over PCIe, vs a pinned cudaMemcpyAsync of the same bytes"),
+    ("select_device_p50", None, None, "Select placed on the GPU device tier (kvtierd --device "
+     "0, copies cached after the first) vs the same Select placed on the host tier"),
     ("select_policy_us", None, None, "one stream's Select ranking work per policy (exact "
      "scan, quest pages, window, kvtier scan, kvtier index, kvtier index with the mean score, "
      "boundary chunks (the index's greedy fill), semantic chunks (indexed)) "

@@ -1,9 +1,12 @@
 // The GPU path on a GPU (skipped, with a message, where this process can use no CUDA device;
 // the CPU twins are tier_test's and session_test's device-memory tests): device memory written
 // and read back exactly, read by another process through its CUDA IPC handle, and a kvtierd on
-// --device 0 whose device-placed Select hands out handles a worker maps and reads exactly.
+// --device 0 whose device-placed Select hands out handles a worker maps and reads exactly; a
+// promotion batch bit-identical to the CPU references; the crash test of device leases.
 #include "server/transfer/gpu.h"
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,7 +14,10 @@
 #include <random>
 
 #include "absl/strings/escaping.h"
+#include "kernels/quant.h"
 #include "kvtier/client.h"
+#include "server/common/fp16.h"
+#include "server/transfer/device_fill.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -32,6 +38,28 @@ std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
   return out;
 }
 
+v1::CreateSessionRequest SmallSession() {
+  v1::CreateSessionRequest create;
+  create.mutable_shape()->set_num_layers(1);
+  create.mutable_shape()->set_num_q_heads(2);
+  create.mutable_shape()->set_num_kv_heads(1);
+  create.mutable_shape()->set_head_dim(64);
+  create.mutable_shape()->set_dtype(v1::DTYPE_FP16);
+  create.mutable_policy()->set_lossless(true);
+  return create;
+}
+
+v1::SelectRequest DeviceSelect(const std::string& sid) {
+  v1::SelectRequest s;
+  s.set_session_id(sid);
+  std::vector<float> q(2 * 64, 0.5f);
+  s.set_query(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+  s.set_budget_tokens(256);
+  s.set_placement(v1::TIER_DEVICE);
+  s.set_lease_ms(600'000);
+  return s;
+}
+
 TEST(GpuMemory, BytesWrittenAreReadBackExactlyAndPastTheEndIsRefused) {
   KVTIER_SKIP_WITHOUT_GPU();
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeviceMemory> m, AllocateGpuMemory(0, 3 << 20));
@@ -44,6 +72,54 @@ TEST(GpuMemory, BytesWrittenAreReadBackExactlyAndPastTheEndIsRefused) {
   EXPECT_THAT(m->Write((3 << 20) - 10, bytes.data(), 11),
               testing::StatusIs(Code::kInvalidArgument, "pass"));
   EXPECT_THAT(AllocateGpuMemory(0, uint64_t{1} << 50), testing::StatusIs(Code::kResourceExhausted));
+}
+
+// A promotion batch on the GPU (pinned staging, one copy, the gather and dequantize kernels)
+// fills its slots with the same bytes as the CPU reference path: fp16 chunks and int4 and int8
+// chunks of odd sizes (1, 3, 7, 17 tokens; d 64 and 128) at scattered offsets.
+TEST(GpuMemory, APromotionBatchIsBitIdenticalToTheCpuReferences) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeviceMemory> batched, AllocateGpuMemory(0, 8 << 20));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeviceMemory> reference, AllocateGpuMemory(0, 8 << 20));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<std::vector<uint8_t>> sources;
+  std::vector<DeviceFill> on_gpu, on_host;
+  uint64_t at = 0;
+  uint64_t id = 0;
+  for (uint32_t d : {64u, 128u}) {
+    for (uint32_t n : {1u, 3u, 7u, 17u}) {
+      for (uint32_t bits : {0u, 4u, 8u}) {  // 0: fp16
+        std::vector<uint16_t> rows(2 * n * d);
+        for (auto& h : rows) h = FloatToHalf(g(rng));
+        std::optional<QuantLayout> q;
+        std::vector<uint8_t> src(rows.size() * 2);
+        std::memcpy(src.data(), rows.data(), src.size());
+        if (bits != 0) {
+          q = QuantLayout{d, n, bits};
+          src.assign(q->Bytes(), 0);
+          QuantizeChunkReference(rows.data(), rows.data() + n * d, *q, src.data());
+        }
+        sources.push_back(std::move(src));
+        const std::vector<uint8_t>& s = sources.back();
+        on_gpu.push_back({batched.get(), at, s.data(), s.size(), q, ++id});
+        on_host.push_back({reference.get(), at, s.data(), s.size(), q, id});
+        at += 2 * n * d * 2 + 4096 * (id % 3);  // scattered
+      }
+    }
+  }
+  ASSERT_OK(FillDevice(on_gpu));
+  ASSERT_OK(FillDeviceOnHost(on_host));
+  std::vector<uint8_t> a(at), b(at);
+  ASSERT_OK(batched->Read(0, a.data(), at));
+  ASSERT_OK(reference->Read(0, b.data(), at));
+  for (const DeviceFill& f : on_gpu) {
+    const uint64_t bytes =
+        f.quantized ? 4ull * f.quantized->num_tokens * f.quantized->head_dim : f.src_bytes;
+    EXPECT_TRUE(
+        std::equal(a.begin() + f.offset, a.begin() + f.offset + bytes, b.begin() + f.offset))
+        << "chunk " << f.chunk_id;
+  }
 }
 
 // The child side of the IPC test: run by the parent as this binary with the handle in the
@@ -79,13 +155,7 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   LocalDaemon d("gpu", {"--device", "0"});
   ASSERT_TRUE(d.started());
   ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(d.address()));
-  v1::CreateSessionRequest create;
-  create.mutable_shape()->set_num_layers(1);
-  create.mutable_shape()->set_num_q_heads(2);
-  create.mutable_shape()->set_num_kv_heads(1);
-  create.mutable_shape()->set_head_dim(64);
-  create.mutable_shape()->set_dtype(v1::DTYPE_FP16);
-  create.mutable_policy()->set_lossless(true);
+  v1::CreateSessionRequest create = SmallSession();
   create.mutable_policy()->set_chunking(v1::CHUNKING_CONTIGUOUS);
   create.mutable_policy()->set_refine_factor(1);
   ASSERT_OK_AND_ASSIGN(auto session, c->CreateSession(create));
@@ -99,12 +169,7 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   a.set_keys(reinterpret_cast<const char*>(k.data()), k.size() * 2);
   a.set_values(reinterpret_cast<const char*>(v.data()), v.size() * 2);
   ASSERT_OK(c->AppendKV({a}).status());
-  v1::SelectRequest s;
-  s.set_session_id(session.session_id());
-  std::vector<float> q(2 * 64, 0.5f);
-  s.set_query(reinterpret_cast<const char*>(q.data()), q.size() * 4);
-  s.set_budget_tokens(256);
-  s.set_placement(v1::TIER_DEVICE);
+  v1::SelectRequest s = DeviceSelect(session.session_id());
   s.set_include_data(true);
   ASSERT_OK_AND_ASSIGN(v1::SelectResponse resp, c->Select(s));
   ASSERT_OK_AND_ASSIGN(v1::ListSegmentsResponse segs, c->ListSegments());
@@ -128,6 +193,77 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
     ++read;
   }
   EXPECT_EQ(read, 16);  // 256 tokens, 16-token chunks
+}
+
+// The worker of the crash test, run by it as this binary: an attached client holding a lease
+// of ten minutes on device copies until it is killed.
+TEST(GpuDaemon, WorkerHoldsADeviceLease) {
+  const char* address = std::getenv("KVTIER_WORKER_ADDRESS");
+  if (address == nullptr) GTEST_SKIP() << "run by GpuDaemon.AKilledWorkersDeviceLeasesEnd";
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(address));
+  ASSERT_OK_AND_ASSIGN(v1::SelectResponse r, c->Select(DeviceSelect(std::getenv("KVTIER_SID"))));
+  std::printf("lease %s\n", r.lease_id().c_str());
+  std::fflush(stdout);
+  pause();
+}
+
+v1::TierStats DeviceStats(Client& c) {
+  absl::StatusOr<v1::GetTierStatsResponse> r = c.GetTierStats();
+  EXPECT_TRUE(r.ok()) << r.status();
+  for (const v1::TierStats& t : r->tiers()) {
+    if (t.tier() == v1::TIER_DEVICE) return t;
+  }
+  return {};
+}
+
+// The crash test on the GPU (its CPU twin: test_client.py's, on the emulated tier): a worker
+// process holding device leases is killed; its leases end with its connection, nothing stays
+// pinned, and the device copies are then evicted to the last byte.
+TEST(GpuDaemon, AKilledWorkersDeviceLeasesEndAndTheDeviceMemoryComesBack) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  LocalDaemon d("gpucrash", {"--device", "0", "--lease_ttl_ms", "600"});
+  ASSERT_TRUE(d.started());
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(d.address()));
+  ASSERT_OK_AND_ASSIGN(auto session, c->CreateSession(SmallSession()));
+  std::vector<uint16_t> k(1024 * 64, 0x3c00), v(1024 * 64, 0x3800);
+  v1::AppendKVRequest a;
+  a.set_session_id(session.session_id());
+  a.set_num_tokens(1024);
+  a.set_keys(reinterpret_cast<const char*>(k.data()), k.size() * 2);
+  a.set_values(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+  ASSERT_OK(c->AppendKV({a}).status());
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const std::string self = BinaryPath("gpu_path_gpu_test");
+  const std::string env_address = "KVTIER_WORKER_ADDRESS=" + d.address();
+  const std::string env_sid = "KVTIER_SID=" + session.session_id();
+  const pid_t worker = fork();
+  if (worker == 0) {
+    dup2(out[1], 1);
+    putenv(const_cast<char*>(env_address.c_str()));
+    putenv(const_cast<char*>(env_sid.c_str()));
+    execl(self.c_str(), self.c_str(), "--gtest_filter=GpuDaemon.WorkerHoldsADeviceLease",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  std::string line;
+  char ch;
+  while (read(out[0], &ch, 1) == 1) {
+    line += ch;
+    if (line.rfind("lease ", 0) == 0 && ch == '\n') break;
+  }
+  close(out[0]);
+  ASSERT_NE(line.find("lease "), std::string::npos) << line;
+  EXPECT_GT(DeviceStats(*c).pinned_bytes(), 0u);
+  EXPECT_GT(DeviceStats(*c).used_bytes(), 0u);
+  kill(worker, SIGKILL);
+  waitpid(worker, nullptr, 0);
+  for (int i = 0; i < 250 && DeviceStats(*c).pinned_bytes() > 0; ++i) usleep(20'000);
+  EXPECT_EQ(DeviceStats(*c).pinned_bytes(), 0u) << "the dead worker's device pins outlived it";
+  ASSERT_OK_AND_ASSIGN(uint64_t moved, c->Evict(session.session_id(), v1::TIER_DEVICE));
+  EXPECT_GT(moved, 0u);
+  EXPECT_EQ(DeviceStats(*c).used_bytes(), 0u);
 }
 
 }  // namespace

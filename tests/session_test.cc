@@ -908,9 +908,10 @@ TEST(Session, DevicePlacementPromotesCopiesAndEvictDropsThem) {
 TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
   auto state = std::make_shared<FakeDeviceState>();
   Env e(64 << 20, 16 << 20, {}, state);
-  // Whole chunks (promotion), then refined rows gathered into device blocks.
-  for (bool refined : {false, true}) {
-    v1::SessionPolicy p = Lossless();
+  // Whole fp16 chunks (promotion), refined rows gathered into device blocks, and whole chunks
+  // of which the old ones are int4 (moved as stored, dequantized on "the device").
+  for (const auto& [refined, int4] : {std::pair{false, false}, {true, false}, {false, true}}) {
+    v1::SessionPolicy p = int4 ? WholeContiguousChunks() : Lossless();
     if (refined) p.set_refine_factor(4);
     Fixture f = Make(e, 3, 2, 1, 16, 512, p);  // layer 2: past the dense layers
     ASSERT_OK(AppendAll(f, 512, 512));
@@ -935,10 +936,15 @@ TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
     EXPECT_EQ(dev.pos, host.pos) << (refined ? "refined" : "whole chunks");
     EXPECT_EQ(dev.k, host.k);
     EXPECT_EQ(dev.v, host.v);
-    if (!refined) {
+    if (!refined && !int4) {
       EXPECT_EQ(dev.k, HeadRows(f.k[2], f, 0, 0, 512));
       EXPECT_EQ(dev.v, HeadRows(f.v[2], f, 0, 0, 512));
     }
+    int cold = 0;
+    for (const auto& b : resp.heads(0).blocks()) {
+      cold += b.stored_precision() == v1::PRECISION_INT4 ? 1 : 0;
+    }
+    EXPECT_EQ(cold > 0, int4);
     ASSERT_OK(e.leases.Release("t", resp.lease_id()));
     ASSERT_OK(e.leases.Release("t", on_host.lease_id()));
     ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
@@ -949,7 +955,7 @@ TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
   r.set_placement(v1::TIER_DEVICE);
   state->fail_copies = true;
   v1::SelectResponse failed;
-  EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "injected"));
+  EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "promoting chunk"));
   EXPECT_EQ(failed.heads_size(), 0);
   EXPECT_EQ(e.leases.CountForSession("s"), 0u);
 }

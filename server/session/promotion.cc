@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "server/common/status_macros.h"
+#include "server/transfer/device_fill.h"
 
 namespace kvtier {
 namespace {
@@ -37,19 +38,31 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    cache->Allocate(target.tenant, target.format.slot_bytes(), todo.size()));
-  std::vector<uint8_t> scratch;
+  // Device slots are filled in one batch (FillDevice: int4 moved as int4, dequantized there),
+  // then every copy enters the cache; host slots are written here.
+  std::vector<DeviceFill> fills;
   for (size_t j = 0; j < todo.size(); ++j) {
     const auto [h, i] = todo[j];
     const uint32_t c = chosen[h][i];
     const Chunk& ch = heads[h].chunks()[c];
-    if (slots[j]->on_device()) {  // made here, then copied over
-      scratch.resize(slots[j]->bytes());
-      target.format.WriteFp16(ch, scratch.data());
-      RETURN_IF_ERROR(
-          slots[j]->Write(0, scratch.data(), 2 * ch.num_tokens * target.format.row_bytes()));
-    } else {
+    if (!slots[j]->on_device()) {
       target.format.WriteFp16(ch, slots[j]->data());
+      continue;
     }
+    std::optional<QuantLayout> quantized;
+    if (ch.cold()) quantized = target.format.ColdLayout(ch);
+    fills.push_back({.dst = slots[j]->device_memory(),
+                     .offset = slots[j]->offset(),
+                     .src = ch.host->data(),
+                     .src_bytes = target.format.StoredBytes(ch),
+                     .quantized = quantized,
+                     .chunk_id = EncodeChunkId({target.layer, h, c})});
+  }
+  RETURN_IF_ERROR(FillDevice(fills));
+  for (size_t j = 0; j < todo.size(); ++j) {
+    const auto [h, i] = todo[j];
+    const uint32_t c = chosen[h][i];
+    const Chunk& ch = heads[h].chunks()[c];
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
     (to_device ? heads[h].device(c) : heads[h].promoted(c)) =
         cache->Insert(slots[j], target.tenant, cost, prefetch);

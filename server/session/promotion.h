@@ -21,6 +21,7 @@ struct PromotionTarget {
   bool to_device;
   const std::string& tenant;
   ChunkFormat format;
+  uint32_t layer;  // of the chunks promoted (their ids name them in an error)
 };
 
 // The fp16-readable slot of each chunk of `chosen` ([kv_head] -> chunk indices of `heads`),

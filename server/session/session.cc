@@ -460,7 +460,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   if (refine) {
     const bool by_need = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED;
     float need = 0.f;
-    RETURN_IF_ERROR(RefineLayer(promotion(/*to_device=*/false), heads(layer),
+    RETURN_IF_ERROR(RefineLayer(promotion(layer, /*to_device=*/false), heads(layer),
                                 policy_.refine_score(), policy_.mass_target(), q,
                                 static_cast<int>(shape_.num_q_heads() / shape_.num_kv_heads()), &c,
                                 by_need ? &need : nullptr));
@@ -470,13 +470,14 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const std::vector<std::vector<uint32_t>> returned = c.chunks;
   std::vector<std::vector<GatheredBlock>> gathered(shape_.num_kv_heads());
   if (refine && !req.row_handles()) {
-    ASSIGN_OR_RETURN(gathered, GatherRows(promotion(to_device), heads(layer), &c));
+    ASSIGN_OR_RETURN(gathered, GatherRows(promotion(layer, to_device), heads(layer), &c));
   }
   std::vector<std::vector<SlotRef>> readable;
   if (!c.host_slots.empty() && !to_device) {
     readable = std::move(c.host_slots);  // what the refinement read is what the worker reads
   } else {
-    ASSIGN_OR_RETURN(readable, Readable(promotion(to_device), heads(layer), c.chunks, false));
+    ASSIGN_OR_RETURN(readable,
+                     Readable(promotion(layer, to_device), heads(layer), c.chunks, false));
   }
   const ChunkFormat f = format();
   std::vector<SlotRef> pinned;
@@ -520,8 +521,8 @@ absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_
                           policy_.refine_factor(), /*record=*/false));
   if (c.everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
   size_t made = 0;
-  RETURN_IF_ERROR(Readable(promotion(req.placement() == v1::TIER_DEVICE), heads(req.layer()),
-                           c.chunks, /*prefetch=*/true, &made)
+  RETURN_IF_ERROR(Readable(promotion(req.layer(), req.placement() == v1::TIER_DEVICE),
+                           heads(req.layer()), c.chunks, /*prefetch=*/true, &made)
                       .status());
   return made;
 }

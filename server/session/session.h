@@ -228,9 +228,10 @@ class Session : public std::enable_shared_from_this<Session> {
   AgingContext aging() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return AgingContext{policy_, format(), env_.host, tenant_};
   }
-  PromotionTarget promotion(bool to_device) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  PromotionTarget promotion(uint32_t layer, bool to_device) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device, tenant_,
-                           format()};
+                           format(), layer};
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -104,6 +104,8 @@ class Slot {
   // The bytes, mapped here; null for a slot in device memory (see Write and Read).
   uint8_t* data() const { return data_; }
   bool on_device() const { return device_ != nullptr; }
+  // The device memory of a device slot (its bytes at offset() there); null otherwise.
+  DeviceMemory* device_memory() const { return device_; }
   // `n` bytes of `src` into the slot at `at`, wherever it lives (a copy to the device for a
   // device slot); the device's error when that copy fails.
   absl::Status Write(uint64_t at, const void* src, uint64_t n);

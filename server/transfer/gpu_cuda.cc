@@ -3,9 +3,16 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/gather_chunks.h"
+#include "kernels/quant.h"
+#include "server/transfer/device_fill.h"
 #include "server/transfer/gpu.h"
 
 namespace kvtier {
@@ -101,7 +108,139 @@ class CudaMemory final : public DeviceMemory {
   cudaStream_t stream_ = nullptr;
 };
 
+// One device's promotion path: pinned host staging and device scratch that only grow, a
+// stream of its own and an event per fill. One fill at a time per device: a fill waits only
+// for its own event, and nothing of another's is on the stream by then.
+class Promoter {
+ public:
+  explicit Promoter(int device) : device_(device) {}
+
+  absl::Status Fill(std::span<const DeviceFill> fills) {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVTIER_CUDA_RETURN(cudaSetDevice(device_));
+    if (stream_ == nullptr) {
+      KVTIER_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      KVTIER_CUDA_RETURN(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    }
+    // The staging layout: every source (256-aligned), then the gather entries, then each
+    // layout's dequantize jobs; their device pointers point into the scratch.
+    auto align = [](uint64_t x) { return (x + 255) & ~uint64_t{255}; };
+    uint64_t at = 0;
+    std::vector<uint64_t> src_at(fills.size());
+    for (size_t i = 0; i < fills.size(); ++i) {
+      src_at[i] = at = align(at);
+      at += fills[i].src_bytes;
+    }
+    std::vector<size_t> plain;
+    std::map<std::tuple<uint32_t, uint32_t, uint32_t>, std::vector<size_t>> by_layout;
+    for (size_t i = 0; i < fills.size(); ++i) {
+      if (const auto& q = fills[i].quantized) {
+        by_layout[{q->head_dim, q->num_tokens, q->bits}].push_back(i);
+      } else {
+        plain.push_back(i);
+      }
+    }
+    const uint64_t entries_at = align(at);
+    at = entries_at + plain.size() * sizeof(GatherEntry);
+    std::vector<uint64_t> jobs_at;
+    for (const auto& [key, members] : by_layout) {
+      jobs_at.push_back(at = align(at));
+      at += members.size() * sizeof(QuantJob);
+    }
+    if (absl::Status s = Reserve(at); !s.ok()) return s;
+    for (size_t i = 0; i < fills.size(); ++i) {
+      std::memcpy(staging_ + src_at[i], fills[i].src, fills[i].src_bytes);
+    }
+    auto* entries = reinterpret_cast<GatherEntry*>(staging_ + entries_at);
+    for (size_t j = 0; j < plain.size(); ++j) {
+      const DeviceFill& f = fills[plain[j]];
+      entries[j] = {scratch_ + src_at[plain[j]], f.dst->data() + f.offset, f.src_bytes};
+    }
+    size_t g = 0;
+    for (const auto& [key, members] : by_layout) {
+      auto* jobs = reinterpret_cast<QuantJob*>(staging_ + jobs_at[g++]);
+      for (size_t j = 0; j < members.size(); ++j) {
+        const DeviceFill& f = fills[members[j]];
+        jobs[j] = {f.dst->data() + f.offset, scratch_ + src_at[members[j]]};
+      }
+    }
+    const std::string what =
+        absl::StrCat("promoting chunks ", fills.front().chunk_id,
+                     fills.size() > 1 ? absl::StrCat(" and ", fills.size() - 1, " more") : "",
+                     " to CUDA device ", device_, ": ");
+    auto failed = [&](cudaError_t e, absl::string_view call) {
+      (void)cudaGetLastError();
+      absl::Status s = CudaError(e, call);
+      return absl::Status(s.code(), absl::StrCat(what, s.message()));
+    };
+    cudaError_t e = cudaMemcpyAsync(scratch_, staging_, at, cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return failed(e, "cudaMemcpyAsync");
+    if (!plain.empty()) {
+      e = GatherChunks(reinterpret_cast<const GatherEntry*>(scratch_ + entries_at),
+                       static_cast<int>(plain.size()), stream_);
+      if (e != cudaSuccess) return failed(e, "GatherChunks");
+    }
+    g = 0;
+    for (const auto& [key, members] : by_layout) {
+      const auto [d, n, bits] = key;
+      e = DequantizeChunks(reinterpret_cast<const QuantJob*>(scratch_ + jobs_at[g++]),
+                           static_cast<int>(members.size()), QuantLayout{d, n, bits}, stream_);
+      if (e != cudaSuccess) return failed(e, "DequantizeChunks");
+    }
+    if ((e = cudaEventRecord(done_, stream_)) != cudaSuccess) return failed(e, "cudaEventRecord");
+    if ((e = cudaEventSynchronize(done_)) != cudaSuccess) return failed(e, "cudaEventSynchronize");
+    return absl::OkStatus();
+  }
+
+ private:
+  // Staging and scratch of at least `bytes`, grown by doubling.
+  absl::Status Reserve(uint64_t bytes) {
+    if (bytes <= capacity_) return absl::OkStatus();
+    uint64_t want = std::max<uint64_t>(bytes, 2 * capacity_);
+    if (staging_ != nullptr) (void)cudaFreeHost(staging_);
+    if (scratch_ != nullptr) (void)cudaFree(scratch_);
+    staging_ = scratch_ = nullptr;
+    capacity_ = 0;
+    KVTIER_CUDA_RETURN(cudaHostAlloc(&staging_, want, cudaHostAllocDefault));
+    KVTIER_CUDA_RETURN(cudaMalloc(&scratch_, want));
+    capacity_ = want;
+    return absl::OkStatus();
+  }
+
+  const int device_;
+  std::mutex mu_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  uint8_t* staging_ = nullptr;  // pinned host memory
+  uint8_t* scratch_ = nullptr;  // device memory
+  uint64_t capacity_ = 0;
+};
+
+// One promoter per device, for the process's life (never destroyed: no CUDA call at exit).
+Promoter& PromoterOf(int device) {
+  static std::mutex mu;
+  static auto* promoters = new std::map<int, Promoter*>();
+  std::lock_guard<std::mutex> lock(mu);
+  Promoter*& p = (*promoters)[device];
+  if (p == nullptr) p = new Promoter(device);
+  return *p;
+}
+
 }  // namespace
+
+absl::Status FillDevice(std::span<const DeviceFill> fills) {
+  if (fills.empty()) return absl::OkStatus();
+  // CUDA memory, by device, in one batch each; other memory (the CPU twin) on the host.
+  std::map<int, std::vector<DeviceFill>> by_device;
+  for (const DeviceFill& f : fills) {
+    if (dynamic_cast<const CudaMemory*>(f.dst) == nullptr) return FillDeviceOnHost(fills);
+    by_device[f.dst->device()].push_back(f);
+  }
+  for (const auto& [device, batch] : by_device) {
+    if (absl::Status s = PromoterOf(device).Fill(batch); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
 
 bool BuiltWithCuda() { return true; }
 

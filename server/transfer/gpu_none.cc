@@ -1,4 +1,5 @@
 // The GPU runtime of a build without CUDA: no device, ever, and the reason says so.
+#include "server/transfer/device_fill.h"
 #include "server/transfer/gpu.h"
 
 namespace kvtier {
@@ -23,5 +24,7 @@ absl::StatusOr<std::unique_ptr<GpuMapping>> GpuMapping::Open(int, absl::string_v
 GpuMapping::~GpuMapping() = default;
 
 absl::Status GpuMapping::Read(uint64_t, void*, uint64_t) const { return NoCuda(); }
+
+absl::Status FillDevice(std::span<const DeviceFill> fills) { return FillDeviceOnHost(fills); }
 
 }  // namespace kvtier

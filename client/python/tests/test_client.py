@@ -562,21 +562,21 @@ sys.path.insert(0, sys.argv[3])
 import kvtier
 c = kvtier.Client(sys.argv[1], attach=sys.argv[4] == "attach")
 sel = c.select(sys.argv[2], 3, np.ones((9, 64), np.float32), budget_tokens=256,
-               lease_ms=int(sys.argv[5]))
+               lease_ms=int(sys.argv[5]), placement=sys.argv[6])
 pos, k, v = c.gather(sel.heads[0], sys.argv[2])  # reads through shared memory
 print(sel.lease_id, flush=True)
 time.sleep(600)  # holds the lease until killed
 """
 
 
-def start_worker(tmp_path, address, sid, attach, lease_ms):
+def start_worker(tmp_path, address, sid, attach, lease_ms, placement="host"):
     """A worker process holding one lease; returns it and the lease id it printed."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     worker = subprocess.Popen(
         [sys.executable, str(script), address, sid,
          str(Path(kvtier.__file__).resolve().parents[1]), "attach" if attach else "no",
-         str(lease_ms)],
+         str(lease_ms), placement],
         stdout=subprocess.PIPE, text=True)
     lease = worker.stdout.readline().strip()
     assert lease, "the worker printed no lease"
@@ -609,6 +609,30 @@ def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_p
         with pytest.raises(kvtier.KvTierError) as e:
             c.release(lease)
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_killed_worker_s_device_leases_end_and_the_device_memory_comes_back(start_daemon,
+                                                                              tmp_path):
+    """The crash test of the device tier (here emulated; on a GPU gpu_path_gpu_test's twin):
+    a worker holding leases on device copies is killed; within the lease TTL nothing of the
+    device tier is pinned for it, and its copies are then evicted to the last byte."""
+    d = start_daemon("--lease_ttl_ms", "600")
+    rng = np.random.default_rng(9)
+    k, v = make_kv(rng, 1000)
+    with kvtier.Client(d.address) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        c.append_layers(sid, 0, k, v)
+        for attach in (True, False):
+            worker, lease = start_worker(tmp_path, d.address, sid, attach=attach,
+                                         lease_ms=600, placement="device")
+            device = next(t for t in c.tier_stats() if t.tier == pb.TIER_DEVICE)
+            assert device.pinned_bytes > 0 and device.used_bytes > 0
+            worker.kill()
+            worker.wait()
+            assert wait_unpinned(c, 10), "the dead worker's device pins outlived its lease"
+            assert c.evict(sid, "device") > 0
+            device = next(t for t in c.tier_stats() if t.tier == pb.TIER_DEVICE)
+            assert device.used_bytes == 0 and device.pinned_bytes == 0
 
 
 def test_an_attached_worker_s_leases_end_when_its_process_dies(daemon, tmp_path):
