@@ -3,6 +3,9 @@
 //   promotion_h2d (int4 and fp16 chunks): FillDevice of a Select's worth of chunks (pinned
 //     staging, one copy, gather/dequantize kernels), as GB/s of the bytes moved over PCIe,
 //     against a pinned cudaMemcpyAsync of the same bytes;
+//   ingest_d2h: AppendKV from the worker's device memory (AppendKVRequest.device; a prefill's
+//     K and V of the SmolLM2 shape, 4096 tokens, one stream), acknowledged, against a
+//     device-to-host cudaMemcpyAsync of the same bytes into pinned memory;
 //   select_device_p50: Select with placement TIER_DEVICE on kvtierd --device 0 (copies cached
 //     after the first), against the same Select placed on the host tier.
 // Exits 0 printing a note, and no figure, where this process can use no CUDA device.
@@ -95,6 +98,69 @@ void Promotion(bool int4) {
   cudaStreamDestroy(stream);
 }
 
+void IngestDevice() {
+  constexpr int kLayers = 30, kKv = 3, kD = 64, kTokens = 4096, kStep = 256;
+  const uint64_t half = uint64_t{kKv} * kStep * kD * 2;  // K (or V) of one message
+  const uint64_t total = 2 * half * kLayers * (kTokens / kStep);
+  auto buffer = AllocateGpuMemory(0, total);
+  if (!buffer.ok()) std::exit(1);
+  std::mt19937 rng(3);
+  std::vector<uint16_t> halfs(total / 2);
+  for (auto& h : halfs) h = static_cast<uint16_t>(rng() & 0x3bff);  // finite fp16
+  if (!(*buffer)->Write(0, halfs.data(), total).ok()) std::exit(1);
+  Daemon d({"--device", "0", "--host_capacity", "4G"});
+  auto client = Client::Connect(d.address());
+  if (!client.ok()) std::exit(1);
+  Client& c = **client;
+  uint8_t* pinned = nullptr;
+  CHECK_CUDA(cudaHostAlloc(&pinned, total, cudaHostAllocDefault));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<double> ingest_s, copy_s;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto s = c.CreateSession(SmolLm2Session());
+    if (!s.ok()) std::exit(1);
+    std::vector<v1::AppendKVRequest> reqs;
+    uint64_t at = 0;
+    for (int start = 0; start < kTokens; start += kStep) {
+      for (int l = 0; l < kLayers; ++l, at += 2 * half) {
+        v1::AppendKVRequest r;
+        r.set_session_id(s->session_id());
+        r.set_layer(l);
+        r.set_start_token(start);
+        r.set_num_tokens(kStep);
+        r.mutable_device()->set_cuda_ipc_handle((*buffer)->ipc_handle());
+        r.mutable_device()->set_keys_offset(at);
+        r.mutable_device()->set_values_offset(at + half);
+        reqs.push_back(std::move(r));
+      }
+    }
+    double t0 = NowSeconds();
+    if (!c.AppendKV(reqs).ok()) std::exit(1);
+    double t1 = NowSeconds();
+    CHECK_CUDA(cudaMemcpyAsync(pinned, (*buffer)->data(), total, cudaMemcpyDeviceToHost, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    double t2 = NowSeconds();
+    ingest_s.push_back(t1 - t0);
+    copy_s.push_back(t2 - t1);
+    (void)c.CloseSession(s->session_id());
+  }
+  Print({"ingest_d2h",
+         total / Median(ingest_s) / 1e9,
+         "GB/s",
+         total / Median(copy_s) / 1e9,
+         "device_to_host_cudaMemcpyAsync",
+         {{"tokens", std::to_string(kTokens)},
+          {"layers", std::to_string(kLayers)},
+          {"kv_heads", std::to_string(kKv)},
+          {"head_dim", std::to_string(kD)},
+          {"tokens_per_message", std::to_string(kStep)},
+          {"reps", "5"},
+          {"target_ratio", "0.8"}}});
+  cudaFreeHost(pinned);
+  cudaStreamDestroy(stream);
+}
+
 void SelectDevice() {
   Daemon d({"--device", "0", "--device_capacity", "4G"});
   auto client = Client::Connect(d.address());
@@ -157,6 +223,7 @@ int main() {
   }
   Promotion(/*int4=*/true);
   Promotion(/*int4=*/false);
+  IngestDevice();
   SelectDevice();
   return 0;
 }

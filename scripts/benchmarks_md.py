@@ -53,6 +53,9 @@ TARGETS = [
     ("promotion_h2d", ">=", 0.8, "promotion of a Select's worth of chunks to the GPU device "
      "tier (FillDevice: pinned staging, one copy, gather and dequantize kernels), as the bytes "
      "moved over PCIe, vs a pinned cudaMemcpyAsync of the same bytes"),
+    ("ingest_d2h", ">=", 0.8, "AppendKV from a worker's device memory (CUDA IPC handle; a "
+     "prefill's K and V, one stream), acknowledged, vs a device-to-host cudaMemcpyAsync of the "
+     "same bytes into pinned memory"),
     ("select_device_p50", None, None, "Select placed on the GPU device tier (kvtierd --device "
      "0, copies cached after the first) vs the same Select placed on the host tier"),
     ("select_policy_us", None, None, "one stream's Select ranking work per policy (exact "

@@ -1268,6 +1268,25 @@ TEST(Daemon, TheDeviceTierIsAGpuOrEmulatedAndStartUpSaysWhich) {
       << out;
 }
 
+// An append from a worker's device memory reaches a daemon without a GPU as FAILED_PRECONDITION
+// naming `device`; on a GPU a handle that is no allocation cannot be opened, and names the
+// handle. Either way nothing is stored and the stream's error is that append's.
+TEST(Daemon, AnAppendFromDeviceMemoryNamesTheDevice) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  v1::AppendKVRequest r;
+  r.set_session_id(created.session_id());
+  r.set_num_tokens(16);
+  r.mutable_device()->set_cuda_ipc_handle(std::string(kCudaIpcHandleBytes, 'h'));
+  const bool gpu = ProbeGpus().ok();
+  EXPECT_THAT(c->AppendKV({r}), StatusIs(gpu ? Code::kInvalidArgument : Code::kFailedPrecondition,
+                                         gpu ? "device.cuda_ipc_handle" : "runs no GPU"));
+  ASSERT_OK_AND_ASSIGN(auto described, c->DescribeSession(created.session_id()));
+  EXPECT_EQ(described.info().num_tokens(), 0u);
+}
+
 TEST(Daemon, BadConfigurationExitsTwoNamingTheField) {
   auto [code, out] = testing::RunCommand(testing::BinaryPath("kvtierd") +
                                          " --listen unix:/tmp/x.sock --host_capacity 12Q");

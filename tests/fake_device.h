@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,43 @@ class FakeDeviceMemory final : public DeviceMemory {
   std::shared_ptr<FakeDeviceState> state_;
   uint64_t id_;
   static inline std::atomic<uint64_t> next_id_{0};
+};
+
+// A worker's "device memory" (the CPU twin of GPU ingest): buffers by handle, read through
+// DeviceSource; opens and reads are counted, and either can be made to fail.
+struct FakeWorkerDevice {
+  std::map<std::string, std::vector<uint8_t>> buffers;  // by CUDA IPC handle
+  std::atomic<int> opens{0}, closes{0};
+  std::atomic<bool> fail_reads{false};
+
+  class Source final : public DeviceSource {
+   public:
+    Source(FakeWorkerDevice* dev, const std::vector<uint8_t>* bytes) : dev_(dev), bytes_(bytes) {}
+    ~Source() override { ++dev_->closes; }
+    absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override {
+      if (dev_->fail_reads) return absl::InternalError("cudaMemcpyAsync: injected failure");
+      if (offset > bytes_->size() || n > bytes_->size() - offset) {
+        return absl::InvalidArgumentError("cudaMemcpyAsync: cudaErrorInvalidValue (past the end)");
+      }
+      std::memcpy(dst, bytes_->data() + offset, n);
+      return absl::OkStatus();
+    }
+
+   private:
+    FakeWorkerDevice* dev_;
+    const std::vector<uint8_t>* bytes_;
+  };
+
+  DeviceSourceOpener Opener() {
+    return [this](absl::string_view handle) -> absl::StatusOr<std::unique_ptr<DeviceSource>> {
+      auto it = buffers.find(std::string(handle));
+      if (it == buffers.end()) {
+        return absl::InvalidArgumentError("cudaIpcOpenMemHandle: cudaErrorInvalidValue");
+      }
+      ++opens;
+      return std::make_unique<Source>(this, &it->second);
+    };
+  }
 };
 
 // TierOptions::device_memory over fake regions sharing `state`.

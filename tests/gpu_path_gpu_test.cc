@@ -195,6 +195,53 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   EXPECT_EQ(read, 16);  // 256 tokens, 16-token chunks
 }
 
+// GPU ingest: the worker's K and V in its own device memory, named by CUDA IPC handle, are
+// stored exactly (read back by ReadChunks); a range past the allocation is that append's
+// error, naming the field, and stores nothing.
+TEST(GpuDaemon, AppendsFromTheWorkersDeviceMemoryAreStoredExactly) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  LocalDaemon d("gpuingest", {"--device", "0"});
+  ASSERT_TRUE(d.started());
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(d.address()));
+  v1::CreateSessionRequest create = SmallSession();
+  create.mutable_policy()->set_chunking(v1::CHUNKING_CONTIGUOUS);
+  ASSERT_OK_AND_ASSIGN(auto session, c->CreateSession(create));
+  const std::vector<uint8_t> kv = Pattern(2 * 256 * 64 * 2, 9);  // K then V, [256][64] each
+  std::vector<uint8_t> finite(kv.size());
+  for (size_t i = 0; i < kv.size(); i += 2) {  // finite fp16: no exponent of all ones
+    finite[i] = kv[i];
+    finite[i + 1] = kv[i + 1] & 0x3b;
+  }
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeviceMemory> buffer, AllocateGpuMemory(0, 1 << 20));
+  ASSERT_OK(buffer->Write(4096, finite.data(), finite.size()));
+  v1::AppendKVRequest a;
+  a.set_session_id(session.session_id());
+  a.set_num_tokens(256);
+  a.mutable_device()->set_cuda_ipc_handle(buffer->ipc_handle());
+  a.mutable_device()->set_keys_offset(4096);
+  a.mutable_device()->set_values_offset(4096 + finite.size() / 2);
+  ASSERT_OK(c->AppendKV({a}).status());
+  v1::ListChunksRequest list;
+  list.set_session_id(session.session_id());
+  ASSERT_OK_AND_ASSIGN(v1::ListChunksResponse listed, c->ListChunks(list));
+  std::vector<uint64_t> ids;
+  for (const v1::ChunkInfo& info : listed.chunks()) ids.push_back(info.chunk_id());
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::BlockHandle> chunks,
+                       c->ReadChunks(session.session_id(), ids));
+  std::string k, v;
+  for (const v1::BlockHandle& h : chunks) {
+    k += h.keys();
+    v += h.values();
+  }
+  const std::string want(reinterpret_cast<const char*>(finite.data()), finite.size());
+  EXPECT_EQ(k + v, want);
+  a.set_start_token(256);
+  a.mutable_device()->set_keys_offset((1 << 20) - 100);
+  EXPECT_THAT(c->AppendKV({a}), testing::StatusIs(Code::kInvalidArgument, "device.keys_offset"));
+  ASSERT_OK_AND_ASSIGN(auto described, c->DescribeSession(session.session_id()));
+  EXPECT_EQ(described.info().num_tokens(), 256u);
+}
+
 // The worker of the crash test, run by it as this binary: an attached client holding a lease
 // of ten minutes on device copies until it is killed.
 TEST(GpuDaemon, WorkerHoldsADeviceLease) {

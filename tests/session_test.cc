@@ -82,6 +82,71 @@ TEST(Session, BadAppendsNameTheField) {
   EXPECT_EQ(f.session->Info().num_tokens(), 0u);
 }
 
+// Ingest from a worker's device memory (the CPU twin of GPU ingest): the bytes read through the
+// stream's mapping are stored exactly as bytes sent inline; the mapping is opened once per
+// stream and closed with it; every refusal names its field and stores nothing.
+TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
+  FakeWorkerDevice worker;
+  Env e;
+  e.env.open_device_source = worker.Opener();
+  Fixture f = Make(e, 1, 2, 2, 16, 96);
+  const std::string handle(kCudaIpcHandleBytes, 'h');
+  std::vector<uint8_t>& buffer = worker.buffers[handle];
+  auto device_req = [&](int start, int n, uint64_t at) {
+    v1::AppendKVRequest r = Req(f, 0, start, n);
+    buffer.resize(std::max<size_t>(buffer.size(), at + r.keys().size() + r.values().size()));
+    std::memcpy(buffer.data() + at, r.keys().data(), r.keys().size());
+    std::memcpy(buffer.data() + at + r.keys().size(), r.values().data(), r.values().size());
+    r.clear_keys();
+    r.clear_values();
+    r.mutable_device()->set_cuda_ipc_handle(handle);
+    r.mutable_device()->set_keys_offset(at);
+    r.mutable_device()->set_values_offset(at + 2 * 2 * n * 16);
+    return r;
+  };
+  {
+    DeviceSources stream;  // one AppendKV stream's mappings
+    for (int start = 0; start < 96; start += 32) {
+      v1::AppendKVRequest r = device_req(start, 32, 1000 * start);
+      ASSERT_OK(f.session->Undevice(&r, &stream));
+      EXPECT_FALSE(r.has_device());
+      ASSERT_OK(f.session->Append(r).status());
+    }
+    EXPECT_EQ(worker.opens, 1);
+    EXPECT_EQ(worker.closes, 0);
+  }
+  EXPECT_EQ(worker.closes, 1);  // the stream ended: nothing stays mapped for the worker
+  for (int h = 0; h < 2; ++h) ExpectStreamExact(f, 0, h, 96);
+
+  Fixture g = Make(e, 1, 2, 2, 16, 96);
+  DeviceSources stream;
+  v1::AppendKVRequest r = device_req(0, 16, 0);
+  r.set_keys("xx");
+  EXPECT_THAT(g.session->Undevice(&r, &stream), StatusIs(Code::kInvalidArgument, "keys"));
+  r = device_req(0, 16, 0);
+  r.mutable_device()->set_cuda_ipc_handle("short");
+  EXPECT_THAT(g.session->Undevice(&r, &stream),
+              StatusIs(Code::kInvalidArgument, "device.cuda_ipc_handle"));
+  r = device_req(0, 16, 0);
+  r.mutable_device()->set_cuda_ipc_handle(std::string(kCudaIpcHandleBytes, 'x'));  // no such
+  EXPECT_THAT(g.session->Undevice(&r, &stream),
+              StatusIs(Code::kInvalidArgument, "device.cuda_ipc_handle: cudaIpcOpenMemHandle"));
+  r = device_req(0, 16, 0);
+  r.mutable_device()->set_values_offset(buffer.size());
+  EXPECT_THAT(g.session->Undevice(&r, &stream),
+              StatusIs(Code::kInvalidArgument, "device.values_offset"));
+  worker.fail_reads = true;
+  r = device_req(0, 16, 0);
+  EXPECT_THAT(g.session->Undevice(&r, &stream), StatusIs(Code::kInternal, "device.keys_offset"));
+  worker.fail_reads = false;
+  Env no_gpu;
+  Fixture h = Make(no_gpu, 1, 2, 2, 16, 96);
+  r = device_req(0, 16, 0);
+  EXPECT_THAT(h.session->Undevice(&r, &stream), StatusIs(Code::kFailedPrecondition, "no GPU"));
+  EXPECT_EQ(g.session->Info().num_tokens(), 0u);
+  EXPECT_EQ(h.session->Info().num_tokens(), 0u);
+}
+
 TEST(Session, FullHostTierStoresNothingAndKeepsWhatWasThere) {
   // 2 kv heads, d 16: a slot is 16*16*4 = 1 KiB; room for 6 slots and the session's metadata.
   const uint64_t meta = MetadataOfTwin([](Env& twin) {

@@ -67,9 +67,17 @@ absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& 
 
 SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* host_copies,
                           PromotionCache* device_copies, LeaseTable* leases, const Clock* clock,
-                          AgingPool* aging) {
+                          AgingPool* aging, int gpu) {
   SessionEnv env;
   env.aging = aging;
+  if (gpu >= 0) {  // ingest from workers' device memory, copied on this daemon's GPU
+    env.open_device_source =
+        [gpu](absl::string_view handle) -> absl::StatusOr<std::unique_ptr<DeviceSource>> {
+      absl::StatusOr<std::unique_ptr<GpuMapping>> m = GpuMapping::Open(gpu, handle);
+      if (!m.ok()) return m.status();
+      return std::unique_ptr<DeviceSource>(*std::move(m));
+    };
+  }
   env.max_aging_backlog_tokens = o.max_aging_backlog_tokens;
   env.host = host;
   env.host_copies = host_copies;
@@ -231,7 +239,7 @@ Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* c
           AgingPool::kBackgroundNice)),
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,
-                               aging_.get()),
+                               aging_.get(), device_choice_.gpu),
                 remote_.ok() ? remote_->get() : nullptr),
       auth_(options_, getuid()),
       service_(ServiceEnv{.sessions = &sessions_,

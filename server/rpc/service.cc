@@ -244,6 +244,7 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
         tenant_, req_.session_id(),
         [&](const std::shared_ptr<Session>& s) {
           RETURN_IF_ERROR(s->Unstage(&req_));  // staged bytes become the request's own
+          RETURN_IF_ERROR(s->Undevice(&req_, &device_sources_));  // so do a GPU's
           stored = s->Append(req_);
           return stored.status();
         },
@@ -269,6 +270,8 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   v1::AppendKVResponse* const resp_;
   const absl::Time start_;
   v1::AppendKVRequest req_;
+  // The worker device memory this stream's appends named, mapped until the stream ends.
+  DeviceSources device_sources_;
   std::shared_ptr<Session> session_;
   uint64_t tokens_ = 0;
   bool tenant_ok_ = false;

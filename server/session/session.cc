@@ -247,6 +247,45 @@ absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
   return absl::OkStatus();
 }
 
+absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const {
+  if (!req->has_device()) return absl::OkStatus();
+  if (!req->keys().empty() || !req->values().empty() || req->has_staged()) {
+    return InvalidField(req->has_staged()     ? "staged"
+                        : req->keys().empty() ? "values"
+                                              : "keys",
+                        "bytes sent beside `device`; an append carries them one way");
+  }
+  const v1::DeviceKV& device = req->device();
+  if (device.cuda_ipc_handle().size() != kCudaIpcHandleBytes) {
+    return InvalidField("device.cuda_ipc_handle",
+                        absl::StrFormat("%d bytes, not a CUDA IPC handle's %d",
+                                        device.cuda_ipc_handle().size(), kCudaIpcHandleBytes));
+  }
+  if (!env_.open_device_source) {
+    return absl::FailedPreconditionError(
+        "device: this kvtierd runs no GPU (--device); send the bytes, or stage them");
+  }
+  // The device's error, with the field it came of.
+  auto naming = [](const absl::Status& s, absl::string_view field) {
+    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+  };
+  absl::StatusOr<const DeviceSource*> source =
+      sources->Get(device.cuda_ipc_handle(), env_.open_device_source);
+  if (!source.ok()) return naming(source.status(), "device.cuda_ipc_handle");
+  const uint64_t want = uint64_t{shape_.num_kv_heads()} * req->num_tokens() * shape_.head_dim() * 2;
+  std::string keys(want, '\0'), values(want, '\0');
+  if (absl::Status s = (*source)->Read(device.keys_offset(), keys.data(), want); !s.ok()) {
+    return naming(s, "device.keys_offset");
+  }
+  if (absl::Status s = (*source)->Read(device.values_offset(), values.data(), want); !s.ok()) {
+    return naming(s, "device.values_offset");
+  }
+  *req->mutable_keys() = std::move(keys);
+  *req->mutable_values() = std::move(values);
+  req->clear_device();
+  return absl::OkStatus();
+}
+
 void Session::AgeBacklog() {
   {
     MutexLock lock(&mu_);

@@ -46,6 +46,7 @@
 #include "server/tier/promotion_cache.h"
 #include "server/tier/staging.h"
 #include "server/tier/tier.h"
+#include "server/transfer/gpu.h"
 
 namespace kvtier {
 
@@ -67,6 +68,9 @@ struct SessionEnv {
   // pool (aging_wait_ms at most, then RESOURCE_EXHAUSTED naming the backlog); 0: no bound.
   uint64_t max_aging_backlog_tokens = 0;
   uint32_t aging_wait_ms = 30'000;
+  // Opens a worker's device memory by its CUDA IPC handle (AppendKVRequest.device); null: this
+  // daemon runs no GPU, and such an append is FAILED_PRECONDITION.
+  DeviceSourceOpener open_device_source;
 };
 
 // Held by a std::shared_ptr wherever aging runs in a pool (SessionManager's), whose tasks hold
@@ -117,6 +121,13 @@ class Session : public std::enable_shared_from_this<Session> {
   // bytes sent inline. INVALID_ARGUMENT naming the field for bytes sent both ways or a range
   // past the area; NOT_FOUND for an area that is not this session's. No-op without `staged`.
   absl::Status Unstage(v1::AppendKVRequest* req) const;
+  // For an append whose bytes are in the worker's device memory (req->device()): copies them
+  // to req->keys and req->values through `sources` (the mappings of the caller's stream) and
+  // clears `device`, so that Append checks and stores them as bytes sent inline. Errors name
+  // the field: bytes sent two ways, a handle of the wrong size (INVALID_ARGUMENT), a daemon with
+  // no GPU (FAILED_PRECONDITION); a handle that cannot be opened or a failed copy, the device's
+  // error. No-op without `device`.
+  absl::Status Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const;
 
   // The pool's task: ages every layer holding un-aged tokens, one layer per hold of the lock.
   void AgeBacklog();

@@ -7,6 +7,18 @@
 
 namespace kvtier {
 
+absl::StatusOr<const DeviceSource*> DeviceSources::Get(absl::string_view handle,
+                                                       const DeviceSourceOpener& open) {
+  for (const auto& [h, source] : sources_) {
+    if (h == handle) return source.get();
+  }
+  absl::StatusOr<std::unique_ptr<DeviceSource>> opened = open(handle);
+  if (!opened.ok()) return opened.status();
+  if (sources_.size() == kMax) sources_.erase(sources_.begin());
+  sources_.emplace_back(std::string(handle), *std::move(opened));
+  return sources_.back().second.get();
+}
+
 absl::Status FillDeviceOnHost(std::span<const DeviceFill> fills) {
   std::vector<uint16_t> rows;
   for (const DeviceFill& f : fills) {

@@ -9,8 +9,10 @@
 #define KVTIER_SERVER_TRANSFER_GPU_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -60,23 +62,50 @@ class DeviceMemory {
 // when the device has no room; FAILED_PRECONDITION when there is no such device (or no CUDA).
 absl::StatusOr<std::unique_ptr<DeviceMemory>> AllocateGpuMemory(int device, uint64_t bytes);
 
-// A worker's side of an IPC handle: the other process's memory mapped on `device` of this one
-// (cudaIpcOpenMemHandle), unmapped when destroyed.
-class GpuMapping {
+// Another process's device memory, as this one reads it: `n` bytes at `offset` copied to the
+// host, done when Read returns.
+class DeviceSource {
+ public:
+  virtual ~DeviceSource() = default;
+  virtual absl::Status Read(uint64_t offset, void* dst, uint64_t n) const = 0;
+};
+
+// Opens another process's memory by its CUDA IPC handle.
+using DeviceSourceOpener =
+    std::function<absl::StatusOr<std::unique_ptr<DeviceSource>>(absl::string_view handle)>;
+
+// The other side of an IPC handle: another process's memory mapped on `device` of this one
+// (cudaIpcOpenMemHandle), unmapped when destroyed. Read copies on a stream of the mapping's own
+// and waits for that copy's event.
+class GpuMapping final : public DeviceSource {
  public:
   static absl::StatusOr<std::unique_ptr<GpuMapping>> Open(int device, absl::string_view handle);
-  ~GpuMapping();
+  ~GpuMapping() override;
   GpuMapping(const GpuMapping&) = delete;
   GpuMapping& operator=(const GpuMapping&) = delete;
   uint8_t* data() const { return data_; }
   int device() const { return device_; }
-  // Device to host, as DeviceMemory::Read.
-  absl::Status Read(uint64_t offset, void* dst, uint64_t n) const;
+  absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override;
 
  private:
   GpuMapping(uint8_t* data, int device) : data_(data), device_(device) {}
   uint8_t* data_;
   int device_;
+  void* stream_ = nullptr;  // cudaStream_t
+  void* done_ = nullptr;    // cudaEvent_t
+};
+
+// The device sources one AppendKV stream has opened, by handle, closed with it (so nothing
+// stays mapped for a worker whose stream ended); at most kMax, the oldest closed first.
+class DeviceSources {
+ public:
+  static constexpr size_t kMax = 16;
+  // The source of `handle`, opened by `open` on first use.
+  absl::StatusOr<const DeviceSource*> Get(absl::string_view handle, const DeviceSourceOpener& open);
+  size_t size() const { return sources_.size(); }
+
+ private:
+  std::vector<std::pair<std::string, std::unique_ptr<DeviceSource>>> sources_;  // oldest first
 };
 
 }  // namespace kvtier

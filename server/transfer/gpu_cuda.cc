@@ -21,13 +21,18 @@ namespace {
 static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes);
 
 // A CUDA error as a status naming the call: no room is RESOURCE_EXHAUSTED, no device or
-// driver FAILED_PRECONDITION, the rest INTERNAL.
+// driver FAILED_PRECONDITION, a bad value (a handle or range a worker gave) INVALID_ARGUMENT,
+// the rest INTERNAL.
 absl::Status CudaError(cudaError_t e, absl::string_view call) {
   const std::string msg =
       absl::StrCat(call, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
   switch (e) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(msg);
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidResourceHandle:
+    case cudaErrorInvalidDevicePointer:
+      return absl::InvalidArgumentError(msg);
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorInvalidDevice:
@@ -279,17 +284,30 @@ absl::StatusOr<std::unique_ptr<GpuMapping>> GpuMapping::Open(int device, absl::s
   std::memcpy(&h, handle.data(), sizeof h);
   void* p = nullptr;
   KVTIER_CUDA_RETURN(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
-  return std::unique_ptr<GpuMapping>(new GpuMapping(static_cast<uint8_t*>(p), device));
+  auto m = std::unique_ptr<GpuMapping>(new GpuMapping(static_cast<uint8_t*>(p), device));
+  cudaStream_t stream;
+  KVTIER_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  m->stream_ = stream;
+  cudaEvent_t done;
+  KVTIER_CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  m->done_ = done;
+  return m;
 }
 
 GpuMapping::~GpuMapping() {
   (void)cudaSetDevice(device_);
+  if (done_ != nullptr) (void)cudaEventDestroy(static_cast<cudaEvent_t>(done_));
+  if (stream_ != nullptr) (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   (void)cudaIpcCloseMemHandle(data_);
 }
 
 absl::Status GpuMapping::Read(uint64_t offset, void* dst, uint64_t n) const {
+  auto stream = static_cast<cudaStream_t>(stream_);
+  auto done = static_cast<cudaEvent_t>(done_);
   KVTIER_CUDA_RETURN(cudaSetDevice(device_));
-  KVTIER_CUDA_RETURN(cudaMemcpy(dst, data_ + offset, n, cudaMemcpyDeviceToHost));
+  KVTIER_CUDA_RETURN(cudaMemcpyAsync(dst, data_ + offset, n, cudaMemcpyDeviceToHost, stream));
+  KVTIER_CUDA_RETURN(cudaEventRecord(done, stream));
+  KVTIER_CUDA_RETURN(cudaEventSynchronize(done));
   return absl::OkStatus();
 }
 
