@@ -530,6 +530,53 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
 }
 
+// A worker keeps its segment mappings across a daemon's restart on the same socket; the new
+// daemon's segments reuse the ids. A handle of the new daemon is never read through the old
+// mapping: its generation is not there, so the segment is mapped anew and the bytes read are
+// the new session's.
+TEST(Daemon, AWorkersMappingsOfARestartedDaemonAreReplacedNotUsed) {
+  auto first = std::make_unique<DaemonProcess>();  // NOLINT: killed, and its directory kept
+  ASSERT_TRUE(first->started());
+  const std::string socket = first->socket(), instance = first->instance();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(first->address()));
+  SegmentMap segments;  // the worker's mappings, kept across the restart
+  auto read_first_block = [&](const Data& data, int tokens, uint64_t* segment) {
+    ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+    ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), data, 0, tokens)).status());
+    ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(created.session_id(), 3, 256)));
+    const v1::BlockHandle& b = sel.heads(0).blocks(0);
+    *segment = b.segment_id();
+    ASSERT_OK_AND_ASSIGN(ChunkView view, segments.View(*c, b));
+    auto want = Slice(data.k[3], kKv, tokens, kD, b.positions(0), b.num_tokens());
+    EXPECT_TRUE(std::equal(view.keys.begin(), view.keys.end(), want.begin()));
+  };
+  uint64_t before = 0, after = 0;
+  read_first_block(MakeData(300, 1), 300, &before);
+  EXPECT_EQ(first->Kill(), 128 + SIGKILL);  // (its directory, with the socket, stays)
+  const std::string kvtierd = BinaryPath("kvtierd");
+  const std::string listen = "unix:" + socket;
+  const pid_t second = fork();
+  if (second == 0) {
+    execl(kvtierd.c_str(), kvtierd.c_str(), "--listen", listen.c_str(), "--instance",
+          instance.c_str(), "--log_level", "warn", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_OK_AND_ASSIGN(c, Client::Connect(listen));
+  bool serving = false;
+  for (int i = 0; i < 500 && !serving; ++i) {
+    absl::StatusOr<bool> health = c->Health();
+    serving = health.ok() && *health;
+    if (!serving) usleep(20'000);
+  }
+  ASSERT_TRUE(serving) << "the second kvtierd did not serve on " << listen;
+  read_first_block(MakeData(300, 2), 300, &after);
+  EXPECT_EQ(after, before) << "the scenario needs the id reused";
+  kill(second, SIGTERM);
+  int status = 0;
+  waitpid(second, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 // A daemon killed with SIGKILL leaves its segments in /dev/shm; the next kvtierd to start, of
 // any instance, removes them (the dead daemon's instance lock is free), and never those of a
 // daemon that is alive.

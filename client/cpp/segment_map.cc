@@ -36,6 +36,7 @@ bool IsSegmentName(const std::string& name) {
 SegmentMap::~SegmentMap() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, m] : maps_) munmap(const_cast<uint8_t*>(m.data), m.size);
+  for (const Mapping& m : retired_) munmap(const_cast<uint8_t*>(m.data), m.size);
 }
 
 bool SegmentMap::StampMatches(int fd, const v1::Segment& seg) {
@@ -120,7 +121,7 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v
         absl::StrCat("segment ", segment_id, ": mmap: ", std::strerror(errno)));
   }
   Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
-            seg.generation_table_offset()};
+            seg.generation_table_offset(), seg.stamp()};
   std::lock_guard<std::mutex> lock(mu_);
   auto [it, inserted] = maps_.emplace(segment_id, m);
   if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
@@ -130,7 +131,23 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v
 absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {
   auto m = Find(client, h.segment_id());
   if (!m.ok()) return m.status();
-  if (h.length() > m->size || h.offset() > m->size - h.length() || h.length() % 4 != 0) {
+  auto fits = [&h](const Mapping& m) {
+    return h.length() <= m.size && h.offset() <= m.size - h.length() && h.length() % 4 == 0;
+  };
+  if ((!fits(*m) || !CheckGeneration(*m, h).ok()) && Outdated(client, h.segment_id(), *m)) {
+    // A mapping of what the id named before (a retired segment, a daemon since restarted):
+    // set aside, and what the daemon lists now mapped, once.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = maps_.find(h.segment_id()); it != maps_.end() && it->second.data == m->data) {
+        retired_.push_back(it->second);
+        maps_.erase(it);
+      }
+    }
+    m = Find(client, h.segment_id());
+    if (!m.ok()) return m.status();
+  }
+  if (!fits(*m)) {
     return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(), " + length ",
                                               h.length(), " exceeds segment ", h.segment_id()));
   }
@@ -138,6 +155,15 @@ absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle
   const uint64_t half = h.length() / 2;
   const uint16_t* base = reinterpret_cast<const uint16_t*>(m->data + h.offset());
   return ChunkView{{base, half / 2}, {base + half / 2, half / 2}};
+}
+
+bool SegmentMap::Outdated(Client& client, uint64_t segment_id, const Mapping& m) {
+  auto list = client.ListSegments();
+  if (!list.ok()) return false;  // the handle's own check then answers
+  for (const v1::Segment& seg : list->segments()) {
+    if (seg.segment_id() == segment_id) return seg.stamp() != m.stamp;
+  }
+  return true;
 }
 
 absl::Status SegmentMap::CheckGeneration(const Mapping& m, const v1::BlockHandle& h) {

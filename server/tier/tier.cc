@@ -79,6 +79,10 @@ void Slot::Unpin() {
   if (before == 1) tier_->AddPinned(-static_cast<int64_t>(bytes_));
 }
 
+uint64_t Tier::FirstGeneration() {
+  return 1 + absl::Uniform<uint64_t>(absl::BitGen(), 0, 1ull << 52);
+}
+
 Tier::Tier(TierOptions options) : options_(std::move(options)) {}
 
 Tier::~Tier() {

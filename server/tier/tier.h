@@ -293,6 +293,7 @@ class Tier {
   // that Allocate and ChargeMetadata answer (an allocation failure), `what` naming the bytes.
   absl::Status CheckRoomLocked(const std::string& tenant, uint64_t bytes, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static uint64_t FirstGeneration();
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
   const TierOptions options_;
@@ -307,7 +308,9 @@ class Tier {
   std::map<uint64_t, uint64_t> retained_ ABSL_GUARDED_BY(mu_);  // retained_seq -> segment id
   uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_retained_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  std::atomic<uint64_t> next_generation_{1};
+  // From a random start (below 2^52): a generation of this process is never one an earlier
+  // daemon's segment of the same id held, so a worker's mapping of that one fails its check.
+  std::atomic<uint64_t> next_generation_{FirstGeneration()};
   std::atomic<int64_t> pinned_bytes_{0};
 };
 

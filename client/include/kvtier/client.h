@@ -218,7 +218,9 @@ class SegmentMap {
   // Maps the segment of `handle` (asking `client` for segment names when it is new) and
   // returns spans over its bytes. NOT_FOUND when the daemon lists no such segment;
   // OUT_OF_RANGE when the handle does not fit inside it; ABORTED when the slot no longer
-  // holds the handle's generation (a stale handle).
+  // holds the handle's generation (a stale handle). A mapping made before that does not hold
+  // the handle's generation (its segment retired, or the daemon restarted and reused the id)
+  // is never used for it: it is set aside and the segment mapped anew, once.
   absl::StatusOr<ChunkView> View(Client& client, const v1::BlockHandle& handle);
 
   // After reading through a view: OK when the slot still holds the handle's generation, so
@@ -236,7 +238,11 @@ class SegmentMap {
     uint64_t size;
     uint64_t slot_bytes;
     uint64_t table_offset;  // the segment's generation table
+    uint64_t stamp;         // the segment's, as listed when it was mapped
   };
+  // Whether the daemon lists `segment_id` with another stamp than `m`'s (or not at all): `m`
+  // maps what the id named before.
+  static bool Outdated(Client& client, uint64_t segment_id, const Mapping& m);
   static absl::Status CheckGeneration(const Mapping& m, const v1::BlockHandle& handle);
   absl::StatusOr<Mapping> Find(Client& client, uint64_t segment_id);
   // Maps `fd` (closed here) as segment `seg`, once its real size is checked.
@@ -248,6 +254,8 @@ class SegmentMap {
   // the daemon.
   std::mutex mu_;
   std::map<uint64_t, Mapping> maps_;  // guarded by mu_
+  // Mappings set aside (views made of them may still be read); unmapped with this map.
+  std::vector<Mapping> retired_;  // guarded by mu_
 };
 
 // A handle's inline bytes (include_data) as spans. INVALID_ARGUMENT if they are missing.

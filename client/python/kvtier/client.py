@@ -318,6 +318,7 @@ class SegmentMap:
         self._client = client
         self._maps: dict[int, mmap.mmap] = {}
         self._tables: dict[int, tuple[int, int]] = {}  # (slot_bytes, generation table offset)
+        self._stamps: dict[int, int] = {}  # each segment's stamp, as listed when mapped
         self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
         self._tensors: dict = {}  # each map as one torch fp16 tensor, made on first use
         self._lock = threading.Lock()
@@ -341,6 +342,7 @@ class SegmentMap:
             m = _map_fd(segment_id, fd, seg.size_bytes)
             with self._lock:
                 self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
+                self._stamps.setdefault(segment_id, seg.stamp)
                 return self._maps.setdefault(segment_id, m)
         raise KvTierError(grpc.StatusCode.NOT_FOUND, f"segment_id {segment_id} is not listed")
 
@@ -373,6 +375,26 @@ class SegmentMap:
                               f"{handle.segment_id}, offset {handle.offset}) names generation "
                               f"{handle.generation} but the slot now holds {held}")
 
+    def _checked(self, handle: pb.BlockHandle) -> None:
+        """check(), except that a mapping of what the id named before (a retired segment, a
+        daemon since restarted and reusing the id: the daemon lists it with another stamp, or
+        not at all) is dropped and the segment mapped anew, once; never read for the handle."""
+        try:
+            self.check(handle)
+            return
+        except KvTierError as e:
+            if e.code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.OUT_OF_RANGE):
+                raise
+            stamp = self._stamps.get(handle.segment_id)
+            listed = [s.stamp for s in self._client.list_segments()
+                      if s.segment_id == handle.segment_id]
+            if listed and listed[0] == stamp:
+                raise  # the same segment: the handle is stale
+        with self._lock:  # views already made keep the old mapping alive
+            for cache in (self._maps, self._tables, self._stamps, self._halves, self._tensors):
+                cache.pop(handle.segment_id, None)
+        self.check(handle)
+
     def _tensor(self, segment_id: int):
         """The whole segment as one torch fp16 tensor over the same mapping (DLPack, no copy)."""
         t = self._tensors.get(segment_id)
@@ -392,8 +414,8 @@ class SegmentMap:
         if like not in _LIKES:
             raise KvTierArgumentError("like", f"{like!r} is not one of {', '.join(_LIKES)}")
         n = handle.num_tokens * head_dim
+        self._checked(handle)
         a = self.halves(handle.segment_id)
-        self.check(handle)
         if handle.offset % 2 or handle.offset + handle.length > 2 * len(a) or \
                 handle.length != 4 * n:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,

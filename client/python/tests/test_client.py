@@ -635,6 +635,43 @@ def test_a_killed_worker_s_device_leases_end_and_the_device_memory_comes_back(st
             assert device.used_bytes == 0 and device.pinned_bytes == 0
 
 
+def test_a_worker_s_mappings_of_a_restarted_daemon_are_replaced_not_used(start_daemon,
+                                                                         tmp_path):
+    """The worker keeps its mapping of segment N across a daemon's restart (same socket, same
+    instance); the new daemon's segment N is another one. Its handles are read through a
+    mapping made anew, never the old one: the bytes are the new session's."""
+    from conftest import Daemon
+    a = start_daemon()
+    rng = np.random.default_rng(21)
+    with kvtier.Client(a.address, attach=False) as c:
+        def first_block(k, v):
+            sid = c.create_session(L, QH, KVH, D, lossless=True, refine_factor=1,
+                                   chunking=pb.CHUNKING_CONTIGUOUS).session_id
+            c.append_layers(sid, 0, k, v)
+            block = c.select(sid, 3, np.ones((QH, D), np.float32), budget_tokens=256).heads[0].blocks[0]
+            keys, _ = c.view(block, head_dim=D)
+            p = list(block.positions)
+            np.testing.assert_array_equal(keys, k[3, 0, p[0]:p[-1] + 1])
+            return block.segment_id
+
+        before = first_block(*make_kv(rng, 300))
+        a.proc.kill()
+        a.proc.wait()
+        a.killed = True
+        b = Daemon(tmp_path / "d0", "--instance", a.instance)  # its socket, its instance
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if c.health():
+                        break
+                except kvtier.KvTierError:
+                    time.sleep(0.05)
+            assert first_block(*make_kv(rng, 300)) == before, "the scenario needs the id reused"
+        finally:
+            assert b.stop() == 0, b.log.read_text()
+
+
 def test_an_attached_worker_s_leases_end_when_its_process_dies(daemon, tmp_path):
     """Leases of ten minutes: the attached worker's end as soon as it is killed; an unattached
     worker's stay until released (the TTL is the only end it has)."""
