@@ -9,20 +9,12 @@
 #include <random>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/chunk_layout.h"
 #include "kernels/quant.h"
 
 namespace kvtier {
 namespace {
-
-#define CHECK_CUDA(x)                                              \
-  do {                                                             \
-    cudaError_t e = (x);                                           \
-    if (e != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                \
-    }                                                              \
-  } while (0)
 
 template <typename F>
 float Ms(F&& f) {

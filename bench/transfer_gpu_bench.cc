@@ -16,6 +16,7 @@
 #include <random>
 
 #include "bench/bench_util.h"
+#include "bench/cuda_check.h"
 #include "kernels/quant.h"
 #include "kvtier/client.h"
 #include "server/common/fp16.h"
@@ -25,15 +26,6 @@ using namespace kvtier;
 using namespace kvtier::bench;
 
 namespace {
-
-#define CHECK_CUDA(x)                                              \
-  do {                                                             \
-    cudaError_t e = (x);                                           \
-    if (e != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                \
-    }                                                              \
-  } while (0)
 
 void Promotion(bool int4) {
   constexpr uint32_t kD = 128, kN = 16;

@@ -583,6 +583,14 @@ def start_worker(tmp_path, address, sid, attach, lease_ms, placement="host"):
     return worker, lease
 
 
+def session_of(c, seed):
+    """A new session of 1000 random tokens in every layer."""
+    k, v = make_kv(np.random.default_rng(seed), 1000)
+    sid = c.create_session(L, QH, KVH, D).session_id
+    c.append_layers(sid, 0, k, v)
+    return sid
+
+
 def pinned(c):
     return sum(t.pinned_bytes for t in c.tier_stats())
 
@@ -596,11 +604,8 @@ def wait_unpinned(c, seconds):
 
 def test_a_killed_worker_s_leases_expire_and_free_their_pins(start_daemon, tmp_path):
     d = start_daemon("--lease_ttl_ms", "600")
-    rng = np.random.default_rng(7)
-    k, v = make_kv(rng, 1000)
     with kvtier.Client(d.address) as c:
-        sid = c.create_session(L, QH, KVH, D).session_id
-        c.append_layers(sid, 0, k, v)
+        sid = session_of(c, 7)
         worker, lease = start_worker(tmp_path, d.address, sid, attach=False, lease_ms=600)
         assert pinned(c) > 0
         worker.kill()
@@ -617,11 +622,8 @@ def test_a_killed_worker_s_device_leases_end_and_the_device_memory_comes_back(st
     a worker holding leases on device copies is killed; within the lease TTL nothing of the
     device tier is pinned for it, and its copies are then evicted to the last byte."""
     d = start_daemon("--lease_ttl_ms", "600")
-    rng = np.random.default_rng(9)
-    k, v = make_kv(rng, 1000)
     with kvtier.Client(d.address) as c:
-        sid = c.create_session(L, QH, KVH, D).session_id
-        c.append_layers(sid, 0, k, v)
+        sid = session_of(c, 9)
         for attach in (True, False):
             worker, lease = start_worker(tmp_path, d.address, sid, attach=attach,
                                          lease_ms=600, placement="device")
