@@ -16,6 +16,7 @@
 #include "absl/strings/escaping.h"
 #include "kernels/quant.h"
 #include "kvtier/client.h"
+#include "kvtier/cuda_segments.h"
 #include "server/common/fp16.h"
 #include "server/transfer/device_fill.h"
 #include "tests/test_util.h"
@@ -152,7 +153,7 @@ TEST(GpuIpc, AnotherProcessReadsThroughTheHandle) {
 // ones, the same as the inline copy.
 TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   KVTIER_SKIP_WITHOUT_GPU();
-  LocalDaemon d("gpu", {"--device", "0"});
+  LocalDaemon d("gpu", {"--device", "0", "--retained_segment_size", "0"});
   ASSERT_TRUE(d.started());
   ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(d.address()));
   v1::CreateSessionRequest create = SmallSession();
@@ -172,7 +173,10 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   v1::SelectRequest s = DeviceSelect(session.session_id());
   s.set_include_data(true);
   ASSERT_OK_AND_ASSIGN(v1::SelectResponse resp, c->Select(s));
+  // Through the raw IPC handle (GpuMapping), and through the client's CudaSegments.
   ASSERT_OK_AND_ASSIGN(v1::ListSegmentsResponse segs, c->ListSegments());
+  SegmentMap tables;
+  CudaSegments gpu(&tables);
   int read = 0;
   for (const v1::BlockHandle& h : resp.heads(0).blocks()) {
     ASSERT_EQ(h.tier(), v1::TIER_DEVICE);
@@ -190,9 +194,26 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
     const size_t at = h.positions(0) * 64 * 2, n = h.keys().size();
     EXPECT_EQ(h.keys(), std::string(reinterpret_cast<const char*>(k.data()) + at, n));
     EXPECT_EQ(h.values(), std::string(reinterpret_cast<const char*>(v.data()) + at, n));
+    ASSERT_OK_AND_ASSIGN(CudaChunk chunk, gpu.View(*c, h));
+    std::string keys(chunk.bytes, '\0'), values(chunk.bytes, '\0');
+    ASSERT_EQ(cudaMemcpy(keys.data(), chunk.keys, chunk.bytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(values.data(), chunk.values, chunk.bytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(keys, h.keys());
+    EXPECT_EQ(values, h.values());
+    EXPECT_OK(tables.Recheck(h));
+    EXPECT_THAT(tables.View(*c, h), testing::StatusIs(Code::kFailedPrecondition, "CUDA device"));
     ++read;
   }
-  EXPECT_EQ(read, 16);  // 256 tokens, 16-token chunks
+  EXPECT_EQ(read, 16);        // 256 tokens, 16-token chunks
+  EXPECT_EQ(gpu.open(), 1u);  // one segment, opened once
+  // The copies evicted and the segment released: stale handles, and Prune closes it.
+  ASSERT_OK(c->Release(resp.lease_id()));
+  ASSERT_OK(c->Evict(session.session_id(), v1::TIER_DEVICE).status());
+  EXPECT_FALSE(tables.Recheck(resp.heads(0).blocks(0)).ok());
+  ASSERT_OK(gpu.Prune(*c));
+  EXPECT_EQ(gpu.open(), 0u);
 }
 
 // GPU ingest: the worker's K and V in its own device memory, named by CUDA IPC handle, are

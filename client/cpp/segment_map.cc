@@ -93,12 +93,6 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Find(Client& client, uint64_t se
 
 absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v1::Segment& seg,
                                                     int fd) {
-  if (!seg.cuda_ipc_handle().empty()) {  // its slots are GPU memory: nothing here to map
-    close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "segment ", segment_id, " is memory of CUDA device ", seg.device(),
-        ": open its cuda_ipc_handle with cudaIpcOpenMemHandle, or Select with include_data"));
-  }
   // The file must hold the bytes the daemon claims (a map past a file's end faults when read).
   struct stat st {};
   if (fstat(fd, &st) != 0) {
@@ -107,47 +101,64 @@ absl::StatusOr<SegmentMap::Mapping> SegmentMap::Map(uint64_t segment_id, const v
     return absl::InternalError(
         absl::StrCat("segment ", segment_id, ": fstat: ", std::strerror(err)));
   }
+  // A GPU segment's host memory is its generation table and stamp alone.
+  const bool gpu = !seg.cuda_ipc_handle().empty();
+  const uint64_t host_bytes = gpu ? seg.stamp_offset() + 8 : seg.size_bytes();
   if (seg.segment_id() != segment_id || seg.size_bytes() == 0 ||
-      seg.size_bytes() > static_cast<uint64_t>(st.st_size)) {
+      host_bytes > static_cast<uint64_t>(st.st_size)) {
     close(fd);
     return absl::FailedPreconditionError(absl::StrCat("segment ", segment_id, ": size_bytes ",
                                                       seg.size_bytes(), " but its memory holds ",
                                                       st.st_size, " bytes"));
   }
-  void* p = mmap(nullptr, seg.size_bytes(), PROT_READ, MAP_SHARED, fd, 0);
+  void* p = mmap(nullptr, host_bytes, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) {
     return absl::InternalError(
         absl::StrCat("segment ", segment_id, ": mmap: ", std::strerror(errno)));
   }
-  Mapping m{static_cast<const uint8_t*>(p), seg.size_bytes(), seg.slot_bytes(),
-            seg.generation_table_offset(), seg.stamp()};
+  Mapping m;
+  m.data = static_cast<const uint8_t*>(p);
+  m.size = host_bytes;
+  m.slot_bytes = seg.slot_bytes();
+  m.table_offset = seg.generation_table_offset();
+  m.stamp = seg.stamp();
+  if (gpu) {
+    m.cuda_ipc_handle = seg.cuda_ipc_handle();
+    m.device = seg.device();
+    m.device_bytes = seg.size_bytes();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto [it, inserted] = maps_.emplace(segment_id, m);
   if (!inserted) munmap(p, m.size);  // another thread mapped it meanwhile
   return it->second;
 }
 
-absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {
+absl::StatusOr<SegmentMap::Mapping> SegmentMap::Current(Client& client, const v1::BlockHandle& h) {
   auto m = Find(client, h.segment_id());
   if (!m.ok()) return m.status();
-  auto fits = [&h](const Mapping& m) {
-    return h.length() <= m.size && h.offset() <= m.size - h.length() && h.length() % 4 == 0;
-  };
-  if ((!fits(*m) || !CheckGeneration(*m, h).ok()) && Outdated(client, h.segment_id(), *m)) {
-    // A mapping of what the id named before (a retired segment, a daemon since restarted):
-    // set aside, and what the daemon lists now mapped, once.
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (auto it = maps_.find(h.segment_id()); it != maps_.end() && it->second.data == m->data) {
-        retired_.push_back(it->second);
-        maps_.erase(it);
-      }
+  if (CheckGeneration(*m, h).ok() || !Outdated(client, h.segment_id(), *m)) return m;
+  // A mapping of what the id named before (a retired segment, a daemon since restarted): set
+  // aside, and what the daemon lists now mapped, once.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = maps_.find(h.segment_id()); it != maps_.end() && it->second.data == m->data) {
+      retired_.push_back(it->second);
+      maps_.erase(it);
     }
-    m = Find(client, h.segment_id());
-    if (!m.ok()) return m.status();
   }
-  if (!fits(*m)) {
+  return Find(client, h.segment_id());
+}
+
+absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle& h) {
+  auto m = Current(client, h);
+  if (!m.ok()) return m.status();
+  if (m->device >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "segment ", h.segment_id(), " is memory of CUDA device ", m->device,
+        ": read it through DeviceView (kvtier/cuda_segments.h), or Select with include_data"));
+  }
+  if (h.length() > m->size || h.offset() > m->size - h.length() || h.length() % 4 != 0) {
     return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(), " + length ",
                                               h.length(), " exceeds segment ", h.segment_id()));
   }
@@ -155,6 +166,23 @@ absl::StatusOr<ChunkView> SegmentMap::View(Client& client, const v1::BlockHandle
   const uint64_t half = h.length() / 2;
   const uint16_t* base = reinterpret_cast<const uint16_t*>(m->data + h.offset());
   return ChunkView{{base, half / 2}, {base + half / 2, half / 2}};
+}
+
+absl::StatusOr<DeviceChunk> SegmentMap::DeviceView(Client& client, const v1::BlockHandle& h) {
+  auto m = Current(client, h);
+  if (!m.ok()) return m.status();
+  if (m->device < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("segment ", h.segment_id(), " is host memory: read it through View"));
+  }
+  if (h.length() > m->device_bytes || h.offset() > m->device_bytes - h.length() ||
+      h.length() % 4 != 0) {
+    return absl::OutOfRangeError(absl::StrCat("handle: offset ", h.offset(), " + length ",
+                                              h.length(), " exceeds segment ", h.segment_id()));
+  }
+  if (absl::Status s = CheckGeneration(*m, h); !s.ok()) return s;
+  return DeviceChunk{h.segment_id(), m->stamp,   m->cuda_ipc_handle,
+                     m->device,      h.offset(), h.length()};
 }
 
 bool SegmentMap::Outdated(Client& client, uint64_t segment_id, const Mapping& m) {

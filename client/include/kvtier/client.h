@@ -207,6 +207,17 @@ struct ChunkView {
   std::span<const uint16_t> values;  // [num_tokens][head_dim]
 };
 
+// Where a handle on a GPU device tier lies: an allocation of another process (the daemon's),
+// opened with cudaIpcOpenMemHandle (kvtier/cuda_segments.h does, and caches it), and the
+// range of the handle's K then V in it. `stamp` tells one segment of this id from another.
+struct DeviceChunk {
+  uint64_t segment_id;
+  uint64_t stamp;
+  std::string cuda_ipc_handle;  // cudaIpcMemHandle_t, 64 bytes
+  int device;                   // the daemon's CUDA ordinal
+  uint64_t offset, length;      // K [n][d] then V [n][d], 2-byte values
+};
+
 // Read-only mappings of a daemon's segments, by segment id. Thread-safe.
 class SegmentMap {
  public:
@@ -228,6 +239,12 @@ class SegmentMap {
   // (the copy must be thrown away). NOT_FOUND when the segment was never mapped.
   absl::Status Recheck(const v1::BlockHandle& handle);
 
+  // For a handle whose segment is GPU memory (Segment.cuda_ipc_handle): where it lies, once its
+  // generation is checked in the segment's table (host shared memory, mapped here); Recheck
+  // after reading. FAILED_PRECONDITION for a host segment (use View); OUT_OF_RANGE for a range
+  // the allocation does not hold; ABORTED for a stale handle.
+  absl::StatusOr<DeviceChunk> DeviceView(Client& client, const v1::BlockHandle& handle);
+
   // View, copy K and V out (each num_tokens * head_dim elements), then Recheck.
   absl::Status CopyOut(Client& client, const v1::BlockHandle& handle, std::span<uint16_t> keys,
                        std::span<uint16_t> values);
@@ -239,7 +256,14 @@ class SegmentMap {
     uint64_t slot_bytes;
     uint64_t table_offset;  // the segment's generation table
     uint64_t stamp;         // the segment's, as listed when it was mapped
+    // A GPU segment: data maps its table alone; its slots are this allocation of the daemon's.
+    std::string cuda_ipc_handle;
+    int device = -1;
+    uint64_t device_bytes = 0;
   };
+  // The mapping of `handle`'s segment holding its generation: mapped anew, once, when the one
+  // held maps what the id named before (Outdated).
+  absl::StatusOr<Mapping> Current(Client& client, const v1::BlockHandle& handle);
   // Whether the daemon lists `segment_id` with another stamp than `m`'s (or not at all): `m`
   // maps what the id named before.
   static bool Outdated(Client& client, uint64_t segment_id, const Mapping& m);
