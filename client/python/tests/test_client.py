@@ -642,7 +642,6 @@ def test_a_worker_s_mappings_of_a_restarted_daemon_are_replaced_not_used(start_d
     """The worker keeps its mapping of segment N across a daemon's restart (same socket, same
     instance); the new daemon's segment N is another one. Its handles are read through a
     mapping made anew, never the old one: the bytes are the new session's."""
-    from conftest import Daemon
     a = start_daemon()
     rng = np.random.default_rng(21)
     with kvtier.Client(a.address, attach=False) as c:
@@ -660,7 +659,7 @@ def test_a_worker_s_mappings_of_a_restarted_daemon_are_replaced_not_used(start_d
         a.proc.kill()
         a.proc.wait()
         a.killed = True
-        b = Daemon(tmp_path / "d0", "--instance", a.instance)  # its socket, its instance
+        b = type(a)(tmp_path / "d0", "--instance", a.instance)  # its socket, its instance
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
