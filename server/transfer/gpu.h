@@ -91,8 +91,8 @@ class GpuMapping final : public DeviceSource {
   GpuMapping(uint8_t* data, int device) : data_(data), device_(device) {}
   uint8_t* data_;
   int device_;
-  void* stream_ = nullptr;  // cudaStream_t
-  void* done_ = nullptr;    // cudaEvent_t
+  [[maybe_unused]] void* stream_ = nullptr;  // cudaStream_t (none in a build without CUDA)
+  [[maybe_unused]] void* done_ = nullptr;    // cudaEvent_t
 };
 
 // The device sources one AppendKV stream has opened, by handle, closed with it (so nothing
