@@ -20,7 +20,14 @@
 #include "server/session/views.h"
 
 namespace kvtier {
+
 namespace {
+
+// The bytes of an append's keys (or values): [num_kv_heads][num_tokens][head_dim], 2 each; what
+// a staging area or a worker's device memory must hold from each offset.
+uint64_t KvBytes(const v1::ModelShape& shape, uint32_t num_tokens) {
+  return uint64_t{shape.num_kv_heads()} * num_tokens * shape.head_dim() * 2;
+}
 
 // Whether a chunk of `rows` rows whose last token has id `*id` (null: none given) ends.
 bool Seals(const v1::SessionPolicy& policy, uint32_t rows, const int32_t* id) {
@@ -230,7 +237,7 @@ absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
                                         : absl::StrCat("it has ", area->id())));
   }
   // Sizes as the inline bytes'; a wrong num_tokens still reaches CheckAppend's message.
-  const uint64_t want = uint64_t{shape_.num_kv_heads()} * req->num_tokens() * shape_.head_dim() * 2;
+  const uint64_t want = KvBytes(shape_, req->num_tokens());
   for (const auto& [field, offset] : {std::pair{"staged.keys_offset", staged.keys_offset()},
                                       {"staged.values_offset", staged.values_offset()}}) {
     if (offset > area->size() || want > area->size() - offset) {
@@ -272,7 +279,7 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
   absl::StatusOr<const DeviceSource*> source =
       sources->Get(device.cuda_ipc_handle(), env_.open_device_source);
   if (!source.ok()) return naming(source.status(), "device.cuda_ipc_handle");
-  const uint64_t want = uint64_t{shape_.num_kv_heads()} * req->num_tokens() * shape_.head_dim() * 2;
+  const uint64_t want = KvBytes(shape_, req->num_tokens());
   std::string keys(want, '\0'), values(want, '\0');
   if (absl::Status s = (*source)->Read(device.keys_offset(), keys.data(), want); !s.ok()) {
     return naming(s, "device.keys_offset");
