@@ -50,6 +50,17 @@ v1::CreateSessionRequest SmallSession() {
   return create;
 }
 
+// K and V of one KV head, [tokens][64] each, appended at token 0 of layer 0, inline.
+absl::Status AppendRows(Client& c, const std::string& sid, const std::vector<uint16_t>& k,
+                        const std::vector<uint16_t>& v) {
+  v1::AppendKVRequest a;
+  a.set_session_id(sid);
+  a.set_num_tokens(static_cast<uint32_t>(k.size() / 64));
+  a.set_keys(reinterpret_cast<const char*>(k.data()), k.size() * 2);
+  a.set_values(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+  return c.AppendKV({a}).status();
+}
+
 v1::SelectRequest DeviceSelect(const std::string& sid) {
   v1::SelectRequest s;
   s.set_session_id(sid);
@@ -164,12 +175,7 @@ TEST(GpuDaemon, DeviceHandlesAreReadThroughCudaIpcExactly) {
   std::vector<uint16_t> k(256 * 64), v(256 * 64);
   for (auto& x : k) x = static_cast<uint16_t>(rng() & 0x3bff);
   for (auto& x : v) x = static_cast<uint16_t>(rng() & 0x3bff);
-  v1::AppendKVRequest a;
-  a.set_session_id(session.session_id());
-  a.set_num_tokens(256);
-  a.set_keys(reinterpret_cast<const char*>(k.data()), k.size() * 2);
-  a.set_values(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-  ASSERT_OK(c->AppendKV({a}).status());
+  ASSERT_OK(AppendRows(*c, session.session_id(), k, v));
   v1::SelectRequest s = DeviceSelect(session.session_id());
   s.set_include_data(true);
   ASSERT_OK_AND_ASSIGN(v1::SelectResponse resp, c->Select(s));
@@ -294,12 +300,7 @@ TEST(GpuDaemon, AKilledWorkersDeviceLeasesEndAndTheDeviceMemoryComesBack) {
   ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(d.address()));
   ASSERT_OK_AND_ASSIGN(auto session, c->CreateSession(SmallSession()));
   std::vector<uint16_t> k(1024 * 64, 0x3c00), v(1024 * 64, 0x3800);
-  v1::AppendKVRequest a;
-  a.set_session_id(session.session_id());
-  a.set_num_tokens(1024);
-  a.set_keys(reinterpret_cast<const char*>(k.data()), k.size() * 2);
-  a.set_values(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-  ASSERT_OK(c->AppendKV({a}).status());
+  ASSERT_OK(AppendRows(*c, session.session_id(), k, v));
   int out[2];
   ASSERT_EQ(pipe(out), 0);
   const std::string self = BinaryPath("gpu_path_gpu_test");
