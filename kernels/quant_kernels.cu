@@ -9,18 +9,18 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr uint32_t kMaxHeadDim = 512;
-constexpr uint32_t kMaxGroupsPerChunk = 64 * (kMaxHeadDim / kValueGroup);  // n <= 64
 
-// One block per job. Phase 1: each group's range (per key channel, per value token-group)
+// One block per job. Phase 1: each group's range (per key span-channel, per value token-group)
 // into shared memory; one thread encodes the keys' parameters and another the values' (the
 // header needs every group's range); every thread then decodes them for its codes. Phase 2:
 // each thread writes whole code bytes, so no two threads share one.
 __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
-  __shared__ float key_zero[kMaxHeadDim], key_inv[kMaxHeadDim];
-  __shared__ float value_zero[kMaxGroupsPerChunk], value_inv[kMaxGroupsPerChunk];
-  __shared__ float key_mx[kMaxHeadDim], value_mx[kMaxGroupsPerChunk];
+  __shared__ float key_zero[kMaxKeyGroups], key_inv[kMaxKeyGroups];
+  __shared__ float value_zero[kMaxValueGroups], value_inv[kMaxValueGroups];
+  __shared__ float key_mx[kMaxKeyGroups], value_mx[kMaxValueGroups];
   const QuantJob job = jobs[blockIdx.x];
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups(), levels = L.levels();
+  const uint32_t K = L.key_groups();
   const ChunkLayout fp{d, n};
   const uint16_t* keys = reinterpret_cast<const uint16_t*>(job.fp16 + fp.key_offset(0));
   const uint16_t* values = reinterpret_cast<const uint16_t*>(job.fp16 + fp.value_offset(0));
@@ -28,8 +28,9 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
 
   // The ranges: minima into *_zero and maxima into *_mx (the *_inv arrays are EncodeParams'
   // scratch until the parameters are decoded).
-  for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-    GroupRange(keys + j, n, d, &key_zero[j], &key_mx[j]);
+  for (uint32_t g = threadIdx.x; g < K; g += blockDim.x) {
+    const uint32_t t0 = g / d * kKeySpan, j = g % d;
+    GroupRange(keys + t0 * d + j, min(kKeySpan, n - t0), d, &key_zero[g], &key_mx[g]);
   }
   for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
     const uint32_t t = tg / G, g = tg % G;
@@ -38,16 +39,16 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    EncodeParams(key_zero, key_mx, d, levels, q.key_header, q.key_zero, q.key_scale, key_inv);
+    EncodeParams(key_zero, key_mx, K, levels, q.key_header, q.key_zero, q.key_scale, key_inv);
   } else if (threadIdx.x == 32) {
     EncodeParams(value_zero, value_mx, n * G, levels, q.value_header, q.value_zero, q.value_scale,
                  value_inv);
   }
   __syncthreads();
-  for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    key_zero[j] = p.zero;
-    key_inv[j] = p.inv_scale;
+  for (uint32_t g = threadIdx.x; g < K; g += blockDim.x) {
+    const QuantParams p = DecodeParams(q.key_header, q.key_zero[g], q.key_scale[g]);
+    key_zero[g] = p.zero;
+    key_inv[g] = p.inv_scale;
   }
   for (uint32_t tg = threadIdx.x; tg < n * G; tg += blockDim.x) {
     const QuantParams p = DecodeParams(q.value_header, q.value_zero[tg], q.value_scale[tg]);
@@ -72,7 +73,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
       if (i >= uint64_t{n} * d) break;
       const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
       const uint32_t tg = t * G + j / kValueGroup;
-      const QuantParams kp{0.f, key_zero[j], key_inv[j]};
+      const uint32_t kg = L.key_group(t, j);
+      const QuantParams kp{0.f, key_zero[kg], key_inv[kg]};
       const QuantParams vp{0.f, value_zero[tg], value_inv[tg]};
       kbyte |= QuantizeValue(HalfToFloat(keys[i]), kp, levels) << (4 * s);
       vbyte |= QuantizeValue(HalfToFloat(values[i]), vp, levels) << (4 * s);
@@ -91,10 +93,10 @@ __global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout 
   uint16_t* values = reinterpret_cast<uint16_t*>(job.fp16 + fp.value_offset(0));
   for (uint64_t i = threadIdx.x; i < uint64_t{n} * d; i += blockDim.x) {
     const uint32_t t = static_cast<uint32_t>(i / d), j = static_cast<uint32_t>(i % d);
-    const uint32_t g = t * G + j / kValueGroup;
+    const uint32_t g = t * G + j / kValueGroup, kg = L.key_group(t, j);
     keys[i] =
-        DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[j]),
-                        ZeroOf(q.key_header, q.key_zero[j]));
+        DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[kg]),
+                        ZeroOf(q.key_header, q.key_zero[kg]));
     values[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits),
                                 ScaleOf(q.value_header, q.value_scale[g]),
                                 ZeroOf(q.value_header, q.value_zero[g]));

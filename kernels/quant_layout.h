@@ -3,18 +3,19 @@
 // cannot disagree on where a byte lives or how a value rounds.
 //
 // KIVI-style asymmetric quantization of one chunk: n tokens (1..64), head_dim d, b bits
-// (4 or 8), L = 2^b - 1 levels, G = ceil(d / 64) value groups. Keys per channel over the
-// chunk's n tokens (d key groups); values per token in groups of 64 channels (n * G value
-// groups). Each group's zero and scale are stored in one byte each against a header of three
-// floats shared by every key group of the chunk (and another for its value groups): the
+// (4 or 8), L = 2^b - 1 levels, K = ceil(n / 16) key spans, G = ceil(d / 64) value groups.
+// Keys per channel over a span of at most 16 of the chunk's tokens (K * d key groups: tokens
+// [16s, 16s + 16) of channel j form group s * d + j); values per token in groups of 64 channels
+// (n * G value groups). Each group's zero and scale are stored in one byte each against a header of
+// three floats shared by every key group of the chunk (and another for its value groups): the
 // parameters take 2 bytes per group instead of fp16's 4. Every section starts 16-byte aligned
 // (A(x) rounds x up to 16):
 //
 //   offset                          contents
 //   0                               key_header  float [3]       zero_base, zero_step, scale_base
-//   16                              key_zero    uint8 [d]       per channel
-//   16+A(d)                         key_scale   uint8 [d]
-//   16+2A(d)                        key_codes   [n][d] b-bit    row-major
+//   16                              key_zero    uint8 [K][d]    per span and channel
+//   16+A(Kd)                        key_scale   uint8 [K][d]
+//   16+2A(Kd)                       key_codes   [n][d] b-bit    row-major
 //   ...+A(n*d*b/8)                  value_header float [3]
 //   ...+16                          value_zero  uint8 [n][G]    per token and group
 //   ...+A(nG)                       value_scale uint8 [n][G]
@@ -51,6 +52,12 @@ namespace kvtier {
 // Channels per value group: 64 rather than KIVI's 32 halves the values' parameters at a cost
 // measured in docs/QUALITY.md (int4-only).
 inline constexpr uint32_t kValueGroup = 64;
+// Tokens per key group: a chunk of 32 tokens keeps two parameter sets per channel, so that its
+// key error is that of a 16-token chunk's (bench/model/FINDINGS.md, finding 13).
+inline constexpr uint32_t kKeySpan = 16;
+// The most groups of each kind a chunk has (n <= 64 tokens, head_dim <= 512).
+inline constexpr uint32_t kMaxKeyGroups = 64 / kKeySpan * 512;
+inline constexpr uint32_t kMaxValueGroups = 64 * (512 / kValueGroup);
 
 // A parameter header: three floats, padded to 16 bytes.
 enum ParamHeader { kZeroBase, kZeroStep, kScaleBase, kHeaderFloats = 4 };
@@ -63,6 +70,12 @@ struct QuantLayout {
 
   KVTIER_HOST_DEVICE static uint64_t Align(uint64_t x) { return (x + 15) & ~uint64_t{15}; }
   KVTIER_HOST_DEVICE uint32_t groups() const { return (head_dim + kValueGroup - 1) / kValueGroup; }
+  KVTIER_HOST_DEVICE uint32_t key_spans() const { return (num_tokens + kKeySpan - 1) / kKeySpan; }
+  KVTIER_HOST_DEVICE uint32_t key_groups() const { return key_spans() * head_dim; }
+  // The key group of token t's channel j.
+  KVTIER_HOST_DEVICE uint32_t key_group(uint32_t t, uint32_t j) const {
+    return t / kKeySpan * head_dim + j;
+  }
   KVTIER_HOST_DEVICE uint32_t value_groups() const { return num_tokens * groups(); }
   KVTIER_HOST_DEVICE uint32_t levels() const { return (1u << bits) - 1; }
   KVTIER_HOST_DEVICE uint64_t code_bytes() const {
@@ -71,8 +84,8 @@ struct QuantLayout {
 
   KVTIER_HOST_DEVICE uint64_t key_header() const { return 0; }
   KVTIER_HOST_DEVICE uint64_t key_zero() const { return kHeaderBytes; }
-  KVTIER_HOST_DEVICE uint64_t key_scale() const { return key_zero() + Align(head_dim); }
-  KVTIER_HOST_DEVICE uint64_t key_codes() const { return key_scale() + Align(head_dim); }
+  KVTIER_HOST_DEVICE uint64_t key_scale() const { return key_zero() + Align(key_groups()); }
+  KVTIER_HOST_DEVICE uint64_t key_codes() const { return key_scale() + Align(key_groups()); }
   KVTIER_HOST_DEVICE uint64_t value_header() const { return key_codes() + Align(code_bytes()); }
   KVTIER_HOST_DEVICE uint64_t value_zero() const { return value_header() + kHeaderBytes; }
   KVTIER_HOST_DEVICE uint64_t value_scale() const { return value_zero() + Align(value_groups()); }
@@ -85,7 +98,7 @@ struct QuantLayout {
   KVTIER_HOST_DEVICE void Padding(int r, uint64_t* begin, uint64_t* end) const {
     const uint64_t header = 3 * sizeof(float);
     const uint64_t starts[kPaddings] = {
-        key_header() + header,          key_zero() + head_dim,       key_scale() + head_dim,
+        key_header() + header,          key_zero() + key_groups(),   key_scale() + key_groups(),
         key_codes() + code_bytes(),     value_header() + header,     value_zero() + value_groups(),
         value_scale() + value_groups(), value_codes() + code_bytes()};
     const uint64_t ends[kPaddings] = {key_zero(),   key_scale(),   key_codes(),   value_header(),
@@ -100,8 +113,8 @@ template <typename Byte>
 struct QuantSections {
   using Float = std::conditional_t<std::is_const_v<Byte>, const float, float>;
   Float* key_header;    // [kHeaderFloats]
-  Byte* key_zero;       // [d]
-  Byte* key_scale;      // [d]
+  Byte* key_zero;       // [K][d]
+  Byte* key_scale;      // [K][d]
   Byte* key_codes;      // [n][d] packed
   Float* value_header;  // [kHeaderFloats]
   Byte* value_zero;     // [n][G]
@@ -126,8 +139,8 @@ KVTIER_HOST_DEVICE inline uint32_t GetCode(const uint8_t* codes, uint64_t i, uin
   return (i & 1) ? (b >> 4) : (b & 0xf);
 }
 
-// The extremes of `count` halves starting at `h`, `stride` apart: a key channel over a chunk's
-// tokens (stride head_dim) or a value group within a token (stride 1).
+// The extremes of `count` halves starting at `h`, `stride` apart: a key channel over a span of
+// a chunk's tokens (stride head_dim) or a value group within a token (stride 1).
 KVTIER_HOST_DEVICE inline void GroupRange(const uint16_t* h, uint32_t count, uint32_t stride,
                                           float* mn, float* mx) {
   float lo = HalfToFloat(h[0]), hi = lo;
@@ -194,7 +207,7 @@ KVTIER_HOST_DEVICE inline float ScaleBase(float largest) {
 
 // The header and the two codes of each of `count` groups whose values lie in [mn[i], mx[i]]
 // (finite halves widened). `need` is scratch of `count` floats. Serial: a chunk has at most
-// 512 groups of each kind, against n*d codes.
+// 2048 key groups and 512 value groups, against n*d codes.
 KVTIER_HOST_DEVICE inline void EncodeParams(const float* mn, const float* mx, uint32_t count,
                                             uint32_t levels, float* header, uint8_t* zero_codes,
                                             uint8_t* scale_codes, float* need) {

@@ -21,12 +21,20 @@ void QuantizeChunkReference(const uint16_t* keys, const uint16_t* values, const 
   const uint32_t n = L.num_tokens, d = L.head_dim, levels = L.levels(), G = L.groups();
   std::memset(out, 0, L.Bytes());
   const QuantSections<uint8_t> q(out, L);
-  float mn[512] = {}, mx[512] = {}, need[512];  // zeroed: gcc cannot see each is written
-  for (uint32_t j = 0; j < d; ++j) GroupRange(keys + j, n, d, &mn[j], &mx[j]);  // keys: per channel
-  EncodeParams(mn, mx, d, levels, q.key_header, q.key_zero, q.key_scale, need);
-  for (uint32_t j = 0; j < d; ++j) {
-    const QuantParams p = DecodeParams(q.key_header, q.key_zero[j], q.key_scale[j]);
-    for (uint32_t t = 0; t < n; ++t) {
+  // Zeroed: gcc cannot see that each is written.
+  float mn[kMaxKeyGroups] = {}, mx[kMaxKeyGroups] = {}, need[kMaxKeyGroups];
+  for (uint32_t t0 = 0; t0 < n; t0 += kKeySpan) {  // keys: per channel over a span of tokens
+    const uint32_t span = std::min(kKeySpan, n - t0);
+    for (uint32_t j = 0; j < d; ++j) {
+      const uint32_t g = L.key_group(t0, j);
+      GroupRange(keys + t0 * d + j, span, d, &mn[g], &mx[g]);
+    }
+  }
+  EncodeParams(mn, mx, L.key_groups(), levels, q.key_header, q.key_zero, q.key_scale, need);
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t j = 0; j < d; ++j) {
+      const uint32_t g = L.key_group(t, j);
+      const QuantParams p = DecodeParams(q.key_header, q.key_zero[g], q.key_scale[g]);
       PutCode(q.key_codes, uint64_t{t} * d + j,
               QuantizeValue(HalfToFloat(keys[t * d + j]), p, levels), L.bits);
     }
@@ -58,9 +66,10 @@ void DequantizeChunkReference(const uint8_t* in, const QuantLayout& L, uint16_t*
   for (uint32_t t = 0; t < n; ++t) {
     for (uint32_t j = 0; j < d; ++j) {
       const uint64_t i = uint64_t{t} * d + j;
+      const uint32_t kg = L.key_group(t, j);
       keys_out[i] =
-          DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[j]),
-                          ZeroOf(q.key_header, q.key_zero[j]));
+          DequantizeValue(GetCode(q.key_codes, i, L.bits), ScaleOf(q.key_header, q.key_scale[kg]),
+                          ZeroOf(q.key_header, q.key_zero[kg]));
       const uint32_t g = t * G + j / kValueGroup;
       values_out[i] = DequantizeValue(GetCode(q.value_codes, i, L.bits),
                                       ScaleOf(q.value_header, q.value_scale[g]),

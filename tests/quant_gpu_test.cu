@@ -23,11 +23,11 @@ TEST(QuantGpu, BitIdenticalToReference) {
   std::normal_distribution<float> g(0, 1);
   for (uint32_t bits : {4u, 8u}) {
     for (uint32_t d : {64u, 80u, 128u, 256u, 36u}) {
-      for (uint32_t n : {1u, 3u, 7u, 16u}) {
+      for (uint32_t n : {1u, 3u, 7u, 16u, 33u}) {  // 33: three key spans
         const QuantLayout L{d, n, bits};
         const ChunkLayout F{d, n};
         const int chunks = 41;
-        const uint64_t fb = ChunkLayout::SlotBytes(d, 16), qb = L.Bytes();
+        const uint64_t fb = ChunkLayout::SlotBytes(d, 33), qb = L.Bytes();
         std::vector<uint8_t> fp16(fb * chunks), want_q(qb * chunks), want_f(fb * chunks, 0);
         for (int c = 0; c < chunks; ++c) {
           auto* h = reinterpret_cast<uint16_t*>(&fp16[c * fb]);

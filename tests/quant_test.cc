@@ -88,7 +88,7 @@ TEST_P(QuantTest, VectorEqualsReferenceAndErrorIsBounded) {
           const float y = HalfToFloat(which ? vr[i] : kr[i]);
           const uint32_t g = t * L.groups() + j / kValueGroup;
           const float scale = which ? ScaleOf(q.value_header, q.value_scale[g])
-                                    : ScaleOf(q.key_header, q.key_scale[j]);
+                                    : ScaleOf(q.key_header, q.key_scale[L.key_group(t, j)]);
           ASSERT_TRUE(std::isfinite(y));
           const float bound = scale / 2 * (1 + 1e-6f) + HalfUlp(y) + 1e-30f;
           ASSERT_LE(std::fabs(x - y), bound)
@@ -119,12 +119,47 @@ TEST(QuantLayout, SizesAndAlignment) {
   EXPECT_EQ(L.value_zero(), 672u);
   EXPECT_EQ(L.value_scale(), 688u);  // 16 tokens x 1 group of 64 channels x 1 byte
   EXPECT_EQ(L.value_codes(), 704u);
-  EXPECT_EQ(L.Bytes(), 1216u);                          // vs 4096 bytes of fp16 K and V: 0.297x
-  EXPECT_EQ(QuantLayout({128, 32, 4}).Bytes(), 4512u);  // vs 16384: 0.275x
+  EXPECT_EQ(L.Bytes(), 1216u);  // vs 4096 bytes of fp16 K and V: 0.297x
+  // Two key spans: 2 x 128 zero and scale bytes each.
+  EXPECT_EQ(QuantLayout({128, 32, 4}).key_codes(), 16u + 2 * 256);
+  EXPECT_EQ(QuantLayout({128, 32, 4}).Bytes(), 4768u);  // vs 16384: 0.291x
   const QuantLayout odd{36, 3, 4};
   for (uint64_t off : {odd.key_zero(), odd.key_scale(), odd.key_codes(), odd.value_header(),
                        odd.value_zero(), odd.value_scale(), odd.value_codes(), odd.Bytes()}) {
     EXPECT_EQ(off % 16, 0u);
+  }
+}
+
+// A key channel's parameters span 16 tokens: a chunk whose halves lie far apart keeps each
+// half's own resolution (one range over both would make the step 100 / 15).
+TEST(QuantLayout, KeyGroupsSpanSixteenTokens) {
+  const uint32_t d = 64, n = 40;
+  const QuantLayout L{d, n, 4};
+  EXPECT_EQ(L.key_spans(), 3u);
+  EXPECT_EQ(L.key_group(15, 5), 5u);
+  EXPECT_EQ(L.key_group(16, 5), d + 5);
+  EXPECT_EQ(L.key_group(39, 5), 2 * d + 5);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  std::vector<uint16_t> k(n * d), v(n * d);
+  for (uint32_t t = 0; t < n; ++t) {
+    const float base = (t / 16) % 2 ? 100.f : 0.f;
+    for (uint32_t j = 0; j < d; ++j) {
+      k[t * d + j] = FloatToHalf(base + u(rng));
+      v[t * d + j] = FloatToHalf(u(rng));
+    }
+  }
+  std::vector<uint8_t> ref(L.Bytes()), vec(L.Bytes());
+  QuantizeChunkReference(k.data(), v.data(), L, ref.data());
+  QuantizeChunk(k.data(), v.data(), L, vec.data());
+  ASSERT_EQ(ref, vec);
+  std::vector<uint16_t> kr(k.size()), vr(v.size());
+  DequantizeChunk(ref.data(), L, kr.data(), vr.data());
+  for (uint32_t i = 0; i < n * d; ++i) {
+    const float x = HalfToFloat(k[i]), y = HalfToFloat(kr[i]);
+    // Half a step of a span 1 wide, widened by the zero codes' step (the minima's spread
+    // over 255) and the scale codes' 1/32, and half an fp16 ulp.
+    ASSERT_LE(std::fabs(x - y), (1.f + 100.f / 255) / 15 / 2 * (1 + 1.f / 32) + HalfUlp(y)) << i;
   }
 }
 

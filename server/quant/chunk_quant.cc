@@ -122,8 +122,8 @@ __attribute__((target("avx2,f16c"))) void EncodeParamsAvx2(const float* mn, cons
   const __m256i one = _mm256_set1_epi32(1), zero_i = _mm256_setzero_si256(),
                 top = _mm256_set1_epi32(255);
   const uint32_t padded = (count + 7) / 8 * 8;
-  alignas(32) int32_t zc[512], sc[512];
-  alignas(32) float need[512];
+  alignas(32) int32_t zc[kMaxKeyGroups], sc[kMaxKeyGroups];
+  alignas(32) float need[kMaxKeyGroups];
   for (uint32_t i = 0; i < padded; i += 8) {
     const __m256 m = _mm256_add_ps(_mm256_loadu_ps(mn + i), pz);
     const __m256 r = _mm256_mul_ps(_mm256_sub_ps(m, vlo), _mm256_set1_ps(inv_step));
@@ -212,38 +212,56 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   const __m256 lv = _mm256_set1_ps(static_cast<float>(levels));
   const QuantSections<uint8_t> q(out, L);
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
-  // Keys: each channel's range over the tokens, 8 channels at a time; then each token row's
-  // codes, 32 channels at a time where d allows.
+  // Keys: each channel's range over each span of tokens, 8 channels at a time; then each token
+  // row's codes, 32 channels at a time where d allows.
   // The values are read after the keys: ask for them now, so their misses overlap the key work.
   for (uint64_t b = 0; b < uint64_t{n} * d * 2; b += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(values) + b, _MM_HINT_T0);
   }
   // The ranges are taken row by row so that the chunk streams in address order.
-  alignas(32) float kzero[512], kinv[512], kmn[512], kmx[512];
-  for (uint32_t j = 0; j < d; j += 8) {
-    const __m256 x = LoadHalf8(keys + j);
-    _mm256_store_ps(kmn + j, x);
-    _mm256_store_ps(kmx + j, x);
-  }
-  for (uint32_t t = 1; t < n; ++t) {
-    const uint16_t* row = keys + t * d;
-    for (uint32_t j = 0; j < d; j += 8) {
-      const __m256 x = LoadHalf8(row + j);
-      _mm256_store_ps(kmn + j, _mm256_min_ps(_mm256_load_ps(kmn + j), x));
-      _mm256_store_ps(kmx + j, _mm256_max_ps(_mm256_load_ps(kmx + j), x));
-    }
-  }
-  EncodeParamsAvx2(kmn, kmx, d, levels, q.key_header, q.key_zero, q.key_scale, kzero, kinv);
+  alignas(32) float kzero[kMaxKeyGroups], kinv[kMaxKeyGroups], kmn[kMaxKeyGroups],
+      kmx[kMaxKeyGroups];
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = keys + t * d;
+    float* mn = kmn + L.key_group(t, 0);
+    float* mx = kmx + L.key_group(t, 0);
+    if (t % kKeySpan == 0) {  // a span's first row
+      for (uint32_t j = 0; j < d; j += 8) {
+        const __m256 x = LoadHalf8(row + j);
+        _mm256_store_ps(mn + j, x);
+        _mm256_store_ps(mx + j, x);
+      }
+      continue;
+    }
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x = LoadHalf8(row + j);
+      _mm256_store_ps(mn + j, _mm256_min_ps(_mm256_load_ps(mn + j), x));
+      _mm256_store_ps(mx + j, _mm256_max_ps(_mm256_load_ps(mx + j), x));
+    }
+  }
+  // Every one of the key_groups() ranges is written above (d % 8 == 0, so none is padding);
+  // gcc cannot see it through the span loop, and zeroing 16 KiB per chunk would cost more.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+  EncodeParamsAvx2(kmn, kmx, L.key_groups(), levels, q.key_header, q.key_zero, q.key_scale, kzero,
+                   kinv);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint16_t* row = keys + t * d;
+    const float* zero = kzero + L.key_group(t, 0);
+    const float* inv = kinv + L.key_group(t, 0);
     uint32_t j = 0;
     for (; j + 32 <= d; j += 32) {
-      Pack32(KeyCodes8(row, kzero, kinv, j, lv), KeyCodes8(row, kzero, kinv, j + 8, lv),
-             KeyCodes8(row, kzero, kinv, j + 16, lv), KeyCodes8(row, kzero, kinv, j + 24, lv),
-             L.bits, q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
+      Pack32(KeyCodes8(row, zero, inv, j, lv), KeyCodes8(row, zero, inv, j + 8, lv),
+             KeyCodes8(row, zero, inv, j + 16, lv), KeyCodes8(row, zero, inv, j + 24, lv), L.bits,
+             q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
     }
     for (; j < d; j += 8) {
-      Pack8(KeyCodes8(row, kzero, kinv, j, lv), L.bits,
+      Pack8(KeyCodes8(row, zero, inv, j, lv), L.bits,
             q.key_codes + (uint64_t{t} * d + j) / 8 * code_step);
     }
   }
@@ -252,7 +270,8 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   const uint32_t groups = L.value_groups();
   // EncodeParamsAvx2 reads up to 8 groups at a time; zeroed, so the padding lanes are zero (and
   // gcc cannot see that every group is written).
-  alignas(32) float gmn[512] = {}, gmx[512] = {}, gzero[512], ginv[512];
+  alignas(32) float gmn[kMaxValueGroups] = {}, gmx[kMaxValueGroups] = {}, gzero[kMaxValueGroups],
+                    ginv[kMaxValueGroups];
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
@@ -300,15 +319,15 @@ __attribute__((target("avx2,f16c"))) void DequantizeAvx2(const uint8_t* in, cons
                                                          uint16_t* keys_out, uint16_t* values_out) {
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
   const QuantSections<const uint8_t> q(in, L);
-  alignas(32) float kscale[512], kzero[512];
-  for (uint32_t j = 0; j < d; ++j) {
-    kscale[j] = ScaleOf(q.key_header, q.key_scale[j]);
-    kzero[j] = ZeroOf(q.key_header, q.key_zero[j]);
+  alignas(32) float kscale[kMaxKeyGroups], kzero[kMaxKeyGroups];
+  for (uint32_t g = 0; g < L.key_groups(); ++g) {
+    kscale[g] = ScaleOf(q.key_header, q.key_scale[g]);
+    kzero[g] = ZeroOf(q.key_header, q.key_zero[g]);
   }
-  for (uint32_t j = 0; j < d; j += 8) {
-    const __m256 scale = _mm256_load_ps(kscale + j);
-    const __m256 zero = _mm256_load_ps(kzero + j);
-    for (uint32_t t = 0; t < n; ++t) {
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 scale = _mm256_load_ps(kscale + L.key_group(t, j));
+      const __m256 zero = _mm256_load_ps(kzero + L.key_group(t, j));
       const uint64_t i = uint64_t{t} * d + j;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(keys_out + i),
                        Dequantize8(Unpack8(q.key_codes, i, L.bits), scale, zero));
@@ -377,11 +396,11 @@ bool MatchesQuantizedRow(const uint8_t* quant, const QuantLayout& L, uint32_t ro
   };
   for (uint32_t j = 0; j < d; ++j) {
     const uint64_t i = uint64_t{row} * d + j;
-    const uint32_t g = row * G + j / kValueGroup;
-    const float kscale = ScaleOf(q.key_header, q.key_scale[j]);
+    const uint32_t g = row * G + j / kValueGroup, kg = L.key_group(row, j);
+    const float kscale = ScaleOf(q.key_header, q.key_scale[kg]);
     const float vscale = ScaleOf(q.value_header, q.value_scale[g]);
     const uint16_t k = DequantizeValue(GetCode(q.key_codes, i, L.bits), kscale,
-                                       ZeroOf(q.key_header, q.key_zero[j]));
+                                       ZeroOf(q.key_header, q.key_zero[kg]));
     const uint16_t v = DequantizeValue(GetCode(q.value_codes, i, L.bits), vscale,
                                        ZeroOf(q.value_header, q.value_zero[g]));
     if (!close(k, kscale, k_row[j]) || !close(v, vscale, v_row[j])) return false;

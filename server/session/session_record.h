@@ -23,8 +23,9 @@
 namespace kvtier {
 
 // 2: cold chunks' value groups of 64 channels; 3: their zeros and scales as bytes under a
-// header per chunk (kernels/quant_layout.h).
-inline constexpr uint32_t kRecordVersion = 3;
+// header per chunk (kernels/quant_layout.h); 4: key groups over spans of 16 tokens (a chunk of
+// more has a parameter set per span).
+inline constexpr uint32_t kRecordVersion = 4;
 
 std::string RecordKey(const std::string& session_id);
 uint64_t Fnv1a64(std::string_view bytes);
