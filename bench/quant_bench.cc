@@ -16,6 +16,7 @@
 #include "server/index/chunk_stats.h"
 #include "server/index/cluster_index.h"
 #include "server/quant/chunk_quant.h"
+#include "server/session/aging.h"
 #include "server/session/stream.h"
 #include "server/tier/tier.h"
 
@@ -89,7 +90,8 @@ double MallocBytes(size_t x) { return double(std::max<size_t>(32, (x + 8 + 15) /
 //   bookkeeping          the stream's Chunk record, the heap of the Slot that holds its slot
 //                        (kSlotHeapBytes: the object and its count, as malloc rounds them),
 //                        and the row offsets of a chunk that semantic chunking (the default)
-//                        regrouped: chunk_tokens 2-byte offsets, as malloc rounds them.
+//                        regrouped (RowOffsets over a span of kSemanticSpanChunks chunks), as
+//                        malloc rounds them.
 void StoredBytes(uint32_t d, uint32_t bits, uint32_t n) {
   const uint32_t tokens = 128 * 1024, chunks = tokens / n;
   const QuantLayout L{d, n, bits};
@@ -115,8 +117,8 @@ void StoredBytes(uint32_t d, uint32_t bits, uint32_t n) {
   const double scales = double(L.Bytes()) - codes + sizeof(uint64_t);  // and the table cell
   const double stat_bytes = double(stats.MemoryBytes()) / chunks;
   const double index_bytes = double(index.MemoryBytes()) / chunks;
-  const double bookkeeping =
-      sizeof(Chunk) + double(kSlotHeapBytes) + MallocBytes(n * sizeof(uint16_t));
+  const double bookkeeping = sizeof(Chunk) + double(kSlotHeapBytes) +
+                             MallocBytes(RowOffsets::AllocatedBytes(n, kSemanticSpanChunks * n));
   const double per_token = (codes + scales + stat_bytes + index_bytes + bookkeeping) / n;
   // EVAL.md: a third of fp16 at head_dim 128, 0.36x at 64.
   const char* target = d >= 128 ? "0.33" : "0.36";

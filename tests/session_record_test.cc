@@ -187,6 +187,13 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
               StatusIs(Code::kDataLoss, "size or offsets"));
   EXPECT_THAT(DecodeStream(record(4, 100), fmt, &e.host, "t", "rec", &s),
               StatusIs(Code::kDataLoss, "rec: a chunk's bytes do not match its size"));
+  // A record's chunk size beyond what a chunk may hold is refused before it is narrowed (65536
+  // + 4 would read as 4 in the chunk's 16 bits), and offsets must ascend, as Locate searches.
+  EXPECT_THAT(DecodeStream(record(65536 + 4, 4 * 32), fmt, &e.host, "t", "rec", &s),
+              StatusIs(Code::kDataLoss, "size or offsets"));
+  EXPECT_THAT(
+      DecodeStream(record(2, 2 * 32, std::string("\3\0\1\0", 4)), fmt, &e.host, "t", "rec", &s),
+      StatusIs(Code::kDataLoss, "rec: a chunk's offsets do not ascend"));
   // What an append refuses, a record may not bring in: a NaN or Inf row (fp16: 0x7e00, 0x7c00),
   // or cold parameters that dequantize to NaN.
   for (uint16_t bad : {uint16_t{0x7e00}, uint16_t{0x7c00}}) {

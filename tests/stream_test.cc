@@ -10,6 +10,35 @@ namespace {
 
 using namespace ::kvtier::testing;
 
+// Row offsets in one byte each below 256 and in two from there, found by binary search, copied
+// deeply, and counted as the bytes they ask for.
+TEST(RowOffsets, OneByteEachBelow256AndTwoFromThere) {
+  EXPECT_TRUE(RowOffsets().empty());
+  EXPECT_EQ(RowOffsets().AllocatedBytes(), 0u);
+  for (uint32_t step : {7u, 300u}) {
+    std::vector<uint32_t> rows;
+    for (uint32_t r = 0; r < 32; ++r) rows.push_back(3 + r * step);
+    const RowOffsets o(rows);
+    ASSERT_EQ(o.size(), 32u);
+    const size_t width = rows.back() < 256 ? 1 : 2;
+    EXPECT_EQ(o.AllocatedBytes(), 2 + 32 * width) << step;
+    EXPECT_EQ(o.AllocatedBytes(), RowOffsets::AllocatedBytes(32, rows.back() + 1));
+    for (uint32_t r = 0; r < 32; ++r) {
+      EXPECT_EQ(o[r], rows[r]);
+      EXPECT_EQ(o.Find(rows[r]), r);
+      EXPECT_EQ(o.Find(rows[r] + 1), -1);  // between two rows, or past the last
+    }
+    EXPECT_EQ(o.Find(0), -1);
+    RowOffsets copy(o);
+    EXPECT_EQ(copy, o);
+    rows[5] += 1;
+    EXPECT_NE(RowOffsets(rows), o);
+    copy = RowOffsets();
+    EXPECT_TRUE(copy.empty());
+    EXPECT_EQ(o.size(), 32u);  // the copy owned its own bytes
+  }
+}
+
 TEST(Chunking, BoundaryCutsAfterDelimitersHoweverTheTokensArrive) {
   const int tokens = 700;
   const std::vector<int32_t> ids = TokenIds(tokens, 5);

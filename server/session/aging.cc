@@ -63,13 +63,13 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
     for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
       Chunk c;
       c.host = std::move(slots[h * kSemanticSpanChunks + g]);
-      c.num_tokens = ct;
+      c.num_tokens = static_cast<uint16_t>(ct);
       c.first = base;
       c.sealed = true;
       uint8_t* dst = c.host->data();
+      c.offsets = RowOffsets(groups[g]);
       for (uint32_t j = 0; j < ct; ++j) {
         const uint32_t row = groups[g][j];
-        c.offsets.push_back(static_cast<uint16_t>(row));
         std::memcpy(dst + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d, f.row_bytes());
         std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
                     f.row_bytes());

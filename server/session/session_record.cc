@@ -79,7 +79,7 @@ void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* 
     cr->set_first(c.first);
     if (!c.offsets.empty()) {
       std::string off;
-      for (uint16_t o : c.offsets) PutLe(off, o, 2);
+      for (uint32_t r = 0; r < c.offsets.size(); ++r) PutLe(off, c.offsets[r], 2);
       cr->set_offsets(std::move(off));
     }
     cr->set_sealed(c.sealed);
@@ -95,18 +95,23 @@ absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, 
   };
   for (const v1::ChunkRecord& cr : record.chunks()) {
     Chunk c;
-    c.num_tokens = cr.num_tokens();
+    if (cr.num_tokens() == 0 || cr.num_tokens() > f.capacity || cr.offsets().size() % 2 != 0 ||
+        (!cr.offsets().empty() && cr.offsets().size() != 2 * cr.num_tokens())) {
+      return bad("a chunk's size or offsets are out of range");
+    }
+    c.num_tokens = static_cast<uint16_t>(cr.num_tokens());  // at most the capacity, 128
     c.first = cr.first();
     c.sealed = cr.sealed();
     c.precision = cr.precision();
     if (c.precision != f.warm() && !c.cold()) return bad("a chunk's precision is not one stored");
-    if (c.num_tokens == 0 || c.num_tokens > f.capacity || cr.offsets().size() % 2 != 0 ||
-        (!cr.offsets().empty() && cr.offsets().size() != 2 * c.num_tokens)) {
-      return bad("a chunk's size or offsets are out of range");
-    }
+    std::vector<uint32_t> offsets;
     for (size_t j = 0; j < cr.offsets().size(); j += 2) {
-      c.offsets.push_back(static_cast<uint16_t>(GetLe(cr.offsets(), j, 2)));
+      offsets.push_back(static_cast<uint32_t>(GetLe(cr.offsets(), j, 2)));
+      if (offsets.size() > 1 && offsets.back() <= offsets[offsets.size() - 2]) {
+        return bad("a chunk's offsets do not ascend");
+      }
     }
+    c.offsets = RowOffsets(offsets);
     const uint64_t bytes = f.StoredBytes(c);
     if (cr.data().size() != bytes) return bad("a chunk's bytes do not match its size");
     // What appends refuse, a record may not bring in: no Inf or NaN in rows, and no cold

@@ -41,6 +41,57 @@ const uint16_t* ChunkFormat::Fp16Rows(const Chunk& c, std::vector<uint16_t>& scr
   return scratch.data();
 }
 
+RowOffsets::RowOffsets(std::span<const uint32_t> offsets) {
+  if (offsets.empty()) return;
+  CHECK_LT(offsets.size(), 256u);
+  const uint32_t width = offsets.back() < 256 ? 1 : 2;
+  data_ = std::make_unique_for_overwrite<uint8_t[]>(Bytes(offsets.size(), width));
+  data_[0] = static_cast<uint8_t>(width);
+  data_[1] = static_cast<uint8_t>(offsets.size());
+  for (size_t r = 0; r < offsets.size(); ++r) {
+    CHECK_LT(offsets[r], 65536u);
+    CHECK(r == 0 || offsets[r] > offsets[r - 1]) << "row offsets must ascend";
+    if (width == 1) {
+      data_[2 + r] = static_cast<uint8_t>(offsets[r]);
+    } else {
+      data_[2 + 2 * r] = static_cast<uint8_t>(offsets[r]);
+      data_[3 + 2 * r] = static_cast<uint8_t>(offsets[r] >> 8);
+    }
+  }
+}
+
+RowOffsets& RowOffsets::operator=(const RowOffsets& o) {
+  if (this == &o) return *this;
+  data_.reset();
+  if (!o.empty()) {
+    const size_t n = o.AllocatedBytes();
+    data_ = std::make_unique_for_overwrite<uint8_t[]>(n);
+    std::memcpy(data_.get(), o.data_.get(), n);
+  }
+  return *this;
+}
+
+bool RowOffsets::operator==(const RowOffsets& o) const {
+  if (size() != o.size()) return false;
+  for (uint32_t r = 0; r < size(); ++r) {
+    if ((*this)[r] != o[r]) return false;
+  }
+  return true;
+}
+
+int64_t RowOffsets::Find(uint32_t o) const {
+  uint32_t lo = 0, hi = size();  // the first row whose offset is at least o
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi) / 2;
+    if ((*this)[mid] < o) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < size() && (*this)[lo] == o ? int64_t{lo} : -1;
+}
+
 std::pair<uint32_t, uint32_t> Stream::Locate(uint64_t t) const {
   // The last chunk starting at or before t; within a regrouped span (chunks sharing `first`)
   // the one whose offsets hold t.
@@ -51,11 +102,9 @@ std::pair<uint32_t, uint32_t> Stream::Locate(uint64_t t) const {
     if (c->offsets.empty()) {
       return {static_cast<uint32_t>(c - chunks_.begin()), static_cast<uint32_t>(t - c->first)};
     }
-    const auto o = std::lower_bound(c->offsets.begin(), c->offsets.end(), t - c->first);
-    if (o != c->offsets.end() && *o == t - c->first) {
-      return {static_cast<uint32_t>(c - chunks_.begin()),
-              static_cast<uint32_t>(o - c->offsets.begin())};
-    }
+    const int64_t r =
+        t - c->first < 65536 ? c->offsets.Find(static_cast<uint32_t>(t - c->first)) : -1;
+    if (r >= 0) return {static_cast<uint32_t>(c - chunks_.begin()), static_cast<uint32_t>(r)};
     CHECK(c != chunks_.begin());
   }
 }
@@ -125,7 +174,7 @@ void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* v
       c.host = slot();
       std::memcpy(c.host->data(), keys, k * rb);
       std::memcpy(c.host->data() + k * rb, values, k * rb);
-      c.num_tokens = k;
+      c.num_tokens = static_cast<uint16_t>(k);  // at most the capacity
       c.first = position;
       c.sealed = plan.segments[seg].sealed;
       Push(std::move(c), keys, f);
@@ -148,7 +197,7 @@ void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* v
       std::memcpy(c.host->data() + (grown + m) * rb, values, k * rb);
       stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
                      reinterpret_cast<const uint16_t*>(keys), k);
-      c.num_tokens = grown;
+      c.num_tokens = static_cast<uint16_t>(grown);
       c.sealed = plan.segments[seg].sealed;
       c.device.reset();  // the promoted copy is stale
     }
@@ -203,7 +252,7 @@ void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t 
     Chunk c;
     c.host = slot();
     c.first = p;
-    c.num_tokens = rows;
+    c.num_tokens = static_cast<uint16_t>(rows);
     c.sealed = seal_rows != 0 && rows == seal_rows;
     uint32_t read = ~0u;  // the chunk whose fp16 rows `fp16` holds
     const uint8_t* fp16 = nullptr;

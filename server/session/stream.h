@@ -53,14 +53,49 @@ inline bool IsKeptPosition(uint64_t p, uint64_t sink_end, uint64_t window_start)
   return p < sink_end || p >= window_start;
 }
 
+// A regrouped chunk's row offsets from its span's first position, ascending: one byte each
+// while every offset is below 256 (a semantic span of chunks of up to 32 tokens), else two, in
+// one allocation headed by that width and the count (a chunk holds at most 255 rows). Every
+// old chunk of a semantic session has one, so its bytes count against the stored format
+// (bench/quant_bench.cc): 48 bytes of heap at 32 rows, where a vector of uint16 took 24 in the
+// chunk and 80 of heap.
+class RowOffsets {
+ public:
+  RowOffsets() = default;
+  explicit RowOffsets(std::span<const uint32_t> offsets);
+  RowOffsets(const RowOffsets& o) { *this = o; }
+  RowOffsets& operator=(const RowOffsets& o);
+  RowOffsets(RowOffsets&&) noexcept = default;
+  RowOffsets& operator=(RowOffsets&&) noexcept = default;
+
+  bool empty() const { return data_ == nullptr; }
+  uint32_t size() const { return data_ ? data_[1] : 0; }
+  uint32_t operator[](uint32_t r) const {
+    return data_[0] == 1 ? data_[2 + r] : data_[2 + 2 * r] | uint32_t{data_[3 + 2 * r]} << 8;
+  }
+  // The row whose offset is o, or -1.
+  int64_t Find(uint32_t o) const;
+  // The bytes its allocation asks for: 0 when empty.
+  size_t AllocatedBytes() const { return data_ ? Bytes(size(), data_[0]) : 0; }
+  // What `count` offsets below `end` ask for.
+  static size_t AllocatedBytes(uint32_t count, uint32_t end) {
+    return Bytes(count, end <= 256 ? 1 : 2);
+  }
+  bool operator==(const RowOffsets& o) const;
+
+ private:
+  static size_t Bytes(uint32_t count, uint32_t width) { return 2 + size_t{count} * width; }
+  std::unique_ptr<uint8_t[]> data_;
+};
+
 struct Chunk {
-  uint32_t num_tokens = 0;
-  uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk
-  // A regrouped chunk's row positions, first + offsets[r], ascending; empty: contiguous
-  std::vector<uint16_t> offsets;
-  bool sealed = false;  // takes no more rows
+  uint16_t num_tokens = 0;  // at most 2 * kMaxChunkTokens
+  bool sealed = false;      // takes no more rows
   // How `host` holds the chunk: fp16/bf16 (the ChunkLayout) or int4/int8 (QuantLayout).
   v1::Precision precision = v1::PRECISION_FP16;
+  uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk
+  // A regrouped chunk's row positions, first + offsets[r], ascending; empty: contiguous
+  RowOffsets offsets;
   SlotRef host;      // the stored bytes
   CopyRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
   CopyRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
@@ -68,6 +103,8 @@ struct Chunk {
   uint64_t position(uint32_t r) const { return first + (offsets.empty() ? r : offsets[r]); }
   uint64_t end() const { return position(num_tokens - 1) + 1; }  // past the last row
 };
+// One per chunk of every stream: its bytes count against the stored format (quant_bench).
+static_assert(sizeof(Chunk) == 72);
 
 // How a session's chunks are laid out: the same for every stream of it.
 struct ChunkFormat {
@@ -181,8 +218,8 @@ class Stream {
   }
 
  private:
-  void AddOffsets(const Chunk& c) { offset_bytes_ += c.offsets.capacity() * sizeof(uint16_t); }
-  void DropOffsets(const Chunk& c) { offset_bytes_ -= c.offsets.capacity() * sizeof(uint16_t); }
+  void AddOffsets(const Chunk& c) { offset_bytes_ += c.offsets.AllocatedBytes(); }
+  void DropOffsets(const Chunk& c) { offset_bytes_ -= c.offsets.AllocatedBytes(); }
 
   // Appends `chunk`, whose slot holds its rows, adding its keys `keys` to the statistics.
   void Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f);
