@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
+from kvtier import cuda
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -259,6 +260,7 @@ def _call(fn, *args, **kwargs):
 
 
 _LIKES = ("numpy", "torch")
+_DEVICE_LIKES = ("cuda", "torch", "cupy")  # views of a GPU segment (kvtier.cuda)
 
 
 def _torch():
@@ -314,8 +316,13 @@ def _map_fd(segment_id: int, fd: int, size_bytes: int) -> mmap.mmap:
 class SegmentMap:
     """Read-only mmaps of the daemon's shared-memory segments, by segment id."""
 
-    def __init__(self, client: "Client"):
+    def __init__(self, client: "Client", cuda=None):
+        """`cuda`: the CUDA IPC runtime for GPU segments (kvtier.cuda; default: CuPy's, else
+        libcudart's, loaded on first use)."""
         self._client = client
+        self._cuda = cuda
+        self._gpu: dict[int, pb.Segment] = {}  # GPU segments as listed when mapped
+        self._opened: dict[int, tuple[int, int, int]] = {}  # (pointer, device, stamp) by id
         self._maps: dict[int, mmap.mmap] = {}
         self._tables: dict[int, tuple[int, int]] = {}  # (slot_bytes, generation table offset)
         self._stamps: dict[int, int] = {}  # each segment's stamp, as listed when mapped
@@ -331,16 +338,19 @@ class SegmentMap:
         for seg in self._client.list_segments():
             if seg.segment_id != segment_id:
                 continue
-            if seg.cuda_ipc_handle:  # its slots are GPU memory: nothing here to map
+            gpu = bool(seg.cuda_ipc_handle)  # its slots are GPU memory (kvtier.cuda)
+            if gpu and len(seg.cuda_ipc_handle) != cuda.IPC_HANDLE_BYTES:
                 raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"segment {segment_id} is memory of CUDA device {seg.device}: "
-                                  f"open its cuda_ipc_handle with cudaIpcOpenMemHandle, or "
-                                  f"select with include_data")
+                                  f"segment {segment_id}: cuda_ipc_handle of "
+                                  f"{len(seg.cuda_ipc_handle)} bytes, not {cuda.IPC_HANDLE_BYTES}")
             fd = _open_segment(seg) if seg.shm_name else None
             if fd is None:  # not ours to open by name: a read-only descriptor instead
                 [(seg, fd)] = self._client.open_segments([segment_id])  # checked: this one
-            m = _map_fd(segment_id, fd, seg.size_bytes)
+            # A GPU segment's host memory is its generation table and stamp alone.
+            m = _map_fd(segment_id, fd, seg.stamp_offset + 8 if gpu else seg.size_bytes)
             with self._lock:
+                if gpu:
+                    self._gpu.setdefault(segment_id, seg)
                 self._tables.setdefault(segment_id, (seg.slot_bytes, seg.generation_table_offset))
                 self._stamps.setdefault(segment_id, seg.stamp)
                 return self._maps.setdefault(segment_id, m)
@@ -351,6 +361,12 @@ class SegmentMap:
         a = self._halves.get(segment_id)
         if a is None:
             m = self._segment(segment_id)
+            if segment_id in self._gpu:
+                raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"segment {segment_id} is memory of CUDA device "
+                                  f"{self._gpu[segment_id].device}: view its handles with "
+                                  f"like=\"torch\", \"cupy\" or \"cuda\", or select with "
+                                  f"include_data")
             a = np.frombuffer(m, dtype=np.float16, count=len(m) // 2)
             with self._lock:
                 a = self._halves.setdefault(segment_id, a)
@@ -390,10 +406,79 @@ class SegmentMap:
                       if s.segment_id == handle.segment_id]
             if listed and listed[0] == stamp:
                 raise  # the same segment: the handle is stale
-        with self._lock:  # views already made keep the old mapping alive
-            for cache in (self._maps, self._tables, self._stamps, self._halves, self._tensors):
-                cache.pop(handle.segment_id, None)
+        with self._lock:
+            self._forget(handle.segment_id)
         self.check(handle)
+
+    def _forget(self, segment_id: int) -> None:
+        """Drops what this map holds of a segment (the caller holds the lock); views already
+        made keep the old host mapping alive."""
+        for cache in (self._maps, self._tables, self._stamps, self._halves, self._tensors,
+                      self._gpu):
+            cache.pop(segment_id, None)
+
+    def _runtime(self):
+        if self._cuda is None:
+            try:
+                self._cuda = cuda.default_runtime()
+            except cuda.CudaUnavailable as e:
+                raise KvTierArgumentError("like", f"views of GPU segments need CUDA: {e}") \
+                    from None
+        return self._cuda
+
+    def _device_base(self, seg: pb.Segment) -> tuple[int, int]:
+        """(pointer, device) of a GPU segment's allocation, opened once per stamp: an
+        allocation opened under another stamp (what the id named before) is closed first."""
+        with self._lock:
+            opened = self._opened.get(seg.segment_id)
+            if opened is not None and opened[2] == seg.stamp:
+                return opened[0], opened[1]
+            if opened is not None:
+                self._runtime().close(opened[0])
+                del self._opened[seg.segment_id]
+            try:
+                ptr, dev = self._runtime().open(bytes(seg.cuda_ipc_handle))
+            except OSError as e:
+                raise KvTierError(grpc.StatusCode.UNAVAILABLE,
+                                  f"segment {seg.segment_id}: {e}") from None
+            self._opened[seg.segment_id] = (ptr, dev, seg.stamp)
+            return ptr, dev
+
+    def prune(self) -> int:
+        """Closes the GPU allocations of segments the daemon no longer lists (or lists with
+        another stamp); how many. Views over them must not be read after this."""
+        listed = {s.segment_id: s.stamp for s in self._client.list_segments()}
+        closed = 0
+        with self._lock:
+            for sid, (ptr, _, stamp) in list(self._opened.items()):
+                if listed.get(sid) != stamp:
+                    self._runtime().close(ptr)
+                    del self._opened[sid]
+                    self._forget(sid)
+                    closed += 1
+        return closed
+
+    def close(self) -> None:
+        """Closes every GPU allocation this map opened."""
+        with self._lock:
+            for ptr, _, _ in self._opened.values():
+                self._runtime().close(ptr)
+            self._opened.clear()
+
+    def _device_view(self, handle: pb.BlockHandle, head_dim: int, like: str):
+        if like not in _DEVICE_LIKES:
+            raise KvTierArgumentError("like", f"segment {handle.segment_id} is GPU memory: "
+                                      f"{like!r} is not one of {', '.join(_DEVICE_LIKES)}")
+        seg = self._gpu[handle.segment_id]
+        n = handle.num_tokens * head_dim
+        if handle.offset % 2 or handle.length != 4 * n or \
+                handle.offset + handle.length > seg.size_bytes:
+            raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"handle of chunk {handle.chunk_id} does not fit its segment")
+        base, dev = self._device_base(seg)
+        k = cuda.CudaArray(base + handle.offset, handle.num_tokens, head_dim, dev)
+        v = cuda.CudaArray(base + handle.offset + 2 * n, handle.num_tokens, head_dim, dev)
+        return cuda.as_like(k, like), cuda.as_like(v, like)
 
     def _tensor(self, segment_id: int):
         """The whole segment as one torch fp16 tensor over the same mapping (DLPack, no copy)."""
@@ -409,12 +494,20 @@ class SegmentMap:
         """K and V of `handle` as read-only [num_tokens][head_dim] views over shared memory:
         numpy arrays, or torch tensors with like="torch" (the same bytes, through DLPack; torch
         has no read-only tensors, and writing to one faults). Either exports DLPack
-        (`np.from_dlpack`, `torch.from_dlpack`). Checked against the slot's generation first;
-        call check() again after reading."""
-        if like not in _LIKES:
-            raise KvTierArgumentError("like", f"{like!r} is not one of {', '.join(_LIKES)}")
+        (`np.from_dlpack`, `torch.from_dlpack`). A handle on a GPU segment gives device arrays
+        over the daemon's allocation (kvtier.cuda): torch tensors (like="torch"), CuPy arrays
+        (like="cupy") or `__cuda_array_interface__` objects (like="cuda"), fp16. Checked
+        against the slot's generation first; call check() again after reading."""
+        if like not in _LIKES + _DEVICE_LIKES:
+            raise KvTierArgumentError("like", f"{like!r} is not one of "
+                                      f"{', '.join(dict.fromkeys(_LIKES + _DEVICE_LIKES))}")
         n = handle.num_tokens * head_dim
         self._checked(handle)
+        if handle.segment_id in self._gpu:
+            return self._device_view(handle, head_dim, like)
+        if like not in _LIKES:
+            raise KvTierArgumentError("like", f"segment {handle.segment_id} is host memory: "
+                                      f"{like!r} is not one of {', '.join(_LIKES)}")
         a = self.halves(handle.segment_id)
         if handle.offset % 2 or handle.offset + handle.length > 2 * len(a) or \
                 handle.length != 4 * n:
@@ -652,10 +745,12 @@ class Client:
         self._attachment: _Attachment | None = None
 
     def close(self):
-        """Ends this client: its Attach stream (and so its leases), then the channel."""
+        """Ends this client: its Attach stream (and so its leases), the GPU allocations its
+        views opened, then the channel."""
         with self._attach_lock:
             if self._attachment is not None:
                 self._attachment.close()
+        self.segments.close()
         self._channel.close()
 
     def worker_id(self) -> str:
@@ -844,7 +939,8 @@ class Client:
     def view(self, handle: pb.BlockHandle, head_dim: int, like: str = "numpy"):
         """Zero-copy (K, V) of one handle over the daemon's shared memory, every row of its
         chunk (a handle's `rows`, when it lists some, are the ones selected): read-only numpy
-        arrays, or torch tensors with like="torch"; both export DLPack. Call
+        arrays, or torch tensors with like="torch"; both export DLPack. On a GPU device tier,
+        device arrays (like="torch", "cupy" or "cuda": SegmentMap.view). Call
         `segments.check(handle)` after reading, as gather does."""
         return self.segments.view(handle, head_dim, like=like)
 
