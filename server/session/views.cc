@@ -1,5 +1,6 @@
 #include "server/session/views.h"
 
+#include <array>
 #include <map>
 
 #include "server/common/mutex.h"
@@ -154,13 +155,19 @@ v1::SessionInfo Session::Info() const {
   info.mutable_labels()->insert(labels_.begin(), labels_.end());
   uint64_t host = 0, device = 0;
   const ChunkFormat f = format();
-  auto& by_precision = *info.mutable_chunks_by_precision();
+  // Counted by enum value, then named once each: a map keyed by name, bumped per chunk, hashed
+  // a string for each of a long session's hundreds of thousands of chunks under the lock.
+  std::array<uint64_t, v1::Precision_ARRAYSIZE> counts{};
   for (const Stream& s : streams_) {
     for (const Chunk& c : s.chunks()) {
       host += c.host->bytes() + CopyBytes(*env_.host_copies, c.promoted);
       device += CopyBytes(*env_.device_copies, c.device);
-      ++by_precision[v1::Precision_Name(f.precision(c))];
+      ++counts[f.precision(c)];
     }
+  }
+  auto& by_precision = *info.mutable_chunks_by_precision();
+  for (int p = 0; p < v1::Precision_ARRAYSIZE; ++p) {
+    if (counts[p] != 0) by_precision[v1::Precision_Name(static_cast<v1::Precision>(p))] = counts[p];
   }
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_HOST)] = host;
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_DEVICE)] = device;
