@@ -53,7 +53,7 @@ namespace kvtier {
 // measured in docs/QUALITY.md (int4-only).
 inline constexpr uint32_t kValueGroup = 64;
 // Tokens per key group: a chunk of 32 tokens keeps two parameter sets per channel, so that its
-// key error is that of a 16-token chunk's (bench/model/FINDINGS.md, finding 13).
+// key error is that of a 16-token chunk's (bench/model/FINDINGS.md, finding 14).
 inline constexpr uint32_t kKeySpan = 16;
 // The most groups of each kind a chunk has (n <= 64 tokens, head_dim <= 512).
 inline constexpr uint32_t kMaxKeyGroups = 64 / kKeySpan * 512;
