@@ -234,6 +234,54 @@ TEST(Stream, WritesGrowAndCopyOnWriteKeepRowsStatsAndLookupsInStep) {
   EXPECT_EQ(tokens, 12u);
 }
 
+// Kept looks only at the stream's two ends; it must find what a look at every chunk finds,
+// over contiguous chunks, a regrouped span (chunks sharing their span's first position, rows
+// interleaved) and a partial last chunk, for every sink end and window start.
+TEST(Stream, KeptEqualsALookAtEveryChunk) {
+  StreamEnv e;
+  Stream s(8);
+  auto add = [&](uint64_t first, std::vector<uint32_t> offsets, uint32_t n) {
+    Chunk c;
+    c.host = e.slot();
+    c.first = first;
+    c.num_tokens = static_cast<uint16_t>(n);
+    c.offsets = RowOffsets(offsets);
+    c.sealed = true;
+    std::memcpy(c.host->data(), &e.k[0], n * 16);
+    std::memcpy(c.host->data() + n * 16, &e.v[0], n * 16);
+    s.Restore(std::move(c), e.f);
+  };
+  add(0, {}, 16);  // contiguous [0, 16)
+  // A span [16, 64) regrouped into three chunks of 16 rows, taken every third row.
+  for (uint32_t g = 0; g < 3; ++g) {
+    std::vector<uint32_t> rows;
+    for (uint32_t r = g; r < 48; r += 3) rows.push_back(r);
+    add(16, rows, 16);
+  }
+  add(64, {}, 16);
+  add(80, {}, 5);  // partial
+  for (uint64_t sink_end = 0; sink_end <= 90; ++sink_end) {
+    for (uint64_t window_start = 0; window_start <= 90; ++window_start) {
+      std::vector<bool> want(s.chunks().size(), false);
+      uint64_t want_tokens = 0, want_rows = 0;
+      for (uint32_t c = 0; c < s.chunks().size(); ++c) {
+        const Chunk& ch = s.chunks()[c];
+        for (uint32_t r = 0; r < ch.num_tokens; ++r) {
+          const bool kept_row = IsKeptPosition(ch.position(r), sink_end, window_start);
+          want_rows += kept_row ? 1 : 0;
+          want[c] = want[c] || ch.position(r) < sink_end || ch.position(r) >= window_start;
+        }
+        want_tokens += want[c] ? ch.num_tokens : 0;
+      }
+      uint64_t tokens = 0, rows = 0;
+      ASSERT_EQ(s.Kept(sink_end, window_start, &tokens, &rows), want)
+          << "sink_end " << sink_end << " window_start " << window_start;
+      ASSERT_EQ(tokens, want_tokens);
+      ASSERT_EQ(rows, want_rows);
+    }
+  }
+}
+
 TEST(Stream, OnlyFinalChunksBeyondTheSinksEnterTheIndex) {
   StreamEnv e;
   Stream s(8);

@@ -124,15 +124,25 @@ std::vector<bool> Stream::Kept(uint64_t sink_end, uint64_t window_start, uint64_
   std::vector<bool> kept(chunks_.size(), false);
   *tokens = 0;
   if (rows != nullptr) *rows = 0;
-  for (uint32_t c = 0; c < chunks_.size(); ++c) {
+  auto keep = [&](uint32_t c) {
     const Chunk& ch = chunks_[c];
-    if (ch.position(0) < sink_end || ch.end() > window_start) {
-      kept[c] = true;
-      *tokens += ch.num_tokens;
-      for (uint32_t r = 0; rows != nullptr && r < ch.num_tokens; ++r) {
-        *rows += IsKeptPosition(ch.position(r), sink_end, window_start) ? 1 : 0;
-      }
+    if (kept[c] || !(ch.position(0) < sink_end || ch.end() > window_start)) return;
+    kept[c] = true;
+    *tokens += ch.num_tokens;
+    for (uint32_t r = 0; rows != nullptr && r < ch.num_tokens; ++r) {
+      *rows += IsKeptPosition(ch.position(r), sink_end, window_start) ? 1 : 0;
     }
+  };
+  // Only the two ends are looked at, not every chunk: a chunk's rows lie in [first, the next
+  // greater first), so past the first chunk whose `first` reaches sink_end none holds a sink,
+  // and before the last span starting below window_start none reaches the window.
+  const uint32_t n = static_cast<uint32_t>(chunks_.size());
+  for (uint32_t c = 0; c < n && chunks_[c].first < sink_end; ++c) keep(c);
+  uint32_t c = n;
+  while (c > 0 && chunks_[c - 1].first >= window_start) keep(--c);
+  if (c > 0) {  // the span (or chunk) that starts below window_start: its ends decide
+    const uint64_t span = chunks_[c - 1].first;
+    while (c > 0 && chunks_[c - 1].first == span) keep(--c);
   }
   return kept;
 }
