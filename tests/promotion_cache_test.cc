@@ -70,6 +70,42 @@ TEST(PromotionCache, LruEvictsTheLeastRecentlyRead) {
   EXPECT_FALSE(Cached(f, c));
 }
 
+// Several copies read under one hold of the lock: each as Read gives it (null for a null or
+// evicted copy), the hits and prefetch hits counted once each, and nothing counted or moved
+// when only looking.
+TEST(PromotionCache, ReadAllIsReadOfEachCopy) {
+  Fixture f(2, MakeLruPolicy());
+  CopyRef a = f.Add(1, 1, /*prefetched=*/true);
+  f.clock.AdvanceMs(10);
+  CopyRef b = f.Add(2);
+  f.clock.AdvanceMs(10);
+  CopyRef none;
+  const CopyRef* copies[] = {&a, &none, &b};
+  SlotRef out[3];
+  f.cache.ReadAll(copies, /*record=*/false, out);
+  EXPECT_EQ(out[0]->data()[0], 1);
+  EXPECT_EQ(out[1], nullptr);
+  EXPECT_EQ(out[2]->data()[0], 2);
+  EXPECT_EQ(f.cache.counters().hits, 0u);
+  EXPECT_EQ(f.cache.counters().prefetch_hits, 0u);
+  f.cache.ReadAll(copies, /*record=*/true, out);
+  EXPECT_EQ(f.cache.counters().hits, 2u);
+  EXPECT_EQ(f.cache.counters().prefetch_hits, 1u);
+  f.cache.ReadAll(copies, /*record=*/true, out);
+  EXPECT_EQ(f.cache.counters().hits, 4u);
+  EXPECT_EQ(f.cache.counters().prefetch_hits, 1u);  // the first read of a prefetched copy only
+  // Both were read at the same time; reading b alone later makes a the least recent.
+  for (SlotRef& s : out) s = nullptr;
+  f.clock.AdvanceMs(10);
+  ASSERT_NE(f.cache.Read(b), nullptr);
+  f.clock.AdvanceMs(10);
+  CopyRef c = f.Add(3);  // the tier is full: a goes
+  f.cache.ReadAll(copies, /*record=*/true, out);
+  EXPECT_EQ(out[0], nullptr);
+  EXPECT_EQ(out[2]->data()[0], 2);
+  EXPECT_TRUE(Cached(f, c));
+}
+
 TEST(PromotionCache, FrequencyDecaysWithTime) {
   // Read often long ago versus read twice just now: with 1 s half-lives the old counts fade.
   for (int64_t gap : {0, 10'000}) {

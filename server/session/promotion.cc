@@ -23,18 +23,30 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
   const bool to_device = target.to_device;
   // Holding every slot found keeps the cache from evicting it while room is made.
   std::vector<std::vector<SlotRef>> out(chosen.size());
-  std::vector<std::pair<uint32_t, size_t>> todo;  // (kv_head, position in chosen[h])
+  // The copies to look up, and where each goes: read all at once (one hold of the cache's
+  // lock per Select, not one per chunk). A prefetch only looks: it is not a read of the copies
+  // already there.
+  std::vector<const CopyRef*> copies;
+  std::vector<std::pair<uint32_t, size_t>> at;  // (kv_head, position in chosen[h])
   for (uint32_t h = 0; h < chosen.size(); ++h) {
+    out[h].resize(chosen[h].size());
     for (size_t i = 0; i < chosen[h].size(); ++i) {
       const Chunk& ch = heads[h].chunks()[chosen[h][i]];
-      // A prefetch only looks: it is not a read of the copies already there.
-      const CopyRef& copy = to_device ? ch.device : ch.promoted;
-      SlotRef slot = !to_device && !ch.cold() ? ch.host
-                     : prefetch               ? cache->Peek(copy)
-                                              : cache->Read(copy);
-      if (!slot) todo.emplace_back(h, i);
-      out[h].push_back(std::move(slot));
+      if (!to_device && !ch.cold()) {
+        out[h][i] = ch.host;
+        continue;
+      }
+      copies.push_back(to_device ? &ch.device : &ch.promoted);
+      at.emplace_back(h, i);
     }
+  }
+  std::vector<SlotRef> found(copies.size());
+  cache->ReadAll(copies, /*record=*/!prefetch, found.data());
+  std::vector<std::pair<uint32_t, size_t>> todo;  // (kv_head, position in chosen[h])
+  for (size_t j = 0; j < copies.size(); ++j) {
+    const auto [h, i] = at[j];
+    if (!found[j]) todo.emplace_back(h, i);
+    out[h][i] = std::move(found[j]);
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    cache->Allocate(target.tenant, target.format.slot_bytes(), todo.size()));

@@ -78,16 +78,26 @@ void PromotionCache::Touch(CachedCopy& c, int64_t now) const {
 }
 
 SlotRef PromotionCache::Read(const CopyRef& copy) {
-  if (!copy) return nullptr;
+  const CopyRef* one[] = {&copy};
+  SlotRef out;
+  ReadAll(one, /*record=*/true, &out);
+  return out;
+}
+
+void PromotionCache::ReadAll(std::span<const CopyRef* const> copies, bool record, SlotRef* out) {
   MutexLock lock(&mu_);
-  if (!copy->slot_) return nullptr;
-  Touch(*copy, clock_->NowMs());
-  ++counters_.hits;
-  if (copy->prefetched_) {
-    copy->prefetched_ = false;
-    ++counters_.prefetch_hits;
+  const int64_t now = record ? clock_->NowMs() : 0;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const CopyRef& copy = *copies[i];
+    out[i] = copy ? copy->slot_ : nullptr;
+    if (!record || !out[i]) continue;
+    Touch(*copy, now);
+    ++counters_.hits;
+    if (copy->prefetched_) {
+      copy->prefetched_ = false;
+      ++counters_.prefetch_hits;
+    }
   }
-  return copy->slot_;
 }
 
 SlotRef PromotionCache::Peek(const CopyRef& copy) const {

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,9 @@ class PromotionCache {
   SlotRef Read(const CopyRef& copy);
   // As Read, without recording anything.
   SlotRef Peek(const CopyRef& copy) const;
+  // Read (Peek without `record`) of each of `copies` under one hold of the lock, and one
+  // clock reading: out[i] for *copies[i]. A Select reads tens of copies at once.
+  void ReadAll(std::span<const CopyRef* const> copies, bool record, SlotRef* out);
 
   // `n` slots of `bytes` for `tenant`, all or nothing. When the tier is full, evicts
   // unpinned copies that nobody else holds, by the policy, until they fit (only the tenant's
