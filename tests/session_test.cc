@@ -1012,6 +1012,17 @@ TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
     EXPECT_EQ(cold > 0, int4);
     ASSERT_OK(e.leases.Release("t", resp.lease_id()));
     ASSERT_OK(e.leases.Release("t", on_host.lease_id()));
+    if (refined) {
+      // The whole chunks' device copies are cached now; the gathered blocks are filled anew
+      // (in one batch), and a failed fill fails the Select, naming a chunk the rows came from.
+      state->fail_copies = true;
+      r.set_placement(v1::TIER_DEVICE);
+      v1::SelectResponse failed;
+      EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "promoting chunk"));
+      EXPECT_EQ(failed.heads_size(), 0);
+      EXPECT_EQ(e.leases.CountForSession(f.session->id()), 0u);
+      state->fail_copies = false;
+    }
     ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
   }
   Fixture f = Make(e, 1, 2, 1, 16, 64);

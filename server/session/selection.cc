@@ -6,6 +6,7 @@
 
 #include "server/common/status_macros.h"
 #include "server/index/token_refine.h"
+#include "server/transfer/device_fill.h"
 
 namespace kvtier {
 
@@ -82,6 +83,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     int64_t position;
     const uint8_t* k;
     const uint8_t* v;
+    uint32_t chunk;  // the stream's chunk it comes from
   };
   // Per head, the rows to gather, in position order; the slots they need, all at once.
   std::vector<std::vector<Row>> rows(heads.size());
@@ -91,8 +93,8 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
       const Chunk& c = heads[h].chunks()[choice->chunks[h][i]];
       const uint8_t* fp16 = choice->host_slots[h][i]->data();
       for (uint32_t r : choice->rows[h][i]) {
-        rows[h].push_back(
-            {static_cast<int64_t>(c.position(r)), fp16 + r * rb, fp16 + (c.num_tokens + r) * rb});
+        rows[h].push_back({static_cast<int64_t>(c.position(r)), fp16 + r * rb,
+                           fp16 + (c.num_tokens + r) * rb, choice->chunks[h][i]});
       }
     }
     std::sort(rows[h].begin(), rows[h].end(),
@@ -102,23 +104,36 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    target.cache->Allocate(target.tenant, f.slot_bytes(), blocks));
   std::vector<std::vector<GatheredBlock>> out(heads.size());
-  std::vector<uint8_t> scratch;
-  size_t next = 0;
+  // Into each slot where it is mapped here; device slots (the slots are all of one tier) are
+  // made here and filled in one batch, as promotion fills them (FillDevice).
+  const bool device = !slots.empty() && slots[0]->on_device();
+  size_t device_bytes = 0;
+  for (const std::vector<Row>& r : rows) device_bytes += device ? 2 * r.size() * rb : 0;
+  std::vector<uint8_t> made(device_bytes);  // never grows: the fills point into it
+  std::vector<DeviceFill> fills;
+  size_t next = 0, made_at = 0;
   for (size_t h = 0; h < heads.size(); ++h) {
     for (size_t at = 0; at < rows[h].size(); at += f.capacity) {
       const size_t n = std::min<size_t>(f.capacity, rows[h].size() - at);
       GatheredBlock& b = out[h].emplace_back();
       b.slot = std::move(slots[next++]);
-      // Into the slot where it is mapped here, else made here and copied over (a device slot).
-      if (b.slot->on_device()) scratch.resize(2 * n * rb);
-      uint8_t* dst = b.slot->on_device() ? scratch.data() : b.slot->data();
+      uint8_t* dst = device ? made.data() + made_at : b.slot->data();
       for (size_t j = 0; j < n; ++j) {
         const Row& row = rows[h][at + j];
         std::memcpy(dst + j * rb, row.k, rb);
         std::memcpy(dst + (n + j) * rb, row.v, rb);
         b.positions.push_back(row.position);
       }
-      if (b.slot->on_device()) RETURN_IF_ERROR(b.slot->Write(0, scratch.data(), 2 * n * rb));
+      if (device) {
+        fills.push_back({.dst = b.slot->device_memory(),
+                         .offset = b.slot->offset(),
+                         .src = dst,
+                         .src_bytes = 2 * n * rb,
+                         .quantized = std::nullopt,
+                         .chunk_id = EncodeChunkId(
+                             {target.layer, static_cast<uint32_t>(h), rows[h][at].chunk})});
+        made_at += 2 * n * rb;
+      }
     }
     // What was gathered leaves the chunk handles.
     std::vector<uint32_t> chunks;
@@ -134,6 +149,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     choice->rows[h] = std::move(kept_rows);
     choice->host_slots[h] = std::move(kept_slots);
   }
+  RETURN_IF_ERROR(FillDevice(fills));
   return out;
 }
 
