@@ -45,6 +45,11 @@ class CupyRuntime:
         self._rt.ipcCloseMemHandle(ptr)
 
 
+class _IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: 64 opaque bytes, passed by value."""
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
 class CudartRuntime:
     """CUDA IPC through the CUDA runtime library, by ctypes: the one PyTorch's CUDA build ships
     (nvidia/cuda_runtime/lib in site-packages), or the system's."""
@@ -66,7 +71,13 @@ class CudartRuntime:
                 continue
         if self._lib is None:
             raise CudaUnavailable("no CUDA runtime library (libcudart) could be loaded")
+        self._lib.cudaGetErrorName.argtypes = [ctypes.c_int]
         self._lib.cudaGetErrorName.restype = ctypes.c_char_p
+        self._lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        # The handle is a struct passed by value (ctypes passes a bare array as a pointer).
+        self._lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                                   _IpcMemHandle, ctypes.c_uint]
+        self._lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
 
     def _check(self, what: str, err: int) -> None:
         if err != 0:
@@ -74,16 +85,14 @@ class CudartRuntime:
 
     def open(self, handle: bytes) -> tuple[int, int]:
         ptr, dev = ctypes.c_void_p(), ctypes.c_int()
-        h = (ctypes.c_char * IPC_HANDLE_BYTES).from_buffer_copy(handle)
+        h = _IpcMemHandle.from_buffer_copy(handle)
         self._check("cudaGetDevice", self._lib.cudaGetDevice(ctypes.byref(dev)))
-        # cudaIpcMemHandle_t is a struct of 64 bytes, passed by value.
         self._check("cudaIpcOpenMemHandle",
-                    self._lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), h,
-                                                   ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS)))
+                    self._lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS))
         return ptr.value, dev.value
 
     def close(self, ptr: int) -> None:
-        self._check("cudaIpcCloseMemHandle", self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)))
+        self._check("cudaIpcCloseMemHandle", self._lib.cudaIpcCloseMemHandle(ptr))
 
 
 def default_runtime():

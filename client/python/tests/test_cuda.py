@@ -187,6 +187,22 @@ def test_an_allocation_that_will_not_open_is_unavailable_naming_the_segment(gpu_
     assert "segment 7: cudaIpcOpenMemHandle: cudaErrorInvalidValue" in e.value.message
 
 
+def test_the_real_runtime_without_a_usable_gpu_is_an_error_naming_what_is_missing(gpu_segment):
+    """Here: libcudart (PyTorch's CUDA build ships it) loads, and finds no driver or device;
+    without any CUDA library the error names `like`. Never a crash or a pointer."""
+    daemon, _, _, _ = gpu_segment
+    if _cuda_device_count() > 0:
+        pytest.skip("a CUDA device is here: the GPU test below reads real memory")
+    seg = kvtier.SegmentMap(daemon)  # the default runtime: CuPy's, else libcudart by ctypes
+    with pytest.raises(kvtier.KvTierError) as e:
+        seg.view(handle(0, 5), D, like="cuda")
+    if e.value.code == grpc.StatusCode.INVALID_ARGUMENT:
+        assert e.value.message.startswith("like: views of GPU segments need CUDA")
+    else:
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert e.value.message.startswith("segment 7: ")
+
+
 def _cuda_device_count() -> int:
     try:
         import cupy
