@@ -465,11 +465,10 @@ class SegmentMap:
                 self._runtime().close(ptr)
             self._opened.clear()
 
-    def _device_view(self, handle: pb.BlockHandle, head_dim: int, like: str):
+    def _device_view(self, seg: pb.Segment, handle: pb.BlockHandle, head_dim: int, like: str):
         if like not in _DEVICE_LIKES:
             raise KvTierArgumentError("like", f"segment {handle.segment_id} is GPU memory: "
                                       f"{like!r} is not one of {', '.join(_DEVICE_LIKES)}")
-        seg = self._gpu[handle.segment_id]
         n = handle.num_tokens * head_dim
         if handle.offset % 2 or handle.length != 4 * n or \
                 handle.offset + handle.length > seg.size_bytes:
@@ -501,10 +500,11 @@ class SegmentMap:
         if like not in _LIKES + _DEVICE_LIKES:
             raise KvTierArgumentError("like", f"{like!r} is not one of "
                                       f"{', '.join(dict.fromkeys(_LIKES + _DEVICE_LIKES))}")
-        n = handle.num_tokens * head_dim
         self._checked(handle)
-        if handle.segment_id in self._gpu:
-            return self._device_view(handle, head_dim, like)
+        seg = self._gpu.get(handle.segment_id)  # one lookup: prune may drop it meanwhile
+        if seg is not None:
+            return self._device_view(seg, handle, head_dim, like)
+        n = handle.num_tokens * head_dim
         if like not in _LIKES:
             raise KvTierArgumentError("like", f"segment {handle.segment_id} is host memory: "
                                       f"{like!r} is not one of {', '.join(_LIKES)}")
