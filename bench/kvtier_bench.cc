@@ -4,6 +4,9 @@
 //
 //   build/bin/kvtier-bench select --tokens 4096,32768,131072 --budget 256 --json
 //
+// --chunk_tokens (16) and --cluster_chunks (the index's default) set the stream's chunks and
+// its indexes' fine clusters; the Quest baseline's pages are the contiguous chunks.
+//
 // One JSON line per (tokens, policy) with policy, tokens, budget, us_per_select (median over
 // the queries), oracle_ratio (mean and 10th percentile of kept mass over the exact top-budget
 // tokens' mass, softmax averaged over the GQA group), chunk_oracle_ratio (over the best
@@ -12,8 +15,8 @@
 // baseline = the exact scan's time, ratio). Then per policy the growth exponent of
 // us_per_select over the token counts (a log-log fit; below 1 is sub-linear).
 //
-// Policies: exact (score every key, keep the best tokens), quest (16-token pages by the
-// min/max box bound), window (sinks + most recent), kvtier-scan (the LSE-peak score over
+// Policies: exact (score every key, keep the best tokens), quest (pages of the contiguous chunks,
+// by the min/max box bound), window (sinks + most recent), kvtier-scan (the LSE-peak score over
 // every chunk), kvtier (the same score through the cluster index: the same answer, pruned),
 // kvtier-mean (the index with the mean score, clustered by means as the daemon does for that
 // ranking), and the other chunking modes with the
@@ -51,7 +54,10 @@
 namespace kvtier {
 namespace {
 
-constexpr int kD = 64, kGroup = 3, kChunk = 16, kSinks = 16, kWindow = 64, kTopics = 48;
+constexpr int kD = 64, kGroup = 3, kSinks = 16, kWindow = 64, kTopics = 48;
+// --chunk_tokens and --cluster_chunks: the stream's chunks and its indexes' fine clusters.
+int chunk_tokens = 16;
+uint32_t cluster_chunks = ClusterIndex::kClusterChunks;
 
 struct Stream {
   int n = 0;
@@ -152,7 +158,7 @@ Tiles MakeTiles(const float* v, int n, int rows, Round round) {
 std::vector<std::vector<int>> ContiguousRows(int n) {
   std::vector<std::vector<int>> rows;
   for (int t = 0; t < n; ++t) {
-    if (t % kChunk == 0) rows.emplace_back();
+    if (t % chunk_tokens == 0) rows.emplace_back();
     rows.back().push_back(t);
   }
   return rows;
@@ -164,7 +170,7 @@ Layout Boundary(const Stream& s) {
   for (int t = 0; t < s.n; ++t) {
     if (!open) rows.emplace_back(), open = true;
     rows.back().push_back(t);
-    if (EndsChunk(uint32_t(rows.back().size()), kChunk, true, s.delimiter[t])) open = false;
+    if (EndsChunk(uint32_t(rows.back().size()), chunk_tokens, true, s.delimiter[t])) open = false;
   }
   return Finish(s, std::move(rows));
 }
@@ -172,13 +178,13 @@ Layout Boundary(const Stream& s) {
 // Spans of 8 contiguous chunks between the sinks and the window, regrouped as the daemon does.
 Layout Semantic(const Stream& s) {
   std::vector<std::vector<int>> rows = ContiguousRows(s.n);
-  const int first = (kSinks + kChunk - 1) / kChunk;
-  const int aged = (s.n - kWindow) / kChunk;
-  std::vector<float> span_keys(size_t(8) * kChunk * kD);
+  const int first = (kSinks + chunk_tokens - 1) / chunk_tokens;
+  const int aged = (s.n - kWindow) / chunk_tokens;
+  std::vector<float> span_keys(size_t(8) * chunk_tokens * kD);
   for (int c = first; c + 8 <= aged; c += 8) {
     const int base = rows[c].front();
     std::copy_n(&s.keys[size_t(base) * kD], span_keys.size(), span_keys.begin());
-    const auto groups = BalancedGroups(span_keys.data(), 8 * kChunk, kD, kChunk);
+    const auto groups = BalancedGroups(span_keys.data(), 8 * chunk_tokens, kD, chunk_tokens);
     for (int g = 0; g < 8; ++g) {
       rows[c + g].clear();
       for (uint32_t r : groups[g]) rows[c + g].push_back(base + int(r));
@@ -295,8 +301,11 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
   auto left = [budget](const Layout& l) -> uint64_t {
     return budget > l.mandatory_tokens ? budget - l.mandatory_tokens : 0;
   };
-  ClusterIndex index(kD), semantic_index(kD), boundary_index(kD);
-  ClusterIndex::Options by_mean;  // as the daemon clusters a session with the mean ranking
+  ClusterIndex::Options options;
+  options.cluster_chunks = cluster_chunks;
+  ClusterIndex index(kD, options), semantic_index(kD, options), boundary_index(kD, options);
+  ClusterIndex::Options by_mean =
+      options;  // as the daemon clusters a session with the mean ranking
   by_mean.cluster_by_peak = false;
   ClusterIndex mean_index(kD, by_mean);
   // The default index's insertions, each timed over the last tenth of the chunks: what one
@@ -400,7 +409,7 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
             std::max({dots[c], dots[size_t(pages) + c], dots[2 * size_t(pages) + c]});
         ranked.push_back({-best, uint32_t(c)});
       }
-      const size_t k = std::min<size_t>(ranked.size(), left(l) / kChunk);
+      const size_t k = std::min<size_t>(ranked.size(), left(l) / chunk_tokens);
       std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end());
       std::vector<uint32_t> chosen;
       for (size_t i = 0; i < k; ++i) chosen.push_back(ranked[i].second);
@@ -437,7 +446,8 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
           std::tuple{"kvtier-semantic", v1::RANKING_LSE_PEAK, &semantic, &semantic_index}}) {
       ClusterIndex::SearchStats st;
       const double t0 = bench::NowSeconds();
-      auto chosen = idx->Search(ranking, q, kGroup, left(*layout) / kChunk, layout->stats, {}, &st);
+      auto chosen =
+          idx->Search(ranking, q, kGroup, left(*layout) / chunk_tokens, layout->stats, {}, &st);
       const double secs = bench::NowSeconds() - t0;
       // Work counts every bound computed as well as every chunk scored.
       record(name, secs, ChunkMass(truth, *layout, chosen),
@@ -465,10 +475,12 @@ void Run(int tokens, int budget, int queries, uint32_t seed,
         "\"budget\": %d, \"us_per_select\": %.3f, \"oracle_ratio\": %.4f, \"oracle_ratio_p10\": "
         "%.4f, \"chunk_oracle_ratio\": %.4f, \"chunks_scored_fraction\": %.4f, \"parameters\": "
         "{\"policy\": \"%s\", \"tokens\": %d, \"budget\": %d, \"queries\": %d, \"head_dim\": %d, "
-        "\"gqa_group\": %d, \"clusters\": %zu, \"units\": %zu, \"data\": \"synthetic topics\"}}\n",
+        "\"gqa_group\": %d, \"chunk_tokens\": %d, \"cluster_chunks\": %u, \"clusters\": %zu, "
+        "\"units\": %zu, \"data\": \"synthetic topics\"}}\n",
         us, exact_us, us / exact_us, name.c_str(), tokens, budget, us, Mean(r.ratio),
         bench::Quantile(r.ratio, 0.1), Mean(r.chunk_ratio), r.total ? r.scored / r.total : 0.0,
-        name.c_str(), tokens, budget, queries, kD, kGroup, index.num_clusters(), index.num_units());
+        name.c_str(), tokens, budget, queries, kD, kGroup, chunk_tokens, cluster_chunks,
+        index.num_clusters(), index.num_units());
     (*growth)[name].push_back({double(tokens), us});
   }
   if (adds_timed > 0) {
@@ -527,7 +539,7 @@ int Main(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "select") != 0) {
     std::fprintf(stderr,
                  "usage: kvtier-bench select [--tokens N[,N...]] [--budget B] "
-                 "[--queries Q] [--seed S] [--json]\n");
+                 "[--queries Q] [--seed S] [--chunk_tokens N] [--cluster_chunks N] [--json]\n");
     return 2;
   }
   std::vector<int> tokens = {4096, 32768, 131072};
@@ -555,6 +567,10 @@ int Main(int argc, char** argv) {
       budget = std::atoi(next().c_str());
     } else if (a == "--queries") {
       queries = std::atoi(next().c_str());
+    } else if (a == "--chunk_tokens") {
+      chunk_tokens = std::atoi(next().c_str());
+    } else if (a == "--cluster_chunks") {
+      cluster_chunks = static_cast<uint32_t>(std::atoi(next().c_str()));
     } else if (a == "--seed") {
       seed = static_cast<uint32_t>(std::atoi(next().c_str()));
     } else if (a != "--json") {
@@ -562,14 +578,19 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  if (chunk_tokens < 1 || chunk_tokens > 64 || cluster_chunks < 1) {
+    std::fprintf(stderr, "--chunk_tokens must be in [1, 64] and --cluster_chunks >= 1\n");
+    return 2;
+  }
   for (int t : tokens) {
-    if (t < budget + kSinks + kWindow + 2 * kChunk) {
-      std::fprintf(stderr, "--tokens %d: must be above budget + sinks + window + 32\n", t);
+    if (t < budget + kSinks + kWindow + 2 * chunk_tokens) {
+      std::fprintf(stderr, "--tokens %d: must be above budget + sinks + window + two chunks\n", t);
       return 2;
     }
   }
-  if (budget < kSinks + kWindow + kChunk || queries < 1) {
-    std::fprintf(stderr, "--budget must be >= %d and --queries >= 1\n", kSinks + kWindow + kChunk);
+  if (budget < kSinks + kWindow + chunk_tokens || queries < 1) {
+    std::fprintf(stderr, "--budget must be >= %d and --queries >= 1\n",
+                 kSinks + kWindow + chunk_tokens);
     return 2;
   }
   std::map<std::string, std::vector<std::pair<double, double>>> growth;

@@ -230,9 +230,9 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
 }
 
 // MemoryBytes counts at least what the index must hold, each node's four boxes (halves) and
-// four scalars and each chunk's node, and grows with the chunks; but the lanes allocated are
-// at most twice those used (units hold at least 6 clusters once split, and a block's last tile
-// is narrow while it can be), and a node's own record adds a few hundred bytes at most.
+// four scalars and each chunk's node, and grows with the chunks; but the units' blocks hold
+// one lane per cluster (their last tile as wide as it needs), the block of units at most
+// twice those used, and a node's own record adds a few hundred bytes at most.
 // ChunkStats' holds its token counts, means and peaks, and no more than twice that.
 TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
   std::mt19937 rng(3);
@@ -248,6 +248,7 @@ TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
       const size_t nodes = index.num_clusters() + index.num_units();
       const size_t lane = 4 * kD * sizeof(uint16_t) + 4 * sizeof(float);
       EXPECT_GE(now, nodes * lane + (i + 1) * sizeof(uint32_t));
+      EXPECT_EQ(index.cluster_lanes(), index.num_clusters());
       EXPECT_LE(now, nodes * (2 * lane + 256) + 2 * (i + 1) * sizeof(uint32_t) + 16 * lane);
       EXPECT_GT(now, before);
       before = now;

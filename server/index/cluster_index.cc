@@ -39,6 +39,12 @@ size_t ClusterIndex::num_clusters() const { return clusters_.size(); }
 
 size_t ClusterIndex::num_units() const { return units_.size(); }
 
+size_t ClusterIndex::cluster_lanes() const {
+  size_t lanes = 0;
+  for (const Unit& u : units_) lanes += u.block.cap;
+  return lanes;
+}
+
 size_t ClusterIndex::MemoryBytes() const {
   auto block = [](const Block& b) {
     return b.box.capacity() * sizeof(uint16_t) + b.scalars.capacity() * sizeof(float);
@@ -162,29 +168,27 @@ ClusterIndex::Lane ClusterIndex::ClusterLane(uint32_t cluster) {
 }
 
 void ClusterIndex::Reserve(Block& blk, uint32_t lane) const {
-  // Moves the narrow last tile's rows (at `at`, `rows` of them) to the full width, last row
-  // first: a row's new place is never below an unmoved row's old one.
-  auto widen = [](auto* at, size_t rows) {
+  if (lane < blk.cap) return;
+  const uint32_t t = blk.cap / kTile * kTile;  // where the last tile begins
+  const uint32_t old_w = blk.cap - t;          // its width; 0: every tile is full
+  const uint32_t cap = lane + 1;
+  const uint32_t new_w = std::min(kTile, cap - t);
+  // The last tile's rows (`rows` of them) moved to the new width, last row first: a row's new
+  // place is never below an unmoved row's old one. The new lanes are zeros, as is everything
+  // past the tile (resize fills it).
+  auto grow = [&](auto& v, size_t rows) {
+    const size_t size = static_cast<size_t>(cap) * rows + kPad;
+    if (cap <= kTile) v.reserve(size);
+    v.resize(size, 0);
+    if (old_w == 0) return;
+    auto* at = &v[static_cast<size_t>(t) * rows];
     for (size_t r = rows; r-- > 0;) {
-      for (uint32_t i = kTile; i-- > 0;) {
-        at[r * kTile + i] = i < kNarrowTile ? at[r * kNarrowTile + i] : 0;
-      }
+      for (uint32_t i = new_w; i-- > 0;) at[r * new_w + i] = i < old_w ? at[r * old_w + i] : 0;
     }
   };
-  while (lane >= blk.cap) {
-    const uint32_t t = blk.cap / kTile * kTile;  // where the last tile begins
-    if (blk.cap == t) {                          // every tile full: a narrow one
-      blk.box.resize(blk.box.size() + BoxRows() * kNarrowTile, 0);
-      blk.scalars.resize(blk.scalars.size() + kScalars * kNarrowTile, 0.f);
-      blk.cap += kNarrowTile;
-      continue;
-    }
-    blk.box.resize(blk.box.size() + BoxRows() * (kTile - kNarrowTile), 0);
-    blk.scalars.resize(blk.scalars.size() + kScalars * (kTile - kNarrowTile), 0.f);
-    widen(&blk.box[static_cast<size_t>(t) * BoxRows()], BoxRows());
-    widen(&blk.scalars[static_cast<size_t>(t) * kScalars], size_t{kScalars});
-    blk.cap = t + kTile;
-  }
+  grow(blk.box, BoxRows());
+  grow(blk.scalars, size_t{kScalars});
+  blk.cap = cap;
 }
 
 void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
@@ -418,6 +422,7 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   const Block old = std::move(units_[unit].block);
   units_[unit].block = Block{};
   for (auto [target, members] : {std::pair{unit, &left}, std::pair{id, &right}}) {
+    Reserve(units_[target].block, static_cast<uint32_t>(members->size()) - 1);  // one layout
     for (uint32_t i = 0; i < members->size(); ++i) {
       Cluster& c = clusters_[(*members)[i]];
       CopyLane(old, c.lane, units_[target].block, i);

@@ -129,6 +129,9 @@ class ClusterIndex {
   // Test hooks: bound violations for these queries (a chunk scoring above its cluster's or
   // unit's bound), and structural invariants (every chunk in exactly one cluster, every
   // cluster in one unit, radii and boxes covering their chunks). Empty string: all good.
+  // The lanes the units' blocks hold, one per cluster (a block's last tile is as wide as it
+  // needs).
+  size_t cluster_lanes() const;
   uint64_t CountBoundViolations(v1::Ranking ranking, std::span<const float> queries, int group,
                                 const ChunkStats& stats) const;
   std::string CheckInvariants(const ChunkStats& stats) const;
@@ -148,11 +151,13 @@ class ClusterIndex {
 
   // Blocks: what a search reads of a set of nodes (every unit; one unit's clusters), laid out
   // channel-major in tiles of kTile lanes, so that one pass over a tile bounds its nodes eight
-  // per vector operation (DotColumns) and reads memory in order. A block's last tile may be
-  // narrow, kNarrowTile lanes, while the block holds no more nodes than that: units hold about
-  // eight clusters, and full tiles left half their lanes empty (0.46 of a 16-token stream's
-  // index bytes at head_dim 128 were empty lanes). Tile t of width w holds
-  // box[kBoxParts * d][w]: a node's per-channel boxes of its chunks' means and peaks,
+  // per vector operation (DotColumns) and reads memory in order. A block's last tile is as wide
+  // as the lanes it holds (cap % kTile of them): units hold 6 to 12 clusters, and tiles of 8 or
+  // 16 lanes left a quarter of the lanes empty (2.2 of a 32-token stream's 10.4 index bytes per
+  // token at head_dim 128). Vector loads read a row's lanes in groups of eight, so a narrow
+  // tile's row reads into the next, and the last row up to kPad elements past the tiles: each
+  // array ends in kPad zeros. What those lanes compute is never reported. Tile t of width w
+  // holds box[kBoxParts * d][w]: a node's per-channel boxes of its chunks' means and peaks,
   // [mu_hi | mu_lo | peak_hi | peak_lo], as IEEE halves rounded outwards (hi up, lo down), so
   // they cover every chunk in half the bytes of floats; then scalars[kScalars][w]. The lane is
   // the only copy of a node's boxes. A box beyond the half range (|x| > 65504) marks its lane
@@ -167,17 +172,15 @@ class ClusterIndex {
   // The parts that bound from above (rounded up; widened upwards).
   static constexpr bool IsUpper(int part) { return part == kMuHi || part == kPeakHi; }
   enum Scalar { kMarginA, kMarginP, kLogRest, kUnbounded, kScalars };
-  static constexpr uint32_t kTile = 16, kNarrowTile = 8;
+  static constexpr uint32_t kTile = 16, kPad = 8;
   struct Block {
-    uint32_t cap = 0;  // lanes allocated: full tiles, then a narrow one when cap % kTile != 0
-    std::vector<uint16_t> box;
-    std::vector<float> scalars;
+    uint32_t cap = 0;            // lanes: full tiles, then one of cap % kTile lanes
+    std::vector<uint16_t> box;   // the tiles' boxes, then kPad zeros
+    std::vector<float> scalars;  // the tiles' scalars, then kPad zeros
   };
   size_t BoxRows() const { return static_cast<size_t>(kBoxParts) * d_; }
-  // The width of the tile that begins at lane t (a multiple of kTile).
-  static uint32_t TileWidth(const Block& blk, uint32_t t) {
-    return t + kTile <= blk.cap ? kTile : kNarrowTile;
-  }
+  // The width of the tile that begins at lane t (a multiple of kTile below cap).
+  static uint32_t TileWidth(const Block& blk, uint32_t t) { return std::min(kTile, blk.cap - t); }
   // Where row r of lane `lane` lies in a block's box (rows < BoxRows()) or scalars; rows of
   // its tile lie TileWidth apart.
   size_t BoxIndex(const Block& blk, uint32_t lane, size_t r) const {
@@ -204,7 +207,8 @@ class ClusterIndex {
   };
   Lane ClusterLane(uint32_t cluster);
   Lane UnitLane(uint32_t unit) { return {&units_block_, unit}; }
-  // Grows blk to hold `lane`; the tiles there stay where they are.
+  // Grows blk to hold `lane` (its last tile widens; the full tiles stay where they are). A
+  // block of one tile (a unit's) is allocated to the lane, a larger one as vectors grow.
   void Reserve(Block& blk, uint32_t lane) const;
   // Writes a lane's boxes from floats [kBoxParts][d], rounding outwards, and marks it
   // unbounded if they leave the half range.

@@ -63,24 +63,25 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   std::vector<float>& dots = p.dots;
   dots.resize(2 * static_cast<size_t>(group) * kTile, 0.f);
   auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * kTile]; };
-  auto bound_tile = [&]<uint32_t W>(uint32_t t) {
+  // W: the lanes the loops run over (8 or 16, at least the tile's width w).
+  auto bound_tile = [&]<uint32_t W>(uint32_t t, uint32_t w) {
     const uint16_t* tile = &blk.box[BoxIndex(blk, t, 0)];
-    if (t + W < lanes) {  // the next tile, of the width it has
-      PrefetchBytes(tile + BoxRows() * W, BoxRows() * TileWidth(blk, t + W) * sizeof(uint16_t));
+    if (t + w < lanes) {  // the next tile, of the width it has
+      PrefetchBytes(tile + BoxRows() * w, BoxRows() * TileWidth(blk, t + w) * sizeof(uint16_t));
     }
     // Only the groups of eight lanes that hold nodes are computed; the others keep what they
     // held (bounded, never reported).
-    const uint32_t in_tile = std::min(W, lanes - t);
+    const uint32_t in_tile = std::min(w, lanes - t);
     const int computed = static_cast<int>((in_tile + 7) / 8 * 8);
-    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, W, computed, at(0, 0), kTile);
+    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, w, computed, at(0, 0), kTile);
     if (lse) {
-      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * W, 2 * d_, W,
+      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * w, 2 * d_, w,
                  computed, at(1, 0), kTile);
     }
-    const float* sc = &blk.scalars[ScalarIndex(blk, t, 0)];  // scalar s of lane i: sc[s * W + i]
-    const float* margin_a = sc + kMarginA * W;
-    const float* margin_p = sc + kMarginP * W;
-    const float* log_rest = sc + kLogRest * W;
+    const float* sc = &blk.scalars[ScalarIndex(blk, t, 0)];  // scalar s of lane i: sc[s * w + i]
+    const float* margin_a = sc + kMarginA * w;
+    const float* margin_p = sc + kMarginP * w;
+    const float* log_rest = sc + kLogRest * w;
     float best[W];
     std::fill_n(best, W, -kInf);
     for (int h = 0; h < group; ++h) {
@@ -110,14 +111,15 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
         best[i] = std::max(best[i], bound);
       }
     }
-    const float* unbounded = sc + kUnbounded * W;
+    const float* unbounded = sc + kUnbounded * w;
     for (uint32_t i = 0; i < in_tile; ++i) out[t + i] = unbounded[i] != 0.f ? kInf : best[i];
   };
   for (uint32_t t = 0; t < lanes; t += kTile) {
-    if (TileWidth(blk, t) == kTile) {
-      bound_tile.template operator()<kTile>(t);
+    const uint32_t w = TileWidth(blk, t);
+    if (w > 8) {
+      bound_tile.template operator()<kTile>(t, w);
     } else {
-      bound_tile.template operator()<kNarrowTile>(t);
+      bound_tile.template operator()<8>(t, w);
     }
   }
 }
