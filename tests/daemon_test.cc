@@ -1841,5 +1841,46 @@ TEST(Kvtierctl, TablesJsonAndErrors) {
   EXPECT_EQ(code, 2);
 }
 
+// MoveSession relays ExportSession's parts from one daemon into ImportSession on another:
+// every chunk arrives with its bytes, the copy takes appends, and the source is untouched.
+TEST(Daemon, AMovedSessionHasEveryChunkOnTheOtherDaemon) {
+  DaemonProcess a, b;
+  ASSERT_TRUE(a.started() && b.started());
+  auto from = Connect(a), to = Connect(b);
+  const Data data = MakeData(700);
+  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  ASSERT_OK(from->AppendKV(AllLayers(sid, data, 0, 700)).status());
+
+  ASSERT_OK_AND_ASSIGN(auto moved, from->MoveSession(sid, *to, "moved"));
+  EXPECT_EQ(moved.session_id(), "moved");
+  v1::ListChunksRequest list;
+  list.set_session_id("moved");
+  list.set_limit(100000);
+  ASSERT_OK_AND_ASSIGN(auto chunks, to->ListChunks(list));
+  std::vector<uint64_t> ids;
+  for (const auto& c : chunks.chunks()) ids.push_back(c.chunk_id());
+  EXPECT_EQ(ids.size(), size_t(kLayers) * kKv * ((700 + 15) / 16));
+  ASSERT_OK_AND_ASSIGN(auto there, to->ReadChunks("moved", ids));
+  ASSERT_EQ(there.size(), ids.size());
+  for (const auto& h : there) {
+    const int64_t p0 = h.positions(0);
+    const auto want = Slice(data.k[h.layer()], kKv, 700, kD, p0, h.num_tokens());
+    const size_t off = size_t(h.kv_head()) * h.num_tokens() * kD;
+    EXPECT_EQ(h.keys(), std::string(reinterpret_cast<const char*>(want.data() + off),
+                                    size_t(h.num_tokens()) * kD * 2));
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t stored, to->AppendKV(AllLayers("moved", MakeData(720), 700, 20)));
+  EXPECT_EQ(stored, 720u);
+  ASSERT_OK_AND_ASSIGN(auto source, from->DescribeSession(sid));
+  EXPECT_EQ(source.info().num_tokens(), 700u);
+
+  EXPECT_THAT(from->MoveSession(sid, *to, "moved"), StatusIs(Code::kAlreadyExists, "moved"));
+  EXPECT_THAT(from->MoveSession("no-such", *to), StatusIs(Code::kNotFound, "no-such"));
+  ASSERT_OK_AND_ASSIGN(auto listed, to->ListSessions());
+  ASSERT_EQ(listed.sessions_size(), 1);
+  EXPECT_EQ(listed.sessions(0).session_id(), "moved");
+}
+
 }  // namespace
 }  // namespace kvtier

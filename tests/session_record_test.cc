@@ -1,12 +1,14 @@
 // Session records: a session demoted to a record and imported back, every byte and the same
-// selection; records that fail their checks.
+// selection; records that fail their checks; a record cut into transfer parts and put together.
 #include "server/session/session_record.h"
 
 #include <cstring>
 #include <limits>
 
 #include "server/common/error.h"
+#include "server/common/status_macros.h"
 #include "server/quant/chunk_quant.h"
+#include "server/session/transfer.h"
 #include "tests/session_fixture.h"
 
 namespace kvtier {
@@ -101,7 +103,8 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   std::string versioned = stored;
   versioned[4] = 9;
   EXPECT_THAT(DecodeRecord(versioned, "k"), StatusIs(Code::kFailedPrecondition, "version 9"));
-  EXPECT_THAT(DecodeRecord("KVT", "k"), StatusIs(Code::kDataLoss, "not a kvtier record"));
+  EXPECT_THAT(DecodeRecord("KVT", "k"),
+              StatusIs(Code::kDataLoss, "not a kvtier frame (no KVTR magic)"));
   ASSERT_OK_AND_ASSIGN(v1::SessionRecord r, DecodeRecord(stored, "k"));
   r.mutable_streams(0)->mutable_chunks(0)->mutable_data()->pop_back();
   EXPECT_THAT(Session::Import(r, e.env), StatusIs(Code::kDataLoss, "bytes"));
@@ -233,6 +236,88 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
   EXPECT_THAT(full, StatusIs(Code::kResourceExhausted, "host tier full"));
   EXPECT_EQ(ReasonOf(full), ErrorReason::kHostTierFull);  // the tier's reason, passed on
   EXPECT_EQ(t.chunks().size(), 1u);
+}
+
+// A record with streams of chunks of several sizes (one larger than a part, one stream empty).
+v1::SessionRecord TransferRecord() {
+  v1::SessionRecord r;
+  r.set_session_id("moving");
+  r.set_tenant("t");
+  r.add_layer_tokens(7);
+  const uint64_t sizes[][3] = {{1000, 300000, 5}, {0, 0, 0}, {kTransferPartBytes + 3, 2, 700000}};
+  for (const auto& stream : sizes) {
+    v1::StreamRecord* s = r.add_streams();
+    for (uint64_t bytes : stream) {
+      if (bytes == 0) continue;
+      v1::ChunkRecord* c = s->add_chunks();
+      c->set_num_tokens(static_cast<uint32_t>(bytes % 64 + 1));
+      c->set_first(bytes);
+      c->set_data(std::string(bytes, static_cast<char>('a' + bytes % 26)));
+    }
+  }
+  return r;
+}
+
+std::vector<std::string> Parts(const v1::SessionRecord& r) {
+  TransferWriter w(r);
+  std::vector<std::string> parts;
+  std::string p;
+  while (w.Next(&p)) parts.push_back(p);
+  return parts;
+}
+
+TEST(Transfer, PartsPutTogetherAreTheRecordAndAreBoundedInSize) {
+  const v1::SessionRecord r = TransferRecord();
+  const std::vector<std::string> parts = Parts(r);
+  // The header, stream 0's three chunks in one part, stream 1 in none, stream 2 in two (its
+  // first chunk alone is larger than a part, which closes once past kTransferPartBytes), the
+  // end.
+  ASSERT_EQ(parts.size(), 5u);
+  for (size_t i = 1; i + 1 < parts.size(); ++i) {
+    EXPECT_LE(parts[i].size(), 2 * kTransferPartBytes + 4096);
+  }
+  TransferReader reader(uint64_t{1} << 30);
+  for (const std::string& p : parts) ASSERT_OK(reader.Add(p));
+  ASSERT_TRUE(reader.complete());
+  ASSERT_OK_AND_ASSIGN(const v1::SessionRecord back, reader.Take());
+  EXPECT_EQ(back.SerializeAsString(), r.SerializeAsString());
+}
+
+TEST(Transfer, AReaderRefusesWhatIsNotOneWholeTransferInOrder) {
+  const std::vector<std::string> parts = Parts(TransferRecord());
+  auto run = [&](const std::vector<std::string>& in, uint64_t limit = uint64_t{1} << 30) {
+    TransferReader reader(limit);
+    for (const std::string& p : in) RETURN_IF_ERROR(reader.Add(p));
+    return reader.Take().status();
+  };
+  EXPECT_OK(run(parts));
+  const uint64_t data = 1000 + 300000 + 5 + kTransferPartBytes + 3 + 2 + 700000;
+  EXPECT_THAT(run(parts, data - 1),
+              StatusIs(Code::kResourceExhausted, absl::StrCat("holds ", data, " bytes")));
+  EXPECT_OK(run(parts, data));
+  EXPECT_THAT(run({parts[0], parts[2], parts[1], parts[3], parts[4]}),
+              StatusIs(Code::kDataLoss, "part 3: chunks 0.. of stream 0 out of order"));
+  EXPECT_THAT(run({parts[0], parts[1], parts[3], parts[2], parts[4]}),
+              StatusIs(Code::kDataLoss, "part 3: chunks 1.. of stream 2 out of order"));
+  EXPECT_THAT(run({parts[0], parts[1], parts[2], parts[4]}),
+              StatusIs(Code::kDataLoss, "part 4: the end after 4 chunks"));
+  EXPECT_THAT(run({parts[0], parts[1], parts[2], parts[3]}),
+              StatusIs(Code::kDataLoss, "without the end part"));
+  EXPECT_THAT(run({parts[0], parts[0]}), StatusIs(Code::kDataLoss, "part 2: a second header"));
+  EXPECT_THAT(run({parts[1]}), StatusIs(Code::kDataLoss, "part 1: chunks before the header"));
+  std::string damaged = parts[3];
+  damaged[damaged.size() / 2] ^= 1;
+  EXPECT_THAT(run({parts[0], parts[1], parts[2], damaged, parts[4]}),
+              StatusIs(Code::kDataLoss, "part 4: checksum"));
+  std::string other = parts[0];
+  other[4] = 9;  // another version
+  EXPECT_THAT(run({other}), StatusIs(Code::kFailedPrecondition, "format version 9"));
+  // More chunks than the header declared: a header from a smaller record.
+  v1::SessionRecord small = TransferRecord();
+  small.mutable_streams(2)->mutable_chunks()->RemoveLast();
+  const std::vector<std::string> fewer = Parts(small);
+  EXPECT_THAT(run({fewer[0], parts[1], parts[2], parts[3]}),
+              StatusIs(Code::kDataLoss, "more than the header's"));
 }
 
 }  // namespace

@@ -294,6 +294,40 @@ absl::StatusOr<v1::CreateSessionResponse> Client::ForkSession(const v1::ForkSess
   return KVTIER_CALL(v1::CreateSessionResponse, ForkSession, req);
 }
 
+absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string& session_id,
+                                                              Client& to,
+                                                              const std::string& new_session_id) {
+  grpc::ClientContext from_ctx, to_ctx;
+  Prepare(&from_ctx);
+  to.Prepare(&to_ctx);
+  v1::ExportSessionRequest ereq;
+  ereq.set_session_id(session_id);
+  auto reader = stub_->ExportSession(&from_ctx, ereq);
+  v1::CreateSessionResponse resp;
+  auto writer = to.stub_->ImportSession(&to_ctx, &resp);
+  v1::ExportSessionResponse part;
+  v1::ImportSessionRequest ireq;
+  ireq.set_session_id(new_session_id);
+  bool import_open = true;
+  while (reader->Read(&part)) {
+    ireq.set_part(std::move(*part.mutable_part()));
+    if (!writer->Write(ireq)) {  // the importer refused: its Finish says why
+      import_open = false;
+      from_ctx.TryCancel();
+      break;
+    }
+    ireq.clear_session_id();
+  }
+  const grpc::Status exported = reader->Finish();
+  if (import_open && !exported.ok()) to_ctx.TryCancel();  // an export cut short imports nothing
+  writer->WritesDone();
+  const grpc::Status imported = writer->Finish();
+  if (!imported.ok() && import_open && !exported.ok()) return FromGrpcStatus(exported);
+  if (!imported.ok()) return FromGrpcStatus(imported);
+  if (!exported.ok()) return FromGrpcStatus(exported);
+  return resp;
+}
+
 absl::StatusOr<bool> Client::CloseSession(const std::string& session_id) {
   v1::CloseSessionRequest req;
   req.set_session_id(session_id);

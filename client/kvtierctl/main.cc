@@ -456,6 +456,14 @@ int main(int argc, char** argv) {
   AddWatch(leases, &leases_w);
   auto* close = app.add_subcommand("close", "close a session (idempotent)");
   close->add_option("ID", id, "the session id")->required();
+  std::string move_to, move_as;
+  bool move_close = false;
+  auto* move = app.add_subcommand(
+      "move", "copy a session to another kvtierd (prefill here, decode there), same credentials");
+  move->add_option("ID", id, "the session id")->required();
+  move->add_option("--to", move_to, "the other daemon: unix:PATH or HOST:PORT")->required();
+  move->add_option("--as", move_as, "its id there (default: the same)");
+  move->add_flag("--close", move_close, "close it here once the other daemon holds it");
   std::string evict_tier;
   auto* evict = app.add_subcommand(
       "evict", "move a session's chunks off a tier: device (to host), host (to the remote tier)");
@@ -600,6 +608,19 @@ int main(int argc, char** argv) {
     kvtier::v1::CloseSessionResponse resp;
     resp.set_existed(*r);
     return Print(g, resp, [&] { return absl::StrCat(*r ? "closed " : "no session ", id, "\n"); });
+  }
+  if (move->parsed()) {
+    auto to = kvtier::Client::Connect(move_to, opts);
+    if (!to.ok()) return Fail(to.status(), &g);
+    auto r = c.MoveSession(id, **to, move_as);
+    if (!r.ok()) return Fail(r.status(), &g);
+    if (move_close) {
+      if (auto closed = c.CloseSession(id); !closed.ok()) return Fail(closed.status(), &g);
+    }
+    return Print(g, *r, [&] {
+      return absl::StrCat(move_close ? "moved " : "copied ", id, " to ", move_to, " as ",
+                          r->session_id(), "\n");
+    });
   }
   if (evict->parsed()) {
     const auto tier = evict_tier == "device" ? kvtier::v1::TIER_DEVICE : kvtier::v1::TIER_HOST;

@@ -17,11 +17,11 @@
 #include "server/rpc/tls.h"
 
 namespace kvtier {
-namespace {
-
 absl::Status Draining() {
   return absl::UnavailableError("kvtierd is draining and takes no new calls");
 }
+
+namespace {
 
 // The series a tenant's metrics go to once max_tenant_series tenants have their own.
 constexpr char kOtherTenants[] = "_other";

@@ -27,6 +27,8 @@ namespace kvtier {
 
 // The one place absl codes become gRPC codes (their numbers agree).
 grpc::Status ToGrpcStatus(const absl::Status& s);
+// UNAVAILABLE: what every call gets once the daemon drains.
+absl::Status Draining();
 
 struct ServiceEnv {
   SessionManager* sessions = nullptr;
@@ -96,6 +98,10 @@ class KvTierService final : public v1::KvTier::CallbackService {
   grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* ctx,
                                         const v1::ForkSessionRequest* req,
                                         v1::CreateSessionResponse* resp) override;
+  grpc::ServerWriteReactor<v1::ExportSessionResponse>* ExportSession(
+      grpc::CallbackServerContext* ctx, const v1::ExportSessionRequest* req) override;
+  grpc::ServerReadReactor<v1::ImportSessionRequest>* ImportSession(
+      grpc::CallbackServerContext* ctx, v1::CreateSessionResponse* resp) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const v1::CloseSessionRequest* req,
                                          v1::CloseSessionResponse* resp) override;
@@ -141,6 +147,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
  private:
   class AppendReactor;
   class ReadChunksReactor;
+  class ExportReactor;  // service_transfer.cc
+  class ImportReactor;
   class AttachReactor;
 
   // Runs `fn` unless draining, records the call's metrics, and finishes the default reactor.

@@ -798,6 +798,12 @@ v1::SessionRecord Session::Export() const {
   return r;
 }
 
+absl::StatusOr<v1::SessionRecord> Session::ExportRecord() const {
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
+  return Export();
+}
+
 std::optional<Session::Snapshot> Session::SnapshotIfChanged() const {
   MutexLock lock(&mu_);
   if (closed_ || version_ == persisted_) return std::nullopt;

@@ -179,6 +179,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // it). FAILED_PRECONDITION while a lease holds any of its chunks. Returns the record's size.
   absl::StatusOr<uint64_t> Demote(
       const std::function<absl::Status(const v1::SessionRecord&)>& store);
+  // The whole session as a record, as it is now (ExportSession); UNAVAILABLE once closed.
+  absl::StatusOr<v1::SessionRecord> ExportRecord() const;
   // A session rebuilt from a record (host slots allocated, statistics and index recomputed).
   // RESOURCE_EXHAUSTED when the host tier cannot hold it; INVALID_ARGUMENT for a record
   // whose contents do not fit its shape.

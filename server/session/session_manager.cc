@@ -285,6 +285,56 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(const std::string
   return resp;
 }
 
+absl::StatusOr<v1::SessionRecord> SessionManager::Export(const std::string& tenant,
+                                                         const std::string& session_id) {
+  v1::SessionRecord record;
+  RETURN_IF_ERROR(Run(tenant, session_id, [&](const std::shared_ptr<Session>& s) {
+    ASSIGN_OR_RETURN(record, s->ExportRecord());
+    return absl::OkStatus();
+  }));
+  return record;
+}
+
+absl::Status SessionManager::CheckNewSessionId(const std::string& tenant,
+                                               const std::string& session_id) const {
+  MutexLock lock(&mu_);
+  return CheckNewId(session_id, tenant);
+}
+
+absl::StatusOr<v1::CreateSessionResponse> SessionManager::Import(const std::string& tenant,
+                                                                 v1::SessionRecord record,
+                                                                 const std::string& session_id) {
+  const std::string id = session_id.empty() ? record.session_id() : session_id;
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckNewId(id, tenant));
+  }
+  ASSIGN_OR_RETURN(const bool claimed, ClaimId(id));
+  const std::string from = record.session_id();
+  record.set_session_id(id);
+  record.set_tenant(tenant);
+  std::unique_ptr<Session> session;
+  absl::Status made = WithRoom(id, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(session, Session::Import(record, env_));
+    return absl::OkStatus();
+  });
+  v1::CreateSessionResponse resp;
+  if (made.ok()) {
+    resp.set_session_id(id);
+    *resp.mutable_policy() = session->Info().policy();
+    MutexLock lock(&mu_);
+    made = CheckNewId(id, tenant);  // taken meanwhile?
+    if (made.ok()) sessions_.emplace(id, std::move(session));
+  }
+  if (!made.ok()) {
+    if (claimed) ReleaseClaim(id);
+    return made;
+  }
+  KVLOG(info, "session.import", "session={} from={} tenant={}", id, LogValue(from),
+        LogValue(tenant));
+  return resp;
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::string& tenant,
                                                                  const std::string& session_id) {
   MutexLock restoring(&restore_mu_);

@@ -82,6 +82,21 @@ class SessionManager {
   absl::StatusOr<v1::CreateSessionResponse> Fork(const std::string& tenant,
                                                  const v1::ForkSessionRequest& req);
 
+  // Moving a session between daemons (server/session/transfer.h). Export: the session as a
+  // record, taken under its lock (looked up as Run does). Import: `record` becomes a session
+  // of `tenant` here (whoever's it was there) under `session_id`, or the record's id when that
+  // is empty, with Create's checks (the id's form and uniqueness, max_sessions, the tenant's
+  // quota, the remote tier's claim) and a full host tier making room as Run's does. DATA_LOSS
+  // for a record that does not describe a session.
+  absl::StatusOr<v1::SessionRecord> Export(const std::string& tenant,
+                                           const std::string& session_id);
+  absl::StatusOr<v1::CreateSessionResponse> Import(const std::string& tenant,
+                                                   v1::SessionRecord record,
+                                                   const std::string& session_id);
+  // Create's checks of a new id (its form, uniqueness, max_sessions, the tenant's quota), as
+  // Import makes them: an import checks its id before its chunks arrive.
+  absl::Status CheckNewSessionId(const std::string& tenant, const std::string& session_id) const;
+
   std::vector<std::shared_ptr<Session>> List() const;
   size_t size() const;
 

@@ -10,7 +10,7 @@
 namespace kvtier {
 namespace {
 
-constexpr char kMagic[4] = {'K', 'V', 'T', 'R'};
+constexpr char kRecordMagic[4] = {'K', 'V', 'T', 'R'};
 constexpr size_t kHeader = 16;
 
 void PutLe(std::string& out, uint64_t v, int bytes) {
@@ -38,37 +38,48 @@ uint64_t Fnv1a64(std::string_view bytes) {
   return h;
 }
 
-std::string EncodeRecord(const v1::SessionRecord& record) {
-  const std::string payload = record.SerializeAsString();
-  std::string out(kMagic, sizeof(kMagic));
+std::string Frame(const char (&magic)[4], uint32_t version,
+                  const google::protobuf::MessageLite& message) {
+  const std::string payload = message.SerializeAsString();
+  std::string out(magic, sizeof(magic));
   out.reserve(kHeader + payload.size());
-  PutLe(out, kRecordVersion, 4);
+  PutLe(out, version, 4);
   PutLe(out, Fnv1a64(payload), 8);
   out += payload;
   return out;
 }
 
-absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key) {
-  if (bytes.size() < kHeader || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
-    return absl::DataLossError(absl::StrCat("remote record ", key, ": not a kvtier record"));
+absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t version,
+                     absl::string_view what, google::protobuf::MessageLite* message) {
+  if (bytes.size() < kHeader || std::memcmp(bytes.data(), magic, sizeof(magic)) != 0) {
+    return absl::DataLossError(absl::StrCat(what, ": not a kvtier frame (no ",
+                                            absl::string_view(magic, sizeof(magic)), " magic)"));
   }
-  const uint32_t version = static_cast<uint32_t>(GetLe(bytes, 4, 4));
-  if (version != kRecordVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("remote record %s: format version %d; this kvtierd reads version %d", key,
-                        version, kRecordVersion));
+  const uint32_t got_version = static_cast<uint32_t>(GetLe(bytes, 4, 4));
+  if (got_version != version) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: format version %d; this kvtierd reads version %d", what, got_version, version));
   }
   const std::string_view payload = bytes.substr(kHeader);
   const uint64_t want = GetLe(bytes, 8, 8), got = Fnv1a64(payload);
   if (want != got) {
-    return absl::DataLossError(
-        absl::StrFormat("remote record %s: checksum %016x, the bytes give %016x; it is not served",
-                        key, want, got));
+    return absl::DataLossError(absl::StrFormat(
+        "%s: checksum %016x, the bytes give %016x; it is not served", what, want, got));
   }
+  if (!message->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::DataLossError(absl::StrCat(what, ": payload does not parse"));
+  }
+  return absl::OkStatus();
+}
+
+std::string EncodeRecord(const v1::SessionRecord& record) {
+  return Frame(kRecordMagic, kRecordVersion, record);
+}
+
+absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key) {
   v1::SessionRecord r;
-  if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return absl::DataLossError(absl::StrCat("remote record ", key, ": payload does not parse"));
-  }
+  RETURN_IF_ERROR(
+      Unframe(bytes, kRecordMagic, kRecordVersion, absl::StrCat("remote record ", key), &r));
   return r;
 }
 

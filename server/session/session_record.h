@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "google/protobuf/message_lite.h"
 #include "kvtier/v1/record.pb.h"
 #include "server/session/stream.h"
 #include "server/tier/tier.h"
@@ -29,6 +30,13 @@ inline constexpr uint32_t kRecordVersion = 4;
 
 std::string RecordKey(const std::string& session_id);
 uint64_t Fnv1a64(std::string_view bytes);
+// A message framed as a record is: the magic, the version, the checksum, the payload.
+std::string Frame(const char (&magic)[4], uint32_t version,
+                  const google::protobuf::MessageLite& message);
+// The message of a frame. DATA_LOSS, naming `what`, for another magic, a checksum mismatch or
+// an unparsable payload; FAILED_PRECONDITION for another version.
+absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t version,
+                     absl::string_view what, google::protobuf::MessageLite* message);
 std::string EncodeRecord(const v1::SessionRecord& record);
 // DATA_LOSS for a wrong magic, a checksum mismatch or an unparsable payload;
 // FAILED_PRECONDITION for a version this build does not read. `key` names the record.

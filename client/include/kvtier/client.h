@@ -75,6 +75,12 @@ class Client {
   absl::StatusOr<v1::CreateSessionResponse> ForkSession(const v1::ForkSessionRequest& req);
   // Idempotent: false when there was no such session.
   absl::StatusOr<bool> CloseSession(const std::string& session_id);
+  // A copy of the session moved to the daemon `to` talks to (prefill here, decode there):
+  // ExportSession's parts relayed into ImportSession there one at a time, as `new_session_id`
+  // (empty: the same id). The session here stays until closed. The first failure on either
+  // side ends both calls and is returned; nothing is imported then.
+  absl::StatusOr<v1::CreateSessionResponse> MoveSession(const std::string& session_id, Client& to,
+                                                        const std::string& new_session_id = "");
 
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::StatusOr<v1::DescribeSessionResponse> DescribeSession(const std::string& session_id);

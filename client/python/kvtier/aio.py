@@ -18,6 +18,7 @@ raise KvTierArgumentError before anything is sent; refused calls raise KvTierErr
 kvtier.Client does."""
 from __future__ import annotations
 
+import asyncio
 from typing import Iterable, Sequence
 
 import grpc
@@ -142,6 +143,31 @@ class Client:
         """Zero-copy (K, V) of one handle, numpy or torch, as kvtier.Client.view."""
         reader, head_dim = await self._mapped(session_id)
         return reader.view(handle, head_dim, like=like)
+
+    async def move_session(self, session_id: str, to: "Client",
+                           new_session_id: str = "") -> SessionHandle:
+        """As the blocking client's move_session: a copy of the session on the daemon `to`
+        talks to, the parts relayed one at a time; the first failure on either side ends both
+        calls and is raised."""
+        parts = self.stub.ExportSession(_msg(pb.ExportSessionRequest, session_id=session_id),
+                                        timeout=self.timeout, metadata=self._metadata)
+        call = to.stub.ImportSession(timeout=to.timeout, metadata=to._metadata)
+        name = new_session_id
+        try:
+            async for p in parts:
+                try:
+                    await call.write(pb.ImportSessionRequest(part=p.part, session_id=name))
+                except asyncio.InvalidStateError:  # the import ended: awaiting it says why
+                    break
+                name = ""
+            else:
+                await call.done_writing()
+            r = await call
+        except grpc.aio.AioRpcError as e:
+            parts.cancel()
+            call.cancel()
+            raise KvTierError(e.code(), e.details() or "") from None
+        return SessionHandle(r.session_id, r.policy)
 
     async def close_session(self, session_id: str) -> bool:
         """Closes a session; False when there was none (idempotent)."""

@@ -960,6 +960,33 @@ class Client:
         r = self._unary("ForkSession", _fork_request(session_id, num_tokens, new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
+    def move_session(self, session_id: str, to: "Client", new_session_id: str = "") -> SessionHandle:
+        """A copy of the session moved to the daemon `to` talks to (prefill here, decode
+        there): ExportSession's parts relayed into ImportSession there one at a time, as
+        `new_session_id` (empty: the same id). The session here stays until closed. The first
+        failure on either side ends both calls and is raised; nothing is imported then."""
+        parts = self.stub.ExportSession(_msg(pb.ExportSessionRequest, session_id=session_id),
+                                        timeout=self.timeout, metadata=self._metadata)
+        failed: list[grpc.RpcError] = []
+
+        def requests() -> Iterator[pb.ImportSessionRequest]:
+            name = new_session_id
+            try:
+                for p in parts:
+                    yield pb.ImportSessionRequest(part=p.part, session_id=name)
+                    name = ""
+            except grpc.RpcError as e:  # the export failed: the import must not complete
+                failed.append(e)
+                raise
+
+        try:
+            r = to.stub.ImportSession(requests(), timeout=to.timeout, metadata=to._metadata)
+        except grpc.RpcError as e:
+            parts.cancel()
+            cause = failed[0] if failed else e
+            raise KvTierError(cause.code(), cause.details() or "") from None
+        return SessionHandle(r.session_id, r.policy)
+
     def close_session(self, session_id: str) -> bool:
         """Closes a session; False when there was none (idempotent)."""
         self._shapes.pop(session_id, None)

@@ -1,0 +1,181 @@
+"""Moving a session between two real daemons (ExportSession, ImportSession, move_session)."""
+import grpc
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.v1 import kvtier_pb2 as pb
+
+L, QH, KVH, D = 4, 9, 3, 64
+
+
+def make_kv(rng, tokens):
+    k = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    v = rng.standard_normal((L, KVH, tokens, D)).astype(np.float16)
+    return k, v
+
+
+def chunks_of(client, sid):
+    """Every chunk's metadata and its bytes as ReadChunks gives them, by chunk id."""
+    listed = client.list_chunks(sid, limit=100000).chunks
+    got = client.read_chunks(sid, [c.chunk_id for c in listed])
+    meta = {c.chunk_id: (c.layer, c.kv_head, c.num_tokens, c.precision) for c in listed}
+    data = {h.chunk_id: (list(h.positions), h.keys, h.values) for h in got}
+    return meta, data
+
+
+@pytest.fixture
+def pair(start_daemon):
+    a, b = start_daemon(), start_daemon()
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        yield ca, cb
+
+
+def test_a_moved_session_is_the_same_session_there(pair):
+    """Aged (int4) and recent (fp16) chunks arrive byte for byte, over more than one part;
+    a Select there picks what it picks here; the copy takes appends; the source is untouched."""
+    a, b = pair
+    rng = np.random.default_rng(7)
+    k, v = make_kv(rng, 1500)  # 4.6 MB of fp16: several parts of about 1 MiB
+    sid = a.create_session(L, QH, KVH, D, session_id="prefill", labels={"job": "x"}).session_id
+    a.append_layers(sid, 0, k, v, wait_aged=True)
+    before = chunks_of(a, sid)
+    assert pb.PRECISION_INT4 in {m[3] for m in before[0].values()}
+    assert pb.PRECISION_FP16 in {m[3] for m in before[0].values()}
+
+    moved = a.move_session(sid, b, "decode")
+    assert moved.session_id == "decode"
+    assert moved.policy == a.describe_session(sid).info.policy
+    assert chunks_of(b, "decode") == before
+    info = b.describe_session("decode").info
+    assert info.num_tokens == 1500 and dict(info.labels) == {"job": "x"}
+
+    q = rng.standard_normal((QH, D))
+    for layer in range(L):
+        here = a.select(sid, layer, q, budget_tokens=256)
+        there = b.select("decode", layer, q, budget_tokens=256)
+        for h1, h2 in zip(here.heads, there.heads):
+            p1 = sorted(p for blk in h1.blocks for p in blk.positions)
+            p2 = sorted(p for blk in h2.blocks for p in blk.positions)
+            assert p1 == p2
+        a.release(here.lease_id)
+        b.release(there.lease_id)
+
+    k2, v2 = make_kv(rng, 40)
+    assert b.append_layers("decode", 1500, k2, v2) == 1540
+    assert a.describe_session(sid).info.num_tokens == 1500
+    assert chunks_of(a, sid) == before
+    # The same id, by default; it is taken there now.
+    with pytest.raises(kvtier.KvTierError) as e:
+        a.move_session(sid, b, "decode")
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS and "decode" in e.value.message
+    assert a.move_session(sid, b).session_id == "prefill"
+    assert {s.session_id for s in b.list_sessions()} == {"decode", "prefill"}
+
+
+def parts(client, sid):
+    return [r.part for r in client.stub.ExportSession(pb.ExportSessionRequest(session_id=sid),
+                                                       metadata=client._metadata)]
+
+
+def import_raw(client, requests):
+    return client.stub.ImportSession(iter(requests), metadata=client._metadata)
+
+
+def test_damaged_reordered_or_cut_transfers_import_nothing(pair):
+    a, b = pair
+    rng = np.random.default_rng(8)
+    k, v = make_kv(rng, 1200)
+    sid = a.create_session(L, QH, KVH, D, lossless=True).session_id
+    a.append_layers(sid, 0, k, v)
+    p = parts(a, sid)
+    assert len(p) >= 4  # header, chunks over more than one part, end
+
+    def refused(requests, code, text):
+        with pytest.raises(grpc.RpcError) as e:
+            import_raw(b, requests)
+        assert e.value.code() == code, e.value.details()
+        assert text in e.value.details(), e.value.details()
+        assert b.list_sessions() == []
+
+    req = [pb.ImportSessionRequest(part=x) for x in p]
+    flipped = bytearray(p[1])
+    flipped[len(flipped) // 2] ^= 1
+    refused(req[:1] + [pb.ImportSessionRequest(part=bytes(flipped))] + req[2:],
+            grpc.StatusCode.DATA_LOSS, "part 2: checksum")
+    refused([req[0], req[2], req[1]] + req[3:], grpc.StatusCode.DATA_LOSS, "out of order")
+    refused(req[:-1], grpc.StatusCode.DATA_LOSS, "without the end part")
+    refused(req[1:], grpc.StatusCode.DATA_LOSS, "part 1: chunks before the header")
+    refused(req + [req[-1]], grpc.StatusCode.DATA_LOSS, "after the end part")
+    refused([req[0], pb.ImportSessionRequest(part=p[1], session_id="late")] + req[2:],
+            grpc.StatusCode.INVALID_ARGUMENT, "session_id")
+    refused([pb.ImportSessionRequest(part=b"KVTR" + p[0][4:])] + req[1:],
+            grpc.StatusCode.DATA_LOSS, "no KVTP magic")
+    # Intact, it imports.
+    r = import_raw(b, req)
+    assert r.session_id == sid and b.describe_session(sid).info.num_tokens == 1200
+
+
+def test_move_errors_name_what_failed(start_daemon):
+    a, small = start_daemon(), start_daemon("--host_capacity", "4M")
+    with kvtier.Client(a.address) as ca, kvtier.Client(small.address) as cs:
+        with pytest.raises(kvtier.KvTierError) as e:
+            ca.move_session("nope", cs)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and "nope" in e.value.message
+        rng = np.random.default_rng(9)
+        k, v = make_kv(rng, 2000)  # 6 MB of lossless data: more than the 4 MiB tier holds
+        sid = ca.create_session(L, QH, KVH, D, lossless=True).session_id
+        ca.append_layers(sid, 0, k, v)
+        with pytest.raises(kvtier.KvTierError) as e:
+            ca.move_session(sid, cs)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "part 1" in e.value.message and "6144000 bytes" in e.value.message
+        assert cs.list_sessions() == []
+        with pytest.raises(kvtier.KvTierError) as e:
+            ca.move_session(sid, cs, "bad id!")
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in e.value.message
+        assert ca.describe_session(sid).info.num_tokens == 2000
+
+
+def test_the_asyncio_client_moves_sessions_and_raises_either_sides_error(start_daemon):
+    import asyncio
+
+    import kvtier.aio
+    a, small = start_daemon(), start_daemon("--host_capacity", "4M")
+    rng = np.random.default_rng(10)
+    k, v = make_kv(rng, 2000)
+
+    async def run():
+        async with kvtier.aio.Client(a.address) as ca, kvtier.aio.Client(small.address) as cs:
+            sid = (await ca.create_session(L, QH, KVH, D, lossless=True)).session_id
+            await ca.append_layers(sid, 0, k[:, :, :200], v[:, :, :200])
+            moved = await ca.move_session(sid, cs, "copy")
+            assert moved.session_id == "copy"
+            assert (await cs.describe_session("copy")).info.num_tokens == 200
+            with pytest.raises(kvtier.KvTierError) as e:
+                await ca.move_session("nope", cs)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            await ca.append_layers(sid, 200, k[:, :, 200:], v[:, :, 200:])
+            with pytest.raises(kvtier.KvTierError) as e:
+                await ca.move_session(sid, cs, "big")
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert [s.session_id for s in await cs.list_sessions()] == ["copy"]
+
+    asyncio.run(run())
+
+
+def test_kvtierctl_moves_a_session_and_closes_it_here(start_daemon, kvtierctl):
+    a, b = start_daemon(), start_daemon()
+    rng = np.random.default_rng(11)
+    k, v = make_kv(rng, 100)
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        ca.create_session(L, QH, KVH, D, session_id="ctl")
+        ca.append_layers("ctl", 0, k, v)
+        r = kvtierctl(a.address, "move", "ctl", "--to", b.address, "--as", "there", "--close")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == f"moved ctl to {b.address} as there\n"
+        assert ca.list_sessions() == []
+        assert cb.describe_session("there").info.num_tokens == 100
+        r = kvtierctl(b.address, "move", "there", "--to", b.address)
+        assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr + r.stdout
+        assert [s.session_id for s in cb.list_sessions()] == ["there"]
