@@ -195,11 +195,11 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
 // gRPC runs successive callbacks of one reactor on different threads, ordered by its own
 // (uninstrumented) code; KVTIER_TSAN_RELEASE before each hand-back and KVTIER_TSAN_ACQUIRE
 // at each callback tell ThreadSanitizer about that order.
-class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
+class KvTierService::AppendReactor final
+    : public Counted<grpc::ServerReadReactor<v1::AppendKVRequest>> {
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
-      : svc_(svc), resp_(resp), start_(absl::Now()) {
-    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
+      : Counted(svc), resp_(resp), start_(absl::Now()) {
     absl::StatusOr<Caller> caller = svc_->Identify(ctx);
     absl::Status s = caller.status();
     tenant_ok_ = s.ok();  // no tenant, no metric series
@@ -224,12 +224,6 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       return;
     }
     Read();
-  }
-
-  void OnDone() override {
-    KVTIER_TSAN_ACQUIRE(this);
-    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    delete this;
   }
 
  private:
@@ -265,7 +259,6 @@ class KvTierService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
     Finish(ToGrpcStatus(s));
   }
 
-  KvTierService* const svc_;
   std::string tenant_;  // set once, in the constructor
   v1::AppendKVResponse* const resp_;
   const absl::Time start_;
@@ -415,12 +408,12 @@ grpc::ServerUnaryReactor* KvTierService::Release(grpc::CallbackServerContext* ct
   });
 }
 
-class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v1::BlockHandle> {
+class KvTierService::ReadChunksReactor final
+    : public Counted<grpc::ServerWriteReactor<v1::BlockHandle>> {
  public:
   ReadChunksReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                     const v1::ReadChunksRequest* req)
-      : svc_(svc), start_(absl::Now()) {
-    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
+      : Counted(svc), start_(absl::Now()) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     absl::Status s = caller.status();
     if (s.ok()) s = Load(caller->tenant, *req);
@@ -442,12 +435,6 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
       return;
     }
     Write();
-  }
-
-  void OnDone() override {
-    KVTIER_TSAN_ACQUIRE(this);
-    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    delete this;
   }
 
  private:
@@ -479,7 +466,6 @@ class KvTierService::ReadChunksReactor final : public grpc::ServerWriteReactor<v
     Finish(ToGrpcStatus(s));
   }
 
-  KvTierService* const svc_;
   const absl::Time start_;
   std::shared_ptr<Session> session_;
   std::vector<uint64_t> ids_;

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
+#include "server/common/mutex.h"
 #include "server/metrics/registry.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/fd_channel.h"
@@ -145,6 +146,21 @@ class KvTierService final : public v1::KvTier::CallbackService {
                                                        const v1::AttachRequest* req) override;
 
  private:
+  // A streaming call's reactor, counted in in_flight() from its construction until gRPC is
+  // done with it (OnDone), when it deletes itself. `Base` is a grpc::Server*Reactor.
+  template <typename Base>
+  class Counted : public Base {
+   protected:
+    explicit Counted(KvTierService* svc) : svc_(svc) {
+      svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    void OnDone() override {
+      KVTIER_TSAN_ACQUIRE(this);
+      svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+      delete this;
+    }
+    KvTierService* const svc_;
+  };
   class AppendReactor;
   class ReadChunksReactor;
   class ExportReactor;  // service_transfer.cc

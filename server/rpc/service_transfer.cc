@@ -13,12 +13,11 @@ namespace kvtier {
 // Writes the parts one at a time: the record is taken under the session's lock when the call
 // starts, and each part's chunk data leaves it as the part is made.
 class KvTierService::ExportReactor final
-    : public grpc::ServerWriteReactor<v1::ExportSessionResponse> {
+    : public Counted<grpc::ServerWriteReactor<v1::ExportSessionResponse>> {
  public:
   ExportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 const v1::ExportSessionRequest* req)
-      : svc_(svc), start_(absl::Now()) {
-    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
+      : Counted(svc), start_(absl::Now()) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     absl::Status s = caller.status();
     if (s.ok()) {
@@ -43,12 +42,6 @@ class KvTierService::ExportReactor final
     Write();
   }
 
-  void OnDone() override {
-    KVTIER_TSAN_ACQUIRE(this);
-    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    delete this;
-  }
-
  private:
   void Write() {
     if (!writer_->Next(resp_.mutable_part())) {
@@ -66,7 +59,6 @@ class KvTierService::ExportReactor final
     Finish(ToGrpcStatus(s));
   }
 
-  KvTierService* const svc_;
   const absl::Time start_;
   std::unique_ptr<TransferWriter> writer_;
   v1::ExportSessionResponse resp_;
@@ -81,15 +73,14 @@ grpc::ServerWriteReactor<v1::ExportSessionResponse>* KvTierService::ExportSessio
 // refused at its header, before its chunks come); the session is made when the client has
 // sent the end part and closed its side.
 class KvTierService::ImportReactor final
-    : public grpc::ServerReadReactor<v1::ImportSessionRequest> {
+    : public Counted<grpc::ServerReadReactor<v1::ImportSessionRequest>> {
  public:
   ImportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 v1::CreateSessionResponse* resp)
-      : svc_(svc),
+      : Counted(svc),
         resp_(resp),
         start_(absl::Now()),
         reader_(svc->env_.host->options().capacity_bytes) {
-    svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     if (!caller.ok()) {
       Done(caller.status());
@@ -127,12 +118,6 @@ class KvTierService::ImportReactor final
     Read();
   }
 
-  void OnDone() override {
-    KVTIER_TSAN_ACQUIRE(this);
-    svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    delete this;
-  }
-
  private:
   void Read() {
     KVTIER_TSAN_RELEASE(this);
@@ -152,7 +137,6 @@ class KvTierService::ImportReactor final
     Finish(ToGrpcStatus(s));
   }
 
-  KvTierService* const svc_;
   v1::CreateSessionResponse* const resp_;
   const absl::Time start_;
   std::string tenant_;

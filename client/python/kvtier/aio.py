@@ -148,25 +148,33 @@ class Client:
                            new_session_id: str = "") -> SessionHandle:
         """As the blocking client's move_session: a copy of the session on the daemon `to`
         talks to, the parts relayed one at a time; the first failure on either side ends both
-        calls and is raised."""
+        calls and is raised. An import the other daemon refuses while parts are still on their
+        way (a session too large for it, say) may be raised as INTERNAL "Internal error from
+        Core" rather than with the daemon's code: grpc.aio's known bug (grpc/grpc#36066), which
+        the blocking client does not have. Nothing is imported either way."""
         parts = self.stub.ExportSession(_msg(pb.ExportSessionRequest, session_id=session_id),
                                         timeout=self.timeout, metadata=self._metadata)
-        call = to.stub.ImportSession(timeout=to.timeout, metadata=to._metadata)
-        name = new_session_id
+        failed: list[grpc.aio.AioRpcError] = []
+
+        async def requests():
+            name = new_session_id
+            try:
+                async for p in parts:
+                    yield pb.ImportSessionRequest(part=p.part, session_id=name)
+                    name = ""
+            except grpc.aio.AioRpcError as e:  # the export failed: the import must not complete
+                failed.append(e)
+                raise
+
         try:
-            async for p in parts:
-                try:
-                    await call.write(pb.ImportSessionRequest(part=p.part, session_id=name))
-                except asyncio.InvalidStateError:  # the import ended: awaiting it says why
-                    break
-                name = ""
-            else:
-                await call.done_writing()
-            r = await call
-        except grpc.aio.AioRpcError as e:
+            r = await to.stub.ImportSession(requests(), timeout=to.timeout, metadata=to._metadata)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            # grpc.aio cancels the import when the requests fail: the export's error is the cause.
+            if not failed and not isinstance(e, grpc.aio.AioRpcError):
+                raise  # this task itself was cancelled
             parts.cancel()
-            call.cancel()
-            raise KvTierError(e.code(), e.details() or "") from None
+            cause = failed[0] if failed else e
+            raise KvTierError(cause.code(), cause.details() or "") from None
         return SessionHandle(r.session_id, r.policy)
 
     async def close_session(self, session_id: str) -> bool:

@@ -158,7 +158,10 @@ def test_the_asyncio_client_moves_sessions_and_raises_either_sides_error(start_d
             await ca.append_layers(sid, 200, k[:, :, 200:], v[:, :, 200:])
             with pytest.raises(kvtier.KvTierError) as e:
                 await ca.move_session(sid, cs, "big")
-            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            # grpc.aio may report the refusal as INTERNAL (grpc/grpc#36066; move_session says so)
+            assert (e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED or
+                    (e.value.code == grpc.StatusCode.INTERNAL and
+                     "Internal error from Core" in e.value.message)), e.value
             assert [s.session_id for s in await cs.list_sessions()] == ["copy"]
 
     asyncio.run(run())
