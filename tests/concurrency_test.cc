@@ -267,5 +267,72 @@ TEST(Concurrency, DrainRefusesNewCallsAndFinishesOpenStreams) {
   (*daemon)->Shutdown();
 }
 
+// A session moved to a second daemon again and again while a worker appends to it and the
+// aging pool ages it: each export is one moment of the session (every import passes its
+// checks: each layer's KV heads agree and hold its tokens), and every byte a copy holds is
+// the byte appended there.
+TEST(Concurrency, MovesTakeOneMomentWhileAppendsAndAgingGoOn) {
+  testing::TempDir dir;
+  ServerOptions o;
+  o.default_policy = BuiltinPolicy();
+  o.listen = "unix:" + dir.path() + "/a.sock";
+  o.instance = "move-a-" + std::to_string(getpid());
+  auto a = Daemon::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  o.listen = "unix:" + dir.path() + "/b.sock";
+  o.instance = "move-b-" + std::to_string(getpid());
+  auto b = Daemon::Start(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto from = Client::Connect("unix:" + dir.path() + "/a.sock");
+  auto to = Client::Connect("unix:" + dir.path() + "/b.sock");
+  ASSERT_TRUE(from.ok() && to.ok());
+  ASSERT_TRUE((*from)->CreateSession(Shape("s")).ok());
+
+  constexpr int kTotal = 640, kStep = 32;
+  std::mt19937 rng(4);
+  std::vector<std::vector<uint16_t>> k, v;
+  for (int l = 0; l < kLayers; ++l) {
+    k.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+    v.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+  }
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    for (int t = 0; t < kTotal; t += kStep) {
+      EXPECT_TRUE(Fill(**from, "s", k, v, kTotal, t, t + kStep).ok());
+    }
+    done = true;
+  });
+  int moves = 0;
+  while (!done || moves < 2) {
+    const std::string id = "copy-" + std::to_string(moves++);
+    auto moved = (*from)->MoveSession("s", **to, id);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    auto d = (*to)->DescribeSession(id);
+    ASSERT_TRUE(d.ok());
+    v1::ListChunksRequest list;
+    list.set_session_id(id);
+    list.set_limit(100000);
+    auto chunks = (*to)->ListChunks(list);
+    ASSERT_TRUE(chunks.ok());
+    std::vector<uint64_t> ids;
+    for (const auto& c : chunks->chunks()) ids.push_back(c.chunk_id());
+    auto read = (*to)->ReadChunks(id, ids);
+    ASSERT_TRUE(read.ok()) << read.status();
+    for (const auto& h : *read) {
+      ASSERT_LE(h.positions(0) + h.num_tokens(), d->layers(h.layer()).num_tokens());
+      const auto want = Slice(k[h.layer()], kKv, kTotal, kD, h.positions(0), h.num_tokens());
+      const size_t off = size_t(h.kv_head()) * h.num_tokens() * kD;
+      ASSERT_EQ(h.keys(), std::string(reinterpret_cast<const char*>(want.data() + off),
+                                      size_t(h.num_tokens()) * kD * 2));
+    }
+    ASSERT_TRUE((*to)->CloseSession(id).ok());
+  }
+  writer.join();
+  EXPECT_GE(moves, 2);
+  std::printf("moves: %d\n", moves);
+  (*a)->Shutdown();
+  (*b)->Shutdown();
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -161,7 +161,7 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
 template <typename Fn>
 grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx, const char* method,
                                                Fn&& fn) {
-  in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  Enter();
   absl::Time start = absl::Now();
   // The caller once, at the start: every use in the call is this one.
   absl::StatusOr<Caller> caller = Admit(ctx);
@@ -347,7 +347,7 @@ grpc::ServerUnaryReactor* KvTierService::BatchSelect(grpc::CallbackServerContext
 
 absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::string* out) {
   const absl::Time start = absl::Now();
-  in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  Enter();
   const char* method = "Select";
   absl::Status s = [&]() -> absl::Status {
     if (draining()) return Draining();
@@ -488,6 +488,7 @@ grpc::ServerWriteReactor<v1::BlockHandle>* KvTierService::ReadChunks(
 class KvTierService::AttachReactor final : public grpc::ServerWriteReactor<v1::AttachResponse> {
  public:
   AttachReactor(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc) {
+    KVTIER_TSAN_ACQUIRE(svc_);  // as Enter: not counted in flight (above)
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     if (!caller.ok()) {  // counted and logged as a refused call of any other method is
       svc_->Record("Attach", caller.status(), absl::ZeroDuration());

@@ -151,9 +151,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
   template <typename Base>
   class Counted : public Base {
    protected:
-    explicit Counted(KvTierService* svc) : svc_(svc) {
-      svc_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
-    }
+    explicit Counted(KvTierService* svc) : svc_(svc) { svc_->Enter(); }
     void OnDone() override {
       KVTIER_TSAN_ACQUIRE(this);
       svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
@@ -167,6 +165,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   class ImportReactor;
   class AttachReactor;
 
+  // A call begins: counted in in_flight(), and, for ThreadSanitizer, after the daemon made
+  // the service (server/rpc/daemon.cc releases it before the server starts).
+  void Enter() {
+    KVTIER_TSAN_ACQUIRE(this);
+    in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  }
   // Runs `fn` unless draining, records the call's metrics, and finishes the default reactor.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
