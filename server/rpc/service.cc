@@ -95,6 +95,10 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
                                     metrics::LatencyBuckets(), metrics::Labels{{"method", name}});
     method_metrics_.emplace(name, std::move(m));
   }
+  moved_out_bytes_ = &env_.metrics->GetCounter(
+      "kvtier_moved_out_bytes_total", "Chunk data of sessions exported whole (ExportSession)");
+  moved_in_bytes_ = &env_.metrics->GetCounter("kvtier_moved_in_bytes_total",
+                                              "Chunk data of sessions imported (ImportSession)");
 }
 
 metrics::Counter& KvTierService::TenantCounter(const std::string& name, const std::string& help,

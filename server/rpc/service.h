@@ -201,6 +201,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
 
   ServiceEnv env_;
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> method_metrics_;
+  // Chunk data of the sessions ExportSession sent and ImportSession made (whole moves only).
+  metrics::Counter* moved_out_bytes_ = nullptr;
+  metrics::Counter* moved_in_bytes_ = nullptr;
   absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
   absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
   absl::Mutex attach_mu_;  // lock order 12 (server/common/lock_order.h)

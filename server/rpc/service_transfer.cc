@@ -54,6 +54,7 @@ class KvTierService::ExportReactor final
 
   void Done(const absl::Status& s) {
     svc_->Record("ExportSession", s, absl::Now() - start_);
+    if (s.ok()) svc_->moved_out_bytes_->Inc(static_cast<double>(writer_->data_bytes()));
     writer_.reset();  // the record's bytes go now, not when gRPC lets the reactor go
     KVTIER_TSAN_RELEASE(this);
     Finish(ToGrpcStatus(s));
@@ -128,6 +129,7 @@ class KvTierService::ImportReactor final
     if (svc_->draining()) return Draining();
     ASSIGN_OR_RETURN(v1::SessionRecord record, reader_.Take());
     ASSIGN_OR_RETURN(*resp_, svc_->env_.sessions->Import(tenant_, std::move(record), session_id_));
+    svc_->moved_in_bytes_->Inc(static_cast<double>(reader_.data_bytes()));
     return absl::OkStatus();
   }
 

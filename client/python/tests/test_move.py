@@ -182,3 +182,36 @@ def test_kvtierctl_moves_a_session_and_closes_it_here(start_daemon, kvtierctl):
         r = kvtierctl(b.address, "move", "there", "--to", b.address)
         assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr + r.stdout
         assert [s.session_id for s in cb.list_sessions()] == ["there"]
+
+
+def test_moved_bytes_are_counted_on_both_daemons(start_daemon):
+    import socket
+    import urllib.request
+
+    def free_port():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+    def counter(port, name):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        for line in text.decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not exposed")
+
+    pa, pb = free_port(), free_port()
+    a, b = start_daemon("--metrics_port", str(pa)), start_daemon("--metrics_port", str(pb))
+    k, v = make_kv(np.random.default_rng(12), 100)
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        ca.create_session(L, QH, KVH, D, session_id="m", lossless=True)
+        ca.append_layers("m", 0, k, v)
+        ca.move_session("m", cb)
+        with pytest.raises(kvtier.KvTierError):
+            ca.move_session("m", cb)  # refused there; the export may have finished first
+    fp16_bytes = L * KVH * 100 * D * 2 * 2  # K and V of every stream
+    assert counter(pa, "kvtier_moved_out_bytes_total") in (fp16_bytes, 2 * fp16_bytes)
+    assert counter(pb, "kvtier_moved_in_bytes_total") == fp16_bytes
+    assert counter(pa, "kvtier_moved_in_bytes_total") == 0
