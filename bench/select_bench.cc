@@ -5,7 +5,8 @@
 // token-level refinement (refine_factor 8), its rows gathered into compact blocks
 // (select_rpc_p50_refined) or named in place (row_handles: select_rpc_p50_refined_rows).
 // select_shm_p50/p99: the same whole-chunk Select through a shared-memory Select channel
-// (OpenChannel), interleaved with the same Echo RPCs, against them.
+// (OpenChannel), interleaved with the same Echo RPCs, against them; _back_to_back: channel
+// Selects one after another (the decode loop's pattern) against Echo RPCs one after another.
 // select_scaling: Select throughput of two workers at once, each with its own channel and
 // session, against one worker alone.
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
@@ -108,6 +109,57 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   params["path"] = "shared-memory Select channel (OpenChannel); the echo is the gRPC one";
   Print({"select_shm_p50" + suffix, Median(shm50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_shm_p99" + suffix, Median(shm99), "us", Median(echo99), "echo_rpc_p99", params});
+}
+
+// The decode loop's pattern: `iters` channel Select+Release pairs one after another (the
+// channel's thread finds each call while it still watches for the next), against `iters`
+// gRPC Echo calls of the same bytes one after another; `reps` rounds alternate the two, and
+// each figure is the median over rounds of a round's quantile. The interleaved figures above
+// catch the channel's thread asleep after each gRPC call; these do not.
+void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, int iters,
+                SelectChannel* channel) {
+  const v1::SelectRequest req = Request(sid, budget);
+  auto probe = c.Select(req);
+  if (!probe.ok()) std::exit(1);
+  const uint32_t resp_bytes = static_cast<uint32_t>(probe->ByteSizeLong());
+  (void)c.Release(probe->lease_id());
+  std::vector<double> shm50, shm99, echo50, echo99;
+  for (int r = 0; r < reps; ++r) {
+    std::vector<double> shm, echo;
+    for (int i = 0; i < iters + 50; ++i) {
+      const double t0 = NowSeconds();
+      auto m = channel->Select(req);
+      const double t1 = NowSeconds();
+      if (!m.ok()) std::exit(1);
+      (void)channel->Release(m->lease_id());
+      if (i >= 50) shm.push_back((t1 - t0) * 1e6);
+    }
+    for (int i = 0; i < iters + 50; ++i) {
+      const double t0 = NowSeconds();
+      auto e = c.Echo(req.query(), resp_bytes);
+      const double t1 = NowSeconds();
+      if (!e.ok()) std::exit(1);
+      if (i >= 50) echo.push_back((t1 - t0) * 1e6);
+    }
+    shm50.push_back(Quantile(shm, 0.5));
+    shm99.push_back(Quantile(shm, 0.99));
+    echo50.push_back(Quantile(echo, 0.5));
+    echo99.push_back(Quantile(echo, 0.99));
+  }
+  std::map<std::string, std::string> params = {
+      {"context_tokens", "4096"},
+      {"budget_tokens", std::to_string(budget)},
+      {"selection", "whole chunks"},
+      {"response_bytes", std::to_string(resp_bytes)},
+      {"shape", "30x9/3x64"},
+      {"reps", std::to_string(reps)},
+      {"iters", std::to_string(iters)},
+      {"path", "shared-memory Select channel, calls one after another; the echo likewise"},
+      {"target_ratio", "0.25"}};
+  Print({"select_shm_p50_back_to_back", Median(shm50), "us", Median(echo50),
+         "echo_rpc_p50_back_to_back", params});
+  Print({"select_shm_p99_back_to_back", Median(shm99), "us", Median(echo99),
+         "echo_rpc_p99_back_to_back", params});
 }
 
 // Selects per second of one worker on `sids[0]` and of two at once on both sessions, each
@@ -319,6 +371,7 @@ int main(int argc, char** argv) {
   auto channel = c.OpenChannel();
   if (!channel.ok()) return 1;
   Run(c, s->session_id(), context, 256, false, false, "whole chunks", "", 5, 400, channel->get());
+  BackToBack(c, s->session_id(), 256, 5, 400, channel->get());
   v1::ForkSessionRequest fork;  // a second session of the same tokens, for a second worker
   fork.set_session_id(s->session_id());
   fork.set_num_tokens(context);
