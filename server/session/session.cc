@@ -558,6 +558,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
 absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_t extra_percent) {
   ASSIGN_OR_RETURN(const std::vector<float> q,
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
+  YieldToForeground(foreground_);  // background work, as aging is: the worker's calls first
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
