@@ -312,6 +312,12 @@ TEST(Transfer, AReaderRefusesWhatIsNotOneWholeTransferInOrder) {
   std::string other = parts[0];
   other[4] = 9;  // another version
   EXPECT_THAT(run({other}), StatusIs(Code::kFailedPrecondition, "format version 9"));
+  // Chunks without data: a header may not bring more chunk records than its data can hold.
+  v1::SessionRecord empty = TransferRecord();
+  for (auto& c : *empty.mutable_streams(0)->mutable_chunks()) c.clear_data();
+  empty.mutable_streams(2)->Clear();
+  EXPECT_THAT(run(Parts(empty)),
+              StatusIs(Code::kDataLoss, "part 1: a header of 3 chunks holding 0 bytes"));
   // More chunks than the header declared: a header from a smaller record.
   v1::SessionRecord small = TransferRecord();
   small.mutable_streams(2)->mutable_chunks()->RemoveLast();

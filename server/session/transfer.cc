@@ -14,6 +14,7 @@ constexpr char kPartMagic[4] = {'K', 'V', 'T', 'P'};
 // More streams than any shape has (layers and KV heads are bounded far below): a header
 // claiming more is damaged, and nothing is sized by it.
 constexpr uint32_t kMaxStreams = 1u << 20;
+constexpr uint64_t kMinChunkBytes = 4;  // one row of head_dim 1, K and V in fp16
 
 }  // namespace
 
@@ -89,6 +90,12 @@ absl::Status TransferReader::Add(std::string_view part) {
       }
       if (h->session().streams_size() != 0 || h->streams() > kMaxStreams) {
         return bad("a header whose streams are out of range");
+      }
+      // Every chunk holds a row's K and V at least (4 bytes): so the chunk records a transfer
+      // may bring, whatever their data, are bounded by the data the tier can hold.
+      if (h->chunks() > h->data_bytes() / kMinChunkBytes) {
+        return bad(absl::StrFormat("a header of %d chunks holding %d bytes of data", h->chunks(),
+                                   h->data_bytes()));
       }
       declared_chunks_ = h->chunks();
       declared_bytes_ = h->data_bytes();
