@@ -4,7 +4,10 @@
 //    hide the fields from the fuzzer: DecodeRecord, then Session::Import into a host tier of
 //    8 MiB, a Select on every layer, and Close.
 // A record that lies (sizes, positions, precisions, shapes) must be an error; after the
-// session is gone the tiers must hold zero bytes.
+// session is gone the tiers must hold zero bytes. Every parsed record is also cut into the
+// parts of an export (server/session/transfer.h) and put back together: the same record, or,
+// only for one whose chunks hold under 4 bytes each, refused at its header. The input itself
+// is offered as a transfer part too.
 //
 // KVTIER_FUZZ_WRITE_SEEDS=DIR writes real records (sessions appended and demoted here) into
 // DIR and exits: how tests/fuzz/corpus/record_fuzz was made.
@@ -19,6 +22,7 @@
 #include <string>
 
 #include "google/protobuf/stubs/logging.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "server/common/clock.h"
 #include "server/common/log.h"
 #include "server/config/policy.h"
@@ -26,6 +30,7 @@
 #include "server/session/lease_table.h"
 #include "server/session/session.h"
 #include "server/session/session_record.h"
+#include "server/session/transfer.h"
 #include "server/tier/promotion_cache.h"
 #include "server/tier/tier.h"
 
@@ -114,6 +119,31 @@ void Exercise(const v1::SessionRecord& record) {
   }
 }
 
+void RoundTrip(v1::SessionRecord record) {
+  record.DiscardUnknownFields();  // a stream's own unknown fields do not travel
+  uint64_t chunks = 0, bytes = 0;
+  for (const v1::StreamRecord& st : record.streams()) {
+    chunks += st.chunks_size();
+    for (const v1::ChunkRecord& c : st.chunks()) bytes += c.data().size();
+  }
+  TransferWriter writer(record);
+  TransferReader reader(~uint64_t{0});
+  std::string part;
+  while (writer.Next(&part)) {
+    if (const absl::Status s = reader.Add(part); !s.ok()) {
+      if (chunks > bytes / 4) return;  // refused at its header, as it must be
+      std::fprintf(stderr, "record_fuzz: a transfer refused its own parts: %s\n",
+                   s.ToString().c_str());
+      std::abort();
+    }
+  }
+  absl::StatusOr<v1::SessionRecord> back = reader.Take();
+  if (!back.ok() || !google::protobuf::util::MessageDifferencer::Equals(*back, record)) {
+    std::fprintf(stderr, "record_fuzz: a record did not survive its transfer parts\n");
+    std::abort();
+  }
+}
+
 void WriteSeeds(const std::string& dir) {
   World& w = TheWorld();
   struct Seed {
@@ -191,8 +221,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvtier;
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   if (auto whole = DecodeRecord(bytes, "fuzz"); whole.ok()) Exercise(*whole);
+  TransferReader as_part(uint64_t{1} << 30);
+  (void)as_part.Add(bytes);
   auto record = DecodeRecord(Header(bytes), "fuzz");
   if (!record.ok()) return 0;
   Exercise(*record);
+  RoundTrip(*record);
   return 0;
 }
