@@ -203,7 +203,7 @@ class KvTierService::AppendReactor final
     : public Counted<grpc::ServerReadReactor<v1::AppendKVRequest>> {
  public:
   AppendReactor(KvTierService* svc, grpc::CallbackServerContext* ctx, v1::AppendKVResponse* resp)
-      : Counted(svc), resp_(resp), start_(absl::Now()) {
+      : Counted(svc, "AppendKV"), resp_(resp) {
     absl::StatusOr<Caller> caller = svc_->Identify(ctx);
     absl::Status s = caller.status();
     tenant_ok_ = s.ok();  // no tenant, no metric series
@@ -253,19 +253,16 @@ class KvTierService::AppendReactor final
   }
 
   void Done(const absl::Status& s) {
-    svc_->Record("AppendKV", s, absl::Now() - start_);
     if (tenant_ok_) {
       svc_->TenantCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
                           tenant_)
           .Inc(static_cast<double>(tokens_));
     }
-    KVTIER_TSAN_RELEASE(this);
-    Finish(ToGrpcStatus(s));
+    End(s);
   }
 
   std::string tenant_;  // set once, in the constructor
   v1::AppendKVResponse* const resp_;
-  const absl::Time start_;
   v1::AppendKVRequest req_;
   // The worker device memory this stream's appends named, mapped until the stream ends.
   DeviceSources device_sources_;
@@ -417,12 +414,12 @@ class KvTierService::ReadChunksReactor final
  public:
   ReadChunksReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                     const v1::ReadChunksRequest* req)
-      : Counted(svc), start_(absl::Now()) {
+      : Counted(svc, "ReadChunks") {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     absl::Status s = caller.status();
     if (s.ok()) s = Load(caller->tenant, *req);
     if (!s.ok() || ids_.empty()) {
-      Done(s);
+      End(s);
       return;
     }
     Write();
@@ -431,11 +428,11 @@ class KvTierService::ReadChunksReactor final
   void OnWriteDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
     if (!ok) {
-      Done(absl::CancelledError("ReadChunks: the client went away"));
+      End(absl::CancelledError("ReadChunks: the client went away"));
       return;
     }
     if (++next_ == ids_.size()) {
-      Done(absl::OkStatus());
+      End(absl::OkStatus());
       return;
     }
     Write();
@@ -456,7 +453,7 @@ class KvTierService::ReadChunksReactor final
   void Write() {
     absl::StatusOr<std::vector<v1::BlockHandle>> h = session_->ReadChunks({ids_[next_]});
     if (!h.ok()) {  // the session closed meanwhile
-      Done(h.status());
+      End(h.status());
       return;
     }
     handle_ = std::move(h->front());
@@ -464,13 +461,6 @@ class KvTierService::ReadChunksReactor final
     StartWrite(&handle_);
   }
 
-  void Done(const absl::Status& s) {
-    svc_->Record("ReadChunks", s, absl::Now() - start_);
-    KVTIER_TSAN_RELEASE(this);
-    Finish(ToGrpcStatus(s));
-  }
-
-  const absl::Time start_;
   std::shared_ptr<Session> session_;
   std::vector<uint64_t> ids_;
   v1::BlockHandle handle_;

@@ -147,17 +147,30 @@ class KvTierService final : public v1::KvTier::CallbackService {
 
  private:
   // A streaming call's reactor, counted in in_flight() from its construction until gRPC is
-  // done with it (OnDone), when it deletes itself. `Base` is a grpc::Server*Reactor.
+  // done with it (OnDone), when it deletes itself; End records the call's metrics (`method`,
+  // the time since construction) and finishes it. `Base` is a grpc::Server*Reactor.
   template <typename Base>
   class Counted : public Base {
    protected:
-    explicit Counted(KvTierService* svc) : svc_(svc) { svc_->Enter(); }
+    Counted(KvTierService* svc, const char* method)
+        : svc_(svc), method_(method), start_(absl::Now()) {
+      svc_->Enter();
+    }
     void OnDone() override {
       KVTIER_TSAN_ACQUIRE(this);
       svc_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
       delete this;
     }
+    void End(const absl::Status& s) {
+      svc_->Record(method_, s, absl::Now() - start_);
+      KVTIER_TSAN_RELEASE(this);
+      this->Finish(ToGrpcStatus(s));
+    }
     KvTierService* const svc_;
+
+   private:
+    const char* const method_;
+    const absl::Time start_;
   };
   class AppendReactor;
   class ReadChunksReactor;

@@ -17,7 +17,7 @@ class KvTierService::ExportReactor final
  public:
   ExportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 const v1::ExportSessionRequest* req)
-      : Counted(svc), start_(absl::Now()) {
+      : Counted(svc, "ExportSession") {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     absl::Status s = caller.status();
     if (s.ok()) {
@@ -53,14 +53,11 @@ class KvTierService::ExportReactor final
   }
 
   void Done(const absl::Status& s) {
-    svc_->Record("ExportSession", s, absl::Now() - start_);
     if (s.ok()) svc_->moved_out_bytes_->Inc(static_cast<double>(writer_->data_bytes()));
     writer_.reset();  // the record's bytes go now, not when gRPC lets the reactor go
-    KVTIER_TSAN_RELEASE(this);
-    Finish(ToGrpcStatus(s));
+    End(s);
   }
 
-  const absl::Time start_;
   std::unique_ptr<TransferWriter> writer_;
   v1::ExportSessionResponse resp_;
 };
@@ -78,13 +75,12 @@ class KvTierService::ImportReactor final
  public:
   ImportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 v1::CreateSessionResponse* resp)
-      : Counted(svc),
+      : Counted(svc, "ImportSession"),
         resp_(resp),
-        start_(absl::Now()),
         reader_(svc->env_.host->options().capacity_bytes) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     if (!caller.ok()) {
-      Done(caller.status());
+      End(caller.status());
       return;
     }
     tenant_ = std::move(caller->tenant);
@@ -94,7 +90,7 @@ class KvTierService::ImportReactor final
   void OnReadDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
     if (!ok) {  // the client closed its side
-      Done(Import());
+      End(Import());
       return;
     }
     absl::Status s;
@@ -113,7 +109,7 @@ class KvTierService::ImportReactor final
       s = svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id());
     }
     if (!s.ok()) {
-      Done(s);
+      End(s);
       return;
     }
     Read();
@@ -133,14 +129,7 @@ class KvTierService::ImportReactor final
     return absl::OkStatus();
   }
 
-  void Done(const absl::Status& s) {
-    svc_->Record("ImportSession", s, absl::Now() - start_);
-    KVTIER_TSAN_RELEASE(this);
-    Finish(ToGrpcStatus(s));
-  }
-
   v1::CreateSessionResponse* const resp_;
-  const absl::Time start_;
   std::string tenant_;
   std::string session_id_;
   bool first_ = true;
