@@ -45,19 +45,24 @@ v1::SelectRequest Request(const std::string& sid, uint32_t budget) {
   return req;
 }
 
-void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
-         bool row_handles, const std::string& mode, const std::string& suffix, int reps, int iters,
-         SelectChannel* channel = nullptr) {
-  v1::SelectRequest req = Request(sid, budget);
-  req.set_include_data(include_data);
-  req.set_row_handles(row_handles);
+// The bytes of this Select's response (one Select, released): what its Echo carries back.
+uint32_t ResponseBytes(Client& c, const v1::SelectRequest& req) {
   auto probe = c.Select(req);
   if (!probe.ok()) {
     std::fprintf(stderr, "select: %s\n", std::string(probe.status().message()).c_str());
     std::exit(1);
   }
   (void)c.Release(probe->lease_id());
-  const uint32_t resp_bytes = static_cast<uint32_t>(probe->ByteSizeLong());
+  return static_cast<uint32_t>(probe->ByteSizeLong());
+}
+
+void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
+         bool row_handles, const std::string& mode, const std::string& suffix, int reps, int iters,
+         SelectChannel* channel = nullptr) {
+  v1::SelectRequest req = Request(sid, budget);
+  req.set_include_data(include_data);
+  req.set_row_handles(row_handles);
+  const uint32_t resp_bytes = ResponseBytes(c, req);
   std::vector<double> p50_ratio, p99_ratio, sel50, echo50, sel99, echo99, shm50, shm99;
   for (int r = 0; r < reps; ++r) {
     std::vector<double> sel, echo, shm;
@@ -119,10 +124,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
 void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, int iters,
                 SelectChannel* channel) {
   const v1::SelectRequest req = Request(sid, budget);
-  auto probe = c.Select(req);
-  if (!probe.ok()) std::exit(1);
-  const uint32_t resp_bytes = static_cast<uint32_t>(probe->ByteSizeLong());
-  (void)c.Release(probe->lease_id());
+  const uint32_t resp_bytes = ResponseBytes(c, req);
   std::vector<double> shm50, shm99, echo50, echo99;
   for (int r = 0; r < reps; ++r) {
     std::vector<double> shm, echo;

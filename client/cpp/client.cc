@@ -322,7 +322,8 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
   if (import_open && !exported.ok()) to_ctx.TryCancel();  // an export cut short imports nothing
   writer->WritesDone();
   const grpc::Status imported = writer->Finish();
-  if (!imported.ok() && import_open && !exported.ok()) return FromGrpcStatus(exported);
+  // An export cut short is why the import was cancelled; otherwise the importer's word.
+  if (import_open && !exported.ok()) return FromGrpcStatus(exported);
   if (!imported.ok()) return FromGrpcStatus(imported);
   if (!exported.ok()) return FromGrpcStatus(exported);
   return resp;

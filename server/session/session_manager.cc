@@ -305,10 +305,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Import(const std::stri
                                                                  v1::SessionRecord record,
                                                                  const std::string& session_id) {
   const std::string id = session_id.empty() ? record.session_id() : session_id;
-  {
-    MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CheckNewId(id, tenant));
-  }
+  RETURN_IF_ERROR(CheckNewSessionId(tenant, id));
   ASSIGN_OR_RETURN(const bool claimed, ClaimId(id));
   const std::string from = record.session_id();
   record.set_session_id(id);
