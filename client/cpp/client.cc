@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "grpc/grpc.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
@@ -81,6 +82,16 @@ extern "C" void __tsan_release(void* addr);
 #define KVTIER_TAKEOVER(p) ((void)0)
 #endif
 
+namespace {
+
+// gRPC 1.51 shuts its library down when its last object goes, joining its executor threads; one
+// of them can be inside a poll with a timer seconds away (after an Attach stream was cancelled:
+// up to 10 s seen), so a worker's last ~Client would hang its exit. gRPC stays initialized for
+// the rest of the process instead, whose exit ends those threads.
+void KeepGrpcInitialized() { [[maybe_unused]] static const bool once = (grpc_init(), true); }
+
+}  // namespace
+
 // The Attach stream: one read for the worker id, a second that ends with the stream. The
 // destructor cancels the call and waits for OnDone, after which gRPC touches nothing here.
 class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachResponse> {
@@ -146,7 +157,7 @@ class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachRespon
 };
 
 Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-    : address_(std::move(address)),
+    : address_((KeepGrpcInitialized(), std::move(address))),
       channel_(std::move(channel)),
       stub_(v1::KvTier::NewStub(channel_)),
       options_(std::move(options)) {}

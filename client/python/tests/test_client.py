@@ -1125,6 +1125,18 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
     assert d.proc.wait(timeout=30) == 0
 
 
+def test_an_idle_connected_client_does_not_hold_the_drain(start_daemon):
+    # A blocking client between calls does not read the daemon's GOAWAY: once nothing is in
+    # flight, the daemon cuts such connections instead of waiting its drain timeout for them.
+    d = start_daemon("--drain_timeout_ms", "120000")
+    c = kvtier.Client(d.address)
+    sid = c.create_session(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8).session_id
+    assert d.stop() == 0  # stop() waits 30 s at most, a quarter of the drain timeout
+    with pytest.raises(kvtier.KvTierError) as e:  # the connection is gone, and the daemon
+        c.describe_session(sid)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_asyncio_client_equals_the_sync_one(daemon):
     import asyncio
 
