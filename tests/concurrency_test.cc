@@ -304,8 +304,10 @@ TEST(Concurrency, MovesTakeOneMomentWhileAppendsAndAgingGoOn) {
   });
   int moves = 0;
   while (!done || moves < 2) {
+    // Every other move sends the chunks' bytes daemon to daemon (the socket carrier's thread).
+    const auto carrier = moves % 2 == 1 ? v1::CHUNK_CARRIER_SOCKET : v1::CHUNK_CARRIER_PARTS;
     const std::string id = "copy-" + std::to_string(moves++);
-    auto moved = (*from)->MoveSession("s", **to, id);
+    auto moved = (*from)->MoveSession("s", **to, id, carrier);
     ASSERT_TRUE(moved.ok()) << moved.status();
     auto d = (*to)->DescribeSession(id);
     ASSERT_TRUE(d.ok());

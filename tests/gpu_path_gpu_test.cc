@@ -14,10 +14,12 @@
 #include <random>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/quant.h"
 #include "kvtier/client.h"
 #include "kvtier/cuda_segments.h"
 #include "server/common/fp16.h"
+#include "server/common/status_macros.h"
 #include "server/transfer/device_fill.h"
 #include "tests/test_util.h"
 
@@ -267,6 +269,55 @@ TEST(GpuDaemon, AppendsFromTheWorkersDeviceMemoryAreStoredExactly) {
   EXPECT_THAT(c->AppendKV({a}), testing::StatusIs(Code::kInvalidArgument, "device.keys_offset"));
   ASSERT_OK_AND_ASSIGN(auto described, c->DescribeSession(session.session_id()));
   EXPECT_EQ(described.info().num_tokens(), 256u);
+}
+
+// A session moved GPU to GPU with NCCL: two daemons on the same device, each told it is on
+// its own host (NCCL_HOSTID, read when a daemon starts: NCCL refuses two ranks of one host on
+// one GPU), so that NCCL carries the chunks between them over its network transport. Every
+// chunk arrives byte for byte, and the parts through this client held no chunk data.
+TEST(GpuDaemon, ASessionMovesBetweenDaemonsOverNcclExactly) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  setenv("NCCL_HOSTID", "kvtier-test-export", 1);
+  LocalDaemon from("gpunccla", {"--device", "0"});
+  setenv("NCCL_HOSTID", "kvtier-test-import", 1);
+  LocalDaemon to("gpuncclb", {"--device", "0"});
+  unsetenv("NCCL_HOSTID");
+  ASSERT_TRUE(from.started() && to.started());
+  ASSERT_OK_AND_ASSIGN(auto a, Client::Connect(from.address()));
+  ASSERT_OK_AND_ASSIGN(auto b, Client::Connect(to.address()));
+  v1::CreateSessionRequest create = SmallSession();
+  create.mutable_policy()->set_lossless(false);  // int4 chunks and fp16 ones
+  ASSERT_OK_AND_ASSIGN(auto session, a->CreateSession(create));
+  std::vector<uint16_t> k(6000 * 64), v(k.size());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = FloatToHalf(normal(rng));
+    v[i] = FloatToHalf(normal(rng));
+  }
+  ASSERT_OK(AppendRows(*a, session.session_id(), k, v));
+  auto all_chunks = [](Client& c, const std::string& sid) -> absl::StatusOr<std::string> {
+    v1::ListChunksRequest list;
+    list.set_session_id(sid);
+    list.set_limit(100000);
+    ASSIGN_OR_RETURN(v1::ListChunksResponse listed, c.ListChunks(list));
+    std::vector<uint64_t> ids;
+    std::string out;
+    for (const v1::ChunkInfo& info : listed.chunks()) {
+      ids.push_back(info.chunk_id());
+      out += absl::StrCat(info.chunk_id(), ":", info.precision(), ";");
+    }
+    ASSIGN_OR_RETURN(std::vector<v1::BlockHandle> chunks, c.ReadChunks(sid, ids));
+    for (const v1::BlockHandle& h : chunks) out += h.keys() + h.values();
+    return out;
+  };
+  ASSERT_OK_AND_ASSIGN(const std::string before, all_chunks(*a, session.session_id()));
+  ASSERT_OK_AND_ASSIGN(auto moved,
+                       a->MoveSession(session.session_id(), *b, "moved", v1::CHUNK_CARRIER_NCCL));
+  EXPECT_EQ(moved.session_id(), "moved");
+  ASSERT_OK_AND_ASSIGN(const std::string after, all_chunks(*b, "moved"));
+  EXPECT_EQ(after.size(), before.size());
+  EXPECT_TRUE(after == before) << "the chunks moved over NCCL differ";
 }
 
 // The worker of the crash test, run by it as this binary: an attached client holding a lease

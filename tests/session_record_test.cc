@@ -2,13 +2,16 @@
 // selection; records that fail their checks; a record cut into transfer parts and put together.
 #include "server/session/session_record.h"
 
+#include <atomic>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "server/common/error.h"
 #include "server/common/status_macros.h"
 #include "server/quant/chunk_quant.h"
 #include "server/session/transfer.h"
+#include "server/transfer/carrier.h"
 #include "tests/session_fixture.h"
 
 namespace kvtier {
@@ -324,6 +327,142 @@ TEST(Transfer, AReaderRefusesWhatIsNotOneWholeTransferInOrder) {
   const std::vector<std::string> fewer = Parts(small);
   EXPECT_THAT(run({fewer[0], parts[1], parts[2], parts[3]}),
               StatusIs(Code::kDataLoss, "more than the header's"));
+}
+
+// A transfer whose chunk bytes go beside its parts: what Next puts in `carried` per part, in
+// order, is what the reader is handed back.
+struct Carried {
+  std::vector<std::string> parts, bytes;
+};
+Carried CarriedParts(const v1::SessionRecord& r) {
+  TransferWriter w(r, v1::CHUNK_CARRIER_SOCKET, "bootstrap");
+  Carried out;
+  std::string p, c;
+  while (w.Next(&p, &c)) {
+    out.parts.push_back(p);
+    if (!c.empty()) out.bytes.push_back(c);
+  }
+  return out;
+}
+
+TEST(Transfer, CarriedBytesGoBesideThePartsAndAreCheckedAgainstThem) {
+  const v1::SessionRecord r = TransferRecord();
+  const Carried t = CarriedParts(r);
+  ASSERT_EQ(t.parts.size(), 5u);
+  ASSERT_EQ(t.bytes.size(), 3u);  // one per chunks part
+  for (size_t i = 1; i + 1 < t.parts.size(); ++i) EXPECT_LT(t.parts[i].size(), 200u);
+  auto run = [&](const Carried& in, std::vector<uint64_t>* asked = nullptr) {
+    TransferReader reader(uint64_t{1} << 30);
+    size_t next = 0;
+    auto carried = [&](uint64_t n) -> absl::StatusOr<std::string> {
+      if (asked != nullptr) asked->push_back(n);
+      if (next == in.bytes.size()) return absl::UnavailableError("the peer closed");
+      return in.bytes[next++];
+    };
+    for (const std::string& p : in.parts) RETURN_IF_ERROR(reader.Add(p, carried));
+    EXPECT_EQ(reader.carrier(), v1::CHUNK_CARRIER_SOCKET);
+    EXPECT_EQ(reader.carrier_bootstrap(), "bootstrap");
+    ASSIGN_OR_RETURN(v1::SessionRecord back, reader.Take());
+    EXPECT_EQ(back.SerializeAsString(), r.SerializeAsString());
+    return absl::OkStatus();
+  };
+  std::vector<uint64_t> asked;
+  EXPECT_OK(run(t, &asked));
+  EXPECT_EQ(asked, (std::vector<uint64_t>{1000 + 300000 + 5, kTransferPartBytes + 3, 2 + 700000}));
+  Carried damaged = t;
+  damaged.bytes[1][12345] ^= 1;
+  EXPECT_THAT(run(damaged), StatusIs(Code::kDataLoss, "part 3: its carried bytes do not match"));
+  Carried cut = t;
+  cut.bytes.pop_back();
+  EXPECT_THAT(run(cut), StatusIs(Code::kUnavailable, "part 4: the peer closed"));
+  // Parts of a transfer without a carrier, read as carried ones (and the reverse): refused.
+  const std::vector<std::string> inline_parts = Parts(r);
+  Carried mixed = t;
+  mixed.parts[2] = inline_parts[2];
+  EXPECT_THAT(run(mixed), StatusIs(Code::kDataLoss, "part 3: 0 carried sizes for 1 chunks"));
+  TransferReader plain(uint64_t{1} << 30);
+  ASSERT_OK(plain.Add(inline_parts[0]));
+  EXPECT_THAT(plain.Add(t.parts[1]), StatusIs(Code::kDataLoss, "3 carried sizes for 3 chunks"));
+  // Sizes beyond the header's data are refused before the carrier is asked for them: the
+  // header of a record holding stream 0 only, then a part whose first chunk grew.
+  v1::SessionRecord small = TransferRecord();
+  small.mutable_streams(2)->Clear();
+  v1::SessionRecord big = small;
+  big.mutable_streams(0)->mutable_chunks(0)->set_data(std::string(5000, 'x'));
+  std::vector<uint64_t> none;
+  EXPECT_THAT(run({{CarriedParts(small).parts[0], CarriedParts(big).parts[1]}, t.bytes}, &none),
+              StatusIs(Code::kDataLoss, "more than the header's"));
+  EXPECT_TRUE(none.empty());
+}
+
+// The socket carrier (the NCCL carrier's CPU twin) between two threads of this process.
+TEST(Carrier, SocketBytesArriveInOrderAndTheExporterWaitsForTheAcknowledgement) {
+  CarrierOptions o;
+  o.timeout = absl::Seconds(20);
+  ASSERT_OK_AND_ASSIGN(OfferedCarrier offered, OfferCarrier(CarrierKind::kSocket, o));
+  EXPECT_THAT(offered.bootstrap, ::testing::MatchesRegex("127\\.0\\.0\\.1:[0-9]+/[0-9a-f]{32}"));
+  std::vector<std::string> sent;
+  for (int i = 0; i < 6; ++i) sent.push_back(std::string(300000 + i, static_cast<char>('a' + i)));
+  absl::Status exported;
+  std::thread exporter([&] {
+    exported = [&]() -> absl::Status {
+      for (const std::string& b : sent) RETURN_IF_ERROR(offered.carrier->Send(b));
+      return offered.carrier->Finish();
+    }();
+  });
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ByteCarrier> joined,
+                       JoinCarrier(CarrierKind::kSocket, offered.bootstrap, o));
+  for (const std::string& b : sent) {
+    ASSERT_OK_AND_ASSIGN(std::string got, joined->Recv(b.size()));
+    EXPECT_EQ(got, b);
+  }
+  ASSERT_OK(joined->Finish());
+  exporter.join();
+  EXPECT_OK(exported);
+}
+
+TEST(Carrier, ASocketPeerThatIsWrongOrAbsentOrCancelledEndsTheTransferWithAnError) {
+  CarrierOptions o;
+  o.timeout = absl::Milliseconds(300);
+  // Nobody joins: the exporter's wait for the acknowledgement ends at the timeout.
+  {
+    ASSERT_OK_AND_ASSIGN(OfferedCarrier offered, OfferCarrier(CarrierKind::kSocket, o));
+    ASSERT_OK(offered.carrier->Send("abc"));
+    EXPECT_THAT(offered.carrier->Finish(), StatusIs(Code::kDeadlineExceeded));
+  }
+  // A peer with another token is refused, and the importer sees the connection close.
+  {
+    ASSERT_OK_AND_ASSIGN(OfferedCarrier offered, OfferCarrier(CarrierKind::kSocket, o));
+    std::string forged = offered.bootstrap;
+    forged.back() = forged.back() == '0' ? '1' : '0';
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ByteCarrier> joined,
+                         JoinCarrier(CarrierKind::kSocket, forged, o));
+    EXPECT_THAT(offered.carrier->Finish(), StatusIs(Code::kPermissionDenied, "wrong token"));
+    EXPECT_FALSE(joined->Recv(1).ok());
+  }
+  // Bootstraps that are not a socket carrier's.
+  for (const char* bad : {"", "127.0.0.1:0/00", "10.0.0.1:80/00112233445566778899aabbccddeeff",
+                          "127.0.0.1:80/zz112233445566778899aabbccddeeff"}) {
+    EXPECT_THAT(JoinCarrier(CarrierKind::kSocket, bad, o),
+                StatusIs(Code::kInvalidArgument, "bootstrap"))
+        << bad;
+  }
+  // A cancelled call's carrier stops waiting well before its timeout.
+  std::atomic<bool> cancelled{false};
+  o.timeout = absl::Seconds(60);
+  o.cancelled = &cancelled;
+  ASSERT_OK_AND_ASSIGN(OfferedCarrier offered, OfferCarrier(CarrierKind::kSocket, o));
+  std::thread cancel([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    cancelled.store(true);
+  });
+  EXPECT_THAT(offered.carrier->Finish(), StatusIs(Code::kCancelled));
+  cancel.join();
+  // Without a CUDA device, the NCCL carrier is refused with the reason.
+  CarrierOptions cpu;
+  EXPECT_THAT(OfferCarrier(CarrierKind::kNccl, cpu), StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(JoinCarrier(CarrierKind::kNccl, std::string(128, 'x'), cpu),
+              StatusIs(Code::kFailedPrecondition));
 }
 
 }  // namespace

@@ -307,12 +307,14 @@ absl::StatusOr<v1::CreateSessionResponse> Client::ForkSession(const v1::ForkSess
 
 absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string& session_id,
                                                               Client& to,
-                                                              const std::string& new_session_id) {
+                                                              const std::string& new_session_id,
+                                                              v1::ChunkCarrier carrier) {
   grpc::ClientContext from_ctx, to_ctx;
   Prepare(&from_ctx);
   to.Prepare(&to_ctx);
   v1::ExportSessionRequest ereq;
   ereq.set_session_id(session_id);
+  ereq.set_carrier(carrier);
   auto reader = stub_->ExportSession(&from_ctx, ereq);
   v1::CreateSessionResponse resp;
   auto writer = to.stub_->ImportSession(&to_ctx, &resp);

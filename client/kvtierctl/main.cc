@@ -464,6 +464,11 @@ int main(int argc, char** argv) {
   move->add_option("--to", move_to, "the other daemon: unix:PATH or HOST:PORT")->required();
   move->add_option("--as", move_as, "its id there (default: the same)");
   move->add_flag("--close", move_close, "close it here once the other daemon holds it");
+  std::string move_via = "parts";
+  move->add_option("--via", move_via,
+                   "how the chunks' bytes go: parts (through kvtierctl), nccl (GPU to GPU, "
+                   "daemon to daemon), socket (daemon to daemon on one host)")
+      ->check(CLI::IsMember({"parts", "nccl", "socket"}));
   std::string evict_tier;
   auto* evict = app.add_subcommand(
       "evict", "move a session's chunks off a tier: device (to host), host (to the remote tier)");
@@ -612,7 +617,10 @@ int main(int argc, char** argv) {
   if (move->parsed()) {
     auto to = kvtier::Client::Connect(move_to, opts);
     if (!to.ok()) return Fail(to.status(), &g);
-    auto r = c.MoveSession(id, **to, move_as);
+    const auto via = move_via == "nccl"     ? kvtier::v1::CHUNK_CARRIER_NCCL
+                     : move_via == "socket" ? kvtier::v1::CHUNK_CARRIER_SOCKET
+                                            : kvtier::v1::CHUNK_CARRIER_PARTS;
+    auto r = c.MoveSession(id, **to, move_as, via);
     if (!r.ok()) return Fail(r.status(), &g);
     if (move_close) {
       if (auto closed = c.CloseSession(id); !closed.ok()) return Fail(closed.status(), &g);

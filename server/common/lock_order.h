@@ -37,6 +37,7 @@
 //                                   where the area is set or dropped, and alone by an append
 //  19  ChannelHub::mu_              the Select channels (leaf); a channel's worker is attached
 //                                   and detached (6) outside it
+//  20  SocketExporter::mu_          a socket carrier's queue of bytes to send (leaf)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

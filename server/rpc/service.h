@@ -23,6 +23,7 @@
 #include "server/session/prefetcher.h"
 #include "server/session/session_manager.h"
 #include "server/tier/staging.h"
+#include "server/transfer/carrier.h"
 
 namespace kvtier {
 
@@ -177,6 +178,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   class ExportReactor;  // service_transfer.cc
   class ImportReactor;
   class AttachReactor;
+  // What a moved session's carrier (server/transfer/carrier.h) runs on here.
+  CarrierOptions CarrierOptionsHere(const std::atomic<bool>* cancelled) const;
 
   // A call begins: counted in in_flight(), and, for ThreadSanitizer, after the daemon made
   // the service (server/rpc/daemon.cc releases it before the server starts).

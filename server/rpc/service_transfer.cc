@@ -7,8 +7,23 @@
 #include "server/common/status_macros.h"
 #include "server/rpc/service.h"
 #include "server/session/transfer.h"
+#include "server/transfer/carrier.h"
 
 namespace kvtier {
+namespace {
+
+CarrierKind CarrierOf(v1::ChunkCarrier c) {
+  return c == v1::CHUNK_CARRIER_NCCL ? CarrierKind::kNccl : CarrierKind::kSocket;
+}
+
+}  // namespace
+
+CarrierOptions KvTierService::CarrierOptionsHere(const std::atomic<bool>* cancelled) const {
+  CarrierOptions o;
+  o.gpu = env_.device != nullptr ? env_.device->options().gpu : -1;
+  o.cancelled = cancelled;
+  return o;
+}
 
 // Writes the parts one at a time: the record is taken under the session's lock when the call
 // starts, and each part's chunk data leaves it as the part is made.
@@ -18,14 +33,7 @@ class KvTierService::ExportReactor final
   ExportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 const v1::ExportSessionRequest* req)
       : Counted(svc, "ExportSession") {
-    absl::StatusOr<Caller> caller = svc_->Admit(ctx);
-    absl::Status s = caller.status();
-    if (s.ok()) {
-      absl::StatusOr<v1::SessionRecord> record =
-          svc_->env_.sessions->Export(caller->tenant, req->session_id());
-      s = record.status();
-      if (s.ok()) writer_ = std::make_unique<TransferWriter>(*std::move(record));
-    }
+    absl::Status s = Start(ctx, *req);
     if (!s.ok()) {
       Done(s);
       return;
@@ -42,11 +50,42 @@ class KvTierService::ExportReactor final
     Write();
   }
 
+  // May run beside another reaction: ends the carrier's waits, whose reaction then finishes.
+  void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
+
  private:
+  absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ExportSessionRequest& req) {
+    ASSIGN_OR_RETURN(Caller caller, svc_->Admit(ctx));
+    if (!v1::ChunkCarrier_IsValid(req.carrier())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("carrier: ", req.carrier(), " is not a ChunkCarrier"));
+    }
+    ASSIGN_OR_RETURN(v1::SessionRecord record,
+                     svc_->env_.sessions->Export(caller.tenant, req.session_id()));
+    std::string bootstrap;
+    if (req.carrier() != v1::CHUNK_CARRIER_PARTS) {
+      ASSIGN_OR_RETURN(OfferedCarrier offered, OfferCarrier(CarrierOf(req.carrier()),
+                                                            svc_->CarrierOptionsHere(&cancelled_)));
+      carrier_ = std::move(offered.carrier);
+      bootstrap = std::move(offered.bootstrap);
+    }
+    writer_ =
+        std::make_unique<TransferWriter>(std::move(record), req.carrier(), std::move(bootstrap));
+    return absl::OkStatus();
+  }
+
   void Write() {
-    if (!writer_->Next(resp_.mutable_part())) {
-      Done(absl::OkStatus());
+    if (!writer_->Next(resp_.mutable_part(), &carried_)) {
+      // The end part is out: with a carrier, the move is done when the importer acknowledges.
+      Done(carrier_ ? carrier_->Finish() : absl::OkStatus());
       return;
+    }
+    if (!carried_.empty()) {  // on its way beside the part, before the part is
+      absl::Status s = carrier_->Send(std::move(carried_));
+      if (!s.ok()) {
+        Done(s);
+        return;
+      }
     }
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
@@ -54,11 +93,15 @@ class KvTierService::ExportReactor final
 
   void Done(const absl::Status& s) {
     if (s.ok()) svc_->moved_out_bytes_->Inc(static_cast<double>(writer_->data_bytes()));
-    writer_.reset();  // the record's bytes go now, not when gRPC lets the reactor go
+    writer_.reset();   // the record's bytes go now, not when gRPC lets the reactor go
+    carrier_.reset();  // a carrier that failed is aborted here
     End(s);
   }
 
   std::unique_ptr<TransferWriter> writer_;
+  std::atomic<bool> cancelled_{false};  // before carrier_, which reads it to its end
+  std::unique_ptr<ByteCarrier> carrier_;
+  std::string carried_;
   v1::ExportSessionResponse resp_;
 };
 
@@ -104,16 +147,30 @@ class KvTierService::ImportReactor final
           "session_id: set on a later message of the stream; only the first names the session");
     }
     const bool header = reader_.has_header();
-    if (s.ok()) s = reader_.Add(req_.part());
+    if (s.ok()) {
+      s = reader_.Add(req_.part(), [this](uint64_t n) { return carrier_->Recv(n); });
+    }
     if (s.ok() && !header && session_id_.empty()) {
       s = svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id());
     }
+    if (s.ok() && !header && reader_.carrier() != v1::CHUNK_CARRIER_PARTS) {
+      // The bytes come beside the parts: join the exporter's carrier (this waits for it).
+      absl::StatusOr<std::unique_ptr<ByteCarrier>> joined =
+          JoinCarrier(CarrierOf(reader_.carrier()), reader_.carrier_bootstrap(),
+                      svc_->CarrierOptionsHere(&cancelled_));
+      s = joined.status();
+      if (s.ok()) carrier_ = *std::move(joined);
+    }
+    // Everything arrived and checked: the exporter may count its bytes delivered.
+    if (s.ok() && reader_.complete() && carrier_) s = carrier_->Finish();
     if (!s.ok()) {
       End(s);
       return;
     }
     Read();
   }
+
+  void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
 
  private:
   void Read() {
@@ -134,6 +191,8 @@ class KvTierService::ImportReactor final
   std::string session_id_;
   bool first_ = true;
   TransferReader reader_;
+  std::atomic<bool> cancelled_{false};    // before carrier_, which reads it to its end
+  std::unique_ptr<ByteCarrier> carrier_;  // the header's, joined when it arrives
   v1::ImportSessionRequest req_;
 };
 

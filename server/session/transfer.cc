@@ -1,9 +1,11 @@
 #include "server/session/transfer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/common/check.h"
 #include "server/common/status_macros.h"
 #include "server/session/session_record.h"
 
@@ -18,14 +20,17 @@ constexpr uint64_t kMinChunkBytes = 4;  // one row of head_dim 1, K and V in fp1
 
 }  // namespace
 
-TransferWriter::TransferWriter(v1::SessionRecord record) : record_(std::move(record)) {
+TransferWriter::TransferWriter(v1::SessionRecord record, v1::ChunkCarrier carrier,
+                               std::string bootstrap)
+    : record_(std::move(record)), carrier_(carrier), bootstrap_(std::move(bootstrap)) {
   for (const v1::StreamRecord& s : record_.streams()) {
     chunks_ += s.chunks_size();
     for (const v1::ChunkRecord& c : s.chunks()) data_bytes_ += c.data().size();
   }
 }
 
-bool TransferWriter::Next(std::string* part) {
+bool TransferWriter::Next(std::string* part, std::string* carried) {
+  if (carried != nullptr) carried->clear();
   v1::TransferPart p;
   switch (stage_) {
     case Stage::kHeader: {
@@ -38,6 +43,8 @@ bool TransferWriter::Next(std::string* part) {
       h->set_chunks(chunks_);
       h->set_data_bytes(data_bytes_);
       h->set_streams(static_cast<uint32_t>(record_.streams_size()));
+      h->set_carrier(carrier_);
+      h->set_carrier_bootstrap(bootstrap_);
       stage_ = Stage::kChunks;
       break;
     }
@@ -61,6 +68,16 @@ bool TransferWriter::Next(std::string* part) {
         moved->Swap(from->mutable_chunks(chunk_++));  // its data leaves the record
         bytes += moved->data().size();
       }
+      if (carrier_ != v1::CHUNK_CARRIER_PARTS) {  // the data goes beside the part
+        CHECK(carried != nullptr) << "a carried transfer's chunk data needs somewhere to go";
+        carried->reserve(bytes);
+        for (v1::ChunkRecord& moved : *c->mutable_chunks()) {
+          c->add_carried_sizes(moved.data().size());
+          carried->append(moved.data());
+          moved.clear_data();
+        }
+        c->set_carried_checksum(Fnv1a64(*carried));
+      }
       break;
     }
     case Stage::kDone:
@@ -70,7 +87,7 @@ bool TransferWriter::Next(std::string* part) {
   return true;
 }
 
-absl::Status TransferReader::Add(std::string_view part) {
+absl::Status TransferReader::Add(std::string_view part, const CarriedBytes& carried) {
   const std::string what = absl::StrCat("part ", ++parts_);
   auto bad = [&](absl::string_view why) {
     return absl::DataLossError(absl::StrCat(what, ": ", why, "; nothing is imported"));
@@ -97,6 +114,12 @@ absl::Status TransferReader::Add(std::string_view part) {
         return bad(absl::StrFormat("a header of %d chunks holding %d bytes of data", h->chunks(),
                                    h->data_bytes()));
       }
+      if (!v1::ChunkCarrier_IsValid(h->carrier())) {
+        return bad(absl::StrFormat("a header naming carrier %d, which this daemon does not know",
+                                   h->carrier()));
+      }
+      carrier_ = h->carrier();
+      bootstrap_ = std::move(*h->mutable_carrier_bootstrap());
       declared_chunks_ = h->chunks();
       declared_bytes_ = h->data_bytes();
       record_ = std::move(*h->mutable_session());
@@ -119,14 +142,41 @@ absl::Status TransferReader::Add(std::string_view part) {
                 : 0));
       }
       stream_ = s;
+      const bool carried_here = carrier_ != v1::CHUNK_CARRIER_PARTS;
+      if (carried_here != (c->carried_sizes_size() > 0) ||
+          (carried_here && c->carried_sizes_size() != c->chunks_size())) {
+        return bad(absl::StrFormat("%d carried sizes for %d chunks, with carrier %s",
+                                   c->carried_sizes_size(), c->chunks_size(),
+                                   v1::ChunkCarrier_Name(carrier_)));
+      }
       uint64_t bytes = 0;
-      for (const v1::ChunkRecord& cr : c->chunks()) bytes += cr.data().size();
+      for (int i = 0; i < c->chunks_size(); ++i) {
+        const uint64_t n = carried_here ? c->carried_sizes(i) : c->chunks(i).data().size();
+        if (carried_here && !c->chunks(i).data().empty()) return bad("data in a carried chunk");
+        bytes += std::min(n, declared_bytes_ + 1);  // no wrap: one past the header's is too many
+      }
       chunks_ += c->chunks_size();
       data_bytes_ += bytes;
       if (chunks_ > declared_chunks_ || data_bytes_ > declared_bytes_) {
         return bad(
             absl::StrFormat("%d chunks and %d bytes so far, more than the header's %d and %d",
                             chunks_, data_bytes_, declared_chunks_, declared_bytes_));
+      }
+      if (carried_here) {  // sizes checked: now the bytes, from the carrier
+        if (!carried) return absl::InternalError(absl::StrCat(what, ": no carrier to read from"));
+        absl::StatusOr<std::string> data = carried(bytes);
+        if (!data.ok()) {
+          return absl::Status(data.status().code(),
+                              absl::StrCat(what, ": ", data.status().message()));
+        }
+        if (data->size() != bytes || Fnv1a64(*data) != c->carried_checksum()) {
+          return bad("its carried bytes do not match its checksum");
+        }
+        uint64_t at = 0;
+        for (int i = 0; i < c->chunks_size(); ++i) {
+          c->mutable_chunks(i)->set_data(data->substr(at, c->carried_sizes(i)));
+          at += c->carried_sizes(i);
+        }
       }
       v1::StreamRecord* to = record_.mutable_streams(s);
       for (v1::ChunkRecord& cr : *c->mutable_chunks()) to->add_chunks()->Swap(&cr);

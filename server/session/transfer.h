@@ -3,7 +3,9 @@
 //   header   the session record without its streams, and how many chunks and bytes of chunk
 //            data follow
 //   chunks   one stream's next chunks (stream = layer * num_kv_heads + kv_head, and the
-//            index of the first), streams in order, about kTransferPartBytes of data each
+//            index of the first), streams in order, about kTransferPartBytes of data each;
+//            with a carrier (NCCL GPU to GPU, or a socket), their sizes and checksum only,
+//            the bytes going daemon to daemon beside the part
 //   end      nothing more follows
 //
 // each a v1.TransferPart framed as a remote record is (server/session/session_record.h: magic
@@ -14,6 +16,7 @@
 #define KVTIER_SERVER_SESSION_TRANSFER_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -29,14 +32,22 @@ inline constexpr uint64_t kTransferPartBytes = 1 << 20;
 // it is made, so an export holds the session's bytes about once.
 class TransferWriter {
  public:
-  explicit TransferWriter(v1::SessionRecord record);
-  // The next part's bytes; false once the end part was returned.
-  bool Next(std::string* part);
+  // With a carrier other than PARTS, the header names it and its bootstrap, and each chunks
+  // part holds its chunks' sizes and checksum instead of their data (server/transfer/carrier.h).
+  explicit TransferWriter(v1::SessionRecord record,
+                          v1::ChunkCarrier carrier = v1::CHUNK_CARRIER_PARTS,
+                          std::string bootstrap = "");
+  // The next part's bytes; false once the end part was returned. With a carrier, the data of
+  // a chunks part's chunks goes to *carried instead, in order, for the caller to send through
+  // it (empty for the other parts).
+  bool Next(std::string* part, std::string* carried = nullptr);
   uint64_t chunks() const { return chunks_; }
   uint64_t data_bytes() const { return data_bytes_; }
 
  private:
   v1::SessionRecord record_;
+  v1::ChunkCarrier carrier_;
+  std::string bootstrap_;
   uint64_t chunks_ = 0, data_bytes_ = 0;
   int stream_ = 0;  // the next chunk to send: stream_, chunk_
   int chunk_ = 0;
@@ -50,8 +61,17 @@ class TransferWriter {
 // version (an export by another kvtierd release).
 class TransferReader {
  public:
+  // The data of one chunks part from the carrier the header named: its next `n` bytes.
+  using CarriedBytes = std::function<absl::StatusOr<std::string>(uint64_t n)>;
+
   explicit TransferReader(uint64_t max_data_bytes) : max_data_bytes_(max_data_bytes) {}
-  absl::Status Add(std::string_view part);
+  // `carried` is asked for each chunks part's data when the header named a carrier (after the
+  // part's sizes were checked against the header's); DATA_LOSS when those bytes do not match
+  // the part's checksum.
+  absl::Status Add(std::string_view part, const CarriedBytes& carried = nullptr);
+  // The header's carrier and bootstrap, once the header is in.
+  v1::ChunkCarrier carrier() const { return carrier_; }
+  const std::string& carrier_bootstrap() const { return bootstrap_; }
   bool complete() const { return stage_ == Stage::kDone; }
   // The record once complete (FAILED_PRECONDITION, "ended early", before that).
   absl::StatusOr<v1::SessionRecord> Take();
@@ -62,6 +82,8 @@ class TransferReader {
 
  private:
   v1::SessionRecord record_;
+  v1::ChunkCarrier carrier_ = v1::CHUNK_CARRIER_PARTS;
+  std::string bootstrap_;
   uint64_t max_data_bytes_;
   uint64_t declared_chunks_ = 0, declared_bytes_ = 0;
   uint64_t chunks_ = 0, data_bytes_ = 0;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/gather_chunks.h"
 #include "kernels/quant.h"
+#include "server/transfer/cuda_status.h"
 #include "server/transfer/device_fill.h"
 #include "server/transfer/gpu.h"
 
@@ -19,39 +20,6 @@ namespace kvtier {
 namespace {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes);
-
-// A CUDA error as a status naming the call: no room is RESOURCE_EXHAUSTED, no device or
-// driver FAILED_PRECONDITION, a bad value (a handle or range a worker gave) INVALID_ARGUMENT,
-// the rest INTERNAL.
-absl::Status CudaError(cudaError_t e, absl::string_view call) {
-  const std::string msg =
-      absl::StrCat(call, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
-  switch (e) {
-    case cudaErrorMemoryAllocation:
-      return absl::ResourceExhaustedError(msg);
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidResourceHandle:
-    case cudaErrorInvalidDevicePointer:
-      return absl::InvalidArgumentError(msg);
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-    case cudaErrorInvalidDevice:
-    case cudaErrorDevicesUnavailable:
-    case cudaErrorNotSupported:
-      return absl::FailedPreconditionError(msg);
-    default:
-      return absl::InternalError(msg);
-  }
-}
-
-#define KVTIER_CUDA_RETURN(call)                                  \
-  do {                                                            \
-    const cudaError_t kvtier_cuda_e = (call);                     \
-    if (kvtier_cuda_e != cudaSuccess) {                           \
-      (void)cudaGetLastError(); /* a sticky error stays sticky */ \
-      return CudaError(kvtier_cuda_e, #call);                     \
-    }                                                             \
-  } while (0)
 
 absl::Status CheckRange(uint64_t offset, uint64_t n, uint64_t size) {
   if (offset > size || n > size - offset) {

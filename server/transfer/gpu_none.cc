@@ -1,4 +1,5 @@
 // The GPU runtime of a build without CUDA: no device, ever, and the reason says so.
+#include "server/transfer/carrier.h"
 #include "server/transfer/device_fill.h"
 #include "server/transfer/gpu.h"
 
@@ -26,5 +27,12 @@ GpuMapping::~GpuMapping() = default;
 absl::Status GpuMapping::Read(uint64_t, void*, uint64_t) const { return NoCuda(); }
 
 absl::Status FillDevice(std::span<const DeviceFill> fills) { return FillDeviceOnHost(fills); }
+
+absl::StatusOr<OfferedCarrier> OfferNcclCarrier(const CarrierOptions&) { return NoCuda(); }
+
+absl::StatusOr<std::unique_ptr<ByteCarrier>> JoinNcclCarrier(absl::string_view,
+                                                             const CarrierOptions&) {
+  return NoCuda();
+}
 
 }  // namespace kvtier

@@ -78,9 +78,12 @@ class Client {
   // A copy of the session moved to the daemon `to` talks to (prefill here, decode there):
   // ExportSession's parts relayed into ImportSession there one at a time, as `new_session_id`
   // (empty: the same id). The session here stays until closed. The first failure on either
-  // side ends both calls and is returned; nothing is imported then.
-  absl::StatusOr<v1::CreateSessionResponse> MoveSession(const std::string& session_id, Client& to,
-                                                        const std::string& new_session_id = "");
+  // side ends both calls and is returned; nothing is imported then. `carrier`: how the chunks'
+  // bytes go (v1::ChunkCarrier; NCCL: GPU to GPU, daemon to daemon, with only the parts'
+  // sizes and checksums through this client).
+  absl::StatusOr<v1::CreateSessionResponse> MoveSession(
+      const std::string& session_id, Client& to, const std::string& new_session_id = "",
+      v1::ChunkCarrier carrier = v1::CHUNK_CARRIER_PARTS);
 
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::StatusOr<v1::DescribeSessionResponse> DescribeSession(const std::string& session_id);

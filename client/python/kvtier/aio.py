@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from kvtier import client as _sync
-from kvtier.client import KvTierError, SessionHandle, _msg
+from kvtier.client import KvTierError, SessionHandle, _carrier, _msg
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -145,15 +145,16 @@ class Client:
         return reader.view(handle, head_dim, like=like)
 
     async def move_session(self, session_id: str, to: "Client",
-                           new_session_id: str = "") -> SessionHandle:
+                           new_session_id: str = "", carrier: str = "parts") -> SessionHandle:
         """As the blocking client's move_session: a copy of the session on the daemon `to`
         talks to, the parts relayed one at a time; the first failure on either side ends both
         calls and is raised. An import the other daemon refuses while parts are still on their
         way (a session too large for it, say) may be raised as INTERNAL "Internal error from
         Core" rather than with the daemon's code: grpc.aio's known bug (grpc/grpc#36066), which
-        the blocking client does not have. Nothing is imported either way."""
-        parts = self.stub.ExportSession(_msg(pb.ExportSessionRequest, session_id=session_id),
-                                        timeout=self.timeout, metadata=self._metadata)
+        the blocking client does not have. Nothing is imported either way. `carrier` as the
+        blocking client's ("parts", "nccl", "socket")."""
+        req = _msg(pb.ExportSessionRequest, session_id=session_id, carrier=_carrier(carrier))
+        parts = self.stub.ExportSession(req, timeout=self.timeout, metadata=self._metadata)
         failed: list[grpc.aio.AioRpcError] = []
 
         async def requests():

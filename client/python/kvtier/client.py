@@ -51,6 +51,15 @@ def _choice(argument: str, table: dict, value):
         raise KvTierArgumentError(argument, f"{value!r} is not one of {allowed}") from None
 
 
+_CARRIERS = {"parts": pb.CHUNK_CARRIER_PARTS, "nccl": pb.CHUNK_CARRIER_NCCL,
+             "socket": pb.CHUNK_CARRIER_SOCKET}
+
+
+def _carrier(value) -> int:
+    """move_session's carrier as its enum value, or KvTierArgumentError naming it."""
+    return _choice("carrier", _CARRIERS, value)
+
+
 def _msg(cls, **fields):
     """cls(**fields); a field protobuf refuses (an unknown name, a value of the wrong type or
     out of its range) is a KvTierArgumentError naming it, before anything is sent."""
@@ -960,13 +969,18 @@ class Client:
         r = self._unary("ForkSession", _fork_request(session_id, num_tokens, new_session_id))
         return SessionHandle(r.session_id, r.policy)
 
-    def move_session(self, session_id: str, to: "Client", new_session_id: str = "") -> SessionHandle:
+    def move_session(self, session_id: str, to: "Client", new_session_id: str = "",
+                     carrier: str = "parts") -> SessionHandle:
         """A copy of the session moved to the daemon `to` talks to (prefill here, decode
         there): ExportSession's parts relayed into ImportSession there one at a time, as
         `new_session_id` (empty: the same id). The session here stays until closed. The first
-        failure on either side ends both calls and is raised; nothing is imported then."""
-        parts = self.stub.ExportSession(_msg(pb.ExportSessionRequest, session_id=session_id),
-                                        timeout=self.timeout, metadata=self._metadata)
+        failure on either side ends both calls and is raised; nothing is imported then.
+        `carrier`: how the chunks' bytes go, "parts" (through this client), "nccl" (GPU to GPU,
+        daemon to daemon; both daemons on CUDA devices) or "socket" (daemon to daemon on one
+        host); with the last two only sizes and checksums pass through here."""
+        req = _msg(pb.ExportSessionRequest, session_id=session_id,
+                   carrier=_carrier(carrier))
+        parts = self.stub.ExportSession(req, timeout=self.timeout, metadata=self._metadata)
         failed: list[grpc.RpcError] = []
 
         def requests() -> Iterator[pb.ImportSessionRequest]:

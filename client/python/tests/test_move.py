@@ -215,3 +215,29 @@ def test_moved_bytes_are_counted_on_both_daemons(start_daemon):
     assert counter(pa, "kvtier_moved_out_bytes_total") in (fp16_bytes, 2 * fp16_bytes)
     assert counter(pb, "kvtier_moved_in_bytes_total") == fp16_bytes
     assert counter(pa, "kvtier_moved_in_bytes_total") == 0
+
+
+def test_chunk_bytes_can_go_daemon_to_daemon_beside_the_parts(start_daemon, kvtierctl):
+    """carrier="socket" (the NCCL carrier's CPU twin): only the parts' sizes and checksums pass
+    through the client, the bytes go daemon to daemon, and the session arrives byte for byte.
+    On daemons whose device tier is emulated, carrier="nccl" is refused naming why, and nothing
+    is imported."""
+    a, b = start_daemon("--device", "emulated"), start_daemon("--device", "emulated")
+    rng = np.random.default_rng(13)
+    k, v = make_kv(rng, 1500)
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        ca.create_session(L, QH, KVH, D, session_id="s")
+        ca.append_layers("s", 0, k, v, wait_aged=True)
+        before = chunks_of(ca, "s")
+        assert ca.move_session("s", cb, "via-socket", carrier="socket").session_id == "via-socket"
+        assert chunks_of(cb, "via-socket") == before
+        with pytest.raises(kvtier.KvTierError) as e:
+            ca.move_session("s", cb, "via-nccl", carrier="nccl")
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "carrier: CHUNK_CARRIER_NCCL" in e.value.message or "CUDA" in e.value.message
+        with pytest.raises(kvtier.KvTierArgumentError, match="carrier: 'rdma' is not one of"):
+            ca.move_session("s", cb, carrier="rdma")
+        assert sorted(s.session_id for s in cb.list_sessions()) == ["via-socket"]
+        r = kvtierctl(a.address, "move", "s", "--to", b.address, "--as", "ctl", "--via", "socket")
+        assert r.returncode == 0, r.stderr
+        assert chunks_of(cb, "ctl") == before
