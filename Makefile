@@ -83,7 +83,7 @@ tsan: deps
 # tests/fuzz, each run for FUZZ_SECONDS from its corpus; any report fails the test that made
 # it. The build is clang's, so it also checks every ABSL_GUARDED_BY (-Werror=thread-safety) of
 # every target. A build tree configured with another compiler is made anew.
-FUZZ_SECONDS ?= 45
+FUZZ_SECONDS ?= 25
 asan-build: deps
 	@grep -qs 'CMAKE_CXX_COMPILER:.*clang' $(ASAN_BUILD)/CMakeCache.txt || rm -rf $(ASAN_BUILD)
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -95,23 +95,26 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
                                     metrics::LatencyBuckets(), metrics::Labels{{"method", name}});
     method_metrics_.emplace(name, std::move(m));
   }
+  for (const std::string& t : env_.metric_tenants) tenant_series_.emplace(t, TenantSeries());
+  tenant_series_.emplace(kOtherTenants, TenantSeries());
+  for (auto& [tenant, series] : tenant_series_) {
+    const metrics::Labels labels{{"tenant", tenant}};
+    series.selects =
+        &env_.metrics->GetCounter("kvtier_selects_total", "Select calls served", labels);
+    series.appended_tokens = &env_.metrics->GetCounter(
+        "kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)", labels);
+  }
   moved_out_bytes_ = &env_.metrics->GetCounter(
       "kvtier_moved_out_bytes_total", "Chunk data of sessions exported whole (ExportSession)");
   moved_in_bytes_ = &env_.metrics->GetCounter("kvtier_moved_in_bytes_total",
                                               "Chunk data of sessions imported (ImportSession)");
 }
 
-metrics::Counter& KvTierService::TenantCounter(const std::string& name, const std::string& help,
-                                               const std::string& tenant) {
+const KvTierService::TenantSeries& KvTierService::SeriesOf(const std::string& tenant) const {
   // Only the config's tenants have series of their own, so that no caller can grow the
-  // metrics by naming new tenants.
-  const std::string& series =
-      env_.metric_tenants.contains(tenant) ? tenant : std::string(kOtherTenants);
-  MutexLock lock(&tenant_mu_);
-  const std::string key = name + '\0' + series;
-  auto [it, inserted] = tenant_counters_.try_emplace(key, nullptr);
-  if (inserted) it->second = &env_.metrics->GetCounter(name, help, {{"tenant", series}});
-  return *it->second;
+  // metrics by naming new tenants; the map is made whole at construction, read without a lock.
+  auto it = tenant_series_.find(tenant);
+  return it != tenant_series_.end() ? it->second : tenant_series_.at(kOtherTenants);
 }
 
 absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
@@ -254,9 +257,7 @@ class KvTierService::AppendReactor final
 
   void Done(const absl::Status& s) {
     if (tenant_ok_) {
-      svc_->TenantCounter("kvtier_appended_tokens_total", "Tokens received by AppendKV (per layer)",
-                          tenant_)
-          .Inc(static_cast<double>(tokens_));
+      svc_->SeriesOf(tenant_).appended_tokens->Inc(static_cast<double>(tokens_));
     }
     End(s);
   }
@@ -285,7 +286,7 @@ absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::Select
     if (env_.prefetcher) env_.prefetcher->Enqueue(session, req);
     return absl::OkStatus();
   }));
-  TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc();
+  SeriesOf(tenant).selects->Inc();
   return absl::OkStatus();
 }
 
@@ -326,7 +327,7 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
       return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
     }
   }
-  TenantCounter("kvtier_selects_total", "Select calls served", tenant).Inc(req.requests_size());
+  SeriesOf(tenant).selects->Inc(req.requests_size());
   return absl::OkStatus();
 }
 

@@ -205,9 +205,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::Status DoBatchSelect(const std::string& tenant, const v1::BatchSelectRequest& req,
                              v1::BatchSelectResponse* resp, uint64_t reply_limit);
 
-  // Per-tenant counter `name`, looked up once per tenant.
-  metrics::Counter& TenantCounter(const std::string& name, const std::string& help,
-                                  const std::string& tenant);
+  // The per-tenant counters of `tenant` (of "_other" for a tenant the config does not name).
+  struct TenantSeries {
+    metrics::Counter* selects = nullptr;
+    metrics::Counter* appended_tokens = nullptr;
+  };
+  const TenantSeries& SeriesOf(const std::string& tenant) const;
 
   // Metric handles per method, made once: a call touches no label maps or registry locks.
   struct MethodMetrics {
@@ -220,8 +223,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // Chunk data of the sessions ExportSession sent and ImportSession made (whole moves only).
   metrics::Counter* moved_out_bytes_ = nullptr;
   metrics::Counter* moved_in_bytes_ = nullptr;
-  absl::Mutex tenant_mu_;  // lock order 9 (server/common/lock_order.h)
-  absl::flat_hash_map<std::string, metrics::Counter*> tenant_counters_ ABSL_GUARDED_BY(tenant_mu_);
+  // Every series SeriesOf hands out, made at construction and never changed (no lock).
+  absl::flat_hash_map<std::string, TenantSeries> tenant_series_;
   absl::Mutex attach_mu_;  // lock order 12 (server/common/lock_order.h)
   absl::flat_hash_set<AttachReactor*> attached_ ABSL_GUARDED_BY(attach_mu_);
   std::atomic<bool> draining_{false};
