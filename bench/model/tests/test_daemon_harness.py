@@ -13,6 +13,14 @@ def small(model, text_ids):
     return prefill(model, text_ids, 1024, 32)
 
 
+@pytest.fixture(scope="module")
+def token_major_full(model, small):
+    """Full attention, token-major, over `small`: the reference several tests compare with."""
+    policy = Full()
+    policy.token_major = True
+    return run(model, small, policy)
+
+
 @pytest.fixture
 def client(tmp_path):
     import kvtier
@@ -53,15 +61,13 @@ def test_mandatory_chunks_follow_the_daemons_rule():
     assert mandatory_chunks(10, 16, 32).tolist() == [0]
 
 
-def test_token_major_runs_match_layer_major_ones(model, small):
+def test_token_major_runs_match_layer_major_ones(model, small, token_major_full):
     """Each token through every layer before the next (as a decoder runs) gives the logits
     of each layer over every token, to float tolerance: only the order of the work differs
     (one row's products against a whole batch's, whose float sums round differently, and
     K and V rounded to fp16 after them: 0.015 at most seen over 30 layers)."""
     ref = run(model, small, Full())
-    token_major = Full()
-    token_major.token_major = True
-    got = run(model, small, token_major)
+    got = token_major_full
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=5e-2)
     assert got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-3)
 
@@ -76,14 +82,13 @@ def test_layer_budgets_by_need_keep_the_average_budget(model, small, client):
 
 
 @pytest.mark.parametrize("ahead", ["step", "layer"])
-def test_look_ahead_reads_what_was_asked_early_plus_the_newest_token(model, small, client, ahead):
+def test_look_ahead_reads_what_was_asked_early_plus_the_newest_token(model, small, client, ahead,
+                                                                      token_major_full):
     """A selection asked ahead (a step early with the last step's queries, or a layer early
     with the previous layer's query) misses only the newest token, which the worker adds: with
     every token returned, the logits equal full attention's (both token-major); with a budget,
     the rows stay within it (and the newest) and below the oracle."""
-    ref_policy = Full()
-    ref_policy.token_major = True
-    ref = run(model, small, ref_policy)
+    ref = token_major_full
     everything = Daemon(client, f"daemon-full-ahead-{ahead}", None, lossless=True,
                         dense_layers=1 << 20, lookahead=ahead)
     got = run(model, small, everything)
