@@ -83,8 +83,11 @@ class NcclCarrier final : public ByteCarrier {
   ~NcclCarrier() override {
     (void)cudaSetDevice(gpu_);
     if (comm_ != nullptr) {
-      bool clean = ok_;
-      if (clean) {  // every operation done: a finalize flushes nothing, then destroy
+      // Joined, nothing failed, nothing left half enqueued: finalize (it flushes nothing), then
+      // destroy. Otherwise (a peer that never joined or went away, a wait that timed out, a
+      // cancelled call) abort, which waits for nothing.
+      bool clean = ok_ && joined_ && pending_ == nullptr;
+      if (clean) {
         clean = Check(nccl_->CommFinalize(comm_), "ncclCommFinalize").ok() &&
                 WaitComm("ncclCommFinalize").ok();
       }
@@ -124,8 +127,15 @@ class NcclCarrier final : public ByteCarrier {
     RETURN_IF_ERROR(
         Fail(cudaMemcpyAsync(s.buf, s.host.data(), s.host.size(), cudaMemcpyHostToDevice, stream_),
              "cudaMemcpyAsync"));
-    RETURN_IF_ERROR(
-        Enqueued(nccl_->Send(s.buf, s.host.size(), ncclUint8, 1, comm_, stream_), "ncclSend"));
+    const ncclResult_t r = nccl_->Send(s.buf, s.host.size(), ncclUint8, 1, comm_, stream_);
+    RETURN_IF_ERROR(Check(r, "ncclSend"));
+    if (r == ncclInProgress) {
+      // Still being enqueued: the first send connects to the importer, which connects its
+      // receive only once this part reaches it, so its part must go first. The next call
+      // finishes the enqueue (Ready).
+      pending_ = &s;
+      return absl::OkStatus();
+    }
     return Fail(cudaEventRecord(s.done, stream_), "cudaEventRecord");
   }
 
@@ -221,12 +231,19 @@ class NcclCarrier final : public ByteCarrier {
   }
   // The communicator joined (both ranks called init), and this thread on the carrier's device
   // (each call may come on another of gRPC's threads).
+  // A send left being enqueued is then on the stream, its slot's event recorded after it.
   absl::Status Ready() {
     if (!ok_) return absl::AbortedError("carrier: an earlier NCCL operation failed");
     RETURN_IF_ERROR(Fail(cudaSetDevice(gpu_), "cudaSetDevice"));
-    if (joined_) return absl::OkStatus();
-    RETURN_IF_ERROR(WaitComm("joining the NCCL communicator"));
-    joined_ = true;
+    if (!joined_) {
+      RETURN_IF_ERROR(WaitComm("joining the NCCL communicator"));
+      joined_ = true;
+    }
+    if (pending_ != nullptr) {
+      RETURN_IF_ERROR(WaitComm("ncclSend"));
+      RETURN_IF_ERROR(Fail(cudaEventRecord(pending_->done, stream_), "cudaEventRecord"));
+      pending_ = nullptr;
+    }
     return absl::OkStatus();
   }
   // A call of a non-blocking communicator may answer ncclInProgress: enqueued once it is idle.
@@ -264,6 +281,7 @@ class NcclCarrier final : public ByteCarrier {
   cudaStream_t stream_ = nullptr;
   std::array<Slot, kCarrierDepth> slots_;
   uint64_t next_ = 0;
+  Slot* pending_ = nullptr;  // the slot of a send still being enqueued
   bool joined_ = false;
   bool ok_ = true;  // false after any failure: the destructor aborts instead of finalizing
 };
