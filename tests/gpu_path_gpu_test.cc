@@ -277,11 +277,14 @@ TEST(GpuDaemon, AppendsFromTheWorkersDeviceMemoryAreStoredExactly) {
 // chunk arrives byte for byte, and the parts through this client held no chunk data.
 TEST(GpuDaemon, ASessionMovesBetweenDaemonsOverNcclExactly) {
   KVTIER_SKIP_WITHOUT_GPU();
+  // NCCL's socket transport on the loopback interface, whatever else the machine has.
+  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+  setenv("NCCL_IB_DISABLE", "1", 1);
   setenv("NCCL_HOSTID", "kvtier-test-export", 1);
   LocalDaemon from("gpunccla", {"--device", "0"});
   setenv("NCCL_HOSTID", "kvtier-test-import", 1);
   LocalDaemon to("gpuncclb", {"--device", "0"});
-  unsetenv("NCCL_HOSTID");
+  for (const char* v : {"NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"}) unsetenv(v);
   ASSERT_TRUE(from.started() && to.started());
   ASSERT_OK_AND_ASSIGN(auto a, Client::Connect(from.address()));
   ASSERT_OK_AND_ASSIGN(auto b, Client::Connect(to.address()));
