@@ -393,6 +393,14 @@ TEST(Transfer, CarriedBytesGoBesideThePartsAndAreCheckedAgainstThem) {
   EXPECT_THAT(run({{CarriedParts(small).parts[0], CarriedParts(big).parts[1]}, t.bytes}, &none),
               StatusIs(Code::kDataLoss, "more than the header's"));
   EXPECT_TRUE(none.empty());
+  // One part may not make the importer take more than two parts' worth at once.
+  v1::SessionRecord huge = TransferRecord();
+  huge.mutable_streams(2)->mutable_chunks(0)->set_data(
+      std::string(2 * kTransferPartBytes + 1, 'h'));
+  const Carried too_big = CarriedParts(huge);
+  EXPECT_THAT(run({{too_big.parts[0], too_big.parts[1], too_big.parts[2]}, too_big.bytes}, &none),
+              StatusIs(Code::kDataLoss, "part 3: 2097153 carried bytes in one part"));
+  EXPECT_TRUE(none.size() == 1);  // part 2's bytes only
 }
 
 // The socket carrier (the NCCL carrier's CPU twin) between two threads of this process.

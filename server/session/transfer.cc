@@ -17,6 +17,7 @@ constexpr char kPartMagic[4] = {'K', 'V', 'T', 'P'};
 // claiming more is damaged, and nothing is sized by it.
 constexpr uint32_t kMaxStreams = 1u << 20;
 constexpr uint64_t kMinChunkBytes = 4;  // one row of head_dim 1, K and V in fp16
+constexpr uint64_t kMaxCarriedPartBytes = 2 * kTransferPartBytes;
 
 }  // namespace
 
@@ -163,6 +164,12 @@ absl::Status TransferReader::Add(std::string_view part, const CarriedBytes& carr
                             chunks_, data_bytes_, declared_chunks_, declared_bytes_));
       }
       if (carried_here) {  // sizes checked: now the bytes, from the carrier
+        // A part holds about kTransferPartBytes, past it by one chunk at most (a chunk is far
+        // smaller): so what one part makes this daemon receive at once stays bounded.
+        if (bytes > kMaxCarriedPartBytes) {
+          return bad(absl::StrFormat("%d carried bytes in one part; a part carries at most %d",
+                                     bytes, kMaxCarriedPartBytes));
+        }
         if (!carried) return absl::InternalError(absl::StrCat(what, ": no carrier to read from"));
         absl::StatusOr<std::string> data = carried(bytes);
         if (!data.ok()) {

@@ -1132,7 +1132,7 @@ def test_an_idle_connected_client_does_not_hold_the_drain(start_daemon):
     c = kvtier.Client(d.address)
     sid = c.create_session(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8).session_id
     assert d.stop() == 0  # stop() waits 30 s at most, a quarter of the drain timeout
-    with pytest.raises(kvtier.KvTierError) as e:  # the connection is gone, and the daemon
+    with pytest.raises(kvtier.KvTierError) as e:  # the daemon is gone, and so is the connection
         c.describe_session(sid)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
