@@ -578,6 +578,7 @@ void Daemon::Shutdown() {
                                : std::max(deadline, absl::Now());
     server_->Shutdown(absl::ToChronoTime(cut));
     server_->Wait();
+    service_.JoinPumps();
   }
   if (reaper_.joinable()) reaper_.join();
   if (persister_.joinable()) persister_.join();

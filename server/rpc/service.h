@@ -7,8 +7,11 @@
 #include <array>
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -180,7 +183,18 @@ class KvTierService final : public v1::KvTier::CallbackService {
   class AttachReactor;
   // What a moved session's carrier (server/transfer/carrier.h) runs on here.
   CarrierOptions CarrierOptionsHere(const std::atomic<bool>* cancelled) const;
+  // One more carried transfer, RESOURCE_EXHAUSTED past kMaxCarried; EndCarried gives it back.
+  absl::Status StartCarried();
+  void EndCarried() { carried_.fetch_sub(1, std::memory_order_acq_rel); }
+  // Runs `fn` on a thread of its own (a carried transfer's pump).
+  void StartPump(std::function<void()> fn);
 
+ public:
+  // Joins every pump thread: after the server's Wait, so that none is still inside a gRPC call
+  // of the server when the daemon deletes it.
+  void JoinPumps();
+
+ private:
   // A call begins: counted in in_flight(), and, for ThreadSanitizer, after the daemon made
   // the service (server/rpc/daemon.cc releases it before the server starts).
   void Enter() {
@@ -229,6 +243,17 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::flat_hash_set<AttachReactor*> attached_ ABSL_GUARDED_BY(attach_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
+  // Exports and imports with a carrier in progress: each may hold one of gRPC's threads while
+  // it waits for the other daemon, so their number is bounded (service_transfer.cc).
+  std::atomic<int> carried_{0};
+  // The threads that run carried transfers (their pumps), joined when they are done: the next
+  // start joins those that finished, JoinPumps all of them.
+  struct Pump {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  absl::Mutex pumps_mu_;  // lock order 22 (server/common/lock_order.h)
+  std::vector<Pump> pumps_ ABSL_GUARDED_BY(pumps_mu_);
 };
 
 }  // namespace kvtier

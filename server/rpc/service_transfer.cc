@@ -1,7 +1,10 @@
 // ExportSession and ImportSession: a session moved between daemons as the parts of
 // server/session/transfer.h, relayed by the caller.
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "server/common/mutex.h"
 #include "server/common/status_macros.h"
@@ -16,7 +19,67 @@ CarrierKind CarrierOf(v1::ChunkCarrier c) {
   return c == v1::CHUNK_CARRIER_NCCL ? CarrierKind::kNccl : CarrierKind::kSocket;
 }
 
+// A transfer with a carrier waits for the other daemon (to join, to take bytes, to
+// acknowledge), which gRPC's own threads must never do: such a transfer runs on a thread of its
+// own (its pump), and its reactions only hand their outcome over to it.
+class Handoff {
+ public:
+  void Give(bool ok) {
+    MutexLock lock(&mu_);
+    ok_ = ok;
+    cv_.Signal();
+  }
+  // The next reaction's outcome, once it came (gRPC always delivers one).
+  bool Take() {
+    MutexLock lock(&mu_);
+    while (!ok_.has_value()) WaitOn(&cv_, &mu_);
+    return *std::exchange(ok_, std::nullopt);
+  }
+
+ private:
+  absl::Mutex mu_;  // lock order 21 (server/common/lock_order.h)
+  absl::CondVar cv_;
+  std::optional<bool> ok_ ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace
+
+// Carried transfers at once, exports and imports together: each may wait on the other daemon
+// in one of gRPC's callback threads, for up to the carrier's timeout.
+constexpr int kMaxCarried = 4;
+
+absl::Status KvTierService::StartCarried() {
+  if (carried_.fetch_add(1, std::memory_order_acq_rel) < kMaxCarried) return absl::OkStatus();
+  EndCarried();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "carrier: ", kMaxCarried,
+      " transfers with a carrier are in progress on this daemon, the most it runs at once; "
+      "retry, or move with CHUNK_CARRIER_PARTS"));
+}
+
+void KvTierService::StartPump(std::function<void()> fn) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread t([fn = std::move(fn), done] {
+    fn();
+    done->store(true, std::memory_order_release);
+  });
+  MutexLock lock(&pumps_mu_);
+  std::erase_if(pumps_, [](Pump& p) {
+    if (!p.done->load(std::memory_order_acquire)) return false;
+    p.thread.join();  // it has finished: at once
+    return true;
+  });
+  pumps_.push_back(Pump{std::move(t), std::move(done)});
+}
+
+void KvTierService::JoinPumps() {
+  std::vector<Pump> pumps;
+  {
+    MutexLock lock(&pumps_mu_);
+    pumps.swap(pumps_);
+  }
+  for (Pump& p : pumps) p.thread.join();
+}
 
 CarrierOptions KvTierService::CarrierOptionsHere(const std::atomic<bool>* cancelled) const {
   CarrierOptions o;
@@ -38,11 +101,20 @@ class KvTierService::ExportReactor final
       Done(s);
       return;
     }
+    if (carrier_) {
+      pumped_ = true;
+      svc_->StartPump([this] { Pump(); });  // it touches nothing of this after Done
+      return;
+    }
     Write();
   }
 
   void OnWriteDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
+    if (pumped_) {
+      handoff_.Give(ok);
+      return;
+    }
     if (!ok) {
       Done(absl::CancelledError("ExportSession: the client went away"));
       return;
@@ -64,6 +136,8 @@ class KvTierService::ExportReactor final
                      svc_->env_.sessions->Export(caller.tenant, req.session_id()));
     std::string bootstrap;
     if (req.carrier() != v1::CHUNK_CARRIER_PARTS) {
+      RETURN_IF_ERROR(svc_->StartCarried());
+      counted_ = true;
       ASSIGN_OR_RETURN(OfferedCarrier offered, OfferCarrier(CarrierOf(req.carrier()),
                                                             svc_->CarrierOptionsHere(&cancelled_)));
       carrier_ = std::move(offered.carrier);
@@ -75,33 +149,50 @@ class KvTierService::ExportReactor final
   }
 
   void Write() {
-    if (!writer_->Next(resp_.mutable_part(), &carried_)) {
-      // The end part is out: with a carrier, the move is done when the importer acknowledges.
-      Done(carrier_ ? carrier_->Finish() : absl::OkStatus());
+    if (!writer_->Next(resp_.mutable_part())) {
+      Done(absl::OkStatus());
       return;
-    }
-    if (!carried_.empty()) {  // on its way beside the part, before the part is
-      absl::Status s = carrier_->Send(std::move(carried_));
-      if (!s.ok()) {
-        Done(s);
-        return;
-      }
     }
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
+  }
+
+  // A carried export, on its own thread: each part's bytes go to the carrier before the part
+  // goes to the caller; after the end part, the move is done when the importer acknowledges.
+  void Pump() {
+    std::string carried;
+    while (writer_->Next(resp_.mutable_part(), &carried)) {
+      if (!carried.empty()) {
+        absl::Status s = carrier_->Send(std::move(carried));
+        if (!s.ok()) {
+          Done(s);
+          return;
+        }
+      }
+      KVTIER_TSAN_RELEASE(this);
+      StartWrite(&resp_);
+      if (!handoff_.Take()) {
+        Done(absl::CancelledError("ExportSession: the client went away"));
+        return;
+      }
+    }
+    Done(carrier_->Finish());
   }
 
   void Done(const absl::Status& s) {
     if (s.ok()) svc_->moved_out_bytes_->Inc(static_cast<double>(writer_->data_bytes()));
     writer_.reset();   // the record's bytes go now, not when gRPC lets the reactor go
     carrier_.reset();  // a carrier that failed is aborted here
+    if (std::exchange(counted_, false)) svc_->EndCarried();
     End(s);
   }
 
   std::unique_ptr<TransferWriter> writer_;
   std::atomic<bool> cancelled_{false};  // before carrier_, which reads it to its end
   std::unique_ptr<ByteCarrier> carrier_;
-  std::string carried_;
+  bool counted_ = false;  // in the service's carried transfers
+  bool pumped_ = false;   // run by Pump (set before it starts)
+  Handoff handoff_;
   v1::ExportSessionResponse resp_;
 };
 
@@ -123,7 +214,7 @@ class KvTierService::ImportReactor final
         reader_(svc->env_.host->options().capacity_bytes) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
     if (!caller.ok()) {
-      End(caller.status());
+      Stop(caller.status());
       return;
     }
     tenant_ = std::move(caller->tenant);
@@ -132,39 +223,29 @@ class KvTierService::ImportReactor final
 
   void OnReadDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
-    if (!ok) {  // the client closed its side
-      End(Import());
+    if (pumped_) {
+      handoff_.Give(ok);
       return;
     }
-    absl::Status s;
-    if (first_) {
-      // The id is checked before any chunk arrives (again when the session is made).
-      session_id_ = req_.session_id();
-      first_ = false;
-      if (!session_id_.empty()) s = svc_->env_.sessions->CheckNewSessionId(tenant_, session_id_);
-    } else if (!req_.session_id().empty()) {
-      s = absl::InvalidArgumentError(
-          "session_id: set on a later message of the stream; only the first names the session");
+    if (!ok) {  // the client closed its side
+      Stop(Import());
+      return;
     }
     const bool header = reader_.has_header();
-    if (s.ok()) {
-      s = reader_.Add(req_.part(), [this](uint64_t n) { return carrier_->Recv(n); });
-    }
-    if (s.ok() && !header && session_id_.empty()) {
-      s = svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id());
-    }
+    absl::Status s = Part();
     if (s.ok() && !header && reader_.carrier() != v1::CHUNK_CARRIER_PARTS) {
-      // The bytes come beside the parts: join the exporter's carrier (this waits for it).
-      absl::StatusOr<std::unique_ptr<ByteCarrier>> joined =
-          JoinCarrier(CarrierOf(reader_.carrier()), reader_.carrier_bootstrap(),
-                      svc_->CarrierOptionsHere(&cancelled_));
-      s = joined.status();
-      if (s.ok()) carrier_ = *std::move(joined);
+      // The bytes come beside the parts, from the exporting daemon: the rest runs on a thread
+      // of its own, which joins the carrier and waits for those bytes.
+      s = svc_->StartCarried();
+      if (s.ok()) {
+        counted_ = true;
+        pumped_ = true;
+        svc_->StartPump([this] { Pump(); });  // it touches nothing of this after Stop
+        return;
+      }
     }
-    // Everything arrived and checked: the exporter may count its bytes delivered.
-    if (s.ok() && reader_.complete() && carrier_) s = carrier_->Finish();
     if (!s.ok()) {
-      End(s);
+      Stop(s);
       return;
     }
     Read();
@@ -173,9 +254,57 @@ class KvTierService::ImportReactor final
   void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
 
  private:
+  // Ends the call; its carrier (aborted unless it finished) and its count go first.
+  void Stop(const absl::Status& s) {
+    carrier_.reset();
+    if (std::exchange(counted_, false)) svc_->EndCarried();
+    End(s);
+  }
+
   void Read() {
     KVTIER_TSAN_RELEASE(this);
     StartRead(&req_);
+  }
+
+  // The message just read: its id (the first message's only), then its part; once the end
+  // part is in, a carrier's bytes are acknowledged.
+  absl::Status Part() {
+    if (first_) {
+      // The id is checked before any chunk arrives (again when the session is made).
+      session_id_ = req_.session_id();
+      first_ = false;
+      if (!session_id_.empty()) {
+        RETURN_IF_ERROR(svc_->env_.sessions->CheckNewSessionId(tenant_, session_id_));
+      }
+    } else if (!req_.session_id().empty()) {
+      return absl::InvalidArgumentError(
+          "session_id: set on a later message of the stream; only the first names the session");
+    }
+    const bool header = reader_.has_header();
+    RETURN_IF_ERROR(reader_.Add(req_.part(), [this](uint64_t n) { return carrier_->Recv(n); }));
+    if (!header && session_id_.empty()) {
+      RETURN_IF_ERROR(svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id()));
+    }
+    if (reader_.complete() && carrier_) return carrier_->Finish();
+    return absl::OkStatus();
+  }
+
+  // A carried import after its header, on its own thread.
+  void Pump() {
+    absl::StatusOr<std::unique_ptr<ByteCarrier>> joined =
+        JoinCarrier(CarrierOf(reader_.carrier()), reader_.carrier_bootstrap(),
+                    svc_->CarrierOptionsHere(&cancelled_));
+    absl::Status s = joined.status();
+    if (s.ok()) carrier_ = *std::move(joined);
+    while (s.ok()) {
+      Read();
+      if (!handoff_.Take()) {  // the client closed its side
+        Stop(Import());
+        return;
+      }
+      s = Part();
+    }
+    Stop(s);
   }
 
   absl::Status Import() {
@@ -193,6 +322,9 @@ class KvTierService::ImportReactor final
   TransferReader reader_;
   std::atomic<bool> cancelled_{false};    // before carrier_, which reads it to its end
   std::unique_ptr<ByteCarrier> carrier_;  // the header's, joined when it arrives
+  bool counted_ = false;                  // in the service's carried transfers
+  bool pumped_ = false;                   // run by Pump after the header (set before it starts)
+  Handoff handoff_;
   v1::ImportSessionRequest req_;
 };
 

@@ -1,4 +1,6 @@
 """Moving a session between two real daemons (ExportSession, ImportSession, move_session)."""
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -241,3 +243,35 @@ def test_chunk_bytes_can_go_daemon_to_daemon_beside_the_parts(start_daemon, kvti
         r = kvtierctl(a.address, "move", "s", "--to", b.address, "--as", "ctl", "--via", "socket")
         assert r.returncode == 0, r.stderr
         assert chunks_of(cb, "ctl") == before
+
+
+def test_carried_transfers_at_once_are_bounded(start_daemon):
+    """Each transfer with a carrier may hold a thread of the daemon while it waits for the other
+    daemon: the fifth at once is RESOURCE_EXHAUSTED, and a cancelled one gives its place back."""
+    from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+    a = start_daemon("--device", "emulated")
+    k, v = make_kv(np.random.default_rng(14), 20)
+    with kvtier.Client(a.address) as ca:
+        ca.create_session(L, QH, KVH, D, session_id="s")
+        ca.append_layers("s", 0, k, v)
+        stub = pb_grpc.KvTierStub(grpc.insecure_channel(a.address))
+        req = pb.ExportSessionRequest(session_id="s", carrier=pb.CHUNK_CARRIER_SOCKET)
+        held = [stub.ExportSession(req, timeout=60) for _ in range(4)]
+        for call in held:
+            next(call)  # the header: each export is running, waiting for an importer
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.ExportSession(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "carrier: 4 transfers with a carrier are in progress" in e.value.details()
+        held[0].cancel()
+        for _ in range(100):  # the cancelled export stops waiting within about 100 ms
+            try:
+                next(stub.ExportSession(req, timeout=60))
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                time.sleep(0.05)
+        else:
+            pytest.fail("the cancelled export kept its place")
+        for call in held[1:]:
+            call.cancel()
