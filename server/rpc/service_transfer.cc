@@ -44,8 +44,8 @@ class Handoff {
 
 }  // namespace
 
-// Carried transfers at once, exports and imports together: each may wait on the other daemon
-// in one of gRPC's callback threads, for up to the carrier's timeout.
+// Carried transfers at once, exports and imports together: each holds a thread of its own
+// while it waits on the other daemon, for up to the carrier's timeout per wait.
 constexpr int kMaxCarried = 4;
 
 absl::Status KvTierService::StartCarried() {
