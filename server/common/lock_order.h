@@ -38,7 +38,7 @@
 //  19  ChannelHub::mu_              the Select channels (leaf); a channel's worker is attached
 //                                   and detached (6) outside it
 //  20  SocketExporter::mu_          a socket carrier's queue of bytes to send (leaf)
-//  21  Handoff::mu_                 a carried transfer's last reaction, for its thread (leaf)
+//  21  KvTierService::Carried::mu_  a carried transfer's last reaction, for its pump (leaf)
 //  22  KvTierService::pumps_mu_     the threads of carried transfers (leaf)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),

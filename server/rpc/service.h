@@ -181,11 +181,7 @@ class KvTierService final : public v1::KvTier::CallbackService {
   class ExportReactor;  // service_transfer.cc
   class ImportReactor;
   class AttachReactor;
-  // What a moved session's carrier (server/transfer/carrier.h) runs on here.
-  CarrierOptions CarrierOptionsHere(const std::atomic<bool>* cancelled) const;
-  // One more carried transfer, RESOURCE_EXHAUSTED past kMaxCarried; EndCarried gives it back.
-  absl::Status StartCarried();
-  void EndCarried() { carried_.fetch_sub(1, std::memory_order_acq_rel); }
+  class Carried;  // what a transfer with a carrier holds (service_transfer.cc)
   // Runs `fn` on a thread of its own (a carried transfer's pump).
   void StartPump(std::function<void()> fn);
 
@@ -243,8 +239,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   absl::flat_hash_set<AttachReactor*> attached_ ABSL_GUARDED_BY(attach_mu_);
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
-  // Exports and imports with a carrier in progress: each may hold one of gRPC's threads while
-  // it waits for the other daemon, so their number is bounded (service_transfer.cc).
+  // Exports and imports with a carrier in progress: each holds a thread of its own while it
+  // waits for the other daemon, so their number is bounded (service_transfer.cc).
   std::atomic<int> carried_{0};
   // The threads that run carried transfers (their pumps), joined when they are done: the next
   // start joins those that finished, JoinPumps all of them.

@@ -19,43 +19,7 @@ CarrierKind CarrierOf(v1::ChunkCarrier c) {
   return c == v1::CHUNK_CARRIER_NCCL ? CarrierKind::kNccl : CarrierKind::kSocket;
 }
 
-// A transfer with a carrier waits for the other daemon (to join, to take bytes, to
-// acknowledge), which gRPC's own threads must never do: such a transfer runs on a thread of its
-// own (its pump), and its reactions only hand their outcome over to it.
-class Handoff {
- public:
-  void Give(bool ok) {
-    MutexLock lock(&mu_);
-    ok_ = ok;
-    cv_.Signal();
-  }
-  // The next reaction's outcome, once it came (gRPC always delivers one).
-  bool Take() {
-    MutexLock lock(&mu_);
-    while (!ok_.has_value()) WaitOn(&cv_, &mu_);
-    return *std::exchange(ok_, std::nullopt);
-  }
-
- private:
-  absl::Mutex mu_;  // lock order 21 (server/common/lock_order.h)
-  absl::CondVar cv_;
-  std::optional<bool> ok_ ABSL_GUARDED_BY(mu_);
-};
-
 }  // namespace
-
-// Carried transfers at once, exports and imports together: each holds a thread of its own
-// while it waits on the other daemon, for up to the carrier's timeout per wait.
-constexpr int kMaxCarried = 4;
-
-absl::Status KvTierService::StartCarried() {
-  if (carried_.fetch_add(1, std::memory_order_acq_rel) < kMaxCarried) return absl::OkStatus();
-  EndCarried();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "carrier: ", kMaxCarried,
-      " transfers with a carrier are in progress on this daemon, the most it runs at once; "
-      "retry, or move with CHUNK_CARRIER_PARTS"));
-}
 
 void KvTierService::StartPump(std::function<void()> fn) {
   auto done = std::make_shared<std::atomic<bool>>(false);
@@ -81,12 +45,75 @@ void KvTierService::JoinPumps() {
   for (Pump& p : pumps) p.thread.join();
 }
 
-CarrierOptions KvTierService::CarrierOptionsHere(const std::atomic<bool>* cancelled) const {
-  CarrierOptions o;
-  o.gpu = env_.device != nullptr ? env_.device->options().gpu : -1;
-  o.cancelled = cancelled;
-  return o;
-}
+// Carried transfers at once, exports and imports together: each holds a thread of its own
+// while it waits on the other daemon, for up to the carrier's timeout per wait.
+constexpr int kMaxCarried = 4;
+
+// What a transfer with a carrier holds beside its reactor. Such a transfer waits for the other
+// daemon (to join, to take bytes, to acknowledge), which gRPC's own threads must never do: it
+// runs on a thread of its own (its pump), and its reactions only hand their outcome over.
+class KvTierService::Carried {
+ public:
+  explicit Carried(KvTierService* svc) : svc_(svc) {}
+  ~Carried() { Release(); }
+
+  // A place among the daemon's carried transfers: RESOURCE_EXHAUSTED past kMaxCarried.
+  absl::Status Count() {
+    if (svc_->carried_.fetch_add(1, std::memory_order_acq_rel) >= kMaxCarried) {
+      svc_->carried_.fetch_sub(1, std::memory_order_acq_rel);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "carrier: ", kMaxCarried,
+          " transfers with a carrier are in progress on this daemon, the most it runs at once; "
+          "retry, or move with CHUNK_CARRIER_PARTS"));
+    }
+    counted_ = true;
+    return absl::OkStatus();
+  }
+  // What the carrier runs on here: this daemon's GPU, and this call's cancellation.
+  CarrierOptions Options() const {
+    CarrierOptions o;
+    o.gpu = svc_->env_.device != nullptr ? svc_->env_.device->options().gpu : -1;
+    o.cancelled = &cancelled_;
+    return o;
+  }
+  // Runs the transfer on its pump from here on (it touches nothing of the reactor after End).
+  void StartPump(std::function<void()> pump) {
+    pumped_ = true;
+    svc_->StartPump(std::move(pump));
+  }
+  // In a reaction: true once the pump runs the transfer, `ok` handed over to it.
+  bool Reacted(bool ok) {
+    if (!pumped_) return false;
+    MutexLock lock(&mu_);
+    ok_ = ok;
+    cv_.Signal();
+    return true;
+  }
+  // On the pump: the next reaction's outcome, once it came (gRPC always delivers one).
+  bool Take() {
+    MutexLock lock(&mu_);
+    while (!ok_.has_value()) WaitOn(&cv_, &mu_);
+    return *std::exchange(ok_, std::nullopt);
+  }
+  // May run beside another reaction: ends the carrier's waits within about 100 ms.
+  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  // The carrier goes (aborted unless it finished), and the place with it.
+  void Release() {
+    carrier.reset();
+    if (std::exchange(counted_, false)) svc_->carried_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
+  std::unique_ptr<ByteCarrier> carrier;
+
+ private:
+  KvTierService* const svc_;
+  std::atomic<bool> cancelled_{false};  // read by the carrier to its end (Release, at the latest)
+  bool counted_ = false;
+  bool pumped_ = false;  // set before the pump starts
+  absl::Mutex mu_;       // lock order 21 (server/common/lock_order.h)
+  absl::CondVar cv_;
+  std::optional<bool> ok_ ABSL_GUARDED_BY(mu_);
+};
 
 // Writes the parts one at a time: the record is taken under the session's lock when the call
 // starts, and each part's chunk data leaves it as the part is made.
@@ -101,9 +128,8 @@ class KvTierService::ExportReactor final
       Done(s);
       return;
     }
-    if (carrier_) {
-      pumped_ = true;
-      svc_->StartPump([this] { Pump(); });  // it touches nothing of this after Done
+    if (carried_.carrier) {
+      carried_.StartPump([this] { Pump(); });
       return;
     }
     Write();
@@ -111,10 +137,7 @@ class KvTierService::ExportReactor final
 
   void OnWriteDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
-    if (pumped_) {
-      handoff_.Give(ok);
-      return;
-    }
+    if (carried_.Reacted(ok)) return;
     if (!ok) {
       Done(absl::CancelledError("ExportSession: the client went away"));
       return;
@@ -122,8 +145,7 @@ class KvTierService::ExportReactor final
     Write();
   }
 
-  // May run beside another reaction: ends the carrier's waits, whose reaction then finishes.
-  void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
+  void OnCancel() override { carried_.Cancel(); }
 
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ExportSessionRequest& req) {
@@ -136,11 +158,10 @@ class KvTierService::ExportReactor final
                      svc_->env_.sessions->Export(caller.tenant, req.session_id()));
     std::string bootstrap;
     if (req.carrier() != v1::CHUNK_CARRIER_PARTS) {
-      RETURN_IF_ERROR(svc_->StartCarried());
-      counted_ = true;
-      ASSIGN_OR_RETURN(OfferedCarrier offered, OfferCarrier(CarrierOf(req.carrier()),
-                                                            svc_->CarrierOptionsHere(&cancelled_)));
-      carrier_ = std::move(offered.carrier);
+      RETURN_IF_ERROR(carried_.Count());
+      ASSIGN_OR_RETURN(OfferedCarrier offered,
+                       OfferCarrier(CarrierOf(req.carrier()), carried_.Options()));
+      carried_.carrier = std::move(offered.carrier);
       bootstrap = std::move(offered.bootstrap);
     }
     writer_ =
@@ -163,7 +184,7 @@ class KvTierService::ExportReactor final
     std::string carried;
     while (writer_->Next(resp_.mutable_part(), &carried)) {
       if (!carried.empty()) {
-        absl::Status s = carrier_->Send(std::move(carried));
+        absl::Status s = carried_.carrier->Send(std::move(carried));
         if (!s.ok()) {
           Done(s);
           return;
@@ -171,28 +192,23 @@ class KvTierService::ExportReactor final
       }
       KVTIER_TSAN_RELEASE(this);
       StartWrite(&resp_);
-      if (!handoff_.Take()) {
+      if (!carried_.Take()) {
         Done(absl::CancelledError("ExportSession: the client went away"));
         return;
       }
     }
-    Done(carrier_->Finish());
+    Done(carried_.carrier->Finish());
   }
 
   void Done(const absl::Status& s) {
     if (s.ok()) svc_->moved_out_bytes_->Inc(static_cast<double>(writer_->data_bytes()));
-    writer_.reset();   // the record's bytes go now, not when gRPC lets the reactor go
-    carrier_.reset();  // a carrier that failed is aborted here
-    if (std::exchange(counted_, false)) svc_->EndCarried();
+    writer_.reset();     // the record's bytes go now, not when gRPC lets the reactor go
+    carried_.Release();  // a carrier that failed is aborted here
     End(s);
   }
 
   std::unique_ptr<TransferWriter> writer_;
-  std::atomic<bool> cancelled_{false};  // before carrier_, which reads it to its end
-  std::unique_ptr<ByteCarrier> carrier_;
-  bool counted_ = false;  // in the service's carried transfers
-  bool pumped_ = false;   // run by Pump (set before it starts)
-  Handoff handoff_;
+  Carried carried_{svc_};
   v1::ExportSessionResponse resp_;
 };
 
@@ -223,10 +239,7 @@ class KvTierService::ImportReactor final
 
   void OnReadDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
-    if (pumped_) {
-      handoff_.Give(ok);
-      return;
-    }
+    if (carried_.Reacted(ok)) return;
     if (!ok) {  // the client closed its side
       Stop(Import());
       return;
@@ -236,11 +249,9 @@ class KvTierService::ImportReactor final
     if (s.ok() && !header && reader_.carrier() != v1::CHUNK_CARRIER_PARTS) {
       // The bytes come beside the parts, from the exporting daemon: the rest runs on a thread
       // of its own, which joins the carrier and waits for those bytes.
-      s = svc_->StartCarried();
+      s = carried_.Count();
       if (s.ok()) {
-        counted_ = true;
-        pumped_ = true;
-        svc_->StartPump([this] { Pump(); });  // it touches nothing of this after Stop
+        carried_.StartPump([this] { Pump(); });
         return;
       }
     }
@@ -251,13 +262,12 @@ class KvTierService::ImportReactor final
     Read();
   }
 
-  void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
+  void OnCancel() override { carried_.Cancel(); }
 
  private:
   // Ends the call; its carrier (aborted unless it finished) and its count go first.
   void Stop(const absl::Status& s) {
-    carrier_.reset();
-    if (std::exchange(counted_, false)) svc_->EndCarried();
+    carried_.Release();
     End(s);
   }
 
@@ -281,24 +291,24 @@ class KvTierService::ImportReactor final
           "session_id: set on a later message of the stream; only the first names the session");
     }
     const bool header = reader_.has_header();
-    RETURN_IF_ERROR(reader_.Add(req_.part(), [this](uint64_t n) { return carrier_->Recv(n); }));
+    RETURN_IF_ERROR(
+        reader_.Add(req_.part(), [this](uint64_t n) { return carried_.carrier->Recv(n); }));
     if (!header && session_id_.empty()) {
       RETURN_IF_ERROR(svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id()));
     }
-    if (reader_.complete() && carrier_) return carrier_->Finish();
+    if (reader_.complete() && carried_.carrier) return carried_.carrier->Finish();
     return absl::OkStatus();
   }
 
   // A carried import after its header, on its own thread.
   void Pump() {
     absl::StatusOr<std::unique_ptr<ByteCarrier>> joined =
-        JoinCarrier(CarrierOf(reader_.carrier()), reader_.carrier_bootstrap(),
-                    svc_->CarrierOptionsHere(&cancelled_));
+        JoinCarrier(CarrierOf(reader_.carrier()), reader_.carrier_bootstrap(), carried_.Options());
     absl::Status s = joined.status();
-    if (s.ok()) carrier_ = *std::move(joined);
+    if (s.ok()) carried_.carrier = *std::move(joined);
     while (s.ok()) {
       Read();
-      if (!handoff_.Take()) {  // the client closed its side
+      if (!carried_.Take()) {  // the client closed its side
         Stop(Import());
         return;
       }
@@ -320,11 +330,7 @@ class KvTierService::ImportReactor final
   std::string session_id_;
   bool first_ = true;
   TransferReader reader_;
-  std::atomic<bool> cancelled_{false};    // before carrier_, which reads it to its end
-  std::unique_ptr<ByteCarrier> carrier_;  // the header's, joined when it arrives
-  bool counted_ = false;                  // in the service's carried transfers
-  bool pumped_ = false;                   // run by Pump after the header (set before it starts)
-  Handoff handoff_;
+  Carried carried_{svc_};  // its carrier is the header's, joined when it arrives
   v1::ImportSessionRequest req_;
 };
 
