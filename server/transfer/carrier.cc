@@ -128,10 +128,9 @@ class SocketExporter final : public ByteCarrier {
     thread_ = std::thread([this] { Run(); });
   }
   ~SocketExporter() override {
-    stopping_.store(true, std::memory_order_relaxed);  // a wait for the peer ends within 100 ms
     {
-      MutexLock lock(&mu_);
-      stop_ = true;
+      MutexLock lock(&mu_);  // Run tests it under mu_: its wake-up is not lost
+      stopping_.store(true, std::memory_order_relaxed);  // a wait on the socket ends in 100 ms
     }
     cv_.SignalAll();
     thread_.join();
@@ -189,8 +188,8 @@ class SocketExporter final : public ByteCarrier {
         MutexLock lock(&mu_);
         if (!s.ok() && error_.ok()) error_ = s;
         cv_.SignalAll();
-        while (!stop_ && error_.ok() && queue_.empty()) WaitOn(&cv_, &mu_);
-        if (stop_ || !error_.ok()) return;
+        while (!stopping_ && error_.ok() && queue_.empty()) WaitOn(&cv_, &mu_);
+        if (stopping_ || !error_.ok()) return;
         next = &queue_.front();  // only this thread pops; a deque keeps it in place
       }
       s = WriteAll(conn_, next->data(), next->size(), absl::Now() + timeout_, "sending bytes",
@@ -230,8 +229,7 @@ class SocketExporter final : public ByteCarrier {
   absl::CondVar cv_;
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
   absl::Status error_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> stopping_{false};
+  std::atomic<bool> stopping_{false};  // the carrier is going: every wait ends
   const Stop stop_flags_;
   std::thread thread_;
 };
