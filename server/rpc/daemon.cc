@@ -276,13 +276,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   const ServerOptions& o = d->options_;
   // Nothing is touched before both locks are held: a second daemon of this instance, or on
   // this socket, refuses to start and leaves the first one's segments and socket alone.
-  ASSIGN_OR_RETURN(d->instance_lock_.fd,
+  ASSIGN_OR_RETURN(const int instance_lock,
                    TakeLock(absl::StrCat("/dev/shm/kvtier-", o.instance, ".lock"), "instance",
                             "pick another --instance"));
+  d->instance_lock_.Reset(instance_lock);
   const std::string sock = SocketPath(o.listen);
   if (!sock.empty()) {
-    ASSIGN_OR_RETURN(d->socket_lock_.fd,
+    ASSIGN_OR_RETURN(const int socket_lock,
                      TakeLock(absl::StrCat(sock, ".lock"), "listen", "it serves this socket"));
+    d->socket_lock_.Reset(socket_lock);
     struct stat st {};
     if (lstat(sock.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) {
@@ -602,9 +604,5 @@ void Daemon::Shutdown() {
 }
 
 Daemon::~Daemon() { Shutdown(); }
-
-Daemon::Fd::~Fd() {
-  if (fd >= 0) close(fd);
-}
 
 }  // namespace kvtier

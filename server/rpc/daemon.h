@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
+#include "server/common/unique_fd.h"
 #include "server/config/config.h"
 #include "server/metrics/http_exporter.h"
 #include "server/metrics/registry.h"
@@ -80,19 +81,11 @@ class Daemon {
 
   const ServerOptions options_;
   const DeviceChoice device_choice_;
-  // A descriptor closed with its holder.
-  struct Fd {
-    int fd = -1;
-    Fd() = default;
-    Fd(const Fd&) = delete;
-    Fd& operator=(const Fd&) = delete;
-    ~Fd();
-  };
   // Held for the daemon's life (flock; the kernel lets go when the process dies, SIGKILL too):
   // the instance's lock in /dev/shm and the Unix socket's beside it. Declared before the
   // tiers, so they are let go only after every segment is gone.
-  Fd instance_lock_;
-  Fd socket_lock_;
+  UniqueFd instance_lock_;
+  UniqueFd socket_lock_;
   bool owns_socket_ = false;  // this daemon bound the socket, so its shutdown removes it
   metrics::Registry metrics_;
   // Destroyed in reverse order: sessions and leases drop their slots before the tiers go.

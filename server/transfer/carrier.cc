@@ -25,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "server/common/mutex.h"
 #include "server/common/status_macros.h"
+#include "server/common/unique_fd.h"
 
 namespace kvtier {
 namespace {
@@ -98,23 +99,6 @@ absl::Status ReadAll(int fd, char* p, size_t n, absl::Time deadline, absl::strin
   }
   return absl::OkStatus();
 }
-
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() { Reset(); }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int Release() { return std::exchange(fd_, -1); }
-  void Reset(int fd = -1) {
-    if (fd_ >= 0) close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_;
-};
 
 // The exporter's side: a thread accepts the one peer that shows the token, then writes the
 // queued bytes in order.
@@ -203,7 +187,7 @@ class SocketExporter final : public ByteCarrier {
     const absl::Time deadline = absl::Now() + timeout_;
     RETURN_IF_ERROR(
         PollUntil(listener_.get(), POLLIN, deadline, "waiting for the peer", stop_flags_));
-    Fd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (conn.get() < 0) return Errno("accept");
     listener_.Reset();  // one peer only
     std::string token(kTokenBytes, '\0');
@@ -220,10 +204,10 @@ class SocketExporter final : public ByteCarrier {
     return absl::OkStatus();
   }
 
-  Fd listener_;  // until the peer is accepted
+  UniqueFd listener_;  // until the peer is accepted
   const std::string token_;
   const absl::Duration timeout_;
-  Fd held_;         // the accepted connection, closed with the carrier
+  UniqueFd held_;   // the accepted connection, closed with the carrier
   int conn_ = -1;   // held_'s descriptor once a peer was accepted (written under mu_)
   absl::Mutex mu_;  // lock order 20 (server/common/lock_order.h)
   absl::CondVar cv_;
@@ -253,13 +237,13 @@ class SocketImporter final : public ByteCarrier {
   }
 
  private:
-  Fd fd_;
+  UniqueFd fd_;
   const absl::Duration timeout_;
   const Stop stop_;
 };
 
 absl::StatusOr<OfferedCarrier> OfferSocket(const CarrierOptions& options) {
-  Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return Errno("socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -297,7 +281,7 @@ absl::StatusOr<std::unique_ptr<ByteCarrier>> JoinSocket(absl::string_view bootst
     return bad();
   }
   const std::string token = absl::HexStringToBytes(at[1]);
-  Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return Errno("socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
