@@ -214,7 +214,7 @@ void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* stat
     Chunk cold = s.chunks()[item.chunk];
     cold.host = std::move(item.cold);  // the fp16 slot goes back (unless a lease or fork holds it)
     cold.precision = precision;
-    cold.device.reset();
+    cold.copies.reset_device();
     s.Replace(item.chunk, std::move(cold), item.rows.data(), f);
   }
   if (state->quantized == job.first) state->quantized = job.done;

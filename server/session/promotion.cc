@@ -36,7 +36,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
         out[h][i] = ch.host;
         continue;
       }
-      copies.push_back(to_device ? &ch.device : &ch.promoted);
+      copies.push_back(to_device ? &ch.copies.device() : &ch.copies.promoted());
       at.emplace_back(h, i);
     }
   }
@@ -76,7 +76,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
     const uint32_t c = chosen[h][i];
     const Chunk& ch = heads[h].chunks()[c];
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
-    (to_device ? heads[h].device(c) : heads[h].promoted(c)) =
+    (to_device ? heads[h].copies(c).mutable_device() : heads[h].copies(c).mutable_promoted()) =
         cache->Insert(slots[j], target.tenant, cost, prefetch);
     out[h][i] = std::move(slots[j]);
   }

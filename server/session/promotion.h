@@ -1,7 +1,7 @@
 // Promotion: making a layer's chosen chunks readable in fp16 on the tier a Select asks for. A
 // warm chunk on the host already is; a cold one needs its dequantized copy there, and device
 // placement a device copy. Copies come from the tier's PromotionCache, which makes room by its
-// eviction policy, and are kept by the chunk (Chunk::promoted, Chunk::device).
+// eviction policy, and are kept by the chunk (Chunk::copies).
 #ifndef KVTIER_SERVER_SESSION_PROMOTION_H_
 #define KVTIER_SERVER_SESSION_PROMOTION_H_
 

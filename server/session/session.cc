@@ -633,7 +633,7 @@ absl::StatusOr<std::vector<v1::BlockHandle>> Session::ReadChunks(const std::vect
     const ChunkAddress a = DecodeChunkId(id);
     const Chunk& c = stream(a.layer, a.kv_head).chunks()[a.index];
     // A cold chunk with no fp16 copy comes dequantized, inline only (segment_id 0).
-    const SlotRef promoted = c.cold() ? env_.host_copies->Peek(c.promoted) : nullptr;
+    const SlotRef promoted = c.cold() ? env_.host_copies->Peek(c.copies.promoted()) : nullptr;
     const Slot* readable = c.cold() ? promoted.get() : c.host.get();
     std::vector<uint16_t> scratch;
     const uint8_t* fp16 =
@@ -726,9 +726,9 @@ absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
       uint64_t bytes = 0;
       for (Stream& s : streams_) {
         for (uint32_t c = 0; c < s.chunks().size(); ++c) {
-          if (!s.device(c)) continue;
-          bytes += env_.device_copies->Drop(s.device(c));
-          s.device(c).reset();  // a lease still holding it keeps the memory until released
+          if (!s.chunks()[c].copies.device()) continue;
+          bytes += env_.device_copies->Drop(s.chunks()[c].copies.device());
+          s.copies(c).reset_device();  // a lease still holding it keeps the memory until released
         }
       }
       return bytes;

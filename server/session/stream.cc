@@ -209,7 +209,7 @@ void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* v
                      reinterpret_cast<const uint16_t*>(keys), k);
       c.num_tokens = static_cast<uint16_t>(grown);
       c.sealed = plan.segments[seg].sealed;
-      c.device.reset();  // the promoted copy is stale
+      c.copies.reset_device();  // the device copy is stale
     }
     keys += k * rb;
     values += k * rb;

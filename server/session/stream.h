@@ -38,6 +38,46 @@
 
 namespace kvtier {
 
+// A chunk's fp16 copies in the promotion caches: `promoted`, a cold chunk dequantized on the
+// host tier, and `device`, a copy on the device tier (dropped when the chunk changes); each
+// null when there is none. Most old chunks never have one, so the pair lives out of line,
+// made at the first copy: 8 bytes in every chunk record instead of two shared pointers' 32
+// (quant_bench counts the record). Copying a chunk (a fork's) shares its copies.
+class ChunkCopies {
+ public:
+  ChunkCopies() = default;
+  ChunkCopies(const ChunkCopies& o) { *this = o; }
+  ChunkCopies& operator=(const ChunkCopies& o) {
+    pair_ = o.pair_ ? std::make_unique<Pair>(*o.pair_) : nullptr;
+    return *this;
+  }
+  ChunkCopies(ChunkCopies&&) noexcept = default;
+  ChunkCopies& operator=(ChunkCopies&&) noexcept = default;
+
+  const CopyRef& promoted() const { return pair_ ? pair_->promoted : Null(); }
+  const CopyRef& device() const { return pair_ ? pair_->device : Null(); }
+  // The copy to set: makes the pair when the chunk has none.
+  CopyRef& mutable_promoted() { return Made().promoted; }
+  CopyRef& mutable_device() { return Made().device; }
+  void reset_device() {
+    if (pair_) pair_->device.reset();
+  }
+
+ private:
+  struct Pair {
+    CopyRef promoted, device;
+  };
+  Pair& Made() {
+    if (!pair_) pair_ = std::make_unique<Pair>();
+    return *pair_;
+  }
+  static const CopyRef& Null() {
+    static const CopyRef kNull;
+    return kNull;
+  }
+  std::unique_ptr<Pair> pair_;
+};
+
 // chunk_id = layer << 40 | kv_head << 28 | index: ReadChunks decodes it without a map.
 struct ChunkAddress {
   uint32_t layer;
@@ -96,15 +136,14 @@ struct Chunk {
   uint64_t first = 0;  // position of row 0; of the span for a regrouped chunk
   // A regrouped chunk's row positions, first + offsets[r], ascending; empty: contiguous
   RowOffsets offsets;
-  SlotRef host;      // the stored bytes
-  CopyRef promoted;  // a cold chunk dequantized to fp16 on the host tier, or null
-  CopyRef device;    // an fp16 copy on the device tier, or null; dropped when the chunk changes
+  SlotRef host;        // the stored bytes
+  ChunkCopies copies;  // its fp16 copies in the promotion caches, if any
   bool cold() const { return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8; }
   uint64_t position(uint32_t r) const { return first + (offsets.empty() ? r : offsets[r]); }
   uint64_t end() const { return position(num_tokens - 1) + 1; }  // past the last row
 };
 // One per chunk of every stream: its bytes count against the stored format (quant_bench).
-static_assert(sizeof(Chunk) == 72);
+static_assert(sizeof(Chunk) == 48);
 
 // How a session's chunks are laid out: the same for every stream of it.
 struct ChunkFormat {
@@ -163,8 +202,7 @@ class Stream {
   const ChunkStats& stats() const { return stats_; }
   const ClusterIndex* index() const { return index_.get(); }
   // A chunk's cached copies (promoted, device) are the one part of it that callers set.
-  CopyRef& promoted(uint32_t c) { return chunks_[c].promoted; }
-  CopyRef& device(uint32_t c) { return chunks_[c].device; }
+  ChunkCopies& copies(uint32_t c) { return chunks_[c].copies; }
 
   // The chunk and row that hold position `t` (stored).
   std::pair<uint32_t, uint32_t> Locate(uint64_t t) const;

@@ -135,8 +135,8 @@ void FillChunkInfo(const Chunk& c, const ChunkFormat& f, ChunkAddress at,
   info->set_num_tokens(c.num_tokens);
   info->set_first_position(static_cast<int64_t>(c.position(0)));
   info->set_precision(f.precision(c));
-  info->set_host_bytes(c.host->bytes() + CopyBytes(host_copies, c.promoted));
-  info->set_device_bytes(CopyBytes(device_copies, c.device));
+  info->set_host_bytes(c.host->bytes() + CopyBytes(host_copies, c.copies.promoted()));
+  info->set_device_bytes(CopyBytes(device_copies, c.copies.device()));
   info->set_generation(c.host->generation());
   info->set_pinned(c.host->pinned());
   info->set_shared(c.host.use_count() > 1);
@@ -160,8 +160,8 @@ v1::SessionInfo Session::Info() const {
   std::array<uint64_t, v1::Precision_ARRAYSIZE> counts{};
   for (const Stream& s : streams_) {
     for (const Chunk& c : s.chunks()) {
-      host += c.host->bytes() + CopyBytes(*env_.host_copies, c.promoted);
-      device += CopyBytes(*env_.device_copies, c.device);
+      host += c.host->bytes() + CopyBytes(*env_.host_copies, c.copies.promoted());
+      device += CopyBytes(*env_.device_copies, c.copies.device());
       ++counts[f.precision(c)];
     }
   }
