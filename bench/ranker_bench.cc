@@ -1,15 +1,18 @@
 // The per-stream work of one Select's ranking (the interim linear scan: one score per 16-token
 // chunk, max over a GQA group of 3; the mean score and the default LSE-peak score) against
-// an exact scan of every key, at 4K, 32K and 128K tokens. Timed with Google Benchmark;
-// printed as JSON figures.
+// an exact scan of every key, at 4K, 32K and 128K tokens; and a Select's token-level
+// refinement of its pool (refine_rows_us) against the exact scan at 4K. Timed with Google
+// Benchmark; printed as JSON figures.
 #include <cstdio>
 #include <map>
 #include <random>
 
 #include "bench/bench_util.h"
 #include "benchmark/benchmark.h"
+#include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/token_refine.h"
 
 namespace kvtier {
 namespace {
@@ -18,6 +21,7 @@ constexpr int kD = 64, kGroup = 3, kChunk = 16;
 
 struct Data {
   std::vector<float> q, keys, means, peaks;
+  std::vector<uint16_t> half_keys;  // the keys as fp16, as the daemon stores them
   std::vector<ChunkCandidate> cands;
 };
 
@@ -32,6 +36,7 @@ const Data& Get(int tokens) {
     for (auto& x : d.q) x = n(rng);
     d.keys.resize(size_t(tokens) * kD);
     for (auto& x : d.keys) x = n(rng);
+    for (float x : d.keys) d.half_keys.push_back(FloatToHalf(x));
     const int chunks = tokens / kChunk;
     d.means.assign(size_t(chunks) * kD, 0.f);
     d.peaks.assign(size_t(chunks) * kD, 0.f);
@@ -83,9 +88,30 @@ void BM_ExactKeyScan(benchmark::State& state) {
   }
 }
 
+// A Select's token-level refinement (the default: a pool of 8x the rows the budget leaves,
+// 256 - 16 sinks - a 64-token window = 176, ranked by the group's mean softmax mass): 1408
+// candidate rows from 88 chunks and 80 fixed rows (sinks and window) of the context, scored
+// exactly on their fp16 keys, the best 176 taken.
+constexpr int kRefineChunks = 88, kFixedChunks = 5, kRefineRows = 176;
+void BM_RefineRows(benchmark::State& state) {
+  const Data& d = Get(state.range(0));
+  std::vector<RefineChunk> pool, fixed;
+  for (int c = 0; c < kRefineChunks + kFixedChunks; ++c) {
+    // Every other chunk, as a ranking's choice would spread them.
+    const RefineChunk rc{uint32_t(2 * c), &d.half_keys[size_t(2 * c) * kChunk * kD], kChunk};
+    (c < kRefineChunks ? pool : fixed).push_back(rc);
+  }
+  for (auto _ : state) {
+    auto out = RefineRows(v1::REFINE_SCORE_MEAN_MASS, HalfKind::kFp16, d.q, kGroup, kD, pool,
+                          kRefineRows, fixed);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+
 BENCHMARK(BM_MeanScoreSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
+BENCHMARK(BM_RefineRows)->Arg(4096);
 
 // Keeps each run's time per iteration (us), by benchmark name.
 class CollectingReporter : public benchmark::BenchmarkReporter {
@@ -135,5 +161,18 @@ int main(int argc, char** argv) {
                              {"target_ratio", "0.1 at 128K, with the cluster index"}}});
     }
   }
+  kvtier::bench::Print({"refine_rows_us",
+                        reporter.Median("BM_RefineRows/4096"),
+                        "us",
+                        reporter.Median("BM_ExactKeyScan/4096"),
+                        "exact_key_scan",
+                        {{"context_tokens", "4096"},
+                         {"head_dim", "64"},
+                         {"gqa_group", "3"},
+                         {"pool_rows", std::to_string(kvtier::kRefineChunks * kvtier::kChunk)},
+                         {"fixed_rows", std::to_string(kvtier::kFixedChunks * kvtier::kChunk)},
+                         {"rows_taken", std::to_string(kvtier::kRefineRows)},
+                         {"reps", "5"},
+                         {"score", "group mean softmax mass, fp16 keys"}}});
   return 0;
 }

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -189,26 +190,60 @@ TEST(DotInt8, AgreesWithDoubleAcrossWidths) {
   }
 }
 
-// A query group against one row of halves: each result is DotHalves' own, bit for bit, at
-// every group size (the vectorized path's up to 8 and the fallback past it) and width.
-TEST(DotHalvesGroup, EachEqualsDotHalvesBitForBit) {
+// The softmax helpers of a refinement against their definitions, at lengths that leave every
+// tail of the vector paths: MaxOf is the largest element, SumAsDouble sums in its stated
+// order (bit for bit), AddQuotients adds each correctly rounded quotient.
+TEST(SoftmaxHelpers, MatchTheirDefinitions) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0, 4);
+  for (size_t n : {size_t(0), size_t(1), size_t(3), size_t(7), size_t(8), size_t(9), size_t(15),
+                   size_t(16), size_t(17), size_t(33), size_t(1488)}) {
+    std::vector<float> x(n);
+    for (float& v : x) v = std::exp(g(rng));
+    const float want_max =
+        n ? *std::max_element(x.begin(), x.end()) : -std::numeric_limits<float>::infinity();
+    EXPECT_EQ(MaxOf(x.data(), n), want_max) << n;
+    double s[8] = {};
+    for (size_t i = 0; i < n; ++i) s[i % 8] += x[i];
+    const double want_sum = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+    EXPECT_EQ(std::bit_cast<uint64_t>(SumAsDouble(x.data(), n)), std::bit_cast<uint64_t>(want_sum))
+        << n;
+    const double z = want_sum + 1.0;
+    std::vector<float> out(n, 0.5f);
+    AddQuotients(x.data(), z, n, out.data());
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(out[i], 0.5f + static_cast<float>(x[i] / z)) << n << " " << i;
+    }
+  }
+}
+
+// A query group against a run of rows of halves: each result is DotHalves' own, bit for bit,
+// at every group size (the vectorized path's up to 8 and the fallback past it), width and
+// run length.
+TEST(DotHalvesRows, EachEqualsDotHalvesBitForBit) {
   std::mt19937 rng(12);
   std::normal_distribution<float> n(0, 1);
   for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
     for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 128}) {
-      for (int group : {1, 2, 3, 4, 7, 8, 9, 16}) {
-        std::vector<float> a(size_t(group) * d);
-        for (float& x : a) x = n(rng);
-        std::vector<uint16_t> h(d);
-        for (uint16_t& x : h) {
-          x = kind == HalfKind::kFp16 ? FloatToHalf(n(rng)) : FloatToBf16(n(rng));
-        }
-        std::vector<float> got(group);
-        DotHalvesGroup(kind, a.data(), group, h.data(), d, got.data());
-        for (int g = 0; g < group; ++g) {
-          const float want = DotHalves(kind, a.data() + size_t(g) * d, h.data(), d);
-          EXPECT_EQ(std::bit_cast<uint32_t>(got[g]), std::bit_cast<uint32_t>(want))
-              << "d " << d << " group " << group << " g " << g;
+      for (int group : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16}) {
+        for (int rows : {1, 3}) {
+          std::vector<float> a(size_t(group) * d);
+          for (float& x : a) x = n(rng);
+          std::vector<uint16_t> h(size_t(rows) * d);
+          for (uint16_t& x : h) {
+            x = kind == HalfKind::kFp16 ? FloatToHalf(n(rng)) : FloatToBf16(n(rng));
+          }
+          std::vector<float> got(size_t(rows) * group);
+          DotHalvesRows(kind, a.data(), group, h.data(), rows, d, got.data());
+          for (int r = 0; r < rows; ++r) {
+            for (int g = 0; g < group; ++g) {
+              const float want =
+                  DotHalves(kind, a.data() + size_t(g) * d, h.data() + size_t(r) * d, d);
+              EXPECT_EQ(std::bit_cast<uint32_t>(got[size_t(r) * group + g]),
+                        std::bit_cast<uint32_t>(want))
+                  << "d " << d << " group " << group << " row " << r << " g " << g;
+            }
+          }
         }
       }
     }

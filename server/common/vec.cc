@@ -4,7 +4,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <limits>
+#include <utility>
 
 #include "server/common/fp16.h"
 
@@ -116,33 +119,52 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   return out;
 }
 
-// DotHalvesAvx2 for up to kMaxGroup vectors of `a` at once, each summed exactly as it does.
+// DotHalvesAvx2 of up to kMaxGroup vectors of `a` against each of `rows` rows, each summed
+// exactly as it does. The group size and the kind are template arguments, so that the
+// accumulators stay in registers and the rows run in one loop: one call per run of rows, not
+// per row (a Select's refinement scores thousands of rows per KV head).
 constexpr int kMaxGroup = 8;
-__attribute__((target("avx2,fma,f16c"))) void DotHalvesGroupAvx2(HalfKind kind, const float* a,
-                                                                 int group, const uint16_t* h,
-                                                                 int n, float* out) {
-  __m256 acc0[kMaxGroup], acc1[kMaxGroup];
-  for (int g = 0; g < group; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m256 lo = Widen8(kind, h + j), hi = Widen8(kind, h + j + 8);
-    for (int g = 0; g < group; ++g) {
-      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
-      acc1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j + 8), hi, acc1[g]);
+template <int G, HalfKind K>
+__attribute__((target("avx2,fma,f16c"))) void DotHalvesRowsAvx2(const float* a, const uint16_t* h,
+                                                                int rows, int n, float* out) {
+  for (int r = 0; r < rows; ++r, h += n, out += G) {
+    __m256 acc0[G], acc1[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m256 lo = Widen8(K, h + j), hi = Widen8(K, h + j + 8);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
+        acc1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j + 8), hi, acc1[g]);
+      }
+    }
+    for (; j + 8 <= n; j += 8) {
+      const __m256 w = Widen8(K, h + j);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+        acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      float v = SumLanes(acc0[g], acc1[g]);
+      for (int t = j; t < n; ++t)
+        v += a[g * n + t] * (K == HalfKind::kFp16 ? HalfToFloat(h[t]) : Bf16ToFloat(h[t]));
+      out[g] = v;
     }
   }
-  for (; j + 8 <= n; j += 8) {
-    const __m256 w = Widen8(kind, h + j);
-    for (int g = 0; g < group; ++g)
-      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
-  }
-  for (int g = 0; g < group; ++g) {
-    float v = SumLanes(acc0[g], acc1[g]);
-    for (int t = j; t < n; ++t)
-      v += a[g * n + t] * (kind == HalfKind::kFp16 ? HalfToFloat(h[t]) : Bf16ToFloat(h[t]));
-    out[g] = v;
-  }
 }
+
+using DotHalvesRowsFn = void (*)(const float*, const uint16_t*, int, int, float*);
+template <HalfKind K, int... G>
+constexpr std::array<DotHalvesRowsFn, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
+  return {&DotHalvesRowsAvx2<G + 1, K>...};
+}
+// [kind][group - 1]
+constexpr std::array<std::array<DotHalvesRowsFn, kMaxGroup>, 2> kDotHalvesRows = {
+    RowsKernels<HalfKind::kFp16>(std::make_integer_sequence<int, kMaxGroup>()),
+    RowsKernels<HalfKind::kBf16>(std::make_integer_sequence<int, kMaxGroup>())};
 
 __attribute__((target("avx2,fma"))) inline __m256 WidenBytes8(const int8_t* c) {
   return _mm256_cvtepi32_ps(
@@ -480,6 +502,69 @@ void FloatsToHalvesDirectedScalar(const float* x, int n, bool up, uint16_t* out)
   for (int i = 0; i < n; ++i) out[i] = up ? FloatToHalfUp(x[i]) : FloatToHalfDown(x[i]);
 }
 
+// MaxOf, SumAsDouble and AddQuotients: the softmax weights of a refinement's pool (thousands
+// of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
+// exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
+// correctly rounded however many are computed at once.
+__attribute__((target("avx2"))) float MaxOfAvx2(const float* x, size_t n) {
+  __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  float m = lanes[0];
+  for (int k = 1; k < 8; ++k) m = std::max(m, lanes[k]);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+float MaxOfScalar(const float* x, size_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// Partial sum k takes x[i] for i % 8 == k; then t_k = s_k + s_(k+4), and (t0 + t2) + (t1 + t3).
+__attribute__((target("avx2"))) double SumAsDoubleAvx2(const float* x, size_t n) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+  }
+  alignas(32) double s[8];
+  _mm256_store_pd(s, s0);
+  _mm256_store_pd(s + 4, s1);
+  for (; i < n; ++i) s[i % 8] += x[i];
+  const double t0 = s[0] + s[4], t1 = s[1] + s[5], t2 = s[2] + s[6], t3 = s[3] + s[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+double SumAsDoubleScalar(const float* x, size_t n) {
+  double s[8] = {};
+  for (size_t i = 0; i < n; ++i) s[i % 8] += x[i];
+  const double t0 = s[0] + s[4], t1 = s[1] + s[5], t2 = s[2] + s[6], t3 = s[3] + s[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+__attribute__((target("avx2"))) void AddQuotientsAvx2(const float* x, double z, size_t n,
+                                                      float* out) {
+  const __m256d zz = _mm256_set1_pd(z);
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m128 q = _mm256_cvtpd_ps(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), zz));
+    _mm_storeu_ps(out + i, _mm_add_ps(_mm_loadu_ps(out + i), q));
+  }
+  for (; i < n; ++i) out[i] += static_cast<float>(x[i] / z);
+}
+
+void AddQuotientsScalar(const float* x, double z, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] += static_cast<float>(x[i] / z);
+}
+
 void ExpInPlaceScalar(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -87.f), 88.f));
 }
@@ -539,13 +624,18 @@ float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
   return kDotHalves(kind, a, h, n);
 }
 
-void DotHalvesGroup(HalfKind kind, const float* a, int group, const uint16_t* h, int n,
-                    float* out) {
-  if (kDotHalves == DotHalvesAvx2 && group <= kMaxGroup) {
-    DotHalvesGroupAvx2(kind, a, group, h, n, out);
+void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
+                   float* out) {
+  if (kDotHalves == DotHalvesAvx2 && group >= 1 && group <= kMaxGroup) {
+    kDotHalvesRows[kind == HalfKind::kBf16 ? 1 : 0][group - 1](a, h, rows, n, out);
     return;
   }
-  for (int g = 0; g < group; ++g) out[g] = kDotHalves(kind, a + g * n, h, n);
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      out[static_cast<size_t>(r) * group + g] =
+          kDotHalves(kind, a + static_cast<size_t>(g) * n, h + static_cast<size_t>(r) * n, n);
+    }
+  }
 }
 
 float DotInt8Scalar(const float* a, const int8_t* c, int n) {
@@ -615,6 +705,23 @@ void ExpInPlace(float* x, int n) {
 void LogInPlace(float* x, int n) {
   static void (*const impl)(float*, int) = HaveAvx2Fma() ? LogInPlaceAvx2 : LogInPlaceScalar;
   impl(x, n);
+}
+
+float MaxOf(const float* x, size_t n) {
+  static float (*const impl)(const float*, size_t) = HaveAvx2Fma() ? MaxOfAvx2 : MaxOfScalar;
+  return impl(x, n);
+}
+
+double SumAsDouble(const float* x, size_t n) {
+  static double (*const impl)(const float*, size_t) =
+      HaveAvx2Fma() ? SumAsDoubleAvx2 : SumAsDoubleScalar;
+  return impl(x, n);
+}
+
+void AddQuotients(const float* x, double z, size_t n, float* out) {
+  static void (*const impl)(const float*, double, size_t, float*) =
+      HaveAvx2Fma() ? AddQuotientsAvx2 : AddQuotientsScalar;
+  impl(x, z, n, out);
 }
 
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,

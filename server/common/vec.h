@@ -7,6 +7,7 @@
 #ifndef KVTIER_SERVER_COMMON_VEC_H_
 #define KVTIER_SERVER_COMMON_VEC_H_
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvtier {
@@ -30,9 +31,11 @@ float DotScalar(const float* a, const float* b, int n);
 // product with a chunk's compact statistics. The same caveat as Dot between the two paths.
 float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n);
 float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
-// out[g] = DotHalves(kind, a + g * n, h, n) for g in [0, group), bit for bit, with each of h's
-// halves widened once for the whole group (a query group against one key row).
-void DotHalvesGroup(HalfKind kind, const float* a, int group, const uint16_t* h, int n, float* out);
+// out[r * group + g] = DotHalves(kind, a + g * n, h + r * n, n) for g in [0, group) and r in
+// [0, rows), bit for bit, with each of h's halves widened once for the whole group (a query
+// group against a run of key rows).
+void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
+                   float* out);
 // a . c over n floats and n signed bytes (exactly widened): the ranking's dot product with a
 // chunk's compact statistics, before their scale. The same caveat as Dot between the paths.
 float DotInt8(const float* a, const int8_t* c, int n);
@@ -74,6 +77,14 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 // normal floats); relative error under 1e-6 (AVX2: Cephes' expf polynomial after range
 // reduction, eight at a time). Each result depends only on its input, not on n or i.
 void ExpInPlace(float* x, int n);
+
+// The largest of n floats (-inf for none).
+float MaxOf(const float* x, size_t n);
+// x[0] + ... + x[n - 1] in double, in a fixed order on every path: eight partial sums (the k-th
+// takes x[i] for i % 8 == k), t_k = s_k + s_(k+4), then (t0 + t2) + (t1 + t3).
+double SumAsDouble(const float* x, size_t n);
+// out[i] += float(double(x[i]) / z) for i in [0, n): each quotient correctly rounded.
+void AddQuotients(const float* x, double z, size_t n, float* out);
 
 // x[i] = log x[i] for positive normal floats; error under 2e-7 (AVX2: Cephes' logf
 // polynomial, eight at a time). Each result depends only on its input, not on n or i.

@@ -21,14 +21,13 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   size_t r = 0;
   for (const RefineChunk& c : chunks) {
-    for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
-      // Straight from the 2-byte keys (widened in registers, once for the group), no float
-      // copy of the row.
-      float* out = &logits[r * group];
-      DotHalvesGroup(kind, queries.data(), group, c.keys + row * d, head_dim, out);
-      for (int h = 0; h < group; ++h) out[h] *= inv_sqrt_d;
-    }
+    // Straight from the 2-byte keys (widened in registers, once for the group), no float copy
+    // of the rows.
+    DotHalvesRows(kind, queries.data(), group, c.keys + c.first_row * d, static_cast<int>(c.rows),
+                  head_dim, &logits[r * group]);
+    r += c.rows;
   }
+  for (float& l : logits) l *= inv_sqrt_d;
   return logits;
 }
 
@@ -38,17 +37,14 @@ std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector
                                int group) {
   const size_t n = rows.size() / group, m = others.size() / group;
   std::vector<float> mass(n, 0.f);
-  std::vector<float> e(n + m);  // one head's exps: the rows', then the others'
+  std::vector<float> e(n + m);  // one head's logits, then exps: the rows', then the others'
   for (int h = 0; h < group; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (size_t i = 0; i < n; ++i) top = std::max(top, rows[i * group + h]);
-    for (size_t i = 0; i < m; ++i) top = std::max(top, others[i * group + h]);
-    for (size_t i = 0; i < n; ++i) e[i] = rows[i * group + h] - top;
-    for (size_t i = 0; i < m; ++i) e[n + i] = others[i * group + h] - top;
+    for (size_t i = 0; i < n; ++i) e[i] = rows[i * group + h];
+    for (size_t i = 0; i < m; ++i) e[n + i] = others[i * group + h];
+    const float top = MaxOf(e.data(), e.size());
+    for (float& v : e) v -= top;
     ExpInPlace(e.data(), static_cast<int>(n + m));  // eight at a time; each within 1e-6
-    double z = 0;
-    for (float v : e) z += v;
-    for (size_t i = 0; i < n; ++i) mass[i] += static_cast<float>(e[i] / z);
+    AddQuotients(e.data(), SumAsDouble(e.data(), e.size()), n, mass.data());
   }
   return mass;
 }
@@ -84,30 +80,34 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
       value[i] = *std::max_element(&logits[i * group], &logits[i * group] + group);
     }
   }
-  std::vector<uint32_t> order(total);
-  for (size_t i = 0; i < total; ++i) order[i] = static_cast<uint32_t>(i);
+  // Each row's value beside its place in the pool, ordered best first, ties to the earlier
+  // row: a strict total order, so every partial order below picks the set a full sort would.
+  struct Ranked {
+    float value;
+    uint32_t row;
+  };
+  std::vector<Ranked> order(total);
+  for (size_t i = 0; i < total; ++i) order[i] = {value[i], static_cast<uint32_t>(i)};
   size_t take = std::min(k, total);
-  // Best first; ties to the earlier row of the pool.
-  auto better = [&](uint32_t a, uint32_t b) {
-    return value[a] != value[b] ? value[a] > value[b] : a < b;
+  auto better = [](const Ranked& a, const Ranked& b) {
+    return a.value != b.value ? a.value > b.value : a.row < b.row;
   };
   if (by_mass) {
     std::sort(order.begin(), order.end(), better);
     float held = fixed_mass;
     size_t n = 0;
-    while (n < take && held < mass_target) held += value[order[n++]];
+    while (n < take && held < mass_target) held += order[n++].value;
     take = n;
   } else {
-    // The best `take` (`better` is a strict total order, so the set is the one a full sort
-    // would give); in order only where their masses are summed below, as they always were.
+    // The best `take`; in order only where their masses are summed below, as they always were.
     if (take < total) std::nth_element(order.begin(), order.begin() + take, order.end(), better);
     if (missed != nullptr) std::sort(order.begin(), order.begin() + take, better);
   }
   std::vector<bool> chosen(total, false);
   double held = fixed_mass;
   for (size_t i = 0; i < take; ++i) {
-    chosen[order[i]] = true;
-    if (missed != nullptr) held += mass[order[i]];
+    chosen[order[i].row] = true;
+    if (missed != nullptr) held += mass[order[i].row];
   }
   if (missed != nullptr) *missed = static_cast<float>(std::max(0.0, 1.0 - held));
   std::vector<RefinedRow> out;
@@ -118,9 +118,12 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
       if (chosen[r]) out.push_back({c.chunk, row});
     }
   }
-  std::sort(out.begin(), out.end(), [](const RefinedRow& a, const RefinedRow& b) {
+  auto by_place = [](const RefinedRow& a, const RefinedRow& b) {
     return a.chunk != b.chunk ? a.chunk < b.chunk : a.row < b.row;
-  });
+  };
+  // Already in order when the pool lists its chunks in order (a Select's pool does).
+  if (!std::is_sorted(out.begin(), out.end(), by_place))
+    std::sort(out.begin(), out.end(), by_place);
   return out;
 }
 
