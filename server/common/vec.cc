@@ -185,6 +185,46 @@ __attribute__((target("avx2,fma"))) float DotInt8Avx2(const float* a, const int8
   return out;
 }
 
+// DotInt8Avx2 of G vectors of `a` against one byte vector, each summed exactly as it does, the
+// bytes widened once for the group (a chunk's compact mean or peak against a query group).
+template <int G>
+__attribute__((target("avx2,fma"))) void DotInt8GroupAvx2(const float* a, const int8_t* c, int n,
+                                                          float* out) {
+  __m256 acc0[G], acc1[G];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 lo = WidenBytes8(c + j), hi = WidenBytes8(c + j + 8);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j + 8), hi, acc1[g]);
+    }
+  }
+  for (; j + 8 <= n; j += 8) {
+    const __m256 w = WidenBytes8(c + j);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+      acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    float v = SumLanes(acc0[g], acc1[g]);
+    for (int t = j; t < n; ++t) v += a[g * n + t] * static_cast<float>(c[t]);
+    out[g] = v;
+  }
+}
+
+using DotInt8GroupFn = void (*)(const float*, const int8_t*, int, float*);
+template <int... G>
+constexpr std::array<DotInt8GroupFn, sizeof...(G)> Int8GroupKernels(
+    std::integer_sequence<int, G...>) {
+  return {&DotInt8GroupAvx2<G + 1>...};
+}
+constexpr std::array<DotInt8GroupFn, kMaxGroup> kDotInt8Group =
+    Int8GroupKernels(std::make_integer_sequence<int, kMaxGroup>());
+
 // Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -650,6 +690,14 @@ float (*const kDotInt8)(const float*, const int8_t*, int) = HaveAvx2Fma() ? DotI
 }  // namespace
 
 float DotInt8(const float* a, const int8_t* c, int n) { return kDotInt8(a, c, n); }
+
+void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out) {
+  if (kDotInt8 == DotInt8Avx2 && group >= 1 && group <= kMaxGroup) {
+    kDotInt8Group[group - 1](a, c, n, out);
+    return;
+  }
+  for (int g = 0; g < group; ++g) out[g] = kDotInt8(a + static_cast<size_t>(g) * n, c, n);
+}
 
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width) {

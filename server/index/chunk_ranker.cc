@@ -66,15 +66,31 @@ void LsePeakScores(std::span<const float> queries, int group,
   CHECK(group >= 1 && group <= kScratch);  // the session allows 256 query heads per KV head
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
+  float mean_dot[kScratch], peak_dot[kScratch];  // one candidate's, per head
   for (size_t first = 0; first < candidates.size(); first += block) {
     const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
     for (int i = 0; i < n; ++i) {
       const ChunkCandidate& c = candidates[first + i];
       const float log_rest = LogRest(c.tokens);
+      if (c.mean_q != nullptr && c.peak_q != nullptr) {
+        // A compact chunk's bytes against the whole group at once: MeanDot's and PeakDot's
+        // values, bit for bit.
+        DotInt8Group(queries.data(), group, c.mean_q, head_dim, mean_dot);
+        DotInt8Group(queries.data(), group, c.peak_q, head_dim, peak_dot);
+        for (int h = 0; h < group; ++h) {
+          mean_dot[h] *= c.mean_scale;
+          peak_dot[h] *= c.peak_scale;
+        }
+      } else {
+        for (int h = 0; h < group; ++h) {
+          const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
+          mean_dot[h] = MeanDot(q, c, head_dim);
+          peak_dot[h] = PeakDot(q, c, head_dim);
+        }
+      }
       for (int h = 0; h < group; ++h) {
-        const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-        const float a = MeanDot(q, c, head_dim) * inv_sqrt_d + log_rest;
-        const float b = PeakDot(q, c, head_dim) * inv_sqrt_d;
+        const float a = mean_dot[h] * inv_sqrt_d + log_rest;
+        const float b = peak_dot[h] * inv_sqrt_d;
         const int k = i * group + h;
         hi[k] = std::max(a, b);
         t[k] = std::min(a, b) - hi[k];
