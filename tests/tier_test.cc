@@ -102,6 +102,13 @@ TEST(Tier, SlotLargerThanASegmentIsInvalid) {
   Tier tier(Options(8 << 20, 1 << 20));
   EXPECT_THAT(tier.Allocate("a", (1 << 20) + 1), StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(tier.Allocate("a", 0), StatusIs(Code::kInvalidArgument));
+  // A slot keeps its size in 32 bits: one of 4 GiB or more is refused even where a segment
+  // would hold it (nothing is mapped before the refusal).
+  Tier big(Options(uint64_t{16} << 30, uint64_t{8} << 30));
+  EXPECT_THAT(big.Allocate("a", uint64_t{4} << 30),
+              StatusIs(Code::kInvalidArgument, "larger than a slot may be"));
+  EXPECT_EQ(big.Stats().used_bytes, 0u);
+  EXPECT_TRUE(big.Segments().empty());
 }
 
 TEST(Tier, ReuseTakesANewGeneration) {

@@ -190,7 +190,7 @@ struct AppendPlan {
 // counts in one block (make_shared: a vtable pointer and two counts before the object), as
 // glibc's malloc rounds it (8 bytes of header, then to 16, at least 32).
 inline constexpr uint64_t kSlotHeapBytes = (16 + sizeof(Slot) + 8 + 15) / 16 * 16;
-static_assert(sizeof(Slot) == 72 && kSlotHeapBytes == 96);
+static_assert(sizeof(Slot) == 56 && kSlotHeapBytes == 80);
 
 class Stream {
  public:

@@ -1,6 +1,7 @@
 #include "server/tier/tier.h"
 
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -49,15 +50,15 @@ v1::Tier Slot::tier() const { return tier_->options().tier; }
 
 absl::Status Slot::Write(uint64_t at, const void* src, uint64_t n) {
   CHECK(at <= bytes_ && n <= bytes_ - at) << n << " bytes at " << at << " of a " << bytes_;
-  if (device_ != nullptr) return device_->Write(offset_ + at, src, n);
-  std::memcpy(data_ + at, src, n);
+  if (on_device_) return device_memory()->Write(offset() + at, src, n);
+  std::memcpy(data() + at, src, n);
   return absl::OkStatus();
 }
 
 absl::Status Slot::Read(uint64_t at, void* dst, uint64_t n) const {
   CHECK(at <= bytes_ && n <= bytes_ - at) << n << " bytes at " << at << " of a " << bytes_;
-  if (device_ != nullptr) return device_->Read(offset_ + at, dst, n);
-  std::memcpy(dst, data_ + at, n);
+  if (on_device_) return device_memory()->Read(offset() + at, dst, n);
+  std::memcpy(dst, data() + at, n);
   return absl::OkStatus();
 }
 
@@ -151,6 +152,10 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
         absl::StrFormat("slot of %d bytes does not fit a %d-byte segment with its generation",
                         slot_bytes, options_.segment_bytes));
   }
+  if (slot_bytes > std::numeric_limits<uint32_t>::max()) {  // a Slot keeps its size in 32 bits
+    return absl::InvalidArgumentError(
+        absl::StrFormat("slot of %d bytes is larger than a slot may be (4 GiB - 1)", slot_bytes));
+  }
   RETURN_IF_ERROR(CheckRoomLocked(tenant, slot_bytes, ""));
   Segment* seg = nullptr;
   auto& ids = classes_[{tenant, slot_bytes}];
@@ -201,7 +206,7 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
   auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
   return std::make_shared<Slot>(
       Slot::Key{}, this, seg->id, index, seg->device ? nullptr : seg->shm.data() + offset,
-      seg->device.get(), slot_bytes, offset,
+      seg->device.get(), static_cast<uint32_t>(slot_bytes),
       next_generation_.fetch_add(1, std::memory_order_relaxed), table + index);
 }
 

@@ -77,24 +77,27 @@ struct TierOptions {
 class Tier;
 
 // One slot of one segment. Not copyable; held through SlotRef, which Tier makes in one
-// allocation with its count (std::make_shared; only Tier holds the Key).
+// allocation with its count (std::make_shared; only Tier holds the Key). One per stored chunk,
+// so its size counts against the stored format (quant_bench): 56 bytes, the slot's offset
+// derived from its index (slot i of a segment lies at i * bytes) and its host or device
+// memory in one pointer.
 class Slot {
  public:
   class Key {
     friend class Tier;
     Key() = default;
   };
+  // `data`: the slot's bytes mapped here, or null for a slot in `device` memory.
   Slot(Key, Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, DeviceMemory* device,
-       uint64_t bytes, uint64_t offset, uint64_t generation, uint64_t* shared_generation)
+       uint32_t bytes, uint64_t generation, uint64_t* shared_generation)
       : tier_(tier),
         segment_id_(segment_id),
-        data_(data),
-        device_(device),
-        bytes_(bytes),
-        offset_(offset),
+        memory_(device != nullptr ? static_cast<void*>(device) : static_cast<void*>(data)),
         generation_(generation),
         shared_generation_(shared_generation),
-        index_(index) {
+        bytes_(bytes),
+        index_(index),
+        on_device_(device != nullptr) {
     Publish(generation);
   }
   Slot(const Slot&) = delete;
@@ -102,10 +105,12 @@ class Slot {
   ~Slot();  // gives the space back to its tier
 
   // The bytes, mapped here; null for a slot in device memory (see Write and Read).
-  uint8_t* data() const { return data_; }
-  bool on_device() const { return device_ != nullptr; }
+  uint8_t* data() const { return on_device_ ? nullptr : static_cast<uint8_t*>(memory_); }
+  bool on_device() const { return on_device_; }
   // The device memory of a device slot (its bytes at offset() there); null otherwise.
-  DeviceMemory* device_memory() const { return device_; }
+  DeviceMemory* device_memory() const {
+    return on_device_ ? static_cast<DeviceMemory*>(memory_) : nullptr;
+  }
   // `n` bytes of `src` into the slot at `at`, wherever it lives (a copy to the device for a
   // device slot); the device's error when that copy fails.
   absl::Status Write(uint64_t at, const void* src, uint64_t n);
@@ -113,7 +118,7 @@ class Slot {
   absl::Status Read(uint64_t at, void* dst, uint64_t n) const;
   uint64_t bytes() const { return bytes_; }
   uint64_t segment_id() const { return segment_id_; }
-  uint64_t offset() const { return offset_; }
+  uint64_t offset() const { return uint64_t{index_} * bytes_; }
   v1::Tier tier() const;
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
@@ -134,14 +139,13 @@ class Slot {
 
   Tier* const tier_;
   const uint64_t segment_id_;
-  uint8_t* const data_;
-  DeviceMemory* const device_;  // its segment's, when the slot is in device memory
-  const uint64_t bytes_;
-  const uint64_t offset_;
+  void* const memory_;  // the mapped bytes, or the segment's DeviceMemory (on_device_)
   std::atomic<uint64_t> generation_;
   uint64_t* const shared_generation_;  // this slot's cell of its segment's generation table
-  const uint32_t index_;               // beside pins_
+  const uint32_t bytes_;
+  const uint32_t index_;
   std::atomic<int32_t> pins_{0};
+  const bool on_device_;
 };
 
 using SlotRef = std::shared_ptr<Slot>;
