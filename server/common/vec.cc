@@ -119,53 +119,6 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   return out;
 }
 
-// DotHalvesAvx2 of up to kMaxGroup vectors of `a` against each of `rows` rows, each summed
-// exactly as it does. The group size and the kind are template arguments, so that the
-// accumulators stay in registers and the rows run in one loop: one call per run of rows, not
-// per row (a Select's refinement scores thousands of rows per KV head).
-constexpr int kMaxGroup = 8;
-template <int G, HalfKind K>
-__attribute__((target("avx2,fma,f16c"))) void DotHalvesRowsAvx2(const float* a, const uint16_t* h,
-                                                                int rows, int n, float* out) {
-  for (int r = 0; r < rows; ++r, h += n, out += G) {
-    __m256 acc0[G], acc1[G];
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m256 lo = Widen8(K, h + j), hi = Widen8(K, h + j + 8);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
-        acc1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j + 8), hi, acc1[g]);
-      }
-    }
-    for (; j + 8 <= n; j += 8) {
-      const __m256 w = Widen8(K, h + j);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g)
-        acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      float v = SumLanes(acc0[g], acc1[g]);
-      for (int t = j; t < n; ++t)
-        v += a[g * n + t] * (K == HalfKind::kFp16 ? HalfToFloat(h[t]) : Bf16ToFloat(h[t]));
-      out[g] = v;
-    }
-  }
-}
-
-using DotHalvesRowsFn = void (*)(const float*, const uint16_t*, int, int, float*);
-template <HalfKind K, int... G>
-constexpr std::array<DotHalvesRowsFn, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
-  return {&DotHalvesRowsAvx2<G + 1, K>...};
-}
-// [kind][group - 1]
-constexpr std::array<std::array<DotHalvesRowsFn, kMaxGroup>, 2> kDotHalvesRows = {
-    RowsKernels<HalfKind::kFp16>(std::make_integer_sequence<int, kMaxGroup>()),
-    RowsKernels<HalfKind::kBf16>(std::make_integer_sequence<int, kMaxGroup>())};
-
 __attribute__((target("avx2,fma"))) inline __m256 WidenBytes8(const int8_t* c) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
@@ -185,17 +138,40 @@ __attribute__((target("avx2,fma"))) float DotInt8Avx2(const float* a, const int8
   return out;
 }
 
-// DotInt8Avx2 of G vectors of `a` against one byte vector, each summed exactly as it does, the
-// bytes widened once for the group (a chunk's compact mean or peak against a query group).
-template <int G>
-__attribute__((target("avx2,fma"))) void DotInt8GroupAvx2(const float* a, const int8_t* c, int n,
-                                                          float* out) {
+// The largest query group with a kernel of its own (larger groups go head by head).
+constexpr int kMaxGroup = 8;
+
+// G vectors of `a` against one vector `x` of n elements of a kind E (E::Load widens eight to
+// floats, E::Value one), each summed exactly as DotHalvesAvx2 and DotInt8Avx2 sum one: two
+// accumulators over sixteen, then eight, SumLanes, then the tail. The group size is a template
+// argument, so that the accumulators stay in registers, and the elements are widened once for
+// the whole group (a query group against a key row, or against a chunk's compact statistics).
+template <HalfKind K>
+struct HalfElements {
+  using T = uint16_t;
+  __attribute__((target("avx2,fma,f16c"))) static __m256 Load(const uint16_t* p) {
+    return Widen8(K, p);
+  }
+  static float Value(uint16_t v) { return K == HalfKind::kFp16 ? HalfToFloat(v) : Bf16ToFloat(v); }
+};
+struct ByteElements {
+  using T = int8_t;
+  __attribute__((target("avx2,fma,f16c"))) static __m256 Load(const int8_t* p) {
+    return WidenBytes8(p);
+  }
+  static float Value(int8_t v) { return static_cast<float>(v); }
+};
+
+template <int G, typename E>
+__attribute__((target("avx2,fma,f16c"))) inline void GroupDotAvx2(const float* a,
+                                                                  const typename E::T* x, int n,
+                                                                  float* out) {
   __m256 acc0[G], acc1[G];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
   int j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m256 lo = WidenBytes8(c + j), hi = WidenBytes8(c + j + 8);
+    const __m256 lo = E::Load(x + j), hi = E::Load(x + j + 8);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), lo, acc0[g]);
@@ -203,7 +179,7 @@ __attribute__((target("avx2,fma"))) void DotInt8GroupAvx2(const float* a, const 
     }
   }
   for (; j + 8 <= n; j += 8) {
-    const __m256 w = WidenBytes8(c + j);
+    const __m256 w = E::Load(x + j);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g)
       acc0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a + g * n + j), w, acc0[g]);
@@ -211,10 +187,34 @@ __attribute__((target("avx2,fma"))) void DotInt8GroupAvx2(const float* a, const 
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     float v = SumLanes(acc0[g], acc1[g]);
-    for (int t = j; t < n; ++t) v += a[g * n + t] * static_cast<float>(c[t]);
+    for (int t = j; t < n; ++t) v += a[g * n + t] * E::Value(x[t]);
     out[g] = v;
   }
 }
+
+// Up to kMaxGroup query vectors against each of `rows` rows of halves (a refinement's run of
+// pool rows: one call per run, not per row).
+template <int G, HalfKind K>
+__attribute__((target("avx2,fma,f16c"))) void DotHalvesRowsAvx2(const float* a, const uint16_t* h,
+                                                                int rows, int n, float* out) {
+  for (int r = 0; r < rows; ++r, h += n, out += G) GroupDotAvx2<G, HalfElements<K>>(a, h, n, out);
+}
+
+template <int G>
+__attribute__((target("avx2,fma,f16c"))) void DotInt8GroupAvx2(const float* a, const int8_t* c,
+                                                               int n, float* out) {
+  GroupDotAvx2<G, ByteElements>(a, c, n, out);
+}
+
+using DotHalvesRowsFn = void (*)(const float*, const uint16_t*, int, int, float*);
+template <HalfKind K, int... G>
+constexpr std::array<DotHalvesRowsFn, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
+  return {&DotHalvesRowsAvx2<G + 1, K>...};
+}
+// [kind][group - 1]
+constexpr std::array<std::array<DotHalvesRowsFn, kMaxGroup>, 2> kDotHalvesRows = {
+    RowsKernels<HalfKind::kFp16>(std::make_integer_sequence<int, kMaxGroup>()),
+    RowsKernels<HalfKind::kBf16>(std::make_integer_sequence<int, kMaxGroup>())};
 
 using DotInt8GroupFn = void (*)(const float*, const int8_t*, int, float*);
 template <int... G>
@@ -692,7 +692,7 @@ float (*const kDotInt8)(const float*, const int8_t*, int) = HaveAvx2Fma() ? DotI
 float DotInt8(const float* a, const int8_t* c, int n) { return kDotInt8(a, c, n); }
 
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out) {
-  if (kDotInt8 == DotInt8Avx2 && group >= 1 && group <= kMaxGroup) {
+  if (kDotInt8 == DotInt8Avx2 && HaveAvx2F16c() && group >= 1 && group <= kMaxGroup) {
     kDotInt8Group[group - 1](a, c, n, out);
     return;
   }
