@@ -131,26 +131,35 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
                                    uint64_t budget) {
   struct Scored {
     float score;
+    uint32_t index;  // the chunk's, which breaks ties
     uint32_t pos;
   };
   std::vector<float> scores(candidates.size());
   ScoreCandidates(ranking, queries, group, head_dim, candidates, scores.data());
   std::vector<Scored> scored;
   scored.reserve(candidates.size());
-  for (uint32_t i = 0; i < candidates.size(); ++i) scored.push_back({scores[i], i});
-  auto better = [&](const Scored& a, const Scored& b) {
+  for (uint32_t i = 0; i < candidates.size(); ++i) {
+    scored.push_back({scores[i], candidates[i].index, i});
+  }
+  // A strict total order (chunk indices differ), so every partial order below picks and ranks
+  // what a full sort would.
+  auto better = [](const Scored& a, const Scored& b) {
     if (a.score != b.score) return a.score > b.score;
-    return candidates[a.pos].index < candidates[b.pos].index;
+    return a.index < b.index;
   };
   // When every candidate has the same size (the usual case: whole chunks between the sinks
-  // and the window), the greedy answer is exactly the best budget/size: sort only those.
+  // and the window), the greedy answer is exactly the best budget/size: select those (linear),
+  // then sort only them.
   const bool uniform = std::all_of(candidates.begin(), candidates.end(), [&](const auto& c) {
     return c.tokens == candidates.front().tokens;
   });
   size_t sorted = scored.size();
   if (uniform && !candidates.empty() && candidates.front().tokens > 0) {
     sorted = std::min<size_t>(scored.size(), budget / candidates.front().tokens);
-    std::partial_sort(scored.begin(), scored.begin() + sorted, scored.end(), better);
+    if (sorted < scored.size()) {
+      std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
+    }
+    std::sort(scored.begin(), scored.begin() + sorted, better);
   } else {
     std::sort(scored.begin(), scored.end(), better);
   }
