@@ -1,7 +1,8 @@
 // The per-stream work of one Select's ranking (the interim linear scan: one score per 16-token
 // chunk, max over a GQA group of 3; the mean score and the default LSE-peak score) against
 // an exact scan of every key, at 4K, 32K and 128K tokens; and a Select's token-level
-// refinement of its pool (refine_rows_us) against the exact scan at 4K. Timed with Google
+// refinement's pool by the chunk ranking (select_pool_us) and its rows' exact scores
+// (refine_rows_us), each against the exact scan at 4K. Timed with Google
 // Benchmark; printed as JSON figures.
 #include <cstdio>
 #include <map>
@@ -71,6 +72,16 @@ void BM_LsePeakSelect(benchmark::State& state) {
   }
 }
 
+// The chunk ranking's part of a refined Select: the pool of 8x the 176 rows the budget leaves
+// (1408 rows, 88 chunks) by the LSE-peak score, linear over every chunk.
+void BM_LsePeakPool(benchmark::State& state) {
+  const Data& d = Get(state.range(0));
+  for (auto _ : state) {
+    auto out = SelectChunks(v1::RANKING_LSE_PEAK, d.q, kGroup, kD, d.cands, 8 * 176);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+
 // Baseline: score every key for every query head of the group (what full attention reads),
 // with the same vectorized dot product the ranker uses.
 void BM_ExactKeyScan(benchmark::State& state) {
@@ -112,6 +123,7 @@ BENCHMARK(BM_MeanScoreSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
+BENCHMARK(BM_LsePeakPool)->Arg(4096);
 
 // Keeps each run's time per iteration (us), by benchmark name.
 class CollectingReporter : public benchmark::BenchmarkReporter {
@@ -161,6 +173,17 @@ int main(int argc, char** argv) {
                              {"target_ratio", "0.1 at 128K, with the cluster index"}}});
     }
   }
+  kvtier::bench::Print({"select_pool_us",
+                        reporter.Median("BM_LsePeakPool/4096"),
+                        "us",
+                        reporter.Median("BM_ExactKeyScan/4096"),
+                        "exact_key_scan",
+                        {{"context_tokens", "4096"},
+                         {"head_dim", "64"},
+                         {"gqa_group", "3"},
+                         {"pool_rows", "1408"},
+                         {"reps", "5"},
+                         {"rule", "LSE-peak score over every chunk, linear"}}});
   kvtier::bench::Print({"refine_rows_us",
                         reporter.Median("BM_RefineRows/4096"),
                         "us",

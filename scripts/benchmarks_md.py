@@ -88,6 +88,9 @@ TARGETS = [
     ("prefetch_hit_rate", None, None, "share of selected cold chunks already cached, decode "
      "loop with a drifting query, prefetching 25% more budget after each Select vs none "
      "(EVAL's target is the value: >= 0.8)"),
+    ("select_pool_us", None, None, "one KV head's chunk ranking for a refined Select at 4K "
+     "tokens (LSE-peak over every chunk, the 88 best for a pool of 1408 rows) vs the exact scan "
+     "of all 4096 keys"),
     ("refine_rows_us", None, None, "one KV head's token-level refinement at 4K tokens (the "
      "default 8x pool of 1408 rows and 80 fixed sink and window rows, exact scores on fp16 "
      "keys, the group's mean softmax mass, the best 176 taken) vs the exact scan of all 4096 "
