@@ -50,11 +50,17 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     std::vector<uint32_t> out;
     std::vector<std::vector<uint32_t>> rows;
     std::vector<SlotRef> out_slots;
+    out.reserve(chunks.size());
+    rows.reserve(chunks.size());
+    out_slots.reserve(chunks.size());
     size_t next = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
       const uint32_t c = chunks[i];
+      // A pool chunk none of whose rows was picked is left out without a look at its rows.
+      if (!kept[c] && (next >= best.size() || best[next].chunk != c)) continue;
       const Chunk& chunk = heads[h].chunks()[c];
       std::vector<uint32_t> chosen;
+      chosen.reserve(chunk.num_tokens);
       for (uint32_t r = 0; r < chunk.num_tokens; ++r) {
         const bool picked = next < best.size() && best[next].chunk == c && best[next].row == r;
         next += picked ? 1 : 0;
