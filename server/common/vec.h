@@ -39,10 +39,10 @@ void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, 
 // a . c over n floats and n signed bytes (exactly widened): the ranking's dot product with a
 // chunk's compact statistics, before their scale. The same caveat as Dot between the paths.
 float DotInt8(const float* a, const int8_t* c, int n);
+float DotInt8Scalar(const float* a, const int8_t* c, int n);
 // out[g] = DotInt8(a + g * n, c, n) for g in [0, group), bit for bit, the bytes widened once for
 // the whole group.
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out);
-float DotInt8Scalar(const float* a, const int8_t* c, int n);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j
