@@ -567,7 +567,13 @@ float MaxOfScalar(const float* x, size_t n) {
   return m;
 }
 
-// Partial sum k takes x[i] for i % 8 == k; then t_k = s_k + s_(k+4), and (t0 + t2) + (t1 + t3).
+// Partial sum k takes x[i] for i % 8 == k; then t_k = s_k + s_(k+4), and (t0 + t2) + (t1 + t3),
+// the one order both paths finish in.
+double SumEight(const double* s) {
+  const double t0 = s[0] + s[4], t1 = s[1] + s[5], t2 = s[2] + s[6], t3 = s[3] + s[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
 __attribute__((target("avx2"))) double SumAsDoubleAvx2(const float* x, size_t n) {
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   size_t i = 0;
@@ -579,15 +585,13 @@ __attribute__((target("avx2"))) double SumAsDoubleAvx2(const float* x, size_t n)
   _mm256_store_pd(s, s0);
   _mm256_store_pd(s + 4, s1);
   for (; i < n; ++i) s[i % 8] += x[i];
-  const double t0 = s[0] + s[4], t1 = s[1] + s[5], t2 = s[2] + s[6], t3 = s[3] + s[7];
-  return (t0 + t2) + (t1 + t3);
+  return SumEight(s);
 }
 
 double SumAsDoubleScalar(const float* x, size_t n) {
   double s[8] = {};
   for (size_t i = 0; i < n; ++i) s[i % 8] += x[i];
-  const double t0 = s[0] + s[4], t1 = s[1] + s[5], t2 = s[2] + s[6], t3 = s[3] + s[7];
-  return (t0 + t2) + (t1 + t3);
+  return SumEight(s);
 }
 
 __attribute__((target("avx2"))) void AddQuotientsAvx2(const float* x, double z, size_t n,
