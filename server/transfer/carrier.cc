@@ -33,6 +33,21 @@ namespace {
 constexpr size_t kTokenBytes = 16;
 constexpr char kAck = 'K';
 
+// Both ends of a socket carrier: a non-blocking TCP socket, on 127.0.0.1, each part's bytes
+// sent at once.
+int TcpSocket() { return socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0); }
+sockaddr_in Loopback(uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  return addr;
+}
+void NoDelay(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
 absl::Status Errno(absl::string_view what) {
   return absl::UnavailableError(absl::StrCat("carrier: ", what, ": ", strerror(errno)));
 }
@@ -141,9 +156,11 @@ class SocketExporter final : public ByteCarrier {
     {
       MutexLock lock(&mu_);
       const absl::Time deadline = absl::Now() + timeout_;
-      while (error_.ok() && (!queue_.empty() || conn_ < 0)) RETURN_IF_ERROR(WaitSlice(deadline));
+      while (error_.ok() && (!queue_.empty() || conn_.get() < 0)) {
+        RETURN_IF_ERROR(WaitSlice(deadline));
+      }
       RETURN_IF_ERROR(error_);
-      conn = conn_;  // the thread is idle now and leaves it alone
+      conn = conn_.get();  // the thread is idle now and leaves it alone
     }
     char ack = 0;
     RETURN_IF_ERROR(
@@ -176,7 +193,8 @@ class SocketExporter final : public ByteCarrier {
         if (stopping_ || !error_.ok()) return;
         next = &queue_.front();  // only this thread pops; a deque keeps it in place
       }
-      s = WriteAll(conn_, next->data(), next->size(), absl::Now() + timeout_, "sending bytes",
+      // conn_ is set (by this thread, in Accept) before any bytes go.
+      s = WriteAll(conn_.get(), next->data(), next->size(), absl::Now() + timeout_, "sending bytes",
                    stop_flags_);
       MutexLock lock(&mu_);
       if (s.ok()) queue_.pop_front();
@@ -196,19 +214,18 @@ class SocketExporter final : public ByteCarrier {
     unsigned char diff = 0;  // in constant time
     for (size_t i = 0; i < kTokenBytes; ++i) diff |= token[i] ^ token_[i];
     if (diff != 0) return absl::PermissionDeniedError("carrier: a peer with the wrong token");
-    const int one = 1;
-    setsockopt(conn.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    NoDelay(conn.get());
     MutexLock lock(&mu_);
-    conn_ = conn.get();
-    held_.Reset(conn.Release());
+    conn_.Reset(conn.Release());
     return absl::OkStatus();
   }
 
   UniqueFd listener_;  // until the peer is accepted
   const std::string token_;
   const absl::Duration timeout_;
-  UniqueFd held_;   // the accepted connection, closed with the carrier
-  int conn_ = -1;   // held_'s descriptor once a peer was accepted (written under mu_)
+  // The accepted connection, closed with the carrier: set under mu_ by the thread, which alone
+  // reads it without mu_.
+  UniqueFd conn_;
   absl::Mutex mu_;  // lock order 20 (server/common/lock_order.h)
   absl::CondVar cv_;
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
@@ -243,11 +260,9 @@ class SocketImporter final : public ByteCarrier {
 };
 
 absl::StatusOr<OfferedCarrier> OfferSocket(const CarrierOptions& options) {
-  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  UniqueFd fd(TcpSocket());
   if (fd.get() < 0) return Errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in addr = Loopback(0);  // any free port
   socklen_t len = sizeof(addr);
   if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return Errno("bind");
   if (listen(fd.get(), 1) != 0) return Errno("listen");
@@ -281,14 +296,11 @@ absl::StatusOr<std::unique_ptr<ByteCarrier>> JoinSocket(absl::string_view bootst
     return bad();
   }
   const std::string token = absl::HexStringToBytes(at[1]);
-  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  UniqueFd fd(TcpSocket());
   if (fd.get() < 0) return Errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const sockaddr_in addr = Loopback(static_cast<uint16_t>(port));
   const absl::Time deadline = absl::Now() + options.timeout;
-  if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     if (errno != EINPROGRESS) return Errno("connect");
     RETURN_IF_ERROR(
         PollUntil(fd.get(), POLLOUT, deadline, "connecting", Stop{nullptr, options.cancelled}));
@@ -300,8 +312,7 @@ absl::StatusOr<std::unique_ptr<ByteCarrier>> JoinSocket(absl::string_view bootst
       return Errno("connect");
     }
   }
-  const int one = 1;
-  setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  NoDelay(fd.get());
   RETURN_IF_ERROR(WriteAll(fd.get(), token.data(), token.size(), deadline, "the token",
                            Stop{nullptr, options.cancelled}));
   return std::unique_ptr<ByteCarrier>(std::make_unique<SocketImporter>(fd.Release(), options));

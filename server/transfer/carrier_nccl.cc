@@ -158,11 +158,10 @@ class NcclCarrier final : public ByteCarrier {
     RETURN_IF_ERROR(Ready());
     for (Slot& other : slots_) RETURN_IF_ERROR(WaitEvent(other, "the peer daemon"));
     Slot& s = slots_[0];
+    RETURN_IF_ERROR(Reserve(s, 1));
     if (rank_ == 0) {
-      RETURN_IF_ERROR(Reserve(s, 1));
       RETURN_IF_ERROR(Enqueued(nccl_->Recv(s.buf, 1, ncclUint8, 1, comm_, stream_), "ncclRecv"));
     } else {
-      RETURN_IF_ERROR(Reserve(s, 1));
       RETURN_IF_ERROR(Fail(cudaMemsetAsync(s.buf, 'K', 1, stream_), "cudaMemsetAsync"));
       RETURN_IF_ERROR(Enqueued(nccl_->Send(s.buf, 1, ncclUint8, 0, comm_, stream_), "ncclSend"));
     }
