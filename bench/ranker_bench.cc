@@ -2,9 +2,11 @@
 // chunk, max over a GQA group of 3; the mean score and the default LSE-peak score) against
 // an exact scan of every key, at 4K, 32K and 128K tokens; and a Select's token-level
 // refinement's pool by the chunk ranking (select_pool_us) and its rows' exact scores
-// (refine_rows_us), each against the exact scan at 4K. Timed with Google
-// Benchmark; printed as JSON figures.
+// (refine_rows_us), each against the exact scan at 4K; and semantic chunking's regrouping of
+// one span (regroup_span_us) against a copy of its K and V. Timed with Google Benchmark;
+// printed as JSON figures.
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <random>
 
@@ -13,6 +15,7 @@
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunking.h"
 #include "server/index/token_refine.h"
 
 namespace kvtier {
@@ -120,11 +123,36 @@ void BM_RefineRows(benchmark::State& state) {
   }
 }
 
+// Semantic chunking's regrouping of one span (8 chunks of 16 rows, one KV head) into 8
+// balanced groups, as the aging pool runs it for every span of every head.
+constexpr int kSpanRows = 8 * kChunk;
+
+void BM_BalancedGroups(benchmark::State& state) {
+  const Data& d = Get(4096);
+  for (auto _ : state) {
+    auto groups = BalancedGroups(d.keys.data(), kSpanRows, kD, kChunk);
+    benchmark::DoNotOptimize(groups.data());
+  }
+}
+
+// Baseline: a copy of the same span's K and V rows in fp16 (what ingest does with them).
+void BM_SpanCopy(benchmark::State& state) {
+  const Data& d = Get(4096);
+  std::vector<uint16_t> dst(2 * kSpanRows * kD);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), d.half_keys.data(), dst.size() * 2);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+}
+
 BENCHMARK(BM_MeanScoreSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
 BENCHMARK(BM_LsePeakPool)->Arg(4096);
+BENCHMARK(BM_BalancedGroups);
+BENCHMARK(BM_SpanCopy);
 
 // Keeps each run's time per iteration (us), by benchmark name.
 class CollectingReporter : public benchmark::BenchmarkReporter {
@@ -192,5 +220,15 @@ int main(int argc, char** argv) {
                {{"fixed_rows", std::to_string(kvtier::kFixedChunks * kvtier::kChunk)},
                 {"rows_taken", std::to_string(kvtier::kRefineRows)},
                 {"score", "group mean softmax mass, fp16 keys"}});
+  kvtier::bench::Print({"regroup_span_us",
+                        reporter.Median("BM_BalancedGroups"),
+                        "us",
+                        reporter.Median("BM_SpanCopy"),
+                        "span_kv_copy",
+                        {{"span_rows", std::to_string(kvtier::kSpanRows)},
+                         {"groups", "8"},
+                         {"head_dim", "64"},
+                         {"reps", "5"},
+                         {"rule", "balanced k-means, farthest-point seeds, 4 rounds"}}});
   return 0;
 }

@@ -95,6 +95,9 @@ TARGETS = [
      "default 8x pool of 1408 rows and 80 fixed sink and window rows, exact scores on fp16 "
      "keys, the group's mean softmax mass, the best 176 taken) vs the exact scan of all 4096 "
      "keys"),
+    ("regroup_span_us", None, None, "semantic chunking's regrouping of one span (8 chunks of "
+     "16 rows, one KV head, head_dim 64) into 8 balanced groups, as the aging pool runs it for "
+     "every span of every head, vs a copy of the span's fp16 K and V"),
     ("select_compute_", None, None, "Select ranking compute vs an exact scan of every key "
      "(EVAL's target, <= 0.1x at 128K, also asks for oracle ratio >= 0.95, measured once the "
      "cluster index and the model judge land; reported here without a verdict)"),

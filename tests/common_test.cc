@@ -400,6 +400,40 @@ TEST(WidenHalves, TakesTheLargerOrSmallerValueWithTheSameBitsOnBothPaths) {
   }
 }
 
+// Each lane is the plain loop over one row, bit for bit (subtract, square, add, in channel
+// order, no fused multiply-add), on both paths, for lane counts with and without a tail.
+TEST(SquaredDistances, EachLaneIsTheRowLoopOnBothPaths) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0, 1);
+  for (int lanes : {1, 7, 8, 13, 32, 40, 128, 131}) {
+    for (int d : {1, 3, 64, 128}) {
+      const int stride = (lanes + 7) / 8 * 8 + 8;  // wider than needed, as a caller's may be
+      std::vector<float> cols(size_t(d) * stride), point(d);
+      for (auto& v : cols) v = n(rng);
+      for (auto& v : point) v = n(rng);
+      std::vector<float> out(lanes), scalar(lanes);
+      SquaredDistances(cols.data(), stride, lanes, d, point.data(), out.data());
+      SquaredDistancesScalar(cols.data(), stride, lanes, d, point.data(), scalar.data());
+      for (int i = 0; i < lanes; ++i) {
+        volatile float s = 0;  // volatile: one rounding per step, whatever the compiler
+        for (int j = 0; j < d; ++j) {
+          volatile float t = cols[size_t(j) * stride + i] - point[j];
+          volatile float sq = t * t;
+          s = s + sq;
+        }
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(float(s)))
+            << "lanes " << lanes << " d " << d << " lane " << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(scalar[i]), std::bit_cast<uint32_t>(float(s)));
+        double exact = 0;
+        for (int j = 0; j < d; ++j) {
+          exact += std::pow(double(cols[size_t(j) * stride + i]) - point[j], 2);
+        }
+        EXPECT_NEAR(out[i], exact, 1e-5 * (1 + exact));
+      }
+    }
+  }
+}
+
 TEST(BoxGrowth, EachLaneAgreesWithDoubleAndTheScalarPath) {
   // Boxes drawn as halves (hi >= lo), points inside, outside and on their faces; lane counts
   // around the groups of 8 and 16, and a stride with no room past the last group.

@@ -394,6 +394,60 @@ __attribute__((target("avx2,f16c"))) void BoxGrowthAvx2(const float* x, int pair
   }
 }
 
+// acc + (x - p)^2 for eight lanes of x at `at`, rounded after each operation.
+__attribute__((target("avx2"))) inline __m256 AddSquaredDifference(__m256 acc, const float* at,
+                                                                   __m256 p) {
+  const __m256 t = _mm256_sub_ps(_mm256_loadu_ps(at), p);
+  return _mm256_add_ps(acc, _mm256_mul_ps(t, t));
+}
+
+// SquaredDistances for G (1 to 4) groups of 8 lanes (cols starts at the first), one chain per
+// group, each a named register (an array of them is kept in memory by the compiler).
+template <int G>
+__attribute__((target("avx2"))) inline void SquaredDistanceLanes(const float* cols, int stride,
+                                                                 int d, const float* point,
+                                                                 float* out) {
+  static_assert(G >= 1 && G <= 4);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int j = 0; j < d; ++j) {
+    const __m256 p = _mm256_set1_ps(point[j]);
+    const float* row = cols + static_cast<size_t>(j) * stride;
+    a0 = AddSquaredDifference(a0, row, p);
+    if constexpr (G > 1) a1 = AddSquaredDifference(a1, row + 8, p);
+    if constexpr (G > 2) a2 = AddSquaredDifference(a2, row + 16, p);
+    if constexpr (G > 3) a3 = AddSquaredDifference(a3, row + 24, p);
+  }
+  _mm256_storeu_ps(out, a0);
+  if constexpr (G > 1) _mm256_storeu_ps(out + 8, a1);
+  if constexpr (G > 2) _mm256_storeu_ps(out + 16, a2);
+  if constexpr (G > 3) _mm256_storeu_ps(out + 24, a3);
+}
+
+__attribute__((target("avx2"))) void SquaredDistancesAvx2(const float* cols, int stride, int lanes,
+                                                          int d, const float* point, float* out) {
+  int i = 0;
+  for (; i + 32 <= lanes; i += 32) SquaredDistanceLanes<4>(cols + i, stride, d, point, out + i);
+  float tail[32];
+  if (i < lanes) {  // up to four groups of 8, through scratch so that out holds only `lanes`
+    const int groups = (lanes - i + 7) / 8;
+    switch (groups) {
+      case 1:
+        SquaredDistanceLanes<1>(cols + i, stride, d, point, tail);
+        break;
+      case 2:
+        SquaredDistanceLanes<2>(cols + i, stride, d, point, tail);
+        break;
+      case 3:
+        SquaredDistanceLanes<3>(cols + i, stride, d, point, tail);
+        break;
+      default:
+        SquaredDistanceLanes<4>(cols + i, stride, d, point, tail);
+        break;
+    }
+    std::copy_n(tail, lanes - i, out + i);
+  }
+}
+
 inline float ColumnValue(float x) { return x; }
 inline float ColumnValue(uint16_t h) { return HalfToFloat(h); }
 
@@ -726,6 +780,24 @@ void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int strid
                float* grow, float* width) {
   static const auto impl = HaveAvx2F16c() ? BoxGrowthAvx2 : BoxGrowthScalar;
   impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+void SquaredDistancesScalar(const float* cols, int stride, int lanes, int d, const float* point,
+                            float* out) {
+  for (int i = 0; i < lanes; ++i) {
+    float s = 0;
+    for (int j = 0; j < d; ++j) {
+      const float t = cols[static_cast<size_t>(j) * stride + i] - point[j];
+      s += t * t;
+    }
+    out[i] = s;
+  }
+}
+
+void SquaredDistances(const float* cols, int stride, int lanes, int d, const float* point,
+                      float* out) {
+  static const auto impl = Cpu().avx2 ? SquaredDistancesAvx2 : SquaredDistancesScalar;
+  impl(cols, stride, lanes, d, point, out);
 }
 
 bool WidenHalvesScalar(const uint16_t* x, int n, bool up, uint16_t* v) {

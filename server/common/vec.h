@@ -66,6 +66,16 @@ void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int strid
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width);
 
+// out[i] = the squared Euclidean distance from `point` (d floats) to each of `lanes` rows held
+// transposed (row i's channel j at cols[j * stride + i]): the float sum over j in order of
+// (x - point[j])^2, each a subtraction, a product and an addition (no fused multiply-add), as
+// a plain scalar loop over one row gives it; both paths give those bits. stride is a multiple
+// of 8, at least lanes; lanes past `lanes` up to the next multiple of 8 are read.
+void SquaredDistances(const float* cols, int stride, int lanes, int d, const float* point,
+                      float* out);
+void SquaredDistancesScalar(const float* cols, int stride, int lanes, int d, const float* point,
+                            float* out);
+
 // v[i] = the larger (up) or the smaller (!up) of the IEEE halves v[i] and x[i], ordered as
 // their values with -0 below +0 (and a NaN beyond the infinities on its sign's side); returns
 // whether every x[i] is finite. AVX2: sixteen at a time, the same bits.

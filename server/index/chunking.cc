@@ -1,5 +1,7 @@
 #include "server/index/chunking.h"
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <numeric>
 
 #include "server/common/check.h"
+#include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
 
 namespace kvtier {
@@ -22,35 +25,62 @@ float SquaredDistance(const float* a, const float* b, int d) {
   return s;
 }
 
-// Four floats, added and multiplied lane by lane (GCC's vector extension: SSE on the baseline
-// target, which has no fused multiply-add, so each lane rounds exactly as the scalar loop).
+// Four floats added lane by lane (GCC's vector extension on SSE: each lane rounds as a scalar
+// addition does).
 typedef float Lanes4 __attribute__((vector_size(16)));
 
-// SquaredDistance of `row` to each of the k centers held transposed in `t` ([d][k8], k8 the
-// next multiple of 8), into out[0, k): eight centers at once, each lane the same sums in the
-// same order as SquaredDistance, so the same bits.
-void Distances(const float* row, const float* t, uint32_t k8, int d, float* out) {
-  for (uint32_t g = 0; g < k8; g += 8) {
-    Lanes4 lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};  // two chains, in registers
-    for (int j = 0; j < d; ++j) {
-      Lanes4 c0, c1;
-      const float* at = t + static_cast<size_t>(j) * k8 + g;
-      std::memcpy(&c0, at, sizeof c0);
-      std::memcpy(&c1, at + 4, sizeof c1);
-      const Lanes4 d0 = row[j] - c0, d1 = row[j] - c1;
-      lo += d0 * d0;
-      hi += d1 * d1;
+// sum[j] += x[j] for j in [0, d), four at a time.
+void AddTo(float* sum, const float* x, int d) {
+  int j = 0;
+  for (; j + 4 <= d; j += 4) {
+    Lanes4 a, b;
+    std::memcpy(&a, sum + j, sizeof a);
+    std::memcpy(&b, x + j, sizeof b);
+    a += b;
+    std::memcpy(sum + j, &a, sizeof a);
+  }
+  for (; j < d; ++j) sum[j] += x[j];
+}
+
+// x[i] /= by for i in [0, n), four at a time.
+void DivideBy(float* x, size_t n, float by) {
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    Lanes4 a;
+    std::memcpy(&a, x + i, sizeof a);
+    a /= by;
+    std::memcpy(x + i, &a, sizeof a);
+  }
+  for (; i < n; ++i) x[i] /= by;
+}
+
+// cols[j * stride + r] = rows[r * d + j]: rows [n][d] transposed, in 4 x 4 blocks where both
+// counts allow it.
+void Transpose(const float* rows, uint32_t n, int d, float* cols, size_t stride) {
+  uint32_t r0 = 0;
+  if (d % 4 == 0) {
+    for (; r0 + 4 <= n; r0 += 4) {
+      for (int j = 0; j < d; j += 4) {
+        __m128 a = _mm_loadu_ps(rows + static_cast<size_t>(r0) * d + j);
+        __m128 b = _mm_loadu_ps(rows + static_cast<size_t>(r0 + 1) * d + j);
+        __m128 c = _mm_loadu_ps(rows + static_cast<size_t>(r0 + 2) * d + j);
+        __m128 e = _mm_loadu_ps(rows + static_cast<size_t>(r0 + 3) * d + j);
+        _MM_TRANSPOSE4_PS(a, b, c, e);
+        _mm_storeu_ps(cols + static_cast<size_t>(j) * stride + r0, a);
+        _mm_storeu_ps(cols + static_cast<size_t>(j + 1) * stride + r0, b);
+        _mm_storeu_ps(cols + static_cast<size_t>(j + 2) * stride + r0, c);
+        _mm_storeu_ps(cols + static_cast<size_t>(j + 3) * stride + r0, e);
+      }
     }
-    std::memcpy(out + g, &lo, sizeof lo);
-    std::memcpy(out + g + 4, &hi, sizeof hi);
+  }
+  for (uint32_t r = r0; r < n; ++r) {
+    for (int j = 0; j < d; ++j) cols[static_cast<size_t>(j) * stride + r] = rows[size_t{r} * d + j];
   }
 }
 
 std::vector<float> GroupMean(const float* rows, int d, const std::vector<uint32_t>& members) {
   std::vector<float> mean(d, 0.f);
-  for (uint32_t r : members) {
-    for (int j = 0; j < d; ++j) mean[j] += rows[static_cast<size_t>(r) * d + j];
-  }
+  for (uint32_t r : members) AddTo(mean.data(), rows + static_cast<size_t>(r) * d, d);
   for (float& m : mean) m /= static_cast<float>(members.size());
   return mean;
 }
@@ -68,73 +98,95 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
     return groups;
   }
   auto row = [&](uint32_t r) { return rows + static_cast<size_t>(r) * d; };
+  // The rows transposed ([d][n8], n8 the next multiple of 8), so that one center's distance
+  // to every row is one pass (SquaredDistances: the bits of SquaredDistance, row by row).
+  const uint32_t n8 = (n + 7) / 8 * 8;
+  std::vector<float> cols(static_cast<size_t>(d) * n8, 0.f);
+  Transpose(rows, n, d, cols.data(), n8);
+  const int stride = static_cast<int>(n8);
   // Farthest-point seeding.
   std::vector<uint32_t> all(n);
   std::iota(all.begin(), all.end(), 0u);
   const std::vector<float> mean = GroupMean(rows, d, all);
   std::vector<float> centers(static_cast<size_t>(k) * d);
-  const float* first = FarthestRow(rows, n, d, mean.data());
-  std::copy(first, first + d, centers.begin());
+  std::vector<float> dist(static_cast<size_t>(k) * n8);  // [center][row]
+  SquaredDistances(cols.data(), stride, static_cast<int>(n), d, mean.data(), dist.data());
+  const uint32_t first = static_cast<uint32_t>(std::max_element(dist.begin(), dist.begin() + n) -
+                                               dist.begin());  // the first farthest
+  std::copy(row(first), row(first) + d, centers.begin());
   std::vector<float> nearest(n, std::numeric_limits<float>::infinity());
   for (uint32_t g = 1; g < k; ++g) {
+    SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[(g - 1) * d],
+                     dist.data());
     uint32_t best = 0;
     float best_dist = -1.f;
     for (uint32_t r = 0; r < n; ++r) {
-      nearest[r] = std::min(nearest[r], SquaredDistance(row(r), &centers[(g - 1) * d], d));
+      nearest[r] = std::min(nearest[r], dist[r]);
       if (nearest[r] > best_dist) best_dist = nearest[r], best = r;
     }
     std::copy(row(best), row(best) + d, centers.begin() + static_cast<ptrdiff_t>(g) * d);
   }
   // A (row, center) pair as one number whose order is (distance, row, center): a distance is
   // a sum of squares, never negative, so its bits order as it does.
-  auto key = [k](float dist, uint32_t r, uint32_t g) {
-    return uint64_t{std::bit_cast<uint32_t>(dist)} << 32 | (uint64_t{r} * k + g);
+  // Its low half is r << bits | g, which orders as (r, g) and fits: n * k pairs are held.
+  const int bits = std::bit_width(k - 1);
+  const uint32_t g_mask = (1u << bits) - 1;
+  auto key = [bits](float dist, uint32_t r, uint32_t g) {
+    return uint64_t{std::bit_cast<uint32_t>(dist)} << 32 | (uint64_t{r} << bits | g);
   };
   std::vector<uint64_t> pairs(static_cast<size_t>(n) * k);  // row-major: each row's k pairs
-  std::vector<uint32_t> next(n);                            // each row's next pair to offer
   std::vector<uint64_t> heap;
   heap.reserve(n);
-  std::vector<uint32_t> group_of(n);
-  const uint32_t k8 = (k + 7) / 8 * 8;
-  std::vector<float> transposed(static_cast<size_t>(d) * k8, 0.f), dist(k8);
+  std::vector<uint32_t> group_of(n), last_group_of;
   for (int round = 0; round < std::max(rounds, 1); ++round) {
     for (uint32_t g = 0; g < k; ++g) {
-      for (int j = 0; j < d; ++j) transposed[static_cast<size_t>(j) * k8 + g] = centers[g * d + j];
+      SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[g * d], &dist[g * n8]);
     }
     // Assigning the closest pairs first while the center has room, as if every pair were
-    // sorted, visits only each unplaced row's closest pair not yet refused: rows' sorted
-    // pairs merged through a heap give the same assignment for a fraction of the sorting.
+    // sorted, visits only each unplaced row's closest pair not yet refused: rows' pairs
+    // merged through a heap, each row offering its next one only when refused (a scan of its
+    // k pairs), give the same assignment for a fraction of the sorting.
     heap.clear();
     for (uint32_t r = 0; r < n; ++r) {
       uint64_t* mine = &pairs[static_cast<size_t>(r) * k];
-      Distances(row(r), transposed.data(), k8, d, dist.data());
-      for (uint32_t g = 0; g < k; ++g) mine[g] = key(dist[g], r, g);
-      std::sort(mine, mine + k);
-      next[r] = 1;
-      heap.push_back(mine[0]);
+      for (uint32_t g = 0; g < k; ++g) mine[g] = key(dist[g * n8 + r], r, g);
+      uint64_t closest = mine[0];
+      for (uint32_t g = 1; g < k; ++g) closest = std::min(closest, mine[g]);
+      heap.push_back(closest);
     }
     std::make_heap(heap.begin(), heap.end(), std::greater<>());
     std::vector<uint32_t> room(k, size);
     for (uint32_t left = n; left > 0;) {
       std::pop_heap(heap.begin(), heap.end(), std::greater<>());
       const uint32_t pair = static_cast<uint32_t>(heap.back());
-      const uint32_t r = pair / k, g = pair % k;
+      const uint32_t r = pair >> bits, g = pair & g_mask;
       if (room[g] > 0) {  // placed; its other pairs are never offered
         group_of[r] = g;
         --room[g];
         --left;
         heap.pop_back();
-      } else {  // that center is full: the row offers its next closest (some center has room)
-        heap.back() = pairs[static_cast<size_t>(r) * k + next[r]++];
+      } else {  // that center is full: the row offers its next closest (some center has room),
+                // the smallest of its pairs above the refused one (pairs are distinct)
+        const uint64_t* mine = &pairs[static_cast<size_t>(r) * k];
+        const uint64_t refused = heap.back();
+        uint64_t offer = std::numeric_limits<uint64_t>::max();
+        for (uint32_t c = 0; c < k; ++c) {
+          if (mine[c] > refused) offer = std::min(offer, mine[c]);
+        }
+        heap.back() = offer;
         std::push_heap(heap.begin(), heap.end(), std::greater<>());
       }
     }
+    // An assignment equal to the last round's moves no center: every later round repeats it.
+    if (round > 0 && group_of == last_group_of) break;
+    last_group_of = group_of;
     for (auto& grp : groups) grp.clear();
     for (uint32_t r = 0; r < n; ++r) groups[group_of[r]].push_back(r);
-    for (uint32_t g = 0; g < k; ++g) {
-      const std::vector<float> m = GroupMean(rows, d, groups[g]);
-      std::copy(m.begin(), m.end(), centers.begin() + static_cast<ptrdiff_t>(g) * d);
-    }
+    // Each center moves to its rows' mean: their sum in row order, then one division (every
+    // group holds `size` rows), the bits GroupMean gives.
+    std::fill(centers.begin(), centers.end(), 0.f);
+    for (uint32_t r = 0; r < n; ++r) AddTo(&centers[group_of[r] * d], row(r), d);
+    DivideBy(centers.data(), centers.size(), static_cast<float>(size));
   }
   std::sort(groups.begin(), groups.end(),
             [](const auto& a, const auto& b) { return a.front() < b.front(); });

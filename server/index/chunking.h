@@ -30,7 +30,9 @@ inline bool EndsChunk(uint32_t rows, uint32_t chunk_tokens, bool id_given, bool 
 // rows; n is a multiple of size. Centers start at the row farthest from the mean, then each
 // next one at the row farthest from the centers so far; each round assigns the closest
 // (row, center) pairs first while the center has room, then moves each center to its rows'
-// mean. Deterministic. Each group's rows ascend, and groups are ordered by their first row.
+// mean, for `rounds` rounds or until a round repeats the last one's assignment (every later
+// one would too). Deterministic. Each group's rows ascend, and groups are ordered by their
+// first row.
 std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n, int d,
                                                   uint32_t size, int rounds = 4);
 
