@@ -30,8 +30,8 @@
 //                                   go before the worker detaches (6)
 //  14  UnixListener::mu_            the Unix socket's connections and their peers (leaf)
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
-//  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one under
-//                                   its own lock (3)
+//  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one per
+//                                   layer under its own lock (3)
 //  17  StagingRegistry::mu_         the staging areas by id (leaf)
 //  18  Session::staging_mu_         one session's staging area (leaf); taken under its mu_ (3)
 //                                   where the area is set or dropped, and alone by an append

@@ -476,7 +476,9 @@ void Daemon::RegisterGauges() {
       const AgingPool::Counters a = aging_->counters();
       metrics_.GetCounter("kvtier_aging_tasks_total", "Aging passes the aging pool ran")
           .IncreaseTo(a.tasks);
-      metrics_.GetGauge("kvtier_aging_queued", "Sessions waiting for the aging pool")
+      metrics_
+          .GetGauge("kvtier_aging_queued",
+                    "Aging tasks waiting for the pool (one per session layer with un-aged tokens)")
           .Set(static_cast<double>(a.queued));
       uint64_t backlog = 0;
       for (const std::shared_ptr<Session>& s : sessions_.List())

@@ -1,8 +1,9 @@
 // The aging pool: threads that run sessions' aging (regroup, quantize, index: aging.h) off
 // the append path, so that an AppendKV is acknowledged once its rows are stored in fp16 and
-// visible to Select. A session submits one task while it has un-aged tokens and none queued
-// (Session::ScheduleAging); the task holds the session only weakly, so a closed and dropped
-// session's queued task does nothing.
+// visible to Select. A session submits one task per layer while that layer has un-aged tokens
+// and none queued or running (Session::Append, Session::AgeQueuedLayer), so that the threads
+// age one session's layers side by side; the task holds the session only weakly, so a closed
+// and dropped session's queued task does nothing.
 //
 // Thread-safe. mu_ is lock order 16, a leaf: a session submits under its own lock (3).
 #ifndef KVTIER_SERVER_SESSION_AGING_POOL_H_

@@ -195,10 +195,10 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   }
   // The rest (peaks, regroup, quantize, index) on the pool; a Select before it gets there
   // computes the peaks it ranks by itself (Choose).
-  if (!aging_queued_) {
-    aging_queued_ = true;
-    env_.aging->Submit([self = std::move(self)] {
-      if (std::shared_ptr<Session> s = self.lock()) s->AgeBacklog();
+  if (!l.aging_queued && !l.aging_busy) {  // a busy thread ages what arrives meanwhile too
+    l.aging_queued = true;
+    env_.aging->Submit([self = std::move(self), layer] {
+      if (std::shared_ptr<Session> s = self.lock()) s->AgeQueuedLayer(layer);
     });
   }
   return MinTokens();
@@ -293,21 +293,15 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
   return absl::OkStatus();
 }
 
-void Session::AgeBacklog() {
+void Session::AgeQueuedLayer(uint32_t l) {
   {
+    YieldToForeground(foreground_);
     MutexLock lock(&mu_);
-    aging_queued_ = false;  // an append from now on queues another task
+    layers_[l].aging_queued = false;    // an append from now on queues another task
+    if (layers_[l].aging_busy) return;  // that thread ages what arrives meanwhile too
+    layers_[l].aging_busy = true;
   }
-  for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
-    // A layer at a time; AgeLayerInPool says what runs under the lock.
-    {
-      YieldToForeground(foreground_);
-      MutexLock lock(&mu_);
-      if (layers_[l].aging_busy) continue;  // that thread ages what arrives meanwhile too
-      layers_[l].aging_busy = true;
-    }
-    AgeLayerInPool(l);
-  }
+  AgeLayerInPool(l);
 }
 
 void Session::AgeLayerInPool(uint32_t l) {

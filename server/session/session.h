@@ -129,8 +129,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // error. No-op without `device`.
   absl::Status Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const;
 
-  // The pool's task: ages every layer holding un-aged tokens, one layer per hold of the lock.
-  void AgeBacklog();
+  // The pool's task for layer `l`, queued by an append that left it un-aged tokens: ages them
+  // (and what arrives meanwhile), unless another pool thread is ageing that layer already.
+  // One task per layer, so that the pool's threads age a session's layers side by side.
+  void AgeQueuedLayer(uint32_t l);
   // Tokens appended but not yet aged, summed over layers (0 without a pool).
   uint64_t aging_backlog_tokens() const;
 
@@ -212,9 +214,10 @@ class Session : public std::enable_shared_from_this<Session> {
  private:
   // One layer: its tokens, its aging, and Select's work on it.
   struct Layer {
-    uint64_t tokens = 0;       // stored in every KV head
-    uint64_t aged_tokens = 0;  // tokens when the layer was last aged (AgeLayer)
-    bool aging_busy = false;   // a pool thread is ageing it (another leaves it to that one)
+    uint64_t tokens = 0;        // stored in every KV head
+    uint64_t aged_tokens = 0;   // tokens when the layer was last aged (AgeLayer)
+    bool aging_busy = false;    // a pool thread is ageing it (another leaves it to that one)
+    bool aging_queued = false;  // a pool task for it is queued (AgeQueuedLayer)
     AgingState aging;
     // Select's candidate chunks and how many of them were scored, cumulative.
     uint64_t select_candidates = 0;
@@ -298,7 +301,6 @@ class Session : public std::enable_shared_from_this<Session> {
   // The metadata's charge on the host tier: grown by an estimate before each change, set to
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
-  bool aging_queued_ ABSL_GUARDED_BY(mu_) = false;  // a pool task is queued for it
   // OpenStaging's area, or none: under a lock of its own, so that an append naming it does not
   // wait for aging's hold of mu_ twice.
   mutable absl::Mutex staging_mu_;  // lock order 18 (server/common/lock_order.h)
