@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "server/common/error.h"
+#include "server/tier/staging.h"
 #include "tests/fake_device.h"
 #include "tests/test_util.h"
 
@@ -477,6 +478,27 @@ TEST(ShmSegment, RemoveStaleTakesOnlyThePrefixAndASegmentId) {
     EXPECT_TRUE(ShmExists(longer.name()));
   }
   EXPECT_THAT(ShmSegment::OpenReadOnly(prefix + "1"), StatusIs(Code::kNotFound));
+}
+
+// An area's pages are committed (and mapped) when it is made, not at the appends that read it:
+// its memory holds every page before anyone writes, and the limit counts it.
+TEST(StagingRegistry, AnAreaIsCommittedWhenMadeAndCounted) {
+  StagingRegistry reg("staging-test", 8 << 20);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<StagingArea> area, reg.Create("alice", 3 << 20));
+  EXPECT_EQ(area->size(), uint64_t{3} << 20);
+  EXPECT_EQ(reg.bytes_in_use(), uint64_t{3} << 20);
+  ASSERT_OK_AND_ASSIGN(int fd, area->OpenWritableFd());
+  struct stat st {};
+  ASSERT_EQ(fstat(fd, &st), 0);
+  close(fd);
+  EXPECT_GE(uint64_t(st.st_blocks) * 512, area->size()) << "pages not committed";
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(area->size() / page);
+  ASSERT_EQ(mincore(const_cast<uint8_t*>(area->data()), area->size(), resident.data()), 0);
+  EXPECT_EQ(std::count(resident.begin(), resident.end(), 0), 0) << "pages not mapped";
+  EXPECT_THAT(reg.Create("alice", 6 << 20).status(), StatusIs(Code::kResourceExhausted));
+  area.reset();
+  EXPECT_EQ(reg.bytes_in_use(), 0u);
 }
 
 }  // namespace

@@ -33,10 +33,17 @@ absl::StatusOr<std::shared_ptr<StagingArea>> StagingRegistry::Create(const std::
   }
   absl::StatusOr<ShmSegment> shm = ShmSegment::Create(absl::StrCat(label_, "-staging-", id), bytes,
                                                       ShmSegment::Naming::kMemfdShared);
+  // Its pages committed and mapped here now, not at the appends that read them: an area is
+  // made once and filled again and again, and a full shared memory is this call's
+  // RESOURCE_EXHAUSTED, not a fault in an append.
+  if (shm.ok()) {
+    if (absl::Status s = shm->Reserve(0, bytes); !s.ok()) shm = s;
+  }
   if (!shm.ok()) {
     in_use_->fetch_sub(bytes, std::memory_order_relaxed);
     return shm.status();
   }
+  shm->Populate(0, bytes);
   auto area = std::shared_ptr<StagingArea>(new StagingArea(id, tenant, *std::move(shm), in_use_));
   MutexLock lock(&mu_);
   for (auto it = areas_.begin(); it != areas_.end();) {  // the ended ones go
