@@ -234,6 +234,52 @@ TEST(Stream, WritesGrowAndCopyOnWriteKeepRowsStatsAndLookupsInStep) {
   EXPECT_EQ(tokens, 12u);
 }
 
+// Land copies rows where they will be stored and checks them there; a non-finite value (in
+// the rows that grow the open chunk, or in a new chunk's) leaves the stream exactly as it was,
+// and Take then appends what Land made, as Write does.
+TEST(Stream, LandChecksWhatItCopiedAndChangesNothingUntilTake) {
+  StreamEnv e;
+  Stream s(8);
+  e.Append(s, 0, 20);  // a full chunk and 4 rows of an open one
+  const auto* k = reinterpret_cast<const uint8_t*>(e.k.data());
+  const auto* v = reinterpret_cast<const uint8_t*>(e.v.data());
+  const AppendPlan plan = PlanAppend(s, 20, 52, [](uint32_t rows, uint64_t) { return rows >= 16; });
+  ASSERT_TRUE(plan.grow);
+  ASSERT_EQ(plan.new_chunks(), 2u);  // 12 rows grow the open chunk, then 20 rows: 16 and 4
+  const std::vector<uint8_t> open_before(s.chunks()[1].host->data(),
+                                         s.chunks()[1].host->data() + e.f.slot_bytes());
+  for (const uint64_t bad_row : {21, 33}) {  // in the grow rows; in the first new chunk
+    for (const bool in_values : {false, true}) {
+      std::vector<uint16_t> kk = e.k, vv = e.v;
+      (in_values ? vv : kk)[bad_row * 8 + 3] = 0x7e00;  // fp16 NaN
+      LandedRows rows;
+      EXPECT_FALSE(s.Land(plan, reinterpret_cast<const uint8_t*>(&kk[20 * 8]),
+                          reinterpret_cast<const uint8_t*>(&vv[20 * 8]), 20, e.f, /*check=*/true,
+                          e.slot, &rows));
+      ASSERT_EQ(s.chunks().size(), 2u);
+      EXPECT_EQ(s.chunks()[1].num_tokens, 4u);
+      EXPECT_EQ(std::memcmp(s.chunks()[1].host->data(), open_before.data(), open_before.size()), 0);
+      EXPECT_EQ(s.stats().size(), 2u);
+      ExpectStatsFollowRows(e, s);
+      LandedRows unchecked;  // the same rows unchecked land
+      EXPECT_TRUE(s.Land(plan, reinterpret_cast<const uint8_t*>(&kk[20 * 8]),
+                         reinterpret_cast<const uint8_t*>(&vv[20 * 8]), 20, e.f, false, e.slot,
+                         &unchecked));
+    }
+  }
+  LandedRows rows;
+  ASSERT_TRUE(s.Land(plan, k + 20 * 16, v + 20 * 16, 20, e.f, true, e.slot, &rows));
+  EXPECT_EQ(rows.chunks.size(), 2u);
+  EXPECT_EQ(rows.grow.size(), 2u * 12 * 16);
+  EXPECT_EQ(s.chunks().size(), 2u);
+  s.Take(plan, std::move(rows), e.f, e.slot);
+  ASSERT_EQ(s.chunks().size(), 4u);
+  EXPECT_EQ(s.chunks()[1].num_tokens, 16u);
+  EXPECT_EQ(s.chunks()[3].first, 48u);
+  EXPECT_EQ(s.FirstMismatch(0, 52, k, v, e.f), std::nullopt);
+  ExpectStatsFollowRows(e, s);
+}
+
 // Kept looks only at the stream's two ends; it must find what a look at every chunk finds,
 // over contiguous chunks, a regrouped span (chunks sharing their span's first position, rows
 // interleaved) and a partial last chunk, for every sink end and window start.

@@ -244,8 +244,7 @@ class KvTierService::AppendReactor final
     RETURN_IF_ERROR(svc_->env_.sessions->Run(
         tenant_, req_.session_id(),
         [&](const std::shared_ptr<Session>& s) {
-          RETURN_IF_ERROR(s->Unstage(&req_));  // staged bytes become the request's own
-          RETURN_IF_ERROR(s->Undevice(&req_, &device_sources_));  // so do a GPU's
+          RETURN_IF_ERROR(s->Undevice(&req_, &device_sources_));  // a GPU's bytes become its own
           stored = s->Append(req_);
           return stored.status();
         },

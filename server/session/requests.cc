@@ -19,19 +19,20 @@ absl::Status CheckLayer(const v1::ModelShape& shape, uint32_t layer) {
 
 }  // namespace
 
-absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req) {
+absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
+                         const uint8_t* keys, const uint8_t* values, bool staged) {
   const uint32_t kvh = shape.num_kv_heads();
   const uint64_t rb = uint64_t{shape.head_dim()} * 2;
   if (absl::Status s = CheckLayer(shape, req.layer()); !s.ok()) return s;
   const uint64_t n = req.num_tokens();
   if (n == 0) return InvalidField("num_tokens", "0; an append carries at least one token");
   const uint64_t want = kvh * n * rb;
-  if (req.keys().size() != want) {
+  if (!staged && req.keys().size() != want) {
     return InvalidField("keys", absl::StrFormat("%d bytes; [num_kv_heads %d][num_tokens %d]"
                                                 "[head_dim %d] of 2-byte values is %d bytes",
                                                 req.keys().size(), kvh, n, shape.head_dim(), want));
   }
-  if (req.values().size() != want) {
+  if (!staged && req.values().size() != want) {
     return InvalidField("values",
                         absl::StrFormat("%d bytes; expected %d", req.values().size(), want));
   }
@@ -39,10 +40,10 @@ absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest&
     return InvalidField("token_ids",
                         absl::StrFormat("%d ids for %d tokens", req.token_ids_size(), n));
   }
-  for (const auto& [field, bytes] : {std::pair{"keys", &req.keys()}, {"values", &req.values()}}) {
-    const auto* h = reinterpret_cast<const uint16_t*>(bytes->data());
+  for (const auto& [field, bytes] : {std::pair{"keys", keys}, {"values", values}}) {
+    const auto* h = reinterpret_cast<const uint16_t*>(bytes);
     const int64_t bad = FindNonFinite(
-        shape.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16, h, bytes->size() / 2);
+        shape.dtype() == v1::DTYPE_BF16 ? HalfKind::kBf16 : HalfKind::kFp16, h, want / 2);
     if (bad >= 0) {
       const uint64_t d = shape.head_dim();
       return InvalidField(

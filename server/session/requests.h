@@ -14,7 +14,10 @@ namespace kvtier {
 
 // The layer, num_tokens, the sizes of keys, values and token_ids, and that every key and
 // value is finite.
-absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req);
+// `keys` and `values` are where the append's bytes are: req's own fields, or (`staged`) a
+// staging area's range of the right size, whose sizes the caller checked.
+absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
+                         const uint8_t* keys, const uint8_t* values, bool staged);
 
 // The layer, the query's size and finiteness, the placement, and lease_ms against
 // `max_lease_ms` (0 takes `default_lease_ms`). Returns the query as floats.

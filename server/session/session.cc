@@ -123,7 +123,9 @@ uint64_t Session::MinTokens() const {
 }
 
 absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
-  RETURN_IF_ERROR(CheckAppend(shape_, req));
+  ASSIGN_OR_RETURN(const AppendBytes bytes, BytesOf(req));
+  const bool staged = bytes.area != nullptr;
+  RETURN_IF_ERROR(CheckAppend(shape_, req, bytes.keys, bytes.values, staged));
   const uint32_t kvh = shape_.num_kv_heads();
   const uint64_t n = req.num_tokens();
   ForegroundLock lock(&mu_, &foreground_);
@@ -140,12 +142,8 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   }
   const ChunkFormat f = format();
   const uint64_t rb = f.row_bytes();
-  auto keys = [&](uint32_t h, uint64_t i) {
-    return reinterpret_cast<const uint8_t*>(req.keys().data()) + (h * n + i) * rb;
-  };
-  auto values = [&](uint32_t h, uint64_t i) {
-    return reinterpret_cast<const uint8_t*>(req.values().data()) + (h * n + i) * rb;
-  };
+  auto keys = [&](uint32_t h, uint64_t i) { return bytes.keys + (h * n + i) * rb; };
+  auto values = [&](uint32_t h, uint64_t i) { return bytes.values + (h * n + i) * rb; };
   const uint64_t overlap = std::min(stored, start + n) - start;
   for (uint32_t h = 0; h < kvh; ++h) {
     if (auto t = stream(layer, h).FirstMismatch(start, overlap, keys(h, 0), values(h, 0), f)) {
@@ -180,10 +178,21 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   fresh.reserve(slots_needed);
   RETURN_IF_ERROR(env_.host->AllocateMany(tenant_, f.slot_bytes(), slots_needed, &fresh));
   size_t next = 0;
+  auto slot = [&] { return std::move(fresh[next++]); };
+  // Every head's rows land in their slots first, the stream unchanged: staged bytes are
+  // checked again where they landed (the worker may have written the area since CheckAppend),
+  // and a value gone non-finite meanwhile leaves the session as it was.
+  std::vector<LandedRows> landed(kvh);
   for (uint32_t h = 0; h < kvh; ++h) {
-    heads(layer)[h].Write(plan, keys(h, overlap), values(h, overlap), stored, f,
-                          [&] { return std::move(fresh[next++]); });
+    if (!heads(layer)[h].Land(plan, keys(h, overlap), values(h, overlap), stored, f, staged, slot,
+                              &landed[h])) {
+      return InvalidField("staged",
+                          "a value was Inf or NaN where it landed, though finite when checked: "
+                          "the worker wrote the staging area while this append read it (rewrite "
+                          "it only after the stream's reply)");
+    }
   }
+  for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
   Layer& l = layers_[layer];
   l.tokens = start + n;
   ++version_;
@@ -213,13 +222,16 @@ absl::Status Session::SetStaging(std::shared_ptr<StagingArea> area) {
   return absl::OkStatus();  // (the old area ends after the locks, with `old`)
 }
 
-absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
-  if (!req->has_staged()) return absl::OkStatus();
-  if (!req->keys().empty() || !req->values().empty()) {
-    return InvalidField(req->keys().empty() ? "values" : "keys",
+absl::StatusOr<Session::AppendBytes> Session::BytesOf(const v1::AppendKVRequest& req) const {
+  if (!req.has_staged()) {
+    return AppendBytes{reinterpret_cast<const uint8_t*>(req.keys().data()),
+                       reinterpret_cast<const uint8_t*>(req.values().data()), nullptr};
+  }
+  if (!req.keys().empty() || !req.values().empty()) {
+    return InvalidField(req.keys().empty() ? "values" : "keys",
                         "bytes sent inline beside `staged`; an append carries them one way");
   }
-  const v1::StagedKV& staged = req->staged();
+  const v1::StagedKV& staged = req.staged();
   std::shared_ptr<StagingArea> area;
   {
     MutexLock lock(&staging_mu_);  // a closed session's is gone: Append then says closed
@@ -237,7 +249,7 @@ absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
                                         : absl::StrCat("it has ", area->id())));
   }
   // Sizes as the inline bytes'; a wrong num_tokens still reaches CheckAppend's message.
-  const uint64_t want = KvBytes(shape_, req->num_tokens());
+  const uint64_t want = KvBytes(shape_, req.num_tokens());
   for (const auto& [field, offset] : {std::pair{"staged.keys_offset", staged.keys_offset()},
                                       {"staged.values_offset", staged.values_offset()}}) {
     if (offset > area->size() || want > area->size() - offset) {
@@ -245,13 +257,8 @@ absl::Status Session::Unstage(v1::AppendKVRequest* req) const {
                                                  offset, want, area->size()));
     }
   }
-  // Copied out first: the worker may write the area at any time, and what is checked is what
-  // is stored.
-  const char* base = reinterpret_cast<const char*>(area->data());
-  req->mutable_keys()->assign(base + staged.keys_offset(), want);
-  req->mutable_values()->assign(base + staged.values_offset(), want);
-  req->clear_staged();
-  return absl::OkStatus();
+  const uint8_t* base = area->data();
+  return AppendBytes{base + staged.keys_offset(), base + staged.values_offset(), std::move(area)};
 }
 
 absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const {

@@ -106,6 +106,12 @@ class Session : public std::enable_shared_from_this<Session> {
   // counts INVALID_ARGUMENT; a full host tier RESOURCE_EXHAUSTED (ErrorReason kHostTierFull,
   // or kQuota), with nothing stored; a closed session NOT_FOUND; a demoted one UNAVAILABLE
   // (kSessionMoved). Returns the tokens now stored in every layer.
+  // An append may name its bytes in the session's staging area (req.staged()): they are copied
+  // from there straight into their slots and checked as bytes sent inline, the same errors
+  // word for word, and checked again where they landed (INVALID_ARGUMENT naming `staged`,
+  // nothing stored, when the worker wrote the area meanwhile). INVALID_ARGUMENT naming the
+  // field for bytes sent both ways or a range past the area; NOT_FOUND for an area that is not
+  // this session's.
   // With an aging pool (SessionEnv::aging) it returns once the rows are stored in fp16 and the
   // peaks of the chunks they aged out are computed (Select ranks those exactly beside the
   // index), and the pool regroups, quantizes and indexes them; `wait_aged`, or no pool: the
@@ -116,11 +122,6 @@ class Session : public std::enable_shared_from_this<Session> {
   // Makes `area` this session's staging area, in place of the one it had (which ends with
   // its last holder). NOT_FOUND when closed; UNAVAILABLE when demoted.
   absl::Status SetStaging(std::shared_ptr<StagingArea> area);
-  // For an append that names its bytes in the staging area (req->staged()): copies them into
-  // req->keys and req->values and clears `staged`, so that Append checks and stores them as
-  // bytes sent inline. INVALID_ARGUMENT naming the field for bytes sent both ways or a range
-  // past the area; NOT_FOUND for an area that is not this session's. No-op without `staged`.
-  absl::Status Unstage(v1::AppendKVRequest* req) const;
   // For an append whose bytes are in the worker's device memory (req->device()): copies them
   // to req->keys and req->values through `sources` (the mappings of the caller's stream) and
   // clears `device`, so that Append checks and stores them as bytes sent inline. Errors name
@@ -223,6 +224,17 @@ class Session : public std::enable_shared_from_this<Session> {
     uint64_t select_candidates = 0;
     uint64_t select_scored = 0;
   };
+
+  // Where an append's keys and values are: the request's own fields, or (`area` set, holding
+  // it) a range of the staging area, which the worker may write while the daemon reads it.
+  struct AppendBytes {
+    const uint8_t* keys = nullptr;
+    const uint8_t* values = nullptr;
+    std::shared_ptr<const StagingArea> area;
+  };
+  // The append's bytes, staged or inline, their range checked against the area (errors as
+  // Append's).
+  absl::StatusOr<AppendBytes> BytesOf(const v1::AppendKVRequest& req) const;
 
   // Fork's shell, made under the parent's lock: no chunks yet.
   Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,

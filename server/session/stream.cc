@@ -176,44 +176,75 @@ void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
 
 void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
                    uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot) {
+  LandedRows rows;
+  CHECK(Land(plan, keys, values, position, f, /*check=*/false, slot, &rows));
+  Take(plan, std::move(rows), f, slot);
+}
+
+bool Stream::Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
+                  uint64_t position, const ChunkFormat& f, bool check,
+                  const std::function<SlotRef()>& slot, LandedRows* out) const {
   const uint64_t rb = f.row_bytes();
+  auto finite = [&](const uint8_t* rows, uint64_t n) {
+    return !check ||
+           FindNonFinite(f.kind(), reinterpret_cast<const uint16_t*>(rows), n * rb / 2) < 0;
+  };
   for (size_t seg = 0; seg < plan.segments.size(); ++seg) {
     const uint32_t k = plan.segments[seg].rows;
-    if (seg > 0 || !plan.grow) {
+    if (seg == 0 && plan.grow) {
+      out->grow.assign(keys, keys + k * rb);
+      out->grow.insert(out->grow.end(), values, values + k * rb);
+      if (!finite(out->grow.data(), 2 * k)) return false;
+    } else {
       Chunk c;
       c.host = slot();
       std::memcpy(c.host->data(), keys, k * rb);
       std::memcpy(c.host->data() + k * rb, values, k * rb);
+      if (!finite(c.host->data(), 2 * k)) return false;
       c.num_tokens = static_cast<uint16_t>(k);  // at most the capacity
       c.first = position;
       c.sealed = plan.segments[seg].sealed;
-      Push(std::move(c), keys, f);
-    } else {
-      Chunk& c = chunks_.back();
-      const uint32_t m = c.num_tokens;
-      const uint32_t grown = m + k;
-      if (c.host.use_count() > 1) {
-        // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
-        SlotRef copy = slot();
-        std::memcpy(copy->data(), c.host->data(), m * rb);                        // old K
-        std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
-        c.host = std::move(copy);
-      } else {
-        // Nobody else can see this slot: move V down to make room for the new key rows.
-        std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
-        c.host->Renew();
-      }
-      std::memcpy(c.host->data() + m * rb, keys, k * rb);
-      std::memcpy(c.host->data() + (grown + m) * rb, values, k * rb);
-      stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
-                     reinterpret_cast<const uint16_t*>(keys), k);
-      c.num_tokens = static_cast<uint16_t>(grown);
-      c.sealed = plan.segments[seg].sealed;
-      c.copies.reset_device();  // the device copy is stale
+      out->chunks.push_back(std::move(c));
     }
     keys += k * rb;
     values += k * rb;
     position += k;
+  }
+  return true;
+}
+
+void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& f,
+                  const std::function<SlotRef()>& slot) {
+  const uint64_t rb = f.row_bytes();
+  if (plan.grow) {
+    const uint32_t k = plan.segments[0].rows;
+    const uint8_t* keys = rows.grow.data();
+    const uint8_t* values = keys + k * rb;
+    Chunk& c = chunks_.back();
+    const uint32_t m = c.num_tokens;
+    const uint32_t grown = m + k;
+    if (c.host.use_count() > 1) {
+      // Someone else holds the partial chunk (a lease, a fork): grow a copy instead.
+      SlotRef copy = slot();
+      std::memcpy(copy->data(), c.host->data(), m * rb);                        // old K
+      std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
+      c.host = std::move(copy);
+    } else {
+      // Nobody else can see this slot: move V down to make room for the new key rows.
+      std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
+      c.host->Renew();
+    }
+    std::memcpy(c.host->data() + m * rb, keys, k * rb);
+    std::memcpy(c.host->data() + (grown + m) * rb, values, k * rb);
+    stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
+                   reinterpret_cast<const uint16_t*>(keys), k);
+    c.num_tokens = static_cast<uint16_t>(grown);
+    c.sealed = plan.segments[0].sealed;
+    c.copies.reset_device();  // the device copy is stale
+  }
+  for (Chunk& c : rows.chunks) {
+    const uint8_t* keys = c.host->data();  // the stored keys (the slot stays where it is)
+    Push(std::move(c), keys, f);
   }
 }
 

@@ -192,6 +192,13 @@ struct AppendPlan {
 inline constexpr uint64_t kSlotHeapBytes = (16 + sizeof(Slot) + 8 + 15) / 16 * 16;
 static_assert(sizeof(Slot) == 56 && kSlotHeapBytes == 80);
 
+// One KV head's rows of an append, copied where they will be stored before the stream changes
+// (Stream::Land, then Stream::Take).
+struct LandedRows {
+  std::vector<Chunk> chunks;  // the new chunks, each with its rows in a fresh slot
+  std::vector<uint8_t> grow;  // the rows that grow the open last chunk: keys, then values
+};
+
 class Stream {
  public:
   explicit Stream(uint32_t head_dim) : stats_(static_cast<int>(head_dim)) {}
@@ -221,9 +228,23 @@ class Stream {
 
   // Writes one append's rows (keys and values [tokens][head_dim], for the plan's segments)
   // from `position` on: grows the open last chunk (in a copy when its slot is shared) and adds
-  // new chunks. `slot()` hands over a fresh slot for each new chunk and for a copy.
+  // new chunks. `slot()` hands over a fresh slot for each new chunk and for a copy. Land
+  // (unchecked), then Take.
   void Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values, uint64_t position,
              const ChunkFormat& f, const std::function<SlotRef()>& slot);
+  // Write's first half, which changes nothing in the stream: copies the rows where they will
+  // be stored, each new chunk's into a fresh slot from `slot()`, the ones that grow the open
+  // last chunk into out->grow. With `check`, every value copied is then checked finite where
+  // it landed, so that what is checked is what is stored even when `keys` and `values` are
+  // memory another process may write meanwhile; false at the first that is not (the slots
+  // taken go back with *out).
+  bool Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values, uint64_t position,
+            const ChunkFormat& f, bool check, const std::function<SlotRef()>& slot,
+            LandedRows* out) const;
+  // Write's second half: grows the open last chunk by rows.grow (in a copy from `slot()` when
+  // its slot is shared) and adds rows.chunks, their statistics from the stored keys.
+  void Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& f,
+            const std::function<SlotRef()>& slot);
   // Whether the plan would copy this stream's open last chunk (someone else holds its slot).
   bool CopiesOnGrow(const AppendPlan& plan) const {
     return plan.grow && chunks_.back().host.use_count() > 1;
