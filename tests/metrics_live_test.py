@@ -49,6 +49,14 @@ def get(url):
     return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
+def ready(url):
+    """Whether `url` answers 200 yet (a server still starting refuses the connection)."""
+    try:
+        return urllib.request.urlopen(url, timeout=10).status == 200
+    except OSError:
+        return False
+
+
 def query(api, expr):
     body = json.loads(get(f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
     assert body["status"] == "success", (expr, body)
@@ -77,6 +85,7 @@ def stack(tmp_path):
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w")))
     try:
+        wait_for("prometheus to listen", lambda: ready(f"http://127.0.0.1:{prom_port}/-/ready"))
         yield d, metrics, f"http://127.0.0.1:{prom_port}"
     finally:
         code = d.stop()
