@@ -29,29 +29,50 @@ float SquaredDistance(const float* a, const float* b, int d) {
 // addition does).
 typedef float Lanes4 __attribute__((vector_size(16)));
 
-// sum[j] += x[j] for j in [0, d), four at a time.
-void AddTo(float* sum, const float* x, int d) {
-  int j = 0;
-  for (; j + 4 <= d; j += 4) {
-    Lanes4 a, b;
-    std::memcpy(&a, sum + j, sizeof a);
-    std::memcpy(&b, x + j, sizeof b);
-    a += b;
-    std::memcpy(sum + j, &a, sizeof a);
+// Columns [j, j + 4 Q) of the sum of `members`' rows, added in their order from 0, in
+// registers (Q of four columns each).
+template <int Q>
+void SumColumns(const float* rows, int d, const std::vector<uint32_t>& members, int j, float* sum) {
+  Lanes4 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (uint32_t r : members) {
+    const float* x = rows + static_cast<size_t>(r) * d + j;
+    Lanes4 t;
+    std::memcpy(&t, x, sizeof t);
+    a0 += t;
+    if constexpr (Q > 1) {
+      std::memcpy(&t, x + 4, sizeof t);
+      a1 += t;
+    }
+    if constexpr (Q > 2) {
+      std::memcpy(&t, x + 8, sizeof t);
+      a2 += t;
+    }
+    if constexpr (Q > 3) {
+      std::memcpy(&t, x + 12, sizeof t);
+      a3 += t;
+    }
   }
-  for (; j < d; ++j) sum[j] += x[j];
+  const Lanes4 all[4] = {a0, a1, a2, a3};
+  std::memcpy(sum + j, all, sizeof(Lanes4) * Q);
 }
 
-// x[i] /= by for i in [0, n), four at a time.
-void DivideBy(float* x, size_t n, float by) {
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    Lanes4 a;
-    std::memcpy(&a, x + i, sizeof a);
-    a /= by;
-    std::memcpy(x + i, &a, sizeof a);
+// The sum of `members`' rows, added in their order from 0, into `sum`.
+void SumInto(const float* rows, int d, const std::vector<uint32_t>& members, float* sum) {
+  int j = 0;
+  for (; j + 16 <= d; j += 16) SumColumns<4>(rows, d, members, j, sum);
+  for (; j + 4 <= d; j += 4) SumColumns<1>(rows, d, members, j, sum);
+  for (; j < d; ++j) {
+    float s = 0;
+    for (uint32_t r : members) s += rows[static_cast<size_t>(r) * d + j];
+    sum[j] = s;
   }
-  for (; i < n; ++i) x[i] /= by;
+}
+
+// The mean of `members`' rows: their sum in order, then one division per column.
+void MeanInto(const float* rows, int d, const std::vector<uint32_t>& members, float* mean) {
+  SumInto(rows, d, members, mean);
+  const float count = static_cast<float>(members.size());
+  for (int j = 0; j < d; ++j) mean[j] /= count;
 }
 
 // cols[j * stride + r] = rows[r * d + j]: rows [n][d] transposed, in 4 x 4 blocks where both
@@ -79,9 +100,8 @@ void Transpose(const float* rows, uint32_t n, int d, float* cols, size_t stride)
 }
 
 std::vector<float> GroupMean(const float* rows, int d, const std::vector<uint32_t>& members) {
-  std::vector<float> mean(d, 0.f);
-  for (uint32_t r : members) AddTo(mean.data(), rows + static_cast<size_t>(r) * d, d);
-  for (float& m : mean) m /= static_cast<float>(members.size());
+  std::vector<float> mean(d);
+  MeanInto(rows, d, members, mean.data());
   return mean;
 }
 
@@ -182,11 +202,8 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
     last_group_of = group_of;
     for (auto& grp : groups) grp.clear();
     for (uint32_t r = 0; r < n; ++r) groups[group_of[r]].push_back(r);
-    // Each center moves to its rows' mean: their sum in row order, then one division (every
-    // group holds `size` rows), the bits GroupMean gives.
-    std::fill(centers.begin(), centers.end(), 0.f);
-    for (uint32_t r = 0; r < n; ++r) AddTo(&centers[group_of[r] * d], row(r), d);
-    DivideBy(centers.data(), centers.size(), static_cast<float>(size));
+    // Each center moves to its rows' mean.
+    for (uint32_t g = 0; g < k; ++g) MeanInto(rows, d, groups[g], &centers[g * d]);
   }
   std::sort(groups.begin(), groups.end(),
             [](const auto& a, const auto& b) { return a.front() < b.front(); });
