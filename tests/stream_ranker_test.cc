@@ -101,6 +101,43 @@ TEST(ChunkStats, FinalChunksNeverChangeAndCopiesStartUnfinal) {
   EXPECT_DEATH(copy.AddRows(0, HalfKind::kFp16, a.data(), 1), "final");
 }
 
+// Chunks marked final a few at a time, as the aging pool marks them, while more are appended:
+// every chunk's statistics (compact or loose) and a copy's are those of the same chunks marked
+// final all at once.
+TEST(ChunkStats, MarkingFinalAFewAtATimeEqualsAllAtOnce) {
+  std::mt19937 rng(8);
+  ChunkStats stepwise(kD), once(kD);
+  std::vector<std::vector<uint16_t>> rows;
+  for (uint32_t c = 0; c < 60; ++c) {
+    rows.push_back(Rows(16, rng, float(c % 5)));
+    for (ChunkStats* s : {&stepwise, &once}) s->Recompute(c, HalfKind::kFp16, rows[c].data(), 16);
+    if (c % 3 == 2) stepwise.MarkFinal(stepwise.final_chunks() + (c % 2 == 0 ? 1 : 2));
+  }
+  once.MarkFinal(stepwise.final_chunks());
+  ASSERT_GT(stepwise.final_chunks(), 20u);
+  ASSERT_EQ(stepwise.compact_chunks(), once.compact_chunks());
+  auto expect_same = [&](const ChunkStats& a, const ChunkStats& b, uint32_t n) {
+    std::vector<float> ma(kD), mb(kD), pa(kD), pb(kD);
+    for (uint32_t c = 0; c < n; ++c) {
+      a.Mean(c, ma.data());
+      b.Mean(c, mb.data());
+      a.Peak(c, pa.data());
+      b.Peak(c, pb.data());
+      EXPECT_EQ(ma, mb) << "chunk " << c;
+      EXPECT_EQ(pa, pb) << "chunk " << c;
+      EXPECT_EQ(a.tokens(c), b.tokens(c));
+    }
+  };
+  expect_same(stepwise, once, 60);
+  stepwise.AddRows(59, HalfKind::kFp16, rows[0].data(), 3);  // a loose chunk still grows
+  once.AddRows(59, HalfKind::kFp16, rows[0].data(), 3);
+  expect_same(stepwise, once, 60);
+  ChunkStats a(kD), b(kD);
+  a.CopyPrefix(stepwise, 50);
+  b.CopyPrefix(once, 50);
+  expect_same(a, b, 50);
+}
+
 // A final chunk is held compact: its mean and its peak each as bytes times one scale, the
 // largest magnitude over 127, every value within half a step of the float it was (the mean
 // from the float sum, the peak the row itself); the candidate then points at the bytes, and

@@ -138,13 +138,19 @@ void ChunkStats::MarkFinal(uint32_t n) {
     Narrow(mean.data());
     Narrow(&peaks_[Loose(c)]);
   }
-  sums_.erase(sums_.begin(), sums_.begin() + static_cast<ptrdiff_t>(moved));
-  peaks_.erase(peaks_.begin(), peaks_.begin() + static_cast<ptrdiff_t>(moved));
-  // Many chunks at once left the float arrays (an aging pool catching up on a long backlog,
-  // a large append): their room goes back rather than staying held for the recent window.
-  if (sums_.capacity() > 2 * sums_.size() + 16 * static_cast<size_t>(d_)) {
-    sums_.shrink_to_fit();
-    peaks_.shrink_to_fit();
+  loose_begin_ += moved;
+  // The floats of chunks now compact go once they are half the arrays: each float is moved
+  // at most once on average however few chunks each call marks.
+  if (2 * loose_begin_ >= sums_.size()) {
+    sums_.erase(sums_.begin(), sums_.begin() + static_cast<ptrdiff_t>(loose_begin_));
+    peaks_.erase(peaks_.begin(), peaks_.begin() + static_cast<ptrdiff_t>(loose_begin_));
+    loose_begin_ = 0;
+    // Many chunks at once left the float arrays (an aging pool catching up on a long backlog,
+    // a large append): their room goes back rather than staying held for the recent window.
+    if (sums_.capacity() > 2 * sums_.size() + 16 * static_cast<size_t>(d_)) {
+      sums_.shrink_to_fit();
+      peaks_.shrink_to_fit();
+    }
   }
   compact_ = n;
 }
@@ -157,8 +163,10 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   tokens_.assign(from.tokens_.begin(), from.tokens_.begin() + n);
   codes_.assign(from.codes_.begin(), from.codes_.begin() + codes);
   scales_.assign(from.scales_.begin(), from.scales_.begin() + 2 * static_cast<ptrdiff_t>(compact));
-  sums_.assign(from.sums_.begin(), from.sums_.begin() + floats);
-  peaks_.assign(from.peaks_.begin(), from.peaks_.begin() + floats);
+  const auto from_loose = static_cast<ptrdiff_t>(from.loose_begin_);
+  sums_.assign(from.sums_.begin() + from_loose, from.sums_.begin() + from_loose + floats);
+  peaks_.assign(from.peaks_.begin() + from_loose, from.peaks_.begin() + from_loose + floats);
+  loose_begin_ = 0;
   compact_ = compact;
   final_ = 0;
 }

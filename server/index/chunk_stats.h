@@ -16,6 +16,10 @@
 //   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
 //   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
 //
+// (The float arrays begin at loose_begin_: chunks that became compact leave their floats at the
+// front until they are half the array, so that marking a few chunks final at a time, as the
+// aging pool does, moves no floats.)
+//
 // The ranking reads either form through ChunkCandidate; the cluster index bounds the compact
 // values, so its searches stay exact against the scan over the same statistics. Statistics
 // are final for the chunks [0, final_chunks()): they no longer change, and only those may
@@ -87,7 +91,7 @@ class ChunkStats {
 
  private:
   void Grow(uint32_t c);
-  size_t Loose(uint32_t c) const { return static_cast<size_t>(c - compact_) * d_; }
+  size_t Loose(uint32_t c) const { return loose_begin_ + static_cast<size_t>(c - compact_) * d_; }
   // Where compact chunk c's vector `part` (0 mean, 1 peak) begins in codes_, its scale's index.
   size_t Code(uint32_t c, int part) const { return (static_cast<size_t>(c) * 2 + part) * d_; }
   size_t ScaleAt(uint32_t c, int part) const { return static_cast<size_t>(c) * 2 + part; }
@@ -101,6 +105,7 @@ class ChunkStats {
   std::vector<float> scales_;
   std::vector<float> sums_;
   std::vector<float> peaks_;
+  size_t loose_begin_ = 0;  // floats of sums_ and peaks_ before the first loose chunk's
   uint32_t compact_ = 0;
   uint32_t final_ = 0;
 };
