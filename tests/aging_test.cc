@@ -538,7 +538,7 @@ TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
     ASSERT_TRUE(RegroupSpan(SpanContext::Of(e.ctx()), &*job));
     if (meanwhile) e.Age();  // the span is regrouped (and quantized, indexed) meanwhile
     const uint64_t used = e.host.Stats().used_bytes;
-    EXPECT_EQ(CommitSpan(e.f, e.heads, &e.state, std::move(*job)), !meanwhile);
+    EXPECT_EQ(CommitSpan(e.heads, &e.state, std::move(*job)), !meanwhile);
     job.reset();
     if (meanwhile) {
       EXPECT_LT(e.host.Stats().used_bytes, used) << "the job's slots went back";
@@ -578,7 +578,7 @@ TEST(AgeLayer, QuantJobsEqualAgeLayerAndSkipChunksAgedMeanwhile) {
       e.Age();  // quantized (and indexed) meanwhile
       const uint64_t used = e.host.Stats().used_bytes;
       const std::vector<v1::Precision> before = Precisions(e.heads[0]);
-      CommitQuant(e.f, e.heads, &e.state, std::move(*job));
+      CommitQuant(e.heads, &e.state, std::move(*job));
       job.reset();
       EXPECT_LT(e.host.Stats().used_bytes, used) << "the job's slots went back";
       EXPECT_EQ(Precisions(e.heads[0]), before);
@@ -587,7 +587,7 @@ TEST(AgeLayer, QuantJobsEqualAgeLayerAndSkipChunksAgedMeanwhile) {
       while (std::optional<QuantJob> job = NextQuant(e.ctx(), e.tokens, e.heads, e.state, 2)) {
         EXPECT_LE(job->end - job->first, 2u);
         RunQuant(SpanContext::Of(e.ctx()), &*job);
-        CommitQuant(e.f, e.heads, &e.state, std::move(*job));
+        CommitQuant(e.heads, &e.state, std::move(*job));
       }
       EXPECT_EQ(e.state.quantized, 12u);
       e.Age();  // the index

@@ -101,6 +101,36 @@ TEST(ChunkStats, FinalChunksNeverChangeAndCopiesStartUnfinal) {
   EXPECT_DEATH(copy.AddRows(0, HalfKind::kFp16, a.data(), 1), "final");
 }
 
+// Summarize (the aging pool computes it without the stream's lock) and Set store what
+// Recompute stores, bit for bit.
+TEST(ChunkStats, SetOfASummaryIsRecompute) {
+  std::mt19937 rng(9);
+  for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    for (uint32_t n : {1u, 7u, 16u, 32u}) {
+      std::normal_distribution<float> g(0.5f, 2.f);
+      std::vector<uint16_t> rows(size_t(n) * kD);
+      for (auto& h : rows) h = kind == HalfKind::kFp16 ? FloatToHalf(g(rng)) : FloatToBf16(g(rng));
+      ChunkStats a(kD), b(kD);
+      a.Recompute(0, kind, rows.data(), n);
+      b.Set(0, ChunkStats::Summarize(kind, rows.data(), n, kD));
+      EXPECT_EQ(a.tokens(0), b.tokens(0));
+      EXPECT_TRUE(std::equal(a.key_sum(0), a.key_sum(0) + kD, b.key_sum(0))) << n;
+      EXPECT_TRUE(std::equal(a.peak(0), a.peak(0) + kD, b.peak(0))) << n;
+      // The peak is one of the rows.
+      bool found = false;
+      for (uint32_t r = 0; r < n && !found; ++r) {
+        found = true;
+        for (int j = 0; j < kD; ++j) {
+          const float x = kind == HalfKind::kFp16 ? HalfToFloat(rows[r * kD + j])
+                                                  : Bf16ToFloat(rows[r * kD + j]);
+          found = found && x == b.peak(0)[j];
+        }
+      }
+      EXPECT_TRUE(found) << n;
+    }
+  }
+}
+
 // Chunks marked final a few at a time, as the aging pool marks them, while more are appended:
 // every chunk's statistics (compact or loose) and a copy's are those of the same chunks marked
 // final all at once.

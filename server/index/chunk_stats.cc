@@ -105,17 +105,45 @@ void ChunkStats::Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint
   ComputePeak(c, kind, rows);
 }
 
+namespace {
+
+// The row of n key rows farthest from `mean`, into peak (d floats).
+void PeakOf(HalfKind kind, const uint16_t* rows, uint32_t n, int d, const float* mean,
+            float* peak) {
+  const size_t dd = static_cast<size_t>(d);
+  std::vector<float> floats(n * dd, 0.f);
+  for (uint32_t r = 0; r < n; ++r) {  // the halves as floats, row by row
+    kvtier::AddRows(kind, rows + r * dd, 1, d, &floats[r * dd]);
+  }
+  const float* far = FarthestRow(floats.data(), n, d, mean);
+  std::copy(far, far + dd, peak);
+}
+
+}  // namespace
+
 void ChunkStats::ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows) {
   CHECK(c < size() && c >= final_ && c >= compact_) << "chunk " << c;
-  const uint32_t n = tokens_[c];
-  const size_t d = static_cast<size_t>(d_);
-  std::vector<float> floats(n * d, 0.f), mean(d);
-  for (uint32_t r = 0; r < n; ++r) {  // the halves as floats, row by row
-    kvtier::AddRows(kind, rows + r * d, 1, d_, &floats[r * d]);
-  }
+  std::vector<float> mean(d_);
   Mean(c, mean.data());
-  const float* peak = FarthestRow(floats.data(), n, d_, mean.data());
-  std::copy(peak, peak + d, peaks_.begin() + static_cast<ptrdiff_t>(Loose(c)));
+  PeakOf(kind, rows, tokens_[c], d_, mean.data(), &peaks_[Loose(c)]);
+}
+
+ChunkSummary ChunkStats::Summarize(HalfKind kind, const uint16_t* rows, uint32_t n, int d) {
+  ChunkSummary s{n, std::vector<float>(d, 0.f), std::vector<float>(d)};
+  kvtier::AddRows(kind, rows, static_cast<int>(n), d, s.key_sum.data());
+  std::vector<float> mean(d);
+  const float inv = 1.f / static_cast<float>(n);  // as Mean reads a loose chunk's
+  for (int j = 0; j < d; ++j) mean[j] = s.key_sum[j] * inv;
+  PeakOf(kind, rows, n, d, mean.data(), s.peak.data());
+  return s;
+}
+
+void ChunkStats::Set(uint32_t c, const ChunkSummary& s) {
+  CHECK(s.key_sum.size() == static_cast<size_t>(d_) && s.peak.size() == s.key_sum.size());
+  Grow(c);
+  tokens_[c] = s.tokens;
+  std::copy_n(s.key_sum.data(), d_, &sums_[Loose(c)]);
+  std::copy_n(s.peak.data(), d_, &peaks_[Loose(c)]);
 }
 
 void ChunkStats::Append(uint32_t tokens, const float* key_sum, const float* peak) {

@@ -40,6 +40,13 @@
 
 namespace kvtier {
 
+// One chunk's float statistics, computed from its rows apart from any ChunkStats (so that the
+// aging pool computes them without its stream's lock): what Recompute would store.
+struct ChunkSummary {
+  uint32_t tokens = 0;
+  std::vector<float> key_sum, peak;
+};
+
 class ChunkStats {
  public:
   explicit ChunkStats(int head_dim) : d_(head_dim) {}
@@ -67,6 +74,10 @@ class ChunkStats {
   void AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
   // Chunk c's statistics anew from all its n rows: the sum, then the peak.
   void Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
+  // What Recompute computes from n key rows of head_dim d, bit for bit.
+  static ChunkSummary Summarize(HalfKind kind, const uint16_t* rows, uint32_t n, int d);
+  // Chunk c's statistics become `s` (Recompute of the rows s summarizes).
+  void Set(uint32_t c, const ChunkSummary& s);
   // Chunk c's peak from its n rows, which its sum already covers.
   void ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows);
   // Appends a chunk of `tokens` tokens whose statistics were computed elsewhere (from float

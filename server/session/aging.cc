@@ -74,15 +74,17 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
         std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
                     f.row_bytes());
       }
+      job->summaries.push_back(ChunkStats::Summarize(
+          f.kind(), reinterpret_cast<const uint16_t*>(dst), ct, static_cast<int>(d)));
       job->regrouped.push_back(std::move(c));
     }
   }
   return true;
 }
 
-bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, SpanJob&& job) {
+bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job) {
   if (state->regrouped != job.first || job.sources.size() != heads.size() * kSemanticSpanChunks ||
-      job.regrouped.size() != job.sources.size()) {
+      job.regrouped.size() != job.sources.size() || job.summaries.size() != job.sources.size()) {
     return false;
   }
   for (size_t h = 0; h < heads.size(); ++h) {
@@ -96,9 +98,8 @@ bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state
   }
   for (size_t h = 0; h < heads.size(); ++h) {
     for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
-      Chunk& c = job.regrouped[h * kSemanticSpanChunks + g];
-      const auto* rows = reinterpret_cast<const uint16_t*>(c.host->data());
-      heads[h].Replace(job.first + g, std::move(c), rows, f);
+      const size_t i = h * kSemanticSpanChunks + g;
+      heads[h].Replace(job.first + g, std::move(job.regrouped[i]), job.summaries[i]);
     }
   }
   state->regrouped = job.first + kSemanticSpanChunks;
@@ -117,7 +118,7 @@ uint32_t FinalRows(const AgingContext& ctx, uint32_t aged, const AgingState& sta
 void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state) {
   while (std::optional<SpanJob> job = NextSpan(ctx, tokens, heads, state)) {
     if (!RegroupSpan(SpanContext::Of(ctx), &*job)) return;  // the span stays contiguous
-    CommitSpan(ctx.format, heads, state, std::move(*job));
+    CommitSpan(heads, state, std::move(*job));
   }
 }
 
@@ -144,7 +145,7 @@ void Quantize(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
   while (std::optional<QuantJob> job = NextQuant(ctx, tokens, heads, *state, UINT32_MAX)) {
     RunQuant(SpanContext::Of(ctx), &*job);
     const bool progressed = job->progressed();
-    CommitQuant(ctx.format, heads, state, std::move(*job));
+    CommitQuant(heads, state, std::move(*job));
     if (!progressed) return;
   }
 }
@@ -175,7 +176,7 @@ std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
                            .tokens = chunk.num_tokens,
                            .source = chunk.host,
                            .cold = nullptr,
-                           .rows = {}});
+                           .summary = {}});
     }
   }
   return job;
@@ -184,6 +185,7 @@ std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
 void RunQuant(const SpanContext& ctx, QuantJob* job) {
   const uint32_t d = ctx.format.head_dim;
   job->done = job->end;
+  std::vector<uint16_t> rows;
   for (QuantJob::Item& item : job->items) {
     const QuantLayout layout{d, item.tokens, job->bits};
     auto slot = ctx.host->Allocate(ctx.tenant, layout.Bytes());
@@ -194,14 +196,15 @@ void RunQuant(const SpanContext& ctx, QuantJob* job) {
     const auto* k = reinterpret_cast<const uint16_t*>(item.source->data());
     QuantizeChunk(k, k + uint64_t{item.tokens} * d, layout, (*slot)->data());
     // The chunk's statistics describe what attention will now read: the dequantized keys.
-    item.rows.resize(2ull * item.tokens * d);
-    DequantizeChunk((*slot)->data(), layout, item.rows.data(),
-                    item.rows.data() + uint64_t{item.tokens} * d);
+    rows.resize(2ull * item.tokens * d);
+    DequantizeChunk((*slot)->data(), layout, rows.data(), rows.data() + uint64_t{item.tokens} * d);
+    item.summary =
+        ChunkStats::Summarize(ctx.format.kind(), rows.data(), item.tokens, static_cast<int>(d));
     item.cold = *std::move(slot);
   }
 }
 
-void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, QuantJob&& job) {
+void CommitQuant(std::span<Stream> heads, AgingState* state, QuantJob&& job) {
   const v1::Precision precision = job.bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
   for (QuantJob::Item& item : job.items) {
     if (item.cold == nullptr) break;  // RunQuant stopped here
@@ -215,7 +218,7 @@ void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* stat
     cold.host = std::move(item.cold);  // the fp16 slot goes back (unless a lease or fork holds it)
     cold.precision = precision;
     cold.copies.reset_device();
-    s.Replace(item.chunk, std::move(cold), item.rows.data(), f);
+    s.Replace(item.chunk, std::move(cold), item.summary);
   }
   if (state->quantized == job.first) state->quantized = job.done;
 }

@@ -80,8 +80,10 @@ struct SpanContext {  // what RegroupSpan reads, copied: the session may change 
 struct SpanJob {
   uint32_t first = 0;  // the span's first chunk
   // The span's chunks as they were, [kv_head * kSemanticSpanChunks + i] (their slots held),
-  // and what RegroupSpan made of them, in the same order.
+  // and what RegroupSpan made of them, in the same order, with their statistics (computed
+  // there, without the lock).
   std::vector<Chunk> sources, regrouped;
+  std::vector<ChunkSummary> summaries;
 };
 // The next whole span of aged-out chunks not yet regrouped (semantic chunking), or nullopt.
 std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
@@ -90,7 +92,7 @@ std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::s
 bool RegroupSpan(const SpanContext& ctx, SpanJob* job);
 // Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan (then
 // false, and the job's slots go back).
-bool CommitSpan(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, SpanJob&& job);
+bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job);
 
 // Quantizing in the same three steps: NextQuant (under the lock) names up to `max_chunks`
 // chunks of every head and holds their slots, RunQuant (without it) quantizes each into a fresh
@@ -102,9 +104,9 @@ struct QuantJob {
   uint32_t done = 0;  // after RunQuant: chunks [first, done) were quantized; < end: no slots
   struct Item {
     uint32_t chunk = 0, head = 0, tokens = 0;
-    SlotRef source;              // the chunk's fp16 slot, held: its bytes stay as they are
-    SlotRef cold;                // RunQuant: the quantized bytes
-    std::vector<uint16_t> rows;  // RunQuant: K then V as dequantized, [tokens][head_dim] each
+    SlotRef source;        // the chunk's fp16 slot, held: its bytes stay as they are
+    SlotRef cold;          // RunQuant: the quantized bytes
+    ChunkSummary summary;  // RunQuant: the statistics of its keys as dequantized
   };
   std::vector<Item> items;  // chunk-major, then head
   // After RunQuant: whether any chunk got its slot (each commit gives fp16 slots back, so a
@@ -115,7 +117,7 @@ std::optional<QuantJob> NextQuant(const AgingContext& ctx, uint64_t tokens,
                                   std::span<const Stream> heads, const AgingState& state,
                                   uint32_t max_chunks);
 void RunQuant(const SpanContext& ctx, QuantJob* job);
-void CommitQuant(const ChunkFormat& f, std::span<Stream> heads, AgingState* state, QuantJob&& job);
+void CommitQuant(std::span<Stream> heads, AgingState* state, QuantJob&& job);
 
 // IndexLayer a slice at a time: at most `max_chunks` more chunks get their peaks and at most
 // `max_chunks` more of each head enter the index; returns whether any peak or chunk that could

@@ -353,7 +353,7 @@ void Session::AgeLayerInPool(uint32_t l) {
       if (closed_) continue;
       quant_stuck = !quant->progressed();
       const uint64_t before = LayerHeapBytes(l);
-      CommitQuant(format(), heads(l), &layers_[l].aging, std::move(*quant));
+      CommitQuant(heads(l), &layers_[l].aging, std::move(*quant));
       charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
       continue;
     }
@@ -370,7 +370,7 @@ void Session::AgeLayerInPool(uint32_t l) {
     const uint64_t before = LayerHeapBytes(l);
     const uint32_t first = job->first;
     // False when the span changed meanwhile (a fork aged it): then its slots go back.
-    const bool committed = CommitSpan(format(), heads(l), &layers_[l].aging, std::move(*job));
+    const bool committed = CommitSpan(heads(l), &layers_[l].aging, std::move(*job));
     charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
     if (!committed && layers_[l].aging.regrouped == first) {  // never loop on one span
       AgeLayerLocked(l);
