@@ -214,10 +214,6 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   const uint32_t code_step = L.bits == 8 ? 8 : 4;  // bytes per 8 codes
   // Keys: each channel's range over each span of tokens, 8 channels at a time; then each token
   // row's codes, 32 channels at a time where d allows.
-  // The values are read after the keys: ask for them now, so their misses overlap the key work.
-  for (uint64_t b = 0; b < uint64_t{n} * d * 2; b += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(values) + b, _MM_HINT_T0);
-  }
   // The ranges are taken row by row so that the chunk streams in address order.
   alignas(32) float kzero[kMaxKeyGroups], kinv[kMaxKeyGroups], kmn[kMaxKeyGroups],
       kmx[kMaxKeyGroups];
