@@ -348,7 +348,8 @@ TEST(Stream, OnlyFinalChunksBeyondTheSinksEnterTheIndex) {
   // A final chunk's rows never change: its bounds in the index would no longer hold.
   Chunk same = s.chunks()[1];
   std::vector<uint16_t> rows(2 * 16 * 8);
-  EXPECT_DEATH(s.Replace(1, same, rows.data(), e.f), "final");
+  EXPECT_DEATH(s.Replace(1, same, ChunkStats::Summarize(HalfKind::kFp16, rows.data(), 16, 8)),
+               "final");
 }
 
 TEST(Stream, ForkSharesThePrefixAndCopiesTheRestIntoNewChunks) {

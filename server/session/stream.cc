@@ -248,11 +248,6 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
   }
 }
 
-void Stream::Replace(uint32_t c, Chunk chunk, const uint16_t* rows, const ChunkFormat& f) {
-  const uint32_t n = chunk.num_tokens;
-  Replace(c, std::move(chunk), ChunkStats::Summarize(f.kind(), rows, n, stats_.head_dim()));
-}
-
 void Stream::Replace(uint32_t c, Chunk chunk, const ChunkSummary& summary) {
   DropOffsets(chunks_[c]);
   AddOffsets(chunk);

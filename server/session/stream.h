@@ -251,9 +251,7 @@ class Stream {
   }
 
   // Chunk c becomes `chunk`, the same rows in another form (quantized; regrouped), whose keys
-  // as attention reads them are `rows` (2-byte [num_tokens][head_dim], then the values).
-  void Replace(uint32_t c, Chunk chunk, const uint16_t* rows, const ChunkFormat& f);
-  // The same with the statistics of those keys computed already (ChunkStats::Summarize).
+  // as attention reads them `summary` describes (ChunkStats::Summarize of them).
   void Replace(uint32_t c, Chunk chunk, const ChunkSummary& summary);
   // Chunk c's peak, from its keys as attention reads them.
   void ComputePeak(uint32_t c, const ChunkFormat& f);
