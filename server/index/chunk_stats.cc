@@ -98,11 +98,7 @@ void ChunkStats::AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32
 }
 
 void ChunkStats::Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n) {
-  Grow(c);
-  tokens_[c] = 0;
-  std::fill_n(&sums_[Loose(c)], d_, 0.f);
-  AddRows(c, kind, rows, n);
-  ComputePeak(c, kind, rows);
+  Set(c, Summarize(kind, rows, n, d_));
 }
 
 namespace {

@@ -41,7 +41,7 @@
 namespace kvtier {
 
 // One chunk's float statistics, computed from its rows apart from any ChunkStats (so that the
-// aging pool computes them without its stream's lock): what Recompute would store.
+// aging pool computes them without its stream's lock): what Recompute stores.
 struct ChunkSummary {
   uint32_t tokens = 0;
   std::vector<float> key_sum, peak;
@@ -72,11 +72,12 @@ class ChunkStats {
   // Adds n key rows ([n][head_dim] halves of `kind`) to chunk c's sum and token count; c ==
   // size() appends a chunk first. The peak is left as it is.
   void AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
-  // Chunk c's statistics anew from all its n rows: the sum, then the peak.
+  // Chunk c's statistics anew from all its n rows: Set of their Summarize.
   void Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
-  // What Recompute computes from n key rows of head_dim d, bit for bit.
+  // The statistics of n key rows of head_dim d: their float sum, and the row farthest from
+  // their mean (sum * (1 / n), as Mean reads it) as the peak.
   static ChunkSummary Summarize(HalfKind kind, const uint16_t* rows, uint32_t n, int d);
-  // Chunk c's statistics become `s` (Recompute of the rows s summarizes).
+  // Chunk c's statistics become `s`.
   void Set(uint32_t c, const ChunkSummary& s);
   // Chunk c's peak from its n rows, which its sum already covers.
   void ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows);
