@@ -246,10 +246,13 @@ TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
     if (i % 256 == 255) {
       const size_t now = index.MemoryBytes();
       const size_t nodes = index.num_clusters() + index.num_units();
-      const size_t lane = 4 * kD * sizeof(uint16_t) + 4 * sizeof(float);
-      EXPECT_GE(now, nodes * lane + (i + 1) * sizeof(uint32_t));
+      // A unit's boxes are halves, a cluster's a byte per side; four float scalars each.
+      const size_t unit_lane = 4 * kD * sizeof(uint16_t) + 4 * sizeof(float);
+      const size_t lane = 4 * kD * sizeof(uint8_t) + 4 * sizeof(float);
+      const size_t lanes = index.num_clusters() * lane + index.num_units() * unit_lane;
+      EXPECT_GE(now, lanes + (i + 1) * sizeof(uint32_t));
       EXPECT_EQ(index.cluster_lanes(), index.num_clusters());
-      EXPECT_LE(now, nodes * (2 * lane + 256) + 2 * (i + 1) * sizeof(uint32_t) + 16 * lane);
+      EXPECT_LE(now, 2 * lanes + nodes * 256 + 2 * (i + 1) * sizeof(uint32_t) + 16 * unit_lane);
       EXPECT_GT(now, before);
       before = now;
     }

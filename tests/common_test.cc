@@ -465,6 +465,19 @@ TEST(BoxGrowth, EachLaneAgreesWithDoubleAndTheScalarPath) {
         BoxGrowth(x.data(), pairs, m, cols.data(), stride, lanes, grow.data(), width.data());
         BoxGrowthScalar(x.data(), pairs, m, cols.data(), stride, lanes, sgrow.data(),
                         swidth.data());
+        // The same boxes as floats: the same bits on both paths.
+        std::vector<float> fcols(cols.size());
+        for (size_t k = 0; k < cols.size(); ++k) fcols[k] = HalfToFloat(cols[k]);
+        std::vector<float> fgrow(lanes), fwidth(lanes), fsgrow(lanes), fswidth(lanes);
+        BoxGrowth(x.data(), pairs, m, fcols.data(), stride, lanes, fgrow.data(), fwidth.data());
+        BoxGrowthScalar(x.data(), pairs, m, fcols.data(), stride, lanes, fsgrow.data(),
+                        fswidth.data());
+        for (int i = 0; i < lanes; ++i) {
+          EXPECT_EQ(std::bit_cast<uint32_t>(fgrow[i]), std::bit_cast<uint32_t>(sgrow[i]));
+          EXPECT_EQ(std::bit_cast<uint32_t>(fwidth[i]), std::bit_cast<uint32_t>(swidth[i]));
+          EXPECT_EQ(std::bit_cast<uint32_t>(fsgrow[i]), std::bit_cast<uint32_t>(sgrow[i]));
+          EXPECT_EQ(std::bit_cast<uint32_t>(fswidth[i]), std::bit_cast<uint32_t>(swidth[i]));
+        }
         for (int i = 0; i < lanes; ++i) {
           double g = 0, w = 0, mag = 0;
           for (int p = 0; p < pairs; ++p) {
@@ -521,18 +534,27 @@ TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
         std::vector<float> out(static_cast<size_t>(m) * out_stride, -7.f);
         for (float& x : a) x = n(rng);
         for (float& x : cols) x = n(rng);
-        // The same columns as halves, and those halves widened: both overloads.
+        // The same columns as halves, and those halves widened; and columns of bytes: each
+        // overload against the floats the columns stand for.
         std::vector<uint16_t> halves(cols.size());
         for (size_t i = 0; i < cols.size(); ++i) {
           halves[i] = FloatToHalf(cols[i]);
           cols[i] = HalfToFloat(halves[i]);
         }
-        for (bool half : {false, true}) {
+        std::vector<uint8_t> bytes(cols.size());
+        const std::vector<float> half_cols = cols;
+        for (uint8_t& x : bytes) x = static_cast<uint8_t>(rng() % 256);
+        for (int kind : {0, 1, 2}) {  // floats, halves, bytes
           std::fill(out.begin(), out.end(), -7.f);
-          if (half) {
+          if (kind == 2) {
+            for (size_t i = 0; i < cols.size(); ++i) cols[i] = bytes[i];
+            DotColumns(a.data(), m, a_stride, bytes.data(), d, stride, lanes, out.data(),
+                       out_stride);
+          } else if (kind == 1) {
             DotColumns(a.data(), m, a_stride, halves.data(), d, stride, lanes, out.data(),
                        out_stride);
           } else {
+            cols = half_cols;
             DotColumns(a.data(), m, a_stride, cols.data(), d, stride, lanes, out.data(),
                        out_stride);
           }
@@ -546,7 +568,7 @@ TEST(DotColumns, EachVectorAndLaneAgreesWithDouble) {
                 mag += std::fabs(x);
               }
               EXPECT_NEAR(out[h * out_stride + i], want, 1e-6 * mag + 1e-7)
-                  << "half " << half << " d " << d << " lanes " << lanes << " m " << m << " h " << h
+                  << "kind " << kind << " d " << d << " lanes " << lanes << " m " << m << " h " << h
                   << " i " << i;
             }
             EXPECT_EQ(out[h * out_stride + lanes], -7.f) << "wrote past lane " << lanes - 1;
@@ -606,6 +628,40 @@ TEST(Log, JsonLinesCarryTheFieldsUnescaped) {
   EXPECT_EQ(LogfmtToJson("event=x empty= last=\"\"", "warn", 0),
             "{\"ts\": \"1970-01-01T00:00:00.000Z\", \"level\": \"warn\", \"event\": \"x\", "
             "\"empty\": \"\", \"last\": \"\"}");
+}
+
+TEST(DecodeRows, EachCodeIsOneFusedMultiplyAddOnItsRowsScale) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> n(0, 1);
+  for (int rows : {1, 3, 64}) {
+    for (int lanes : {1, 5, 8, 9, 16}) {
+      const int stride = lanes + 3, out_stride = (lanes + 7) / 8 * 8;
+      std::vector<uint8_t> codes(static_cast<size_t>(rows) * stride + 8);  // loads read 8 lanes
+      for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % 256);
+      std::vector<float> base(rows), step(rows);
+      for (int r = 0; r < rows; ++r) {
+        base[r] = 100.f * n(rng);
+        step[r] = r % 5 == 0 ? 0.f : std::fabs(n(rng)) / 255;  // a point box: a zero step
+      }
+      const size_t size = static_cast<size_t>(rows) * out_stride;
+      std::vector<float> out(size + 1, -7.f), scalar(size + 1, -7.f);
+      DecodeRows(codes.data(), rows, stride, lanes, base.data(), step.data(), out.data(),
+                 out_stride);
+      DecodeRowsScalar(codes.data(), rows, stride, lanes, base.data(), step.data(), scalar.data(),
+                       out_stride);
+      for (int r = 0; r < rows; ++r) {
+        for (int i = 0; i < lanes; ++i) {
+          const size_t at = static_cast<size_t>(r) * out_stride + i;
+          const float want = std::fma(
+              static_cast<float>(codes[static_cast<size_t>(r) * stride + i]), step[r], base[r]);
+          EXPECT_EQ(std::bit_cast<uint32_t>(out[at]), std::bit_cast<uint32_t>(want))
+              << "rows " << rows << " lanes " << lanes << " r " << r << " i " << i;
+          EXPECT_EQ(std::bit_cast<uint32_t>(scalar[at]), std::bit_cast<uint32_t>(want));
+        }
+      }
+      EXPECT_EQ(out[size], -7.f) << "wrote past the last row";
+    }
+  }
 }
 
 }  // namespace

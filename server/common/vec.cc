@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -232,6 +233,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // H vectors against G groups of 8 lanes in one pass over the rows: H * G independent
 // accumulators, so each row's cache line is read once for every vector. When registers allow,
@@ -350,18 +355,19 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int
 
 // BoxGrowth for G groups of 8 lanes (cols starts at the first), every row read once; the
 // sums go to grow[0, 8 G) and width[0, 8 G).
-template <int G>
-__attribute__((target("avx2,f16c"))) inline void BoxGrowthLanes(const float* x, int pairs, int m,
-                                                                const uint16_t* cols, int stride,
-                                                                float* grow, float* width) {
+template <int G, typename T>
+__attribute__((target("avx2,fma,f16c"))) inline void BoxGrowthLanes(const float* x, int pairs,
+                                                                    int m, const T* cols,
+                                                                    int stride, float* grow,
+                                                                    float* width) {
   const __m256 zero = _mm256_setzero_ps();
   __m256 g[G], w[G];
   for (int k = 0; k < G; ++k) g[k] = w[k] = zero;
   for (int p = 0; p < pairs; ++p) {
     for (int j = 0; j < m; ++j) {
       const __m256 xv = _mm256_set1_ps(x[static_cast<size_t>(p) * m + j]);
-      const uint16_t* hi_row = cols + (static_cast<size_t>(2 * p) * m + j) * stride;
-      const uint16_t* lo_row = cols + (static_cast<size_t>(2 * p + 1) * m + j) * stride;
+      const T* hi_row = cols + (static_cast<size_t>(2 * p) * m + j) * stride;
+      const T* lo_row = cols + (static_cast<size_t>(2 * p + 1) * m + j) * stride;
       for (int k = 0; k < G; ++k) {
         const __m256 hi = Load8(hi_row + 8 * k), lo = Load8(lo_row + 8 * k);
         // max(v, 0) is 0 for a NaN v, as the scalar path's std::max(0.f, v) is.
@@ -377,9 +383,10 @@ __attribute__((target("avx2,f16c"))) inline void BoxGrowthLanes(const float* x, 
   }
 }
 
-__attribute__((target("avx2,f16c"))) void BoxGrowthAvx2(const float* x, int pairs, int m,
-                                                        const uint16_t* cols, int stride, int lanes,
-                                                        float* grow, float* width) {
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void BoxGrowthAvx2(const float* x, int pairs, int m,
+                                                            const T* cols, int stride, int lanes,
+                                                            float* grow, float* width) {
   // Sixteen lanes per pass into scratch; loads reach the lanes rounded up to 8 (<= stride).
   float g[16], w[16];
   for (int first = 0; first < lanes; first += 16) {
@@ -392,6 +399,67 @@ __attribute__((target("avx2,f16c"))) void BoxGrowthAvx2(const float* x, int pair
     std::copy_n(g, n, grow + first);
     std::copy_n(w, n, width + first);
   }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void DecodeRowsAvx2(const uint8_t* codes, int rows,
+                                                             int stride, int lanes,
+                                                             const float* base, const float* step,
+                                                             float* out, int out_stride) {
+  for (int r = 0; r < rows; ++r) {
+    const __m256 b = _mm256_set1_ps(base[r]), s = _mm256_set1_ps(step[r]);
+    const uint8_t* row = codes + static_cast<size_t>(r) * stride;
+    float* o = out + static_cast<size_t>(r) * out_stride;
+    for (int i = 0; i < lanes; i += 8)
+      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(Load8(row + i), s, b));
+  }
+}
+
+// floor(log2 x) from the bits of a float x >= 0 (-127 for 0).
+inline int32_t FloorLog2Bits(float x) {
+  return static_cast<int32_t>((std::bit_cast<uint32_t>(x) >> 23) & 0xff) - 127;
+}
+// 2^e as a float, for e in [-126, 127].
+inline float PowerOfTwo(int32_t e) {
+  return std::bit_cast<float>(static_cast<uint32_t>(127 + e) << 23);
+}
+
+// FloorLog2Bits and PowerOfTwo, eight at a time.
+__attribute__((target("avx2"))) inline __m256i FloorLog2Bits8(__m256 x) {
+  return _mm256_sub_epi32(
+      _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 23), _mm256_set1_epi32(0xff)),
+      _mm256_set1_epi32(127));
+}
+__attribute__((target("avx2"))) inline __m256 PowerOfTwo8(__m256i e) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void PowerOfTwoScalesAvx2(const float* lo, const float* hi,
+                                                                   int n, int32_t* k0, float* base,
+                                                                   float* step, float* inv) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
+    const __m256 m = _mm256_max_ps(_mm256_and_ps(l, abs_mask), _mm256_and_ps(h, abs_mask));
+    // A zero magnitude or width gives -149 or -134, below -126: no test needed.
+    __m256i e = _mm256_max_epi32(_mm256_set1_epi32(-126),
+                                 _mm256_sub_epi32(FloorLog2Bits8(m), _mm256_set1_epi32(22)));
+    e = _mm256_max_epi32(
+        e, _mm256_sub_epi32(FloorLog2Bits8(_mm256_sub_ps(h, l)), _mm256_set1_epi32(7)));
+    __m256 iv = PowerOfTwo8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
+    const __m256 over = _mm256_cmp_ps(
+        _mm256_sub_ps(_mm256_ceil_ps(_mm256_mul_ps(h, iv)), _mm256_floor_ps(_mm256_mul_ps(l, iv))),
+        _mm256_set1_ps(255.f), _CMP_GT_OQ);
+    e = _mm256_sub_epi32(e, _mm256_castps_si256(over));  // the mask is -1 where over
+    iv = PowerOfTwo8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
+    const __m256 s = PowerOfTwo8(e);
+    const __m256 k = _mm256_floor_ps(_mm256_mul_ps(l, iv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(k0 + i), _mm256_cvttps_epi32(k));
+    _mm256_storeu_ps(base + i, _mm256_mul_ps(k, s));
+    _mm256_storeu_ps(step + i, s);
+    _mm256_storeu_ps(inv + i, iv);
+  }
+  PowerOfTwoScalesScalar(lo + i, hi + i, n - i, k0 + i, base + i, step + i, inv + i);
 }
 
 // acc + (x - p)^2 for eight lanes of x at `at`, rounded after each operation.
@@ -450,6 +518,7 @@ __attribute__((target("avx2"))) void SquaredDistancesAvx2(const float* cols, int
 
 inline float ColumnValue(float x) { return x; }
 inline float ColumnValue(uint16_t h) { return HalfToFloat(h); }
+inline float ColumnValue(uint8_t b) { return static_cast<float>(b); }
 
 template <typename T>
 void DotColumnsScalar(const float* a, int m, int a_stride, const T* cols, int n, int stride,
@@ -757,15 +826,16 @@ void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out)
   for (int g = 0; g < group; ++g) out[g] = kDotInt8(a + static_cast<size_t>(g) * n, c, n);
 }
 
-void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
-                     float* grow, float* width) {
+template <typename T>
+void BoxGrowthScalarOf(const float* x, int pairs, int m, const T* cols, int stride, int lanes,
+                       float* grow, float* width) {
   for (int i = 0; i < lanes; ++i) {
     float g = 0, w = 0;
     for (int p = 0; p < pairs; ++p) {
       for (int j = 0; j < m; ++j) {
         const float xv = x[static_cast<size_t>(p) * m + j];
-        const float hi = HalfToFloat(cols[(static_cast<size_t>(2 * p) * m + j) * stride + i]);
-        const float lo = HalfToFloat(cols[(static_cast<size_t>(2 * p + 1) * m + j) * stride + i]);
+        const float hi = ColumnValue(cols[(static_cast<size_t>(2 * p) * m + j) * stride + i]);
+        const float lo = ColumnValue(cols[(static_cast<size_t>(2 * p + 1) * m + j) * stride + i]);
         g += std::max(0.f, xv - hi);
         g += std::max(0.f, lo - xv);
         w += hi - lo;
@@ -776,10 +846,65 @@ void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int
   }
 }
 
+void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+                     float* grow, float* width) {
+  BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+                     float* grow, float* width) {
+  BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
 void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                float* grow, float* width) {
-  static const auto impl = HaveAvx2F16c() ? BoxGrowthAvx2 : BoxGrowthScalar;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? BoxGrowthAvx2<uint16_t> : BoxGrowthScalarOf<uint16_t>;
   impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+               float* grow, float* width) {
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? BoxGrowthAvx2<float> : BoxGrowthScalarOf<float>;
+  impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+void DecodeRowsScalar(const uint8_t* codes, int rows, int stride, int lanes, const float* base,
+                      const float* step, float* out, int out_stride) {
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < lanes; ++i) {
+      out[static_cast<size_t>(r) * out_stride + i] = std::fma(
+          static_cast<float>(codes[static_cast<size_t>(r) * stride + i]), step[r], base[r]);
+    }
+  }
+}
+
+void DecodeRows(const uint8_t* codes, int rows, int stride, int lanes, const float* base,
+                const float* step, float* out, int out_stride) {
+  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? DecodeRowsAvx2 : DecodeRowsScalar;
+  impl(codes, rows, stride, lanes, base, step, out, out_stride);
+}
+
+void PowerOfTwoScalesScalar(const float* lo, const float* hi, int n, int32_t* k0, float* base,
+                            float* step, float* inv) {
+  for (int i = 0; i < n; ++i) {
+    const float m = std::max(std::fabs(lo[i]), std::fabs(hi[i]));
+    int32_t e = std::max({-126, FloorLog2Bits(m) - 22, FloorLog2Bits(hi[i] - lo[i]) - 7});
+    if (std::ceil(hi[i] * PowerOfTwo(-e)) - std::floor(lo[i] * PowerOfTwo(-e)) > 255) ++e;
+    const float k = std::floor(lo[i] * PowerOfTwo(-e));
+    k0[i] = static_cast<int32_t>(k);
+    step[i] = PowerOfTwo(e);
+    inv[i] = PowerOfTwo(-e);
+    base[i] = k * step[i];
+  }
+}
+
+void PowerOfTwoScales(const float* lo, const float* hi, int n, int32_t* k0, float* base,
+                      float* step, float* inv) {
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? PowerOfTwoScalesAvx2 : PowerOfTwoScalesScalar;
+  impl(lo, hi, n, k0, base, step, inv);
 }
 
 void SquaredDistancesScalar(const float* cols, int stride, int lanes, int d, const float* point,
@@ -859,6 +984,13 @@ void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n
                 int lanes, float* out, int out_stride) {
   static const auto impl =
       HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<uint16_t> : DotColumnsScalar<uint16_t>;
+  impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
+}
+
+void DotColumns(const float* a, int m, int a_stride, const uint8_t* cols, int n, int stride,
+                int lanes, float* out, int out_stride) {
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? DotColumnsAvx2<uint8_t> : DotColumnsScalar<uint8_t>;
   impl(a, m, a_stride, cols, n, stride, lanes, out, out_stride);
 }
 

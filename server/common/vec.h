@@ -51,8 +51,10 @@ void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out)
 // the lanes rounded up to 8.
 void DotColumns(const float* a, int m, int a_stride, const float* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
-// The same over columns of IEEE halves (exactly widened to float).
+// The same over columns of IEEE halves, or of unsigned bytes (each exactly widened to float).
 void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n, int stride,
+                int lanes, float* out, int out_stride);
+void DotColumns(const float* a, int m, int a_stride, const uint8_t* cols, int n, int stride,
                 int lanes, float* out, int out_stride);
 
 // How far a point lies outside each of `lanes` boxes stored channel-major as IEEE halves
@@ -60,11 +62,34 @@ void DotColumns(const float* a, int m, int a_stride, const uint16_t* cols, int n
 // lo (m rows)], the point x of pairs * m floats (x[p * m + j] against rows 2 p m + j and
 // (2 p + 1) m + j): grow[i] = the sum over channels of max(x - hi, 0) + max(lo - x, 0), and
 // width[i] = the sum of (hi - lo). Both paths add the rows in the same order: the same bits.
-// stride is a multiple of 8, at least lanes.
+// stride is a multiple of 8, at least lanes. The same over boxes of floats.
 void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                float* grow, float* width);
 void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                      float* grow, float* width);
+void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+               float* grow, float* width);
+void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+                     float* grow, float* width);
+
+// out[r * out_stride + i] = fma(codes[r * stride + i], step[r], base[r]) for r in [0, rows), i
+// in [0, lanes): bytes decoded on a scale per row, each correctly rounded (one fused
+// multiply-add), so that every path gives the same bits. The AVX2 path reads codes and writes
+// out eight lanes at a time, up to lanes rounded up to 8 (out_stride is at least that).
+void DecodeRows(const uint8_t* codes, int rows, int stride, int lanes, const float* base,
+                const float* step, float* out, int out_stride);
+void DecodeRowsScalar(const uint8_t* codes, int rows, int stride, int lanes, const float* base,
+                      const float* step, float* out, int out_stride);
+
+// The scale of codes over n boxes [lo[i], hi[i]] (finite, lo <= hi): code b stands for (k0[i]
+// + b) step[i], step[i] = 2^e and inv[i] = 2^-e, base[i] = k0[i] step[i], all exact. e is the
+// largest of -126, floor(log2 max(|lo|, |hi|)) - 22 (every k in reach stays below 2^24) and
+// floor(log2(hi - lo)) - 7, plus one if 256 codes from k0 = floor(lo / 2^e) would not reach hi
+// then (they always do with it). Both paths give the same values.
+void PowerOfTwoScales(const float* lo, const float* hi, int n, int32_t* k0, float* base,
+                      float* step, float* inv);
+void PowerOfTwoScalesScalar(const float* lo, const float* hi, int n, int32_t* k0, float* base,
+                            float* step, float* inv);
 
 // out[i] = the squared Euclidean distance from `point` (d floats) to each of `lanes` rows held
 // transposed (row i's channel j at cols[j * stride + i]): the float sum over j in order of

@@ -1,6 +1,7 @@
 #include "server/index/cluster_index.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <queue>
@@ -47,7 +48,8 @@ size_t ClusterIndex::cluster_lanes() const {
 
 size_t ClusterIndex::MemoryBytes() const {
   auto block = [](const Block& b) {
-    return b.box.capacity() * sizeof(uint16_t) + b.scalars.capacity() * sizeof(float);
+    return b.box.capacity() * sizeof(uint16_t) + b.codes.capacity() +
+           b.scalars.capacity() * sizeof(float);
   };
   size_t bytes = sizeof(*this) + clusters_.capacity() * sizeof(Cluster) +
                  units_.capacity() * sizeof(Unit) + block(units_block_) +
@@ -99,7 +101,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
     }
   }
   StoreBoxes(l, box);
-  SetScalars(l, b, MeasureLane(*l.blk, l.lane));
+  SetScalars(l, b, MeasureLane(*l.blk, l.lane, l.grid));
 }
 
 void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
@@ -111,16 +113,50 @@ void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
   b.min_tokens = std::min(b.min_tokens, tokens);
 }
 
-void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, uint16_t* box) const {
-  const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];  // row r at col[r * w]
-  const size_t w = TileWidth(blk, lane / kTile * kTile);
-  for (size_t r = 0; r < BoxRows(); ++r) box[r] = col[r * w];
+void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, const Grid* grid, float* box) const {
+  const size_t w = TileWidth(blk, lane / kTile * kTile);  // row r at col[r * w]
+  if (blk.coded) {
+    const uint8_t* col = &blk.codes[BoxIndex(blk, lane, 0)];
+    for (int part = 0; part < kBoxParts; ++part) {
+      const size_t row = static_cast<size_t>(part) * d_, c = Channel(part, d_);
+      for (int j = 0; j < d_; ++j) box[row + j] = grid->Value(c + j, col[(row + j) * w]);
+    }
+    return;
+  }
+  const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];
+  for (size_t r = 0; r < BoxRows(); ++r) box[r] = HalfToFloat(col[r * w]);
 }
 
-ClusterIndex::LaneMeasure ClusterIndex::Measure(const uint16_t* box) const {
-  // The halves as floats (exact), eight at a time; a -0 comes out +0, which no sum below sees.
-  float f[kBoxParts * kMaxHeadDim] = {};
-  AddRows(HalfKind::kFp16, box, 1, static_cast<int>(BoxRows()), f);
+void ClusterIndex::GridOf(uint32_t unit, Grid* g) const {
+  const size_t d = d_;
+  g->base.resize(2 * d);
+  g->step.resize(2 * d);
+  g->inv.resize(2 * d);
+  g->k0.resize(2 * d);
+  g->bounded = units_block_.scalars[ScalarIndex(units_block_, unit, kUnbounded)] == 0.f;
+  if (!g->bounded) {
+    std::fill(g->base.begin(), g->base.end(), 0.f);
+    std::fill(g->step.begin(), g->step.end(), 0.f);
+    std::fill(g->inv.begin(), g->inv.end(), 0.f);
+    std::fill(g->k0.begin(), g->k0.end(), 0);
+    return;
+  }
+  // The unit's halves out of their lane, widened eight at a time; a channel's hi and lo rows
+  // share its scale.
+  uint16_t halves[kBoxParts * kMaxHeadDim];
+  const uint16_t* col = &units_block_.box[BoxIndex(units_block_, unit, 0)];
+  const size_t w = TileWidth(units_block_, unit / kTile * kTile);
+  for (size_t r = 0; r < BoxRows(); ++r) halves[r] = col[r * w];
+  float box[kBoxParts * kMaxHeadDim];
+  std::fill_n(box, BoxRows(), 0.f);
+  AddRows(HalfKind::kFp16, halves, 1, static_cast<int>(BoxRows()), box);
+  for (int kind : {0, 1}) {  // the mean's [hi | lo] rows, then the peak's
+    const size_t hi = 2 * kind * d, lo = hi + d, c = kind * d;
+    PowerOfTwoScales(&box[lo], &box[hi], d_, &g->k0[c], &g->base[c], &g->step[c], &g->inv[c]);
+  }
+}
+
+ClusterIndex::LaneMeasure ClusterIndex::Measure(const float* f) const {
   const size_t d = d_;
   double mu = 0, peak = 0, extent = 0;
   for (size_t j = 0; j < d; ++j) {
@@ -135,16 +171,19 @@ ClusterIndex::LaneMeasure ClusterIndex::Measure(const uint16_t* box) const {
           static_cast<float>(std::sqrt(extent) * (1 + 1e-6))};
 }
 
-ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane) const {
-  uint16_t box[kBoxParts * kMaxHeadDim];
-  ReadLane(blk, lane, box);
+ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane,
+                                                    const Grid* grid) const {
+  float box[kBoxParts * kMaxHeadDim];
+  ReadLane(blk, lane, grid, box);
   return Measure(box);
 }
 
-void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const {
+void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, const Grid* grid, float* mu,
+                               float* peak) const {
+  float box[kBoxParts * kMaxHeadDim];
+  ReadLane(blk, lane, grid, box);
   auto side = [&](int part, int j) {
-    const float x = HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]);
-    return std::clamp(x, -65504.f, 65504.f);
+    return std::clamp(box[static_cast<size_t>(part) * d_ + j], -65504.f, 65504.f);
   };
   for (int j = 0; j < d_; ++j) {
     mu[j] = 0.5f * (side(kMuHi, j) + side(kMuLo, j));
@@ -158,13 +197,13 @@ void ClusterIndex::Widen(Bounds& b, Lane l, const float* point, uint32_t tokens,
     l.blk->scalars[ScalarIndex(*l.blk, l.lane, kLogRest)] = b.log_rest;
     return;
   }
-  uint16_t box[kBoxParts * kMaxHeadDim];
+  float box[kBoxParts * kMaxHeadDim];
   WidenBoxes(l, point, point + d_, box);
   SetScalars(l, b, Measure(box));
 }
 
-ClusterIndex::Lane ClusterIndex::ClusterLane(uint32_t cluster) {
-  return {&units_[clusters_[cluster].unit].block, clusters_[cluster].lane};
+ClusterIndex::Lane ClusterIndex::ClusterLane(uint32_t cluster, const Grid& grid) {
+  return {&units_[clusters_[cluster].unit].block, clusters_[cluster].lane, &grid};
 }
 
 void ClusterIndex::Reserve(Block& blk, uint32_t lane) const {
@@ -186,88 +225,154 @@ void ClusterIndex::Reserve(Block& blk, uint32_t lane) const {
       for (uint32_t i = new_w; i-- > 0;) at[r * new_w + i] = i < old_w ? at[r * old_w + i] : 0;
     }
   };
-  grow(blk.box, BoxRows());
+  if (blk.coded) {
+    grow(blk.codes, BoxRows());
+  } else {
+    grow(blk.box, BoxRows());
+  }
   grow(blk.scalars, size_t{kScalars});
   blk.cap = cap;
 }
 
 void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   Reserve(*l.blk, l.lane);
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);  // row r at out[r * w]
+  float& unbounded = l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)];
+  if (l.blk->coded) {
+    const Grid& g = *l.grid;
+    uint8_t* out = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
+    for (int part = 0; part < kBoxParts; ++part) {
+      const size_t row = static_cast<size_t>(part) * d_, c = Channel(part, d_);
+      for (int j = 0; j < d_; ++j) out[(row + j) * w] = g.Code(c + j, box[row + j], IsUpper(part));
+    }
+    unbounded = g.bounded ? 0.f : 1.f;
+    return;
+  }
   uint16_t rounded[kBoxParts * kMaxHeadDim];
   for (int part = 0; part < kBoxParts; ++part) {
     FloatsToHalvesDirected(&box[part * d_], d_, IsUpper(part), &rounded[part * d_]);
   }
-  uint16_t* out = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at out[r * w]
-  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
+  uint16_t* out = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];
   bool finite = true;
   for (size_t r = 0; r < BoxRows(); ++r) {
     out[r * w] = rounded[r];
     finite = finite && !HalfIsNonFinite(rounded[r]);
   }
-  l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = finite ? 0.f : 1.f;
+  unbounded = finite ? 0.f : 1.f;
 }
 
-void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, uint16_t* out) const {
-  uint16_t rounded[kBoxParts * kMaxHeadDim];
-  FloatsToHalvesDirected(mu, d_, true, &rounded[kMuHi * d_]);
-  FloatsToHalvesDirected(mu, d_, false, &rounded[kMuLo * d_]);
-  FloatsToHalvesDirected(peak, d_, true, &rounded[kPeakHi * d_]);
-  FloatsToHalvesDirected(peak, d_, false, &rounded[kPeakLo * d_]);
-  ReadLane(*l.blk, l.lane, out);
+void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const {
   const size_t d = d_;
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);  // row r at col[r * w]
+  if (l.blk->coded) {
+    // A row moves only where the point lies outside what its code stands for.
+    const Grid& g = *l.grid;
+    uint8_t* col = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
+    ReadLane(*l.blk, l.lane, l.grid, out);
+    for (int part = 0; part < kBoxParts; ++part) {
+      const size_t row = static_cast<size_t>(part) * d, c = Channel(part, d_);
+      const float* x = part < kPeakHi ? mu : peak;
+      const bool up = IsUpper(part);
+      for (size_t j = 0; j < d; ++j) {
+        if (up ? out[row + j] >= x[j] : out[row + j] <= x[j]) continue;
+        col[(row + j) * w] = g.Code(c + j, x[j], up);
+        out[row + j] = g.Value(c + j, col[(row + j) * w]);
+      }
+    }
+    return;  // a bounded grid's codes are finite; an unbounded one's lanes are marked already
+  }
+  uint16_t rounded[kBoxParts * kMaxHeadDim], box[kBoxParts * kMaxHeadDim];
+  FloatsToHalvesDirected(mu, d_, true, &rounded[kMuHi * d]);
+  FloatsToHalvesDirected(mu, d_, false, &rounded[kMuLo * d]);
+  FloatsToHalvesDirected(peak, d_, true, &rounded[kPeakHi * d]);
+  FloatsToHalvesDirected(peak, d_, false, &rounded[kPeakLo * d]);
+  uint16_t* col = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];
+  for (size_t r = 0; r < BoxRows(); ++r) box[r] = col[r * w];
   bool finite = true;
   for (int part = 0; part < kBoxParts; ++part) {
-    finite &= WidenHalves(&rounded[part * d], d_, IsUpper(part), &out[part * d]);
+    finite &= WidenHalves(&rounded[part * d], d_, IsUpper(part), &box[part * d]);
   }
-  uint16_t* col = &l.blk->box[BoxIndex(*l.blk, l.lane, 0)];  // row r at col[r * w]
-  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);
-  for (size_t r = 0; r < BoxRows(); ++r) col[r * w] = out[r];
+  for (size_t r = 0; r < BoxRows(); ++r) {
+    col[r * w] = box[r];
+    out[r] = HalfToFloat(box[r]);
+  }
   if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 
+void ClusterIndex::Regrid(uint32_t unit, const Grid& from, const Grid& to) {
+  Block& blk = units_[unit].block;
+  const uint32_t lanes = static_cast<uint32_t>(units_[unit].clusters.size());
+  if (!to.bounded) {  // the unit's box left the half range: so do its clusters' bounds
+    for (uint32_t i = 0; i < lanes; ++i) blk.scalars[ScalarIndex(blk, i, kUnbounded)] = 1.f;
+    return;
+  }
+  CHECK(from.bounded) << "a unit's box only grows between rebuilds";
+  for (size_t c = 0; c < 2 * static_cast<size_t>(d_); ++c) {
+    if (from.k0[c] == to.k0[c] && from.step[c] == to.step[c]) continue;
+    const size_t hi = c / d_ * 2 * d_ + c % d_;  // the channel's hi row; its lo row d below
+    for (size_t r : {hi, hi + d_}) {
+      const bool up = r == hi;
+      for (uint32_t i = 0; i < lanes; ++i) {
+        uint8_t& code = blk.codes[BoxIndex(blk, i, r)];
+        code = to.Code(c, from.Value(c, code), up);  // the value exact, as is its new place
+      }
+    }
+  }
+}
+
 void ClusterIndex::SetScalars(Lane l, Bounds& b, const LaneMeasure& m) const {
-  // The rounding margins scale with the largest norm of a point in each box.
+  // The rounding margins scale with the largest norm of a point in each box (a coded block's
+  // come from its unit's, at search time).
   Block& blk = *l.blk;
   b.extent = m.extent;
-  blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = m.mu_corner;
-  blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = m.peak_corner;
+  if (!blk.coded) {
+    blk.scalars[ScalarIndex(blk, l.lane, kMarginA)] = m.mu_corner;
+    blk.scalars[ScalarIndex(blk, l.lane, kMarginP)] = m.peak_corner;
+  }
   blk.scalars[ScalarIndex(blk, l.lane, kLogRest)] = b.log_rest;
 }
 
-void ClusterIndex::CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const {
-  Reserve(dst, to);
-  for (size_t r = 0; r < BoxRows(); ++r) {
-    dst.box[BoxIndex(dst, to, r)] = src.box[BoxIndex(src, from, r)];
-  }
-  for (int k = 0; k < kScalars; ++k) {
-    dst.scalars[ScalarIndex(dst, to, k)] = src.scalars[ScalarIndex(src, from, k)];
-  }
-}
-
 uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const float* point,
-                                    float* growth) const {
+                                    const Grid* grid, float* growth) const {
   const int pairs = opt_.cluster_by_peak ? 2 : 1;  // [mu_hi | mu_lo] (| [peak_hi | peak_lo])
   constexpr float kInf = std::numeric_limits<float>::infinity();
   float grow[kTile], width[kTile], more[kTile], wider[kTile];
   uint32_t best = 0;
   float best_grow = kInf;
   float best_width = kInf;
+  // A coded tile's boxes decoded first, kTile lanes a row (scratch kept between calls).
+  thread_local std::vector<float> decoded;
+  if (blk.coded) decoded.resize(BoxRows() * kTile);
   for (uint32_t t = 0; t < lanes; t += kTile) {
     const uint32_t n = std::min(kTile, lanes - t);
-    const int w = static_cast<int>(TileWidth(blk, t));
-    const uint16_t* cols = &blk.box[BoxIndex(blk, t, 0)];
+    int w = static_cast<int>(TileWidth(blk, t));
+    const uint16_t* halves = blk.coded ? nullptr : &blk.box[BoxIndex(blk, t, 0)];
+    if (blk.coded) {  // each part's d rows on its kind's scales
+      for (int part = 0; part < kBoxParts; ++part) {
+        const size_t row = static_cast<size_t>(part) * d_, c = Channel(part, d_);
+        DecodeRows(&blk.codes[BoxIndex(blk, t, row)], d_, w, static_cast<int>(n), &grid->base[c],
+                   &grid->step[c], &decoded[row * kTile], kTile);
+      }
+      w = kTile;
+    }
+    auto box_growth = [&](const float* x, size_t row, float* g, float* width) {
+      if (blk.coded) {
+        BoxGrowth(x, 1, d_, decoded.data() + row * w, w, static_cast<int>(n), g, width);
+      } else {
+        BoxGrowth(x, 1, d_, halves + row * w, w, static_cast<int>(n), g, width);
+      }
+    };
     // With the peak (cluster_by_peak), its growth first: every term is >= 0, so a tile none of
     // whose lanes grows less than the best so far over the peak alone is passed without
     // reading its mean boxes. (Measured at 128K tokens, the peak's growth prunes; the mean's
     // would not.)
     if (pairs == 2) {
-      BoxGrowth(point + d_, 1, d_, cols + static_cast<size_t>(2) * d_ * w, w, static_cast<int>(n),
-                grow, width);
+      box_growth(point + d_, static_cast<size_t>(2) * d_, grow, width);
       float least = kInf;
       for (uint32_t i = 0; i < n; ++i) least = std::min(least, grow[i]);
       if (least > best_grow) continue;
     }
-    BoxGrowth(point, 1, d_, cols, w, static_cast<int>(n), more, wider);
+    box_growth(point, 0, more, wider);
     for (uint32_t i = 0; i < n; ++i) {
       grow[i] = pairs == 2 ? grow[i] + more[i] : more[i];
       width[i] = pairs == 2 ? width[i] + wider[i] : wider[i];
@@ -357,7 +462,7 @@ void ClusterIndex::TwoMeans(std::span<const uint32_t> ids, int dim, VecFn vec, b
   }
 }
 
-uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit,
+uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const Grid& grid,
                                   const ChunkStats& a) {
   const uint32_t id = static_cast<uint32_t>(clusters_.size());
   clusters_.emplace_back();
@@ -366,7 +471,7 @@ uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit,
   c.unit = unit;
   c.lane = static_cast<uint32_t>(units_[unit].clusters.size());
   units_[unit].clusters.push_back(id);
-  Rebuild(c.b, ClusterLane(id), c.chunks, a);
+  Rebuild(c.b, ClusterLane(id, grid), c.chunks, a);
   c.built_extent = c.b.extent;
   for (uint32_t ch : c.chunks) node_of_[ch] = id;
   return id;
@@ -393,11 +498,13 @@ void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkStats& a) {
       chunks, PointDim(), [&](size_t i) { return &points[i * stride]; }, false, false, &left,
       &right);
   const uint32_t unit = clusters_[cluster].unit;
+  Grid grid;
+  GridOf(unit, &grid);
   clusters_[cluster].chunks.assign(left.begin(), left.end());
-  Rebuild(clusters_[cluster].b, ClusterLane(cluster), clusters_[cluster].chunks, a);
+  Rebuild(clusters_[cluster].b, ClusterLane(cluster, grid), clusters_[cluster].chunks, a);
   clusters_[cluster].built_extent = clusters_[cluster].b.extent;
   // The new cluster takes the unit's next lane. The unit's bounds already cover every chunk.
-  NewCluster(std::move(right), unit, a);
+  NewCluster(std::move(right), unit, grid, a);
   if (units_[unit].clusters.size() > 2 * opt_.unit_clusters) SplitUnit(unit, a);
 }
 
@@ -405,9 +512,11 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   const std::vector<uint32_t>& cls = units_[unit].clusters;
   const size_t stride = 2 * static_cast<size_t>(d_);
   std::vector<float> points(cls.size() * stride);
+  Grid grid;
+  GridOf(unit, &grid);
   for (size_t i = 0; i < cls.size(); ++i) {
     float mu_m[kMaxHeadDim], peak_m[kMaxHeadDim];
-    LaneMiddles(units_[unit].block, clusters_[cls[i]].lane, mu_m, peak_m);
+    LaneMiddles(units_[unit].block, clusters_[cls[i]].lane, &grid, mu_m, peak_m);
     Point(mu_m, peak_m, &points[i * stride]);
   }
   std::vector<uint32_t> left, right;
@@ -415,22 +524,23 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   // 2-means left many of one or two clusters, each a lane the search must bound.
   TwoMeans(
       cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, true, &left, &right);
-  // The clusters' lanes are their only boxes: copied from the old block into their new
-  // places, in this unit (renumbered) and in the new one.
+  // Each half's box from its chunks, then its clusters' codes on that box's scale, from their
+  // chunks too (their old codes are on the old box's; moved across, they came out looser).
   const uint32_t id = static_cast<uint32_t>(units_.size());
   units_.emplace_back();
-  const Block old = std::move(units_[unit].block);
-  units_[unit].block = Block{};
+  units_[unit].block = CodedBlock();
   for (auto [target, members] : {std::pair{unit, &left}, std::pair{id, &right}}) {
-    Reserve(units_[target].block, static_cast<uint32_t>(members->size()) - 1);  // one layout
-    for (uint32_t i = 0; i < members->size(); ++i) {
-      Cluster& c = clusters_[(*members)[i]];
-      CopyLane(old, c.lane, units_[target].block, i);
-      c.unit = target;
-      c.lane = i;
-    }
     units_[target].clusters = *members;
+    for (uint32_t i = 0; i < members->size(); ++i) {
+      clusters_[(*members)[i]].unit = target;
+      clusters_[(*members)[i]].lane = i;
+    }
     Rebuild(units_[target].b, UnitLane(target), UnitChunks(units_[target]), a);
+    Reserve(units_[target].block, static_cast<uint32_t>(members->size()) - 1);  // one layout
+    GridOf(target, &grid);
+    for (uint32_t c : *members) {
+      Rebuild(clusters_[c].b, ClusterLane(c, grid), clusters_[c].chunks, a);
+    }
   }
 }
 
@@ -441,8 +551,10 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   ++num_chunks_;
   if (units_.empty()) {
     units_.emplace_back();
-    NewCluster({chunk}, 0, a);
     Rebuild(units_[0].b, UnitLane(0), std::span<const uint32_t>(&chunk, 1), a);
+    Grid grid;
+    GridOf(0, &grid);
+    NewCluster({chunk}, 0, grid, a);
     return;
   }
   // The unit whose box the chunk widens least, then the cluster of that unit likewise (the
@@ -452,21 +564,31 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   std::vector<float> point(2 * static_cast<size_t>(d_));
   ChunkPoint(chunk, a, point.data());
   float unit_growth = 0, cluster_growth = 0;
-  const uint32_t best_unit =
-      LeastWidened(units_block_, static_cast<uint32_t>(units_.size()), point.data(), &unit_growth);
+  const uint32_t best_unit = LeastWidened(units_block_, static_cast<uint32_t>(units_.size()),
+                                          point.data(), nullptr, &unit_growth);
   const Unit& unit = units_[best_unit];
-  const uint32_t best_cluster = unit.clusters[LeastWidened(
-      unit.block, static_cast<uint32_t>(unit.clusters.size()), point.data(), &cluster_growth)];
+  thread_local Grid grid, now;  // scratch, kept between calls
+  GridOf(best_unit, &grid);
+  const uint32_t best_cluster =
+      unit.clusters[LeastWidened(unit.block, static_cast<uint32_t>(unit.clusters.size()),
+                                 point.data(), &grid, &cluster_growth)];
   Cluster& cl = clusters_[best_cluster];
   cl.chunks.push_back(chunk);
   node_of_[chunk] = best_cluster;
   // A chunk inside a node's boxes (no growth over its mean and its peak) leaves them as they
-  // are: its halves rounded outwards stay inside too.
+  // are: its halves rounded outwards stay inside too. The unit first: its clusters' codes move
+  // to its new grid, on which the cluster then widens (a point inside the cluster's boxes stays
+  // inside, re-encoding only widens them).
   const bool both = opt_.cluster_by_peak;  // growth covered the peak as well
-  Widen(cl.b, ClusterLane(best_cluster), point.data(), a.tokens(chunk),
+  const bool unit_inside = both && unit_growth == 0.f;
+  Widen(units_[best_unit].b, UnitLane(best_unit), point.data(), a.tokens(chunk), unit_inside);
+  if (!unit_inside) {
+    GridOf(best_unit, &now);
+    Regrid(best_unit, grid, now);
+    std::swap(grid, now);
+  }
+  Widen(cl.b, ClusterLane(best_cluster, grid), point.data(), a.tokens(chunk),
         both && cluster_growth == 0.f);
-  Widen(units_[best_unit].b, UnitLane(best_unit), point.data(), a.tokens(chunk),
-        both && unit_growth == 0.f);
   const bool too_big = cl.chunks.size() > 2 * opt_.cluster_chunks;
   const bool too_wide = cl.chunks.size() >= 4 && cl.built_extent > 0 &&
                         cl.b.extent > opt_.resplit_extent * cl.built_extent;
@@ -479,14 +601,17 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
   // Each node's bounds and its lane (the only copy of its boxes) cover each of its chunks:
   // boxes (unless the lane is marked unbounded), token counts; and the node's corners and
   // extent are those its lane's boxes give, as are the lane's scalars.
+  // A cluster's extent may lag its codes (they only widen when its unit's grid moves), and its
+  // margins are its unit's.
+  Grid grid;
   auto covers = [&](const Bounds& b, const Block& blk, uint32_t lane, uint32_t ch) -> std::string {
     if (lane >= blk.cap) return "no lane";
     Mean(ch, a, mu.data());
     Peak(ch, a, peak.data());
     const float* p = peak.data();
-    auto box = [&](int part, int j) {
-      return HalfToFloat(blk.box[BoxIndex(blk, lane, static_cast<size_t>(part) * d_ + j)]);
-    };
+    float boxes[kBoxParts * kMaxHeadDim];
+    ReadLane(blk, lane, blk.coded ? &grid : nullptr, boxes);
+    auto box = [&](int part, int j) { return boxes[static_cast<size_t>(part) * d_ + j]; };
     if (blk.scalars[ScalarIndex(blk, lane, kUnbounded)] == 0.f) {
       for (int j = 0; j < d_; ++j) {
         if (mu[j] < box(kMuLo, j) || mu[j] > box(kMuHi, j)) return "mean outside box";
@@ -494,19 +619,25 @@ std::string ClusterIndex::CheckInvariants(const ChunkStats& a) const {
       }
     }
     if (a.tokens(ch) > b.max_tokens) return "tokens above max";
-    const LaneMeasure m = MeasureLane(blk, lane);
-    if (Norm(mu.data(), d_) > m.mu_corner || Norm(p, d_) > m.peak_corner) {
+    const LaneMeasure m = Measure(boxes);
+    const bool bounded = blk.scalars[ScalarIndex(blk, lane, kUnbounded)] == 0.f;
+    if (bounded && (Norm(mu.data(), d_) > m.mu_corner || Norm(p, d_) > m.peak_corner)) {
       return "a point beyond its box's corner";
     }
-    if (m.extent != b.extent) return "extent differs from the lane's boxes";
-    if (blk.scalars[ScalarIndex(blk, lane, kMarginA)] != m.mu_corner ||
-        blk.scalars[ScalarIndex(blk, lane, kMarginP)] != m.peak_corner ||
+    if (bounded && (blk.coded ? m.extent < b.extent : m.extent != b.extent)) {
+      return absl::StrFormat("extent differs from the lane's boxes (%s: %g, recorded %g)",
+                             blk.coded ? "cluster" : "unit", m.extent, b.extent);
+    }
+    if ((!blk.coded && (blk.scalars[ScalarIndex(blk, lane, kMarginA)] != m.mu_corner ||
+                        blk.scalars[ScalarIndex(blk, lane, kMarginP)] != m.peak_corner)) ||
         blk.scalars[ScalarIndex(blk, lane, kLogRest)] != b.log_rest) {
       return "lane scalars differ from the bounds and boxes";
     }
     return "";
   };
   for (uint32_t u = 0; u < units_.size(); ++u) {
+    GridOf(u, &grid);
+    if (!units_[u].block.coded) return absl::StrFormat("unit %d's block is not coded", u);
     for (uint32_t i = 0; i < units_[u].clusters.size(); ++i) {
       const uint32_t cl = units_[u].clusters[i];
       if (clusters_[cl].lane != i) {

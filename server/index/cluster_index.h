@@ -141,7 +141,8 @@ class ClusterIndex {
   static constexpr int kMaxHeadDim = 512;  // ModelShape.head_dim is at most 512
 
   // The bound fields shared by clusters and units, beside the boxes and scalars in its lane of
-  // a block (below).
+  // a block (below). A cluster's extent is its boxes' as last built or widened (its unit's box
+  // widening may widen its codes a little without updating it).
   struct Bounds {
     float extent = 0;  // the mean box's diagonal (MeasureLane), which re-splits compare
     uint32_t max_tokens = 0;
@@ -163,6 +164,19 @@ class ClusterIndex {
   // the only copy of a node's boxes. A box beyond the half range (|x| > 65504) marks its lane
   // unbounded: its bound is +inf.
   //
+  // A unit's clusters (its block, `coded`) hold their boxes as codes, a byte per side instead of
+  // a half, on a scale drawn from the unit's own box in that channel (Grid): code b stands for
+  // (k0 + b) 2^e, exactly a float, with the smallest e at which 256 codes from k0 = floor(lo /
+  // 2^e) reach the box's high side (and |k0| < 2^23). Lower sides round down to a code, upper
+  // sides up, so the codes still cover every chunk (a step is 1/256 to 1/64 of the unit's width). A
+  // unit's box widening moves the scale only when it passes k0 2^e or needs a larger e; its
+  // clusters' codes are then re-encoded in those channels, exactly (a code's value, floored or
+  // ceiled on the new scale). At 128K tokens of 32-token chunks the clusters' boxes as halves were
+  // 6 of the index's 8.2 bytes per token at head_dim 128. A search bounds a coded block with the
+  // query scaled by the steps (DotColumns over the bytes) plus q . base; its rounding margins
+  // scale with the unit's corners and |base|. A unit whose box is unbounded leaves each of its
+  // clusters unbounded.
+  //
   // The searches bound by the box alone. The ball (q.center + |q| R) was measured beside it:
   // on SmolLM2's keys (bench/out/qkv.npz, 5 layers, clusters of 4 chunks) it was the tighter
   // of the two for 2.3% of (node, query) pairs and took 0.3% off the box's slack, and at
@@ -175,9 +189,37 @@ class ClusterIndex {
   static constexpr uint32_t kTile = 16, kPad = 8;
   struct Block {
     uint32_t cap = 0;            // lanes: full tiles, then one of cap % kTile lanes
-    std::vector<uint16_t> box;   // the tiles' boxes, then kPad zeros
+    bool coded = false;          // boxes as codes on a unit's grid (a unit's clusters)
+    std::vector<uint16_t> box;   // the tiles' boxes (!coded), then kPad zeros
+    std::vector<uint8_t> codes;  // the tiles' boxes (coded), then kPad zeros
     std::vector<float> scalars;  // the tiles' scalars, then kPad zeros
   };
+  static Block CodedBlock() {
+    Block b;
+    b.coded = true;
+    return b;
+  }
+  // A unit's boxes as the scale of its clusters' codes, per channel c of [mean | peak] (2 d; a
+  // lane's hi and lo rows of a channel share its scale: part p's row j is channel p / 2 * d +
+  // j): code b stands for (k0 + b) step = base + b step, exactly, step = 2^e and inv = 2^-e. An
+  // unbounded unit's grid is zeros.
+  struct Grid {
+    bool bounded = false;
+    std::vector<float> base, step, inv;  // [2 * d]
+    std::vector<int32_t> k0;
+    float Value(size_t c, uint8_t b) const { return static_cast<float>(k0[c] + b) * step[c]; }
+    // The largest code standing for at most x (up: the smallest standing for at least x),
+    // clamped to the codes (x lies in the unit's box). x / 2^e is exact, its floor or ceiling
+    // an integer below 2^24 inside the box, and that less k0 too.
+    uint8_t Code(size_t c, float x, bool up) const {
+      const float t = std::clamp(x * inv[c], -0x1p30f, 0x1p30f);
+      int32_t k = static_cast<int32_t>(t);  // towards zero, then to the floor or the ceiling
+      k += up ? (static_cast<float>(k) < t) : -(static_cast<float>(k) > t);
+      return static_cast<uint8_t>(std::clamp(k - k0[c], 0, 255));
+    }
+  };
+  static size_t Channel(int part, int d) { return static_cast<size_t>(part / 2) * d; }
+  void GridOf(uint32_t unit, Grid* g) const;
   size_t BoxRows() const { return static_cast<size_t>(kBoxParts) * d_; }
   // The width of the tile that begins at lane t (a multiple of kTile below cap).
   static uint32_t TileWidth(const Block& blk, uint32_t t) { return std::min(kTile, blk.cap - t); }
@@ -200,31 +242,35 @@ class ClusterIndex {
   struct LaneMeasure {
     float mu_corner, peak_corner, extent;
   };
-  // A node's lane: its boxes and scalars. Taken afresh where used (units_ may grow).
+  // A node's lane: its boxes and scalars, and for a cluster its unit's exact grid. Taken afresh
+  // where used (units_ may grow).
   struct Lane {
     Block* blk;
     uint32_t lane;
+    const Grid* grid = nullptr;
   };
-  Lane ClusterLane(uint32_t cluster);
+  Lane ClusterLane(uint32_t cluster, const Grid& grid);
   Lane UnitLane(uint32_t unit) { return {&units_block_, unit}; }
   // Grows blk to hold `lane` (its last tile widens; the full tiles stay where they are). A
   // block of one tile (a unit's) is allocated to the lane, a larger one as vectors grow.
   void Reserve(Block& blk, uint32_t lane) const;
   // Writes a lane's boxes from floats [kBoxParts][d], rounding outwards, and marks it
-  // unbounded if they leave the half range.
+  // unbounded if they leave the half range (or its grid is unbounded).
   void StoreBoxes(Lane l, const float* box) const;
   // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards; `out` gets
   // the widened boxes as ReadLane gives them.
-  void WidenBoxes(Lane l, const float* mu, const float* peak, uint16_t* out) const;
+  void WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const;
+  // Re-encodes the codes of every cluster of `unit` from grid `from` to its grid now `to`, in the
+  // rows where they differ.
+  void Regrid(uint32_t unit, const Grid& from, const Grid& to);
   // Writes the lane's scalars (the unbounded mark stays): its margins from m (its boxes'
   // measure), its log_rest from b; and b's extent.
   void SetScalars(Lane l, Bounds& b, const LaneMeasure& m) const;
-  // Copies lane `from` of src (boxes and scalars) to lane `to` of dst.
-  void CopyLane(const Block& src, uint32_t from, Block& dst, uint32_t to) const;
   // The lane among blk's first `lanes` (at least one) whose boxes `point` ([mu | peak], 2 *
   // head_dim floats) widens least, ties to the narrowest (BoxGrowth), then to the lowest lane.
   // `growth` (when given) gets the chosen lane's growth: 0 when the point lies in its boxes.
-  uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point,
+  // grid: a coded block's (exact).
+  uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point, const Grid* grid,
                         float* growth = nullptr) const;
 
   struct Cluster {
@@ -239,7 +285,7 @@ class ClusterIndex {
   struct Unit {
     Bounds b;
     std::vector<uint32_t> clusters;
-    Block block;  // its clusters' bounds, lane i = clusters[i]
+    Block block = CodedBlock();  // its clusters' bounds, lane i = clusters[i]
   };
 
   void Mean(uint32_t chunk, const ChunkStats& a, float* out) const;
@@ -253,14 +299,15 @@ class ClusterIndex {
   void Widen(Bounds& b, Lane l, const float* point, uint32_t tokens, bool inside);
   // b's token counts over one more chunk of `tokens`.
   static void WidenTokens(Bounds& b, uint32_t tokens);
-  LaneMeasure MeasureLane(const Block& blk, uint32_t lane) const;
-  // The same of boxes read out of their lane: [kBoxParts][head_dim] halves.
-  LaneMeasure Measure(const uint16_t* box) const;
-  // A lane's boxes, [kBoxParts][head_dim] halves, out of its tile.
-  void ReadLane(const Block& blk, uint32_t lane, uint16_t* box) const;
+  LaneMeasure MeasureLane(const Block& blk, uint32_t lane, const Grid* grid) const;
+  // The same of boxes read out of their lane: [kBoxParts][head_dim] floats.
+  LaneMeasure Measure(const float* box) const;
+  // A lane's boxes, [kBoxParts][head_dim] floats, out of its tile: halves widened, or codes
+  // decoded on `grid` (a coded block's, exact).
+  void ReadLane(const Block& blk, uint32_t lane, const Grid* grid, float* box) const;
   // The middle of a lane's mean box and of its peak box (head_dim floats each; a side beyond
   // the half range counts as +-65504).
-  void LaneMiddles(const Block& blk, uint32_t lane, float* mu, float* peak) const;
+  void LaneMiddles(const Block& blk, uint32_t lane, const Grid* grid, float* mu, float* peak) const;
   // |x| over d floats, summed in double.
   static double Norm(const float* x, int d);
   // A query group prepared for bounds: each head's |q| and q split by sign, laid out to meet
@@ -268,18 +315,21 @@ class ClusterIndex {
   struct Prepared {
     std::vector<float> pos_neg;  // [group][2 * d]: max(q, 0), then min(q, 0)
     std::vector<float> norm;     // [group]
-    // BlockBounds' scratch, kept for the whole search.
-    mutable std::vector<float> dots;
+    std::vector<float> queries;  // [group][d]
+    // BlockBounds' scratch, kept for the whole search: dots, and a coded block's scaled
+    // queries ([kind][group][2 * d]) and q . base ([kind][group]).
+    mutable std::vector<float> dots, scaled, offsets;
+    mutable Grid grid;
   };
   Prepared Prepare(std::span<const float> queries, int group) const;
   // Opens unit `u` for a search: the bounds of its clusters into `bounds` (lane i =
   // u.clusters[i]), counted in `stats`.
-  void OpenUnit(v1::Ranking ranking, const Unit& u, std::span<const float> queries,
-                const Prepared& p, std::vector<float>* bounds, SearchStats* stats) const;
+  void OpenUnit(v1::Ranking ranking, uint32_t u, const Prepared& p, std::vector<float>* bounds,
+                SearchStats* stats) const;
   // Upper bounds on the score of every chunk under each of the first `lanes` nodes of blk:
-  // out[i] for lane i.
-  void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
-                   std::span<const float> queries, const Prepared& p, float* out) const;
+  // out[i] for lane i; of a coded block (a unit's clusters, `unit`), on the unit's grid.
+  void BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes, const Prepared& p,
+                   float* out, uint32_t unit = kNone) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries, int group,
                    const ChunkStats& a) const;
   // ChunkScore of each of `chunks` into out[i], the same values, computed together.
@@ -332,8 +382,9 @@ class ClusterIndex {
   }
   void SplitCluster(uint32_t cluster, const ChunkStats& a);
   void SplitUnit(uint32_t unit, const ChunkStats& a);
-  // A cluster over these chunks, appended to the unit's clusters (and lanes).
-  uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const ChunkStats& a);
+  // A cluster over these chunks, appended to the unit's clusters (and lanes); grid: the unit's.
+  uint32_t NewCluster(std::vector<uint32_t> chunks, uint32_t unit, const Grid& grid,
+                      const ChunkStats& a);
 
   int d_;
   Options opt_;

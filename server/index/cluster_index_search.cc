@@ -3,6 +3,7 @@
 #include <limits>
 #include <queue>
 #include <string>
+#include <type_traits>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_format.h"
@@ -35,6 +36,7 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
     }
     p.norm.push_back(static_cast<float>(Norm(q, d_)));
   }
+  p.queries.assign(queries.begin(), queries.begin() + static_cast<size_t>(group) * d_);
   return p;
 }
 
@@ -46,16 +48,46 @@ void ClusterIndex::PrefetchChunks(const Cluster& c, const ChunkStats& a) const {
 }
 
 void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t lanes,
-                               std::span<const float> queries, const Prepared& p,
-                               float* out) const {
+                               const Prepared& p, float* out, uint32_t unit) const {
   // Per head, q.x over the node's box is at most sum_j max(q_j lo_j, q_j hi_j) = max(q,0).hi
   // + min(q,0).lo: the [pos | neg] query meets the node's [hi | lo] rows. The margin covers
   // float rounding of this and of the chunk's own score (each under 1e-5 of its magnitude,
   // the 1e-6 of ExpInPlace included).
+  //
+  // Codes (a unit's clusters): side x = base + b step, so max(q,0).hi + min(q,0).lo is q.base
+  // + (max(q,0) step).b_hi + (min(q,0) step).b_lo, the scaled query against the bytes. Its
+  // terms are at most |q| (|x| + 2 |base|) in all: the margin scales with the unit's corner
+  // plus 2 |base|.
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
   constexpr float kInf = std::numeric_limits<float>::infinity();
+  const size_t d = d_, row2 = 2 * d;  // a [pos | neg] query; a kind's [hi | lo] rows
+  float coded_margin[2] = {0, 0};     // a coded block's, for the mean and the peak
+  if (blk.coded) {
+    Grid& g = p.grid;
+    GridOf(unit, &g);
+    if (!g.bounded) {
+      std::fill_n(out, lanes, kInf);
+      return;
+    }
+    p.scaled.resize(2 * group * row2);
+    p.offsets.resize(2 * group);
+    for (int kind = 0; kind < (lse ? 2 : 1); ++kind) {
+      const float* step = &g.step[kind * d];  // the mean's channels, then the peak's
+      const float* base = &g.base[kind * d];
+      for (int h = 0; h < group; ++h) {
+        const float* pn = &p.pos_neg[h * row2];  // meets the [hi | lo] rows
+        float* sq = &p.scaled[(kind * group + h) * row2];
+        for (size_t j = 0; j < d; ++j) sq[j] = pn[j] * step[j];
+        for (size_t j = 0; j < d; ++j) sq[d + j] = pn[d + j] * step[j];
+        p.offsets[kind * group + h] = Dot(&p.queries[h * d], base, d_);
+      }
+      const float corner =
+          units_block_.scalars[ScalarIndex(units_block_, unit, kind == 0 ? kMarginA : kMarginP)];
+      coded_margin[kind] = corner + 2.0001f * std::sqrt(Dot(base, base, d_));
+    }
+  }
   // Tile by tile: [kind][group][kTile], the box bound of q.mu, then of q.peak, one pass over
   // the tile's rows serving every head; then the bounds in fixed loops of the tile's W lanes
   // (those without a node are bounded too, never reported), which the compiler vectorizes, the
@@ -64,23 +96,43 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   dots.resize(2 * static_cast<size_t>(group) * kTile, 0.f);
   auto at = [&](int kind, int h) { return &dots[(static_cast<size_t>(kind) * group + h) * kTile]; };
   // W: the lanes the loops run over (8 or 16, at least the tile's width w).
-  auto bound_tile = [&]<uint32_t W>(uint32_t t, uint32_t w) {
-    const uint16_t* tile = &blk.box[BoxIndex(blk, t, 0)];
+  // The dots of a tile's lanes with the query (kind 0: the mean rows, 1: the peak's).
+  auto tile_dots = [&]<typename T>(const T* tile, uint32_t t, uint32_t w, int computed) {
     if (t + w < lanes) {  // the next tile, of the width it has
-      PrefetchBytes(tile + BoxRows() * w, BoxRows() * TileWidth(blk, t + w) * sizeof(uint16_t));
+      PrefetchBytes(tile + BoxRows() * w, BoxRows() * TileWidth(blk, t + w) * sizeof(T));
     }
+    for (int kind = 0; kind < (lse ? 2 : 1); ++kind) {
+      const T* rows = tile + kind * row2 * w;
+      if constexpr (std::is_same_v<T, uint8_t>) {
+        DotColumns(&p.scaled[kind * group * row2], group, static_cast<int>(row2), rows,
+                   static_cast<int>(row2), w, computed, at(kind, 0), kTile);
+        for (int h = 0; h < group; ++h) {
+          float* a = at(kind, h);
+          const float offset = p.offsets[kind * group + h];
+          for (int i = 0; i < computed; ++i) a[i] += offset;
+        }
+      } else {
+        DotColumns(p.pos_neg.data(), group, static_cast<int>(row2), rows, static_cast<int>(row2), w,
+                   computed, at(kind, 0), kTile);
+      }
+    }
+  };
+  float coded_margins[2][kTile];
+  std::fill_n(coded_margins[0], kTile, coded_margin[0]);
+  std::fill_n(coded_margins[1], kTile, coded_margin[1]);
+  auto bound_tile = [&]<uint32_t W>(uint32_t t, uint32_t w) {
     // Only the groups of eight lanes that hold nodes are computed; the others keep what they
     // held (bounded, never reported).
     const uint32_t in_tile = std::min(w, lanes - t);
     const int computed = static_cast<int>((in_tile + 7) / 8 * 8);
-    DotColumns(p.pos_neg.data(), group, 2 * d_, tile, 2 * d_, w, computed, at(0, 0), kTile);
-    if (lse) {
-      DotColumns(p.pos_neg.data(), group, 2 * d_, tile + 2 * static_cast<size_t>(d_) * w, 2 * d_, w,
-                 computed, at(1, 0), kTile);
+    if (blk.coded) {
+      tile_dots(&blk.codes[BoxIndex(blk, t, 0)], t, w, computed);
+    } else {
+      tile_dots(&blk.box[BoxIndex(blk, t, 0)], t, w, computed);
     }
     const float* sc = &blk.scalars[ScalarIndex(blk, t, 0)];  // scalar s of lane i: sc[s * w + i]
-    const float* margin_a = sc + kMarginA * w;
-    const float* margin_p = sc + kMarginP * w;
+    const float* margin_a = blk.coded ? coded_margins[0] : sc + kMarginA * w;
+    const float* margin_p = blk.coded ? coded_margins[1] : sc + kMarginP * w;
     const float* log_rest = sc + kLogRest * w;
     float best[W];
     std::fill_n(best, W, -kInf);
@@ -124,12 +176,11 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   }
 }
 
-void ClusterIndex::OpenUnit(v1::Ranking ranking, const Unit& u, std::span<const float> queries,
-                            const Prepared& p, std::vector<float>* bounds,
-                            SearchStats* stats) const {
+void ClusterIndex::OpenUnit(v1::Ranking ranking, uint32_t unit, const Prepared& p,
+                            std::vector<float>* bounds, SearchStats* stats) const {
+  const Unit& u = units_[unit];
   bounds->resize(u.clusters.size());
-  BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), queries, p,
-              bounds->data());
+  BlockBounds(ranking, u.block, static_cast<uint32_t>(u.clusters.size()), p, bounds->data(), unit);
   stats->bounds_scored += u.clusters.size();
   ++stats->units_opened;
 }
@@ -192,8 +243,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
   if (k == 0) return {};
   const Prepared prep = Prepare(queries, group);
   std::vector<float> bounds(units_.size());
-  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
-              bounds.data());
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), prep, bounds.data());
   std::vector<Node> units;  // heaped at once rather than pushed one by one
   units.reserve(units_.size() + 64);
   for (uint32_t u = 0; u < units_.size(); ++u) units.push_back({bounds[u], true, u});
@@ -208,7 +258,7 @@ std::vector<uint32_t> ClusterIndex::Search(v1::Ranking ranking, std::span<const 
       const Unit& u = units_[n.id];
       const float threshold =
           kept.size() == k ? kept.top().score : -std::numeric_limits<float>::infinity();
-      OpenUnit(ranking, u, queries, prep, &bounds, &local);
+      OpenUnit(ranking, n.id, prep, &bounds, &local);
       for (size_t i = 0; i < u.clusters.size(); ++i) {
         if (bounds[i] < threshold) continue;  // it cannot win
         open.push({bounds[i], false, u.clusters[i]});
@@ -275,8 +325,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
   }
   local.chunks_scored += extras.size();
   std::vector<float> bounds(units_.size());
-  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
-              bounds.data());
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), prep, bounds.data());
   local.bounds_scored += units_.size();
   for (uint32_t u = 0; u < units_.size(); ++u) {
     if (units_[u].b.min_tokens > budget) continue;
@@ -297,7 +346,7 @@ std::vector<uint32_t> ClusterIndex::SearchGreedy(v1::Ranking ranking,
         break;
       case kUnit: {
         const Unit& u = units_[it.id];
-        OpenUnit(ranking, u, queries, prep, &bounds, &local);
+        OpenUnit(ranking, it.id, prep, &bounds, &local);
         for (size_t i = 0; i < u.clusters.size(); ++i) {
           const uint32_t cl = u.clusters[i];
           if (clusters_[cl].b.min_tokens > left) continue;  // nothing in it fits any more
@@ -328,13 +377,13 @@ void ClusterIndex::ForEachUnitBounds(v1::Ranking ranking, std::span<const float>
                                      Visit visit) const {
   const Prepared prep = Prepare(queries, group);
   std::vector<float> unit_bounds(units_.size()), cluster_bounds;
-  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), queries, prep,
+  BlockBounds(ranking, units_block_, static_cast<uint32_t>(units_.size()), prep,
               unit_bounds.data());
   for (uint32_t u = 0; u < units_.size(); ++u) {
     const std::vector<uint32_t>& cls = units_[u].clusters;
     cluster_bounds.resize(cls.size());
-    BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), queries, prep,
-                cluster_bounds.data());
+    BlockBounds(ranking, units_[u].block, static_cast<uint32_t>(cls.size()), prep,
+                cluster_bounds.data(), u);
     visit(u, unit_bounds[u], std::span<const float>(cluster_bounds));
   }
 }
