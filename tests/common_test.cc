@@ -664,5 +664,20 @@ TEST(DecodeRows, EachCodeIsOneFusedMultiplyAddOnItsRowsScale) {
   }
 }
 
+TEST(MultiplyInto, EachProductRoundedOnceOnEveryPath) {
+  std::mt19937 rng(41);
+  std::normal_distribution<float> n(0, 100);
+  for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
+    std::vector<float> a(len), b(len), out(len + 1, -7.f);
+    for (size_t i = 0; i < len; ++i) a[i] = n(rng), b[i] = n(rng);
+    MultiplyInto(a.data(), b.data(), len, out.data());
+    for (size_t i = 0; i < len; ++i) {
+      const float want = static_cast<float>(double(a[i]) * b[i]);  // exact, then rounded once
+      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want)) << len << " " << i;
+    }
+    EXPECT_EQ(out[len], -7.f) << "wrote past " << len;
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

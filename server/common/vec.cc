@@ -401,6 +401,19 @@ __attribute__((target("avx2,fma,f16c"))) void BoxGrowthAvx2(const float* x, int 
   }
 }
 
+void MultiplyIntoScalar(const float* a, const float* b, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+}
+
+__attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float* b, size_t n,
+                                                     float* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  }
+  MultiplyIntoScalar(a + i, b + i, n - i, out + i);
+}
+
 __attribute__((target("avx2,fma,f16c"))) void DecodeRowsAvx2(const uint8_t* codes, int rows,
                                                              int stride, int lanes,
                                                              const float* base, const float* step,
@@ -954,6 +967,12 @@ void ExpInPlace(float* x, int n) {
 void LogInPlace(float* x, int n) {
   static void (*const impl)(float*, int) = HaveAvx2Fma() ? LogInPlaceAvx2 : LogInPlaceScalar;
   impl(x, n);
+}
+
+void MultiplyInto(const float* a, const float* b, size_t n, float* out) {
+  static void (*const impl)(const float*, const float*, size_t, float*) =
+      Cpu().avx2 ? MultiplyIntoAvx : MultiplyIntoScalar;
+  impl(a, b, n, out);
 }
 
 float MaxOf(const float* x, size_t n) {

@@ -116,6 +116,9 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 // reduction, eight at a time). Each result depends only on its input, not on n or i.
 void ExpInPlace(float* x, int n);
 
+// out[i] = a[i] * b[i] for i in [0, n) (each product rounded once: the same on every path).
+void MultiplyInto(const float* a, const float* b, size_t n, float* out);
+
 // The largest of n floats (-inf for none).
 float MaxOf(const float* x, size_t n);
 // x[0] + ... + x[n - 1] in double, in a fixed order on every path: eight partial sums (the k-th

@@ -174,7 +174,7 @@ class ClusterIndex {
   // ceiled on the new scale). At 128K tokens of 32-token chunks the clusters' boxes as halves were
   // 6 of the index's 8.2 bytes per token at head_dim 128. A search bounds a coded block with the
   // query scaled by the steps (DotColumns over the bytes) plus q . base; its rounding margins
-  // scale with the unit's corners and |base|. A unit whose box is unbounded leaves each of its
+  // scale with the unit's corners. A unit whose box is unbounded leaves each of its
   // clusters unbounded.
   //
   // The searches bound by the box alone. The ball (q.center + |q| R) was measured beside it:

@@ -55,9 +55,11 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
   // the 1e-6 of ExpInPlace included).
   //
   // Codes (a unit's clusters): side x = base + b step, so max(q,0).hi + min(q,0).lo is q.base
-  // + (max(q,0) step).b_hi + (min(q,0) step).b_lo, the scaled query against the bytes. Its
-  // terms are at most |q| (|x| + 2 |base|) in all: the margin scales with the unit's corner
-  // plus 2 |base|.
+  // + (max(q,0) step).b_hi + (min(q,0) step).b_lo, the query scaled row by row against the
+  // bytes. Its terms are at most |q| (|x| + 2 |base|) in all; a channel's base and every value
+  // in reach are within a step of its unit's box, and a step is at most the larger of the box's
+  // sides, so |x| and |base| are at most twice the unit box's corner: the margin scales with six
+  // times that corner.
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(d_));
   const int group = static_cast<int>(p.norm.size());
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
@@ -75,17 +77,16 @@ void ClusterIndex::BlockBounds(v1::Ranking ranking, const Block& blk, uint32_t l
     p.offsets.resize(2 * group);
     for (int kind = 0; kind < (lse ? 2 : 1); ++kind) {
       const float* step = &g.step[kind * d];  // the mean's channels, then the peak's
-      const float* base = &g.base[kind * d];
-      for (int h = 0; h < group; ++h) {
-        const float* pn = &p.pos_neg[h * row2];  // meets the [hi | lo] rows
+      for (int h = 0; h < group; ++h) {       // [pos | neg] meets the [hi | lo] rows
+        const float* pn = &p.pos_neg[h * row2];
         float* sq = &p.scaled[(kind * group + h) * row2];
-        for (size_t j = 0; j < d; ++j) sq[j] = pn[j] * step[j];
-        for (size_t j = 0; j < d; ++j) sq[d + j] = pn[d + j] * step[j];
-        p.offsets[kind * group + h] = Dot(&p.queries[h * d], base, d_);
+        MultiplyInto(pn, step, d, sq);
+        MultiplyInto(pn + d, step, d, sq + d);
+        p.offsets[kind * group + h] = Dot(&p.queries[h * d], &g.base[kind * d], d_);
       }
-      const float corner =
+      coded_margin[kind] =
+          6 *
           units_block_.scalars[ScalarIndex(units_block_, unit, kind == 0 ? kMarginA : kMarginP)];
-      coded_margin[kind] = corner + 2.0001f * std::sqrt(Dot(base, base, d_));
     }
   }
   // Tile by tile: [kind][group][kTile], the box bound of q.mu, then of q.peak, one pass over
