@@ -77,17 +77,27 @@ void ClusterIndex::ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) c
 
 void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
                            const ChunkStats& a) {
-  // Every chunk widens the empty bounds; the boxes in float, then written to the lane once.
+  float box[kBoxParts * kMaxHeadDim];
+  BoxOver(chunks, a, b, box);
+  StoreBoxes(l, box);
+  SetScalars(l, b, MeasureLane(*l.blk, l.lane, l.grid));
+}
+
+void ClusterIndex::EmptyBox(float* box) const {
+  for (int part = 0; part < kBoxParts; ++part) {
+    std::fill_n(&box[part * d_], d_,
+                IsUpper(part) ? -std::numeric_limits<float>::infinity()
+                              : std::numeric_limits<float>::infinity());
+  }
+}
+
+void ClusterIndex::BoxOver(std::span<const uint32_t> chunks, const ChunkStats& a, Bounds& b,
+                           float* box) const {
+  // Every chunk widens the empty bounds, the boxes in float.
   const size_t d = d_;
   b.max_tokens = 0;
   b.min_tokens = std::numeric_limits<uint32_t>::max();
-  float box[kBoxParts * kMaxHeadDim];
-  for (int part = 0; part < kBoxParts; ++part) {
-    const bool hi = IsUpper(part);
-    std::fill_n(
-        &box[part * d], d,
-        hi ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
-  }
+  EmptyBox(box);
   float mu[kMaxHeadDim], p[kMaxHeadDim];
   for (uint32_t ch : chunks) {
     Mean(ch, a, mu);
@@ -100,8 +110,6 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
       box[kPeakLo * d + j] = std::min(box[kPeakLo * d + j], p[j]);
     }
   }
-  StoreBoxes(l, box);
-  SetScalars(l, b, MeasureLane(*l.blk, l.lane, l.grid));
 }
 
 void ClusterIndex::WidenTokens(Bounds& b, uint32_t tokens) {
@@ -197,6 +205,10 @@ void ClusterIndex::Widen(Bounds& b, Lane l, const float* point, uint32_t tokens,
     l.blk->scalars[ScalarIndex(*l.blk, l.lane, kLogRest)] = b.log_rest;
     return;
   }
+  if (l.blk->coded) {  // a coded lane's margins are its unit's: only its extent is measured
+    SetScalars(l, b, {0, 0, WidenCodes(l, point, point + d_)});
+    return;
+  }
   float box[kBoxParts * kMaxHeadDim];
   WidenBoxes(l, point, point + d_, box);
   SetScalars(l, b, Measure(box));
@@ -261,26 +273,35 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   unbounded = finite ? 0.f : 1.f;
 }
 
+float ClusterIndex::WidenCodes(Lane l, const float* mu, const float* peak) const {
+  // A row moves only where the point lies outside what its code stands for: x / 2^e against
+  // k0 + code, both exact. The extent as Measure computes it from the decoded boxes: each mean
+  // channel's hi - lo is (b_hi - b_lo) 2^e, exactly, summed squared in double in the same order.
+  const Grid& g = *l.grid;
+  const size_t d = d_;
+  const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);  // row r at col[r * w]
+  uint8_t* col = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
+  for (int part = 0; part < kBoxParts; ++part) {
+    const size_t row = static_cast<size_t>(part) * d, c = Channel(part, d_);
+    const float* x = part < kPeakHi ? mu : peak;
+    const bool up = IsUpper(part);
+    for (size_t j = 0; j < d; ++j) {
+      uint8_t& code = col[(row + j) * w];
+      const float k = static_cast<float>(g.k0[c + j] + code), t = x[j] * g.inv[c + j];
+      if (up ? k < t : k > t) code = g.Code(c + j, x[j], up);
+    }
+  }
+  double extent = 0;
+  for (size_t j = 0; j < d; ++j) {
+    const double side = double(col[(kMuHi * d + j) * w] - col[(kMuLo * d + j) * w]) * g.step[j];
+    extent += side * side;
+  }
+  return static_cast<float>(std::sqrt(extent) * (1 + 1e-6));
+}
+
 void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const {
   const size_t d = d_;
   const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);  // row r at col[r * w]
-  if (l.blk->coded) {
-    // A row moves only where the point lies outside what its code stands for.
-    const Grid& g = *l.grid;
-    uint8_t* col = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
-    ReadLane(*l.blk, l.lane, l.grid, out);
-    for (int part = 0; part < kBoxParts; ++part) {
-      const size_t row = static_cast<size_t>(part) * d, c = Channel(part, d_);
-      const float* x = part < kPeakHi ? mu : peak;
-      const bool up = IsUpper(part);
-      for (size_t j = 0; j < d; ++j) {
-        if (up ? out[row + j] >= x[j] : out[row + j] <= x[j]) continue;
-        col[(row + j) * w] = g.Code(c + j, x[j], up);
-        out[row + j] = g.Value(c + j, col[(row + j) * w]);
-      }
-    }
-    return;  // a bounded grid's codes are finite; an unbounded one's lanes are marked already
-  }
   uint16_t rounded[kBoxParts * kMaxHeadDim], box[kBoxParts * kMaxHeadDim];
   FloatsToHalvesDirected(mu, d_, true, &rounded[kMuHi * d]);
   FloatsToHalvesDirected(mu, d_, false, &rounded[kMuLo * d]);
@@ -477,14 +498,6 @@ uint32_t ClusterIndex::NewCluster(std::vector<uint32_t> chunks, uint32_t unit, c
   return id;
 }
 
-std::vector<uint32_t> ClusterIndex::UnitChunks(const Unit& u) const {
-  std::vector<uint32_t> out;
-  for (uint32_t c : u.clusters) {
-    out.insert(out.end(), clusters_[c].chunks.begin(), clusters_[c].chunks.end());
-  }
-  return out;
-}
-
 void ClusterIndex::SplitCluster(uint32_t cluster, const ChunkStats& a) {
   const auto& chunks = clusters_[cluster].chunks;
   // 2-means over the chunks' [mean | peak] themselves, not their directions: the boxes the
@@ -524,8 +537,9 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
   // 2-means left many of one or two clusters, each a lane the search must bound.
   TwoMeans(
       cls, PointDim(), [&](size_t i) { return &points[i * stride]; }, true, true, &left, &right);
-  // Each half's box from its chunks, then its clusters' codes on that box's scale, from their
-  // chunks too (their old codes are on the old box's; moved across, they came out looser).
+  // Each half's clusters' boxes from their chunks (their old codes are on the old box's scale;
+  // moved across, they came out looser), the half's box their union, then the clusters' codes on
+  // its scale.
   const uint32_t id = static_cast<uint32_t>(units_.size());
   units_.emplace_back();
   units_[unit].block = CodedBlock();
@@ -535,11 +549,33 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
       clusters_[(*members)[i]].unit = target;
       clusters_[(*members)[i]].lane = i;
     }
-    Rebuild(units_[target].b, UnitLane(target), UnitChunks(units_[target]), a);
+    const size_t rows = BoxRows();
+    std::vector<float> boxes(members->size() * rows);
+    float unit_box[kBoxParts * kMaxHeadDim];
+    EmptyBox(unit_box);
+    Bounds& ub = units_[target].b;
+    ub.max_tokens = 0;
+    ub.min_tokens = std::numeric_limits<uint32_t>::max();
+    for (size_t i = 0; i < members->size(); ++i) {
+      Cluster& c = clusters_[(*members)[i]];
+      const float* box = &boxes[i * rows];
+      BoxOver(c.chunks, a, c.b, &boxes[i * rows]);
+      WidenTokens(ub, c.b.max_tokens);
+      WidenTokens(ub, c.b.min_tokens);
+      for (size_t r = 0; r < rows; ++r) {
+        unit_box[r] = IsUpper(static_cast<int>(r / d_)) ? std::max(unit_box[r], box[r])
+                                                        : std::min(unit_box[r], box[r]);
+      }
+    }
+    StoreBoxes(UnitLane(target), unit_box);
+    SetScalars(UnitLane(target), ub, MeasureLane(units_block_, target, nullptr));
     Reserve(units_[target].block, static_cast<uint32_t>(members->size()) - 1);  // one layout
     GridOf(target, &grid);
-    for (uint32_t c : *members) {
-      Rebuild(clusters_[c].b, ClusterLane(c, grid), clusters_[c].chunks, a);
+    for (size_t i = 0; i < members->size(); ++i) {
+      Cluster& c = clusters_[(*members)[i]];
+      const Lane l = ClusterLane((*members)[i], grid);
+      StoreBoxes(l, &boxes[i * rows]);
+      SetScalars(l, c.b, MeasureLane(*l.blk, l.lane, l.grid));
     }
   }
 }

@@ -258,8 +258,10 @@ class ClusterIndex {
   // unbounded if they leave the half range (or its grid is unbounded).
   void StoreBoxes(Lane l, const float* box) const;
   // Widens a lane's boxes over one chunk's mean key and peak, rounding outwards; `out` gets
-  // the widened boxes as ReadLane gives them.
+  // the widened boxes as ReadLane gives them. WidenCodes: the same of a coded lane, returning
+  // its extent (as Measure gives it).
   void WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const;
+  float WidenCodes(Lane l, const float* mu, const float* peak) const;
   // Re-encodes the codes of every cluster of `unit` from grid `from` to its grid now `to`, in the
   // rows where they differ.
   void Regrid(uint32_t unit, const Grid& from, const Grid& to);
@@ -294,6 +296,10 @@ class ClusterIndex {
   void ChunkPoint(uint32_t chunk, const ChunkStats& a, float* out) const;
   // Recomputes b and its lane from scratch over these chunks: boxes, tokens, scalars.
   void Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks, const ChunkStats& a);
+  // The boxes over these chunks in float ([kBoxParts][head_dim], before any rounding) and b's
+  // token counts; EmptyBox: boxes no point lies in (hi -inf, lo +inf).
+  void BoxOver(std::span<const uint32_t> chunks, const ChunkStats& a, Bounds& b, float* box) const;
+  void EmptyBox(float* box) const;
   // Widens b and its lane to cover one more chunk of `tokens` tokens, whose [mean | peak] is
   // `point`; `inside`: the point lies in the lane's boxes already (LeastWidened's growth 0).
   void Widen(Bounds& b, Lane l, const float* point, uint32_t tokens, bool inside);
@@ -349,7 +355,6 @@ class ClusterIndex {
   template <typename Visit>
   void ForEachUnitBounds(v1::Ranking ranking, std::span<const float> queries, int group,
                          Visit visit) const;
-  std::vector<uint32_t> UnitChunks(const Unit& u) const;
   // Starts the loads of a cluster's chunks' sums and peaks: the search reads them scattered,
   // and mostly from outside the cache.
   void PrefetchChunks(const Cluster& c, const ChunkStats& a) const;
