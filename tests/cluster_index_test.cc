@@ -18,19 +18,20 @@ constexpr int kD = 64, kT = 16, kGroup = 3;
 // the mean, in a ChunkStats (final, so compact: bytes times a scale) for the index, and as
 // floats here. The linear scan reads the ChunkStats, as a stream's ranking does.
 struct Stream {
-  Stream() : stats(kD) {}
+  explicit Stream(int d = kD) : d(d), stats(d) {}
+  int d;
   std::vector<float> sums, peaks;
   std::vector<uint32_t> tokens;
   ChunkStats stats;
 
-  void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][kD]
-    std::vector<float> sum(kD, 0.f), mean(kD);
+  void Push(const std::vector<float>& keys, uint32_t n) {  // keys [n][d]
+    std::vector<float> sum(d, 0.f), mean(d);
     for (uint32_t t = 0; t < n; ++t)
-      for (int j = 0; j < kD; ++j) sum[j] += keys[t * kD + j];
-    for (int j = 0; j < kD; ++j) mean[j] = sum[j] / n;
-    const float* peak = FarthestRow(keys.data(), n, kD, mean.data());
+      for (int j = 0; j < d; ++j) sum[j] += keys[t * d + j];
+    for (int j = 0; j < d; ++j) mean[j] = sum[j] / n;
+    const float* peak = FarthestRow(keys.data(), n, d, mean.data());
     sums.insert(sums.end(), sum.begin(), sum.end());
-    peaks.insert(peaks.end(), peak, peak + kD);
+    peaks.insert(peaks.end(), peak, peak + d);
     tokens.push_back(n);
     stats.Append(n, sum.data(), peak);
     stats.MarkFinal(stats.size());
@@ -39,7 +40,8 @@ struct Stream {
 
 enum class Data { kGaussian, kClustered, kIdentical, kOutliers, kBeyondHalf };
 
-std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<float>& centers) {
+std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<float>& centers,
+                             int kD = kvtier::kD) {
   std::normal_distribution<float> n(0, 1);
   std::vector<float> k(kT * kD);
   switch (kind) {
@@ -76,7 +78,7 @@ std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<flo
   return k;
 }
 
-std::vector<float> Queries(std::mt19937& rng, float scale) {
+std::vector<float> Queries(std::mt19937& rng, float scale, int kD = kvtier::kD) {
   std::normal_distribution<float> n(0, scale);
   std::vector<float> q(kGroup * kD);
   for (auto& x : q) x = n(rng);
@@ -91,11 +93,11 @@ std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, c
     if (c < skip.size() && skip[c]) continue;
     cands.push_back(s.stats.candidate(c));
   }
-  return SelectChunks(ranking, q, kGroup, kD, cands, k * kT);
+  return SelectChunks(ranking, q, kGroup, s.d, cands, k * kT);
 }
 
 // 32 random directions for clustered keys.
-std::vector<float> Centers(std::mt19937& rng) {
+std::vector<float> Centers(std::mt19937& rng, int kD = kvtier::kD) {
   std::normal_distribution<float> n(0, 1);
   std::vector<float> centers(32 * kD);
   for (auto& x : centers) x = n(rng);
@@ -234,6 +236,36 @@ TEST(ClusterIndex, PrunesMostChunksOnClusteredKeys) {
 // one lane per cluster (their last tile as wide as it needs), the block of units at most
 // twice those used, and a node's own record adds a few hundred bytes at most.
 // ChunkStats' holds its token counts, means and peaks, and no more than twice that.
+// Head dims other than 64: 37 leaves a remainder below 8 in every vector loop (the scalar tails
+// of the kernels the boxes' codes go through), 128 is the larger models' size.
+TEST(ClusterIndex, SearchEqualsTheLinearScanAtOtherHeadDims) {
+  for (int d : {37, 128}) {
+    for (Data kind : {Data::kClustered, Data::kOutliers}) {
+      SCOPED_TRACE(::testing::Message() << "head_dim " << d << " data " << static_cast<int>(kind));
+      std::mt19937 rng(d + static_cast<int>(kind));
+      const std::vector<float> centers = Centers(rng, d);
+      Stream s(d);
+      ClusterIndex index(d);
+      for (int i = 0; i < 700; ++i) {
+        s.Push(ChunkKeys(kind, rng, centers, d), kT);
+        index.Add(static_cast<uint32_t>(i), s.stats);
+      }
+      ASSERT_EQ(index.CheckInvariants(s.stats), "");
+      ASSERT_GT(index.num_units(), 4u);
+      for (int trial = 0; trial < 6; ++trial) {
+        const auto q = Queries(rng, trial % 2 ? 3.f : 0.5f, d);
+        for (v1::Ranking r : {v1::RANKING_LSE_PEAK, v1::RANKING_MEAN}) {
+          EXPECT_EQ(index.CountBoundViolations(r, q, kGroup, s.stats), 0u);
+          for (size_t k : {1, 20}) {
+            EXPECT_EQ(index.Search(r, q, kGroup, k, s.stats, {}, nullptr), Linear(r, q, s, k, {}))
+                << v1::Ranking_Name(r) << " k " << k << " trial " << trial;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(ClusterIndex, MemoryBytesCountsWhatItHolds) {
   std::mt19937 rng(3);
   const std::vector<float> centers = Centers(rng);

@@ -679,5 +679,68 @@ TEST(MultiplyInto, EachProductRoundedOnceOnEveryPath) {
   }
 }
 
+TEST(PowerOfTwoScales, CodesSpanTheBoxExactlyOnTheSmallestScale) {
+  std::mt19937 rng(43);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> lo, hi;
+  auto add = [&](float a, float b) {
+    lo.push_back(std::min(a, b));
+    hi.push_back(std::max(a, b));
+  };
+  for (int i = 0; i < 300; ++i) {
+    const float m = std::ldexp(1.f, static_cast<int>(rng() % 40) - 24);  // magnitudes 2^-24..2^15
+    const float x = m * n(rng);
+    switch (i % 5) {
+      case 0:
+        add(x, x);
+        break;  // a point
+      case 1:
+        add(x, x + std::fabs(x) * 1e-3f);
+        break;  // narrow, far from zero
+      case 2:
+        add(x, m * n(rng));
+        break;  // any two
+      case 3:
+        add(-std::fabs(x), std::fabs(x));
+        break;  // around zero
+      default:
+        add(x, std::nextafter(x, 2 * std::fabs(x) + 1));
+        break;  // one ulp wide
+    }
+  }
+  add(0.f, 0.f);
+  add(-65504.f, 65504.f);                         // the half range's ends
+  const int count = static_cast<int>(lo.size());  // not a multiple of 8: the scalar tail runs
+  std::vector<int32_t> k0(count), sk0(count);
+  std::vector<float> base(count), step(count), inv(count), sbase(count), sstep(count), sinv(count);
+  PowerOfTwoScales(lo.data(), hi.data(), count, k0.data(), base.data(), step.data(), inv.data());
+  PowerOfTwoScalesScalar(lo.data(), hi.data(), count, sk0.data(), sbase.data(), sstep.data(),
+                         sinv.data());
+  for (int i = 0; i < count; ++i) {
+    SCOPED_TRACE(::testing::Message() << "[" << lo[i] << ", " << hi[i] << "]");
+    EXPECT_EQ(k0[i], sk0[i]);
+    EXPECT_EQ(base[i], sbase[i]);
+    EXPECT_EQ(step[i], sstep[i]);
+    EXPECT_EQ(inv[i], sinv[i]);
+    int e;
+    EXPECT_EQ(std::frexp(step[i], &e), 0.5f) << "a power of two";
+    EXPECT_EQ(double(step[i]) * inv[i], 1.0);
+    EXPECT_EQ(double(base[i]), double(k0[i]) * step[i]) << "base is k0 steps, exactly";
+    EXPECT_LT(std::abs(k0[i]) + 255, 1 << 24) << "every code's value is exact";
+    EXPECT_LE(base[i], lo[i]);
+    EXPECT_GT(double(base[i]) + step[i], double(lo[i])) << "k0 is lo's floor";
+    EXPECT_GE(double(k0[i] + 255) * step[i], double(hi[i])) << "the codes reach hi";
+    // One step smaller would not reach hi, unless it is held by exactness or the smallest e.
+    const double half = step[i] / 2.0;
+    const double k_half = std::floor(double(lo[i]) / half);
+    const bool smaller_reaches = std::ceil(double(hi[i]) / half) - k_half <= 255;
+    const float m = std::max(std::fabs(lo[i]), std::fabs(hi[i]));
+    const bool held = step[i] <= std::ldexp(1.f, -126) ||
+                      (m > 0 && std::ldexp(1.0, std::ilogb(m) - 22) >= step[i]) ||
+                      std::ldexp(1.0, std::ilogb(double(hi[i]) - lo[i]) - 7) >= step[i];
+    EXPECT_TRUE(!smaller_reaches || held) << "step " << step[i] << " is not the smallest";
+  }
+}
+
 }  // namespace
 }  // namespace kvtier
