@@ -264,10 +264,11 @@ __attribute__((target("avx2,f16c"))) void QuantizeAvx2(const uint16_t* keys, con
   // Values: per token, groups of kValueGroup channels (d % 8 == 0 here). First every group's range,
   // then the parameters, then the codes.
   const uint32_t groups = L.value_groups();
-  // EncodeParamsAvx2 reads up to 8 groups at a time; zeroed, so the padding lanes are zero (and
-  // gcc cannot see that every group is written).
-  alignas(32) float gmn[kMaxValueGroups] = {}, gmx[kMaxValueGroups] = {}, gzero[kMaxValueGroups],
-                    ginv[kMaxValueGroups];
+  // EncodeParamsAvx2 reads up to 8 groups at a time: the lanes past the last group are zeroed
+  // (only those: the whole arrays are 4 KiB, as much as a chunk's keys and values at d 64).
+  alignas(32) float gmn[kMaxValueGroups], gmx[kMaxValueGroups], gzero[kMaxValueGroups],
+      ginv[kMaxValueGroups];
+  for (uint32_t i = groups; i < (groups + 7) / 8 * 8; ++i) gmn[i] = gmx[i] = 0.f;
   for (uint32_t t = 0; t < n; ++t) {
     const uint16_t* row = values + t * d;
     for (uint32_t g = 0; g < G; ++g) {
