@@ -742,5 +742,33 @@ TEST(PowerOfTwoScales, CodesSpanTheBoxExactlyOnTheSmallestScale) {
   }
 }
 
+TEST(ScaledCodes, FloorOrCeilingOnTheScaleLessK0) {
+  std::mt19937 rng(47);
+  std::normal_distribution<float> n(0, 1);
+  for (int len : {1, 7, 8, 13, 64}) {
+    std::vector<float> x(len), inv(len);
+    std::vector<int32_t> k0(len);
+    for (int i = 0; i < len; ++i) {
+      inv[i] = std::ldexp(1.f, static_cast<int>(rng() % 40) - 10);
+      x[i] = i % 5 == 0
+                 ? std::ldexp(static_cast<float>(rng() % 1000), -static_cast<int>(rng() % 12))
+                 : 100 * n(rng);  // every fifth an exact multiple of some step
+      k0[i] = static_cast<int32_t>(rng() % 2001) - 1000;
+    }
+    x[0] = 1e30f;  // clamped to 2^30 before the conversion
+    for (bool up : {false, true}) {
+      std::vector<int32_t> out(len), scalar(len);
+      ScaledCodes(x.data(), inv.data(), k0.data(), len, up, out.data());
+      ScaledCodesScalar(x.data(), inv.data(), k0.data(), len, up, scalar.data());
+      for (int i = 0; i < len; ++i) {
+        const double t = std::clamp(double(x[i]) * inv[i], -0x1p30, 0x1p30);  // exact
+        const double want = (up ? std::ceil(t) : std::floor(t)) - k0[i];
+        EXPECT_EQ(out[i], want) << "len " << len << " i " << i << " up " << up;
+        EXPECT_EQ(scalar[i], want) << "len " << len << " i " << i << " up " << up;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

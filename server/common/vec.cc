@@ -414,6 +414,23 @@ __attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float
   MultiplyIntoScalar(a + i, b + i, n - i, out + i);
 }
 
+__attribute__((target("avx2,fma,f16c"))) void ScaledCodesAvx2(const float* x, const float* inv,
+                                                              const int32_t* k0, int n, bool up,
+                                                              int32_t* out) {
+  int i = 0;
+  const __m256 lim = _mm256_set1_ps(0x1p30f), neg_lim = _mm256_set1_ps(-0x1p30f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(inv + i));
+    t = _mm256_min_ps(_mm256_max_ps(t, neg_lim), lim);
+    const __m256 r = up ? _mm256_ceil_ps(t) : _mm256_floor_ps(t);
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(out + i),
+        _mm256_sub_epi32(_mm256_cvttps_epi32(r),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i))));
+  }
+  ScaledCodesScalar(x + i, inv + i, k0 + i, n - i, up, out + i);
+}
+
 __attribute__((target("avx2,fma,f16c"))) void DecodeRowsAvx2(const uint8_t* codes, int rows,
                                                              int stride, int lanes,
                                                              const float* base, const float* step,
@@ -881,6 +898,20 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
   static const auto impl =
       HaveAvx2Fma() && Cpu().f16c ? BoxGrowthAvx2<float> : BoxGrowthScalarOf<float>;
   impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
+                       int32_t* out) {
+  for (int i = 0; i < n; ++i) {
+    const float t = std::clamp(x[i] * inv[i], -0x1p30f, 0x1p30f);
+    out[i] = static_cast<int32_t>(up ? std::ceil(t) : std::floor(t)) - k0[i];
+  }
+}
+
+void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, bool up,
+                 int32_t* out) {
+  static const auto impl = HaveAvx2Fma() && Cpu().f16c ? ScaledCodesAvx2 : ScaledCodesScalar;
+  impl(x, inv, k0, n, up, out);
 }
 
 void DecodeRowsScalar(const uint8_t* codes, int rows, int stride, int lanes, const float* base,

@@ -116,6 +116,13 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 // reduction, eight at a time). Each result depends only on its input, not on n or i.
 void ExpInPlace(float* x, int n);
 
+// out[i] = floor(x[i] * inv[i]) - k0[i] (up: the ceiling), x[i] * inv[i] first clamped to
+// +-2^30, for inv[i] powers of two: the code of PowerOfTwoScales' scale at or below (above) x,
+// not clamped to a byte. Both paths give the same values.
+void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, bool up, int32_t* out);
+void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
+                       int32_t* out);
+
 // out[i] = a[i] * b[i] for i in [0, n) (each product rounded once: the same on every path).
 void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 

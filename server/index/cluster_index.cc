@@ -274,21 +274,32 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
 }
 
 float ClusterIndex::WidenCodes(Lane l, const float* mu, const float* peak) const {
-  // A row moves only where the point lies outside what its code stands for: x / 2^e against
-  // k0 + code, both exact. The extent as Measure computes it from the decoded boxes: each mean
-  // channel's hi - lo is (b_hi - b_lo) 2^e, exactly, summed squared in double in the same order.
+  // The point's own codes, the floor's for the lower sides and the ceiling's for the upper ones:
+  // a side moves exactly where the point's code passes it (its value is x's floor or ceiling on
+  // the scale, x inside the unit's box). The extent as Measure computes it from the decoded
+  // boxes: each mean channel's hi - lo is (b_hi - b_lo) 2^e exactly, summed squared in double in
+  // the same order.
   const Grid& g = *l.grid;
   const size_t d = d_;
+  int32_t point[kBoxParts * kMaxHeadDim];
+  for (int part = 0; part < kBoxParts; ++part) {
+    const size_t c = Channel(part, d_);
+    ScaledCodes(part < kPeakHi ? mu : peak, &g.inv[c], &g.k0[c], d_, IsUpper(part),
+                &point[static_cast<size_t>(part) * d]);
+  }
   const size_t w = TileWidth(*l.blk, l.lane / kTile * kTile);  // row r at col[r * w]
   uint8_t* col = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
   for (int part = 0; part < kBoxParts; ++part) {
-    const size_t row = static_cast<size_t>(part) * d, c = Channel(part, d_);
-    const float* x = part < kPeakHi ? mu : peak;
-    const bool up = IsUpper(part);
-    for (size_t j = 0; j < d; ++j) {
-      uint8_t& code = col[(row + j) * w];
-      const float k = static_cast<float>(g.k0[c + j] + code), t = x[j] * g.inv[c + j];
-      if (up ? k < t : k > t) code = g.Code(c + j, x[j], up);
+    uint8_t* at = col + static_cast<size_t>(part) * d * w;
+    const int32_t* p = &point[static_cast<size_t>(part) * d];
+    if (IsUpper(part)) {
+      for (size_t j = 0; j < d; ++j) {
+        at[j * w] = static_cast<uint8_t>(std::clamp(p[j], int32_t{at[j * w]}, 255));
+      }
+    } else {
+      for (size_t j = 0; j < d; ++j) {
+        at[j * w] = static_cast<uint8_t>(std::clamp(p[j], 0, int32_t{at[j * w]}));
+      }
     }
   }
   double extent = 0;
