@@ -80,7 +80,7 @@ void ClusterIndex::Rebuild(Bounds& b, Lane l, std::span<const uint32_t> chunks,
   float box[kBoxParts * kMaxHeadDim];
   BoxOver(chunks, a, b, box);
   StoreBoxes(l, box);
-  SetScalars(l, b, MeasureLane(*l.blk, l.lane, l.grid));
+  SetScalars(l, b, MeasureOf(l));
 }
 
 void ClusterIndex::EmptyBox(float* box) const {
@@ -253,9 +253,12 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   if (l.blk->coded) {
     const Grid& g = *l.grid;
     uint8_t* out = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
+    int32_t codes[kMaxHeadDim];
     for (int part = 0; part < kBoxParts; ++part) {
       const size_t row = static_cast<size_t>(part) * d_, c = Channel(part, d_);
-      for (int j = 0; j < d_; ++j) out[(row + j) * w] = g.Code(c + j, box[row + j], IsUpper(part));
+      ScaledCodes(&box[row], &g.inv[c], &g.k0[c], d_, IsUpper(part), codes);
+      for (int j = 0; j < d_; ++j)
+        out[(row + j) * w] = static_cast<uint8_t>(std::clamp(codes[j], 0, 255));
     }
     unbounded = g.bounded ? 0.f : 1.f;
     return;
@@ -276,9 +279,7 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
 float ClusterIndex::WidenCodes(Lane l, const float* mu, const float* peak) const {
   // The point's own codes, the floor's for the lower sides and the ceiling's for the upper ones:
   // a side moves exactly where the point's code passes it (its value is x's floor or ceiling on
-  // the scale, x inside the unit's box). The extent as Measure computes it from the decoded
-  // boxes: each mean channel's hi - lo is (b_hi - b_lo) 2^e exactly, summed squared in double in
-  // the same order.
+  // the scale, x inside the unit's box).
   const Grid& g = *l.grid;
   const size_t d = d_;
   int32_t point[kBoxParts * kMaxHeadDim];
@@ -302,12 +303,24 @@ float ClusterIndex::WidenCodes(Lane l, const float* mu, const float* peak) const
       }
     }
   }
+  return CodedExtent(*l.blk, l.lane, g);
+}
+
+float ClusterIndex::CodedExtent(const Block& blk, uint32_t lane, const Grid& g) const {
+  const size_t d = d_;
+  const size_t w = TileWidth(blk, lane / kTile * kTile);  // row r at col[r * w]
+  const uint8_t* col = &blk.codes[BoxIndex(blk, lane, 0)];
   double extent = 0;
   for (size_t j = 0; j < d; ++j) {
     const double side = double(col[(kMuHi * d + j) * w] - col[(kMuLo * d + j) * w]) * g.step[j];
     extent += side * side;
   }
   return static_cast<float>(std::sqrt(extent) * (1 + 1e-6));
+}
+
+ClusterIndex::LaneMeasure ClusterIndex::MeasureOf(Lane l) const {
+  return l.blk->coded ? LaneMeasure{0, 0, CodedExtent(*l.blk, l.lane, *l.grid)}
+                      : MeasureLane(*l.blk, l.lane, nullptr);
 }
 
 void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const {
@@ -586,7 +599,7 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
       Cluster& c = clusters_[(*members)[i]];
       const Lane l = ClusterLane((*members)[i], grid);
       StoreBoxes(l, &boxes[i * rows]);
-      SetScalars(l, c.b, MeasureLane(*l.blk, l.lane, l.grid));
+      SetScalars(l, c.b, MeasureOf(l));
     }
   }
 }

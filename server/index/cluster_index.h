@@ -262,6 +262,11 @@ class ClusterIndex {
   // its extent (as Measure gives it).
   void WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const;
   float WidenCodes(Lane l, const float* mu, const float* peak) const;
+  // A coded lane's extent (the mean box's diagonal) as Measure gives it from the decoded boxes:
+  // each channel's hi - lo is (b_hi - b_lo) 2^e exactly, summed squared in double in order.
+  float CodedExtent(const Block& blk, uint32_t lane, const Grid& g) const;
+  // What SetScalars needs of a lane: a coded one's extent alone (its margins are its unit's).
+  LaneMeasure MeasureOf(Lane l) const;
   // Re-encodes the codes of every cluster of `unit` from grid `from` to its grid now `to`, in the
   // rows where they differ.
   void Regrid(uint32_t unit, const Grid& from, const Grid& to);
