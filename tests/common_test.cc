@@ -755,13 +755,18 @@ TEST(ScaledCodes, FloorOrCeilingOnTheScaleLessK0) {
                  : 100 * n(rng);  // every fifth an exact multiple of some step
       k0[i] = static_cast<int32_t>(rng() % 2001) - 1000;
     }
-    x[0] = 1e30f;  // clamped to 2^30 before the conversion
+    x[0] = 1e30f;   // clamped to 2^30 before the conversion
+    if (len > 1) {  // infinity times a zero scale: NaN, which comes out -2^30
+      x[1] = std::numeric_limits<float>::infinity();
+      inv[1] = 0.f;
+    }
     for (bool up : {false, true}) {
       std::vector<int32_t> out(len), scalar(len);
       ScaledCodes(x.data(), inv.data(), k0.data(), len, up, out.data());
       ScaledCodesScalar(x.data(), inv.data(), k0.data(), len, up, scalar.data());
       for (int i = 0; i < len; ++i) {
-        const double t = std::clamp(double(x[i]) * inv[i], -0x1p30, 0x1p30);  // exact
+        const double p = double(x[i]) * inv[i];  // exact
+        const double t = std::isnan(p) ? -0x1p30 : std::clamp(p, -0x1p30, 0x1p30);
         const double want = (up ? std::ceil(t) : std::floor(t)) - k0[i];
         EXPECT_EQ(out[i], want) << "len " << len << " i " << i << " up " << up;
         EXPECT_EQ(scalar[i], want) << "len " << len << " i " << i << " up " << up;

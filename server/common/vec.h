@@ -117,8 +117,8 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 void ExpInPlace(float* x, int n);
 
 // out[i] = floor(x[i] * inv[i]) - k0[i] (up: the ceiling), x[i] * inv[i] first clamped to
-// +-2^30, for inv[i] powers of two: the code of PowerOfTwoScales' scale at or below (above) x,
-// not clamped to a byte. Both paths give the same values.
+// +-2^30 (a NaN to -2^30), for inv[i] powers of two: the code of PowerOfTwoScales' scale at or
+// below (above) x, not clamped to a byte. Both paths give the same values.
 void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, bool up, int32_t* out);
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
                        int32_t* out);

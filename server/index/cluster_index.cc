@@ -253,6 +253,8 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
   if (l.blk->coded) {
     const Grid& g = *l.grid;
     uint8_t* out = &l.blk->codes[BoxIndex(*l.blk, l.lane, 0)];
+    unbounded = g.bounded ? 0.f : 1.f;
+    if (!g.bounded) return;  // its codes mean nothing: its bound is +inf
     int32_t codes[kMaxHeadDim];
     for (int part = 0; part < kBoxParts; ++part) {
       const size_t row = static_cast<size_t>(part) * d_, c = Channel(part, d_);
@@ -260,7 +262,6 @@ void ClusterIndex::StoreBoxes(Lane l, const float* box) const {
       for (int j = 0; j < d_; ++j)
         out[(row + j) * w] = static_cast<uint8_t>(std::clamp(codes[j], 0, 255));
     }
-    unbounded = g.bounded ? 0.f : 1.f;
     return;
   }
   uint16_t rounded[kBoxParts * kMaxHeadDim];
@@ -281,6 +282,7 @@ float ClusterIndex::WidenCodes(Lane l, const float* mu, const float* peak) const
   // a side moves exactly where the point's code passes it (its value is x's floor or ceiling on
   // the scale, x inside the unit's box).
   const Grid& g = *l.grid;
+  if (!g.bounded) return 0;  // the lane is marked unbounded: its codes mean nothing
   const size_t d = d_;
   int32_t point[kBoxParts * kMaxHeadDim];
   for (int part = 0; part < kBoxParts; ++part) {

@@ -212,7 +212,9 @@ class ClusterIndex {
     // clamped to the codes (x lies in the unit's box). x / 2^e is exact, its floor or ceiling
     // an integer below 2^24 inside the box, and that less k0 too.
     uint8_t Code(size_t c, float x, bool up) const {
-      const float t = std::clamp(x * inv[c], -0x1p30f, 0x1p30f);
+      float t = x * inv[c];
+      t = t > -0x1p30f ? t : -0x1p30f;  // a NaN too
+      t = t < 0x1p30f ? t : 0x1p30f;
       int32_t k = static_cast<int32_t>(t);  // towards zero, then to the floor or the ceiling
       k += up ? (static_cast<float>(k) < t) : -(static_cast<float>(k) > t);
       return static_cast<uint8_t>(std::clamp(k - k0[c], 0, 255));
