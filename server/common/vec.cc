@@ -902,13 +902,7 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
 
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
                        int32_t* out) {
-  for (int i = 0; i < n; ++i) {
-    // Clamped as the vector path's max then min: a NaN product comes out -2^30.
-    float t = x[i] * inv[i];
-    t = t > -0x1p30f ? t : -0x1p30f;
-    t = t < 0x1p30f ? t : 0x1p30f;
-    out[i] = static_cast<int32_t>(up ? std::ceil(t) : std::floor(t)) - k0[i];
-  }
+  for (int i = 0; i < n; ++i) out[i] = ScaledCode(x[i], inv[i], k0[i], up);
 }
 
 void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, bool up,

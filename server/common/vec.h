@@ -116,9 +116,19 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 // reduction, eight at a time). Each result depends only on its input, not on n or i.
 void ExpInPlace(float* x, int n);
 
-// out[i] = floor(x[i] * inv[i]) - k0[i] (up: the ceiling), x[i] * inv[i] first clamped to
-// +-2^30 (a NaN to -2^30), for inv[i] powers of two: the code of PowerOfTwoScales' scale at or
-// below (above) x, not clamped to a byte. Both paths give the same values.
+// floor(x * inv) - k0 (up: the ceiling), x * inv first clamped to +-2^30 (a NaN to -2^30, as
+// AVX2's max then min): for inv a power of two, the code of PowerOfTwoScales' scale at or below
+// (above) x, not clamped to a byte. Truncated, then moved to the floor or the ceiling (no library
+// call).
+inline int32_t ScaledCode(float x, float inv, int32_t k0, bool up) {
+  float t = x * inv;
+  t = t > -0x1p30f ? t : -0x1p30f;
+  t = t < 0x1p30f ? t : 0x1p30f;
+  int32_t k = static_cast<int32_t>(t);
+  k += up ? (static_cast<float>(k) < t) : -(static_cast<float>(k) > t);
+  return k - k0;
+}
+// out[i] = ScaledCode(x[i], inv[i], k0[i], up); both paths give the same values.
 void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, bool up, int32_t* out);
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
                        int32_t* out);

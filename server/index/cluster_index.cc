@@ -131,8 +131,13 @@ void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, const Grid* grid, f
     }
     return;
   }
+  // The halves out of their tile, then widened eight at a time (exactly; a -0 comes out +0,
+  // which nothing reading a lane tells apart).
+  uint16_t halves[kBoxParts * kMaxHeadDim];
   const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];
-  for (size_t r = 0; r < BoxRows(); ++r) box[r] = HalfToFloat(col[r * w]);
+  for (size_t r = 0; r < BoxRows(); ++r) halves[r] = col[r * w];
+  std::fill_n(box, BoxRows(), 0.f);
+  AddRows(HalfKind::kFp16, halves, 1, static_cast<int>(BoxRows()), box);
 }
 
 void ClusterIndex::GridOf(uint32_t unit, Grid* g) const {
@@ -149,15 +154,9 @@ void ClusterIndex::GridOf(uint32_t unit, Grid* g) const {
     std::fill(g->k0.begin(), g->k0.end(), 0);
     return;
   }
-  // The unit's halves out of their lane, widened eight at a time; a channel's hi and lo rows
-  // share its scale.
-  uint16_t halves[kBoxParts * kMaxHeadDim];
-  const uint16_t* col = &units_block_.box[BoxIndex(units_block_, unit, 0)];
-  const size_t w = TileWidth(units_block_, unit / kTile * kTile);
-  for (size_t r = 0; r < BoxRows(); ++r) halves[r] = col[r * w];
+  // A channel's hi and lo rows share its scale.
   float box[kBoxParts * kMaxHeadDim];
-  std::fill_n(box, BoxRows(), 0.f);
-  AddRows(HalfKind::kFp16, halves, 1, static_cast<int>(BoxRows()), box);
+  ReadLane(units_block_, unit, nullptr, box);
   for (int kind : {0, 1}) {  // the mean's [hi | lo] rows, then the peak's
     const size_t hi = 2 * kind * d, lo = hi + d, c = kind * d;
     PowerOfTwoScales(&box[lo], &box[hi], d_, &g->k0[c], &g->base[c], &g->step[c], &g->inv[c]);
@@ -177,13 +176,6 @@ ClusterIndex::LaneMeasure ClusterIndex::Measure(const float* f) const {
   return {static_cast<float>(std::sqrt(mu) * (1 + 1e-6)),
           static_cast<float>(std::sqrt(peak) * (1 + 1e-6)),
           static_cast<float>(std::sqrt(extent) * (1 + 1e-6))};
-}
-
-ClusterIndex::LaneMeasure ClusterIndex::MeasureLane(const Block& blk, uint32_t lane,
-                                                    const Grid* grid) const {
-  float box[kBoxParts * kMaxHeadDim];
-  ReadLane(blk, lane, grid, box);
-  return Measure(box);
 }
 
 void ClusterIndex::LaneMiddles(const Block& blk, uint32_t lane, const Grid* grid, float* mu,
@@ -321,8 +313,10 @@ float ClusterIndex::CodedExtent(const Block& blk, uint32_t lane, const Grid& g) 
 }
 
 ClusterIndex::LaneMeasure ClusterIndex::MeasureOf(Lane l) const {
-  return l.blk->coded ? LaneMeasure{0, 0, CodedExtent(*l.blk, l.lane, *l.grid)}
-                      : MeasureLane(*l.blk, l.lane, nullptr);
+  if (l.blk->coded) return {0, 0, CodedExtent(*l.blk, l.lane, *l.grid)};
+  float box[kBoxParts * kMaxHeadDim];
+  ReadLane(*l.blk, l.lane, nullptr, box);
+  return Measure(box);
 }
 
 void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float* out) const {
@@ -594,7 +588,7 @@ void ClusterIndex::SplitUnit(uint32_t unit, const ChunkStats& a) {
       }
     }
     StoreBoxes(UnitLane(target), unit_box);
-    SetScalars(UnitLane(target), ub, MeasureLane(units_block_, target, nullptr));
+    SetScalars(UnitLane(target), ub, MeasureOf(UnitLane(target)));
     Reserve(units_[target].block, static_cast<uint32_t>(members->size()) - 1);  // one layout
     GridOf(target, &grid);
     for (size_t i = 0; i < members->size(); ++i) {

@@ -144,7 +144,7 @@ class ClusterIndex {
   // a block (below). A cluster's extent is its boxes' as last built or widened (its unit's box
   // widening may widen its codes a little without updating it).
   struct Bounds {
-    float extent = 0;  // the mean box's diagonal (MeasureLane), which re-splits compare
+    float extent = 0;  // the mean box's diagonal (MeasureOf), which re-splits compare
     uint32_t max_tokens = 0;
     uint32_t min_tokens = std::numeric_limits<uint32_t>::max();
     float log_rest = 0;  // log(max_tokens - 1), -inf for one token
@@ -212,12 +212,7 @@ class ClusterIndex {
     // clamped to the codes (x lies in the unit's box). x / 2^e is exact, its floor or ceiling
     // an integer below 2^24 inside the box, and that less k0 too.
     uint8_t Code(size_t c, float x, bool up) const {
-      float t = x * inv[c];
-      t = t > -0x1p30f ? t : -0x1p30f;  // a NaN too
-      t = t < 0x1p30f ? t : 0x1p30f;
-      int32_t k = static_cast<int32_t>(t);  // towards zero, then to the floor or the ceiling
-      k += up ? (static_cast<float>(k) < t) : -(static_cast<float>(k) > t);
-      return static_cast<uint8_t>(std::clamp(k - k0[c], 0, 255));
+      return static_cast<uint8_t>(std::clamp(ScaledCode(x, inv[c], k0[c], up), 0, 255));
     }
   };
   static size_t Channel(int part, int d) { return static_cast<size_t>(part / 2) * d; }
@@ -312,8 +307,7 @@ class ClusterIndex {
   void Widen(Bounds& b, Lane l, const float* point, uint32_t tokens, bool inside);
   // b's token counts over one more chunk of `tokens`.
   static void WidenTokens(Bounds& b, uint32_t tokens);
-  LaneMeasure MeasureLane(const Block& blk, uint32_t lane, const Grid* grid) const;
-  // The same of boxes read out of their lane: [kBoxParts][head_dim] floats.
+  // The measure of boxes read out of their lane: [kBoxParts][head_dim] floats.
   LaneMeasure Measure(const float* box) const;
   // A lane's boxes, [kBoxParts][head_dim] floats, out of its tile: halves widened, or codes
   // decoded on `grid` (a coded block's, exact).
