@@ -41,9 +41,9 @@ struct Stream {
 enum class Data { kGaussian, kClustered, kIdentical, kOutliers, kBeyondHalf };
 
 std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<float>& centers,
-                             int kD = kvtier::kD) {
+                             int d = kD) {
   std::normal_distribution<float> n(0, 1);
-  std::vector<float> k(kT * kD);
+  std::vector<float> k(kT * d);
   switch (kind) {
     case Data::kGaussian:
       for (auto& x : k) x = n(rng);
@@ -51,36 +51,36 @@ std::vector<float> ChunkKeys(Data kind, std::mt19937& rng, const std::vector<flo
     case Data::kClustered: {  // 32 directions, outlier channels every 16th, 8x
       const int c = std::uniform_int_distribution<int>(0, 31)(rng);
       for (int t = 0; t < kT; ++t) {
-        for (int j = 0; j < kD; ++j) {
-          k[t * kD + j] = (centers[c * kD + j] + 0.3f * n(rng)) * (j % 16 == 0 ? 8.f : 1.f);
+        for (int j = 0; j < d; ++j) {
+          k[t * d + j] = (centers[c * d + j] + 0.3f * n(rng)) * (j % 16 == 0 ? 8.f : 1.f);
         }
       }
       break;
     }
     case Data::kIdentical:  // every chunk the same: ties everywhere
       for (int t = 0; t < kT; ++t)
-        for (int j = 0; j < kD; ++j) k[t * kD + j] = 0.25f * (j % 5);
+        for (int j = 0; j < d; ++j) k[t * d + j] = 0.25f * (j % 5);
       break;
     case Data::kOutliers:  // tiny keys, and now and then one huge key
       for (auto& x : k) x = 1e-3f * n(rng);
       if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
-        for (int j = 0; j < kD; ++j) k[(rng() % kT) * kD + j] = 300.f * n(rng);
+        for (int j = 0; j < d; ++j) k[(rng() % kT) * d + j] = 300.f * n(rng);
       }
       break;
     case Data::kBeyondHalf:  // now and then a key past the half range (a bf16 stream can hold
                              // one): its nodes' boxes do not fit the index's halves
       for (auto& x : k) x = n(rng);
       if (std::uniform_int_distribution<int>(0, 7)(rng) == 0) {
-        for (int j = 0; j < kD; ++j) k[(rng() % kT) * kD + j] = 1e5f * n(rng);
+        for (int j = 0; j < d; ++j) k[(rng() % kT) * d + j] = 1e5f * n(rng);
       }
       break;
   }
   return k;
 }
 
-std::vector<float> Queries(std::mt19937& rng, float scale, int kD = kvtier::kD) {
+std::vector<float> Queries(std::mt19937& rng, float scale, int d = kD) {
   std::normal_distribution<float> n(0, scale);
-  std::vector<float> q(kGroup * kD);
+  std::vector<float> q(kGroup * d);
   for (auto& x : q) x = n(rng);
   return q;
 }
@@ -97,9 +97,9 @@ std::vector<uint32_t> Linear(v1::Ranking ranking, const std::vector<float>& q, c
 }
 
 // 32 random directions for clustered keys.
-std::vector<float> Centers(std::mt19937& rng, int kD = kvtier::kD) {
+std::vector<float> Centers(std::mt19937& rng, int d = kD) {
   std::normal_distribution<float> n(0, 1);
-  std::vector<float> centers(32 * kD);
+  std::vector<float> centers(32 * d);
   for (auto& x : centers) x = n(rng);
   return centers;
 }
