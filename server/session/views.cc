@@ -55,7 +55,11 @@ absl::Status FillHandle(const Chunk& c, const ChunkFormat& f, const Slot* slot, 
   h->set_generation((slot ? slot : c.host.get())->generation());
   h->set_layer(a.layer);
   h->set_kv_head(a.kv_head);
-  for (uint32_t r = 0; r < c.num_tokens; ++r) h->add_positions(static_cast<int64_t>(c.position(r)));
+  // Written in place: adding them one by one regrows the field a few times per handle.
+  google::protobuf::RepeatedField<int64_t>* positions = h->mutable_positions();
+  positions->Resize(static_cast<int>(c.num_tokens), 0);
+  int64_t* p = positions->mutable_data();
+  for (uint32_t r = 0; r < c.num_tokens; ++r) p[r] = static_cast<int64_t>(c.position(r));
   h->mutable_rows()->Add(rows.begin(), rows.end());
   return include_data ? SetData(slot, fp16, half, h) : absl::OkStatus();
 }
