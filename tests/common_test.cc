@@ -217,24 +217,34 @@ TEST(SoftmaxHelpers, MatchTheirDefinitions) {
   }
 }
 
-// A query group against one byte vector: each result is DotInt8's own, bit for bit, at every
-// group size (the vectorized path's up to 8 and the fallback past it) and width.
+// A query group against one byte vector, and against a run of them (chunks' compact
+// statistics side by side): each result is DotInt8's own, bit for bit, at every group size
+// (the vectorized path's up to 8 and the fallback past it), width and run length.
 TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
   std::mt19937 rng(13);
   std::normal_distribution<float> n(0, 1);
   std::uniform_int_distribution<int> byte(-127, 127);
   for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 128}) {
     for (int group : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16}) {
-      std::vector<float> a(size_t(group) * d);
-      for (float& x : a) x = n(rng);
-      std::vector<int8_t> c(d);
-      for (int8_t& x : c) x = static_cast<int8_t>(byte(rng));
-      std::vector<float> got(group);
-      DotInt8Group(a.data(), group, c.data(), d, got.data());
-      for (int g = 0; g < group; ++g) {
-        const float want = DotInt8(a.data() + size_t(g) * d, c.data(), d);
-        EXPECT_EQ(std::bit_cast<uint32_t>(got[g]), std::bit_cast<uint32_t>(want))
-            << "d " << d << " group " << group << " g " << g;
+      for (int rows : {1, 2, 5}) {
+        std::vector<float> a(size_t(group) * d);
+        for (float& x : a) x = n(rng);
+        std::vector<int8_t> c(size_t(rows) * d);
+        for (int8_t& x : c) x = static_cast<int8_t>(byte(rng));
+        std::vector<float> got(size_t(rows) * group);
+        if (rows == 1) {
+          DotInt8Group(a.data(), group, c.data(), d, got.data());
+        } else {
+          DotInt8GroupRows(a.data(), group, c.data(), rows, d, got.data());
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int g = 0; g < group; ++g) {
+            const float want = DotInt8(a.data() + size_t(g) * d, c.data() + size_t(r) * d, d);
+            EXPECT_EQ(std::bit_cast<uint32_t>(got[size_t(r) * group + g]),
+                      std::bit_cast<uint32_t>(want))
+                << "d " << d << " group " << group << " row " << r << " g " << g;
+          }
+        }
       }
     }
   }

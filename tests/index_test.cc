@@ -6,6 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunk_stats.h"
 #include "server/index/chunking.h"
 
 namespace kvtier {
@@ -139,6 +140,47 @@ TEST(ChunkRanker, LsePeakScoresEqualsOneByOne) {
       ASSERT_NEAR(all[c], LsePeakExpected(q, group, d, mean.data(), &peaks[c * d], cands[c].tokens),
                   1e-4 * (1 + std::abs(all[c])))
           << "group " << group << " chunk " << c;
+    }
+  }
+}
+
+TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
+  // Compact chunks side by side are scored as runs: with gaps in the candidates (the runs
+  // break), loose chunks after them, and blocks of every size, each score has the bits the
+  // chunk alone gets, and is its score over the float mean and peak its bytes stand for.
+  std::mt19937 rng(16);
+  std::normal_distribution<float> n(0, 1);
+  const int d = 64;
+  for (int group : {1, 3, 8, 100}) {
+    const uint32_t chunks = 200, compact = 170;
+    ChunkStats stats(d);
+    for (uint32_t c = 0; c < chunks; ++c) {
+      const uint32_t tokens = 1 + c % 16;
+      std::vector<float> sum(d), peak(d);
+      for (int j = 0; j < d; ++j) {
+        sum[j] = tokens * n(rng);
+        peak[j] = sum[j] / tokens + 2 * n(rng);
+      }
+      stats.Append(tokens, sum.data(), peak.data());
+    }
+    stats.MarkFinal(compact);
+    ASSERT_EQ(stats.compact_chunks(), compact);
+    std::vector<float> q(group * d);
+    for (auto& x : q) x = n(rng);
+    std::vector<ChunkCandidate> cands;
+    for (uint32_t c = 0; c < chunks; ++c) {
+      if (c % 7 != 3) cands.push_back(stats.candidate(c));
+    }
+    std::vector<float> all(cands.size());
+    LsePeakScores(q, group, cands, d, all.data());
+    for (size_t i = 0; i < cands.size(); ++i) {
+      ASSERT_EQ(all[i], LsePeakScore(q, group, cands[i], d)) << "group " << group << " at " << i;
+      std::vector<float> mean(d), peak(d);
+      stats.Mean(cands[i].index, mean.data());
+      stats.Peak(cands[i].index, peak.data());
+      ASSERT_NEAR(all[i], LsePeakExpected(q, group, d, mean.data(), peak.data(), cands[i].tokens),
+                  1e-4 * (1 + std::abs(all[i])))
+          << "group " << group << " at " << i;
     }
   }
 }

@@ -193,38 +193,23 @@ __attribute__((target("avx2,fma,f16c"))) inline void GroupDotAvx2(const float* a
   }
 }
 
-// Up to kMaxGroup query vectors against each of `rows` rows of halves (a refinement's run of
-// pool rows: one call per run, not per row).
-template <int G, HalfKind K>
-__attribute__((target("avx2,fma,f16c"))) void DotHalvesRowsAvx2(const float* a, const uint16_t* h,
-                                                                int rows, int n, float* out) {
-  for (int r = 0; r < rows; ++r, h += n, out += G) GroupDotAvx2<G, HalfElements<K>>(a, h, n, out);
+// Up to kMaxGroup query vectors against each of `rows` rows of elements E (a refinement's
+// run of pool rows, a run of chunks' compact statistics: one call per run, not per row).
+template <int G, typename E>
+__attribute__((target("avx2,fma,f16c"))) void GroupRowsAvx2(const float* a, const typename E::T* x,
+                                                            int rows, int n, float* out) {
+  for (int r = 0; r < rows; ++r, x += n, out += G) GroupDotAvx2<G, E>(a, x, n, out);
 }
 
-template <int G>
-__attribute__((target("avx2,fma,f16c"))) void DotInt8GroupAvx2(const float* a, const int8_t* c,
-                                                               int n, float* out) {
-  GroupDotAvx2<G, ByteElements>(a, c, n, out);
+template <typename E>
+using GroupRowsFn = void (*)(const float*, const typename E::T*, int, int, float*);
+template <typename E, int... G>
+constexpr std::array<GroupRowsFn<E>, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
+  return {&GroupRowsAvx2<G + 1, E>...};
 }
-
-using DotHalvesRowsFn = void (*)(const float*, const uint16_t*, int, int, float*);
-template <HalfKind K, int... G>
-constexpr std::array<DotHalvesRowsFn, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
-  return {&DotHalvesRowsAvx2<G + 1, K>...};
-}
-// [kind][group - 1]
-constexpr std::array<std::array<DotHalvesRowsFn, kMaxGroup>, 2> kDotHalvesRows = {
-    RowsKernels<HalfKind::kFp16>(std::make_integer_sequence<int, kMaxGroup>()),
-    RowsKernels<HalfKind::kBf16>(std::make_integer_sequence<int, kMaxGroup>())};
-
-using DotInt8GroupFn = void (*)(const float*, const int8_t*, int, float*);
-template <int... G>
-constexpr std::array<DotInt8GroupFn, sizeof...(G)> Int8GroupKernels(
-    std::integer_sequence<int, G...>) {
-  return {&DotInt8GroupAvx2<G + 1>...};
-}
-constexpr std::array<DotInt8GroupFn, kMaxGroup> kDotInt8Group =
-    Int8GroupKernels(std::make_integer_sequence<int, kMaxGroup>());
+template <typename E>
+constexpr std::array<GroupRowsFn<E>, kMaxGroup> kGroupRows =
+    RowsKernels<E>(std::make_integer_sequence<int, kMaxGroup>());
 
 // Eight lanes of a column row, as floats: plain loads, or fp16 widened by F16C.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
@@ -824,7 +809,11 @@ float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
 void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
                    float* out) {
   if (kDotHalves == DotHalvesAvx2 && group >= 1 && group <= kMaxGroup) {
-    kDotHalvesRows[kind == HalfKind::kBf16 ? 1 : 0][group - 1](a, h, rows, n, out);
+    if (kind == HalfKind::kBf16) {
+      kGroupRows<HalfElements<HalfKind::kBf16>>[group - 1](a, h, rows, n, out);
+    } else {
+      kGroupRows<HalfElements<HalfKind::kFp16>>[group - 1](a, h, rows, n, out);
+    }
     return;
   }
   for (int r = 0; r < rows; ++r) {
@@ -849,11 +838,21 @@ float (*const kDotInt8)(const float*, const int8_t*, int) = HaveAvx2Fma() ? DotI
 float DotInt8(const float* a, const int8_t* c, int n) { return kDotInt8(a, c, n); }
 
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out) {
-  if (kDotInt8 == DotInt8Avx2 && HaveAvx2F16c() && group >= 1 && group <= kMaxGroup) {
-    kDotInt8Group[group - 1](a, c, n, out);
+  DotInt8GroupRows(a, group, c, 1, n, out);
+}
+
+void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int n, float* out) {
+  static const bool kVector = kDotInt8 == DotInt8Avx2 && HaveAvx2F16c();
+  if (kVector && group >= 1 && group <= kMaxGroup) {
+    kGroupRows<ByteElements>[group - 1](a, c, rows, n, out);
     return;
   }
-  for (int g = 0; g < group; ++g) out[g] = kDotInt8(a + static_cast<size_t>(g) * n, c, n);
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      out[static_cast<size_t>(r) * group + g] =
+          kDotInt8(a + static_cast<size_t>(g) * n, c + static_cast<size_t>(r) * n, n);
+    }
+  }
 }
 
 template <typename T>

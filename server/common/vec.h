@@ -43,6 +43,10 @@ float DotInt8Scalar(const float* a, const int8_t* c, int n);
 // out[g] = DotInt8(a + g * n, c, n) for g in [0, group), bit for bit, the bytes widened once for
 // the whole group.
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out);
+// out[r * group + g] = DotInt8(a + g * n, c + r * n, n) for g in [0, group) and r in [0, rows),
+// bit for bit: DotInt8Group over a run of rows (chunks' compact statistics side by side) in
+// one call.
+void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int n, float* out);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j

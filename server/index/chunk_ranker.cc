@@ -66,34 +66,42 @@ void LsePeakScores(std::span<const float> queries, int group,
   CHECK(group >= 1 && group <= kScratch);  // the session allows 256 query heads per KV head
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
-  float mean_dot[kScratch], peak_dot[kScratch];  // one candidate's, per head
+  float dots[2 * kScratch];  // a run of candidates' [mean, peak][head] dot products
   for (size_t first = 0; first < candidates.size(); first += block) {
     const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
-    for (int i = 0; i < n; ++i) {
-      const ChunkCandidate& c = candidates[first + i];
-      const float log_rest = LogRest(c.tokens);
-      if (c.mean_q != nullptr && c.peak_q != nullptr) {
-        // A compact chunk's bytes against the whole group at once: MeanDot's and PeakDot's
-        // values, bit for bit.
-        DotInt8Group(queries.data(), group, c.mean_q, head_dim, mean_dot);
-        DotInt8Group(queries.data(), group, c.peak_q, head_dim, peak_dot);
-        for (int h = 0; h < group; ++h) {
-          mean_dot[h] *= c.mean_scale;
-          peak_dot[h] *= c.peak_scale;
+    for (int i = 0; i < n;) {
+      // Compact chunks side by side in their stream (the usual case) are one run of rows,
+      // mean then peak each: their bytes against the whole group in one call, MeanDot's and
+      // PeakDot's values bit for bit.
+      const ChunkCandidate* c = &candidates[first + i];
+      int run = 0;
+      if (c->mean_q != nullptr && c->peak_q == c->mean_q + head_dim) {
+        run = 1;
+        while (i + run < n && c[run].mean_q == c[run - 1].peak_q + head_dim &&
+               c[run].peak_q == c[run].mean_q + head_dim) {
+          ++run;
         }
+        DotInt8GroupRows(queries.data(), group, c->mean_q, 2 * run, head_dim, dots);
       } else {
         for (int h = 0; h < group; ++h) {
           const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-          mean_dot[h] = MeanDot(q, c, head_dim);
-          peak_dot[h] = PeakDot(q, c, head_dim);
+          dots[h] = MeanDot(q, *c, head_dim);
+          dots[group + h] = PeakDot(q, *c, head_dim);
         }
       }
-      for (int h = 0; h < group; ++h) {
-        const float a = mean_dot[h] * inv_sqrt_d + log_rest;
-        const float b = peak_dot[h] * inv_sqrt_d;
-        const int k = i * group + h;
-        hi[k] = std::max(a, b);
-        t[k] = std::min(a, b) - hi[k];
+      for (int r = 0; r < std::max(run, 1); ++r, ++i) {
+        const float log_rest = LogRest(c[r].tokens);
+        const float mean_scale = run > 0 ? c[r].mean_scale : 1.f;
+        const float peak_scale = run > 0 ? c[r].peak_scale : 1.f;
+        const float* mean_dot = dots + static_cast<size_t>(2 * r) * group;
+        const float* peak_dot = mean_dot + group;
+        for (int h = 0; h < group; ++h) {
+          const float a = mean_dot[h] * mean_scale * inv_sqrt_d + log_rest;
+          const float b = peak_dot[h] * peak_scale * inv_sqrt_d;
+          const int k = i * group + h;
+          hi[k] = std::max(a, b);
+          t[k] = std::min(a, b) - hi[k];
+        }
       }
     }
     const int m = n * group;
