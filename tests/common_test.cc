@@ -217,6 +217,32 @@ TEST(SoftmaxHelpers, MatchTheirDefinitions) {
   }
 }
 
+// CountAtLeast (a refinement's top-k search) against counting one by one, at lengths that leave
+// every tail of the vector path, for thresholds at, between and past the keys, the extremes
+// included.
+TEST(CountAtLeast, CountsTheKeysAtLeastT) {
+  std::mt19937 rng(8);
+  std::uniform_int_distribution<int32_t> any(std::numeric_limits<int32_t>::min(),
+                                             std::numeric_limits<int32_t>::max());
+  std::uniform_int_distribution<int32_t> few(-3, 3);
+  for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(8), size_t(15), size_t(16), size_t(17),
+                   size_t(33), size_t(1488)}) {
+    for (bool ties : {false, true}) {
+      std::vector<int32_t> keys(n);
+      for (int32_t& k : keys) k = ties ? few(rng) : any(rng);
+      std::vector<int32_t> ts = {
+          std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), -3, 0, 1, 4};
+      for (int i = 0; i < 5 && n > 0; ++i) ts.push_back(keys[rng() % n]);
+      for (int32_t t : ts) {
+        const size_t want =
+            std::count_if(keys.begin(), keys.end(), [&](int32_t k) { return k >= t; });
+        EXPECT_EQ(CountAtLeast(keys.data(), n, t), want) << n << " " << t;
+        EXPECT_EQ(CountAtLeastScalar(keys.data(), n, t), want) << n << " " << t;
+      }
+    }
+  }
+}
+
 // A query group against one byte vector, and against a run of them (chunks' compact
 // statistics side by side): each result is DotInt8's own, bit for bit, at every group size
 // (the vectorized path's up to 8 and the fallback past it), width and run length.

@@ -684,6 +684,24 @@ void FloatsToHalvesDirectedScalar(const float* x, int n, bool up, uint16_t* out)
 // of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
 // exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
 // correctly rounded however many are computed at once.
+// Eight keys per compare: lanes at least t (not t - 1 greater than them) subtract -1.
+__attribute__((target("avx2"))) size_t CountAtLeastAvx2(const int32_t* keys, size_t n, int32_t t) {
+  const __m256i below = _mm256_set1_epi32(t);
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i + 8));
+    c0 = _mm256_add_epi32(c0, _mm256_cmpgt_epi32(below, a));  // -1 where a < t
+    c1 = _mm256_add_epi32(c1, _mm256_cmpgt_epi32(below, b));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(c0, c1));
+  size_t under = 0;
+  for (int k = 0; k < 8; ++k) under += static_cast<size_t>(-static_cast<int64_t>(lanes[k]));
+  return i - under + CountAtLeastScalar(keys + i, n - i, t);
+}
+
 __attribute__((target("avx2"))) float MaxOfAvx2(const float* x, size_t n) {
   __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
   size_t i = 0;
@@ -1000,6 +1018,18 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out) {
   static void (*const impl)(const float*, const float*, size_t, float*) =
       Cpu().avx2 ? MultiplyIntoAvx : MultiplyIntoScalar;
   impl(a, b, n, out);
+}
+
+size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t) {
+  size_t c = 0;
+  for (size_t i = 0; i < n; ++i) c += keys[i] >= t;
+  return c;
+}
+
+size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t) {
+  static size_t (*const impl)(const int32_t*, size_t, int32_t) =
+      Cpu().avx2 ? CountAtLeastAvx2 : CountAtLeastScalar;
+  return impl(keys, n, t);
 }
 
 float MaxOf(const float* x, size_t n) {

@@ -142,6 +142,9 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 
 // The largest of n floats (-inf for none).
 float MaxOf(const float* x, size_t n);
+// How many of n keys are at least t.
+size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t);
+size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t);
 // x[0] + ... + x[n - 1] in double, in a fixed order on every path: eight partial sums (the k-th
 // takes x[i] for i % 8 == k), t_k = s_k + s_(k+4), then (t0 + t2) + (t1 + t3).
 double SumAsDouble(const float* x, size_t n);

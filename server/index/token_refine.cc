@@ -1,6 +1,7 @@
 #include "server/index/token_refine.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -51,6 +52,45 @@ std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector
 
 }  // namespace
 
+void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen) {
+  const size_t n = value.size();
+  chosen->assign(n, false);
+  take = std::min(take, n);
+  if (take == 0) return;
+  // Each value as a signed key in the same order (-0 as +0, which compare equal); the
+  // take-th largest key is the largest t with at least `take` keys at least t, found by
+  // halving [smallest, largest] with a count of the keys per step (branch-free, eight at a
+  // time). Then every key above it is chosen, and the first rows equal to it.
+  std::vector<int32_t> keys(n);
+  int64_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t b = std::bit_cast<int32_t>(value[i] + 0.f);
+    keys[i] = b < 0 ? b ^ 0x7fffffff : b;
+    lo = std::min<int64_t>(lo, keys[i]);
+    hi = std::max<int64_t>(hi, keys[i]);
+  }
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (CountAtLeast(keys.data(), n, static_cast<int32_t>(mid)) >= take) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int32_t kth = static_cast<int32_t>(lo);
+  size_t ties =
+      take -
+      (kth == std::numeric_limits<int32_t>::max() ? 0 : CountAtLeast(keys.data(), n, kth + 1));
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] > kth) {
+      (*chosen)[i] = true;
+    } else if (keys[i] == kth && ties > 0) {
+      (*chosen)[i] = true;
+      --ties;
+    }
+  }
+}
+
 std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
                                    std::span<const float> queries, int group, int head_dim,
                                    std::span<const RefineChunk> chunks, size_t k,
@@ -80,34 +120,37 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
       value[i] = *std::max_element(&logits[i * group], &logits[i * group] + group);
     }
   }
-  // Each row's value beside its place in the pool, ordered best first, ties to the earlier
-  // row: a strict total order, so every partial order below picks the set a full sort would.
-  struct Ranked {
-    float value;
-    uint32_t row;
-  };
-  std::vector<Ranked> order(total);
-  for (size_t i = 0; i < total; ++i) order[i] = {value[i], static_cast<uint32_t>(i)};
   size_t take = std::min(k, total);
-  auto better = [](const Ranked& a, const Ranked& b) {
-    return a.value != b.value ? a.value > b.value : a.row < b.row;
-  };
-  if (by_mass) {
-    std::sort(order.begin(), order.end(), better);
-    float held = fixed_mass;
-    size_t n = 0;
-    while (n < take && held < mass_target) held += order[n++].value;
-    take = n;
-  } else {
-    // The best `take`; in order only where their masses are summed below, as they always were.
-    if (take < total) std::nth_element(order.begin(), order.begin() + take, order.end(), better);
-    if (missed != nullptr) std::sort(order.begin(), order.begin() + take, better);
-  }
-  std::vector<bool> chosen(total, false);
+  std::vector<bool> chosen;
   double held = fixed_mass;
-  for (size_t i = 0; i < take; ++i) {
-    chosen[order[i].row] = true;
-    if (missed != nullptr) held += mass[order[i].row];
+  if (by_mass) {
+    // Each row's value beside its place in the pool, best first, ties to the earlier row: the
+    // fewest best rows whose mass reaches the target.
+    struct Ranked {
+      float value;
+      uint32_t row;
+    };
+    std::vector<Ranked> order(total);
+    for (size_t i = 0; i < total; ++i) order[i] = {value[i], static_cast<uint32_t>(i)};
+    std::sort(order.begin(), order.end(), [](const Ranked& a, const Ranked& b) {
+      return a.value != b.value ? a.value > b.value : a.row < b.row;
+    });
+    size_t n = 0;
+    for (float reached = fixed_mass; n < take && reached < mass_target;) {
+      reached += order[n++].value;
+    }
+    chosen.assign(total, false);
+    for (size_t i = 0; i < n; ++i) {
+      chosen[order[i].row] = true;
+      held += order[i].value;
+    }
+  } else {
+    // The best `take` (ties to the earlier row), and the mass they hold, summed in the pool's
+    // order.
+    TopByValue(value, take, &chosen);
+    if (missed != nullptr) {
+      for (size_t i = 0; i < total; ++i) held += chosen[i] ? mass[i] : 0.0;
+    }
   }
   if (missed != nullptr) *missed = static_cast<float>(std::max(0.0, 1.0 - held));
   std::vector<RefinedRow> out;
