@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -78,48 +77,6 @@ std::vector<RefinedRow> BruteForce(v1::RefineScore score, const std::vector<floa
     return a.chunk != b.chunk ? a.chunk < b.chunk : a.row < b.row;
   });
   return out;
-}
-
-// The largest `take` values, ties to the lower index, against a full sort in that order: with
-// many ties (values on a coarse grid), both zeros, negatives and infinities, every take from
-// none to past the size.
-TEST(TopByValue, TheFirstTakeOfAFullSort) {
-  std::mt19937 rng(21);
-  std::uniform_int_distribution<int> grid(-6, 6);
-  std::normal_distribution<float> n(0, 1);
-  for (int trial = 0; trial < 60; ++trial) {
-    const size_t size = trial < 20 ? 1 + trial : 500 + 37 * trial;
-    std::vector<float> value(size);
-    for (size_t i = 0; i < size; ++i) {
-      switch (trial % 4) {
-        case 0:
-          value[i] = static_cast<float>(grid(rng)) * 0.5f;
-          break;
-        case 1:
-          value[i] = grid(rng) == 0 ? (i % 2 ? -0.f : 0.f) : n(rng);
-          break;
-        case 2:
-          value[i] = grid(rng) == 6    ? std::numeric_limits<float>::infinity()
-                     : grid(rng) == -6 ? -std::numeric_limits<float>::infinity()
-                                       : n(rng) * 1e-30f;
-          break;
-        default:
-          value[i] = n(rng) * 100.f;
-      }
-    }
-    std::vector<uint32_t> order(size);
-    std::iota(order.begin(), order.end(), 0u);
-    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-      return value[a] != value[b] ? value[a] > value[b] : a < b;
-    });
-    for (size_t take : {size_t{0}, size_t{1}, size / 3, size / 2, size - 1, size, size + 5}) {
-      std::vector<bool> want(size, false);
-      for (size_t i = 0; i < std::min(take, size); ++i) want[order[i]] = true;
-      std::vector<bool> got;
-      TopByValue(value, take, &got);
-      ASSERT_EQ(got, want) << "trial " << trial << " take " << take;
-    }
-  }
 }
 
 TEST(RefineRows, TheBestRowsOfThePoolByEachScore) {

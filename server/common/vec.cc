@@ -1026,6 +1026,45 @@ size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t) {
   return c;
 }
 
+void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen) {
+  const size_t n = value.size();
+  chosen->assign(n, false);
+  take = std::min(take, n);
+  if (take == 0) return;
+  // Each value as a signed key in the same order (-0 as +0, which compare equal); the
+  // take-th largest key is the largest t with at least `take` keys at least t, found by
+  // halving [smallest, largest] with a count of the keys per step (branch-free, eight at a
+  // time). Then every key above it is chosen, and the first rows equal to it.
+  std::vector<int32_t> keys(n);
+  int64_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t b = std::bit_cast<int32_t>(value[i] + 0.f);
+    keys[i] = b < 0 ? b ^ 0x7fffffff : b;
+    lo = std::min<int64_t>(lo, keys[i]);
+    hi = std::max<int64_t>(hi, keys[i]);
+  }
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (CountAtLeast(keys.data(), n, static_cast<int32_t>(mid)) >= take) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int32_t kth = static_cast<int32_t>(lo);
+  size_t ties =
+      take -
+      (kth == std::numeric_limits<int32_t>::max() ? 0 : CountAtLeast(keys.data(), n, kth + 1));
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] > kth) {
+      (*chosen)[i] = true;
+    } else if (keys[i] == kth && ties > 0) {
+      (*chosen)[i] = true;
+      --ties;
+    }
+  }
+}
+
 size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t) {
   static size_t (*const impl)(const int32_t*, size_t, int32_t) =
       Cpu().avx2 ? CountAtLeastAvx2 : CountAtLeastScalar;

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 namespace kvtier {
 
@@ -142,6 +144,11 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 
 // The largest of n floats (-inf for none).
 float MaxOf(const float* x, size_t n);
+// chosen[i] for the `take` largest of `value` (all of them when fewer), ties to the lower i:
+// the first `take` in the order best first, ties to the earlier, without sorting (the
+// take-th largest found by halving the range of its bits). REQUIRES: no NaN.
+void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen);
+
 // How many of n keys are at least t.
 size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t);
 size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t);

@@ -53,21 +53,6 @@ const float* ChunkStats::peak(uint32_t c) const {
   return &peaks_[Loose(c)];
 }
 
-ChunkCandidate ChunkStats::candidate(uint32_t c) const {
-  if (c < compact_) {
-    return {c,
-            tokens_[c],
-            nullptr,
-            1.f,
-            nullptr,
-            &codes_[Code(c, 0)],
-            &codes_[Code(c, 1)],
-            scales_[ScaleAt(c, 0)],
-            scales_[ScaleAt(c, 1)]};
-  }
-  return {c, tokens_[c], key_sum(c), 1.f / static_cast<float>(tokens_[c]), peak(c)};
-}
-
 const void* ChunkStats::mean_data(uint32_t c) const {
   return c < compact_ ? static_cast<const void*>(&codes_[Code(c, 0)])
                       : static_cast<const void*>(&sums_[Loose(c)]);

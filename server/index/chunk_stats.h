@@ -60,8 +60,22 @@ class ChunkStats {
   // The float sum and peak of a chunk that is not compact.
   const float* key_sum(uint32_t c) const;
   const float* peak(uint32_t c) const;
-  // The chunk as the ranking scores it (ChunkCandidate points into these arrays).
-  ChunkCandidate candidate(uint32_t c) const;
+  // The chunk as the ranking scores it (ChunkCandidate points into these arrays). Inline: a
+  // scan builds one per chunk.
+  ChunkCandidate candidate(uint32_t c) const {
+    if (c < compact_) {
+      return {c,
+              tokens_[c],
+              nullptr,
+              1.f,
+              nullptr,
+              &codes_[Code(c, 0)],
+              &codes_[Code(c, 1)],
+              scales_[ScaleAt(c, 0)],
+              scales_[ScaleAt(c, 1)]};
+    }
+    return {c, tokens_[c], key_sum(c), 1.f / static_cast<float>(tokens_[c]), peak(c)};
+  }
   // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak: side by side
   // when it is compact), and how many each.
   const void* mean_data(uint32_t c) const;

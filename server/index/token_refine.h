@@ -46,11 +46,6 @@ struct RefinedRow {
 // With `missed` (a layer's need, for LAYER_BUDGET_BY_NEED), *missed is the share of the
 // group's mean softmax mass over `fixed` and the pool that the rows returned and `fixed` do
 // not hold: what this budget leaves out, the pool standing for the context.
-// chosen[i] for the `take` largest of `value` (all of them when fewer), ties to the lower i:
-// the first `take` in the order best first, ties to the earlier, without sorting (the
-// take-th largest found by halving the range of its bits). REQUIRES: no NaN.
-void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen);
-
 std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
                                    std::span<const float> queries, int group, int head_dim,
                                    std::span<const RefineChunk> chunks, size_t k,
