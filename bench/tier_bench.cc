@@ -216,9 +216,10 @@ int main() {
         for (auto& x : q) x = 0.95f * x + 0.3f * g(rng);
         v1::SelectResponse resp;
         const auto req = Query(q, 10, 256);
-        if (!s->Select(req, &resp).ok()) return 1;
+        PrefetchGuess guess;
+        if (!s->Select(req, &resp, prefetch ? &guess : nullptr, 25).ok()) return 1;
         (void)e.leases.Release("bench", resp.lease_id());
-        if (prefetch && !s->Prefetch(req, 25).ok()) return 1;
+        if (prefetch && !s->Prefetch(guess).ok()) return 1;
       }
       const auto c = e.host_copies.counters();
       rates[prefetch] = double(c.hits) / double(c.hits + c.misses);

@@ -1063,8 +1063,9 @@ TEST(Session, ReadChunksRejectsUnknownIds) {
   EXPECT_THAT(f.session->ReadChunks({~0ull}), StatusIs(Code::kNotFound));
 }
 
-// Prefetch promotes what a 25% larger budget would add: a Select with that budget then finds
-// every chunk cached, and the prefetch itself reads nothing and counts no Select work.
+// A Select's guess is what a 25% larger budget would add, and its prefetch promotes that: a
+// Select with that budget then finds every chunk cached, and the prefetch itself reads nothing
+// and counts no Select work.
 TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
   for (auto placement : {v1::TIER_DEVICE, v1::TIER_HOST}) {
     Env e;
@@ -1074,10 +1075,11 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     auto req = SelectReq(f, 2, 256, 7);
     req.set_placement(placement);
     v1::SelectResponse first;
-    ASSERT_OK(f.session->Select(req, &first));
+    PrefetchGuess guess;
+    ASSERT_OK(f.session->Select(req, &first, &guess, 25));
     const uint64_t made_first = cache.counters().misses;
     const auto stats_before = f.session->Layers()[2];
-    ASSERT_OK_AND_ASSIGN(uint64_t prefetched, f.session->Prefetch(req, 25));
+    ASSERT_OK_AND_ASSIGN(uint64_t prefetched, f.session->Prefetch(guess));
     EXPECT_GT(prefetched, 0u);
     EXPECT_EQ(cache.counters().prefetched, prefetched);
     EXPECT_EQ(cache.counters().hits, 0u) << "a prefetch is not a read";
@@ -1105,6 +1107,15 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     }
     EXPECT_EQ(prefetched, needs_copy);
     EXPECT_TRUE(std::includes(large.begin(), large.end(), small.begin(), small.end()));
+    // The guess is exactly the larger choice less the smaller one.
+    std::set<uint64_t> guessed;
+    for (uint32_t h = 0; h < guess.chunks.size(); ++h) {
+      for (uint32_t c : guess.chunks[h]) guessed.insert(EncodeChunkId({2, h, c}));
+    }
+    std::set<uint64_t> added;
+    std::set_difference(large.begin(), large.end(), small.begin(), small.end(),
+                        std::inserter(added, added.begin()));
+    EXPECT_EQ(guessed, added) << v1::Tier_Name(placement);
     ASSERT_OK(e.leases.Release("t", first.lease_id()));
     ASSERT_OK(e.leases.Release("t", second.lease_id()));
   }
@@ -1118,9 +1129,14 @@ TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
   Prefetcher prefetcher(25, /*max_queue=*/64);
   auto req = SelectReq(f, 2, 256, 3);
   req.set_placement(v1::TIER_DEVICE);
+  PrefetchGuess guess;
   for (uint32_t seed = 0; seed < 4; ++seed) {
     req.set_query(Query(f, seed));
-    prefetcher.Enqueue(session, req);
+    v1::SelectResponse resp;
+    ASSERT_OK(session->Select(req, &resp, &guess, 25));
+    ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    ASSERT_FALSE(guess.empty());
+    prefetcher.Enqueue(session, guess);
   }
   prefetcher.WaitIdle();
   auto c = prefetcher.counters();
@@ -1129,7 +1145,7 @@ TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
   EXPECT_EQ(c.copies, e.device_copies.counters().prefetched);
   EXPECT_GT(c.copies, 0u);
   session->Close();
-  prefetcher.Enqueue(session, req);
+  prefetcher.Enqueue(session, guess);
   prefetcher.WaitIdle();
   EXPECT_EQ(prefetcher.counters().failed, 1u);  // NOT_FOUND, quietly
 }

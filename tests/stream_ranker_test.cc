@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <random>
@@ -366,6 +367,25 @@ TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
         } else if (p.uniform && p.indexed == 1) {
           EXPECT_LT(r.scored, r.candidates) << p.name;
         }
+        // A prefetch's guess beside it: the same chunks, and as extra what the larger budget
+        // chooses beyond them (none where the index's greedy fill serves).
+        RankQuery deeper = query;
+        deeper.extra_budget = 100;
+        const RankResult g = RankStream(s, index.get(), deeper);
+        EXPECT_EQ(g.chunks, r.chunks) << p.name << " trial " << trial << " extra " << extra;
+        std::vector<uint32_t> added;
+        const bool greedy_index =
+            p.indexed > 0 && !p.uniform && r.candidates >= kIndexMinCandidates;
+        if (!greedy_index) {
+          const std::vector<uint32_t> wider = Expected(ranking, s, q, must_tokens + extra + 100,
+                                                       must, trial % 2 == 1 ? skip : none);
+          std::set_difference(wider.begin(), wider.end(), r.chunks.begin(), r.chunks.end(),
+                              std::back_inserter(added));
+          if (p.uniform) {
+            EXPECT_EQ(added.size(), 100u / 16) << p.name;
+          }
+        }
+        EXPECT_EQ(g.extra, added) << p.name << " trial " << trial << " extra " << extra;
       }
     }
   }

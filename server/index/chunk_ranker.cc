@@ -136,7 +136,9 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
 
 std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
                                    int head_dim, std::span<const ChunkCandidate> candidates,
-                                   uint64_t budget) {
+                                   uint64_t budget, uint64_t extra_budget,
+                                   std::vector<uint32_t>* extra) {
+  const uint64_t wide = budget + (extra != nullptr ? extra_budget : 0);
   struct Scored {
     float score;
     uint32_t index;  // the chunk's, which breaks ties
@@ -163,7 +165,7 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
   });
   size_t sorted = scored.size();
   if (uniform && !candidates.empty() && candidates.front().tokens > 0) {
-    sorted = std::min<size_t>(scored.size(), budget / candidates.front().tokens);
+    sorted = std::min<size_t>(scored.size(), wide / candidates.front().tokens);
     if (sorted < scored.size()) {
       std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
     }
@@ -172,12 +174,23 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
     std::sort(scored.begin(), scored.end(), better);
   }
   std::vector<uint32_t> out;
+  std::vector<bool> took(sorted, false);
   uint64_t used = 0;
   for (size_t i = 0; i < sorted; ++i) {
     const ChunkCandidate& c = candidates[scored[i].pos];
     if (used + c.tokens > budget) continue;
     used += c.tokens;
+    took[i] = true;
     out.push_back(c.index);
+  }
+  if (extra != nullptr) {
+    used = 0;
+    for (size_t i = 0; i < sorted; ++i) {
+      const ChunkCandidate& c = candidates[scored[i].pos];
+      if (used + c.tokens > wide) continue;
+      used += c.tokens;
+      if (!took[i]) extra->push_back(c.index);
+    }
   }
   return out;
 }

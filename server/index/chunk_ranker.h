@@ -85,10 +85,12 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
 
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
-// deterministic.
+// deterministic. With `extra`, also the chunks the same fill with `budget + extra_budget`
+// takes that this one does not, best first, from the same scores (a prefetch's guess).
 std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
                                    int head_dim, std::span<const ChunkCandidate> candidates,
-                                   uint64_t budget);
+                                   uint64_t budget, uint64_t extra_budget = 0,
+                                   std::vector<uint32_t>* extra = nullptr);
 
 inline std::vector<uint32_t> SelectByMeanScore(std::span<const float> queries, int group,
                                                int head_dim,

@@ -33,7 +33,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     if (index == nullptr || !index->contains(c)) extras.push_back(stats.candidate(c));
   }
 
-  std::vector<uint32_t> found;
+  std::vector<uint32_t> found, extra;
   if (index != nullptr && !uniform && out.candidates >= kIndexMinCandidates) {
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
     // beside it. The answer is the scan's.
@@ -50,20 +50,28 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     for (uint32_t c = 0; c < n; ++c) {
       if (!(*excluded)[c]) all.push_back(stats.candidate(c));
     }
-    found = SelectChunks(q.ranking, q.queries, q.group, d, all, budget);
+    found = SelectChunks(q.ranking, q.queries, q.group, d, all, budget, q.extra_budget,
+                         q.extra_budget > 0 ? &extra : nullptr);
   } else {
     // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its
     // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
     // quantized) are scored here and merged by the same order.
+    // The top k is the deeper search's first k (best first, a strict order); the rest are
+    // what the extra budget adds.
     ClusterIndex::SearchStats st;
-    found = index->Search(q.ranking, q.queries, q.group, budget / q.chunk_tokens, stats, *excluded,
-                          &st);
+    const size_t k = budget / q.chunk_tokens;
+    found = index->Search(q.ranking, q.queries, q.group, (budget + q.extra_budget) / q.chunk_tokens,
+                          stats, *excluded, &st);
     out.scored = st.chunks_scored + extras.size();
     if (!extras.empty()) {
       for (uint32_t c : found) extras.push_back(stats.candidate(c));
       std::sort(extras.begin(), extras.end(),
                 [](const ChunkCandidate& a, const ChunkCandidate& b) { return a.index < b.index; });
-      found = SelectChunks(q.ranking, q.queries, q.group, d, extras, budget);
+      found = SelectChunks(q.ranking, q.queries, q.group, d, extras, budget, q.extra_budget,
+                           q.extra_budget > 0 ? &extra : nullptr);
+    } else if (found.size() > k) {
+      extra.assign(found.begin() + static_cast<ptrdiff_t>(k), found.end());
+      found.resize(k);
     }
   }
   std::vector<bool> take = must;
@@ -71,6 +79,8 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   for (uint32_t c = 0; c < n; ++c) {
     if (take[c]) out.chunks.push_back(c);
   }
+  std::sort(extra.begin(), extra.end());
+  out.extra = std::move(extra);
   return out;
 }
 

@@ -37,12 +37,19 @@ struct RankQuery {
   // The size of a whole chunk: when every candidate has it, the index's top-k search serves
   // (budget / chunk_tokens chunks); chunks of several sizes take its greedy fill.
   uint32_t chunk_tokens = 16;
+  // > 0: RankResult::extra holds what `extra_budget` more tokens would add (a prefetch's
+  // guess), found by the same scan or search (the index's top-k, searched that much deeper).
+  uint64_t extra_budget = 0;
 };
 
 struct RankResult {
   std::vector<uint32_t> chunks;  // ascending: `must` and the chosen candidates
-  uint64_t candidates = 0;       // chunks neither in `must` nor in `skip`
-  uint64_t scored = 0;           // candidates whose score or a bound over them was computed
+  // Ascending: the candidates a budget larger by extra_budget would add. Empty without
+  // extra_budget, and where the index's greedy fill serves (chunks of several sizes, many
+  // candidates), which would need a second search.
+  std::vector<uint32_t> extra;
+  uint64_t candidates = 0;  // chunks neither in `must` nor in `skip`
+  uint64_t scored = 0;      // candidates whose score or a bound over them was computed
 };
 
 // The chunks of `stats` that `query` returns. `index`, when not null, holds some of the chunks

@@ -288,13 +288,21 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
   return new AppendReactor(this, ctx, resp);
 }
 
+absl::Status KvTierService::SelectAndGuess(const std::shared_ptr<Session>& session,
+                                           const v1::SelectRequest& req, v1::SelectResponse* resp) {
+  if (!env_.prefetcher) return session->Select(req, resp);
+  PrefetchGuess guess;
+  RETURN_IF_ERROR(session->Select(req, resp, &guess, env_.prefetcher->extra_percent()));
+  env_.prefetcher->Enqueue(session, std::move(guess));
+  return absl::OkStatus();
+}
+
 absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::SelectRequest& req,
                                      v1::SelectResponse* resp, uint64_t reply_limit) {
   RETURN_IF_ERROR(env_.sessions->Run(tenant, req.session_id(), [&](const auto& session) {
     resp->Clear();
     RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(req), reply_limit));
-    RETURN_IF_ERROR(session->Select(req, resp));
-    if (env_.prefetcher) env_.prefetcher->Enqueue(session, req);
+    RETURN_IF_ERROR(SelectAndGuess(session, req, resp));
     return absl::OkStatus();
   }));
   SeriesOf(tenant).selects->Inc();
@@ -324,8 +332,7 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
       v1::SelectResponse* out = resp->add_responses();
       return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
         out->Clear();
-        RETURN_IF_ERROR(session->Select(r, out));
-        if (env_.prefetcher) env_.prefetcher->Enqueue(session, r);
+        RETURN_IF_ERROR(SelectAndGuess(session, r, out));
         return absl::OkStatus();
       });
     }();

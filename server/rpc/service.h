@@ -214,6 +214,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
                         v1::SelectResponse* resp, uint64_t reply_limit);
   absl::Status DoBatchSelect(const std::string& tenant, const v1::BatchSelectRequest& req,
                              v1::BatchSelectResponse* resp, uint64_t reply_limit);
+  // One Select of `session`, and, with a prefetcher, the promotion of its guess queued.
+  absl::Status SelectAndGuess(const std::shared_ptr<Session>& session, const v1::SelectRequest& req,
+                              v1::SelectResponse* resp);
 
   // The per-tenant counters of `tenant` (of "_other" for a tenant the config does not name).
   struct TenantSeries {

@@ -20,14 +20,15 @@ Prefetcher::~Prefetcher() {
   worker_.join();
 }
 
-void Prefetcher::Enqueue(std::shared_ptr<Session> session, const v1::SelectRequest& req) {
+void Prefetcher::Enqueue(std::shared_ptr<Session> session, PrefetchGuess guess) {
+  if (guess.empty()) return;
   MutexLock lock(&mu_);
   if (stop_) return;
   if (queue_.size() >= max_queue_) {  // the oldest guess is the least useful now
     queue_.pop_front();
     ++counters_.dropped;
   }
-  queue_.push_back(Task{std::move(session), req});
+  queue_.push_back(Task{std::move(session), std::move(guess)});
   work_.Signal();
 }
 
@@ -59,7 +60,7 @@ void Prefetcher::Run() {
       queue_.pop_front();
       busy_ = true;
     }
-    absl::StatusOr<uint64_t> made = task.session->Prefetch(task.req, extra_percent_);
+    absl::StatusOr<uint64_t> made = task.session->Prefetch(task.guess);
     task.session.reset();  // a closed session's last reference goes here, off the lock
     MutexLock lock(&mu_);
     busy_ = false;

@@ -1,7 +1,8 @@
-// Prefetch after Select, off the Select path: a worker thread promotes, onto the placement
-// tier, the chunks each served Select would have chosen with a 25% larger budget, so that the
-// next decode step finds them cached (PromotionCache counts the hits). Best effort: a full
-// queue drops the oldest task, a full tier or a closed session ends a task quietly.
+// Prefetch after Select, off the Select path: each served Select names, from its own ranking,
+// the chunks it would have chosen with a 25% larger budget (PrefetchGuess), and a worker thread
+// promotes them onto the placement tier, so that the next decode step finds them cached
+// (PromotionCache counts the hits). Best effort: a full queue drops the oldest task, a full
+// tier or a closed session ends a task quietly.
 #ifndef KVTIER_SERVER_SESSION_PREFETCHER_H_
 #define KVTIER_SERVER_SESSION_PREFETCHER_H_
 
@@ -23,8 +24,12 @@ class Prefetcher {
   Prefetcher(const Prefetcher&) = delete;
   Prefetcher& operator=(const Prefetcher&) = delete;
 
-  // Queues a prefetch for a Select that `session` just served.
-  void Enqueue(std::shared_ptr<Session> session, const v1::SelectRequest& req);
+  // How much larger a budget a Select's guess is made with (percent): Session::Select's
+  // extra_percent.
+  uint32_t extra_percent() const { return extra_percent_; }
+  // Queues the promotion of what a Select that `session` just served guessed (nothing when
+  // the guess is empty).
+  void Enqueue(std::shared_ptr<Session> session, PrefetchGuess guess);
   // Blocks until every queued task has run (tests, benchmarks).
   void WaitIdle();
 
@@ -39,7 +44,7 @@ class Prefetcher {
  private:
   struct Task {
     std::shared_ptr<Session> session;
-    v1::SelectRequest req;
+    PrefetchGuess guess;
   };
   void Run();
   // Whether no task is queued or running (or the worker is stopping).

@@ -38,6 +38,8 @@ struct LayerChoice {
   std::vector<uint64_t> rows_left;
   // After RefineLayer: [kv_head][i] the host slot chunks[h][i] was scored from (fp16).
   std::vector<std::vector<SlotRef>> host_slots;
+  // [kv_head]: the chunks a larger budget would add (Choose's extra_budget), ascending.
+  std::vector<std::vector<uint32_t>> extra;
 
   // Whether row r of a kept chunk is a sink or in the recent window.
   bool KeptRow(const Chunk& c, uint32_t r) const {

@@ -424,7 +424,8 @@ absl::Status Session::WaitForBacklog() {
 }
 
 absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const float> q,
-                                            uint64_t budget, uint32_t pool_factor, bool record) {
+                                            uint64_t budget, uint32_t pool_factor, bool record,
+                                            uint64_t extra_budget) {
   const uint32_t kvh = shape_.num_kv_heads();
   const uint32_t group = shape_.num_q_heads() / kvh;
   const size_t d = shape_.head_dim();
@@ -443,6 +444,7 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   c.chunks.assign(kvh, {});
   c.kept.assign(kvh, {});
   c.rows_left.assign(kvh, 0);
+  c.extra.assign(kvh, {});
   const double share = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED
                            ? needs_.Share(layer, policy_.dense_layers())
                            : 1.0;
@@ -467,13 +469,21 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
                           v1::Chunking_Name(policy_.chunking())));
     }
     c.rows_left[h] = static_cast<uint64_t>(std::llround(share * double(budget - fixed)));
-    RankResult r = RankStream(s.stats(), s.index(),
-                              RankQuery{.ranking = policy_.ranking(),
-                                        .queries = q.subspan(h * group * d, group * d),
-                                        .group = static_cast<int>(group),
-                                        .budget = kept_tokens + pool_factor * c.rows_left[h],
-                                        .must = &c.kept[h],
-                                        .chunk_tokens = policy_.chunk_tokens()});
+    // The rows the larger budget would leave, as its own Choose would count them.
+    const uint64_t wider_left =
+        extra_budget == 0
+            ? c.rows_left[h]
+            : static_cast<uint64_t>(std::llround(share * double(budget + extra_budget - fixed)));
+    RankResult r =
+        RankStream(s.stats(), s.index(),
+                   RankQuery{.ranking = policy_.ranking(),
+                             .queries = q.subspan(h * group * d, group * d),
+                             .group = static_cast<int>(group),
+                             .budget = kept_tokens + pool_factor * c.rows_left[h],
+                             .must = &c.kept[h],
+                             .chunk_tokens = policy_.chunk_tokens(),
+                             .extra_budget = pool_factor * (wider_left - c.rows_left[h])});
+    c.extra[h] = std::move(r.extra);
     if (record) {
       layers_[layer].select_candidates += r.candidates;
       layers_[layer].select_scored += r.scored;
@@ -483,7 +493,8 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   return c;
 }
 
-absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
+absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out,
+                             PrefetchGuess* guess, uint32_t extra_percent) {
   ASSIGN_OR_RETURN(const std::vector<float> q,
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
@@ -502,7 +513,14 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const uint32_t layer = req.layer();
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
   const bool to_device = req.placement() == v1::TIER_DEVICE;
-  ASSIGN_OR_RETURN(LayerChoice c, Choose(layer, q, budget, policy_.refine_factor(), true));
+  const uint64_t extra_budget = guess != nullptr ? budget * extra_percent / 100 : 0;
+  ASSIGN_OR_RETURN(LayerChoice c,
+                   Choose(layer, q, budget, policy_.refine_factor(), true, extra_budget));
+  if (guess != nullptr) {
+    guess->layer = layer;
+    guess->to_device = to_device;
+    guess->chunks = std::move(c.extra);
+  }
   const bool refine = (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything;
   if (refine) {
     const bool by_need = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED;
@@ -556,21 +574,22 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Session::Prefetch(const v1::SelectRequest& req, uint32_t extra_percent) {
-  ASSIGN_OR_RETURN(const std::vector<float> q,
-                   CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
+absl::StatusOr<uint64_t> Session::Prefetch(const PrefetchGuess& guess) {
   YieldToForeground(foreground_);  // background work, as aging is: the worker's calls first
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
-  const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
-  // The chunks a larger budget would rank (with refinement: its whole candidate pool).
-  ASSIGN_OR_RETURN(const LayerChoice c,
-                   Choose(req.layer(), q, budget + budget * extra_percent / 100,
-                          policy_.refine_factor(), /*record=*/false));
-  if (c.everything && req.layer() < policy_.dense_layers()) return 0;  // nothing to guess
+  if (guess.layer >= shape_.num_layers() || guess.chunks.size() != shape_.num_kv_heads()) {
+    return 0;
+  }
+  // Indices past a stream's end (aging renumbered it meanwhile) are dropped.
+  std::vector<std::vector<uint32_t>> chunks = guess.chunks;
+  for (uint32_t h = 0; h < chunks.size(); ++h) {
+    const size_t n = stream(guess.layer, h).chunks().size();
+    std::erase_if(chunks[h], [n](uint32_t c) { return c >= n; });
+  }
   size_t made = 0;
-  RETURN_IF_ERROR(Readable(promotion(req.layer(), req.placement() == v1::TIER_DEVICE),
-                           heads(req.layer()), c.chunks, /*prefetch=*/true, &made)
+  RETURN_IF_ERROR(Readable(promotion(guess.layer, guess.to_device), heads(guess.layer), chunks,
+                           /*prefetch=*/true, &made)
                       .status());
   return made;
 }

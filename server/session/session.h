@@ -75,6 +75,21 @@ struct SessionEnv {
 
 // Held by a std::shared_ptr wherever aging runs in a pool (SessionManager's), whose tasks hold
 // it weakly; a session owned otherwise ages on its append path.
+// What a Select guesses the next step's Select of its layer will want beyond its own
+// choice: per KV head, the chunks a larger budget would add, to promote ahead
+// (Session::Prefetch).
+struct PrefetchGuess {
+  uint32_t layer = 0;
+  bool to_device = false;                     // the Select's placement
+  std::vector<std::vector<uint32_t>> chunks;  // [kv_head]: chunk indices, ascending
+  bool empty() const {
+    for (const auto& c : chunks) {
+      if (!c.empty()) return false;
+    }
+    return true;
+  }
+};
+
 class Session : public std::enable_shared_from_this<Session> {
  public:
   // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy). The session's
@@ -141,13 +156,17 @@ class Session : public std::enable_shared_from_this<Session> {
   // budget; pins them under a lease; fills `out`. INVALID_ARGUMENT for the query size, a
   // non-finite query, the layer, the placement, lease_ms, or a budget below the sink and
   // window chunks; RESOURCE_EXHAUSTED when the tier cannot take a promotion.
-  absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
+  // With `guess`, also the chunks a budget `extra_percent` larger would have chosen, found by
+  // the same ranking (a deeper top-k, not a second one), into *guess for Prefetch.
+  absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out,
+                      PrefetchGuess* guess = nullptr, uint32_t extra_percent = 0);
 
-  // Promotes ahead, onto the request's placement tier, the chunks that `req` would choose
-  // with a budget `extra_percent` larger (those it chose are cached already), so that the
-  // next step's Select finds them. Returns the copies made. Errors as Select's; a full tier
-  // is RESOURCE_EXHAUSTED and changes nothing.
-  absl::StatusOr<uint64_t> Prefetch(const v1::SelectRequest& req, uint32_t extra_percent);
+  // Promotes ahead, onto the placement tier of the Select that made `guess`, its chunks (those
+  // that Select chose are cached already), so that the next step's Select finds them; only
+  // lookups and copies run under the session's lock. Returns the copies made. A chunk index
+  // that aging has renumbered since promotes another chunk, or none (past the end): a guess.
+  // NOT_FOUND for a closed session; a full tier is RESOURCE_EXHAUSTED and changes nothing.
+  absl::StatusOr<uint64_t> Prefetch(const PrefetchGuess& guess);
 
   // An upper bound on the serialized size of Select's reply to `req`, from the layer's tokens,
   // the budget and what the request asks for (data, summaries), computed before any work so
@@ -286,8 +305,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // pool that token-level refinement narrows). With LAYER_BUDGET_BY_NEED the budget is the
   // layers' average and the rows it leaves follow the layer's share (LayerNeeds).
   // INVALID_ARGUMENT when the sinks and the window do not fit the budget.
+  // With extra_budget, LayerChoice::extra holds what that many more tokens of budget would
+  // add (under refinement: to the pool).
   absl::StatusOr<LayerChoice> Choose(uint32_t layer, std::span<const float> q, uint64_t budget,
-                                     uint32_t pool_factor, bool record)
+                                     uint32_t pool_factor, bool record, uint64_t extra_budget = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
