@@ -62,6 +62,16 @@ uint32_t ResponseBytes(Client& c, const v1::SelectRequest& req) {
   return static_cast<uint32_t>(probe->ByteSizeLong());
 }
 
+// One Select through `channel`, timed (in microseconds), then its Release.
+double ChannelSelectUs(SelectChannel* channel, const v1::SelectRequest& req) {
+  const double t0 = NowSeconds();
+  auto m = channel->Select(req);
+  const double t1 = NowSeconds();
+  if (!m.ok()) std::exit(1);
+  (void)channel->Release(m->lease_id());
+  return (t1 - t0) * 1e6;
+}
+
 void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool include_data,
          bool row_handles, const std::string& mode, const std::string& suffix, int reps, int iters,
          SelectChannel* channel = nullptr) {
@@ -93,12 +103,8 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
       if (!c.Echo(req.query(), resp_bytes).ok()) std::exit(1);
       for (const double until = NowSeconds() + 2e-6 * kChannelSpinUs; NowSeconds() < until;) {
       }
-      const double t0 = NowSeconds();
-      auto m = channel->Select(req);
-      const double t1 = NowSeconds();
-      if (!m.ok()) std::exit(1);
-      (void)channel->Release(m->lease_id());
-      if (i >= 50) shm.push_back((t1 - t0) * 1e6);
+      const double us = ChannelSelectUs(channel, req);
+      if (i >= 50) shm.push_back(us);
     }
     sel50.push_back(Quantile(sel, 0.5));
     echo50.push_back(Quantile(echo, 0.5));
@@ -141,12 +147,8 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
   for (int r = 0; r < reps; ++r) {
     std::vector<double> shm, echo;
     for (int i = 0; i < iters + 50; ++i) {
-      const double t0 = NowSeconds();
-      auto m = channel->Select(req);
-      const double t1 = NowSeconds();
-      if (!m.ok()) std::exit(1);
-      (void)channel->Release(m->lease_id());
-      if (i >= 50) shm.push_back((t1 - t0) * 1e6);
+      const double us = ChannelSelectUs(channel, req);
+      if (i >= 50) shm.push_back(us);
     }
     for (int i = 0; i < iters + 50; ++i) {
       const double t0 = NowSeconds();
