@@ -680,11 +680,8 @@ void FloatsToHalvesDirectedScalar(const float* x, int n, bool up, uint16_t* out)
   for (int i = 0; i < n; ++i) out[i] = up ? FloatToHalfUp(x[i]) : FloatToHalfDown(x[i]);
 }
 
-// MaxOf, SumAsDouble and AddQuotients: the softmax weights of a refinement's pool (thousands
-// of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
-// exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
-// correctly rounded however many are computed at once.
-// Eight keys per compare: lanes at least t (not t - 1 greater than them) subtract -1.
+// CountAtLeast eight keys per compare: each lane counts the keys below t (as -1s, the compare's
+// all-ones); the others are at least t.
 __attribute__((target("avx2"))) size_t CountAtLeastAvx2(const int32_t* keys, size_t n, int32_t t) {
   const __m256i below = _mm256_set1_epi32(t);
   __m256i c0 = _mm256_setzero_si256(), c1 = c0;
@@ -702,6 +699,10 @@ __attribute__((target("avx2"))) size_t CountAtLeastAvx2(const int32_t* keys, siz
   return i - under + CountAtLeastScalar(keys + i, n - i, t);
 }
 
+// MaxOf, SumAsDouble and AddQuotients: the softmax weights of a refinement's pool (thousands
+// of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
+// exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
+// correctly rounded however many are computed at once.
 __attribute__((target("avx2"))) float MaxOfAvx2(const float* x, size_t n) {
   __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
   size_t i = 0;
