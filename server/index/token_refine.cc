@@ -1,7 +1,6 @@
 #include "server/index/token_refine.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 
