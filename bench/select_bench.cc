@@ -26,6 +26,7 @@
 #include "bench/bench_util.h"
 #include "kvtier/client.h"
 #include "server/common/fp16.h"
+#include "server/rpc/select_channel.h"
 
 using namespace kvtier;
 using namespace kvtier::bench;
@@ -33,9 +34,6 @@ using namespace kvtier::bench;
 namespace {
 
 constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64;  // SmolLM2-135M
-// How long a channel's daemon thread watches for a next call after each answer
-// (ChannelHub::kSpinUs).
-constexpr int kChannelSpinUs = 100;
 
 // A Select of the middle layer with a fixed random query.
 v1::SelectRequest Request(const std::string& sid, uint32_t budget) {
@@ -101,7 +99,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
     // call finds the thread asleep, as a worker's call after its layer's attention does.
     for (int i = 0; channel != nullptr && i < iters + 50; ++i) {
       if (!c.Echo(req.query(), resp_bytes).ok()) std::exit(1);
-      for (const double until = NowSeconds() + 2e-6 * kChannelSpinUs; NowSeconds() < until;) {
+      for (const double until = NowSeconds() + 2e-6 * ChannelHub::kSpinUs; NowSeconds() < until;) {
       }
       const double us = ChannelSelectUs(channel, req);
       if (i >= 50) shm.push_back(us);
