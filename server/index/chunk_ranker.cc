@@ -174,13 +174,13 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
     std::sort(scored.begin(), scored.end(), better);
   }
   std::vector<uint32_t> out;
-  std::vector<bool> took(sorted, false);
+  std::vector<bool> took(extra != nullptr ? sorted : 0, false);  // only for the guess
   uint64_t used = 0;
   for (size_t i = 0; i < sorted; ++i) {
     const ChunkCandidate& c = candidates[scored[i].pos];
     if (used + c.tokens > budget) continue;
     used += c.tokens;
-    took[i] = true;
+    if (extra != nullptr) took[i] = true;
     out.push_back(c.index);
   }
   if (extra != nullptr) {
