@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <utility>
+
 #include "server/common/mutex.h"
 
 namespace kvtier {
@@ -60,7 +62,7 @@ void Prefetcher::Run() {
       queue_.pop_front();
       busy_ = true;
     }
-    absl::StatusOr<uint64_t> made = task.session->Prefetch(task.guess);
+    absl::StatusOr<uint64_t> made = task.session->Prefetch(std::move(task.guess));
     task.session.reset();  // a closed session's last reference goes here, off the lock
     MutexLock lock(&mu_);
     busy_ = false;

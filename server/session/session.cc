@@ -574,7 +574,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Session::Prefetch(const PrefetchGuess& guess) {
+absl::StatusOr<uint64_t> Session::Prefetch(PrefetchGuess guess) {
   YieldToForeground(foreground_);  // background work, as aging is: the worker's calls first
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());
@@ -582,14 +582,13 @@ absl::StatusOr<uint64_t> Session::Prefetch(const PrefetchGuess& guess) {
     return 0;
   }
   // Indices past a stream's end (aging renumbered it meanwhile) are dropped.
-  std::vector<std::vector<uint32_t>> chunks = guess.chunks;
-  for (uint32_t h = 0; h < chunks.size(); ++h) {
+  for (uint32_t h = 0; h < guess.chunks.size(); ++h) {
     const size_t n = stream(guess.layer, h).chunks().size();
-    std::erase_if(chunks[h], [n](uint32_t c) { return c >= n; });
+    std::erase_if(guess.chunks[h], [n](uint32_t c) { return c >= n; });
   }
   size_t made = 0;
-  RETURN_IF_ERROR(Readable(promotion(guess.layer, guess.to_device), heads(guess.layer), chunks,
-                           /*prefetch=*/true, &made)
+  RETURN_IF_ERROR(Readable(promotion(guess.layer, guess.to_device), heads(guess.layer),
+                           guess.chunks, /*prefetch=*/true, &made)
                       .status());
   return made;
 }

@@ -166,7 +166,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // lookups and copies run under the session's lock. Returns the copies made. A chunk index
   // that aging has renumbered since promotes another chunk, or none (past the end): a guess.
   // NOT_FOUND for a closed session; a full tier is RESOURCE_EXHAUSTED and changes nothing.
-  absl::StatusOr<uint64_t> Prefetch(const PrefetchGuess& guess);
+  absl::StatusOr<uint64_t> Prefetch(PrefetchGuess guess);
 
   // An upper bound on the serialized size of Select's reply to `req`, from the layer's tokens,
   // the budget and what the request asks for (data, summaries), computed before any work so
