@@ -3,6 +3,7 @@
 // token counts and hard inputs.
 #include "kernels/quant.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -229,6 +230,83 @@ TEST(FindNonFinite, FindsInfAndNaN) {
   h[37] = FloatToHalf(1.f);
   h[99] = 0xfe01;  // NaN
   EXPECT_EQ(FindNonFinite(h.data(), h.size()), 99);
+}
+
+// CopyFinite copies every value, and is false exactly when FindNonFinite finds one, for fp16
+// and bf16, at every length around its 64-value blocks and every place of the bad value
+// (first, inside a block, in the tail), on the vector path and the scalar one.
+TEST(CopyFinite, CopiesAndAgreesWithFindNonFinite) {
+  std::mt19937 rng(11);
+  for (const HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    const uint16_t inf = kind == HalfKind::kFp16 ? 0x7c00 : 0x7f80;
+    const uint16_t nan = kind == HalfKind::kFp16 ? 0xfe01 : 0xffc1;
+    const uint16_t max_finite = kind == HalfKind::kFp16 ? 0x7bff : 0x7f7f;  // exponent one short
+    for (const uint64_t n : {0, 1, 15, 63, 64, 65, 127, 128, 200, 1031}) {
+      std::vector<uint16_t> src(n);
+      for (auto& h : src) h = static_cast<uint16_t>(rng()) & 0xbfff;  // exponent never all ones
+      if (n > 0) src[n / 2] = max_finite;
+      std::vector<int64_t> places = {-1};
+      if (n > 0) places.insert(places.end(), {0, int64_t(n / 2), int64_t(n - 1)});
+      for (const int64_t bad : places) {
+        for (const uint16_t value : {inf, nan}) {
+          std::vector<uint16_t> s = src;
+          if (bad >= 0) s[bad] = value;
+          const bool finite = FindNonFinite(kind, s.data(), n) < 0;
+          EXPECT_EQ(finite, bad < 0);
+          std::vector<uint16_t> b(n, 2);
+          EXPECT_EQ(CopyFiniteReference(kind, b.data(), s.data(), n), finite) << n << " " << bad;
+          if (finite) EXPECT_EQ(b, s) << n;
+          for (const bool stream : {false, true}) {
+            // 32-byte aligned, where the stores may stream, and not.
+            for (const size_t skew : {0, 1}) {
+              alignas(32) static uint16_t a[1031 + 16];
+              std::fill(std::begin(a), std::end(a), uint16_t{1});
+              EXPECT_EQ(CopyFinite(kind, a + skew, s.data(), n, stream), finite)
+                  << n << " " << bad << " " << stream << skew;
+              if (finite) {
+                EXPECT_TRUE(std::equal(s.begin(), s.end(), a + skew)) << n;
+                EXPECT_EQ(a[skew + n], 1) << "wrote past the end";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// CopyFiniteRows copies rows of every head_dim as CopyFinite does, and adds them to the sums
+// with the very bits AddRows gives (from zero, and onto sums already there), fp16 and bf16.
+TEST(CopyFinite, RowsAddTheBitsAddRowsAdds) {
+  std::mt19937 rng(12);
+  for (const HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    for (const int d : {8, 16, 24, 64, 128}) {
+      for (const uint32_t rows : {1u, 7u, 16u}) {
+        const size_t n = size_t{rows} * d;
+        std::vector<uint16_t> src(n);
+        for (auto& h : src) h = static_cast<uint16_t>(rng()) & 0xbfff;
+        std::vector<float> start(d);
+        for (auto& x : start) x = static_cast<float>(rng() % 1000) / 7.f - 70.f;
+        for (const bool from_zero : {true, false}) {
+          std::vector<float> want = from_zero ? std::vector<float>(d, 0.f) : start;
+          AddRows(kind, src.data(), static_cast<int>(rows), d, want.data());
+          for (const bool stream : {false, true}) {
+            alignas(32) static uint16_t dst[16 * 128];
+            std::vector<float> got = from_zero ? std::vector<float>(d, 0.f) : start;
+            ASSERT_TRUE(CopyFiniteRows(kind, dst, src.data(), rows, d, got.data(), stream));
+            EXPECT_TRUE(std::equal(src.begin(), src.end(), dst)) << d << " " << rows;
+            EXPECT_EQ(0, std::memcmp(got.data(), want.data(), d * sizeof(float)))
+                << d << " " << rows << " " << stream;
+          }
+        }
+        std::vector<uint16_t> bad = src;
+        bad[n - 1] = kind == HalfKind::kFp16 ? 0x7c00 : 0x7f80;  // the last row's last value
+        std::vector<float> sums(d, 0.f);
+        alignas(32) static uint16_t dst[16 * 128];
+        EXPECT_FALSE(CopyFiniteRows(kind, dst, bad.data(), rows, d, sums.data(), true));
+      }
+    }
+  }
 }
 
 }  // namespace

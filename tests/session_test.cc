@@ -82,6 +82,42 @@ TEST(Session, BadAppendsNameTheField) {
   EXPECT_EQ(f.session->Info().num_tokens(), 0u);
 }
 
+// A non-finite key or value is refused naming it (field, element, kv_head, token, channel)
+// wherever it lies (rows that grow the open chunk, a new chunk, the last head), before the
+// error the request would get otherwise (a gap, a rewrite with other bytes), and nothing of
+// that append is stored.
+TEST(Session, ANonFiniteValueIsRefusedFirstAndStoresNothing) {
+  for (const int d : {8, 16, 64}) {
+    Env e;
+    Fixture f = Make(e, 1, 2, 2, d, 100);
+    ASSERT_OK(f.session->Append(Req(f, 0, 0, 20)).status());  // a chunk and part of the next
+    const uint64_t n = 40;
+    for (const bool in_values : {false, true}) {
+      for (const uint64_t token : {15u, 21u, 45u, 59u}) {
+        for (const uint64_t start : {20u, 10u, 25u}) {  // fresh, a rewrite's overlap, a gap
+          if (token < start || token >= start + n) continue;
+          v1::AppendKVRequest r = Req(f, 0, start, n);
+          std::string bytes = in_values ? r.values() : r.keys();
+          const uint64_t head = token % 2, channel = token % d;
+          const uint64_t element = (head * n + token - start) * d + channel;
+          bytes[2 * element + 1] = static_cast<char>(0x7c);  // 0x7cXX: Inf or NaN
+          in_values ? r.set_values(bytes) : r.set_keys(bytes);
+          EXPECT_THAT(f.session->Append(r),
+                      StatusIs(Code::kInvalidArgument,
+                               absl::StrFormat("%s: element %d (kv_head %d, token %d, channel %d)",
+                                               in_values ? "values" : "keys", element, head, token,
+                                               channel)))
+              << d << " " << token << " " << start;
+          EXPECT_EQ(f.session->Info().num_tokens(), 20u);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) ExpectStreamExact(f, 0, h, 20);
+    ASSERT_OK(f.session->Append(Req(f, 0, 20, 40)).status());
+    for (int h = 0; h < 2; ++h) ExpectStreamExact(f, 0, h, 60);
+  }
+}
+
 // Ingest from a worker's device memory (the CPU twin of GPU ingest): the bytes read through the
 // stream's mapping are stored exactly as bytes sent inline; the mapping is opened once per
 // stream and closed with it; every refusal names its field and stores nothing.

@@ -254,21 +254,16 @@ TEST(Stream, LandChecksWhatItCopiedAndChangesNothingUntilTake) {
       (in_values ? vv : kk)[bad_row * 8 + 3] = 0x7e00;  // fp16 NaN
       LandedRows rows;
       EXPECT_FALSE(s.Land(plan, reinterpret_cast<const uint8_t*>(&kk[20 * 8]),
-                          reinterpret_cast<const uint8_t*>(&vv[20 * 8]), 20, e.f, /*check=*/true,
-                          e.slot, &rows));
+                          reinterpret_cast<const uint8_t*>(&vv[20 * 8]), 20, e.f, e.slot, &rows));
       ASSERT_EQ(s.chunks().size(), 2u);
       EXPECT_EQ(s.chunks()[1].num_tokens, 4u);
       EXPECT_EQ(std::memcmp(s.chunks()[1].host->data(), open_before.data(), open_before.size()), 0);
       EXPECT_EQ(s.stats().size(), 2u);
       ExpectStatsFollowRows(e, s);
-      LandedRows unchecked;  // the same rows unchecked land
-      EXPECT_TRUE(s.Land(plan, reinterpret_cast<const uint8_t*>(&kk[20 * 8]),
-                         reinterpret_cast<const uint8_t*>(&vv[20 * 8]), 20, e.f, false, e.slot,
-                         &unchecked));
     }
   }
   LandedRows rows;
-  ASSERT_TRUE(s.Land(plan, k + 20 * 16, v + 20 * 16, 20, e.f, true, e.slot, &rows));
+  ASSERT_TRUE(s.Land(plan, k + 20 * 16, v + 20 * 16, 20, e.f, e.slot, &rows));
   EXPECT_EQ(rows.chunks.size(), 2u);
   EXPECT_EQ(rows.grow.size(), 2u * 12 * 16);
   EXPECT_EQ(s.chunks().size(), 2u);

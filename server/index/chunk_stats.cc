@@ -82,6 +82,13 @@ void ChunkStats::AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32
   kvtier::AddRows(kind, rows, static_cast<int>(n), d_, &sums_[Loose(c)]);
 }
 
+void ChunkStats::AddSummed(uint32_t c, const float* sum, uint32_t n) {
+  Grow(c);
+  tokens_[c] += n;
+  float* to = &sums_[Loose(c)];
+  for (int j = 0; j < d_; ++j) to[j] += sum[j];
+}
+
 void ChunkStats::Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n) {
   Set(c, Summarize(kind, rows, n, d_));
 }

@@ -86,6 +86,9 @@ class ChunkStats {
   // Adds n key rows ([n][head_dim] halves of `kind`) to chunk c's sum and token count; c ==
   // size() appends a chunk first. The peak is left as it is.
   void AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
+  // The same for n rows whose float sum (head_dim floats, as AddRows adds them from zero) the
+  // caller made as it copied them (CopyFiniteRows).
+  void AddSummed(uint32_t c, const float* sum, uint32_t n);
   // Chunk c's statistics anew from all its n rows: Set of their Summarize.
   void Recompute(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n);
   // The statistics of n key rows of head_dim d: their float sum, and the row farthest from

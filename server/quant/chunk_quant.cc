@@ -356,7 +356,111 @@ __attribute__((target("avx2"))) uint64_t SkipFinite(const uint16_t* h, uint64_t 
   return i;
 }
 
+// The exponent bits of `kind`: all ones means Inf or NaN.
+uint16_t ExponentMask(HalfKind kind) { return kind == HalfKind::kFp16 ? 0x7c00u : 0x7f80u; }
+
+// Stores 16 halves at dst: past the cache (dst 32-byte aligned), or as usual.
+__attribute__((target("avx2"))) inline void Store16(bool stream, uint16_t* dst, __m256i v) {
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+  }
+}
+
+// Lanes of `v` whose exponent bits under `mask` are all ones, as all-ones lanes.
+__attribute__((target("avx2"))) inline __m256i NonFinite(__m256i v, __m256i mask) {
+  return _mm256_cmpeq_epi16(_mm256_and_si256(v, mask), mask);
+}
+
+// CopyFinite's AVX2 path over whole 64-half blocks (the caller copies the tail): each block is
+// copied as it is read, and its exponents checked. False at the first block that holds an
+// all-ones exponent under `mask_bits`.
+__attribute__((target("avx2"))) bool CopyFiniteAvx2(uint16_t mask_bits, bool stream, uint16_t* dst,
+                                                    const uint16_t* src, uint64_t blocks) {
+  const __m256i mask = _mm256_set1_epi16(static_cast<short>(mask_bits));
+  for (uint64_t b = 0; b < blocks; ++b, src += 64, dst += 64) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16));
+    const __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i v3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 48));
+    Store16(stream, dst, v0);
+    Store16(stream, dst + 16, v1);
+    Store16(stream, dst + 32, v2);
+    Store16(stream, dst + 48, v3);
+    const __m256i any = _mm256_or_si256(_mm256_or_si256(NonFinite(v0, mask), NonFinite(v1, mask)),
+                                        _mm256_or_si256(NonFinite(v2, mask), NonFinite(v3, mask)));
+    if (!_mm256_testz_si256(any, any)) return false;
+  }
+  return true;
+}
+
+// Eight halves of `kind` as floats.
+__attribute__((target("avx2,f16c"))) inline __m256 HalvesToFloats(HalfKind kind, __m128i h) {
+  return kind == HalfKind::kFp16
+             ? _mm256_cvtph_ps(h)
+             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// CopyFiniteRows' AVX2 path, d a multiple of 16: row by row, each 16 halves copied, checked
+// and added to sums as floats (each lane's rows in order, as AddRows adds them).
+__attribute__((target("avx2,f16c"))) bool CopyFiniteRowsAvx2(HalfKind kind, bool stream,
+                                                             uint16_t* dst, const uint16_t* src,
+                                                             uint32_t rows, int d, float* sums) {
+  const __m256i mask = _mm256_set1_epi16(static_cast<short>(ExponentMask(kind)));
+  for (uint32_t r = 0; r < rows; ++r, src += d, dst += d) {
+    __m256i any = _mm256_setzero_si256();
+    for (int j = 0; j < d; j += 16) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+      Store16(stream, dst + j, v);
+      any = _mm256_or_si256(any, NonFinite(v, mask));
+      _mm256_storeu_ps(sums + j, _mm256_add_ps(_mm256_loadu_ps(sums + j),
+                                               HalvesToFloats(kind, _mm256_castsi256_si128(v))));
+      _mm256_storeu_ps(sums + j + 8,
+                       _mm256_add_ps(_mm256_loadu_ps(sums + j + 8),
+                                     HalvesToFloats(kind, _mm256_extracti128_si256(v, 1))));
+    }
+    if (!_mm256_testz_si256(any, any)) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+bool CopyFiniteReference(HalfKind kind, uint16_t* dst, const uint16_t* src, uint64_t n) {
+  const uint16_t mask = ExponentMask(kind);
+  uint16_t bad = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    dst[i] = src[i];
+    bad |= static_cast<uint16_t>((src[i] & mask) == mask);
+  }
+  return bad == 0;
+}
+
+bool CopyFinite(HalfKind kind, uint16_t* dst, const uint16_t* src, uint64_t n, bool stream) {
+  uint64_t done = 0;
+  if (AddRowsIsVectorized()) {
+    stream = stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+    done = n / 64 * 64;
+    const bool finite = CopyFiniteAvx2(ExponentMask(kind), stream, dst, src, n / 64);
+    if (stream) _mm_sfence();  // the streamed stores are seen before what follows them
+    if (!finite) return false;
+  }
+  return CopyFiniteReference(kind, dst + done, src + done, n - done);
+}
+
+bool CopyFiniteRows(HalfKind kind, uint16_t* dst, const uint16_t* src, uint32_t rows, int d,
+                    float* sums, bool stream) {
+  if (AddRowsIsVectorized() && d % 16 == 0) {
+    stream = stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+    const bool finite = CopyFiniteRowsAvx2(kind, stream, dst, src, rows, d, sums);
+    if (stream) _mm_sfence();
+    return finite;
+  }
+  if (!CopyFiniteReference(kind, dst, src, uint64_t{rows} * d)) return false;
+  AddRows(kind, dst, static_cast<int>(rows), d, sums);
+  return true;
+}
 
 bool QuantIsVectorized(const QuantLayout& layout) {
   return AddRowsIsVectorized() && layout.head_dim % 8 == 0;

@@ -19,8 +19,7 @@ absl::Status CheckLayer(const v1::ModelShape& shape, uint32_t layer) {
 
 }  // namespace
 
-absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
-                         const uint8_t* keys, const uint8_t* values, bool staged) {
+absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req, bool staged) {
   const uint32_t kvh = shape.num_kv_heads();
   const uint64_t rb = uint64_t{shape.head_dim()} * 2;
   if (absl::Status s = CheckLayer(shape, req.layer()); !s.ok()) return s;
@@ -40,6 +39,13 @@ absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest&
     return InvalidField("token_ids",
                         absl::StrFormat("%d ids for %d tokens", req.token_ids_size(), n));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAppendFinite(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
+                               const uint8_t* keys, const uint8_t* values) {
+  const uint64_t n = req.num_tokens();
+  const uint64_t want = uint64_t{shape.num_kv_heads()} * n * shape.head_dim() * 2;
   for (const auto& [field, bytes] : {std::pair{"keys", keys}, {"values", values}}) {
     const auto* h = reinterpret_cast<const uint16_t*>(bytes);
     const int64_t bad = FindNonFinite(

@@ -12,12 +12,15 @@
 
 namespace kvtier {
 
-// The layer, num_tokens, the sizes of keys, values and token_ids, and that every key and
-// value is finite.
-// `keys` and `values` are where the append's bytes are: req's own fields, or (`staged`) a
-// staging area's range of the right size, whose sizes the caller checked.
-absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
-                         const uint8_t* keys, const uint8_t* values, bool staged);
+// The layer, num_tokens, and the sizes of keys, values and token_ids (`staged`: the bytes are
+// a staging area's range, whose sizes the caller checked).
+absl::Status CheckAppend(const v1::ModelShape& shape, const v1::AppendKVRequest& req, bool staged);
+// That every key and value is finite, or the first that is not, by field, element, kv_head,
+// token and channel. `keys` and `values` are where the append's bytes are (req's own fields,
+// or a staging area's range), of the sizes CheckAppend passed. The append path checks them as
+// it copies them (CopyFinite); this names the value once that fails.
+absl::Status CheckAppendFinite(const v1::ModelShape& shape, const v1::AppendKVRequest& req,
+                               const uint8_t* keys, const uint8_t* values);
 
 // The layer, the query's size and finiteness, the placement, and lease_ms against
 // `max_lease_ms` (0 takes `default_lease_ms`). Returns the query as floats.

@@ -124,8 +124,18 @@ uint64_t Session::MinTokens() const {
 
 absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   ASSIGN_OR_RETURN(const AppendBytes bytes, BytesOf(req));
-  const bool staged = bytes.area != nullptr;
-  RETURN_IF_ERROR(CheckAppend(shape_, req, bytes.keys, bytes.values, staged));
+  RETURN_IF_ERROR(CheckAppend(shape_, req, bytes.area != nullptr));
+  absl::StatusOr<uint64_t> stored = AppendSized(req, bytes);
+  if (!stored.ok()) {
+    // A non-finite value is the error, whichever step stopped first (a rewrite's comparison,
+    // a gap, the landing copy).
+    RETURN_IF_ERROR(CheckAppendFinite(shape_, req, bytes.keys, bytes.values));
+  }
+  return stored;
+}
+
+absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
+                                              const AppendBytes& bytes) {
   const uint32_t kvh = shape_.num_kv_heads();
   const uint64_t n = req.num_tokens();
   ForegroundLock lock(&mu_, &foreground_);
@@ -179,17 +189,18 @@ absl::StatusOr<uint64_t> Session::Append(const v1::AppendKVRequest& req) {
   RETURN_IF_ERROR(env_.host->AllocateMany(tenant_, f.slot_bytes(), slots_needed, &fresh));
   size_t next = 0;
   auto slot = [&] { return std::move(fresh[next++]); };
-  // Every head's rows land in their slots first, the stream unchanged: staged bytes are
-  // checked again where they landed (the worker may have written the area since CheckAppend),
-  // and a value gone non-finite meanwhile leaves the session as it was.
+  // Every head's rows land in their slots first, the stream unchanged, each value checked
+  // finite as it is copied (what is checked is what is stored, though the worker may write a
+  // staging area meanwhile): a non-finite one leaves the session as it was.
   std::vector<LandedRows> landed(kvh);
   for (uint32_t h = 0; h < kvh; ++h) {
-    if (!heads(layer)[h].Land(plan, keys(h, overlap), values(h, overlap), stored, f, staged, slot,
+    if (!heads(layer)[h].Land(plan, keys(h, overlap), values(h, overlap), stored, f, slot,
                               &landed[h])) {
+      // Append names the value when the bytes still hold it; staged bytes may not.
       return InvalidField("staged",
-                          "a value was Inf or NaN where it landed, though finite when checked: "
-                          "the worker wrote the staging area while this append read it (rewrite "
-                          "it only after the stream's reply)");
+                          "a value was Inf or NaN as it was copied, and finite when looked at "
+                          "again: the worker wrote the staging area while this append read it "
+                          "(rewrite it only after the stream's reply)");
     }
   }
   for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);

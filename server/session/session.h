@@ -121,17 +121,19 @@ class Session : public std::enable_shared_from_this<Session> {
   // counts INVALID_ARGUMENT; a full host tier RESOURCE_EXHAUSTED (ErrorReason kHostTierFull,
   // or kQuota), with nothing stored; a closed session NOT_FOUND; a demoted one UNAVAILABLE
   // (kSessionMoved). Returns the tokens now stored in every layer.
+  // A non-finite key or value is INVALID_ARGUMENT naming it, before any other error the
+  // request would get past its sizes (the bytes are checked as they are copied into their
+  // slots; the error path looks again to name the value).
   // An append may name its bytes in the session's staging area (req.staged()): they are copied
   // from there straight into their slots and checked as bytes sent inline, the same errors
-  // word for word, and checked again where they landed (INVALID_ARGUMENT naming `staged`,
-  // nothing stored, when the worker wrote the area meanwhile). INVALID_ARGUMENT naming the
-  // field for bytes sent both ways or a range past the area; NOT_FOUND for an area that is not
-  // this session's.
-  // With an aging pool (SessionEnv::aging) it returns once the rows are stored in fp16 and the
-  // peaks of the chunks they aged out are computed (Select ranks those exactly beside the
-  // index), and the pool regroups, quantizes and indexes them; `wait_aged`, or no pool: the
-  // layer is aged before it returns. Past max_aging_backlog_tokens an append first waits for
-  // the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
+  // word for word (INVALID_ARGUMENT naming `staged`, nothing stored, when a value read as Inf
+  // or NaN is finite when looked at again: the worker wrote the area meanwhile). INVALID_ARGUMENT
+  // naming the field for bytes sent both ways or a range past the area; NOT_FOUND for an area that
+  // is not this session's. With an aging pool (SessionEnv::aging) it returns once the rows are
+  // stored in fp16 and the peaks of the chunks they aged out are computed (Select ranks those
+  // exactly beside the index), and the pool regroups, quantizes and indexes them; `wait_aged`, or
+  // no pool: the layer is aged before it returns. Past max_aging_backlog_tokens an append first
+  // waits for the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
   absl::StatusOr<uint64_t> Append(const v1::AppendKVRequest& req);
 
   // Makes `area` this session's staging area, in place of the one it had (which ends with
@@ -254,6 +256,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // The append's bytes, staged or inline, their range checked against the area (errors as
   // Append's).
   absl::StatusOr<AppendBytes> BytesOf(const v1::AppendKVRequest& req) const;
+  // Append past its size checks: stores the rows, checking each value finite as it is copied.
+  absl::StatusOr<uint64_t> AppendSized(const v1::AppendKVRequest& req, const AppendBytes& bytes);
 
   // Fork's shell, made under the parent's lock: no chunks yet.
   Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,

@@ -166,6 +166,13 @@ std::optional<uint64_t> Stream::FirstMismatch(uint64_t start, uint64_t count, co
   return std::nullopt;
 }
 
+namespace {
+
+uint16_t* Halves(uint8_t* p) { return reinterpret_cast<uint16_t*>(p); }
+const uint16_t* Halves(const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+}  // namespace
+
 void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
   const uint32_t n = chunk.num_tokens;
   AddOffsets(chunk);
@@ -177,30 +184,36 @@ void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
 void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
                    uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot) {
   LandedRows rows;
-  CHECK(Land(plan, keys, values, position, f, /*check=*/false, slot, &rows));
+  CHECK(Land(plan, keys, values, position, f, slot, &rows)) << "a row is not finite";
   Take(plan, std::move(rows), f, slot);
 }
 
 bool Stream::Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
-                  uint64_t position, const ChunkFormat& f, bool check,
-                  const std::function<SlotRef()>& slot, LandedRows* out) const {
+                  uint64_t position, const ChunkFormat& f, const std::function<SlotRef()>& slot,
+                  LandedRows* out) const {
   const uint64_t rb = f.row_bytes();
-  auto finite = [&](const uint8_t* rows, uint64_t n) {
-    return !check ||
-           FindNonFinite(f.kind(), reinterpret_cast<const uint16_t*>(rows), n * rb / 2) < 0;
-  };
+  const int d = static_cast<int>(f.head_dim);
+  out->chunks.reserve(plan.new_chunks());
+  out->sums.assign(plan.new_chunks() * static_cast<size_t>(d), 0.f);
+  float* sums = out->sums.data();
   for (size_t seg = 0; seg < plan.segments.size(); ++seg) {
     const uint32_t k = plan.segments[seg].rows;
     if (seg == 0 && plan.grow) {
-      out->grow.assign(keys, keys + k * rb);
-      out->grow.insert(out->grow.end(), values, values + k * rb);
-      if (!finite(out->grow.data(), 2 * k)) return false;
+      out->grow.resize(2 * k * rb);
+      if (!CopyFinite(f.kind(), Halves(out->grow.data()), Halves(keys), k * rb / 2) ||
+          !CopyFinite(f.kind(), Halves(out->grow.data() + k * rb), Halves(values), k * rb / 2)) {
+        return false;
+      }
     } else {
       Chunk c;
       c.host = slot();
-      std::memcpy(c.host->data(), keys, k * rb);
-      std::memcpy(c.host->data() + k * rb, values, k * rb);
-      if (!finite(c.host->data(), 2 * k)) return false;
+      if (!CopyFiniteRows(f.kind(), Halves(c.host->data()), Halves(keys), k, d, sums,
+                          /*stream=*/true) ||
+          !CopyFinite(f.kind(), Halves(c.host->data() + k * rb), Halves(values), k * rb / 2,
+                      /*stream=*/true)) {
+        return false;
+      }
+      sums += d;
       c.num_tokens = static_cast<uint16_t>(k);  // at most the capacity
       c.first = position;
       c.sealed = plan.segments[seg].sealed;
@@ -242,9 +255,13 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
     c.sealed = plan.segments[0].sealed;
     c.copies.reset_device();  // the device copy is stale
   }
+  const float* sums = rows.sums.data();
   for (Chunk& c : rows.chunks) {
-    const uint8_t* keys = c.host->data();  // the stored keys (the slot stays where it is)
-    Push(std::move(c), keys, f);
+    const uint32_t n = c.num_tokens;
+    AddOffsets(c);
+    chunks_.push_back(std::move(c));
+    stats_.AddSummed(static_cast<uint32_t>(chunks_.size() - 1), sums, n);
+    sums += stats_.head_dim();
   }
 }
 

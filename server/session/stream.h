@@ -196,6 +196,7 @@ static_assert(sizeof(Slot) == 56 && kSlotHeapBytes == 80);
 // (Stream::Land, then Stream::Take).
 struct LandedRows {
   std::vector<Chunk> chunks;  // the new chunks, each with its rows in a fresh slot
+  std::vector<float> sums;    // [chunks][head_dim]: each new chunk's key rows summed
   std::vector<uint8_t> grow;  // the rows that grow the open last chunk: keys, then values
 };
 
@@ -229,20 +230,20 @@ class Stream {
   // Writes one append's rows (keys and values [tokens][head_dim], for the plan's segments)
   // from `position` on: grows the open last chunk (in a copy when its slot is shared) and adds
   // new chunks. `slot()` hands over a fresh slot for each new chunk and for a copy. Land
-  // (unchecked), then Take.
+  // (the rows finite: a CHECK), then Take.
   void Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values, uint64_t position,
              const ChunkFormat& f, const std::function<SlotRef()>& slot);
   // Write's first half, which changes nothing in the stream: copies the rows where they will
-  // be stored, each new chunk's into a fresh slot from `slot()`, the ones that grow the open
-  // last chunk into out->grow. With `check`, every value copied is then checked finite where
-  // it landed, so that what is checked is what is stored even when `keys` and `values` are
-  // memory another process may write meanwhile; false at the first that is not (the slots
-  // taken go back with *out).
+  // be stored, each new chunk's into a fresh slot from `slot()` (past the cache: the rows are
+  // next read when they age or a worker reads them) with its keys' sum, the ones that grow
+  // the open last chunk into out->grow. Every value is checked finite as it is copied, so that
+  // what is checked is what is stored even when `keys` and `values` are memory another
+  // process may write meanwhile; false at the first that is not (the slots taken go back with
+  // *out).
   bool Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values, uint64_t position,
-            const ChunkFormat& f, bool check, const std::function<SlotRef()>& slot,
-            LandedRows* out) const;
+            const ChunkFormat& f, const std::function<SlotRef()>& slot, LandedRows* out) const;
   // Write's second half: grows the open last chunk by rows.grow (in a copy from `slot()` when
-  // its slot is shared) and adds rows.chunks, their statistics from the stored keys.
+  // its slot is shared) and adds rows.chunks, their statistics from the sums Land made.
   void Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& f,
             const std::function<SlotRef()>& slot);
   // Whether the plan would copy this stream's open last chunk (someone else holds its slot).
