@@ -1065,6 +1065,51 @@ TEST(Daemon, StagedAppendsStoreWhatInlineOnesStore) {
   EXPECT_OK(alice->OpenStaging(next.session_id(), 600 * 1024).status());
 }
 
+// An AppendKV stream held open (Client::OpenAppend) stores each message as it comes, as
+// AppendKV's stream does; a refused message ends it (Write false, Finish the refusal, what
+// came before it stored), and a writer dropped unfinished cancels its stream, what it sent
+// before staying stored.
+TEST(Daemon, AnOpenAppendStreamStoresEachMessageAsItComes) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  ASSERT_OK_AND_ASSIGN(auto session, alice->CreateSession(Shape()));
+  const std::string sid = session.session_id();
+  const Data data = MakeData(300);
+  auto stored = [&] { return alice->DescribeSession(sid)->info().num_tokens(); };
+  {
+    std::unique_ptr<AppendWriter> w = alice->OpenAppend();
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(w->Write(Append(sid, data, l, 0, 100)));
+    absl::StatusOr<uint64_t> finished = w->Finish();
+    ASSERT_OK(finished.status());
+    EXPECT_EQ(*finished, 100u);
+    EXPECT_THAT(w->Finish().status(), StatusIs(Code::kFailedPrecondition));
+    EXPECT_FALSE(w->Write(Append(sid, data, 0, 100, 100)));  // finished: nothing sent
+  }
+  EXPECT_EQ(stored(), 100u);
+  {
+    std::unique_ptr<AppendWriter> w = alice->OpenAppend();
+    ASSERT_TRUE(w->Write(Append(sid, data, 0, 100, 100)));
+    ASSERT_TRUE(w->Write(Append(sid, data, 1, 150, 10)));  // a gap: refused
+    for (int i = 0; i < 100 && w->Write(Append(sid, data, 2, 100, 100)); ++i) {
+      absl::SleepFor(absl::Milliseconds(10));  // until the refusal ends the stream
+    }
+    EXPECT_FALSE(w->Write(Append(sid, data, 3, 100, 100)));
+    EXPECT_THAT(w->Finish().status(), StatusIs(Code::kOutOfRange, "start_token: 150"));
+  }
+  // The message before the refusal is stored: other bytes for its tokens are refused.
+  EXPECT_THAT(alice->AppendKV({Append(sid, MakeData(300, 9), 0, 100, 100)}).status(),
+              StatusIs(Code::kFailedPrecondition));
+  {
+    std::unique_ptr<AppendWriter> w = alice->OpenAppend();
+    ASSERT_TRUE(w->Write(Append(sid, data, 1, 100, 100)));
+  }  // dropped unfinished: the stream ends, and this client goes on
+  for (int l = 1; l < kLayers; ++l) {
+    EXPECT_OK(alice->AppendKV({Append(sid, data, l, 100, 100)}).status());  // or a no-op rewrite
+  }
+  EXPECT_EQ(stored(), 200u);
+}
+
 // The leases a session holds now (SessionInfo.active_leases), polled until `want` (a channel's
 // end is seen by its thread, not by the call that closed it) or 10 s.
 uint32_t LeasesBecome(Client& c, const std::string& sid, uint32_t want) {

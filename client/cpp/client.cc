@@ -254,17 +254,38 @@ absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
 }
 
 absl::StatusOr<uint64_t> Client::AppendKV(const std::vector<v1::AppendKVRequest>& requests) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::AppendKVResponse resp;
-  auto writer = stub_->AppendKV(&ctx, &resp);
+  std::unique_ptr<AppendWriter> writer = OpenAppend();
   for (const auto& r : requests) {
     if (!writer->Write(r)) break;  // the server ended the stream; Finish says why
   }
-  writer->WritesDone();
-  grpc::Status s = writer->Finish();
+  return writer->Finish();
+}
+
+std::unique_ptr<AppendWriter> Client::OpenAppend() {
+  std::unique_ptr<AppendWriter> w(new AppendWriter());
+  Prepare(&w->ctx_);
+  w->writer_ = stub_->AppendKV(&w->ctx_, &w->response_);
+  return w;
+}
+
+AppendWriter::~AppendWriter() {
+  if (!finished_) {
+    ctx_.TryCancel();
+    (void)writer_->Finish();
+  }
+}
+
+bool AppendWriter::Write(const v1::AppendKVRequest& request) {
+  return !finished_ && writer_->Write(request);
+}
+
+absl::StatusOr<uint64_t> AppendWriter::Finish() {
+  if (finished_) return absl::FailedPreconditionError("AppendWriter: the stream is finished");
+  finished_ = true;
+  writer_->WritesDone();
+  grpc::Status s = writer_->Finish();
   if (!s.ok()) return FromGrpcStatus(s);
-  return resp.num_tokens();
+  return response_.num_tokens();
 }
 
 absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) {

@@ -55,6 +55,7 @@ struct ClientOptions {
 
 class StagingBuffer;
 class SelectChannel;
+class AppendWriter;
 
 class Client {
  public:
@@ -67,6 +68,10 @@ class Client {
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& req);
   // One client stream carrying `requests` in order; returns tokens stored in every layer.
   absl::StatusOr<uint64_t> AppendKV(const std::vector<v1::AppendKVRequest>& requests);
+  // An AppendKV stream left open, each message sent as its bytes are ready: a prefill's
+  // layers as they are computed, or (staged) each layer's K and V written into the staging
+  // area just before its message, so that the daemon stores one while the next is written.
+  std::unique_ptr<AppendWriter> OpenAppend();
   absl::StatusOr<v1::SelectResponse> Select(const v1::SelectRequest& req);
   absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
   absl::Status Release(const std::string& lease_id);
@@ -155,6 +160,29 @@ class Client {
 absl::Status FromGrpcStatus(const grpc::Status& s);
 
 // A session's staging area mapped read-write in this process; unmapped when destroyed.
+// One open AppendKV stream (Client::OpenAppend); not thread-safe. Its deadline is the
+// client's timeout, from the open.
+class AppendWriter {
+ public:
+  ~AppendWriter();  // unfinished: cancels the stream (what the daemon stored stays stored)
+  AppendWriter(const AppendWriter&) = delete;
+  AppendWriter& operator=(const AppendWriter&) = delete;
+
+  // Sends one message; false once the stream has ended (the daemon refused a message, or it
+  // is gone): Finish says why.
+  bool Write(const v1::AppendKVRequest& request);
+  // Ends the stream: the tokens now stored in every layer, or the daemon's refusal.
+  absl::StatusOr<uint64_t> Finish();
+
+ private:
+  friend class Client;
+  AppendWriter() = default;
+  grpc::ClientContext ctx_;
+  v1::AppendKVResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendKVRequest>> writer_;
+  bool finished_ = false;
+};
+
 class StagingBuffer {
  public:
   ~StagingBuffer();
