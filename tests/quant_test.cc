@@ -263,6 +263,7 @@ TEST(CopyFinite, CopiesAndAgreesWithFindNonFinite) {
               std::fill(std::begin(a), std::end(a), uint16_t{1});
               EXPECT_EQ(CopyFinite(kind, a + skew, s.data(), n, stream), finite)
                   << n << " " << bad << " " << stream << skew;
+              FenceStreamedStores();
               if (finite) {
                 EXPECT_TRUE(std::equal(s.begin(), s.end(), a + skew)) << n;
                 EXPECT_EQ(a[skew + n], 1) << "wrote past the end";
@@ -294,6 +295,7 @@ TEST(CopyFinite, RowsAddTheBitsAddRowsAdds) {
             alignas(32) static uint16_t dst[16 * 128];
             std::vector<float> got = from_zero ? std::vector<float>(d, 0.f) : start;
             ASSERT_TRUE(CopyFiniteRows(kind, dst, src.data(), rows, d, got.data(), stream));
+            FenceStreamedStores();
             EXPECT_TRUE(std::equal(src.begin(), src.end(), dst)) << d << " " << rows;
             EXPECT_EQ(0, std::memcmp(got.data(), want.data(), d * sizeof(float)))
                 << d << " " << rows << " " << stream;

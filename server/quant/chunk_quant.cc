@@ -442,20 +442,20 @@ bool CopyFinite(HalfKind kind, uint16_t* dst, const uint16_t* src, uint64_t n, b
   if (AddRowsIsVectorized()) {
     stream = stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
     done = n / 64 * 64;
-    const bool finite = CopyFiniteAvx2(ExponentMask(kind), stream, dst, src, n / 64);
-    if (stream) _mm_sfence();  // the streamed stores are seen before what follows them
-    if (!finite) return false;
+    if (!CopyFiniteAvx2(ExponentMask(kind), stream, dst, src, n / 64)) return false;
   }
   return CopyFiniteReference(kind, dst + done, src + done, n - done);
+}
+
+void FenceStreamedStores() {
+  if (AddRowsIsVectorized()) _mm_sfence();
 }
 
 bool CopyFiniteRows(HalfKind kind, uint16_t* dst, const uint16_t* src, uint32_t rows, int d,
                     float* sums, bool stream) {
   if (AddRowsIsVectorized() && d % 16 == 0) {
     stream = stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
-    const bool finite = CopyFiniteRowsAvx2(kind, stream, dst, src, rows, d, sums);
-    if (stream) _mm_sfence();
-    return finite;
+    return CopyFiniteRowsAvx2(kind, stream, dst, src, rows, d, sums);
   }
   if (!CopyFiniteReference(kind, dst, src, uint64_t{rows} * d)) return false;
   AddRows(kind, dst, static_cast<int>(rows), d, sums);

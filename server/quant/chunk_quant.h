@@ -37,13 +37,16 @@ int64_t FindNonFinite(HalfKind kind, const uint16_t* h, uint64_t n);
 // Copies `n` 2-byte floats of `kind` from `src` to `dst` (not overlapping) in one pass, and
 // says whether every one was finite (dst then holds them all; otherwise its contents are
 // unspecified). FindNonFinite says which one was not. `stream`: the stores bypass the cache
-// where they can (dst 32-byte aligned), for bytes not read again soon (a slot's rows), and
-// are fenced before it returns.
+// where they can (dst 32-byte aligned), for bytes not read again soon (a slot's rows); they
+// are weakly ordered, so the caller calls FenceStreamedStores before it publishes dst (one
+// fence for many copies: each waits for every streamed store to reach memory).
 bool CopyFinite(HalfKind kind, uint16_t* dst, const uint16_t* src, uint64_t n, bool stream = false);
 // The same for `rows` rows of `d`, which it also adds to sums[d] as floats, each channel's
 // rows in order, as AddRows does (the same bits). Once it returns false, sums is unspecified.
 bool CopyFiniteRows(HalfKind kind, uint16_t* dst, const uint16_t* src, uint32_t rows, int d,
                     float* sums, bool stream = false);
+// Orders the streamed stores of CopyFinite and CopyFiniteRows before every store after it.
+void FenceStreamedStores();
 // CopyFinite with the scalar code alone (tests compare the two).
 bool CopyFiniteReference(HalfKind kind, uint16_t* dst, const uint16_t* src, uint64_t n);
 

@@ -211,6 +211,7 @@ bool Stream::Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* va
                           /*stream=*/true) ||
           !CopyFinite(f.kind(), Halves(c.host->data() + k * rb), Halves(values), k * rb / 2,
                       /*stream=*/true)) {
+        FenceStreamedStores();
         return false;
       }
       sums += d;
@@ -223,6 +224,7 @@ bool Stream::Land(const AppendPlan& plan, const uint8_t* keys, const uint8_t* va
     values += k * rb;
     position += k;
   }
+  FenceStreamedStores();  // the slots' rows before the stream (and other threads) see them
   return true;
 }
 
