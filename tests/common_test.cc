@@ -484,7 +484,7 @@ TEST(WidenHalves, TakesTheLargerOrSmallerValueWithTheSameBitsOnBothPaths) {
 TEST(SquaredDistances, EachLaneIsTheRowLoopOnBothPaths) {
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0, 1);
-  for (int lanes : {1, 7, 8, 13, 32, 40, 128, 131}) {
+  for (int lanes : {1, 7, 8, 13, 32, 40, 100, 128, 131}) {
     for (int d : {1, 3, 64, 128}) {
       const int stride = (lanes + 7) / 8 * 8 + 8;  // wider than needed, as a caller's may be
       std::vector<float> cols(size_t(d) * stride), point(d);

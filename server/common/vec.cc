@@ -484,14 +484,15 @@ __attribute__((target("avx2"))) inline __m256 AddSquaredDifference(__m256 acc, c
   return _mm256_add_ps(acc, _mm256_mul_ps(t, t));
 }
 
-// SquaredDistances for G (1 to 4) groups of 8 lanes (cols starts at the first), one chain per
-// group, each a named register (an array of them is kept in memory by the compiler).
+// SquaredDistances for G (1 to 8) groups of 8 lanes (cols starts at the first), one chain per
+// group, each a named register (an array of them is kept in memory by the compiler): eight
+// chains keep both adders busy where each chain waits on its last add.
 template <int G>
 __attribute__((target("avx2"))) inline void SquaredDistanceLanes(const float* cols, int stride,
                                                                  int d, const float* point,
                                                                  float* out) {
-  static_assert(G >= 1 && G <= 4);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  static_assert(G >= 1 && G <= 8);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int j = 0; j < d; ++j) {
     const __m256 p = _mm256_set1_ps(point[j]);
     const float* row = cols + static_cast<size_t>(j) * stride;
@@ -499,16 +500,25 @@ __attribute__((target("avx2"))) inline void SquaredDistanceLanes(const float* co
     if constexpr (G > 1) a1 = AddSquaredDifference(a1, row + 8, p);
     if constexpr (G > 2) a2 = AddSquaredDifference(a2, row + 16, p);
     if constexpr (G > 3) a3 = AddSquaredDifference(a3, row + 24, p);
+    if constexpr (G > 4) a4 = AddSquaredDifference(a4, row + 32, p);
+    if constexpr (G > 5) a5 = AddSquaredDifference(a5, row + 40, p);
+    if constexpr (G > 6) a6 = AddSquaredDifference(a6, row + 48, p);
+    if constexpr (G > 7) a7 = AddSquaredDifference(a7, row + 56, p);
   }
   _mm256_storeu_ps(out, a0);
   if constexpr (G > 1) _mm256_storeu_ps(out + 8, a1);
   if constexpr (G > 2) _mm256_storeu_ps(out + 16, a2);
   if constexpr (G > 3) _mm256_storeu_ps(out + 24, a3);
+  if constexpr (G > 4) _mm256_storeu_ps(out + 32, a4);
+  if constexpr (G > 5) _mm256_storeu_ps(out + 40, a5);
+  if constexpr (G > 6) _mm256_storeu_ps(out + 48, a6);
+  if constexpr (G > 7) _mm256_storeu_ps(out + 56, a7);
 }
 
 __attribute__((target("avx2"))) void SquaredDistancesAvx2(const float* cols, int stride, int lanes,
                                                           int d, const float* point, float* out) {
   int i = 0;
+  for (; i + 64 <= lanes; i += 64) SquaredDistanceLanes<8>(cols + i, stride, d, point, out + i);
   for (; i + 32 <= lanes; i += 32) SquaredDistanceLanes<4>(cols + i, stride, d, point, out + i);
   float tail[32];
   if (i < lanes) {  // up to four groups of 8, through scratch so that out holds only `lanes`
