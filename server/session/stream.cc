@@ -173,12 +173,10 @@ const uint16_t* Halves(const uint8_t* p) { return reinterpret_cast<const uint16_
 
 }  // namespace
 
-void Stream::Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f) {
-  const uint32_t n = chunk.num_tokens;
+uint32_t Stream::Push(Chunk chunk) {
   AddOffsets(chunk);
   chunks_.push_back(std::move(chunk));
-  stats_.AddRows(static_cast<uint32_t>(chunks_.size() - 1), f.kind(),
-                 reinterpret_cast<const uint16_t*>(keys), n);
+  return static_cast<uint32_t>(chunks_.size() - 1);
 }
 
 void Stream::Write(const AppendPlan& plan, const uint8_t* keys, const uint8_t* values,
@@ -260,9 +258,7 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
   const float* sums = rows.sums.data();
   for (Chunk& c : rows.chunks) {
     const uint32_t n = c.num_tokens;
-    AddOffsets(c);
-    chunks_.push_back(std::move(c));
-    stats_.AddSummed(static_cast<uint32_t>(chunks_.size() - 1), sums, n);
+    stats_.AddSummed(Push(std::move(c)), sums, n);
     sums += stats_.head_dim();
   }
 }
@@ -325,15 +321,13 @@ void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t 
       std::memcpy(c.host->data() + r * rb, fp16 + row * rb, rb);
       std::memcpy(c.host->data() + (rows + r) * rb, fp16 + (at.num_tokens + row) * rb, rb);
     }
-    const uint8_t* keys = c.host->data();
-    Push(std::move(c), keys, f);
+    const uint32_t i = Push(std::move(c));
+    stats_.AddRows(i, f.kind(), Halves(chunks_[i].host->data()), chunks_[i].num_tokens);
   }
 }
 
 void Stream::Restore(Chunk chunk, const ChunkFormat& f) {
-  AddOffsets(chunk);
-  chunks_.push_back(std::move(chunk));
-  const auto c = static_cast<uint32_t>(chunks_.size() - 1);
+  const uint32_t c = Push(std::move(chunk));
   std::vector<uint16_t> scratch;
   stats_.Recompute(c, f.kind(), f.Fp16Rows(chunks_[c], scratch), chunks_[c].num_tokens);
 }

@@ -281,8 +281,9 @@ class Stream {
   void AddOffsets(const Chunk& c) { offset_bytes_ += c.offsets.AllocatedBytes(); }
   void DropOffsets(const Chunk& c) { offset_bytes_ -= c.offsets.AllocatedBytes(); }
 
-  // Appends `chunk`, whose slot holds its rows, adding its keys `keys` to the statistics.
-  void Push(Chunk chunk, const uint8_t* keys, const ChunkFormat& f);
+  // Appends `chunk` (its row offsets counted); returns its index. The caller adds its
+  // statistics.
+  uint32_t Push(Chunk chunk);
 
   std::vector<Chunk> chunks_;
   ChunkStats stats_;
