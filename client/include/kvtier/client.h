@@ -159,7 +159,6 @@ class Client {
 // The server status as an absl::Status (codes agree).
 absl::Status FromGrpcStatus(const grpc::Status& s);
 
-// A session's staging area mapped read-write in this process; unmapped when destroyed.
 // One open AppendKV stream (Client::OpenAppend); not thread-safe. Its deadline is the
 // client's timeout, from the open.
 class AppendWriter {
@@ -183,6 +182,7 @@ class AppendWriter {
   bool finished_ = false;
 };
 
+// A session's staging area mapped read-write in this process; unmapped when destroyed.
 class StagingBuffer {
  public:
   ~StagingBuffer();
