@@ -10,8 +10,8 @@
 // would hold a core while the gRPC calls are timed), against the gRPC loop's Echo figures;
 // _back_to_back: channel
 // Selects one after another (the decode loop's pattern) against Echo RPCs one after another.
-// select_scaling: Select throughput of two workers at once, each with its own channel and
-// session, against one worker alone.
+// select_scaling: gRPC Select throughput of two workers at once, each with its own gRPC
+// connection and session, against one worker alone.
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
@@ -177,8 +177,8 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
 }
 
 // Selects per second of one worker on `sids[0]` and of two at once on both sessions, each
-// worker with a channel of its own doing `iters` Select+Release pairs after a warm-up;
-// interleaved over `reps`, medians printed (the ratio is theirs). The same for bare Echo
+// worker with a gRPC connection of its own doing `iters` Select+Release RPC pairs after a
+// warm-up; interleaved over `reps`, medians printed (the ratio is theirs). The same for bare Echo
 // pairs of the same bytes goes into the parameters: how far the machine and gRPC alone scale.
 void Scaling(const std::string& address, const std::vector<std::string>& sids, int context,
              uint32_t budget, int reps, int iters) {
@@ -227,7 +227,7 @@ void Scaling(const std::string& address, const std::vector<std::string>& sids, i
          "one_worker",
          {{"context_tokens", std::to_string(context)},
           {"budget_tokens", std::to_string(budget)},
-          {"workers", "2, each its own channel and session"},
+          {"workers", "2, each its own gRPC connection and session"},
           {"shape", "30x9/3x64"},
           {"cores", std::to_string(std::thread::hardware_concurrency())},
           {"reps", std::to_string(reps)},

@@ -30,11 +30,11 @@ TARGETS = [
      "layer Selects and their Releases through a Select channel (default policy, budget 256), "
      "vs the worker's own exact attention of the 30 layers over the whole context (fp32 on one "
      "core; EVAL: reported, and below it at 32K)"),
-    ("select_scaling", ">=", 1.7, "Select throughput of two workers at once (each its own "
-     "channel and session) vs one worker alone, on the same daemon"),
-    ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes K and "
-     "V into its session's staging area, timed, and the stream names them), acknowledged, vs "
-     "memcpy"),
+    ("select_scaling", ">=", 1.7, "gRPC Select throughput of two workers at once (each its "
+     "own gRPC connection and session) vs one worker alone, on the same daemon"),
+    ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes each "
+     "layer's K and V into its session's staging area, timed, then sends the message naming "
+     "them on one open stream), acknowledged, vs memcpy"),
     ("appendkv_ingest", ">=", 0.25, "AppendKV ingest, acknowledged (rows stored in fp16 and "
      "selectable; aging runs on the pool) vs memcpy of the same bytes"),
     ("appendkv_to_indexed", ">=", 0.2, "AppendKV from the first byte until the aging pool "
