@@ -531,6 +531,16 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     guess->layer = layer;
     guess->to_device = to_device;
     guess->chunks = std::move(c.extra);
+    // Only what a prefetch would make: a chunk readable there already (warm, for the host; a
+    // copy cached, as far as a look without the cache's lock sees) is left out, so that a
+    // guess the last steps promoted wakes no prefetcher.
+    for (uint32_t h = 0; h < guess->chunks.size(); ++h) {
+      std::erase_if(guess->chunks[h], [&](uint32_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        const Chunk& ch = stream(layer, h).chunks()[i];  // under this call's lock
+        if (!to_device && !ch.cold()) return true;
+        return PromotionCache::Held(to_device ? ch.copies.device() : ch.copies.promoted());
+      });
+    }
   }
   const bool refine = (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything;
   if (refine) {

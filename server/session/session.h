@@ -159,7 +159,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // non-finite query, the layer, the placement, lease_ms, or a budget below the sink and
   // window chunks; RESOURCE_EXHAUSTED when the tier cannot take a promotion.
   // With `guess`, also the chunks a budget `extra_percent` larger would have chosen, found by
-  // the same ranking (a deeper top-k, not a second one), into *guess for Prefetch.
+  // the same ranking (a deeper top-k, not a second one), into *guess for Prefetch: those that
+  // need a copy made on the Select's placement (not a warm chunk for the host, nor one whose
+  // copy is cached there, as PromotionCache::Held sees it), so an empty guess needs nothing.
   absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out,
                       PrefetchGuess* guess = nullptr, uint32_t extra_percent = 0);
 

@@ -74,6 +74,8 @@ class CachedCopy {
         stats_(stats),
         prefetched_(prefetched) {}
   SlotRef slot_;  // null once evicted; guarded by the cache's mutex
+  // Set, under the cache's mutex, when slot_ goes; read without it as a hint (Held).
+  std::atomic<bool> gone_ = false;
   const std::string tenant_;
   CopyStats stats_;
   bool prefetched_;  // promoted ahead by a prefetch and not read since
@@ -98,6 +100,11 @@ class PromotionCache {
   SlotRef Read(const CopyRef& copy);
   // As Read, without recording anything.
   SlotRef Peek(const CopyRef& copy) const;
+  // Whether `copy` was cached when last looked at, without the lock: a hint that may lag an
+  // eviction in flight (Peek says for sure).
+  static bool Held(const CopyRef& copy) {
+    return copy && !copy->gone_.load(std::memory_order_relaxed);
+  }
   // Read (Peek without `record`) of each of `copies` under one hold of the lock, and one
   // clock reading: out[i] for *copies[i]. A Select reads tens of copies at once.
   void ReadAll(std::span<const CopyRef* const> copies, bool record, SlotRef* out);
