@@ -73,8 +73,6 @@ struct SessionEnv {
   DeviceSourceOpener open_device_source;
 };
 
-// Held by a std::shared_ptr wherever aging runs in a pool (SessionManager's), whose tasks hold
-// it weakly; a session owned otherwise ages on its append path.
 // What a Select guesses the next step's Select of its layer will want beyond its own
 // choice: per KV head, the chunks a larger budget would add, to promote ahead
 // (Session::Prefetch).
@@ -90,6 +88,8 @@ struct PrefetchGuess {
   }
 };
 
+// Held by a std::shared_ptr wherever aging runs in a pool (SessionManager's), whose tasks hold
+// it weakly; a session owned otherwise ages on its append path.
 class Session : public std::enable_shared_from_this<Session> {
  public:
   // `shape` and `policy` are resolved (see ResolveShape, ResolvePolicy). The session's
@@ -127,13 +127,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // An append may name its bytes in the session's staging area (req.staged()): they are copied
   // from there straight into their slots and checked as bytes sent inline, the same errors
   // word for word (INVALID_ARGUMENT naming `staged`, nothing stored, when a value read as Inf
-  // or NaN is finite when looked at again: the worker wrote the area meanwhile). INVALID_ARGUMENT
-  // naming the field for bytes sent both ways or a range past the area; NOT_FOUND for an area that
-  // is not this session's. With an aging pool (SessionEnv::aging) it returns once the rows are
-  // stored in fp16 and the peaks of the chunks they aged out are computed (Select ranks those
-  // exactly beside the index), and the pool regroups, quantizes and indexes them; `wait_aged`, or
-  // no pool: the layer is aged before it returns. Past max_aging_backlog_tokens an append first
-  // waits for the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
+  // or NaN is finite when looked at again: the worker wrote the area meanwhile).
+  // INVALID_ARGUMENT naming the field for bytes sent both ways or a range past the area;
+  // NOT_FOUND for an area that is not this session's.
+  // With an aging pool (SessionEnv::aging) it returns once the rows are stored in fp16 and the
+  // peaks of the chunks they aged out are computed (Select ranks those exactly beside the
+  // index), and the pool regroups, quantizes and indexes them; `wait_aged`, or no pool: the
+  // layer is aged before it returns. Past max_aging_backlog_tokens an append first waits for
+  // the pool, aging_wait_ms at most (RESOURCE_EXHAUSTED naming the backlog).
   absl::StatusOr<uint64_t> Append(const v1::AppendKVRequest& req);
 
   // Makes `area` this session's staging area, in place of the one it had (which ends with
