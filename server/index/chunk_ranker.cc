@@ -173,23 +173,19 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
   } else {
     std::sort(scored.begin(), scored.end(), better);
   }
+  // The greedy fill of `budget`, and beside it (for the guess) that of the wider budget: each
+  // takes a chunk by its own tokens used so far; what only the wider one takes is the extra.
   std::vector<uint32_t> out;
-  std::vector<bool> took(extra != nullptr ? sorted : 0, false);  // only for the guess
-  uint64_t used = 0;
+  uint64_t used = 0, used_wide = 0;
   for (size_t i = 0; i < sorted; ++i) {
     const ChunkCandidate& c = candidates[scored[i].pos];
-    if (used + c.tokens > budget) continue;
-    used += c.tokens;
-    if (extra != nullptr) took[i] = true;
-    out.push_back(c.index);
-  }
-  if (extra != nullptr) {
-    used = 0;
-    for (size_t i = 0; i < sorted; ++i) {
-      const ChunkCandidate& c = candidates[scored[i].pos];
-      if (used + c.tokens > wide) continue;
+    const bool in_wide = extra != nullptr && used_wide + c.tokens <= wide;
+    if (in_wide) used_wide += c.tokens;
+    if (used + c.tokens <= budget) {
       used += c.tokens;
-      if (!took[i]) extra->push_back(c.index);
+      out.push_back(c.index);
+    } else if (in_wide) {
+      extra->push_back(c.index);
     }
   }
   return out;
