@@ -5,6 +5,7 @@
 // (refine_rows_us), each against the exact scan at 4K; and semantic chunking's regrouping of
 // one span (regroup_span_us) against a copy of its K and V. Timed with Google Benchmark;
 // printed as JSON figures.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -15,7 +16,9 @@
 #include "server/common/fp16.h"
 #include "server/common/vec.h"
 #include "server/index/chunk_ranker.h"
+#include "server/index/chunk_stats.h"
 #include "server/index/chunking.h"
+#include "server/index/stream_ranker.h"
 #include "server/index/token_refine.h"
 
 namespace kvtier {
@@ -72,6 +75,34 @@ void BM_LsePeakSelect(benchmark::State& state) {
   for (auto _ : state) {
     auto out = SelectChunks(v1::RANKING_LSE_PEAK, d.q, kGroup, kD, d.cands, 256);
     benchmark::DoNotOptimize(out.data());
+  }
+}
+
+// One KV head's share of a whole-chunk Select's ranking on a settled session at 4K tokens, as
+// Session::Choose runs it: the stream's statistics compact (aged) but for its last chunks,
+// the first chunk (16 sinks) and the last four (a 64-token window) returned anyway, budget
+// 256 and a prefetch guess 25% wider; too few chunks for the index, so the scan.
+void BM_RankStream(benchmark::State& state) {
+  const Data& d = Get(state.range(0));
+  const uint32_t chunks = static_cast<uint32_t>(state.range(0) / kChunk);
+  ChunkStats stats(kD);
+  for (uint32_t c = 0; c < chunks; ++c) {
+    stats.AddRows(c, HalfKind::kFp16, &d.half_keys[size_t(c) * kChunk * kD], kChunk);
+  }
+  stats.MarkFinal(chunks - 8);
+  std::vector<bool> must(chunks, false);
+  must[0] = true;
+  for (uint32_t c = chunks - 4; c < chunks; ++c) must[c] = true;
+  const RankQuery q{.ranking = v1::RANKING_LSE_PEAK,
+                    .queries = d.q,
+                    .group = kGroup,
+                    .budget = 256,
+                    .must = &must,
+                    .chunk_tokens = kChunk,
+                    .extra_budget = 64};
+  for (auto _ : state) {
+    RankResult r = RankStream(stats, nullptr, q);
+    benchmark::DoNotOptimize(r.chunks.data());
   }
 }
 
@@ -150,6 +181,7 @@ BENCHMARK(BM_MeanScoreSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
+BENCHMARK(BM_RankStream)->Arg(4096);
 BENCHMARK(BM_LsePeakPool)->Arg(4096);
 BENCHMARK(BM_BalancedGroups);
 BENCHMARK(BM_SpanCopy);
@@ -166,7 +198,11 @@ class CollectingReporter : public benchmark::BenchmarkReporter {
           benchmark::GetTimeUnitMultiplier(r.time_unit));
     }
   }
-  double Median(const std::string& name) const { return bench::Median(times_.at(name)); }
+  // NaN for a benchmark that did not run (left out by --benchmark_filter).
+  double Median(const std::string& name) const {
+    auto it = times_.find(name);
+    return it == times_.end() ? std::nan("") : bench::Median(it->second);
+  }
 
  private:
   std::map<std::string, std::vector<double>> times_;
@@ -220,6 +256,19 @@ int main(int argc, char** argv) {
                {{"fixed_rows", std::to_string(kvtier::kFixedChunks * kvtier::kChunk)},
                 {"rows_taken", std::to_string(kvtier::kRefineRows)},
                 {"score", "group mean softmax mass, fp16 keys"}});
+  kvtier::bench::Print({"rank_stream_us",
+                        reporter.Median("BM_RankStream/4096"),
+                        "us",
+                        reporter.Median("BM_ExactKeyScan/4096"),
+                        "exact_key_scan",
+                        {{"context_tokens", "4096"},
+                         {"head_dim", "64"},
+                         {"gqa_group", "3"},
+                         {"budget_tokens", "256 (a guess 25% wider)"},
+                         {"reps", "5"},
+                         {"rule",
+                          "one KV head of a whole-chunk Select: LSE-peak score over "
+                          "compact statistics, linear"}}});
   kvtier::bench::Print({"regroup_span_us",
                         reporter.Median("BM_BalancedGroups"),
                         "us",

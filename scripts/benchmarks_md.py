@@ -91,6 +91,10 @@ TARGETS = [
     ("select_pool_us", None, None, "one KV head's chunk ranking for a refined Select at 4K "
      "tokens (LSE-peak over every chunk, the 88 best for a pool of 1408 rows) vs the exact scan "
      "of all 4096 keys"),
+    ("rank_stream_us", None, None, "one KV head's chunk ranking for a whole-chunk Select on "
+     "a settled session at 4K tokens, as the daemon runs it (compact statistics scored in "
+     "place, the first chunk and a 64-token window returned anyway, the best of the rest for "
+     "a 256 budget and a guess 25% wider) vs the exact scan of all 4096 keys"),
     ("refine_rows_us", None, None, "one KV head's token-level refinement at 4K tokens (the "
      "default 8x pool of 1408 rows and 80 fixed sink and window rows, exact scores on fp16 "
      "keys, the group's mean softmax mass, the best 176 taken) vs the exact scan of all 4096 "

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -181,6 +182,53 @@ TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
       ASSERT_NEAR(all[i], LsePeakExpected(q, group, d, mean.data(), peak.data(), cands[i].tokens),
                   1e-4 * (1 + std::abs(all[i])))
           << "group " << group << " at " << i;
+    }
+  }
+}
+
+TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
+  // ChunkStats::Score over a whole stream (its compact chunks read in place, in blocks; its
+  // loose ones as candidates) gives every chunk the bits LsePeakScore or MeanScore gives it
+  // alone, and the LSE-peak score stays within float rounding of its definition. Block
+  // boundaries fall inside the compact run (1024 / group chunks a block).
+  std::mt19937 rng(17);
+  std::normal_distribution<float> n(0, 1);
+  const int d = 64;
+  for (int group : {1, 3, 9}) {
+    for (uint32_t compact : {0u, 1u, 400u, 700u}) {
+      const uint32_t chunks = std::max(compact, 1u) + 37;
+      ChunkStats stats(d);
+      for (uint32_t c = 0; c < chunks; ++c) {
+        const uint32_t tokens = 1 + c % 16;
+        std::vector<float> sum(d), peak(d);
+        for (int j = 0; j < d; ++j) {
+          sum[j] = tokens * n(rng);
+          peak[j] = sum[j] / tokens + 2 * n(rng);
+        }
+        stats.Append(tokens, sum.data(), peak.data());
+      }
+      if (compact > 0) stats.MarkFinal(compact);
+      ASSERT_EQ(stats.compact_chunks(), compact);
+      std::vector<float> q(group * d);
+      for (auto& x : q) x = n(rng);
+      std::vector<float> lse(chunks), mean(chunks);
+      stats.Score(v1::RANKING_LSE_PEAK, q, group, lse.data());
+      stats.Score(v1::RANKING_MEAN, q, group, mean.data());
+      for (uint32_t c = 0; c < chunks; ++c) {
+        const ChunkCandidate cand = stats.candidate(c);
+        ASSERT_EQ(std::bit_cast<uint32_t>(lse[c]),
+                  std::bit_cast<uint32_t>(LsePeakScore(q, group, cand, d)))
+            << "group " << group << " compact " << compact << " chunk " << c;
+        ASSERT_EQ(std::bit_cast<uint32_t>(mean[c]),
+                  std::bit_cast<uint32_t>(MeanScore(q, group, cand, d)))
+            << "group " << group << " compact " << compact << " chunk " << c;
+        std::vector<float> m(d), p(d);
+        stats.Mean(c, m.data());
+        stats.Peak(c, p.data());
+        ASSERT_NEAR(lse[c], LsePeakExpected(q, group, d, m.data(), p.data(), cand.tokens),
+                    1e-4 * (1 + std::abs(lse[c])))
+            << "group " << group << " compact " << compact << " chunk " << c;
+      }
     }
   }
 }

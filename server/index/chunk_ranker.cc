@@ -56,12 +56,44 @@ float LogAddExp(float hi, float lo) {
   return hi + u;
 }
 
+namespace {
+
+// The steps of LogAddExp for a block of `n` candidates' `group` heads laid out [block][head]
+// (hi = max(a, b), t = min(a, b) - hi): e^t, log(1 + e^t), hi + that, all at once, and each
+// candidate's max over its heads into out[i].
+void FinishLsePeak(const float* hi, float* t, int n, int group, float* out) {
+  const int m = n * group;
+  ExpInPlace(t, m);
+  for (int k = 0; k < m; ++k) t[k] += 1.f;
+  LogInPlace(t, m);
+  for (int i = 0; i < n; ++i) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < group; ++h) best = std::max(best, hi[i * group + h] + t[i * group + h]);
+    out[i] = best;
+  }
+}
+
+// One candidate's a (mean term) and b (peak term) of every head into hi and t, from its dot
+// products mean_dot[group] and peak_dot[group] and their scales.
+inline void LsePeakTerms(const float* mean_dot, const float* peak_dot, float mean_scale,
+                         float peak_scale, uint32_t tokens, int group, float inv_sqrt_d, float* hi,
+                         float* t) {
+  const float log_rest = LogRest(tokens);
+  for (int h = 0; h < group; ++h) {
+    const float a = mean_dot[h] * mean_scale * inv_sqrt_d + log_rest;
+    const float b = peak_dot[h] * peak_scale * inv_sqrt_d;
+    hi[h] = std::max(a, b);
+    t[h] = std::min(a, b) - hi[h];
+  }
+}
+
+// Blocks of candidates: the scratch arrays hold kScratch (candidate, head) pairs.
+constexpr int kScratch = 1024;
+
+}  // namespace
+
 void LsePeakScores(std::span<const float> queries, int group,
                    std::span<const ChunkCandidate> candidates, int head_dim, float* out) {
-  // Blocks of candidates, each head's hi = max(a, b) and t = min(a, b) - hi laid out
-  // [block][head]; then e^t, log(1 + e^t) and hi + that for the whole block at once: the
-  // steps of LogAddExp, value by value.
-  constexpr int kScratch = 1024;
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   CHECK(group >= 1 && group <= kScratch);  // the session allows 256 query heads per KV head
   const int block = kScratch / group;
@@ -90,29 +122,34 @@ void LsePeakScores(std::span<const float> queries, int group,
         }
       }
       for (int r = 0; r < std::max(run, 1); ++r, ++i) {
-        const float log_rest = LogRest(c[r].tokens);
-        const float mean_scale = run > 0 ? c[r].mean_scale : 1.f;
-        const float peak_scale = run > 0 ? c[r].peak_scale : 1.f;
         const float* mean_dot = dots + static_cast<size_t>(2 * r) * group;
-        const float* peak_dot = mean_dot + group;
-        for (int h = 0; h < group; ++h) {
-          const float a = mean_dot[h] * mean_scale * inv_sqrt_d + log_rest;
-          const float b = peak_dot[h] * peak_scale * inv_sqrt_d;
-          const int k = i * group + h;
-          hi[k] = std::max(a, b);
-          t[k] = std::min(a, b) - hi[k];
-        }
+        LsePeakTerms(mean_dot, mean_dot + group, run > 0 ? c[r].mean_scale : 1.f,
+                     run > 0 ? c[r].peak_scale : 1.f, c[r].tokens, group, inv_sqrt_d,
+                     hi + i * group, t + i * group);
       }
     }
-    const int m = n * group;
-    ExpInPlace(t, m);
-    for (int k = 0; k < m; ++k) t[k] += 1.f;
-    LogInPlace(t, m);
-    for (int i = 0; i < n; ++i) {
-      float best = -std::numeric_limits<float>::infinity();
-      for (int h = 0; h < group; ++h) best = std::max(best, hi[i * group + h] + t[i * group + h]);
-      out[first + i] = best;
+    FinishLsePeak(hi, t, n, group, out + first);
+  }
+}
+
+void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
+                          const float* scales, const uint32_t* tokens, uint32_t n, int head_dim,
+                          float* out) {
+  const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
+  CHECK(group >= 1 && group <= kScratch);
+  const uint32_t block = kScratch / group;
+  float hi[kScratch], t[kScratch];
+  float dots[2 * kScratch];
+  for (uint32_t first = 0; first < n; first += block) {
+    const int b = static_cast<int>(std::min(block, n - first));
+    DotInt8GroupRows(queries.data(), group, codes + static_cast<size_t>(first) * 2 * head_dim,
+                     2 * b, head_dim, dots);
+    for (int i = 0; i < b; ++i) {
+      const float* mean_dot = dots + static_cast<size_t>(2 * i) * group;
+      LsePeakTerms(mean_dot, mean_dot + group, scales[2 * (first + i)], scales[2 * (first + i) + 1],
+                   tokens[first + i], group, inv_sqrt_d, hi + i * group, t + i * group);
     }
+    FinishLsePeak(hi, t, b, group, out + first);
   }
 }
 
@@ -134,38 +171,24 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
   }
 }
 
-std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
-                                   int head_dim, std::span<const ChunkCandidate> candidates,
-                                   uint64_t budget, uint64_t extra_budget,
-                                   std::vector<uint32_t>* extra) {
+std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
+                                 uint64_t extra_budget, std::vector<uint32_t>* extra) {
   const uint64_t wide = budget + (extra != nullptr ? extra_budget : 0);
-  struct Scored {
-    float score;
-    uint32_t index;  // the chunk's, which breaks ties
-    uint32_t pos;
-  };
-  std::vector<float> scores(candidates.size());
-  ScoreCandidates(ranking, queries, group, head_dim, candidates, scores.data());
-  std::vector<Scored> scored;
-  scored.reserve(candidates.size());
-  for (uint32_t i = 0; i < candidates.size(); ++i) {
-    scored.push_back({scores[i], candidates[i].index, i});
-  }
   // A strict total order (chunk indices differ), so every partial order below picks and ranks
   // what a full sort would.
-  auto better = [](const Scored& a, const Scored& b) {
+  auto better = [](const ScoredChunk& a, const ScoredChunk& b) {
     if (a.score != b.score) return a.score > b.score;
     return a.index < b.index;
   };
   // When every candidate has the same size (the usual case: whole chunks between the sinks
   // and the window), the greedy answer is exactly the best budget/size: select those (linear),
   // then sort only them.
-  const bool uniform = std::all_of(candidates.begin(), candidates.end(), [&](const auto& c) {
-    return c.tokens == candidates.front().tokens;
+  const bool uniform = std::all_of(scored.begin(), scored.end(), [&](const ScoredChunk& c) {
+    return c.tokens == scored.front().tokens;
   });
   size_t sorted = scored.size();
-  if (uniform && !candidates.empty() && candidates.front().tokens > 0) {
-    sorted = std::min<size_t>(scored.size(), wide / candidates.front().tokens);
+  if (uniform && !scored.empty() && scored.front().tokens > 0) {
+    sorted = std::min<size_t>(scored.size(), wide / scored.front().tokens);
     if (sorted < scored.size()) {
       std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
     }
@@ -178,7 +201,7 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
   std::vector<uint32_t> out;
   uint64_t used = 0, used_wide = 0;
   for (size_t i = 0; i < sorted; ++i) {
-    const ChunkCandidate& c = candidates[scored[i].pos];
+    const ScoredChunk& c = scored[i];
     const bool in_wide = extra != nullptr && used_wide + c.tokens <= wide;
     if (in_wide) used_wide += c.tokens;
     if (used + c.tokens <= budget) {
@@ -189,6 +212,20 @@ std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> q
     }
   }
   return out;
+}
+
+std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
+                                   int head_dim, std::span<const ChunkCandidate> candidates,
+                                   uint64_t budget, uint64_t extra_budget,
+                                   std::vector<uint32_t>* extra) {
+  std::vector<float> scores(candidates.size());
+  ScoreCandidates(ranking, queries, group, head_dim, candidates, scores.data());
+  std::vector<ScoredChunk> scored;
+  scored.reserve(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    scored.push_back({scores[i], candidates[i].index, candidates[i].tokens});
+  }
+  return FillGreedy(std::move(scored), budget, extra_budget, extra);
 }
 
 }  // namespace kvtier

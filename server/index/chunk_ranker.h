@@ -83,6 +83,24 @@ void LsePeakScores(std::span<const float> queries, int group,
 void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int group, int head_dim,
                      std::span<const ChunkCandidate> candidates, float* out);
 
+// LsePeakScores of n compact chunks as ChunkStats holds them side by side, read in place:
+// codes [n][2][head_dim] signed bytes (mean, then peak), scales [n][2] (mean's, then peak's),
+// tokens [n]. The same bits as LsePeakScores of their candidates, without building them.
+void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
+                          const float* scales, const uint32_t* tokens, uint32_t n, int head_dim,
+                          float* out);
+
+// A candidate's score, index and tokens: what the greedy fill reads.
+struct ScoredChunk {
+  float score;
+  uint32_t index;  // the chunk's, which breaks ties
+  uint32_t tokens;
+};
+
+// The greedy fill of SelectChunks over candidates already scored (any order).
+std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
+                                 uint64_t extra_budget = 0, std::vector<uint32_t>* extra = nullptr);
+
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
 // deterministic. With `extra`, also the chunks the same fill with `budget + extra_budget`

@@ -187,4 +187,19 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   final_ = 0;
 }
 
+void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group,
+                       float* out) const {
+  const uint32_t n = size();
+  uint32_t from = 0;
+  if (ranking == v1::RANKING_LSE_PEAK && compact_ > 0) {
+    LsePeakScoresCompact(queries, group, codes_.data(), scales_.data(), tokens_.data(), compact_,
+                         d_, out);
+    from = compact_;
+  }
+  std::vector<ChunkCandidate> rest;
+  rest.reserve(n - from);
+  for (uint32_t c = from; c < n; ++c) rest.push_back(candidate(c));
+  ScoreCandidates(ranking, queries, group, d_, rest, out + from);
+}
+
 }  // namespace kvtier

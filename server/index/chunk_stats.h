@@ -76,6 +76,9 @@ class ChunkStats {
     }
     return {c, tokens_[c], key_sum(c), 1.f / static_cast<float>(tokens_[c]), peak(c)};
   }
+  // Every chunk's score by `ranking` into out[c], c < size(): the bits ScoreCandidates gives
+  // over candidate(c) of each, with the compact chunks read in place (a scan's whole stream).
+  void Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out) const;
   // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak: side by side
   // when it is compact), and how many each.
   const void* mean_data(uint32_t c) const;

@@ -12,10 +12,6 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   CHECK(must.size() == n && (q.skip == nullptr || q.skip->size() == n));
   const int d = stats.head_dim();
   RankResult out;
-  uint64_t must_tokens = 0;
-  for (uint32_t c = 0; c < n; ++c) must_tokens += must[c] ? stats.tokens(c) : 0;
-  CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget " << q.budget;
-  const uint64_t budget = q.budget - must_tokens;
   // The index skips what is returned anyway and what may not be.
   std::vector<bool> excluded_storage;
   const std::vector<bool>* excluded = &must;
@@ -24,34 +20,47 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     for (uint32_t c = 0; c < n; ++c) excluded_storage[c] = must[c] || (*q.skip)[c];
     excluded = &excluded_storage;
   }
-  std::vector<ChunkCandidate> extras;  // candidates the index does not hold
+  uint64_t must_tokens = 0;
   bool uniform = true;
   for (uint32_t c = 0; c < n; ++c) {
+    if (must[c]) must_tokens += stats.tokens(c);
     if ((*excluded)[c]) continue;
     ++out.candidates;
     uniform = uniform && stats.tokens(c) == q.chunk_tokens;
-    if (index == nullptr || !index->contains(c)) extras.push_back(stats.candidate(c));
   }
+  CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget " << q.budget;
+  const uint64_t budget = q.budget - must_tokens;
+  // Candidates the index does not hold, scored beside its search.
+  auto not_indexed = [&] {
+    std::vector<ChunkCandidate> extras;
+    for (uint32_t c = 0; c < n; ++c) {
+      if (!(*excluded)[c] && !index->contains(c)) extras.push_back(stats.candidate(c));
+    }
+    return extras;
+  };
 
   std::vector<uint32_t> found, extra;
   if (index != nullptr && !uniform && out.candidates >= kIndexMinCandidates) {
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
     // beside it. The answer is the scan's.
     ClusterIndex::SearchStats st;
-    found =
-        index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded, extras, &st);
+    found = index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded,
+                                not_indexed(), &st);
     out.scored = st.chunks_scored;
   } else if (index == nullptr || !uniform || out.candidates < kIndexMinCandidates) {
     // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
-    // answer is the same.
+    // answer is the same. Every chunk is scored in place (the few returned anyway too), and
+    // the candidates' scores filled from.
     out.scored = out.candidates;
-    std::vector<ChunkCandidate> all;
-    all.reserve(out.candidates);
+    std::vector<float> scores(n);
+    stats.Score(q.ranking, q.queries, q.group, scores.data());
+    std::vector<ScoredChunk> scored;
+    scored.reserve(out.candidates);
     for (uint32_t c = 0; c < n; ++c) {
-      if (!(*excluded)[c]) all.push_back(stats.candidate(c));
+      if (!(*excluded)[c]) scored.push_back({scores[c], c, stats.tokens(c)});
     }
-    found = SelectChunks(q.ranking, q.queries, q.group, d, all, budget, q.extra_budget,
-                         q.extra_budget > 0 ? &extra : nullptr);
+    found = FillGreedy(std::move(scored), budget, q.extra_budget,
+                       q.extra_budget > 0 ? &extra : nullptr);
   } else {
     // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its
     // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
@@ -59,6 +68,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // The top k is the deeper search's first k (best first, a strict order); the rest are
     // what the extra budget adds.
     ClusterIndex::SearchStats st;
+    std::vector<ChunkCandidate> extras = not_indexed();
     const size_t k = budget / q.chunk_tokens;
     found = index->Search(q.ranking, q.queries, q.group, (budget + q.extra_budget) / q.chunk_tokens,
                           stats, *excluded, &st);
