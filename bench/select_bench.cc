@@ -5,13 +5,17 @@
 // token-level refinement (refine_factor 8), its rows gathered into compact blocks
 // (select_rpc_p50_refined) or named in place (row_handles: select_rpc_p50_refined_rows).
 // select_shm_p50/p99: the same whole-chunk Select through a shared-memory Select channel
-// (OpenChannel), each after an Echo RPC and a wait in the worker past the channel thread's
-// watch for a next call (so it finds the thread asleep), in a loop of their own (that watch
-// would hold a core while the gRPC calls are timed), against the gRPC loop's Echo figures;
-// _back_to_back: channel
-// Selects one after another (the decode loop's pattern) against Echo RPCs one after another.
+// (OpenChannel), its answers parsed into one response reused as a decode loop would, each
+// after an Echo RPC and a wait in the worker past the channel thread's watch for a next call
+// (so it finds the thread asleep), in a loop of their own (that watch would hold a core while
+// the gRPC calls are timed), against the gRPC loop's Echo figures.
+//
+// select_shm_p50_back_to_back: channel Selects one after another (the decode loop's pattern)
+// against Echo RPCs one after another.
+//
 // select_scaling: gRPC Select throughput of two workers at once, each with its own gRPC
 // connection and session, against one worker alone.
+//
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
@@ -60,13 +64,15 @@ uint32_t ResponseBytes(Client& c, const v1::SelectRequest& req) {
   return static_cast<uint32_t>(probe->ByteSizeLong());
 }
 
-// One Select through `channel`, timed (in microseconds), then its Release.
-double ChannelSelectUs(SelectChannel* channel, const v1::SelectRequest& req) {
+// One Select through `channel`, timed (in microseconds), then its Release. Into one response
+// reused call after call, as a decode loop does (SelectChannel::Select's second form).
+double ChannelSelectUs(SelectChannel* channel, const v1::SelectRequest& req,
+                       v1::SelectResponse* resp) {
   const double t0 = NowSeconds();
-  auto m = channel->Select(req);
+  const absl::Status s = channel->Select(req, resp);
   const double t1 = NowSeconds();
-  if (!m.ok()) std::exit(1);
-  (void)channel->Release(m->lease_id());
+  if (!s.ok()) std::exit(1);
+  (void)channel->Release(resp->lease_id());
   return (t1 - t0) * 1e6;
 }
 
@@ -78,6 +84,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   req.set_row_handles(row_handles);
   const uint32_t resp_bytes = ResponseBytes(c, req);
   std::vector<double> p50_ratio, p99_ratio, sel50, echo50, sel99, echo99, shm50, shm99;
+  v1::SelectResponse resp;
   for (int r = 0; r < reps; ++r) {
     std::vector<double> sel, echo, shm;
     for (int i = 0; i < iters + 50; ++i) {
@@ -101,7 +108,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
       if (!c.Echo(req.query(), resp_bytes).ok()) std::exit(1);
       for (const double until = NowSeconds() + 2e-6 * ChannelHub::kSpinUs; NowSeconds() < until;) {
       }
-      const double us = ChannelSelectUs(channel, req);
+      const double us = ChannelSelectUs(channel, req, &resp);
       if (i >= 50) shm.push_back(us);
     }
     sel50.push_back(Quantile(sel, 0.5));
@@ -127,7 +134,8 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
   if (channel == nullptr) return;
   params["target_ratio"] = "0.25";
-  params["path"] = "shared-memory Select channel (OpenChannel); the echo is the gRPC one";
+  params["path"] =
+      "shared-memory Select channel (OpenChannel), one response reused; the echo is the gRPC one";
   Print({"select_shm_p50" + suffix, Median(shm50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_shm_p99" + suffix, Median(shm99), "us", Median(echo99), "echo_rpc_p99", params});
 }
@@ -142,10 +150,11 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
   const v1::SelectRequest req = Request(sid, budget);
   const uint32_t resp_bytes = ResponseBytes(c, req);
   std::vector<double> shm50, shm99, echo50, echo99;
+  v1::SelectResponse resp;
   for (int r = 0; r < reps; ++r) {
     std::vector<double> shm, echo;
     for (int i = 0; i < iters + 50; ++i) {
-      const double us = ChannelSelectUs(channel, req);
+      const double us = ChannelSelectUs(channel, req, &resp);
       if (i >= 50) shm.push_back(us);
     }
     for (int i = 0; i < iters + 50; ++i) {
@@ -168,7 +177,9 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
       {"shape", "30x9/3x64"},
       {"reps", std::to_string(reps)},
       {"iters", std::to_string(iters)},
-      {"path", "shared-memory Select channel, calls one after another; the echo likewise"},
+      {"path",
+       "shared-memory Select channel, calls one after another, one response reused; the echo "
+       "likewise"},
       {"target_ratio", "0.25"}};
   Print({"select_shm_p50_back_to_back", Median(shm50), "us", Median(echo50),
          "echo_rpc_p50_back_to_back", params});
@@ -316,12 +327,12 @@ void DecodeStep(Client& c, int context, int steps) {
   std::vector<float> q(size_t(kQ) * kD), out(q.size()), scores;
   for (auto& x : q) x = n(rng);
   std::vector<double> kvtier_ms, exact_ms;
+  v1::SelectResponse m;  // reused layer after layer
   for (int step = 0; step < steps + 3; ++step) {
     const double t0 = NowSeconds();
     for (const v1::SelectRequest& r : layers) {
-      auto m = (*channel)->Select(r);
-      if (!m.ok()) std::exit(1);
-      (void)(*channel)->Release(m->lease_id());
+      if (!(*channel)->Select(r, &m).ok()) std::exit(1);
+      (void)(*channel)->Release(m.lease_id());
     }
     const double t1 = NowSeconds();
     for (int l = 0; l < kLayers; ++l) ExactAttention(q, k0, v0, context, &out, &scores);
@@ -342,7 +353,8 @@ void DecodeStep(Client& c, int context, int steps) {
           {"budget_tokens", "256"},
           {"layers", std::to_string(kLayers)},
           {"shape", "30x9/3x64"},
-          {"path", "Select channel, each Select then its Release; default policy"},
+          {"path",
+           "Select channel, each Select then its Release, one response reused; default policy"},
           {"baseline",
            "the worker's exact attention over the whole context, fp32 arithmetic, "
            "one thread"},

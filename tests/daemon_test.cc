@@ -1153,6 +1153,32 @@ TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
     EXPECT_OK(ch->Release(b.lease_id()));  // a lease of the tenant's, whichever way it came
     EXPECT_OK(alice->Release(a.lease_id()));
   }
+  // Into one response reused (a decode loop's): each answer whole, nothing of the one before
+  // it left (a larger budget's first, then a smaller one), and an error leaves it empty.
+  {
+    v1::SelectResponse reused;
+    for (uint32_t budget : {512u, 128u}) {
+      ASSERT_OK(ch->Select(Select(sid, budget == 512 ? 3 : 0, budget, true), &reused));
+      ASSERT_OK_AND_ASSIGN(auto alone,
+                           ch->Select(Select(sid, budget == 512 ? 3 : 0, budget, true)));
+      ASSERT_EQ(reused.heads_size(), alone.heads_size());
+      for (int h = 0; h < reused.heads_size(); ++h) {
+        ASSERT_EQ(reused.heads(h).blocks_size(), alone.heads(h).blocks_size()) << budget;
+        for (int i = 0; i < reused.heads(h).blocks_size(); ++i) {
+          const v1::BlockHandle &x = reused.heads(h).blocks(i), &y = alone.heads(h).blocks(i);
+          EXPECT_EQ(x.chunk_id(), y.chunk_id());
+          EXPECT_EQ(x.keys(), y.keys());
+          EXPECT_EQ(std::vector<int64_t>(x.positions().begin(), x.positions().end()),
+                    std::vector<int64_t>(y.positions().begin(), y.positions().end()));
+        }
+      }
+      EXPECT_OK(ch->Release(reused.lease_id()));
+      EXPECT_OK(ch->Release(alone.lease_id()));
+    }
+    EXPECT_THAT(ch->Select(Select(sid, kLayers, 128), &reused), StatusIs(Code::kInvalidArgument));
+    EXPECT_EQ(reused.heads_size(), 0);
+    EXPECT_TRUE(reused.lease_id().empty());
+  }
   v1::BatchSelectRequest batch;
   for (int l = 0; l < kLayers; ++l) *batch.add_requests() = Select(sid, l, 128);
   ASSERT_OK_AND_ASSIGN(auto all, ch->BatchSelect(batch));

@@ -81,6 +81,11 @@ absl::StatusOr<v1::SelectResponse> SelectChannel::Select(const v1::SelectRequest
   return resp;
 }
 
+absl::Status SelectChannel::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
+  out->Clear();
+  return Call(channel::kSelect, req, out);
+}
+
 absl::StatusOr<v1::BatchSelectResponse> SelectChannel::BatchSelect(
     const v1::BatchSelectRequest& req) {
   v1::BatchSelectResponse resp;

@@ -212,6 +212,10 @@ class SelectChannel {
 
   // As the RPCs of the same names. A Select naming no worker_id gets the channel's.
   absl::StatusOr<v1::SelectResponse> Select(const v1::SelectRequest& req);
+  // The same into `out`, cleared first (whatever the outcome). A decode loop that passes the
+  // same response every step (or one on an arena) parses without allocating: a cleared
+  // message keeps its handles' memory for the next answer.
+  absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
   absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
   absl::Status Release(const std::string& lease_id);
 
