@@ -145,6 +145,22 @@ TEST(ChunkRanker, LsePeakScoresEqualsOneByOne) {
   }
 }
 
+// `chunks` chunks of 1 to 16 tokens appended to `stats`, each with a Gaussian sum and a peak
+// that sticks out of its mean.
+void AppendRandomChunks(uint32_t chunks, std::mt19937& rng, ChunkStats* stats) {
+  std::normal_distribution<float> n(0, 1);
+  const int d = stats->head_dim();
+  for (uint32_t c = 0; c < chunks; ++c) {
+    const uint32_t tokens = 1 + c % 16;
+    std::vector<float> sum(d), peak(d);
+    for (int j = 0; j < d; ++j) {
+      sum[j] = tokens * n(rng);
+      peak[j] = sum[j] / tokens + 2 * n(rng);
+    }
+    stats->Append(tokens, sum.data(), peak.data());
+  }
+}
+
 TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
   // Compact chunks side by side are scored as runs: with gaps in the candidates (the runs
   // break), loose chunks after them, and blocks of every size, each score has the bits the
@@ -155,15 +171,7 @@ TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
   for (int group : {1, 3, 8, 100}) {
     const uint32_t chunks = 200, compact = 170;
     ChunkStats stats(d);
-    for (uint32_t c = 0; c < chunks; ++c) {
-      const uint32_t tokens = 1 + c % 16;
-      std::vector<float> sum(d), peak(d);
-      for (int j = 0; j < d; ++j) {
-        sum[j] = tokens * n(rng);
-        peak[j] = sum[j] / tokens + 2 * n(rng);
-      }
-      stats.Append(tokens, sum.data(), peak.data());
-    }
+    AppendRandomChunks(chunks, rng, &stats);
     stats.MarkFinal(compact);
     ASSERT_EQ(stats.compact_chunks(), compact);
     std::vector<float> q(group * d);
@@ -198,15 +206,7 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
     for (uint32_t compact : {0u, 1u, 400u, 700u}) {
       const uint32_t chunks = std::max(compact, 1u) + 37;
       ChunkStats stats(d);
-      for (uint32_t c = 0; c < chunks; ++c) {
-        const uint32_t tokens = 1 + c % 16;
-        std::vector<float> sum(d), peak(d);
-        for (int j = 0; j < d; ++j) {
-          sum[j] = tokens * n(rng);
-          peak[j] = sum[j] / tokens + 2 * n(rng);
-        }
-        stats.Append(tokens, sum.data(), peak.data());
-      }
+      AppendRandomChunks(chunks, rng, &stats);
       if (compact > 0) stats.MarkFinal(compact);
       ASSERT_EQ(stats.compact_chunks(), compact);
       std::vector<float> q(group * d);
