@@ -1953,5 +1953,46 @@ TEST(Daemon, AMovedSessionHasEveryChunkOnTheOtherDaemon) {
   EXPECT_EQ(listed.sessions(0).session_id(), "moved");
 }
 
+// Whether process `pid` still runs: gone, or a zombie nobody reaped yet, is not running.
+bool Runs(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t close = line.rfind(')');  // "pid (comm) state ..."
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] != 'Z';
+}
+
+// A test or benchmark killed midway takes its daemon with it: the process that made a
+// LocalDaemon is killed by SIGKILL (no destructor runs) and the daemon ends by itself. The
+// process is a clean re-run of this test binary (a threadsafe death test), which writes the
+// daemon's pid to a file this test names in the environment the re-run inherits.
+TEST(LocalDaemon, EndsWhenTheProcessThatMadeItIsKilled) {
+  constexpr char kPidFile[] = "KVTIER_TEST_DAEMON_PID_FILE";
+  const char* given = getenv(kPidFile);  // set: this is the re-run
+  const std::string pid_file =
+      given != nullptr ? given : "/tmp/kvtier-test-daemon-" + std::to_string(getpid()) + ".pid";
+  setenv(kPidFile, pid_file.c_str(), 1);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        DaemonProcess d;
+        std::ofstream(pid_file) << (d.started() ? d.pid() : -1) << "\n";
+        raise(SIGKILL);
+      },
+      ::testing::KilledBySignal(SIGKILL), "");
+  unsetenv(kPidFile);
+  int pid = -1;
+  std::ifstream(pid_file) >> pid;
+  std::remove(pid_file.c_str());
+  ASSERT_GT(pid, 0) << "the daemon did not start";
+  bool runs = true;
+  for (int i = 0; i < 300 && runs; ++i) {  // up to 30 s: a drain on a loaded machine
+    runs = Runs(pid);
+    if (runs) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(runs) << "kvtierd " << pid << " outlived the process that made it";
+  if (runs) kill(pid, SIGKILL);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -19,6 +20,17 @@
 
 namespace kvtier {
 namespace {
+
+// In a forked child before exec: SIGTERM when the thread that forked it ends, so that a test or
+// benchmark killed midway leaves no server behind, and an exit at once should it have ended
+// already (before the request took effect). And none of the caller's descriptors past stderr
+// stay open in the server: a pipe the caller's parent waits on to close (a death test's) would
+// otherwise stay open as long as the server runs.
+void EndWithParent(pid_t parent) {
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(127);
+  close_range(3, ~0u, 0);
+}
 
 int ExitCode(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -63,8 +75,10 @@ LocalDaemon::LocalDaemon(const std::string& instance_prefix,
       "--log_level",         "warn"};
   args.insert(args.end(), extra.begin(), extra.end());
   const std::string log = dir_.path() + "/daemon.log";
+  const pid_t parent = getpid();
   pid_ = fork();
   if (pid_ == 0) {
+    EndWithParent(parent);
     if (freopen(log.c_str(), "w", stderr) != nullptr) dup2(fileno(stderr), fileno(stdout));
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -125,8 +139,10 @@ std::string LocalDaemon::Log() const {
 
 LocalRedis::LocalRedis() {
   socket_ = dir_.path() + "/redis.sock";
+  const pid_t parent = getpid();
   pid_ = fork();
   if (pid_ == 0) {
+    EndWithParent(parent);
     const int null = open("/dev/null", O_WRONLY);  // its log would mix with the caller's
     dup2(null, STDOUT_FILENO);
     dup2(null, STDERR_FILENO);

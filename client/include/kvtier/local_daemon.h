@@ -29,7 +29,9 @@ std::string BinaryPath(const std::string& name);
 // Starts `kvtierd --listen unix:<tmp>/kvtier.sock --instance <prefix>-<pid>-<n>
 // --log_level warn <extra...>` (kvtierd next to the running binary) with its output in
 // <tmp>/daemon.log, and waits up to 10 s for the socket. The destructor sends SIGTERM and
-// waits if it still runs.
+// waits if it still runs. The daemon also gets SIGTERM when the thread that made it ends
+// (PR_SET_PDEATHSIG), as when its test or benchmark is killed: make it on a thread that
+// outlives it. LocalRedis likewise.
 class LocalDaemon {
  public:
   LocalDaemon(const std::string& instance_prefix, const std::vector<std::string>& extra);
