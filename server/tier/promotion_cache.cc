@@ -133,8 +133,7 @@ uint64_t PromotionCache::Drop(const CopyRef& copy) {
   MutexLock lock(&mu_);
   if (!copy->slot_) return 0;
   const uint64_t bytes = copy->slot_->bytes();
-  copy->slot_.reset();  // a lease still holding the slot keeps its memory until released
-  copy->gone_.store(true, std::memory_order_relaxed);
+  copy->Forget();  // a lease still holding the slot keeps its memory until released
   ++counters_.drops;
   counters_.dropped_bytes += bytes;
   return bytes;
@@ -170,8 +169,7 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
     if (free + freed >= bytes) break;
     CachedCopy& c = *live[o.at];
     freed += c.slot_->bytes();
-    c.slot_.reset();  // the last reference: the slot goes back to the tier now
-    c.gone_.store(true, std::memory_order_relaxed);
+    c.Forget();  // the last reference: the slot goes back to the tier now
     ++evicted;
   }
   counters_.evictions += evicted;

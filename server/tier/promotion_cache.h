@@ -73,8 +73,14 @@ class CachedCopy {
         tenant_(std::move(tenant)),
         stats_(stats),
         prefetched_(prefetched) {}
+  // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under the
+  // cache's mutex.
+  void Forget() {
+    slot_.reset();
+    gone_.store(true, std::memory_order_relaxed);
+  }
   SlotRef slot_;  // null once evicted; guarded by the cache's mutex
-  // Set, under the cache's mutex, when slot_ goes; read without it as a hint (Held).
+  // Set with slot_'s end (Forget); read without the mutex as a hint (Held).
   std::atomic<bool> gone_ = false;
   const std::string tenant_;
   CopyStats stats_;
