@@ -72,8 +72,8 @@ conformance: build
 tsan: deps
 	cmake -S . -B $(TSAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON \
 	  -DKVTIER_CUDA=OFF -DKVTIER_BENCH=OFF >/dev/null
-	ninja -C $(TSAN_BUILD) -j $(JOBS) concurrency_test aging_pool_test select_channel_test
-	for t in concurrency_test aging_pool_test select_channel_test; do \
+	ninja -C $(TSAN_BUILD) -j $(JOBS) concurrency_test aging_pool_test select_channel_test sharded_tables_test
+	for t in concurrency_test aging_pool_test select_channel_test sharded_tables_test; do \
 	  TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" \
 	    $(TSAN_BUILD)/bin/$$t || exit 1; \
 	done

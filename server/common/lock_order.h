@@ -6,8 +6,10 @@
 //   1  SessionManager::restore_mu_  one restore from the remote tier at a time (and a close of
 //                                   a session not held here); held across Redis I/O and an
 //                                   Import, which may demote idle sessions (2, 3, 4)
-//   2  SessionManager::mu_          the session map; held only for map work and a session's
-//                                   own small getters (3); never across Redis I/O
+//   2  SessionManager::mu_          changes of the session map; held only for map work and a
+//                                   session's own small getters (3); never across Redis I/O.
+//                                   Then one of the map's 16 shard locks (SessionShards), a leaf,
+//                                   which a lookup takes alone
 //   3  Session::mu_                 one session. A Fork holds the parent's, then the child's
 //                                   (not yet visible to any other thread). A demotion writes
 //                                   the record to Redis under it (4), so that no append slips
@@ -16,7 +18,10 @@
 //   5  Prefetcher::mu_              its queue; never held while a session runs a prefetch. A
 //                                   task dropped from a full queue may free a session's slots
 //                                   under it (8)
-//   6  LeaseTable::mu_              leases; unpinning or dropping a lease's slots frees them (8)
+//   6  LeaseTable's shards          a worker shard's mu (one of 16, by worker id), then a lease
+//                                   shard's (by lease id); each alone otherwise. Its tenants'
+//                                   map (tenants_mu_) is a leaf taken under neither. Slots are
+//                                   unpinned, and dropped (8), after letting go
 //   7  PromotionCache::mu_          one tier's fp16 copies (host, device); evicting a copy frees
 //                                   its slot (8)
 //   8  Tier::mu_                    one tier's segments and counts; taken by every slot freed
@@ -28,7 +33,8 @@
 //                                   and finishes them after letting go
 //  13  AttachReactor::mu_           one Attach stream's finish claim and worker id (leaf); let
 //                                   go before the worker detaches (6)
-//  14  UnixListener::mu_            the Unix socket's connections and their peers (leaf)
+//  14  UnixListener peer shards     the Unix socket's connections and their peers, one of 16
+//                                   shards by descriptor (leaf)
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
 //  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one per
 //                                   layer under its own lock (3)

@@ -59,8 +59,9 @@ UnixListener::~UnixListener() {
 void UnixListener::Serve(grpc::Server* server) {
   Serve([this, server](int c, const PeerCredentials& cred) {
     {
-      MutexLock lock(&mu_);
-      peers_[c] = cred;
+      PeerShard& shard = ShardOf(c);
+      MutexLock lock(&shard.mu);
+      shard.peers[c] = cred;
     }
     grpc::AddInsecureChannelFromFd(server, c);
   });
@@ -120,9 +121,10 @@ std::optional<PeerCredentials> UnixListener::Lookup(absl::string_view grpc_peer)
   if (!absl::ConsumePrefix(&grpc_peer, "fd:") || !absl::SimpleAtoi(grpc_peer, &fd)) {
     return std::nullopt;
   }
-  MutexLock lock(&mu_);
-  auto it = peers_.find(fd);
-  if (it == peers_.end()) return std::nullopt;
+  const PeerShard& shard = ShardOf(fd);
+  MutexLock lock(&shard.mu);
+  auto it = shard.peers.find(fd);
+  if (it == shard.peers.end()) return std::nullopt;
   return it->second;
 }
 

@@ -15,6 +15,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -67,8 +68,15 @@ class UnixListener {
   int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop
   std::thread thread_;
-  mutable absl::Mutex mu_;  // lock order 14 (server/common/lock_order.h)
-  std::map<int, PeerCredentials> peers_ ABSL_GUARDED_BY(mu_);
+  // The connections' credentials, in shards by descriptor: every call looks its caller up, and
+  // calls on different connections take different locks.
+  struct PeerShard {
+    mutable absl::Mutex mu;  // lock order 14 (server/common/lock_order.h)
+    std::map<int, PeerCredentials> peers ABSL_GUARDED_BY(mu);
+  };
+  static constexpr int kPeerShards = 16;
+  PeerShard& ShardOf(int fd) const { return peer_shards_[static_cast<unsigned>(fd) % kPeerShards]; }
+  mutable std::array<PeerShard, kPeerShards> peer_shards_;
 };
 
 }  // namespace kvtier

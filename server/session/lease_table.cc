@@ -1,5 +1,8 @@
 #include "server/session/lease_table.h"
 
+#include <algorithm>
+
+#include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -10,48 +13,85 @@
 namespace kvtier {
 
 LeaseTable::~LeaseTable() {
-  MutexLock lock(&mu_);
-  for (auto& [id, lease] : leases_) Unpin(lease);
-}
-
-void LeaseTable::Unpin(Lease& lease) {
-  for (const SlotRef& s : lease.slots) s->Unpin();
-}
-
-void LeaseTable::Forget(const Lease& lease) {
-  if (!lease.worker.empty()) {
-    if (auto w = workers_.find(lease.worker); w != workers_.end()) w->second.leases.erase(lease.id);
+  for (LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    for (auto& [id, lease] : shard.leases) {
+      for (const SlotRef& s : lease.slots) s->Unpin();
+    }
   }
-  auto it = per_session_.find(lease.session_id);
-  if (--it->second == 0) per_session_.erase(it);
-  auto t = per_tenant_.find(lease.tenant);
-  if (--t->second == 0) per_tenant_.erase(t);
+}
+
+LeaseTable::WorkerShard& LeaseTable::WorkersOf(const std::string& worker) const {
+  return worker_shards_[absl::HashOf(worker) % kShards];
+}
+
+LeaseTable::LeaseShard& LeaseTable::LeasesOf(const std::string& lease_id) const {
+  return lease_shards_[absl::HashOf(lease_id) % kShards];
+}
+
+std::shared_ptr<LeaseTable::TenantLeases> LeaseTable::Tenant(const std::string& tenant) {
+  MutexLock lock(&tenants_mu_);
+  auto it = tenants_.find(tenant);
+  if (it != tenants_.end()) {
+    if (std::shared_ptr<TenantLeases> held = it->second.lock()) return held;
+  }
+  // A tenant nothing holds any more is forgotten when the next one is made, so that the map
+  // grows with the tenants in use, not with every tenant ever seen.
+  absl::erase_if(tenants_, [](const auto& entry) { return entry.second.expired(); });
+  auto made = std::make_shared<TenantLeases>(tenant);
+  tenants_[tenant] = made;
+  return made;
+}
+
+void LeaseTable::Forget(LeaseShard& shard, const Lease& lease) {
+  auto it = shard.per_session.find(lease.session_id);
+  if (--it->second == 0) shard.per_session.erase(it);
+  lease.tenant->live_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void LeaseTable::Unlist(const Lease& lease) {
+  if (lease.worker.empty()) return;
+  WorkerShard& shard = WorkersOf(lease.worker);
+  MutexLock lock(&shard.mu);
+  if (auto w = shard.workers.find(lease.worker); w != shard.workers.end()) {
+    w->second.leases.erase(lease.id);
+  }
+}
+
+void LeaseTable::End(std::vector<Lease>& ended) {
+  for (Lease& l : ended) {
+    Unlist(l);
+    for (const SlotRef& s : l.slots) s->Unpin();  // dropping the last ref frees into the tier
+  }
 }
 
 std::string LeaseTable::NewId(char kind) {
   // A counter keeps ids unique; the random part keeps them unguessable across tenants.
   static thread_local absl::BitGen gen;
-  return absl::StrFormat("%c-%d-%016x", kind, next_++, absl::Uniform<uint64_t>(gen));
+  return absl::StrFormat("%c-%d-%016x", kind, next_.fetch_add(1, std::memory_order_relaxed),
+                         absl::Uniform<uint64_t>(gen));
 }
 
 std::vector<LeaseTable::Info> LeaseTable::List(const std::string* tenant,
                                                const std::string& session_id, size_t limit,
                                                size_t* total) const {
   std::vector<Info> out;
-  MutexLock lock(&mu_);
-  for (const auto& [id, l] : leases_) {
-    if ((tenant != nullptr && l.tenant != *tenant) ||
-        (!session_id.empty() && l.session_id != session_id)) {
-      continue;
+  for (const LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    for (const auto& [id, l] : shard.leases) {
+      if ((tenant != nullptr && l.tenant->tenant() != *tenant) ||
+          (!session_id.empty() && l.session_id != session_id)) {
+        continue;
+      }
+      Info i{.lease_id = id,
+             .tenant = l.tenant->tenant(),
+             .session_id = l.session_id,
+             .worker = l.worker,
+             .slots = static_cast<uint32_t>(l.slots.size()),
+             .expires_unix_ms = l.expires_ms};
+      for (const SlotRef& s : l.slots) i.pinned_bytes += s->bytes();
+      out.push_back(std::move(i));
     }
-    Info i{.lease_id = id,
-           .tenant = l.tenant,
-           .session_id = l.session_id,
-           .worker = l.worker,
-           .slots = static_cast<uint32_t>(l.slots.size()),
-           .expires_unix_ms = l.expires_ms};
-    for (const SlotRef& s : l.slots) i.pinned_bytes += s->bytes();
-    out.push_back(std::move(i));
   }
   *total = out.size();
   std::sort(out.begin(), out.end(),
@@ -60,55 +100,74 @@ std::vector<LeaseTable::Info> LeaseTable::List(const std::string* tenant,
   return out;
 }
 
-absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::string& tenant,
+absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<TenantLeases>& tenant,
                                                        const std::string& session_id,
                                                        std::vector<SlotRef> slots, uint32_t ttl_ms,
                                                        const std::string& worker) {
   const int64_t expires = clock_->NowMs() + ttl_ms;
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckWorkerLocked(tenant, worker));
-  for (const SlotRef& s : slots) s->Pin();
   std::string id = NewId('l');
-  if (!worker.empty()) workers_[worker].leases.insert(id);
-  leases_.emplace(id, Lease{id, tenant, session_id, expires, std::move(slots), worker});
-  ++per_session_[session_id];
-  ++per_tenant_[tenant];
-  return Granted{id, expires};
+  auto insert = [&] {
+    LeaseShard& shard = LeasesOf(id);
+    MutexLock lock(&shard.mu);
+    for (const SlotRef& s : slots) s->Pin();
+    ++shard.per_session[session_id];
+    tenant->live_.fetch_add(1, std::memory_order_relaxed);
+    shard.leases.emplace(id, Lease{id, tenant, session_id, expires, std::move(slots), worker});
+  };
+  if (worker.empty()) {
+    insert();
+    return Granted{std::move(id), expires};
+  }
+  // Under the worker's shard, so that a Detach sees the lease or the lease sees no worker.
+  WorkerShard& shard = WorkersOf(worker);
+  MutexLock lock(&shard.mu);
+  RETURN_IF_ERROR(CheckWorkerIn(shard, tenant->tenant(), worker));
+  insert();
+  shard.workers[worker].leases.insert(id);
+  return Granted{std::move(id), expires};
 }
 
 std::string LeaseTable::Attach(const std::string& tenant) {
-  MutexLock lock(&mu_);
   std::string id = NewId('w');
-  workers_.emplace(id, Worker{tenant, {}});
+  WorkerShard& shard = WorkersOf(id);
+  MutexLock lock(&shard.mu);
+  shard.workers.emplace(id, Worker{tenant, {}});
   return id;
 }
 
 int LeaseTable::Detach(const std::string& worker) {
-  std::vector<Lease> ended;
+  absl::flat_hash_set<std::string> ids;
   {
-    MutexLock lock(&mu_);
-    auto w = workers_.find(worker);
-    if (w == workers_.end()) return 0;
-    const absl::flat_hash_set<std::string> ids = std::move(w->second.leases);
-    workers_.erase(w);
-    for (const std::string& id : ids) {
-      auto it = leases_.find(id);
-      ended.push_back(std::move(it->second));
-      leases_.erase(it);
-      Forget(ended.back());
-    }
+    WorkerShard& shard = WorkersOf(worker);
+    MutexLock lock(&shard.mu);
+    auto w = shard.workers.find(worker);
+    if (w == shard.workers.end()) return 0;
+    ids = std::move(w->second.leases);
+    shard.workers.erase(w);
   }
-  for (Lease& l : ended) Unpin(l);  // outside the lock, as Release
+  std::vector<Lease> ended;
+  for (const std::string& id : ids) {
+    LeaseShard& shard = LeasesOf(id);
+    MutexLock lock(&shard.mu);
+    auto it = shard.leases.find(id);
+    if (it == shard.leases.end()) continue;  // released or expired meanwhile
+    ended.push_back(std::move(it->second));
+    shard.leases.erase(it);
+    Forget(shard, ended.back());
+  }
+  for (Lease& l : ended) {  // outside the locks, as Release; the worker's set is gone
+    for (const SlotRef& s : l.slots) s->Unpin();
+  }
   return static_cast<int>(ended.size());
 }
 
-absl::Status LeaseTable::CheckWorkerLocked(const std::string& tenant,
-                                           const std::string& worker) const {
+absl::Status LeaseTable::CheckWorkerIn(const WorkerShard& shard, const std::string& tenant,
+                                       const std::string& worker) {
   if (worker.empty()) return absl::OkStatus();
   // Another tenant's worker is answered as one that does not exist, in the same words: ids
   // the daemon hands out are their holder's business.
-  auto w = workers_.find(worker);
-  if (w == workers_.end() || w->second.tenant != tenant) {
+  auto w = shard.workers.find(worker);
+  if (w == shard.workers.end() || w->second.tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("worker_id: ", Quoted(worker),
                                             " is not one of this tenant's attached workers (its "
                                             "Attach stream ended, or it never was)"));
@@ -118,81 +177,99 @@ absl::Status LeaseTable::CheckWorkerLocked(const std::string& tenant,
 
 absl::Status LeaseTable::CheckWorker(const std::string& tenant, const std::string& worker) const {
   if (worker.empty()) return absl::OkStatus();
-  MutexLock lock(&mu_);
-  return CheckWorkerLocked(tenant, worker);
+  const WorkerShard& shard = WorkersOf(worker);
+  MutexLock lock(&shard.mu);
+  return CheckWorkerIn(shard, tenant, worker);
 }
 
 size_t LeaseTable::workers() const {
-  MutexLock lock(&mu_);
-  return workers_.size();
+  size_t n = 0;
+  for (const WorkerShard& shard : worker_shards_) {
+    MutexLock lock(&shard.mu);
+    n += shard.workers.size();
+  }
+  return n;
 }
 
 absl::Status LeaseTable::Release(const std::string& tenant, const std::string& lease_id) {
-  Lease ended;
+  std::vector<Lease> ended;
   {
-    MutexLock lock(&mu_);
-    auto it = leases_.find(lease_id);
-    if (it == leases_.end() || it->second.tenant != tenant) {  // another's: as if none (above)
+    LeaseShard& shard = LeasesOf(lease_id);
+    MutexLock lock(&shard.mu);
+    auto it = shard.leases.find(lease_id);
+    if (it == shard.leases.end() || it->second.tenant->tenant() != tenant) {
+      // another's: as if none (above)
       return absl::NotFoundError(absl::StrCat("lease_id: ", Quoted(lease_id),
                                               " is not a live lease of this tenant (released, "
                                               "expired, or never granted to it)"));
     }
-    ended = std::move(it->second);
-    leases_.erase(it);
-    Forget(ended);
+    ended.push_back(std::move(it->second));
+    shard.leases.erase(it);
+    Forget(shard, ended.back());
   }
-  Unpin(ended);  // outside the lock: dropping the last ref frees into the tier
+  End(ended);
   return absl::OkStatus();
 }
 
 int LeaseTable::ExpireDue() {
   std::vector<Lease> ended;
-  int64_t now = clock_->NowMs();
-  {
-    MutexLock lock(&mu_);
-    for (auto it = leases_.begin(); it != leases_.end();) {
+  const int64_t now = clock_->NowMs();
+  for (LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    for (auto it = shard.leases.begin(); it != shard.leases.end();) {
       if (it->second.expires_ms <= now) {
         ended.push_back(std::move(it->second));
-        Forget(ended.back());
-        leases_.erase(it++);
+        Forget(shard, ended.back());
+        shard.leases.erase(it++);
       } else {
         ++it;
       }
     }
   }
-  for (Lease& l : ended) Unpin(l);
+  End(ended);
   return static_cast<int>(ended.size());
 }
 
 int LeaseTable::EndAll() {
   std::vector<Lease> ended;
-  {
-    MutexLock lock(&mu_);
-    for (auto& [id, lease] : leases_) ended.push_back(std::move(lease));
-    leases_.clear();
-    per_session_.clear();
-    per_tenant_.clear();
-    for (auto& [id, w] : workers_) w.leases.clear();
+  for (LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    for (auto& [id, lease] : shard.leases) {
+      ended.push_back(std::move(lease));
+      ended.back().tenant->live_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    shard.leases.clear();
+    shard.per_session.clear();
   }
-  for (Lease& l : ended) Unpin(l);
+  End(ended);
   return static_cast<int>(ended.size());
 }
 
 size_t LeaseTable::size() const {
-  MutexLock lock(&mu_);
-  return leases_.size();
+  size_t n = 0;
+  for (const LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    n += shard.leases.size();
+  }
+  return n;
 }
 
 size_t LeaseTable::CountForTenant(const std::string& tenant) const {
-  MutexLock lock(&mu_);
-  auto it = per_tenant_.find(tenant);
-  return it == per_tenant_.end() ? 0 : it->second;
+  MutexLock lock(&tenants_mu_);
+  auto it = tenants_.find(tenant);
+  if (it == tenants_.end()) return 0;
+  const std::shared_ptr<TenantLeases> held = it->second.lock();
+  return held ? held->live() : 0;
 }
 
 size_t LeaseTable::CountForSession(const std::string& session_id) const {
-  MutexLock lock(&mu_);
-  auto it = per_session_.find(session_id);
-  return it == per_session_.end() ? 0 : it->second;
+  size_t n = 0;
+  for (const LeaseShard& shard : lease_shards_) {
+    MutexLock lock(&shard.mu);
+    auto it = shard.per_session.find(session_id);
+    if (it != shard.per_session.end()) n += it->second;
+  }
+  return n;
 }
 
 }  // namespace kvtier

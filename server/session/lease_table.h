@@ -8,7 +8,10 @@
 #ifndef KVTIER_SERVER_SESSION_LEASE_TABLE_H_
 #define KVTIER_SERVER_SESSION_LEASE_TABLE_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,21 +25,50 @@
 
 namespace kvtier {
 
+// No lock is shared by every session: leases lie in shards by their id, workers in shards by
+// theirs, and a tenant's count of live leases is an atomic its sessions hold (TenantLeases),
+// so that Selects and Releases of different sessions and workers take different locks.
 class LeaseTable {
  public:
+  static constexpr size_t kShards = 16;
+
   explicit LeaseTable(const Clock* clock) : clock_(clock) {}
   // Unpins whatever is still leased.
   ~LeaseTable();
+
+  // One tenant's count of live leases, read without a lock (Session::Select checks
+  // max_leases_per_tenant against it). A session holds its tenant's from its start, and each
+  // lease holds it until it ends.
+  class TenantLeases {
+   public:
+    explicit TenantLeases(std::string tenant) : tenant_(std::move(tenant)) {}
+    const std::string& tenant() const { return tenant_; }
+    size_t live() const { return static_cast<size_t>(live_.load(std::memory_order_relaxed)); }
+
+   private:
+    friend class LeaseTable;
+    const std::string tenant_;
+    std::atomic<int64_t> live_ = 0;
+  };
+  // `tenant`'s count: the same object while anything holds it.
+  std::shared_ptr<TenantLeases> Tenant(const std::string& tenant);
 
   struct Granted {
     std::string lease_id;
     int64_t expires_unix_ms;
   };
-  // Pins `slots` until Release, `ttl_ms` from now, or the end of `worker` (empty: none).
-  // NOT_FOUND when `worker` is not attached (it detached meanwhile); nothing stays pinned.
+  // Pins `slots` until Release, `ttl_ms` from now, or the end of `worker` (empty: none), for
+  // `tenant` (made by Tenant). NOT_FOUND when `worker` is not attached (it detached meanwhile);
+  // nothing stays pinned.
+  absl::StatusOr<Granted> Create(const std::shared_ptr<TenantLeases>& tenant,
+                                 const std::string& session_id, std::vector<SlotRef> slots,
+                                 uint32_t ttl_ms, const std::string& worker = "");
+  // The same, looking the tenant up (tests).
   absl::StatusOr<Granted> Create(const std::string& tenant, const std::string& session_id,
                                  std::vector<SlotRef> slots, uint32_t ttl_ms,
-                                 const std::string& worker = "");
+                                 const std::string& worker = "") {
+    return Create(Tenant(tenant), session_id, std::move(slots), ttl_ms, worker);
+  }
 
   // A new worker of `tenant`; its id is unguessable.
   std::string Attach(const std::string& tenant);
@@ -73,7 +105,7 @@ class LeaseTable {
  private:
   struct Lease {
     std::string id;
-    std::string tenant;
+    std::shared_ptr<TenantLeases> tenant;
     std::string session_id;
     int64_t expires_ms;
     std::vector<SlotRef> slots;
@@ -83,21 +115,39 @@ class LeaseTable {
     std::string tenant;
     absl::flat_hash_set<std::string> leases;
   };
-  absl::Status CheckWorkerLocked(const std::string& tenant, const std::string& worker) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lock order 6 (server/common/lock_order.h): a worker shard's, then a lease shard's.
+  struct WorkerShard {
+    mutable absl::Mutex mu;
+    absl::flat_hash_map<std::string, Worker> workers ABSL_GUARDED_BY(mu);
+  };
+  struct LeaseShard {
+    mutable absl::Mutex mu;
+    absl::flat_hash_map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
+    // Live leases per session, so a session's count is a lookup per shard, not a scan.
+    absl::flat_hash_map<std::string, size_t> per_session ABSL_GUARDED_BY(mu);
+  };
+  WorkerShard& WorkersOf(const std::string& worker) const;
+  LeaseShard& LeasesOf(const std::string& lease_id) const;
+  static absl::Status CheckWorkerIn(const WorkerShard& shard, const std::string& tenant,
+                                    const std::string& worker)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // "<kind>-<counter>-<64 random bits>".
-  std::string NewId(char kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void Unpin(Lease& lease);
-  void Forget(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewId(char kind);
+  // Ends `lease` in its shard's counts (the caller removes it from the shard's map).
+  static void Forget(LeaseShard& shard, const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Takes `lease` out of its worker's set (a Release or an expiry; a Detach took the set).
+  void Unlist(const Lease& lease);
+  // Unpins each lease's slots and takes it out of its worker's set, outside every shard lock.
+  void End(std::vector<Lease>& ended);
 
   const Clock* const clock_;
-  mutable absl::Mutex mu_;  // lock order 6 (server/common/lock_order.h)
-  absl::flat_hash_map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
-  // Live leases per session, so a session's count is a lookup, not a scan of every lease.
-  absl::flat_hash_map<std::string, size_t> per_session_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
+  std::atomic<uint64_t> next_ = 1;
+  mutable std::array<WorkerShard, kShards> worker_shards_;
+  mutable std::array<LeaseShard, kShards> lease_shards_;
+  // Tenant's objects, by name: taken when a session starts (Tenant), not per Select.
+  mutable absl::Mutex tenants_mu_;  // lock order 6 too: a leaf, taken under no shard's
+  absl::flat_hash_map<std::string, std::weak_ptr<TenantLeases>> tenants_
+      ABSL_GUARDED_BY(tenants_mu_);
 };
 
 }  // namespace kvtier

@@ -44,6 +44,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
                  MetadataCharge charge)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),
+      tenant_leases_(env.leases != nullptr ? env.leases->Tenant(tenant_) : nullptr),
       shape_(std::move(shape)),
       labels_(std::move(labels)),
       env_(env),
@@ -510,8 +511,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
   // Before any copy: a tenant at its lease limit gets nothing pinned.
-  if (const size_t held = env_.leases->CountForTenant(tenant_);
-      held >= env_.max_leases_per_tenant) {
+  if (const size_t held = tenant_leases_->live(); held >= env_.max_leases_per_tenant) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
         "expire)",
@@ -588,8 +588,9 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
     if (req.include_summaries() && !c.everything) AddSummaries(s, f, returned[h], hs);
   }
-  ASSIGN_OR_RETURN(const LeaseTable::Granted lease,
-                   env_.leases->Create(tenant_, id_, std::move(pinned), ttl, req.worker_id()));
+  ASSIGN_OR_RETURN(
+      const LeaseTable::Granted lease,
+      env_.leases->Create(tenant_leases_, id_, std::move(pinned), ttl, req.worker_id()));
   out->set_lease_id(lease.lease_id);
   out->set_lease_expires_unix_ms(lease.expires_unix_ms);
   return absl::OkStatus();

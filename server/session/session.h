@@ -320,6 +320,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   const std::string id_;
   const std::string tenant_;
+  // The tenant's count of live leases (null without a lease table): Select checks
+  // max_leases_per_tenant against it without a lock.
+  const std::shared_ptr<LeaseTable::TenantLeases> tenant_leases_;
   const v1::ModelShape shape_;
   const std::map<std::string, std::string> labels_;
   const SessionEnv env_;

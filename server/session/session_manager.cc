@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -71,7 +72,7 @@ absl::Status CheckIdFormat(const std::string& id) {
 
 absl::Status SessionManager::CheckNewId(const std::string& id, const std::string& tenant) const {
   RETURN_IF_ERROR(CheckIdFormat(id));
-  if (sessions_.contains(id)) {
+  if (sessions_.Find(id) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat("session_id: \"", id, "\" already exists"));
   }
   if (sessions_.size() >= options_.max_sessions) {
@@ -81,7 +82,7 @@ absl::Status SessionManager::CheckNewId(const std::string& id, const std::string
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
     size_t held = 0;
-    for (const auto& [_, s] : sessions_) held += s->tenant() == tenant;
+    for (const std::shared_ptr<Session>& s : sessions_.All()) held += s->tenant() == tenant;
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "quota: tenant \"%s\" max_sessions %d reached (session_id \"%s\")", tenant, quota, id));
@@ -130,8 +131,8 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
     MutexLock lock(&mu_);
     fits = CheckNewId(id, tenant);
     if (fits.ok()) {
-      sessions_.emplace(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),
-                                                      env_, std::move(charge)));
+      sessions_.Put(id, std::make_shared<Session>(id, tenant, shape, policy, std::move(labels),
+                                                  env_, std::move(charge)));
     }
   }
   if (!fits.ok()) {
@@ -162,18 +163,64 @@ absl::Status CheckTenant(const std::string& tenant, const std::string& owner,
 
 }  // namespace
 
+SessionShards::Shard& SessionShards::ShardOf(const std::string& id) const {
+  return shards_[absl::HashOf(id) % kShards];
+}
+
+std::shared_ptr<Session> SessionShards::Find(const std::string& id) const {
+  const Shard& shard = ShardOf(id);
+  MutexLock lock(&shard.mu);
+  auto it = shard.sessions.find(id);
+  return it != shard.sessions.end() ? it->second : nullptr;
+}
+
+void SessionShards::Put(const std::string& id, std::shared_ptr<Session> session) {
+  Shard& shard = ShardOf(id);
+  MutexLock lock(&shard.mu);
+  auto [it, added] = shard.sessions.insert_or_assign(id, std::move(session));
+  if (added) size_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+std::shared_ptr<Session> SessionShards::Remove(const std::string& id, const Session* only) {
+  Shard& shard = ShardOf(id);
+  MutexLock lock(&shard.mu);
+  auto it = shard.sessions.find(id);
+  if (it == shard.sessions.end() || (only != nullptr && it->second.get() != only)) return nullptr;
+  std::shared_ptr<Session> s = std::move(it->second);
+  shard.sessions.erase(it);
+  size_.fetch_sub(1, std::memory_order_acq_rel);
+  return s;
+}
+
+std::vector<std::shared_ptr<Session>> SessionShards::All() const {
+  std::vector<std::shared_ptr<Session>> out;
+  out.reserve(size());
+  for (const Shard& shard : shards_) {
+    MutexLock lock(&shard.mu);
+    for (const auto& [id, s] : shard.sessions) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Session>>> SessionShards::TakeAll() {
+  std::vector<std::pair<std::string, std::shared_ptr<Session>>> out;
+  for (Shard& shard : shards_) {
+    MutexLock lock(&shard.mu);
+    for (auto& [id, s] : shard.sessions) out.emplace_back(id, std::move(s));
+    size_.fetch_sub(shard.sessions.size(), std::memory_order_acq_rel);
+    shard.sessions.clear();
+  }
+  return out;
+}
+
 std::shared_ptr<Session> SessionManager::Held(const std::string& session_id) const {
-  auto it = sessions_.find(session_id);
-  return it != sessions_.end() && !it->second->demoted() ? it->second : nullptr;
+  std::shared_ptr<Session> s = sessions_.Find(session_id);
+  return s != nullptr && !s->demoted() ? s : nullptr;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& tenant,
                                                              const std::string& session_id) {
-  std::shared_ptr<Session> s;
-  {
-    MutexLock lock(&mu_);
-    s = Held(session_id);
-  }
+  std::shared_ptr<Session> s = Held(session_id);
   if (s == nullptr) {
     // No session has an id outside the format: nothing to look up, here or remotely.
     if (remote_ != nullptr && IsSessionId(session_id)) return Restore(tenant, session_id);
@@ -213,12 +260,10 @@ absl::Status SessionManager::Run(
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Take(const std::string& tenant,
                                                               const std::string& session_id) {
   MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return nullptr;
-  RETURN_IF_ERROR(CheckTenant(tenant, it->second->tenant(), session_id));
-  std::shared_ptr<Session> s = std::move(it->second);
-  sessions_.erase(it);
-  return s;
+  std::shared_ptr<Session> s = sessions_.Find(session_id);
+  if (s == nullptr) return nullptr;
+  RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
+  return sessions_.Remove(session_id, s.get());
 }
 
 absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
@@ -274,7 +319,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Fork(const std::string
     *resp.mutable_policy() = (*child)->Info().policy();
     MutexLock lock(&mu_);
     fits = CheckNewId(id, tenant);  // taken meanwhile?
-    if (fits.ok()) sessions_.emplace(id, *std::move(child));
+    if (fits.ok()) sessions_.Put(id, *std::move(child));
   }
   if (!fits.ok()) {
     if (*claimed) ReleaseClaim(id);
@@ -321,7 +366,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Import(const std::stri
     *resp.mutable_policy() = session->Info().policy();
     MutexLock lock(&mu_);
     made = CheckNewId(id, tenant);  // taken meanwhile?
-    if (made.ok()) sessions_.emplace(id, std::move(session));
+    if (made.ok()) sessions_.Put(id, std::move(session));
   }
   if (!made.ok()) {
     if (claimed) ReleaseClaim(id);
@@ -335,11 +380,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Import(const std::stri
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::string& tenant,
                                                                  const std::string& session_id) {
   MutexLock restoring(&restore_mu_);
-  std::shared_ptr<Session> held;
-  {
-    MutexLock lock(&mu_);  // restored by another call while this one waited?
-    held = Held(session_id);
-  }
+  std::shared_ptr<Session> held = Held(session_id);  // restored by another call meanwhile?
   if (held != nullptr) {
     RETURN_IF_ERROR(CheckTenant(tenant, held->tenant(), session_id));
     return held;
@@ -385,7 +426,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   std::shared_ptr<Session> restored = std::move(session);
   {
     MutexLock lock(&mu_);
-    sessions_[session_id] = restored;
+    sessions_.Put(session_id, restored);
     demoted_here_.erase(session_id);
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();
@@ -410,11 +451,7 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   }
   // Only a session held here moves: looking it up must never restore it (DemoteIdle runs
   // inside a restore, which holds restore_mu_).
-  std::shared_ptr<Session> s;
-  {
-    MutexLock lock(&mu_);
-    s = Held(session_id);
-  }
+  std::shared_ptr<Session> s = Held(session_id);
   if (s == nullptr) {
     ASSIGN_OR_RETURN(bool there, remote_->Exists(RecordKey(session_id)));
     if (there) return 0;  // already in the remote tier
@@ -426,8 +463,7 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   }));
   {
     MutexLock lock(&mu_);
-    auto it = sessions_.find(session_id);
-    if (it != sessions_.end() && it->second == s) sessions_.erase(it);
+    sessions_.Remove(session_id, s.get());
     demoted_here_.insert(session_id);
     ++remote_counters_.demotions;
     remote_counters_.demoted_bytes += bytes;
@@ -441,9 +477,8 @@ bool SessionManager::DemoteIdle(const std::string& keep) {
   if (remote_ == nullptr) return false;
   std::vector<std::pair<int64_t, std::shared_ptr<Session>>> idle;
   {
-    MutexLock lock(&mu_);
-    for (const auto& [id, s] : sessions_) {
-      if (id != keep && !s->demoted()) idle.emplace_back(s->last_access_ms(), s);
+    for (const std::shared_ptr<Session>& s : sessions_.All()) {
+      if (s->id() != keep && !s->demoted()) idle.emplace_back(s->last_access_ms(), s);
     }
   }
   std::sort(idle.begin(), idle.end(),
@@ -461,18 +496,12 @@ SessionManager::RemoteCounters SessionManager::remote_counters() const {
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::List() const {
-  MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<Session>> out;
-  out.reserve(sessions_.size());
-  for (const auto& [id, s] : sessions_) out.push_back(s);
+  std::vector<std::shared_ptr<Session>> out = sessions_.All();
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a->id() < b->id(); });
   return out;
 }
 
-size_t SessionManager::size() const {
-  MutexLock lock(&mu_);
-  return sessions_.size();
-}
+size_t SessionManager::size() const { return sessions_.size(); }
 
 SessionManager::DrainCounts SessionManager::DemoteAll(absl::Time deadline) {
   DrainCounts n;
@@ -566,10 +595,10 @@ SessionManager::PersistCounts SessionManager::PersistChanged() {
 }
 
 void SessionManager::CloseAll() {
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> all;
+  std::vector<std::pair<std::string, std::shared_ptr<Session>>> all;
   {
     MutexLock lock(&mu_);
-    all.swap(sessions_);
+    all = sessions_.TakeAll();
   }
   for (auto& [id, s] : all) {
     s->Close();

@@ -5,6 +5,8 @@
 #ifndef KVTIER_SERVER_SESSION_SESSION_MANAGER_H_
 #define KVTIER_SERVER_SESSION_SESSION_MANAGER_H_
 
+#include <array>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -28,6 +30,33 @@ namespace kvtier {
 inline constexpr int kMaxLabels = 32;
 inline constexpr size_t kMaxLabelKey = 63;
 inline constexpr size_t kMaxLabelValue = 255;
+
+// The sessions by id, in shards with locks of their own, so that a lookup (a Select, an append
+// stream's first message) takes one shard's lock and no lock every session shares. The manager
+// changes them under its own lock besides (SessionManager::mu_, then a shard's).
+class SessionShards {
+ public:
+  static constexpr size_t kShards = 16;
+  // The session of `id`, or null.
+  std::shared_ptr<Session> Find(const std::string& id) const;
+  void Put(const std::string& id, std::shared_ptr<Session> session);
+  // Removes `id`'s session when it is `only` (any when null); returns what it removed.
+  std::shared_ptr<Session> Remove(const std::string& id, const Session* only = nullptr);
+  size_t size() const { return size_.load(std::memory_order_acquire); }
+  // Every session, in no order.
+  std::vector<std::shared_ptr<Session>> All() const;
+  // Removes every session and returns them.
+  std::vector<std::pair<std::string, std::shared_ptr<Session>>> TakeAll();
+
+ private:
+  struct Shard {
+    mutable absl::Mutex mu;  // lock order 2, after SessionManager::mu_ (server/common/lock_order.h)
+    absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
+  };
+  Shard& ShardOf(const std::string& id) const;
+  mutable std::array<Shard, kShards> shards_;
+  std::atomic<size_t> size_ = 0;
+};
 
 class SessionManager {
  public:
@@ -134,9 +163,9 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> Restore(const std::string& tenant,
                                                    const std::string& session_id)
       ABSL_LOCKS_EXCLUDED(restore_mu_, mu_);
-  // The session held here under `session_id` (not moved to the remote tier), or null.
-  std::shared_ptr<Session> Held(const std::string& session_id) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session held here under `session_id` (not moved to the remote tier), or null. Takes
+  // one shard's lock only.
+  std::shared_ptr<Session> Held(const std::string& session_id) const;
   // Removes `session_id` from the map and returns it; null when it is not here.
   // PERMISSION_DENIED for another tenant's.
   absl::StatusOr<std::shared_ptr<Session>> Take(const std::string& tenant,
@@ -171,9 +200,11 @@ class SessionManager {
   // Restores one at a time, so that two calls for one demoted session restore it once; a
   // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
   absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  // The map. Never held across Redis I/O. Lock order 2.
+  // Changes of the map, and the counts and ids beside it. Never held across Redis I/O. Lock
+  // order 2: held while sessions_ changes (each change takes a shard's lock too), so that a
+  // check of a new id and its insertion are one step; a lookup takes only a shard's lock.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  SessionShards sessions_;
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };

@@ -1,0 +1,243 @@
+// The tables every Select and append goes through, under threads. They lie in shards with
+// locks of their own (no lock every session shares), so these check what the sharding must keep
+// exact, against counts each test keeps itself:
+// - LeaseTable: every lease ends once, a worker's Detach ends every lease it granted (none
+//   slips in beside it), and the tenant, session and pin counts come back to zero;
+// - SessionManager: lookups beside creates and closes of other sessions find each session
+//   while it lives, and the limits (max_sessions, ids) hold.
+// Also built by the ThreadSanitizer build (make tsan).
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "server/common/clock.h"
+#include "server/config/policy.h"
+#include "server/session/lease_table.h"
+#include "server/session/session_manager.h"
+#include "server/tier/tier.h"
+#include "tests/session_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::StatusIs;
+using Code = absl::StatusCode;
+
+constexpr uint64_t kSlotBytes = 4096;
+
+TierOptions HostTier() {
+  static std::atomic<int> n = 0;
+  TierOptions o;
+  o.tier = v1::TIER_HOST;
+  o.instance = "leasetest-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  o.capacity_bytes = 64 << 20;
+  o.segment_bytes = 1 << 20;
+  return o;
+}
+
+std::vector<SlotRef> Slots(Tier& tier, int n) {
+  std::vector<SlotRef> out;
+  for (int i = 0; i < n; ++i) out.push_back(*tier.Allocate("t", kSlotBytes));
+  return out;
+}
+
+// A worker's leases made while it detaches: each Create either fails (the worker is gone) or
+// its lease is one the Detach ends. With the worker's shard not held across the insertion, a
+// lease could slip in after the Detach and live on to its TTL.
+TEST(LeaseTable, DetachEndsEveryLeaseItsWorkerWasGranted) {
+  for (int round = 0; round < 20; ++round) {
+    ManualClock clock;
+    Tier tier(HostTier());
+    LeaseTable leases(&clock);
+    const std::string worker = leases.Attach("a");
+    std::vector<SlotRef> slots = Slots(tier, 8);
+    std::atomic<int> granted = 0;
+    std::atomic<bool> refused = false;
+    std::vector<std::thread> creators;
+    for (int t = 0; t < 3; ++t) {
+      creators.emplace_back([&, t] {
+        for (int i = 0; !refused.load(); ++i) {
+          absl::StatusOr<LeaseTable::Granted> g = leases.Create(
+              "a", "s" + std::to_string(t), {slots[(t + i) % slots.size()]}, 60'000, worker);
+          if (g.ok()) {
+            granted.fetch_add(1);
+          } else {
+            EXPECT_THAT(g.status(), StatusIs(Code::kNotFound, "worker_id"));
+            refused = true;
+          }
+        }
+      });
+    }
+    while (granted.load() < 50 * (round + 1) / 10 + 1) std::this_thread::yield();
+    const int ended = leases.Detach(worker);
+    for (std::thread& t : creators) t.join();
+    EXPECT_EQ(ended, granted.load()) << "round " << round;
+    EXPECT_EQ(leases.size(), 0u);
+    EXPECT_EQ(leases.CountForTenant("a"), 0u);
+    for (const SlotRef& s : slots) EXPECT_FALSE(s->pinned());
+    EXPECT_EQ(tier.Stats().pinned_bytes, 0u);
+  }
+}
+
+// Threads of two tenants lease, release half, and leave the rest to a TTL that a thread of its
+// own expires; the counts the table answers meanwhile never go below what each thread knows
+// it holds, and every count ends at zero.
+TEST(LeaseTable, CountsStayExactUnderThreads) {
+  ManualClock clock;
+  Tier tier(HostTier());
+  LeaseTable leases(&clock);
+  constexpr int kThreads = 4, kLeases = 400;
+  std::vector<std::vector<SlotRef>> slots;
+  for (int t = 0; t < kThreads; ++t) slots.push_back(Slots(tier, 4));
+  std::atomic<int> started = 0;
+  std::vector<std::thread> threads;
+  std::vector<int> kept(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string tenant = t % 2 ? "b" : "a";
+      const std::string session = "s" + std::to_string(t);
+      const std::string worker = leases.Attach(tenant);
+      std::shared_ptr<LeaseTable::TenantLeases> mine = leases.Tenant(tenant);
+      started.fetch_add(1);
+      std::vector<std::string> held;
+      for (int i = 0; i < kLeases; ++i) {
+        // Every third lease has a long TTL and no worker: the one kind the expirer may not end.
+        const bool keep = i % 3 == 0;
+        absl::StatusOr<LeaseTable::Granted> g = leases.Create(
+            mine, session, {slots[t][i % 4]}, keep ? 3'600'000 : 10, keep ? "" : worker);
+        ASSERT_TRUE(g.ok()) << g.status();
+        if (keep) {
+          ++kept[t];
+        } else if (i % 2 == 0) {
+          held.push_back(g->lease_id);
+        }
+        EXPECT_GE(leases.CountForSession(session), static_cast<size_t>(kept[t]));
+        EXPECT_GE(mine->live(), static_cast<size_t>(kept[t]));
+      }
+      // Released now, or expired already: NOT_FOUND is the expirer's doing, never an error.
+      for (const std::string& id : held) {
+        absl::Status s = leases.Release(tenant, id);
+        if (!s.ok()) EXPECT_THAT(s, StatusIs(Code::kNotFound, "lease_id"));
+        EXPECT_THAT(leases.Release(tenant == "a" ? "b" : "a", id),
+                    StatusIs(Code::kNotFound, "lease_id"));  // never another tenant's
+      }
+      // The worker ends what is left of its short leases.
+      leases.Detach(worker);
+      EXPECT_EQ(leases.CountForSession(session), static_cast<size_t>(kept[t]));
+    });
+  }
+  std::atomic<bool> done = false;
+  std::thread expirer([&] {
+    while (started.load() < kThreads) std::this_thread::yield();
+    while (!done.load()) {
+      clock.AdvanceMs(5);
+      leases.ExpireDue();
+    }
+  });
+  for (std::thread& t : threads) t.join();
+  done = true;
+  expirer.join();
+  const size_t a = kept[0] + kept[2], b = kept[1] + kept[3];
+  EXPECT_EQ(leases.CountForTenant("a"), a);
+  EXPECT_EQ(leases.CountForTenant("b"), b);
+  EXPECT_EQ(leases.size(), a + b);
+  EXPECT_EQ(leases.workers(), 0u);
+  size_t total = 0;
+  EXPECT_EQ(leases.List(nullptr, "", 10, &total).size(), 10u);
+  EXPECT_EQ(total, a + b);
+  const std::string b_name = "b";
+  leases.List(&b_name, "s1", 1'000'000, &total);
+  EXPECT_EQ(total, static_cast<size_t>(kept[1]));
+  EXPECT_EQ(tier.Stats().pinned_bytes, 16 * kSlotBytes);  // each thread's 4 slots, held
+  EXPECT_EQ(leases.EndAll(), static_cast<int>(a + b));
+  EXPECT_EQ(leases.size(), 0u);
+  EXPECT_EQ(leases.CountForTenant("a"), 0u);
+  EXPECT_EQ(leases.CountForTenant("b"), 0u);
+  EXPECT_EQ(tier.Stats().pinned_bytes, 0u);
+}
+
+// A tenant's count is one object while anything holds it, and forgotten after.
+TEST(LeaseTable, ATenantsCountIsOneObjectWhileHeld) {
+  ManualClock clock;
+  Tier tier(HostTier());
+  LeaseTable leases(&clock);
+  std::shared_ptr<LeaseTable::TenantLeases> a = leases.Tenant("a");
+  EXPECT_EQ(leases.Tenant("a"), a);
+  EXPECT_NE(leases.Tenant("b"), a);
+  absl::StatusOr<LeaseTable::Granted> g = leases.Create("a", "s", Slots(tier, 2), 1000);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(a->live(), 1u);  // the lease made through the name counts on the same object
+  a.reset();                 // the lease still holds it
+  EXPECT_EQ(leases.CountForTenant("a"), 1u);
+  ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
+  EXPECT_EQ(leases.CountForTenant("a"), 0u);
+  EXPECT_EQ(leases.Tenant("a")->live(), 0u);
+}
+
+// Threads create, look up and close sessions of their own, while every thread also looks up the
+// sessions of the others: a session is found from its Create until its Close (by every thread,
+// the tenant checked), never after, and the count and the limit stay exact.
+TEST(SessionManager, LookupsBesideCreatesAndClosesFindEachSessionWhileItLives) {
+  testing::Env e;
+  ServerOptions o;
+  o.default_policy = BuiltinPolicy();
+  constexpr int kThreads = 4, kRounds = 60;
+  o.max_sessions = 2 * kThreads;  // each thread holds at most two at once
+  SessionManager m(o, e.env, /*remote=*/nullptr);
+  v1::CreateSessionRequest req;
+  req.mutable_shape()->set_num_layers(1);
+  req.mutable_shape()->set_num_q_heads(1);
+  req.mutable_shape()->set_num_kv_heads(1);
+  req.mutable_shape()->set_head_dim(8);
+  // Each thread's session that stays, looked up by the others throughout.
+  std::vector<std::string> stays;
+  for (int t = 0; t < kThreads; ++t) {
+    req.set_session_id("stays-" + std::to_string(t));
+    ASSERT_TRUE(m.Create("t" + std::to_string(t), req).ok());
+    stays.push_back(req.session_id());
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string tenant = "t" + std::to_string(t);
+      v1::CreateSessionRequest mine = req;
+      for (int r = 0; r < kRounds; ++r) {
+        mine.set_session_id(absl::StrCat("churn-", t, "-", r));
+        ASSERT_TRUE(m.Create(tenant, mine).ok());
+        absl::StatusOr<std::shared_ptr<Session>> got = m.Get(tenant, mine.session_id());
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_EQ((*got)->id(), mine.session_id());
+        for (int other = 0; other < kThreads; ++other) {
+          absl::StatusOr<std::shared_ptr<Session>> s = m.Get("", stays[other]);
+          ASSERT_TRUE(s.ok()) << s.status();
+          EXPECT_EQ((*s)->tenant(), "t" + std::to_string(other));
+          if (other != t) {
+            EXPECT_THAT(m.Get(tenant, stays[other]), StatusIs(Code::kPermissionDenied));
+          }
+        }
+        ASSERT_TRUE(*m.Close(tenant, mine.session_id()));
+        EXPECT_THAT(m.Get(tenant, mine.session_id()), StatusIs(Code::kNotFound));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(m.size(), static_cast<size_t>(kThreads));
+  EXPECT_EQ(m.List().size(), static_cast<size_t>(kThreads));
+  for (int i = kThreads; i < 2 * kThreads; ++i) {
+    req.set_session_id("fill-" + std::to_string(i));
+    ASSERT_TRUE(m.Create("t0", req).ok());
+  }
+  req.set_session_id("one-too-many");
+  EXPECT_THAT(m.Create("t0", req), StatusIs(Code::kResourceExhausted, "max_sessions"));
+  req.set_session_id(stays[1]);
+  EXPECT_THAT(m.Create("t1", req), StatusIs(Code::kAlreadyExists));
+  m.CloseAll();
+  EXPECT_EQ(m.size(), 0u);
+  EXPECT_THAT(m.Get("", stays[0]), StatusIs(Code::kNotFound));
+}
+
+}  // namespace
+}  // namespace kvtier
