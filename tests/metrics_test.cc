@@ -1,3 +1,4 @@
+#include <atomic>
 #include <cmath>
 #include <thread>
 
@@ -104,6 +105,34 @@ TEST(Registry, ConcurrentUpdatesAreNotLost) {
   EXPECT_EQ(c.value(), 40000);
   EXPECT_EQ(h.count(), 40000u);
   EXPECT_EQ(h.sum(), 20000);
+}
+
+// A histogram observes into atomics of its own and hands them to prometheus-cpp's at each
+// scrape: scrapes while threads observe count every observation once, none twice.
+TEST(Registry, AHistogramScrapedWhileObservedCountsEachObservationOnce) {
+  Registry r;
+  Histogram& h = r.GetHistogram("lat_seconds", "l", {0.5, 1});
+  std::atomic<bool> done = false;
+  std::thread scraper([&] {
+    while (!done.load()) r.Render();
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20000; ++i) h.Observe(t == 0 ? 0.25 : t == 1 ? 0.75 : 2.0);
+    });
+  }
+  for (auto& t : threads) t.join();
+  done = true;
+  scraper.join();
+  const std::string out = r.Render();
+  EXPECT_NE(out.find("lat_seconds_count 60000\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("lat_seconds_sum 60000\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("lat_seconds_bucket{le=\"0.5\"} 20000\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("lat_seconds_bucket{le=\"1\"} 40000\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("lat_seconds_bucket{le=\"+Inf\"} 60000\n"), std::string::npos) << out;
+  EXPECT_EQ(h.CumulativeCounts(), (std::vector<uint64_t>{20000, 40000, 60000}));
+  EXPECT_EQ(r.Render(), out);  // a scrape with nothing new changes nothing
 }
 
 TEST(HttpExporter, ServesMetricsAndHealth) {

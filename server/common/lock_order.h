@@ -27,7 +27,9 @@
 //   8  Tier::mu_                    one tier's segments and counts; taken by every slot freed
 //                                   anywhere above (leaf but for the slot table it guards)
 //   9  (unused: the service's per-tenant metric handles are made whole at its start)
-//  10  metrics::Registry::mu_       the metric families (leaf; scrape hooks run outside it)
+//  10  metrics::Registry::mu_       the metric families (leaf; scrape hooks run outside it).
+//                                   A Histogram's flush_mu_, a leaf too, is taken after it is
+//                                   let go (a scrape's flush, a read of the counts)
 //  11  Daemon::mu_                  shutdown bookkeeping (leaf)
 //  12  KvTierService::attach_mu_    the open Attach streams; a drain claims each under it (13)
 //                                   and finishes them after letting go

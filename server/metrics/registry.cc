@@ -1,5 +1,6 @@
 #include "server/metrics/registry.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -48,15 +49,50 @@ void Gauge::Add(double v) {
   }
 }
 
+Histogram::Histogram(prometheus::Histogram* h, std::vector<double> bounds)
+    : h_(h),
+      bounds_(std::move(bounds)),
+      counts_(new std::atomic<uint64_t>[bounds_.size() + 1]()),
+      flushed_(bounds_.size() + 1, 0) {}
+
+void Histogram::Observe(double v) {
+  // The first bound at or above v, as prometheus-cpp counts it (le is "less or equal").
+  const size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
+  counts_[i].fetch_add(1, std::memory_order_relaxed);
+  sum_.fetch_add(v, std::memory_order_relaxed);
+}
+
+void Histogram::Flush() const {
+  MutexLock lock(&flush_mu_);
+  std::vector<double> increments(flushed_.size());
+  bool any = false;
+  for (size_t i = 0; i < flushed_.size(); ++i) {
+    const uint64_t now = counts_[i].load(std::memory_order_relaxed);
+    increments[i] = static_cast<double>(now - flushed_[i]);
+    any |= now != flushed_[i];
+    flushed_[i] = now;
+  }
+  const double sum = sum_.load(std::memory_order_relaxed);
+  if (any) h_->ObserveMultiple(increments, sum - flushed_sum_);
+  flushed_sum_ = sum;
+}
+
 std::vector<uint64_t> Histogram::CumulativeCounts() const {
+  Flush();
   std::vector<uint64_t> out;
   for (const auto& b : h_->Collect().histogram.bucket) out.push_back(b.cumulative_count);
   return out;
 }
 
-double Histogram::sum() const { return h_->Collect().histogram.sample_sum; }
+double Histogram::sum() const {
+  Flush();
+  return h_->Collect().histogram.sample_sum;
+}
 
-uint64_t Histogram::count() const { return h_->Collect().histogram.sample_count; }
+uint64_t Histogram::count() const {
+  Flush();
+  return h_->Collect().histogram.sample_count;
+}
 
 std::vector<double> LatencyBuckets() {
   return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3,   2.5e-3, 5e-3, 10e-3,
@@ -132,11 +168,16 @@ void Registry::OnScrape(std::function<void()> hook) {
 
 std::string Registry::Render() const {
   std::vector<std::function<void()>> hooks;
+  std::vector<const Histogram*> histograms;
   {
     MutexLock lock(&mu_);
     hooks = hooks_;
+    for (const auto& [name, f] : families_) {
+      for (const auto& [labels, h] : f.histogram_handles) histograms.push_back(h.get());
+    }
   }
   for (auto& h : hooks) h();  // outside the lock: hooks set gauges through this registry
+  for (const Histogram* h : histograms) h->Flush();  // handles live as long as the registry
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
   std::sort(families.begin(), families.end(),
             [](const auto& a, const auto& b) { return a.name < b.name; });

@@ -1,10 +1,12 @@
 // Prometheus metrics through prometheus-cpp (Debian's prometheus-cpp-dev): a Registry owns
 // metric families, each family one metric per label set, and renders the text exposition
 // format 0.0.4 with prometheus-cpp's serializer. The metric objects below are handles to
-// prometheus-cpp's, live as long as the registry, and update lock-free.
+// prometheus-cpp's, live as long as the registry, and update lock-free (a histogram through
+// atomics of its own, flushed to prometheus-cpp's at each scrape).
 #ifndef KVTIER_SERVER_METRICS_REGISTRY_H_
 #define KVTIER_SERVER_METRICS_REGISTRY_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -47,20 +49,32 @@ class Gauge {
   prometheus::Gauge* const g_;
 };
 
+// Observe takes no lock (each RPC observes its method's latency): the counts gather in atomics
+// of its own, and reach prometheus-cpp's histogram, whose Observe locks a mutex, at each scrape
+// and each read below (Flush).
 class Histogram {
  public:
-  Histogram(prometheus::Histogram* h, std::vector<double> bounds)
-      : h_(h), bounds_(std::move(bounds)) {}
-  void Observe(double v) { h_->Observe(v); }
+  Histogram(prometheus::Histogram* h, std::vector<double> bounds);
+  void Observe(double v);
   // Cumulative counts per bound, then +Inf.
   std::vector<uint64_t> CumulativeCounts() const;
   double sum() const;
   uint64_t count() const;
   const std::vector<double>& bounds() const { return bounds_; }
+  // Hands what was observed since the last flush to prometheus-cpp's histogram.
+  void Flush() const;
 
  private:
   prometheus::Histogram* const h_;
   const std::vector<double> bounds_;
+  // Per bucket (each bound, then +Inf): observations so far, and the sum of their values.
+  const std::unique_ptr<std::atomic<uint64_t>[]> counts_;
+  std::atomic<double> sum_ = 0;
+  // What the last flush handed over. Lock order 10 too: a leaf, taken after Registry::mu_ is
+  // let go (server/common/lock_order.h).
+  mutable absl::Mutex flush_mu_;
+  mutable std::vector<uint64_t> flushed_ ABSL_GUARDED_BY(flush_mu_);
+  mutable double flushed_sum_ ABSL_GUARDED_BY(flush_mu_) = 0;
 };
 
 // Latency buckets in seconds, 50 us .. 10 s.
