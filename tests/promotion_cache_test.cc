@@ -29,11 +29,11 @@ struct Fixture {
   Fixture(int slots, std::unique_ptr<EvictionPolicy> policy)
       : tier(Room(slots)), cache(&tier, &clock, std::move(policy), {.half_life_ms = 1000}) {}
   // A new copy whose first byte is `tag`.
-  CopyRef Add(uint8_t tag, double cost_us = 1, bool prefetched = false) {
+  CopyRef Add(uint8_t tag, double cost_us = 1, bool prefetched = false, uint64_t group = 0) {
     auto slots = cache.Allocate("t", kSlot, 1);
     EXPECT_TRUE(slots.ok()) << slots.status();
     (*slots)[0]->data()[0] = tag;
-    return cache.Insert((*slots)[0], "t", cost_us, prefetched);
+    return cache.Insert((*slots)[0], "t", cost_us, prefetched, group);
   }
   ManualClock clock;
   Tier tier;
@@ -104,6 +104,39 @@ TEST(PromotionCache, ReadAllIsReadOfEachCopy) {
   EXPECT_EQ(out[0], nullptr);
   EXPECT_EQ(out[2]->data()[0], 2);
   EXPECT_TRUE(Cached(f, c));
+}
+
+// Copies of different groups lie in different stripes of the cache: the eviction order is still
+// the policy's over every copy, and one ReadAll over copies of many groups (and none) reads each.
+TEST(PromotionCache, EvictionAndReadsSpanEveryStripe) {
+  Fixture f(8, MakeLruPolicy());
+  std::vector<CopyRef> copies;
+  for (int i = 0; i < 8; ++i) {
+    copies.push_back(f.Add(static_cast<uint8_t>(10 + i), 1, false, /*group=*/i * 7919));
+    f.clock.AdvanceMs(10);
+  }
+  // Read all but copy 5, in an order across groups, with an empty copy (-1) among them.
+  const CopyRef none;
+  const std::vector<int> order = {7, -1, 0, 0, 3, 1, 2, 4, 6};
+  std::vector<const CopyRef*> read;
+  for (int i : order) read.push_back(i < 0 ? &none : &copies[i]);
+  std::vector<SlotRef> out(read.size());
+  f.cache.ReadAll(read, /*record=*/true, out.data());
+  for (size_t j = 0; j < order.size(); ++j) {
+    if (order[j] < 0) {
+      EXPECT_EQ(out[j], nullptr);
+      continue;
+    }
+    ASSERT_NE(out[j], nullptr) << j;
+    EXPECT_EQ(out[j]->data()[0], 10 + order[j]) << j;
+  }
+  out.clear();
+  EXPECT_EQ(f.cache.counters().hits, 8u);  // the empty copy is no read
+  f.clock.AdvanceMs(10);
+  CopyRef extra = f.Add(99, 1, false, /*group=*/12345);  // full: the least recent goes
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(Cached(f, copies[i]), i != 5) << i;
+  EXPECT_EQ(f.cache.counters().evictions, 1u);
+  EXPECT_EQ(f.cache.size(), 8u);
 }
 
 TEST(PromotionCache, FrequencyDecaysWithTime) {

@@ -3,6 +3,8 @@
 // exact, against counts each test keeps itself:
 // - LeaseTable: every lease ends once, a worker's Detach ends every lease it granted (none
 //   slips in beside it), and the tenant, session and pin counts come back to zero;
+// - PromotionCache: reads of copies in many stripes beside evictions that span them all count
+//   every hit once, and the copies left are the ones promoted and not evicted;
 // - SessionManager: lookups beside creates and closes of other sessions find each session
 //   while it lives, and the limits (max_sessions, ids) hold.
 // Also built by the ThreadSanitizer build (make tsan).
@@ -16,6 +18,7 @@
 #include "server/config/policy.h"
 #include "server/session/lease_table.h"
 #include "server/session/session_manager.h"
+#include "server/tier/promotion_cache.h"
 #include "server/tier/tier.h"
 #include "tests/session_fixture.h"
 #include "tests/test_util.h"
@@ -120,7 +123,9 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
       // Released now, or expired already: NOT_FOUND is the expirer's doing, never an error.
       for (const std::string& id : held) {
         absl::Status s = leases.Release(tenant, id);
-        if (!s.ok()) EXPECT_THAT(s, StatusIs(Code::kNotFound, "lease_id"));
+        if (!s.ok()) {
+          EXPECT_THAT(s, StatusIs(Code::kNotFound, "lease_id"));
+        }
         EXPECT_THAT(leases.Release(tenant == "a" ? "b" : "a", id),
                     StatusIs(Code::kNotFound, "lease_id"));  // never another tenant's
       }
@@ -175,6 +180,65 @@ TEST(LeaseTable, ATenantsCountIsOneObjectWhileHeld) {
   ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
   EXPECT_EQ(leases.CountForTenant("a"), 0u);
   EXPECT_EQ(leases.Tenant("a")->live(), 0u);
+}
+
+// Reader threads promote copies in groups of their own (their own stripes) and read them all
+// again and again, while the tier (room for 64 copies) fills, so that each promotion past it
+// evicts, over every stripe, what nobody reads.
+TEST(PromotionCache, ReadsBesideEvictionsCountEachHitOnce) {
+  ManualClock clock;
+  TierOptions o = HostTier();
+  o.capacity_bytes = 64 * kSlotBytes;
+  Tier tier(o);
+  PromotionCache cache(&tier, &clock, MakeLruPolicy());
+  constexpr int kThreads = 4, kRounds = 200;
+  std::vector<std::vector<CopyRef>> made(kThreads);
+  std::vector<uint64_t> hits(kThreads, 0), promoted(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds; ++r) {
+        // Another thread may take the room an eviction made before this one's next try (or
+        // hold, reading, every copy there is): the tier full is an answer, never an overrun.
+        absl::StatusOr<std::vector<SlotRef>> slots = cache.Allocate("t", kSlotBytes, 1);
+        if (slots.ok()) {
+          (*slots)[0]->data()[0] = static_cast<uint8_t>(t);
+          made[t].push_back(cache.Insert((*slots)[0], "t", 1, false, /*group=*/t * 31 + r % 3));
+          ++promoted[t];
+        } else {
+          EXPECT_THAT(slots.status(), StatusIs(Code::kResourceExhausted, "host tier full"));
+        }
+        slots = std::vector<SlotRef>();  // the cache's reference is the last: evictable
+        // The last eight promoted, read together (held while counted).
+        std::vector<const CopyRef*> mine;
+        for (size_t i = made[t].size() > 8 ? made[t].size() - 8 : 0; i < made[t].size(); ++i) {
+          mine.push_back(&made[t][i]);
+        }
+        std::vector<SlotRef> out(mine.size());
+        cache.ReadAll(mine, /*record=*/true, out.data());
+        for (const SlotRef& s : out) {
+          if (s == nullptr) continue;
+          EXPECT_EQ(s->data()[0], t);  // a copy's bytes are its own, never another's slot
+          ++hits[t];
+        }
+        clock.AdvanceMs(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const PromotionCache::Counters n = cache.counters();
+  EXPECT_EQ(n.promotions, promoted[0] + promoted[1] + promoted[2] + promoted[3]);
+  EXPECT_GT(n.promotions, uint64_t{kThreads} * kRounds / 2);
+  EXPECT_EQ(n.hits, hits[0] + hits[1] + hits[2] + hits[3]);
+  EXPECT_GT(n.evictions, 0u);
+  EXPECT_EQ(cache.size(), n.promotions - n.evictions);
+  EXPECT_LE(cache.size(), 64u);
+  EXPECT_LE(tier.Stats().used_bytes, 64 * kSlotBytes);
+  size_t cached = 0;
+  for (const auto& copies : made) {
+    for (const CopyRef& c : copies) cached += cache.Peek(c) != nullptr;
+  }
+  EXPECT_EQ(cached, cache.size());
 }
 
 // Threads create, look up and close sessions of their own, while every thread also looks up the

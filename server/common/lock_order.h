@@ -22,8 +22,10 @@
 //                                   shard's (by lease id); each alone otherwise. Its tenants'
 //                                   map (tenants_mu_) is a leaf taken under neither. Slots are
 //                                   unpinned, and dropped (8), after letting go
-//   7  PromotionCache::mu_          one tier's fp16 copies (host, device); evicting a copy frees
-//                                   its slot (8)
+//   7  PromotionCache's locks       one tier's fp16 copies (host, device): its list_mu_, then
+//                                   its 16 stripes' in order (making room, counting); a read,
+//                                   an insert or a drop takes one stripe's alone. Evicting a
+//                                   copy frees its slot (8)
 //   8  Tier::mu_                    one tier's segments and counts; taken by every slot freed
 //                                   anywhere above (leaf but for the slot table it guards)
 //   9  (unused: the service's per-tenant metric handles are made whole at its start)

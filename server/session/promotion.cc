@@ -40,6 +40,11 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
       at.emplace_back(h, i);
     }
   }
+  // Every chunk readable where it lies (warm, for the host): the cache's lock is not taken.
+  if (copies.empty()) {
+    if (promoted) *promoted = 0;
+    return out;
+  }
   std::vector<SlotRef> found(copies.size());
   cache->ReadAll(copies, /*record=*/!prefetch, found.data());
   std::vector<std::pair<uint32_t, size_t>> todo;  // (kv_head, position in chosen[h])
@@ -71,13 +76,15 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
                      .chunk_id = EncodeChunkId({target.layer, h, c})});
   }
   RETURN_IF_ERROR(FillDevice(fills));
+  // One layer's copies share a stripe of the cache: a Select reads them under one lock.
+  const uint64_t group = reinterpret_cast<uintptr_t>(heads.data());
   for (size_t j = 0; j < todo.size(); ++j) {
     const auto [h, i] = todo[j];
     const uint32_t c = chosen[h][i];
     const Chunk& ch = heads[h].chunks()[c];
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
     (to_device ? heads[h].copies(c).mutable_device() : heads[h].copies(c).mutable_promoted()) =
-        cache->Insert(slots[j], target.tenant, cost, prefetch);
+        cache->Insert(slots[j], target.tenant, cost, prefetch, group);
     out[h][i] = std::move(slots[j]);
   }
   if (promoted) *promoted = todo.size();

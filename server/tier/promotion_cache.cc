@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 
@@ -71,6 +72,22 @@ PromotionCache::PromotionCache(Tier* tier, const Clock* clock,
                                std::unique_ptr<EvictionPolicy> policy, Options options)
     : tier_(tier), clock_(clock), policy_(std::move(policy)), options_(options) {}
 
+// Every stripe's lock, taken in order and let go in reverse.
+class ABSL_SCOPED_LOCKABLE PromotionCache::AllStripes {
+ public:
+  explicit AllStripes(const PromotionCache* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS : cache_(cache) {
+    for (Stripe& s : cache_->stripes_) s.mu.Lock();
+  }
+  ~AllStripes() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (auto it = cache_->stripes_.rbegin(); it != cache_->stripes_.rend(); ++it) it->mu.Unlock();
+  }
+  AllStripes(const AllStripes&) = delete;
+  AllStripes& operator=(const AllStripes&) = delete;
+
+ private:
+  const PromotionCache* const cache_;
+};
+
 void PromotionCache::Touch(CachedCopy& c, int64_t now) const {
   c.stats_.frequency = DecayedFrequency(c.stats_, now, options_.half_life_ms) + 1;
   c.stats_.frequency_ms = now;
@@ -85,39 +102,54 @@ SlotRef PromotionCache::Read(const CopyRef& copy) {
 }
 
 void PromotionCache::ReadAll(std::span<const CopyRef* const> copies, bool record, SlotRef* out) {
-  MutexLock lock(&mu_);
   const int64_t now = record ? clock_->NowMs() : 0;
-  for (size_t i = 0; i < copies.size(); ++i) {
-    const CopyRef& copy = *copies[i];
-    out[i] = copy ? copy->slot_ : nullptr;
-    if (!record || !out[i]) continue;
-    Touch(*copy, now);
-    ++counters_.hits;
-    if (copy->prefetched_) {
-      copy->prefetched_ = false;
-      ++counters_.prefetch_hits;
+  // A run of copies of one stripe (a Select's layer: all of them) under one hold of its lock.
+  for (size_t i = 0; i < copies.size();) {
+    if (!*copies[i]) {
+      out[i++] = nullptr;
+      continue;
+    }
+    const size_t at = (*copies[i])->stripe_;
+    Stripe& stripe = stripes_[at];
+    MutexLock lock(&stripe.mu);
+    for (; i < copies.size(); ++i) {
+      const CopyRef& copy = *copies[i];
+      if (copy && copy->stripe_ != at) break;
+      out[i] = copy ? copy->slot_ : nullptr;
+      if (!record || !out[i]) continue;
+      Touch(*copy, now);
+      ++stripe.counters.hits;
+      if (copy->prefetched_) {
+        copy->prefetched_ = false;
+        ++stripe.counters.prefetch_hits;
+      }
     }
   }
 }
 
 SlotRef PromotionCache::Peek(const CopyRef& copy) const {
   if (!copy) return nullptr;
-  MutexLock lock(&mu_);
+  MutexLock lock(&stripes_[copy->stripe_].mu);
   return copy->slot_;
 }
 
 CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double cost_us,
-                               bool prefetched) {
+                               bool prefetched, uint64_t group) {
   const int64_t now = clock_->NowMs();
   CopyStats stats;
   stats.bytes = slot->bytes();
   stats.inserted_ms = now;
   stats.cost_us = cost_us;
-  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched));
-  MutexLock lock(&mu_);
-  Touch(*copy, now);
-  ++(prefetched ? counters_.prefetched : counters_.misses);
-  ++counters_.promotions;
+  const size_t at = absl::HashOf(group) % kStripes;
+  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched, at));
+  {
+    Stripe& stripe = stripes_[at];
+    MutexLock lock(&stripe.mu);
+    Touch(*copy, now);
+    ++(prefetched ? stripe.counters.prefetched : stripe.counters.misses);
+    ++stripe.counters.promotions;
+  }
+  MutexLock lock(&list_mu_);
   // Forget copies whose chunks dropped them, now and then, so the list stays near the live set.
   if (copies_.size() >= 64 && copies_.size() == copies_.capacity()) {
     copies_.erase(std::remove_if(copies_.begin(), copies_.end(),
@@ -130,16 +162,18 @@ CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double c
 
 uint64_t PromotionCache::Drop(const CopyRef& copy) {
   if (!copy) return 0;
-  MutexLock lock(&mu_);
+  Stripe& stripe = stripes_[copy->stripe_];
+  MutexLock lock(&stripe.mu);
   if (!copy->slot_) return 0;
   const uint64_t bytes = copy->slot_->bytes();
   copy->Forget();  // a lease still holding the slot keeps its memory until released
-  ++counters_.drops;
-  counters_.dropped_bytes += bytes;
+  ++stripe.counters.drops;
+  stripe.counters.dropped_bytes += bytes;
   return bytes;
 }
 
-uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
+uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under every stripe's lock (AllStripes), as the caller holds
   const uint64_t free = tenant != nullptr ? tier_->RoomFor(*tenant) : tier_->FreeBytes();
   if (free >= bytes) return 0;
   const int64_t now = clock_->NowMs();
@@ -164,16 +198,17 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant) {
   copies_.resize(kept);
   std::stable_sort(order.begin(), order.end(),
                    [](const Candidate& a, const Candidate& b) { return a.keep < b.keep; });
-  uint64_t freed = 0, evicted = 0;
+  uint64_t freed = 0;
   for (const Candidate& o : order) {
     if (free + freed >= bytes) break;
     CachedCopy& c = *live[o.at];
-    freed += c.slot_->bytes();
+    const uint64_t slot_bytes = c.slot_->bytes();
+    freed += slot_bytes;
     c.Forget();  // the last reference: the slot goes back to the tier now
-    ++evicted;
+    Counters& n = stripes_[c.stripe_].counters;
+    ++n.evictions;
+    n.evicted_bytes += slot_bytes;
   }
-  counters_.evictions += evicted;
-  counters_.evicted_bytes += freed;
   return freed;
 }
 
@@ -187,7 +222,8 @@ absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const std::string&
       uint64_t freed;
       const bool own = tier_->QuotaBound(tenant);
       {
-        MutexLock lock(&mu_);
+        MutexLock lock(&list_mu_);
+        AllStripes all(this);
         freed = MakeRoom((n - out.size()) * bytes, own ? &tenant : nullptr);
       }
       if (freed > 0) slot = tier_->Allocate(tenant, bytes);
@@ -199,12 +235,26 @@ absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const std::string&
 }
 
 PromotionCache::Counters PromotionCache::counters() const {
-  MutexLock lock(&mu_);
-  return counters_;
+  Counters sum;
+  for (const Stripe& stripe : stripes_) {
+    MutexLock lock(&stripe.mu);
+    const Counters& n = stripe.counters;
+    sum.promotions += n.promotions;
+    sum.hits += n.hits;
+    sum.misses += n.misses;
+    sum.evictions += n.evictions;
+    sum.evicted_bytes += n.evicted_bytes;
+    sum.drops += n.drops;
+    sum.dropped_bytes += n.dropped_bytes;
+    sum.prefetched += n.prefetched;
+    sum.prefetch_hits += n.prefetch_hits;
+  }
+  return sum;
 }
 
 size_t PromotionCache::size() const {
-  MutexLock lock(&mu_);
+  MutexLock lock(&list_mu_);
+  AllStripes all(this);
   size_t n = 0;
   for (const auto& w : copies_) {
     CopyRef c = w.lock();

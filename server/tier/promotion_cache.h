@@ -5,11 +5,15 @@
 // evicted. A chunk keeps a CachedCopy; the cache keeps only a weak reference to it, so a
 // chunk that changes or goes away drops its copy without telling the cache.
 //
-// Thread-safe; its lock comes after a session's and before its tier's
-// (server/common/lock_order.h).
+// Thread-safe. Its copies lie in stripes, each with a lock of its own, so that Selects of
+// different sessions read their copies without a lock they all share: a copy's stripe comes
+// from the group Insert names (Readable names a session's layer), and a Select reads one
+// layer's copies under one stripe's lock. Making room takes every stripe. Its locks come after
+// a session's and before its tier's (server/common/lock_order.h).
 #ifndef KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 #define KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -68,23 +72,26 @@ class CachedCopy {
 
  private:
   friend class PromotionCache;
-  CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched)
+  CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched, size_t stripe)
       : slot_(std::move(slot)),
         tenant_(std::move(tenant)),
         stats_(stats),
-        prefetched_(prefetched) {}
-  // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under the
-  // cache's mutex.
+        prefetched_(prefetched),
+        stripe_(stripe) {}
+  // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under its
+  // stripe's mutex.
   void Forget() {
     slot_.reset();
     gone_.store(true, std::memory_order_relaxed);
   }
-  SlotRef slot_;  // null once evicted; guarded by the cache's mutex
+  // slot_, stats_ and prefetched_ are guarded by the mutex of the cache's stripe `stripe_`.
+  SlotRef slot_;  // null once evicted
   // Set with slot_'s end (Forget); read without the mutex as a hint (Held).
   std::atomic<bool> gone_ = false;
   const std::string tenant_;
   CopyStats stats_;
   bool prefetched_;  // promoted ahead by a prefetch and not read since
+  const size_t stripe_;
 };
 using CopyRef = std::shared_ptr<CachedCopy>;
 
@@ -122,8 +129,10 @@ class PromotionCache {
   absl::StatusOr<std::vector<SlotRef>> Allocate(const std::string& tenant, uint64_t bytes,
                                                 size_t n);
 
-  // Registers a filled slot as a cached copy that would cost `cost_us` to remake.
-  CopyRef Insert(SlotRef slot, const std::string& tenant, double cost_us, bool prefetched);
+  // Registers a filled slot as a cached copy that would cost `cost_us` to remake. Copies of
+  // one `group` (any number: copies read together, as a session's layer) share a stripe.
+  CopyRef Insert(SlotRef slot, const std::string& tenant, double cost_us, bool prefetched,
+                 uint64_t group = 0);
 
   // Drops a copy now (a session's Evict); returns its bytes, 0 if it was not cached.
   uint64_t Drop(const CopyRef& copy);
@@ -144,18 +153,28 @@ class PromotionCache {
   size_t size() const;  // copies currently cached
 
  private:
+  static constexpr size_t kStripes = 16;
+  struct Stripe {
+    mutable absl::Mutex mu;  // lock order 7 (server/common/lock_order.h)
+    Counters counters ABSL_GUARDED_BY(mu);
+  };
+  // Every stripe's lock, in order (making room, counting the copies).
+  class AllStripes;
   // Evicts until `bytes` more would fit (or nothing evictable is left); returns bytes freed.
-  // With `tenant` (its quota binds), only that tenant's copies go.
-  uint64_t MakeRoom(uint64_t bytes, const std::string* tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Touch(CachedCopy& c, int64_t now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With `tenant` (its quota binds), only that tenant's copies go. Under list_mu_ and every
+  // stripe (AllStripes).
+  uint64_t MakeRoom(uint64_t bytes, const std::string* tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(list_mu_);
+  void Touch(CachedCopy& c, int64_t now) const;
 
   Tier* const tier_;
   const Clock* const clock_;
   const std::unique_ptr<EvictionPolicy> policy_;
   const Options options_;
-  mutable absl::Mutex mu_;  // lock order 7 (server/common/lock_order.h)
-  std::vector<std::weak_ptr<CachedCopy>> copies_ ABSL_GUARDED_BY(mu_);
-  Counters counters_ ABSL_GUARDED_BY(mu_);
+  mutable std::array<Stripe, kStripes> stripes_;
+  // The copies, for eviction; taken before any stripe's lock.
+  mutable absl::Mutex list_mu_;  // lock order 7 (server/common/lock_order.h)
+  std::vector<std::weak_ptr<CachedCopy>> copies_ ABSL_GUARDED_BY(list_mu_);
 };
 
 }  // namespace kvtier
