@@ -903,6 +903,89 @@ TEST(Session, LeasedMemoryIsNeverRewrittenOrFreed) {
   EXPECT_EQ(e.host.Stats().used_bytes, 0u);
 }
 
+// Gathered blocks' slots are kept by the session from one Select for the next: a slot whose
+// lease ended is written again under a new generation (the tier's slot count stays put over a
+// decode loop), a leased one never is, and the session's Close lets the rest go.
+TEST(Session, GatheredBlocksReuseTheSlotsOfEndedLeasesOnly) {
+  Env e;
+  v1::SessionPolicy policy = Lossless();
+  policy.set_refine_factor(4);
+  const int tokens = 900;
+  Fixture f = Make(e, 4, 6, 2, 64, tokens, policy, 31);  // layers 0 and 1 are dense
+  ASSERT_OK(AppendAll(f, tokens, 300));
+  const uint64_t stored = e.host.Stats().num_slots;
+  struct Place {
+    uint64_t segment, offset, generation;
+    std::string bytes;
+  };
+  auto gathered = [&](const v1::SelectResponse& r) {
+    std::vector<Place> out;
+    for (const v1::HeadSelection& h : r.heads()) {
+      for (const v1::BlockHandle& b : h.blocks()) {
+        if (b.gathered()) {
+          out.push_back({b.segment_id(), b.offset(), b.generation(), b.keys() + b.values()});
+        }
+      }
+    }
+    return out;
+  };
+  auto select = [&](uint32_t layer, uint32_t seed) {
+    v1::SelectRequest req = SelectReq(f, layer, 160, seed);
+    req.set_include_data(true);
+    v1::SelectResponse resp;
+    EXPECT_OK(f.session->Select(req, &resp));
+    return resp;
+  };
+  auto mapped = [&](const Place& p) {
+    for (const auto& seg : e.host.Segments()) {
+      if (seg.segment_id != p.segment) continue;
+      absl::StatusOr<ShmSegment> m = ShmSegment::OpenReadOnly(seg.shm_name);
+      EXPECT_OK(m.status());
+      return std::string(reinterpret_cast<const char*>(m->data() + p.offset), p.bytes.size());
+    }
+    return std::string("no such segment");
+  };
+  const v1::SelectResponse first = select(2, 4);
+  const std::vector<Place> a = gathered(first);
+  ASSERT_FALSE(a.empty());
+  const uint64_t with_one = e.host.Stats().num_slots;
+  EXPECT_EQ(with_one, stored + a.size());
+  // While the first lease holds its blocks, another Select's blocks lie elsewhere and the
+  // first's bytes stay as they were.
+  const v1::SelectResponse second = select(3, 5);
+  const std::vector<Place> b = gathered(second);
+  ASSERT_FALSE(b.empty());
+  for (const Place& x : a) {
+    for (const Place& y : b) EXPECT_FALSE(x.segment == y.segment && x.offset == y.offset);
+    EXPECT_EQ(mapped(x), x.bytes);
+  }
+  ASSERT_OK(e.leases.Release("t", first.lease_id()));
+  ASSERT_OK(e.leases.Release("t", second.lease_id()));
+  // The ended leases' slots stay the session's, for the next Select.
+  EXPECT_EQ(e.host.Stats().num_slots, stored + a.size() + b.size());
+  // A decode loop: Select, Release, again and again. The blocks come from the same slots, each
+  // time under a new generation, and hold each answer's own rows.
+  std::set<std::pair<uint64_t, uint64_t>> places;
+  for (const Place& x : a) places.insert({x.segment, x.offset});
+  for (const Place& x : b) places.insert({x.segment, x.offset});
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> last_generation;
+  for (int step = 0; step < 20; ++step) {
+    const v1::SelectResponse r = select(2 + step % 2, 6 + step);
+    for (const Place& x : gathered(r)) {
+      EXPECT_TRUE(places.count({x.segment, x.offset})) << "step " << step;
+      EXPECT_EQ(mapped(x), x.bytes);  // the answer's rows are in the slot it names
+      uint64_t& g = last_generation[{x.segment, x.offset}];
+      EXPECT_NE(x.generation, g);
+      g = x.generation;
+    }
+    EXPECT_LE(e.host.Stats().num_slots, stored + a.size() + b.size());
+    ASSERT_OK(e.leases.Release("t", r.lease_id()));
+    EXPECT_GE(e.host.Stats().num_slots, stored + gathered(r).size());  // kept, not freed
+  }
+  f.session->Close();
+  EXPECT_EQ(e.host.Stats().num_slots, 0u);
+}
+
 TEST(Session, UnsharedPartialChunkGrowsInPlaceWithANewGeneration) {
   Env e;
   Fixture f = Make(e, 1, 2, 1, 16, 100);

@@ -80,9 +80,38 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<SlotRef>> GatherPool::Take(PromotionCache* cache,
+                                                      const std::string& tenant, uint64_t bytes,
+                                                      size_t n) {
+  std::vector<SlotRef> out;
+  out.reserve(n);
+  // Idle: only the pool holds it (slots are handed out under the session's lock, so the count
+  // never rises meanwhile; a lease ending meanwhile is seen next time).
+  size_t kept = 0;
+  for (SlotRef& s : slots_) {
+    const bool idle = s.use_count() == 1 && !s->pinned();
+    if (idle && (out.size() >= n || s->bytes() != bytes)) continue;  // back to the tier
+    if (idle) {
+      s->Renew();  // rewritten in place: a worker's old handle to it no longer reads
+      out.push_back(s);
+    }
+    slots_[kept++] = std::move(s);
+  }
+  slots_.resize(kept);
+  if (out.size() < n) {
+    ASSIGN_OR_RETURN(std::vector<SlotRef> fresh, cache->Allocate(tenant, bytes, n - out.size()));
+    for (SlotRef& s : fresh) {
+      slots_.push_back(s);
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const PromotionTarget& target,
                                                                    std::span<Stream> heads,
-                                                                   LayerChoice* choice) {
+                                                                   LayerChoice* choice,
+                                                                   GatherPool* pool) {
   const ChunkFormat& f = target.format;
   const uint64_t rb = f.row_bytes();
   struct Row {
@@ -108,7 +137,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     blocks += (rows[h].size() + f.capacity - 1) / f.capacity;
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
-                   target.cache->Allocate(target.tenant, f.slot_bytes(), blocks));
+                   pool->Take(target.cache, target.tenant, f.slot_bytes(), blocks));
   std::vector<std::vector<GatheredBlock>> out(heads.size());
   // Into each slot where it is mapped here; device slots (the slots are all of one tier) are
   // made here and filled in one batch, as promotion fills them (FillDevice).

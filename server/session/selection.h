@@ -65,13 +65,36 @@ struct GatheredBlock {
   std::vector<int64_t> positions;
 };
 
+// A session's slots for gathered blocks on one tier, kept from one Select for the next: a
+// slot whose lease ended (nothing but the pool holds it) is written again, under a new
+// generation, instead of going back to the tier and another coming from it, so that a decode
+// loop's Selects do not take the tier's lock, which every session shares. The pool keeps idle
+// at most as many slots as the last Select took; the rest go back to the tier. Guarded by its
+// session's lock.
+class GatherPool {
+ public:
+  // `n` slots of `bytes` for `tenant`: this pool's idle ones first (renewed), the rest from
+  // `cache`'s tier (Allocate: RESOURCE_EXHAUSTED, all or nothing). Idle slots past `n`, and
+  // any of another size, go back to the tier.
+  absl::StatusOr<std::vector<SlotRef>> Take(PromotionCache* cache, const std::string& tenant,
+                                            uint64_t bytes, size_t n);
+  // Lets every slot go (a lease still holding one keeps it until released).
+  void Clear() { slots_.clear(); }
+  void swap(GatherPool& other) { slots_.swap(other.slots_); }
+  size_t size() const { return slots_.size(); }
+
+ private:
+  std::vector<SlotRef> slots_;
+};
+
 // Moves each KV head's partly chosen chunks (those with a row list) out of `choice` and into
-// compact blocks of at most the chunk capacity's rows, on `target`'s tier, copied from the
-// host slots the refinement read. Returns the blocks per KV head. RESOURCE_EXHAUSTED (with
-// the tier's reason) when the tier cannot hold them: all or nothing.
+// compact blocks of at most the chunk capacity's rows, on `target`'s tier (slots from `pool`),
+// copied from the host slots the refinement read. Returns the blocks per KV head.
+// RESOURCE_EXHAUSTED (with the tier's reason) when the tier cannot hold them: all or nothing.
 absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const PromotionTarget& target,
                                                                    std::span<Stream> heads,
-                                                                   LayerChoice* choice);
+                                                                   LayerChoice* choice,
+                                                                   GatherPool* pool);
 
 }  // namespace kvtier
 

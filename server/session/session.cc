@@ -556,7 +556,8 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   const std::vector<std::vector<uint32_t>> returned = c.chunks;
   std::vector<std::vector<GatheredBlock>> gathered(shape_.num_kv_heads());
   if (refine && !req.row_handles()) {
-    ASSIGN_OR_RETURN(gathered, GatherRows(promotion(layer, to_device), heads(layer), &c));
+    ASSIGN_OR_RETURN(gathered, GatherRows(promotion(layer, to_device), heads(layer), &c,
+                                          to_device ? &device_gathers_ : &host_gathers_));
   }
   std::vector<std::vector<SlotRef>> readable;
   if (!c.host_slots.empty() && !to_device) {
@@ -772,6 +773,7 @@ absl::StatusOr<uint64_t> Session::Evict(v1::Tier tier) {
           s.copies(c).reset_device();  // a lease still holding it keeps the memory until released
         }
       }
+      device_gathers_.Clear();  // likewise
       return bytes;
     }
     case v1::TIER_HOST:
@@ -813,12 +815,15 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
 
 void Session::Close() {
   std::vector<Stream> dropped;
+  GatherPool gathers, device_gathers;
   std::shared_ptr<StagingArea> area;
   {
     MutexLock lock(&mu_);
     closed_ = true;
     aged_.SignalAll();  // an append waiting on the backlog finds the session closed
     dropped.swap(streams_);
+    gathers.swap(host_gathers_);
+    device_gathers.swap(device_gathers_);
     charge_.Set(0);
     MutexLock staging(&staging_mu_);
     area.swap(staging_);
@@ -865,6 +870,7 @@ void Session::MarkPersisted(uint64_t version) {
 absl::StatusOr<uint64_t> Session::Demote(
     const std::function<absl::Status(const v1::SessionRecord&)>& store) {
   std::vector<Stream> dropped;
+  GatherPool gathers, device_gathers;
   std::shared_ptr<StagingArea> area;
   uint64_t bytes;
   {
@@ -881,6 +887,8 @@ absl::StatusOr<uint64_t> Session::Demote(
     closed_ = true;
     aged_.SignalAll();
     dropped.swap(streams_);
+    gathers.swap(host_gathers_);
+    device_gathers.swap(device_gathers_);
     charge_.Set(0);
     MutexLock staging(&staging_mu_);
     area.swap(staging_);

@@ -341,6 +341,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu_);  // [num_layers * num_kv_heads]
+  // Gathered blocks' slots kept for the next Select, on the host tier and the device tier.
+  GatherPool host_gathers_ ABSL_GUARDED_BY(mu_), device_gathers_ ABSL_GUARDED_BY(mu_);
   // The metadata's charge on the host tier: grown by an estimate before each change, set to
   // the measured bytes after it; nothing once closed.
   MetadataCharge charge_ ABSL_GUARDED_BY(mu_);
