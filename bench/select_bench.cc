@@ -13,20 +13,26 @@
 // select_shm_p50_back_to_back: channel Selects one after another (the decode loop's pattern)
 // against Echo RPCs one after another.
 //
-// select_scaling: gRPC Select throughput of two workers at once, each with its own gRPC
-// connection and session, against one worker alone.
+// select_scaling: gRPC Select throughput of two worker processes at once, each with its own
+// gRPC connection and session, against one worker process alone (a fleet's workers are
+// processes of their own).
 //
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
 // on fp16 K and V held in its memory).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "kvtier/client.h"
 #include "server/common/fp16.h"
@@ -187,49 +193,126 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
          "echo_rpc_p99_back_to_back", params});
 }
 
-// Selects per second of one worker on `sids[0]` and of two at once on both sessions, each
-// worker with a gRPC connection of its own doing `iters` Select+Release RPC pairs after a
-// warm-up; interleaved over `reps`, medians printed (the ratio is theirs). The same for bare Echo
-// pairs of the same bytes goes into the parameters: how far the machine and gRPC alone scale.
-void Scaling(const std::string& address, const std::vector<std::string>& sids, int context,
-             uint32_t budget, int reps, int iters) {
+// A worker process of Scaling (select_bench --scaling_worker ADDRESS,SESSION,BUDGET,ITERS,ECHO):
+// connects, warms up with 50 pairs, says "ready", waits for a line on stdin, then times `iters`
+// pairs (Select+Release, or, with `echo_bytes` nonzero, Echo pairs carrying that many bytes
+// back and none) and prints the seconds they took.
+int ScalingWorker(const std::string& address, const std::string& sid, uint32_t budget, int iters,
+                  uint32_t echo_bytes) {
+  auto c = Client::Connect(address);
+  if (!c.ok()) return 1;
+  const v1::SelectRequest req = Request(sid, budget);
+  auto pair = [&] {
+    if (echo_bytes > 0) {
+      if (!(*c)->Echo(req.query(), echo_bytes).ok() || !(*c)->Echo("", 0).ok()) std::exit(1);
+      return;
+    }
+    auto s = (*c)->Select(req);
+    if (!s.ok()) std::exit(1);
+    (void)(*c)->Release(s->lease_id());
+  };
+  for (int i = 0; i < 50; ++i) pair();
+  std::printf("ready\n");
+  std::fflush(stdout);
+  char line[16];
+  if (std::fgets(line, sizeof line, stdin) == nullptr) return 1;
+  const double t0 = NowSeconds();
+  for (int i = 0; i < iters; ++i) pair();
+  std::printf("%.9f\n", NowSeconds() - t0);
+  std::fflush(stdout);
+  return 0;
+}
+
+// Pairs per second of one worker process per session of `sids` (ScalingWorker), all at once:
+// they start together once each is connected and warm, and the slowest one's time counts.
+double ProcessThroughput(const std::string& address, const std::vector<std::string>& sids,
+                         uint32_t budget, int iters, uint32_t echo_bytes) {
+  struct Worker {
+    pid_t pid;
+    FILE* to;
+    FILE* from;
+  };
+  std::vector<Worker> workers;
+  for (const std::string& sid : sids) {
+    int in[2], out[2];
+    if (pipe(in) != 0 || pipe(out) != 0) std::exit(1);
+    const std::string args =
+        absl::StrCat(address, ",", sid, ",", budget, ",", iters, ",", echo_bytes);
+    const pid_t pid = fork();
+    if (pid < 0) std::exit(1);
+    if (pid == 0) {  // only async-signal-safe calls until exec
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      execl("/proc/self/exe", "select_bench", "--scaling_worker", args.c_str(), nullptr);
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    workers.push_back({pid, fdopen(in[1], "w"), fdopen(out[0], "r")});
+  }
+  char line[64];
+  for (Worker& w : workers) {
+    if (std::fgets(line, sizeof line, w.from) == nullptr) std::exit(1);  // "ready"
+  }
+  for (Worker& w : workers) {
+    std::fputs("go\n", w.to);
+    std::fflush(w.to);
+  }
+  double slowest = 0;
+  for (Worker& w : workers) {
+    if (std::fgets(line, sizeof line, w.from) == nullptr) std::exit(1);
+    slowest = std::max(slowest, std::atof(line));
+    std::fclose(w.to);
+    std::fclose(w.from);
+    int status = 0;
+    if (waitpid(w.pid, &status, 0) != w.pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::exit(1);
+    }
+  }
+  return static_cast<double>(sids.size()) * iters / slowest;
+}
+
+// Selects per second (Select+Release pairs) of one worker process on `sids[0]` and of two at
+// once on both sessions, each worker a process with its own gRPC connection, doing `iters`
+// pairs after a warm-up; interleaved over `reps`, medians printed (the ratio is theirs). In the
+// parameters: the same for bare Echo pairs of the same bytes (how far the machine and gRPC alone
+// scale), and the ratio of two threads of one process to one thread (a process's threads share
+// its gRPC client's poller, so that ratio says what one process's workers get).
+void Scaling(Client& c, const std::string& address, const std::vector<std::string>& sids,
+             int context, uint32_t budget, int reps, int iters) {
+  const uint32_t resp_bytes = ResponseBytes(c, Request(sids[0], budget));
   std::vector<std::unique_ptr<Client>> clients;
   for (int w = 0; w < 2; ++w) {
-    auto c = Client::Connect(address);
-    if (!c.ok()) std::exit(1);
-    clients.push_back(*std::move(c));
+    auto made = Client::Connect(address);
+    if (!made.ok()) std::exit(1);
+    clients.push_back(*std::move(made));
   }
-  uint32_t resp_bytes = 0;
-  auto work = [&](int w, int n, bool echo) {
+  auto work = [&](int w, int n) {
     const v1::SelectRequest req = Request(sids[w], budget);
     for (int i = 0; i < n; ++i) {
-      if (echo) {
-        if (!clients[w]->Echo(req.query(), resp_bytes).ok()) std::exit(1);
-        if (!clients[w]->Echo("", 0).ok()) std::exit(1);  // as Release
-        continue;
-      }
       auto s = clients[w]->Select(req);
       if (!s.ok()) std::exit(1);
-      resp_bytes = static_cast<uint32_t>(s->ByteSizeLong());
       (void)clients[w]->Release(s->lease_id());
     }
   };
-  // Pairs per second of `workers` workers at once.
-  auto throughput = [&](int workers, bool echo) {
+  auto threads_throughput = [&](int workers) {
     std::vector<std::thread> threads;
     const double t0 = NowSeconds();
-    for (int w = 0; w < workers; ++w) threads.emplace_back(work, w, iters, echo);
+    for (int w = 0; w < workers; ++w) threads.emplace_back(work, w, iters);
     for (std::thread& t : threads) t.join();
     return workers * iters / (NowSeconds() - t0);
   };
-  work(0, 50, false);  // warm-up, each channel
-  work(1, 50, false);
-  std::vector<double> one, two, echo_ratio;
+  work(0, 50);  // warm-up, each connection
+  work(1, 50);
+  const std::vector<std::string> first = {sids[0]};
+  std::vector<double> one, two, echo_ratio, threads_ratio;
   for (int r = 0; r < reps; ++r) {
-    one.push_back(throughput(1, false));
-    two.push_back(throughput(2, false));
-    const double echo_one = throughput(1, true);
-    echo_ratio.push_back(throughput(2, true) / echo_one);
+    one.push_back(ProcessThroughput(address, first, budget, iters, 0));
+    two.push_back(ProcessThroughput(address, sids, budget, iters, 0));
+    const double echo_one = ProcessThroughput(address, first, budget, iters, resp_bytes);
+    echo_ratio.push_back(ProcessThroughput(address, sids, budget, iters, resp_bytes) / echo_one);
+    const double threads_one = threads_throughput(1);
+    threads_ratio.push_back(threads_throughput(2) / threads_one);
   }
   Print({"select_scaling",
          Median(two),
@@ -238,12 +321,13 @@ void Scaling(const std::string& address, const std::vector<std::string>& sids, i
          "one_worker",
          {{"context_tokens", std::to_string(context)},
           {"budget_tokens", std::to_string(budget)},
-          {"workers", "2, each its own gRPC connection and session"},
+          {"workers", "2 processes, each its own gRPC connection and session"},
           {"shape", "30x9/3x64"},
           {"cores", std::to_string(std::thread::hardware_concurrency())},
           {"reps", std::to_string(reps)},
           {"iters", std::to_string(iters)},
           {"echo_scaling", absl::StrFormat("%.3f", Median(echo_ratio))},
+          {"threads_in_one_process_scaling", absl::StrFormat("%.3f", Median(threads_ratio))},
           {"target_ratio", "1.7"}}});
 }
 
@@ -364,6 +448,12 @@ void DecodeStep(Client& c, int context, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--scaling_worker") {
+    const std::vector<std::string> a = absl::StrSplit(argv[2], ',');
+    if (a.size() != 5) return 2;
+    return ScalingWorker(a[0], a[1], static_cast<uint32_t>(std::stoul(a[2])), std::stoi(a[3]),
+                         static_cast<uint32_t>(std::stoul(a[4])));
+  }
   const int context = 4096;
   Daemon d({"--host_capacity", "2G"});
   auto client = Client::Connect(d.address());
@@ -403,7 +493,7 @@ int main(int argc, char** argv) {
   fork.set_num_tokens(context);
   auto forked = c.ForkSession(fork);
   if (!forked.ok()) return 1;
-  Scaling(d.address(), {s->session_id(), forked->session_id()}, context, 256, 5, 300);
+  Scaling(c, d.address(), {s->session_id(), forked->session_id()}, context, 256, 5, 1000);
   Run(c, s->session_id(), context, 256, true, false, "whole chunks", "_inline", 5, 400);
   v1::SessionPolicy refine;
   refine.set_refine_factor(8);  // the default
