@@ -76,10 +76,16 @@ PromotionCache::PromotionCache(Tier* tier, const Clock* clock,
 class ABSL_SCOPED_LOCKABLE PromotionCache::AllStripes {
  public:
   explicit AllStripes(const PromotionCache* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS : cache_(cache) {
-    for (Stripe& s : cache_->stripes_) s.mu.Lock();
+    for (Stripe& s : cache_->stripes_) {
+      s.mu.Lock();
+      KVTIER_TSAN_ACQUIRE(&s.mu);  // as MutexLock does
+    }
   }
   ~AllStripes() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (auto it = cache_->stripes_.rbegin(); it != cache_->stripes_.rend(); ++it) it->mu.Unlock();
+    for (auto it = cache_->stripes_.rbegin(); it != cache_->stripes_.rend(); ++it) {
+      KVTIER_TSAN_RELEASE(&it->mu);
+      it->mu.Unlock();
+    }
   }
   AllStripes(const AllStripes&) = delete;
   AllStripes& operator=(const AllStripes&) = delete;
