@@ -5,6 +5,7 @@
 #include "server/session/aging_pool.h"
 
 #include <atomic>
+#include <numeric>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -43,6 +44,63 @@ std::vector<std::string> AllBytes(Fixture& f) {
     }
   }
   return out;
+}
+
+// The pool's own queues: tasks from many threads under many keys each run once; one key's run in
+// the order submitted on one thread; a task queued behind a busy thread is taken by an idle one
+// from that queue; and the queued tasks a stopping pool drops never run.
+TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
+  {
+    AgingPool pool(2);
+    std::atomic<int> ran = 0;
+    std::vector<std::thread> submitters;
+    for (int t = 0; t < 4; ++t) {
+      submitters.emplace_back([&, t] {
+        for (int i = 0; i < 500; ++i) pool.Submit([&] { ran.fetch_add(1); }, t * 1000 + i);
+      });
+    }
+    for (std::thread& t : submitters) t.join();
+    pool.WaitIdle();
+    EXPECT_EQ(ran.load(), 2000);
+    EXPECT_EQ(pool.counters().tasks, 2000u);
+    EXPECT_EQ(pool.counters().queued, 0u);
+  }
+  {
+    AgingPool pool(1);
+    std::vector<int> order;  // one thread: written by it alone, read after WaitIdle
+    for (int i = 0; i < 100; ++i) pool.Submit([&order, i] { order.push_back(i); }, /*key=*/7);
+    pool.WaitIdle();
+    std::vector<int> want(100);
+    std::iota(want.begin(), want.end(), 0);
+    EXPECT_EQ(order, want);
+  }
+  {
+    // Both tasks under one key, so in one queue: the first holds its thread until the second
+    // runs, which only the other thread can do.
+    AgingPool pool(2);
+    absl::Notification second_ran;
+    std::atomic<bool> first_saw = false;
+    pool.Submit([&] { first_saw = second_ran.WaitForNotificationWithTimeout(absl::Seconds(30)); },
+                /*key=*/3);
+    pool.Submit([&] { second_ran.Notify(); }, /*key=*/3);
+    pool.WaitIdle();
+    EXPECT_TRUE(first_saw.load()) << "the second task waited behind the busy thread";
+  }
+  {
+    std::atomic<int> ran = 0;
+    absl::Notification started;
+    auto pool = std::make_unique<AgingPool>(1);
+    const AgingPool* raw = pool.get();
+    pool->Submit([&] {
+      started.Notify();
+      while (!raw->stopping()) absl::SleepFor(absl::Milliseconds(1));  // ends once it stops
+    });
+    started.WaitForNotification();
+    for (int i = 0; i < 10; ++i) pool->Submit([&] { ran.fetch_add(1); }, i);
+    EXPECT_EQ(pool->counters().queued, 10u);
+    pool.reset();  // finishes the task in hand, drops the rest
+    EXPECT_EQ(ran.load(), 0);
+  }
 }
 
 TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {

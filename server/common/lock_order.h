@@ -40,8 +40,8 @@
 //  14  UnixListener peer shards     the Unix socket's connections and their peers, one of 16
 //                                   shards by descriptor (leaf)
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
-//  16  AgingPool::mu_               the aging tasks queued (leaf); a session submits one per
-//                                   layer under its own lock (3)
+//  16  AgingPool queues' mu         one of its 16 queues of aging tasks (leaf); a session
+//                                   submits one per layer under its own lock (3)
 //  17  StagingRegistry::mu_         the staging areas by id (leaf)
 //  18  Session::staging_mu_         one session's staging area (leaf); taken under its mu_ (3)
 //                                   where the area is set or dropped, and alone by an append

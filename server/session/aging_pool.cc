@@ -14,60 +14,88 @@ namespace kvtier {
 AgingPool::AgingPool(int threads, int nice) {
   CHECK_GT(threads, 0);
   for (int i = 0; i < threads; ++i) {
-    threads_.emplace_back([this, nice] {
+    // Each thread looks first at a queue of its own, spread over the queues.
+    const size_t first = static_cast<size_t>(i) * kQueues / static_cast<size_t>(threads);
+    threads_.emplace_back([this, nice, first] {
       // Linux: a thread's own nice value (a lower priority only; no privilege needed).
       if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
-      Run();
+      Run(first);
     });
   }
 }
 
 AgingPool::~AgingPool() {
-  std::deque<std::function<void()>> dropped;
-  {
-    MutexLock lock(&mu_);
-    stop_ = true;
-    dropped.swap(queue_);
-    work_.SignalAll();
-    idle_.SignalAll();
-  }
+  stop_.store(true, std::memory_order_release);
+  ready_.release(static_cast<std::ptrdiff_t>(threads_.size()));  // each thread sees the stop
   for (std::thread& t : threads_) t.join();
+  uint64_t dropped = 0;
+  for (Queue& q : queues_) {
+    std::deque<std::function<void()>> tasks;
+    {
+      MutexLock lock(&q.mu);
+      q.closed = true;
+      tasks.swap(q.tasks);
+      q.size.store(0, std::memory_order_relaxed);
+    }
+    dropped += tasks.size();  // what they hold goes here, off the lock
+  }
+  queued_.fetch_sub(dropped, std::memory_order_relaxed);
+  if (pending_.fetch_sub(dropped, std::memory_order_acq_rel) == dropped) pending_.notify_all();
 }
 
-void AgingPool::Submit(std::function<void()> task) {
-  MutexLock lock(&mu_);
-  if (stop_) return;
-  queue_.push_back(std::move(task));
-  work_.Signal();
+void AgingPool::Submit(std::function<void()> task, uint64_t key) {
+  if (stop_.load(std::memory_order_acquire)) return;
+  Queue& q = queues_[key % kQueues];
+  {
+    MutexLock lock(&q.mu);
+    if (q.closed) return;
+    pending_.fetch_add(1, std::memory_order_relaxed);
+    queued_.fetch_add(1, std::memory_order_relaxed);
+    q.tasks.push_back(std::move(task));
+    q.size.store(q.tasks.size(), std::memory_order_release);
+  }
+  ready_.release();
 }
 
 void AgingPool::WaitIdle() {
-  MutexLock lock(&mu_);
-  while (!Idle()) WaitOn(&idle_, &mu_);
+  for (uint64_t p = pending_.load(std::memory_order_acquire); p != 0;
+       p = pending_.load(std::memory_order_acquire)) {
+    pending_.wait(p, std::memory_order_acquire);
+  }
 }
 
 AgingPool::Counters AgingPool::counters() const {
-  MutexLock lock(&mu_);
-  return Counters{.tasks = tasks_, .queued = queue_.size()};
+  return Counters{.tasks = tasks_.load(std::memory_order_relaxed),
+                  .queued = queued_.load(std::memory_order_relaxed)};
 }
 
-void AgingPool::Run() {
+std::function<void()> AgingPool::Take(size_t first) {
+  // Another thread may take the task this one saw first: then one waits in a queue passed
+  // over, and the next round finds it.
   for (;;) {
-    std::function<void()> task;
-    {
-      MutexLock lock(&mu_);
-      while (!stop_ && queue_.empty()) WaitOn(&work_, &mu_);
-      if (stop_) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
-      ++busy_;
+    for (size_t k = 0; k < kQueues; ++k) {
+      Queue& q = queues_[(first + k) % kQueues];
+      if (q.size.load(std::memory_order_acquire) == 0) continue;
+      MutexLock lock(&q.mu);
+      if (q.tasks.empty()) continue;
+      std::function<void()> task = std::move(q.tasks.front());
+      q.tasks.pop_front();
+      q.size.store(q.tasks.size(), std::memory_order_release);
+      return task;
     }
+  }
+}
+
+void AgingPool::Run(size_t first) {
+  for (;;) {
+    ready_.acquire();
+    if (stop_.load(std::memory_order_acquire)) return;
+    std::function<void()> task = Take(first);
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     task();
-    task = nullptr;  // what it held goes here, off the lock
-    MutexLock lock(&mu_);
-    --busy_;
-    ++tasks_;
-    if (Idle()) idle_.SignalAll();
+    task = nullptr;  // what it held goes here
+    tasks_.fetch_add(1, std::memory_order_relaxed);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
   }
 }
 

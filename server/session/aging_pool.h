@@ -5,13 +5,20 @@
 // age one session's layers side by side; the task holds the session only weakly, so a closed
 // and dropped session's queued task does nothing.
 //
-// Thread-safe. mu_ is lock order 16, a leaf: a session submits under its own lock (3).
+// Thread-safe, and no lock is shared by every session: tasks wait in 16 queues, each with a
+// lock of its own, a task's queue chosen by the key its submitter names (a session's layer),
+// and a semaphore (lock-free until a thread sleeps) counts them for the threads, each of which
+// takes the oldest task of the first queue that holds one, from a queue of its own onward. A
+// queue's lock is lock order 16, a leaf: a session submits under its own lock (3).
 #ifndef KVTIER_SERVER_SESSION_AGING_POOL_H_
 #define KVTIER_SERVER_SESSION_AGING_POOL_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <semaphore>
 #include <thread>
 #include <vector>
 
@@ -24,6 +31,7 @@ class AgingPool {
  public:
   // The daemon's: aging is background work beside the calls it serves.
   static constexpr int kBackgroundNice = 10;
+  static constexpr size_t kQueues = 16;
   // `nice` > 0: each thread runs at that nice value, so that on a busy machine the appends
   // and Selects it serves take the cores first (the backlog bound stops aging falling behind
   // without end).
@@ -34,10 +42,13 @@ class AgingPool {
   AgingPool& operator=(const AgingPool&) = delete;
 
   int threads() const { return static_cast<int>(threads_.size()); }
-  // Queues `task`; a no-op once the pool is stopping.
-  void Submit(std::function<void()> task);
+  // Queues `task` in the queue `key` picks (tasks of one key run in the order submitted, as far
+  // as one thread takes them); a no-op once the pool is stopping.
+  void Submit(std::function<void()> task, uint64_t key = 0);
   // Blocks until no task is queued or running (tests, benchmarks).
   void WaitIdle();
+  // The pool is being destroyed: the tasks in hand finish, no other runs.
+  bool stopping() const { return stop_.load(std::memory_order_acquire); }
 
   struct Counters {
     uint64_t tasks = 0;   // tasks run
@@ -46,18 +57,22 @@ class AgingPool {
   Counters counters() const;
 
  private:
-  void Run();
-  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stop_ || (queue_.empty() && busy_ == 0);
-  }
+  struct Queue {
+    mutable absl::Mutex mu;  // lock order 16 (server/common/lock_order.h)
+    std::deque<std::function<void()>> tasks ABSL_GUARDED_BY(mu);
+    bool closed ABSL_GUARDED_BY(mu) = false;  // the pool is stopping: Submit drops the task
+    std::atomic<size_t> size = 0;  // tasks.size(), read without the lock to skip empty queues
+  };
+  void Run(size_t first);
+  // The oldest task of the first queue from `first` on that holds one (one is there: the
+  // semaphore said so, and only a thread it let through takes one).
+  std::function<void()> Take(size_t first);
 
-  mutable absl::Mutex mu_;  // lock order 16 (server/common/lock_order.h)
-  absl::CondVar work_;      // a task was queued, or stop
-  absl::CondVar idle_;      // nothing queued or running
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
-  int busy_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t tasks_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<Queue, kQueues> queues_;
+  std::counting_semaphore<> ready_{0};  // a release per task queued (and per thread at stop)
+  std::atomic<bool> stop_ = false;
+  std::atomic<uint64_t> queued_ = 0, tasks_ = 0;
+  std::atomic<uint64_t> pending_ = 0;  // queued or running: WaitIdle waits on it
   std::vector<std::thread> threads_;
 };
 

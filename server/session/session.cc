@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/error.h"
@@ -218,9 +219,12 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   // computes the peaks it ranks by itself (Choose).
   if (!l.aging_queued && !l.aging_busy) {  // a busy thread ages what arrives meanwhile too
     l.aging_queued = true;
-    env_.aging->Submit([self = std::move(self), layer] {
-      if (std::shared_ptr<Session> s = self.lock()) s->AgeQueuedLayer(layer);
-    });
+    // The queue by session and layer: sessions' appends take different queues' locks.
+    env_.aging->Submit(
+        [self = std::move(self), layer] {
+          if (std::shared_ptr<Session> s = self.lock()) s->AgeQueuedLayer(layer);
+        },
+        absl::HashOf(static_cast<const void*>(this), layer));
   }
   return MinTokens();
 }
