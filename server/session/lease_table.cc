@@ -15,10 +15,12 @@ namespace kvtier {
 LeaseTable::~LeaseTable() {
   for (LeaseShard& shard : lease_shards_) {
     MutexLock lock(&shard.mu);
-    for (auto& [id, lease] : shard.leases) {
-      for (const SlotRef& s : lease.slots) s->Unpin();
-    }
+    for (auto& [id, lease] : shard.leases) Unpin(lease);
   }
+}
+
+void LeaseTable::Unpin(const Lease& lease) {
+  for (const SlotRef& s : lease.slots) s->Unpin();
 }
 
 LeaseTable::WorkerShard& LeaseTable::WorkersOf(const std::string& worker) const {
@@ -61,7 +63,7 @@ void LeaseTable::Unlist(const Lease& lease) {
 void LeaseTable::End(std::vector<Lease>& ended) {
   for (Lease& l : ended) {
     Unlist(l);
-    for (const SlotRef& s : l.slots) s->Unpin();  // dropping the last ref frees into the tier
+    Unpin(l);  // dropping the last ref frees into the tier
   }
 }
 
@@ -155,9 +157,7 @@ int LeaseTable::Detach(const std::string& worker) {
     shard.leases.erase(it);
     Forget(shard, ended.back());
   }
-  for (Lease& l : ended) {  // outside the locks, as Release; the worker's set is gone
-    for (const SlotRef& s : l.slots) s->Unpin();
-  }
+  for (Lease& l : ended) Unpin(l);  // outside the locks, as Release; the worker's set is gone
   return static_cast<int>(ended.size());
 }
 

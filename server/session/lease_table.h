@@ -137,6 +137,7 @@ class LeaseTable {
   static void Forget(LeaseShard& shard, const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // Takes `lease` out of its worker's set (a Release or an expiry; a Detach took the set).
   void Unlist(const Lease& lease);
+  static void Unpin(const Lease& lease);
   // Unpins each lease's slots and takes it out of its worker's set, outside every shard lock.
   void End(std::vector<Lease>& ended);
 
