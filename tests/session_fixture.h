@@ -83,6 +83,17 @@ struct Fixture {
   std::shared_ptr<Session> session;  // shared: an aging pool holds it weakly
 };
 
+// A CreateSession of the smallest shape (one layer, one head, head_dim 8): for tests of the
+// session map, whose sessions hold nothing.
+inline v1::CreateSessionRequest SmallestSession() {
+  v1::CreateSessionRequest req;
+  req.mutable_shape()->set_num_layers(1);
+  req.mutable_shape()->set_num_q_heads(1);
+  req.mutable_shape()->set_num_kv_heads(1);
+  req.mutable_shape()->set_head_dim(8);
+  return req;
+}
+
 // The tests below check whole contiguous 16-token chunks against brute force: they say so,
 // the daemon's defaults being semantic chunking and token-level refinement.
 inline v1::SessionPolicy WholeContiguousChunks() {

@@ -24,11 +24,7 @@ TEST(SessionManager, LimitsIdsAndTenants) {
   o.default_policy = BuiltinPolicy();
   o.quotas["carol"].max_sessions = 1;
   SessionManager m(o, e.env, /*remote=*/nullptr);
-  v1::CreateSessionRequest req;
-  req.mutable_shape()->set_num_layers(1);
-  req.mutable_shape()->set_num_q_heads(1);
-  req.mutable_shape()->set_num_kv_heads(1);
-  req.mutable_shape()->set_head_dim(8);
+  v1::CreateSessionRequest req = SmallestSession();
   ASSERT_OK_AND_ASSIGN(auto a, m.Create("alice", req));
   EXPECT_EQ(a.policy().sink_tokens(), 16u);  // the effective policy comes back
   req.set_session_id("has space");

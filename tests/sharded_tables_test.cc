@@ -251,11 +251,7 @@ TEST(SessionManager, LookupsBesideCreatesAndClosesFindEachSessionWhileItLives) {
   constexpr int kThreads = 4, kRounds = 60;
   o.max_sessions = 2 * kThreads;  // each thread holds at most two at once
   SessionManager m(o, e.env, /*remote=*/nullptr);
-  v1::CreateSessionRequest req;
-  req.mutable_shape()->set_num_layers(1);
-  req.mutable_shape()->set_num_q_heads(1);
-  req.mutable_shape()->set_num_kv_heads(1);
-  req.mutable_shape()->set_head_dim(8);
+  v1::CreateSessionRequest req = testing::SmallestSession();
   // Each thread's session that stays, looked up by the others throughout.
   std::vector<std::string> stays;
   for (int t = 0; t < kThreads; ++t) {
