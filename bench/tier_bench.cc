@@ -8,12 +8,17 @@
 //                              Select, per chunk, against memcpy of the chunk's fp16 bytes;
 //   prefetch_hit_rate          over a decode loop whose query drifts, the share of selected
 //                              cold chunks whose copy was cached, with prefetch (25% more
-//                              budget after each Select) against without.
+//                              budget after each Select) against without;
+//   select_scaling_in_process  Selects per second (each released) of two threads at once, each
+//                              on a session of its own over the same tiers, copy caches and
+//                              lease table, against one thread alone: the daemon's own work,
+//                              without a transport (select_bench's select_scaling has gRPC).
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "bench/bench_util.h"
 #include "server/common/fp16.h"
@@ -230,6 +235,46 @@ int main() {
                    {"extra_budget_percent", "25"},
                    {"query", "AR(1) drift: q = 0.95 q + 0.3 noise"},
                    {"counted", "selected cold chunks needing an fp16 host copy"}})});
+  }
+  {
+    // Two sessions of one tenant; each thread Selects every layer in turn (a decode loop's
+    // pattern), releasing each lease before the next Select. One pass over the layers first,
+    // so that the copies are cached and the gathered blocks' slots kept.
+    Env e("scaling");
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (uint32_t i = 0; i < 2; ++i)
+      sessions.push_back(MakeSession(e, "s" + std::to_string(i), 7 + i));
+    std::mt19937 rng(11);
+    std::normal_distribution<float> g(0, 1);
+    std::vector<float> q(kQ * kD);
+    for (float& x : q) x = g(rng);
+    constexpr int kSteps = 600;
+    auto loop = [&](Session& s, int steps) {
+      v1::SelectResponse resp;
+      for (int i = 0; i < steps; ++i) {
+        if (!s.Select(Query(q, i % kLayers, 256), &resp).ok()) std::abort();
+        if (!e.leases.Release("bench", resp.lease_id()).ok()) std::abort();
+      }
+    };
+    for (auto& s : sessions) loop(*s, kLayers);
+    auto throughput = [&](int threads) {
+      std::vector<std::thread> running;
+      const double t0 = NowSeconds();
+      for (int t = 0; t < threads; ++t) running.emplace_back(loop, std::ref(*sessions[t]), kSteps);
+      for (std::thread& t : running) t.join();
+      return threads * kSteps / (NowSeconds() - t0);
+    };
+    std::vector<double> one, two;
+    for (int rep = 0; rep < 5; ++rep) {
+      one.push_back(throughput(1));
+      two.push_back(throughput(2));
+    }
+    Print({"select_scaling_in_process", Median(two), "selects/s", Median(one), "one_thread",
+           Params({{"steps", std::to_string(kSteps)},
+                   {"budget", "256"},
+                   {"threads", "2, each on a session of its own (one tenant), Select then Release"},
+                   {"cores", std::to_string(std::thread::hardware_concurrency())},
+                   {"reps", "5"}})});
   }
   return 0;
 }

@@ -34,6 +34,10 @@ TARGETS = [
      "(each its own gRPC connection and session) vs one worker process alone, on the same "
      "daemon; echo_scaling is the same for bare Echo pairs, threads_in_one_process_scaling two "
      "threads of one process (which share its gRPC client's poller) vs one"),
+    ("select_scaling_in_process", None, None, "Session::Select and Release of two threads at "
+     "once, each on a session of its own over the same tiers, copy caches and lease table, vs "
+     "one thread: the daemon's own work without a transport (default policy, every layer in "
+     "turn)"),
     ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes each "
      "layer's K and V into its session's staging area, timed, then sends the message naming "
      "them on one open stream), acknowledged, vs memcpy"),
