@@ -482,6 +482,7 @@ class KvTierService::ReadChunksReactor final
     handle_ = std::move(h->front());
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&handle_);
+    KVTIER_TSAN_RELEASE(this);  // after StartWrite's read of handle_, as ExportReactor::Write
   }
 
   std::shared_ptr<Session> session_;

@@ -176,6 +176,9 @@ class KvTierService::ExportReactor final
     }
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
+    // StartWrite serialized resp_ on this thread, and OnWriteDone, on another, writes it next:
+    // released again after that read. Only the address is named (the reactor may be gone).
+    KVTIER_TSAN_RELEASE(this);
   }
 
   // A carried export, on its own thread: each part's bytes go to the carrier before the part
