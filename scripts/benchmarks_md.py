@@ -30,14 +30,15 @@ TARGETS = [
      "layer Selects and their Releases through a Select channel (default policy, budget 256), "
      "vs the worker's own exact attention of the 30 layers over the whole context (fp32 on one "
      "core; EVAL: reported, and below it at 32K)"),
-    ("select_scaling", ">=", 1.7, "gRPC Select throughput of two worker processes at once "
-     "(each its own gRPC connection and session) vs one worker process alone, on the same "
-     "daemon; echo_scaling is the same for bare Echo pairs, threads_in_one_process_scaling two "
-     "threads of one process (which share its gRPC client's poller) vs one"),
+    # Before select_scaling, whose name is a prefix of this one's (the first prefix matches).
     ("select_scaling_in_process", None, None, "Session::Select and Release of two threads at "
      "once, each on a session of its own over the same tiers, copy caches and lease table, vs "
      "one thread: the daemon's own work without a transport (default policy, every layer in "
      "turn)"),
+    ("select_scaling", ">=", 1.7, "gRPC Select throughput of two worker processes at once "
+     "(each its own gRPC connection and session) vs one worker process alone, on the same "
+     "daemon; echo_scaling is the same for bare Echo pairs, threads_in_one_process_scaling two "
+     "threads of one process (which share its gRPC client's poller) vs one"),
     ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes each "
      "layer's K and V into its session's staging area, timed, then sends the message naming "
      "them on one open stream), acknowledged, vs memcpy"),
