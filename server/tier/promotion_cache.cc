@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
@@ -72,26 +73,18 @@ PromotionCache::PromotionCache(Tier* tier, const Clock* clock,
                                std::unique_ptr<EvictionPolicy> policy, Options options)
     : tier_(tier), clock_(clock), policy_(std::move(policy)), options_(options) {}
 
-// Every stripe's lock, taken in order and let go in reverse.
-class ABSL_SCOPED_LOCKABLE PromotionCache::AllStripes {
+// Every stripe's lock, taken in order (each a MutexLock, with its annotations for TSAN) and let
+// go in reverse (an array's elements are destroyed last first).
+class PromotionCache::AllStripes {
  public:
-  explicit AllStripes(const PromotionCache* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS : cache_(cache) {
-    for (Stripe& s : cache_->stripes_) {
-      s.mu.Lock();
-      KVTIER_TSAN_ACQUIRE(&s.mu);  // as MutexLock does
-    }
-  }
-  ~AllStripes() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (auto it = cache_->stripes_.rbegin(); it != cache_->stripes_.rend(); ++it) {
-      KVTIER_TSAN_RELEASE(&it->mu);
-      it->mu.Unlock();
-    }
+  explicit AllStripes(const PromotionCache* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (size_t i = 0; i < kStripes; ++i) locks_[i].emplace(&cache->stripes_[i].mu);
   }
   AllStripes(const AllStripes&) = delete;
   AllStripes& operator=(const AllStripes&) = delete;
 
  private:
-  const PromotionCache* const cache_;
+  std::array<std::optional<MutexLock>, kStripes> locks_;
 };
 
 void PromotionCache::Touch(CachedCopy& c, int64_t now) const {
