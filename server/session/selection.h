@@ -81,7 +81,6 @@ class GatherPool {
   // Lets every slot go (a lease still holding one keeps it until released).
   void Clear() { slots_.clear(); }
   void swap(GatherPool& other) { slots_.swap(other.slots_); }
-  size_t size() const { return slots_.size(); }
 
  private:
   std::vector<SlotRef> slots_;

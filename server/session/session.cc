@@ -817,20 +817,24 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
   return policy_;
 }
 
+Session::Holdings Session::EndLocked() {
+  closed_ = true;
+  aged_.SignalAll();  // an append waiting on the backlog finds the session closed
+  Holdings out;
+  out.streams.swap(streams_);
+  out.host_gathers.swap(host_gathers_);
+  out.device_gathers.swap(device_gathers_);
+  charge_.Set(0);
+  MutexLock staging(&staging_mu_);
+  out.staging.swap(staging_);
+  return out;
+}
+
 void Session::Close() {
-  std::vector<Stream> dropped;
-  GatherPool gathers, device_gathers;
-  std::shared_ptr<StagingArea> area;
+  Holdings ended;
   {
     MutexLock lock(&mu_);
-    closed_ = true;
-    aged_.SignalAll();  // an append waiting on the backlog finds the session closed
-    dropped.swap(streams_);
-    gathers.swap(host_gathers_);
-    device_gathers.swap(device_gathers_);
-    charge_.Set(0);
-    MutexLock staging(&staging_mu_);
-    area.swap(staging_);
+    ended = EndLocked();
   }
   // Slots go back to their tiers here, outside the session lock.
 }
@@ -873,9 +877,7 @@ void Session::MarkPersisted(uint64_t version) {
 
 absl::StatusOr<uint64_t> Session::Demote(
     const std::function<absl::Status(const v1::SessionRecord&)>& store) {
-  std::vector<Stream> dropped;
-  GatherPool gathers, device_gathers;
-  std::shared_ptr<StagingArea> area;
+  Holdings ended;
   uint64_t bytes;
   {
     MutexLock lock(&mu_);
@@ -888,14 +890,7 @@ absl::StatusOr<uint64_t> Session::Demote(
     bytes = record.ByteSizeLong();
     RETURN_IF_ERROR(store(record));
     demoted_ = true;
-    closed_ = true;
-    aged_.SignalAll();
-    dropped.swap(streams_);
-    gathers.swap(host_gathers_);
-    device_gathers.swap(device_gathers_);
-    charge_.Set(0);
-    MutexLock staging(&staging_mu_);
-    area.swap(staging_);
+    ended = EndLocked();
   }
   return bytes;  // the slots go back to their tiers here, outside the lock
 }

@@ -305,6 +305,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // aging_wait_ms; the session's own errors if it closed meanwhile.
   absl::Status WaitForBacklog() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a closed session lets go of: taken under its lock (EndLocked), freed after it, so
+  // that the slots go back to their tiers outside the session's lock.
+  struct Holdings {
+    std::vector<Stream> streams;
+    GatherPool host_gathers, device_gathers;
+    std::shared_ptr<StagingArea> staging;
+  };
+  // Marks the session closed (appends waiting on the backlog see it) and takes what it holds;
+  // its metadata charge goes back at once. Close and Demote.
+  Holdings EndLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckChunkId(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per KV head, the chunks of `layer` a query chooses within `budget`: sinks, window, then
   // the best by the ranking (counted in the layer's stats when `record`) holding
