@@ -79,7 +79,7 @@ TEST(LeaseTable, DetachEndsEveryLeaseItsWorkerWasGranted) {
     for (std::thread& t : creators) t.join();
     EXPECT_EQ(ended, granted.load()) << "round " << round;
     EXPECT_EQ(leases.size(), 0u);
-    EXPECT_EQ(leases.CountForTenant("a"), 0u);
+    EXPECT_EQ(leases.Tenant("a")->live(), 0u);
     for (const SlotRef& s : slots) EXPECT_FALSE(s->pinned());
     EXPECT_EQ(tier.Stats().pinned_bytes, 0u);
   }
@@ -146,8 +146,8 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
   done = true;
   expirer.join();
   const size_t a = kept[0] + kept[2], b = kept[1] + kept[3];
-  EXPECT_EQ(leases.CountForTenant("a"), a);
-  EXPECT_EQ(leases.CountForTenant("b"), b);
+  EXPECT_EQ(leases.Tenant("a")->live(), a);
+  EXPECT_EQ(leases.Tenant("b")->live(), b);
   EXPECT_EQ(leases.size(), a + b);
   EXPECT_EQ(leases.workers(), 0u);
   size_t total = 0;
@@ -159,8 +159,8 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
   EXPECT_EQ(tier.Stats().pinned_bytes, 16 * kSlotBytes);  // each thread's 4 slots, held
   EXPECT_EQ(leases.EndAll(), static_cast<int>(a + b));
   EXPECT_EQ(leases.size(), 0u);
-  EXPECT_EQ(leases.CountForTenant("a"), 0u);
-  EXPECT_EQ(leases.CountForTenant("b"), 0u);
+  EXPECT_EQ(leases.Tenant("a")->live(), 0u);
+  EXPECT_EQ(leases.Tenant("b")->live(), 0u);
   EXPECT_EQ(tier.Stats().pinned_bytes, 0u);
 }
 
@@ -176,9 +176,8 @@ TEST(LeaseTable, ATenantsCountIsOneObjectWhileHeld) {
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(a->live(), 1u);  // the lease made through the name counts on the same object
   a.reset();                 // the lease still holds it
-  EXPECT_EQ(leases.CountForTenant("a"), 1u);
+  EXPECT_EQ(leases.Tenant("a")->live(), 1u);
   ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
-  EXPECT_EQ(leases.CountForTenant("a"), 0u);
   EXPECT_EQ(leases.Tenant("a")->live(), 0u);
 }
 

@@ -254,14 +254,6 @@ size_t LeaseTable::size() const {
   return n;
 }
 
-size_t LeaseTable::CountForTenant(const std::string& tenant) const {
-  MutexLock lock(&tenants_mu_);
-  auto it = tenants_.find(tenant);
-  if (it == tenants_.end()) return 0;
-  const std::shared_ptr<TenantLeases> held = it->second.lock();
-  return held ? held->live() : 0;
-}
-
 size_t LeaseTable::CountForSession(const std::string& session_id) const {
   size_t n = 0;
   for (const LeaseShard& shard : lease_shards_) {

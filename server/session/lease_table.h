@@ -100,7 +100,6 @@ class LeaseTable {
 
   size_t size() const;
   size_t CountForSession(const std::string& session_id) const;
-  size_t CountForTenant(const std::string& tenant) const;
 
  private:
   struct Lease {
@@ -146,7 +145,7 @@ class LeaseTable {
   mutable std::array<WorkerShard, kShards> worker_shards_;
   mutable std::array<LeaseShard, kShards> lease_shards_;
   // Tenant's objects, by name: taken when a session starts (Tenant), not per Select.
-  mutable absl::Mutex tenants_mu_;  // lock order 6 too: a leaf, taken under no shard's
+  absl::Mutex tenants_mu_;  // lock order 6 too: a leaf, taken under no shard's
   absl::flat_hash_map<std::string, std::weak_ptr<TenantLeases>> tenants_
       ABSL_GUARDED_BY(tenants_mu_);
 };
