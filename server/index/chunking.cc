@@ -106,6 +106,22 @@ void Transpose(const float* rows, uint32_t n, int d, float* cols, size_t stride)
   }
 }
 
+// order = the rows 0..n-1 by the bits of dist[r] (distances: never negative, so their bits
+// order as they do), equal ones in row order: a stable radix sort, a byte at a time, that
+// skips a byte every distance shares.
+void RowsByDistance(const float* dist, uint32_t n, uint32_t* order, uint32_t* spare) {
+  std::iota(order, order + n, 0u);
+  for (int shift = 0; shift < 32; shift += 8) {
+    auto digit = [&](uint32_t r) { return (std::bit_cast<uint32_t>(dist[r]) >> shift) & 255; };
+    uint32_t start[257] = {};
+    for (uint32_t r = 0; r < n; ++r) ++start[digit(r) + 1];
+    if (start[digit(0) + 1] == n) continue;
+    for (int b = 0; b < 256; ++b) start[b + 1] += start[b];
+    for (uint32_t i = 0; i < n; ++i) spare[start[digit(order[i])]++] = order[i];
+    std::copy_n(spare, n, order);
+  }
+}
+
 std::vector<float> GroupMean(const float* rows, int d, const std::vector<uint32_t>& members) {
   std::vector<float> mean(d);
   MeanInto(rows, d, members, mean.data());
@@ -155,53 +171,64 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
   }
   // A (row, center) pair as one number whose order is (distance, row, center): a distance is
   // a sum of squares, never negative, so its bits order as it does.
-  // Its low half is r << bits | g, which orders as (r, g) and fits: n * k pairs are held.
+  // Its low half is r << bits | g, which orders as (r, g).
   const int bits = std::bit_width(k - 1);
+  CHECK(std::bit_width(n - 1) + bits <= 32) << n << " rows in " << k << " groups";
   const uint32_t g_mask = (1u << bits) - 1;
   auto key = [bits](float dist, uint32_t r, uint32_t g) {
     return uint64_t{std::bit_cast<uint32_t>(dist)} << 32 | (uint64_t{r} << bits | g);
   };
-  std::vector<uint64_t> pairs(static_cast<size_t>(n) * k);  // row-major: each row's k pairs
-  std::vector<uint64_t> heap;
-  heap.reserve(n);
+  std::vector<float> least(n);  // each row's closest center's distance, and that center
+  std::vector<uint32_t> least_g(n), order(n), spare(n);
+  std::vector<uint64_t> offers(n), again;
   std::vector<uint32_t> group_of(n), last_group_of;
   for (int round = 0; round < std::max(rounds, 1); ++round) {
     for (uint32_t g = 0; g < k; ++g) {
       SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[g * d], &dist[g * n8]);
     }
     // Assigning the closest pairs first while the center has room, as if every pair were
-    // sorted, visits only each unplaced row's closest pair not yet refused: rows' pairs
-    // merged through a heap, each row offering its next one only when refused (a scan of its
-    // k pairs), give the same assignment for a fraction of the sorting.
-    heap.clear();
+    // sorted, visits only each unplaced row's closest pair not yet refused. Each row first
+    // offers its closest pair (ties to the lower center); those offers are taken in order, and
+    // a refused row's next offer (the smallest of its pairs above the refused one: pairs are
+    // distinct, and some center has room) waits in a heap, merged with the rest in order.
+    // Few rows are refused, so the heap stays small.
     for (uint32_t r = 0; r < n; ++r) {
-      uint64_t* mine = &pairs[static_cast<size_t>(r) * k];
-      for (uint32_t g = 0; g < k; ++g) mine[g] = key(dist[g * n8 + r], r, g);
-      uint64_t closest = mine[0];
-      for (uint32_t g = 1; g < k; ++g) closest = std::min(closest, mine[g]);
-      heap.push_back(closest);
+      float best = dist[r];
+      uint32_t at = 0;
+      for (uint32_t g = 1; g < k; ++g) {
+        const float v = dist[g * n8 + r];
+        if (v < best) best = v, at = g;
+      }
+      least[r] = best;
+      least_g[r] = at;
     }
-    std::make_heap(heap.begin(), heap.end(), std::greater<>());
+    RowsByDistance(least.data(), n, order.data(), spare.data());
+    for (uint32_t i = 0; i < n; ++i) offers[i] = key(least[order[i]], order[i], least_g[order[i]]);
+    again.clear();
     std::vector<uint32_t> room(k, size);
+    size_t next = 0;
     for (uint32_t left = n; left > 0;) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-      const uint32_t pair = static_cast<uint32_t>(heap.back());
-      const uint32_t r = pair >> bits, g = pair & g_mask;
+      uint64_t pair;
+      if (!again.empty() && (next == n || again.front() < offers[next])) {
+        std::pop_heap(again.begin(), again.end(), std::greater<>());
+        pair = again.back();
+        again.pop_back();
+      } else {
+        pair = offers[next++];
+      }
+      const uint32_t r = static_cast<uint32_t>(pair) >> bits, g = pair & g_mask;
       if (room[g] > 0) {  // placed; its other pairs are never offered
         group_of[r] = g;
         --room[g];
         --left;
-        heap.pop_back();
-      } else {  // that center is full: the row offers its next closest (some center has room),
-                // the smallest of its pairs above the refused one (pairs are distinct)
-        const uint64_t* mine = &pairs[static_cast<size_t>(r) * k];
-        const uint64_t refused = heap.back();
+      } else {
         uint64_t offer = std::numeric_limits<uint64_t>::max();
         for (uint32_t c = 0; c < k; ++c) {
-          if (mine[c] > refused) offer = std::min(offer, mine[c]);
+          const uint64_t mine = key(dist[c * n8 + r], r, c);
+          if (mine > pair) offer = std::min(offer, mine);
         }
-        heap.back() = offer;
-        std::push_heap(heap.begin(), heap.end(), std::greater<>());
+        again.push_back(offer);
+        std::push_heap(again.begin(), again.end(), std::greater<>());
       }
     }
     // An assignment equal to the last round's moves no center: every later round repeats it.
