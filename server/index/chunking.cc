@@ -157,14 +157,17 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
   const uint32_t first = static_cast<uint32_t>(std::max_element(dist.begin(), dist.begin() + n) -
                                                dist.begin());  // the first farthest
   std::copy(row(first), row(first) + d, centers.begin());
+  // Each seed's distances are kept where the first round reads its center's: that round
+  // computes only the last seed's.
   std::vector<float> nearest(n, std::numeric_limits<float>::infinity());
   for (uint32_t g = 1; g < k; ++g) {
+    const float* to_last = &dist[(g - 1) * n8];
     SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[(g - 1) * d],
-                     dist.data());
+                     &dist[(g - 1) * n8]);
     uint32_t best = 0;
     float best_dist = -1.f;
     for (uint32_t r = 0; r < n; ++r) {
-      nearest[r] = std::min(nearest[r], dist[r]);
+      nearest[r] = std::min(nearest[r], to_last[r]);
       if (nearest[r] > best_dist) best_dist = nearest[r], best = r;
     }
     std::copy(row(best), row(best) + d, centers.begin() + static_cast<ptrdiff_t>(g) * d);
@@ -182,8 +185,9 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
   std::vector<uint32_t> least_g(n), order(n), spare(n);
   std::vector<uint64_t> offers(n), again;
   std::vector<uint32_t> group_of(n), last_group_of;
-  for (int round = 0; round < std::max(rounds, 1); ++round) {
-    for (uint32_t g = 0; g < k; ++g) {
+  const int last_round = std::max(rounds, 1) - 1;
+  for (int round = 0; round <= last_round; ++round) {
+    for (uint32_t g = round == 0 ? k - 1 : 0; g < k; ++g) {
       SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[g * d], &dist[g * n8]);
     }
     // Assigning the closest pairs first while the center has room, as if every pair were
@@ -236,7 +240,8 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
     last_group_of = group_of;
     for (auto& grp : groups) grp.clear();
     for (uint32_t r = 0; r < n; ++r) groups[group_of[r]].push_back(r);
-    // Each center moves to its rows' mean.
+    // Each center moves to its rows' mean (for a next round, if any).
+    if (round == last_round) break;
     for (uint32_t g = 0; g < k; ++g) MeanInto(rows, d, groups[g], &centers[g * d]);
   }
   std::sort(groups.begin(), groups.end(),
