@@ -559,6 +559,63 @@ TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
   }
 }
 
+// Under a policy that quantizes, RegroupSpan quantizes each regrouped chunk at once: the same
+// bytes and statistics as regrouping in fp16 and then quantizing that chunk (the two steps it
+// took before), in slots of the cold size; after the commit, aging leaves those chunks as
+// they are.
+TEST(AgeLayer, ARegroupedSpanIsQuantizedAsItsFp16ChunksWouldBe) {
+  LayerEnv e(4 << 20), fp16(4 << 20);
+  for (LayerEnv* x : {&e, &fp16}) {
+    x->policy.set_chunking(v1::CHUNKING_SEMANTIC);
+    x->Append(0, 16 + 128 + 64);  // one whole span past the sink, then the window
+  }
+  std::optional<SpanJob> job = NextSpan(e.ctx(), e.tokens, e.heads, &e.state);
+  std::optional<SpanJob> plain = NextSpan(fp16.ctx(), fp16.tokens, fp16.heads, &fp16.state);
+  ASSERT_TRUE(job.has_value() && plain.has_value());
+  SpanContext cold = SpanContext::Of(e.ctx());
+  ASSERT_EQ(cold.cold_bits, 4u);
+  SpanContext warm = SpanContext::Of(fp16.ctx());
+  warm.cold_bits = 0;
+  ASSERT_TRUE(RegroupSpan(cold, &*job));
+  ASSERT_TRUE(RegroupSpan(warm, &*plain));
+  ASSERT_EQ(job->regrouped.size(), 2u * kSemanticSpanChunks);
+  ASSERT_EQ(plain->regrouped.size(), job->regrouped.size());
+  const QuantLayout layout{64, 16, 4};
+  for (size_t i = 0; i < job->regrouped.size(); ++i) {
+    const Chunk& a = job->regrouped[i];
+    const Chunk& b = plain->regrouped[i];
+    EXPECT_EQ(a.precision, v1::PRECISION_INT4);
+    EXPECT_EQ(b.precision, v1::PRECISION_FP16);
+    EXPECT_EQ(a.offsets, b.offsets) << i;
+    ASSERT_EQ(a.host->bytes(), layout.Bytes());
+    const auto* k = reinterpret_cast<const uint16_t*>(b.host->data());
+    std::vector<uint8_t> want(layout.Bytes());
+    QuantizeChunk(k, k + 16 * 64, layout, want.data());
+    EXPECT_EQ(std::memcmp(a.host->data(), want.data(), want.size()), 0) << i;
+    std::vector<uint16_t> rows(2 * 16 * 64);
+    DequantizeChunk(want.data(), layout, rows.data(), rows.data() + 16 * 64);
+    const ChunkSummary s = ChunkStats::Summarize(HalfKind::kFp16, rows.data(), 16, 64);
+    EXPECT_EQ(job->summaries[i].tokens, s.tokens);
+    EXPECT_EQ(job->summaries[i].key_sum, s.key_sum) << i;
+    EXPECT_EQ(job->summaries[i].peak, s.peak) << i;
+  }
+  std::vector<std::vector<uint8_t>> committed;
+  for (const Chunk& c : job->regrouped) {
+    committed.emplace_back(c.host->data(), c.host->data() + c.host->bytes());
+  }
+  ASSERT_TRUE(CommitSpan(e.heads, &e.state, std::move(*job)));
+  e.Age();
+  for (int h = 0; h < 2; ++h) {
+    for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {
+      const Chunk& c = e.heads[h].chunks()[1 + i];
+      EXPECT_EQ(c.precision, v1::PRECISION_INT4);
+      const std::vector<uint8_t>& want = committed[h * kSemanticSpanChunks + i];
+      ASSERT_EQ(c.host->bytes(), want.size());
+      EXPECT_EQ(std::memcmp(c.host->data(), want.data(), want.size()), 0) << h << ":" << i;
+    }
+  }
+}
+
 // The pool quantizes without the session's lock too (NextQuant, RunQuant, CommitQuant), a few
 // chunks at a time: a job whose chunks were aged meanwhile commits nothing and gives its slots
 // back; jobs of two chunks end exactly where AgeLayer does, byte for byte.

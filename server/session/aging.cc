@@ -11,8 +11,25 @@
 namespace kvtier {
 
 SpanContext SpanContext::Of(const AgingContext& ctx) {
-  return SpanContext{ctx.format, ctx.policy.chunk_tokens(), ctx.host, ctx.tenant};
+  return SpanContext{ctx.format, ctx.policy.chunk_tokens(), ctx.host, ctx.tenant, ctx.cold_bits()};
 }
+
+namespace {
+
+// K and V rows [tokens][d] quantized into `dst` (QuantLayout{d, tokens, bits}.Bytes()); the
+// statistics of the keys as dequantized, which are what attention will read.
+ChunkSummary QuantizeRows(const ChunkFormat& f, const uint16_t* keys, const uint16_t* values,
+                          uint32_t tokens, uint32_t bits, uint8_t* dst,
+                          std::vector<uint16_t>* scratch) {
+  const uint32_t d = f.head_dim;
+  const QuantLayout layout{d, tokens, bits};
+  QuantizeChunk(keys, values, layout, dst);
+  scratch->resize(2ull * tokens * d);
+  DequantizeChunk(dst, layout, scratch->data(), scratch->data() + uint64_t{tokens} * d);
+  return ChunkStats::Summarize(f.kind(), scratch->data(), tokens, static_cast<int>(d));
+}
+
+}  // namespace
 
 std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                                 AgingState* state) {
@@ -36,12 +53,15 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
   const uint32_t d = f.head_dim;
   const uint32_t ct = ctx.chunk_tokens;
   const size_t heads = job->sources.size() / kSemanticSpanChunks;
+  const QuantLayout cold{d, ct, ctx.cold_bits};
+  const uint64_t slot_bytes = ctx.cold_bits != 0 ? cold.Bytes() : f.slot_bytes();
   std::vector<SlotRef> slots;
-  if (!ctx.host->AllocateMany(ctx.tenant, f.slot_bytes(), job->sources.size(), &slots).ok()) {
+  if (!ctx.host->AllocateMany(ctx.tenant, slot_bytes, job->sources.size(), &slots).ok()) {
     return false;
   }
   const uint32_t span_rows = kSemanticSpanChunks * ct;
   std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
+  std::vector<uint16_t> grouped(ctx.cold_bits != 0 ? 2 * size_t{ct} * d : 0);
   std::vector<float> key_floats(keys.size());
   const uint64_t base = job->sources[0].first;
   for (size_t h = 0; h < heads; ++h) {
@@ -68,14 +88,22 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
       c.sealed = true;
       uint8_t* dst = c.host->data();
       c.offsets = RowOffsets(groups[g]);
+      // The group's K rows, then its V rows: in the slot itself, or (quantizing) first apart.
+      uint8_t* rows = ctx.cold_bits != 0 ? reinterpret_cast<uint8_t*>(grouped.data()) : dst;
       for (uint32_t j = 0; j < ct; ++j) {
         const uint32_t row = groups[g][j];
-        std::memcpy(dst + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d, f.row_bytes());
-        std::memcpy(dst + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
+        std::memcpy(rows + size_t{j} * f.row_bytes(), keys.data() + size_t{row} * d, f.row_bytes());
+        std::memcpy(rows + size_t{ct + j} * f.row_bytes(), values.data() + size_t{row} * d,
                     f.row_bytes());
       }
-      job->summaries.push_back(ChunkStats::Summarize(
-          f.kind(), reinterpret_cast<const uint16_t*>(dst), ct, static_cast<int>(d)));
+      if (ctx.cold_bits != 0) {
+        c.precision = ctx.cold_bits == 4 ? v1::PRECISION_INT4 : v1::PRECISION_INT8;
+        job->summaries.push_back(QuantizeRows(f, grouped.data(), grouped.data() + size_t{ct} * d,
+                                              ct, ctx.cold_bits, dst, &scratch));
+      } else {
+        job->summaries.push_back(ChunkStats::Summarize(
+            f.kind(), reinterpret_cast<const uint16_t*>(dst), ct, static_cast<int>(d)));
+      }
       job->regrouped.push_back(std::move(c));
     }
   }
@@ -194,12 +222,8 @@ void RunQuant(const SpanContext& ctx, QuantJob* job) {
       break;
     }
     const auto* k = reinterpret_cast<const uint16_t*>(item.source->data());
-    QuantizeChunk(k, k + uint64_t{item.tokens} * d, layout, (*slot)->data());
-    // The chunk's statistics describe what attention will now read: the dequantized keys.
-    rows.resize(2ull * item.tokens * d);
-    DequantizeChunk((*slot)->data(), layout, rows.data(), rows.data() + uint64_t{item.tokens} * d);
-    item.summary =
-        ChunkStats::Summarize(ctx.format.kind(), rows.data(), item.tokens, static_cast<int>(d));
+    item.summary = QuantizeRows(ctx.format, k, k + uint64_t{item.tokens} * d, item.tokens,
+                                job->bits, (*slot)->data(), &rows);
     item.cold = *std::move(slot);
   }
 }

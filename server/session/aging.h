@@ -75,6 +75,7 @@ struct SpanContext {  // what RegroupSpan reads, copied: the session may change 
   uint32_t chunk_tokens = 0;
   Tier* host = nullptr;
   std::string tenant;
+  uint32_t cold_bits = 0;  // AgingContext::cold_bits()
   static SpanContext Of(const AgingContext& ctx);
 };
 struct SpanJob {
@@ -88,7 +89,10 @@ struct SpanJob {
 // The next whole span of aged-out chunks not yet regrouped (semantic chunking), or nullopt.
 std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
                                 AgingState* state);
-// Regroups the span into fresh slots; false when they cannot be had (the span waits).
+// Regroups the span into fresh slots; false when they cannot be had (the span waits). Under a
+// policy that quantizes (cold_bits), each regrouped chunk is quantized at once, as the next
+// step would quantize it (a regrouped span has left the window): its fp16 rows are never
+// stored.
 bool RegroupSpan(const SpanContext& ctx, SpanJob* job);
 // Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan (then
 // false, and the job's slots go back).
