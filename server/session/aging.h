@@ -3,7 +3,8 @@
 //             regrouped, per KV head, by balanced k-means into as many chunks of nearby keys,
 //             each row keeping its position (Chunk::offsets);
 //   quantize  cold chunks become int4 or int8 (sinks stay fp16), their statistics recomputed
-//             from the dequantized keys, which are what attention reads;
+//             from the dequantized keys, which are what attention reads (a regrouped span's
+//             chunks as they are regrouped);
 //   peaks     each aged-out chunk's peak key (a cold or regrouped one got it above);
 //   index     chunks whose statistics are final (aged out, regrouped when semantic, quantized
 //             when the policy quantizes) enter their stream's cluster index.
