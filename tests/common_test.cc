@@ -821,6 +821,40 @@ TEST(PowerOfTwoScales, CodesSpanTheBoxExactlyOnTheSmallestScale) {
   }
 }
 
+// Both paths give the formula's bytes and scale, written out here in double where that is
+// exact: on random vectors, vectors with NaN, infinities and the largest floats, all zeros,
+// and lengths that are not multiples of 8.
+TEST(SymmetricInt8Codes, EachPathGivesTheFormulasBytes) {
+  std::mt19937 rng(53);
+  std::normal_distribution<float> n(0, 1);
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (int trial = 0; trial < 40; ++trial) {
+    const int len = std::vector<int>{1, 7, 8, 13, 64, 128}[trial % 6];
+    std::vector<float> x(len);
+    for (float& v : x) v = trial % 4 == 0 ? 0.f : std::ldexp(n(rng), int(rng() % 20) - 10);
+    if (trial % 5 == 1) x[rng() % len] = std::numeric_limits<float>::quiet_NaN();
+    if (trial % 5 == 2) x[rng() % len] = -std::numeric_limits<float>::infinity();
+    if (trial % 5 == 3) x[rng() % len] = kMax;
+    float top = 0.f;
+    std::vector<float> f(len);
+    for (int i = 0; i < len; ++i) {
+      f[i] = std::isnan(x[i]) ? 0.f : std::max(-kMax, std::min(kMax, x[i]));
+      top = std::max(top, std::fabs(f[i]));
+    }
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    std::vector<int8_t> out(len), scalar(len);
+    const float scale = SymmetricInt8Codes(x.data(), len, out.data());
+    EXPECT_EQ(SymmetricInt8CodesScalar(x.data(), len, scalar.data()), scale) << trial;
+    EXPECT_EQ(scale, top / 127.f) << trial;
+    for (int i = 0; i < len; ++i) {
+      const double c = std::nearbyint(double(f[i] * inv));  // the product rounded to float
+      const int want = static_cast<int>(std::max(-127.0, std::min(127.0, c)));
+      EXPECT_EQ(out[i], want) << "trial " << trial << " i " << i;
+      EXPECT_EQ(scalar[i], want) << "trial " << trial << " i " << i;
+    }
+  }
+}
+
 TEST(ScaledCodes, FloorOrCeilingOnTheScaleLessK0) {
   std::mt19937 rng(47);
   std::normal_distribution<float> n(0, 1);

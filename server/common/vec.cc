@@ -399,6 +399,46 @@ __attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float
   MultiplyIntoScalar(a + i, b + i, n - i, out + i);
 }
 
+// x with a NaN as 0 and the rest clamped to +-FLT_MAX, eight lanes.
+__attribute__((target("avx2"))) inline __m256 FiniteLanes(__m256 x) {
+  const __m256 kMax = _mm256_set1_ps(std::numeric_limits<float>::max());
+  x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));  // NaN: all bits clear, 0
+  return _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), kMax)), kMax);
+}
+
+__attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int n, int8_t* codes) {
+  const int whole = n / 8 * 8;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top8 = _mm256_setzero_ps();
+  for (int i = 0; i < whole; i += 8) {
+    top8 = _mm256_max_ps(top8, _mm256_and_ps(FiniteLanes(_mm256_loadu_ps(x + i)), abs_mask));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = 0.f;
+  for (float v : lanes) top = std::max(top, v);
+  auto finite = [](float v) {
+    return std::isnan(v) ? 0.f
+                         : std::clamp(v, -std::numeric_limits<float>::max(),
+                                      std::numeric_limits<float>::max());
+  };
+  for (int i = whole; i < n; ++i) top = std::max(top, std::fabs(finite(x[i])));
+  const float scale = top / 127.f;
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int i = 0; i < whole; i += 8) {
+    __m256 c = _mm256_mul_ps(FiniteLanes(_mm256_loadu_ps(x + i)), inv8);
+    c = _mm256_round_ps(c, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);  // as nearbyint
+    const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(c, lo), hi));
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(h, h));
+  }
+  for (int i = whole; i < n; ++i) {
+    codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(finite(x[i]) * inv), -127.f, 127.f));
+  }
+  return scale;
+}
+
 __attribute__((target("avx2,fma,f16c"))) void ScaledCodesAvx2(const float* x, const float* inv,
                                                               const int32_t* k0, int n, bool up,
                                                               int32_t* out) {
@@ -926,6 +966,24 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
   static const auto impl =
       HaveAvx2Fma() && Cpu().f16c ? BoxGrowthAvx2<float> : BoxGrowthScalarOf<float>;
   impl(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+float SymmetricInt8CodesScalar(const float* x, int n, int8_t* codes) {
+  static constexpr float kMax = std::numeric_limits<float>::max();
+  auto finite = [](float v) { return std::isnan(v) ? 0.f : std::clamp(v, -kMax, kMax); };
+  float top = 0.f;
+  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(finite(x[i])));
+  const float scale = top / 127.f;
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  for (int i = 0; i < n; ++i) {
+    codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(finite(x[i]) * inv), -127.f, 127.f));
+  }
+  return scale;
+}
+
+float SymmetricInt8Codes(const float* x, int n, int8_t* codes) {
+  static const auto impl = Cpu().avx2 ? SymmetricInt8CodesAvx2 : SymmetricInt8CodesScalar;
+  return impl(x, n, codes);
 }
 
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,

@@ -139,6 +139,13 @@ void ScaledCodes(const float* x, const float* inv, const int32_t* k0, int n, boo
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
                        int32_t* out);
 
+// A vector as signed bytes and one scale: each x[i] taken as 0 if NaN and clamped to
+// +-FLT_MAX, top the largest magnitude of those (0 for none), scale = top / 127 (returned),
+// and codes[i] = clamp(nearbyint(x[i] * (top > 0 ? 127 / top : 0)), -127, 127), each
+// operation rounded once. Both paths give the same bytes and scale.
+float SymmetricInt8Codes(const float* x, int n, int8_t* codes);
+float SymmetricInt8CodesScalar(const float* x, int n, int8_t* codes);
+
 // out[i] = a[i] * b[i] for i in [0, n) (each product rounded once: the same on every path).
 void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 

@@ -12,17 +12,9 @@ namespace kvtier {
 void ChunkStats::Narrow(const float* x) {
   // A bf16 sum may overflow to infinity: it is held as the largest float. A NaN (rows that
   // validation let through from a damaged record) is held as 0, never cast.
-  static constexpr float kMax = std::numeric_limits<float>::max();
-  auto finite = [](float v) { return std::isnan(v) ? 0.f : std::clamp(v, -kMax, kMax); };
-  float top = 0.f;
-  for (int j = 0; j < d_; ++j) top = std::max(top, std::fabs(finite(x[j])));
-  const float scale = top / 127.f;
-  const float inv = top > 0.f ? 127.f / top : 0.f;
-  for (int j = 0; j < d_; ++j) {
-    const float code = std::clamp(std::nearbyint(finite(x[j]) * inv), -127.f, 127.f);
-    codes_.push_back(static_cast<int8_t>(code));
-  }
-  scales_.push_back(scale);
+  const size_t at = codes_.size();
+  codes_.resize(at + static_cast<size_t>(d_));
+  scales_.push_back(SymmetricInt8Codes(x, d_, &codes_[at]));
 }
 
 void ChunkStats::Widen(uint32_t c, int part, float* out) const {
