@@ -538,7 +538,7 @@ TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
     ASSERT_TRUE(RegroupSpan(SpanContext::Of(e.ctx()), &*job));
     if (meanwhile) e.Age();  // the span is regrouped (and quantized, indexed) meanwhile
     const uint64_t used = e.host.Stats().used_bytes;
-    EXPECT_EQ(CommitSpan(e.heads, &e.state, std::move(*job)), !meanwhile);
+    EXPECT_EQ(CommitSpan(e.heads, &e.state, std::move(*job), e.ctx().cold_bits()), !meanwhile);
     job.reset();
     if (meanwhile) {
       EXPECT_LT(e.host.Stats().used_bytes, used) << "the job's slots went back";
@@ -561,8 +561,8 @@ TEST(AgeLayer, ASpanRegroupedMeanwhileIsNotCommittedTwice) {
 
 // Under a policy that quantizes, RegroupSpan quantizes each regrouped chunk at once: the same
 // bytes and statistics as regrouping in fp16 and then quantizing that chunk (the two steps it
-// took before), in slots of the cold size; after the commit, aging leaves those chunks as
-// they are.
+// took before), in slots of the cold size; a commit under another precision (a policy
+// changed meanwhile) is refused; after the commit, aging leaves those chunks as they are.
 TEST(AgeLayer, ARegroupedSpanIsQuantizedAsItsFp16ChunksWouldBe) {
   LayerEnv e(4 << 20), fp16(4 << 20);
   for (LayerEnv* x : {&e, &fp16}) {
@@ -603,7 +603,13 @@ TEST(AgeLayer, ARegroupedSpanIsQuantizedAsItsFp16ChunksWouldBe) {
   for (const Chunk& c : job->regrouped) {
     committed.emplace_back(c.host->data(), c.host->data() + c.host->bytes());
   }
-  ASSERT_TRUE(CommitSpan(e.heads, &e.state, std::move(*job)));
+  // A job quantized under another policy's precision is refused, the span left as it was.
+  SpanJob other = *job;
+  EXPECT_FALSE(CommitSpan(e.heads, &e.state, std::move(other), 0));
+  EXPECT_EQ(e.heads[0].chunks()[1].precision, v1::PRECISION_FP16);
+  EXPECT_TRUE(e.heads[0].chunks()[1].offsets.empty()) << "still contiguous";
+  EXPECT_EQ(e.state.regrouped, 1u);
+  ASSERT_TRUE(CommitSpan(e.heads, &e.state, std::move(*job), 4));
   e.Age();
   for (int h = 0; h < 2; ++h) {
     for (uint32_t i = 0; i < kSemanticSpanChunks; ++i) {

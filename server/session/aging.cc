@@ -53,6 +53,7 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
   const uint32_t d = f.head_dim;
   const uint32_t ct = ctx.chunk_tokens;
   const size_t heads = job->sources.size() / kSemanticSpanChunks;
+  job->cold_bits = ctx.cold_bits;
   const QuantLayout cold{d, ct, ctx.cold_bits};
   const uint64_t slot_bytes = ctx.cold_bits != 0 ? cold.Bytes() : f.slot_bytes();
   std::vector<SlotRef> slots;
@@ -110,8 +111,9 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
   return true;
 }
 
-bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job) {
-  if (state->regrouped != job.first || job.sources.size() != heads.size() * kSemanticSpanChunks ||
+bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job, uint32_t cold_bits) {
+  if (job.cold_bits != cold_bits || state->regrouped != job.first ||
+      job.sources.size() != heads.size() * kSemanticSpanChunks ||
       job.regrouped.size() != job.sources.size() || job.summaries.size() != job.sources.size()) {
     return false;
   }
@@ -146,7 +148,7 @@ uint32_t FinalRows(const AgingContext& ctx, uint32_t aged, const AgingState& sta
 void Regroup(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads, AgingState* state) {
   while (std::optional<SpanJob> job = NextSpan(ctx, tokens, heads, state)) {
     if (!RegroupSpan(SpanContext::Of(ctx), &*job)) return;  // the span stays contiguous
-    CommitSpan(heads, state, std::move(*job));
+    CommitSpan(heads, state, std::move(*job), ctx.cold_bits());
   }
 }
 

@@ -86,6 +86,7 @@ struct SpanJob {
   // there, without the lock).
   std::vector<Chunk> sources, regrouped;
   std::vector<ChunkSummary> summaries;
+  uint32_t cold_bits = 0;  // RegroupSpan: the chunks were quantized to these bits (0: fp16)
 };
 // The next whole span of aged-out chunks not yet regrouped (semantic chunking), or nullopt.
 std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
@@ -95,9 +96,10 @@ std::optional<SpanJob> NextSpan(const AgingContext& ctx, uint64_t tokens, std::s
 // step would quantize it (a regrouped span has left the window): its fp16 rows are never
 // stored.
 bool RegroupSpan(const SpanContext& ctx, SpanJob* job);
-// Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan (then
-// false, and the job's slots go back).
-bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job);
+// Puts the regrouped chunks in place of the span's, unless the span changed since NextSpan or
+// the job's chunks are not of the precision the policy now gives (`cold_bits`: a policy changed
+// meanwhile); then false, and the job's slots go back.
+bool CommitSpan(std::span<Stream> heads, AgingState* state, SpanJob&& job, uint32_t cold_bits);
 
 // Quantizing in the same three steps: NextQuant (under the lock) names up to `max_chunks`
 // chunks of every head and holds their slots, RunQuant (without it) quantizes each into a fresh

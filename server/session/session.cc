@@ -385,8 +385,10 @@ void Session::AgeLayerInPool(uint32_t l) {
     }
     const uint64_t before = LayerHeapBytes(l);
     const uint32_t first = job->first;
-    // False when the span changed meanwhile (a fork aged it): then its slots go back.
-    const bool committed = CommitSpan(heads(l), &layers_[l].aging, std::move(*job));
+    // False when the span changed meanwhile (a fork aged it) or the policy's cold precision
+    // did: then its slots go back.
+    const bool committed =
+        CommitSpan(heads(l), &layers_[l].aging, std::move(*job), aging().cold_bits());
     charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
     if (!committed && layers_[l].aging.regrouped == first) {  // never loop on one span
       AgeLayerLocked(l);
