@@ -255,7 +255,9 @@ TEST(CopyFinite, CopiesAndAgreesWithFindNonFinite) {
           EXPECT_EQ(finite, bad < 0);
           std::vector<uint16_t> b(n, 2);
           EXPECT_EQ(CopyFiniteReference(kind, b.data(), s.data(), n), finite) << n << " " << bad;
-          if (finite) EXPECT_EQ(b, s) << n;
+          if (finite) {
+            EXPECT_EQ(b, s) << n;
+          }
           for (const bool stream : {false, true}) {
             // 32-byte aligned, where the stores may stream, and not.
             for (const size_t skew : {0, 1}) {

@@ -399,7 +399,18 @@ __attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float
   MultiplyIntoScalar(a + i, b + i, n - i, out + i);
 }
 
-// x with a NaN as 0 and the rest clamped to +-FLT_MAX, eight lanes.
+// SymmetricInt8Codes' steps for one value: x with a NaN as 0 and the rest clamped to
+// +-FLT_MAX, and its code on the scale's inverse.
+inline float FiniteOrZero(float x) {
+  return std::isnan(x)
+             ? 0.f
+             : std::clamp(x, -std::numeric_limits<float>::max(), std::numeric_limits<float>::max());
+}
+inline int8_t SymmetricInt8Code(float x, float inv) {
+  return static_cast<int8_t>(std::clamp(std::nearbyint(FiniteOrZero(x) * inv), -127.f, 127.f));
+}
+
+// FiniteOrZero, eight lanes.
 __attribute__((target("avx2"))) inline __m256 FiniteLanes(__m256 x) {
   const __m256 kMax = _mm256_set1_ps(std::numeric_limits<float>::max());
   x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));  // NaN: all bits clear, 0
@@ -417,12 +428,7 @@ __attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int
   _mm256_store_ps(lanes, top8);
   float top = 0.f;
   for (float v : lanes) top = std::max(top, v);
-  auto finite = [](float v) {
-    return std::isnan(v) ? 0.f
-                         : std::clamp(v, -std::numeric_limits<float>::max(),
-                                      std::numeric_limits<float>::max());
-  };
-  for (int i = whole; i < n; ++i) top = std::max(top, std::fabs(finite(x[i])));
+  for (int i = whole; i < n; ++i) top = std::max(top, std::fabs(FiniteOrZero(x[i])));
   const float scale = top / 127.f;
   const float inv = top > 0.f ? 127.f / top : 0.f;
   const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
@@ -433,9 +439,7 @@ __attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int
     const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(h, h));
   }
-  for (int i = whole; i < n; ++i) {
-    codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(finite(x[i]) * inv), -127.f, 127.f));
-  }
+  for (int i = whole; i < n; ++i) codes[i] = SymmetricInt8Code(x[i], inv);
   return scale;
 }
 
@@ -969,16 +973,11 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
 }
 
 float SymmetricInt8CodesScalar(const float* x, int n, int8_t* codes) {
-  static constexpr float kMax = std::numeric_limits<float>::max();
-  auto finite = [](float v) { return std::isnan(v) ? 0.f : std::clamp(v, -kMax, kMax); };
   float top = 0.f;
-  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(finite(x[i])));
-  const float scale = top / 127.f;
+  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(FiniteOrZero(x[i])));
   const float inv = top > 0.f ? 127.f / top : 0.f;
-  for (int i = 0; i < n; ++i) {
-    codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(finite(x[i]) * inv), -127.f, 127.f));
-  }
-  return scale;
+  for (int i = 0; i < n; ++i) codes[i] = SymmetricInt8Code(x[i], inv);
+  return top / 127.f;
 }
 
 float SymmetricInt8Codes(const float* x, int n, int8_t* codes) {
