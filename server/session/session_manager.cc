@@ -476,10 +476,8 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
 bool SessionManager::DemoteIdle(const std::string& keep) {
   if (remote_ == nullptr) return false;
   std::vector<std::pair<int64_t, std::shared_ptr<Session>>> idle;
-  {
-    for (const std::shared_ptr<Session>& s : sessions_.All()) {
-      if (s->id() != keep && !s->demoted()) idle.emplace_back(s->last_access_ms(), s);
-    }
+  for (const std::shared_ptr<Session>& s : sessions_.All()) {
+    if (s->id() != keep && !s->demoted()) idle.emplace_back(s->last_access_ms(), s);
   }
   std::sort(idle.begin(), idle.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
