@@ -419,7 +419,7 @@ struct LayerEnv {
     policy = *ResolvePolicy(WholeContiguousChunks(), BuiltinPolicy(), "policy");  // int4
     for (int h = 0; h < 2; ++h) heads.emplace_back(64);
   }
-  AgingContext ctx() { return AgingContext{policy, f, &host, tenant}; }
+  AgingContext ctx() { return AgingContext{policy, f, account}; }
   // Tokens [from, to) of each head (random halves, kept in k[h] and v[h]).
   void Append(uint64_t from, uint64_t to) {
     for (int h = 0; h < 2; ++h) {
@@ -433,7 +433,7 @@ struct LayerEnv {
           PlanAppend(heads[h], from, to, [](uint32_t rows, uint64_t) { return rows >= 16; });
       heads[h].Write(plan, reinterpret_cast<const uint8_t*>(nk.data()),
                      reinterpret_cast<const uint8_t*>(nv.data()), from, f,
-                     [&] { return *host.Allocate(tenant, f.slot_bytes()); });
+                     [&] { return *host.Allocate(account, f.slot_bytes()); });
     }
     tokens = to;
   }
@@ -443,6 +443,7 @@ struct LayerEnv {
   v1::SessionPolicy policy;
   ChunkFormat f{.head_dim = 64, .dtype = v1::DTYPE_FP16, .capacity = 16};
   const std::string tenant = "t";
+  const TierAccount account = host.Account(tenant);
   std::vector<Stream> heads;
   AgingState state;
   uint64_t tokens = 0;

@@ -30,7 +30,7 @@ struct Fixture {
       : tier(Room(slots)), cache(&tier, &clock, std::move(policy), {.half_life_ms = 1000}) {}
   // A new copy whose first byte is `tag`.
   CopyRef Add(uint8_t tag, double cost_us = 1, bool prefetched = false, uint64_t group = 0) {
-    auto slots = cache.Allocate("t", kSlot, 1);
+    auto slots = cache.Allocate(tier.Account("t"), kSlot, 1);
     EXPECT_TRUE(slots.ok()) << slots.status();
     (*slots)[0]->data()[0] = tag;
     return cache.Insert((*slots)[0], "t", cost_us, prefetched, group);
@@ -190,11 +190,11 @@ TEST(PromotionCache, LeasedOrHeldCopiesAreNeverEvicted) {
   lease_view->Pin();                    // as a lease does
   SlotRef reader = f.cache.Read(held);  // as a Select in flight does
   lease_view.reset();
-  EXPECT_THAT(f.cache.Allocate("t", kSlot, 1), StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(f.cache.Allocate(f.tier.Account("t"), kSlot, 1), StatusIs(Code::kResourceExhausted));
   EXPECT_TRUE(Cached(f, leased));
   EXPECT_TRUE(Cached(f, held));
   reader.reset();
-  ASSERT_OK(f.cache.Allocate("t", kSlot, 1).status());  // `held` can go now
+  ASSERT_OK(f.cache.Allocate(f.tier.Account("t"), kSlot, 1).status());  // `held` can go now
   EXPECT_FALSE(Cached(f, held));
   EXPECT_TRUE(Cached(f, leased));
   f.cache.Peek(leased)->Unpin();
@@ -208,9 +208,9 @@ TEST(PromotionCache, AllOrNothingAndDroppedCopiesFreeTheirSlots) {
   }
   EXPECT_EQ(f.tier.Stats().used_bytes, kSlot);
   SlotRef pin = f.cache.Read(a);
-  EXPECT_THAT(f.cache.Allocate("t", kSlot, 3), StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(f.cache.Allocate(f.tier.Account("t"), kSlot, 3), StatusIs(Code::kResourceExhausted));
   EXPECT_EQ(f.tier.Stats().used_bytes, kSlot) << "nothing kept from a refused allocation";
-  ASSERT_OK(f.cache.Allocate("t", kSlot, 2).status());
+  ASSERT_OK(f.cache.Allocate(f.tier.Account("t"), kSlot, 2).status());
   EXPECT_EQ(f.cache.Drop(a), kSlot);
   EXPECT_EQ(f.cache.Drop(a), 0u);
   EXPECT_EQ(pin->data()[0], 1) << "a reader keeps the bytes of a dropped copy";
@@ -241,7 +241,7 @@ TEST(PromotionCache, QuotaBoundTenantEvictsItsOwnCopies) {
   ManualClock clock;
   PromotionCache cache(&tier, &clock, MakeLruPolicy());
   auto add = [&](const std::string& tenant) {
-    auto slots = cache.Allocate(tenant, kSlot, 1);
+    auto slots = cache.Allocate(tier.Account(tenant), kSlot, 1);
     EXPECT_TRUE(slots.ok()) << slots.status();
     clock.AdvanceMs(1);
     return cache.Insert((*slots)[0], tenant, 1, false);
@@ -254,7 +254,8 @@ TEST(PromotionCache, QuotaBoundTenantEvictsItsOwnCopies) {
   EXPECT_EQ(cache.Peek(a1), nullptr);
   EXPECT_NE(cache.Peek(a2), nullptr);
   EXPECT_NE(cache.Peek(a3), nullptr);
-  EXPECT_THAT(cache.Allocate("a", kSlot, 3), StatusIs(Code::kResourceExhausted, "quota"));
+  EXPECT_THAT(cache.Allocate(tier.Account("a"), kSlot, 3),
+              StatusIs(Code::kResourceExhausted, "quota"));
 }
 
 TEST(EvictionPolicy, NamesAreChecked) {

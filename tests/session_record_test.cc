@@ -147,7 +147,7 @@ TEST(StreamRecord, RoundTripKeepsEveryChunkAndItsStatistics) {
   ASSERT_OK_AND_ASSIGN(v1::SessionRecord record, DecodeRecord(stored, "k"));
   const ChunkFormat fmt = FormatOf(record.shape(), record.policy());
   Stream s(64);
-  ASSERT_OK(DecodeStream(record.streams(0), fmt, &e.host, "t", "stream 0", &s));
+  ASSERT_OK(DecodeStream(record.streams(0), fmt, e.host.Account("t"), "stream 0", &s));
   v1::StreamRecord again;
   EncodeStream(s, fmt, &again);
   EXPECT_EQ(again.SerializeAsString(), record.streams(0).SerializeAsString());
@@ -182,31 +182,31 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
     return r;
   };
   Stream s(8);
-  EXPECT_OK(DecodeStream(record(4, 4 * 32), fmt, &e.host, "t", "rec", &s));
+  EXPECT_OK(DecodeStream(record(4, 4 * 32), fmt, e.host.Account("t"), "rec", &s));
   EXPECT_EQ(s.chunks().size(), 1u);
   EXPECT_EQ(s.stats().tokens(0), 4u);
-  EXPECT_THAT(DecodeStream(record(17, 17 * 32), fmt, &e.host, "t", "rec", &s),
+  EXPECT_THAT(DecodeStream(record(17, 17 * 32), fmt, e.host.Account("t"), "rec", &s),
               StatusIs(Code::kDataLoss, "rec: a chunk's size or offsets are out of range"));
-  EXPECT_THAT(DecodeStream(record(0, 0), fmt, &e.host, "t", "rec", &s),
+  EXPECT_THAT(DecodeStream(record(0, 0), fmt, e.host.Account("t"), "rec", &s),
               StatusIs(Code::kDataLoss, "size or offsets"));
-  EXPECT_THAT(DecodeStream(record(4, 4 * 32, "abc"), fmt, &e.host, "t", "rec", &s),
+  EXPECT_THAT(DecodeStream(record(4, 4 * 32, "abc"), fmt, e.host.Account("t"), "rec", &s),
               StatusIs(Code::kDataLoss, "size or offsets"));
-  EXPECT_THAT(DecodeStream(record(4, 100), fmt, &e.host, "t", "rec", &s),
+  EXPECT_THAT(DecodeStream(record(4, 100), fmt, e.host.Account("t"), "rec", &s),
               StatusIs(Code::kDataLoss, "rec: a chunk's bytes do not match its size"));
   // A record's chunk size beyond what a chunk may hold is refused before it is narrowed (65536
   // + 4 would read as 4 in the chunk's 16 bits), and offsets must ascend, as Locate searches.
-  EXPECT_THAT(DecodeStream(record(65536 + 4, 4 * 32), fmt, &e.host, "t", "rec", &s),
+  EXPECT_THAT(DecodeStream(record(65536 + 4, 4 * 32), fmt, e.host.Account("t"), "rec", &s),
               StatusIs(Code::kDataLoss, "size or offsets"));
-  EXPECT_THAT(
-      DecodeStream(record(2, 2 * 32, std::string("\3\0\1\0", 4)), fmt, &e.host, "t", "rec", &s),
-      StatusIs(Code::kDataLoss, "rec: a chunk's offsets do not ascend"));
+  EXPECT_THAT(DecodeStream(record(2, 2 * 32, std::string("\3\0\1\0", 4)), fmt, e.host.Account("t"),
+                           "rec", &s),
+              StatusIs(Code::kDataLoss, "rec: a chunk's offsets do not ascend"));
   // What an append refuses, a record may not bring in: a NaN or Inf row (fp16: 0x7e00, 0x7c00),
   // or cold parameters that dequantize to NaN.
   for (uint16_t bad : {uint16_t{0x7e00}, uint16_t{0x7c00}}) {
     v1::StreamRecord r = record(4, 4 * 32);
     std::string* data = r.mutable_chunks(0)->mutable_data();
     std::memcpy(data->data() + 2 * 37, &bad, 2);
-    EXPECT_THAT(DecodeStream(r, fmt, &e.host, "t", "rec", &s),
+    EXPECT_THAT(DecodeStream(r, fmt, e.host.Account("t"), "rec", &s),
                 StatusIs(Code::kDataLoss, "rec: a chunk holds a value that is Inf or NaN"));
   }
   {
@@ -220,22 +220,23 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
     c->set_precision(v1::PRECISION_INT4);
     c->set_data(quant);
     Stream cold(8);
-    EXPECT_OK(DecodeStream(r, fmt, &e.host, "t", "rec", &cold));  // an encoder's: accepted
+    EXPECT_OK(DecodeStream(r, fmt, e.host.Account("t"), "rec", &cold));  // an encoder's: accepted
     const float nan = std::numeric_limits<float>::quiet_NaN(), huge = 1e30f;
     for (auto [at, value] : {std::pair{L.key_header() + 4 * kZeroStep, nan},
                              std::pair{L.value_header() + 4 * kScaleBase, huge},
                              std::pair{L.value_header() + 4 * kZeroBase, -huge}}) {
       v1::StreamRecord broken = r;
       std::memcpy(broken.mutable_chunks(0)->mutable_data()->data() + at, &value, 4);
-      EXPECT_THAT(DecodeStream(broken, fmt, &e.host, "t", "rec", &cold),
+      EXPECT_THAT(DecodeStream(broken, fmt, e.host.Account("t"), "rec", &cold),
                   StatusIs(Code::kDataLoss, "parameters are not an encoder's"))
           << at;
     }
   }
   Env small(/*host_capacity=*/512);  // less than one 512-byte slot once one is taken
   Stream t(8);
-  ASSERT_OK(DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t));
-  const absl::Status full = DecodeStream(record(4, 4 * 32), fmt, &small.host, "t", "rec", &t);
+  ASSERT_OK(DecodeStream(record(4, 4 * 32), fmt, small.host.Account("t"), "rec", &t));
+  const absl::Status full =
+      DecodeStream(record(4, 4 * 32), fmt, small.host.Account("t"), "rec", &t);
   EXPECT_THAT(full, StatusIs(Code::kResourceExhausted, "host tier full"));
   EXPECT_EQ(ReasonOf(full), ErrorReason::kHostTierFull);  // the tier's reason, passed on
   EXPECT_EQ(t.chunks().size(), 1u);

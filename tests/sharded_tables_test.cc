@@ -10,7 +10,9 @@
 // Also built by the ThreadSanitizer build (make tsan).
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <random>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -196,10 +198,11 @@ TEST(PromotionCache, ReadsBesideEvictionsCountEachHitOnce) {
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
+      const TierAccount account = tier.Account("t", /*shard_key=*/t);  // a session's, each
       for (int r = 0; r < kRounds; ++r) {
         // Another thread may take the room an eviction made before this one's next try (or
         // hold, reading, every copy there is): the tier full is an answer, never an overrun.
-        absl::StatusOr<std::vector<SlotRef>> slots = cache.Allocate("t", kSlotBytes, 1);
+        absl::StatusOr<std::vector<SlotRef>> slots = cache.Allocate(account, kSlotBytes, 1);
         if (slots.ok()) {
           (*slots)[0]->data()[0] = static_cast<uint8_t>(t);
           made[t].push_back(cache.Insert((*slots)[0], "t", 1, false, /*group=*/t * 31 + r % 3));
@@ -238,6 +241,79 @@ TEST(PromotionCache, ReadsBesideEvictionsCountEachHitOnce) {
     for (const CopyRef& c : copies) cached += cache.Peek(c) != nullptr;
   }
   EXPECT_EQ(cached, cache.size());
+}
+
+// Threads with accounts on shards of their own (two tenants, whose quotas share the capacity)
+// take slots in batches until refused, then free another thread's slots in an order of their
+// own, over and over, with segments small enough to empty, be retained and be taken again by
+// another shard. The tier's bytes never pass its capacity, nor a tenant's its quota; a refusal
+// comes only when the limit is reached (a round ends with each tenant at its quota); the counts
+// return to zero.
+TEST(Tier, LimitsHoldAndCountsStayExactUnderThreadsOnManyShards) {
+  constexpr int kThreads = 8, kRounds = 100;
+  constexpr uint64_t kCapacity = 120 * kSlotBytes, kQuota = 40 * kSlotBytes;
+  TierOptions o = HostTier();
+  o.capacity_bytes = kCapacity;
+  o.segment_bytes = 64 << 10;  // 15 slots and the generation table
+  o.retain_bytes = 256 << 10;
+  o.tenant_limit = [](const std::string& t) -> uint64_t {
+    return t == "q" ? kQuota : kCapacity - kQuota;
+  };
+  Tier tier(o);
+  std::vector<std::vector<SlotRef>> held(kThreads);
+  std::atomic<uint64_t> over_capacity = 0, over_quota = 0, early_refusals = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        // This round's account: a new shard for the thread each round.
+        const TierAccount account = tier.Account(t % 2 ? "q" : "free", t + round * 3);
+        std::mt19937 rng(round * kThreads + t);
+        for (;;) {
+          const uint64_t n = 1 + rng() % 4;
+          const absl::Status s = tier.AllocateMany(account, kSlotBytes, n, &held[t]);
+          if (tier.Stats().used_bytes > kCapacity) ++over_capacity;
+          if (tier.TenantUsed("q") > kQuota) ++over_quota;
+          if (s.ok()) continue;
+          // Refused: n more would pass the quota (nothing is freed meanwhile, so the room only
+          // shrinks after the refusal).
+          if (!absl::IsResourceExhausted(s) || tier.RoomFor(account) >= n * kSlotBytes) {
+            ++early_refusals;
+          }
+          if (n == 1) break;
+        }
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    ASSERT_EQ(over_capacity.load(), 0u);
+    ASSERT_EQ(over_quota.load(), 0u);
+    ASSERT_EQ(early_refusals.load(), 0u);
+    uint64_t slots = 0, of_q = 0;
+    for (int t = 0; t < kThreads; ++t) {
+      slots += held[t].size();
+      if (t % 2) of_q += held[t].size();
+    }
+    // Every thread stopped on a refusal of one slot: each tenant at its quota, the tier full.
+    ASSERT_EQ(slots * kSlotBytes, kCapacity) << "round " << round;
+    ASSERT_EQ(of_q * kSlotBytes, kQuota) << "round " << round;
+    ASSERT_EQ(tier.Stats().num_slots, slots);
+    ASSERT_EQ(tier.TenantUsed("q"), kQuota);
+    // Each thread frees another's slots, in an order of its own.
+    threads.clear();
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::vector<SlotRef>& mine = held[(t + 1 + round) % kThreads];
+        std::shuffle(mine.begin(), mine.end(), std::mt19937(t));
+        while (!mine.empty()) mine.pop_back();
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    const TierSnapshot st = tier.Stats();
+    ASSERT_EQ(st.used_bytes, 0u);
+    ASSERT_EQ(st.num_slots, 0u);
+    ASSERT_LE(st.retained_bytes, o.retain_bytes);
+    ASSERT_EQ(tier.TenantUsed("q"), 0u);
+  }
 }
 
 // Threads create, look up and close sessions of their own, while every thread also looks up the

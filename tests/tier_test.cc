@@ -9,11 +9,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <future>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "server/common/error.h"
+#include "server/common/status_macros.h"
 #include "server/tier/staging.h"
 #include "tests/fake_device.h"
 #include "tests/test_util.h"
@@ -397,6 +401,87 @@ TEST(Tier, TenantQuotaLimitsOneTenantOnly) {
   ASSERT_OK(tier.Allocate("small", 4096).status());
   held.clear();
   EXPECT_EQ(tier.TenantUsed("small"), 0u);
+}
+
+// A session's account picks one of the tier's shards: accounts of one tenant on other shards
+// take their slots from other segments, and the same shard's from the same; the tenant's bytes,
+// and its quota, are one count over all of its accounts.
+TEST(Tier, AccountsOnOtherShardsTakeOtherSegmentsAndShareTheirTenantsQuota) {
+  TierOptions o = Options(16 * 4096);
+  o.tenant_limit = [](const std::string& t) -> uint64_t { return t == "q" ? 3 * 4096 : 0; };
+  Tier tier(o);
+  const TierAccount a = tier.Account("q", 0), b = tier.Account("q", 1), c = tier.Account("q", 2);
+  const TierAccount same_as_a = tier.Account("q", 16);  // 16 shards: 16 picks a's
+  ASSERT_OK_AND_ASSIGN(SlotRef sa, tier.Allocate(a, 4096));
+  ASSERT_OK_AND_ASSIGN(SlotRef sb, tier.Allocate(b, 4096));
+  ASSERT_OK_AND_ASSIGN(SlotRef sa2, tier.Allocate(same_as_a, 4096));
+  EXPECT_NE(sa->segment_id(), sb->segment_id());
+  EXPECT_EQ(sa->segment_id(), sa2->segment_id());
+  EXPECT_EQ(tier.Segments().size(), 2u);
+  EXPECT_EQ(tier.TenantUsed("q"), 3u * 4096);
+  EXPECT_EQ(tier.RoomFor(c), 0u);
+  EXPECT_THAT(tier.Allocate(c, 4096), StatusIs(Code::kResourceExhausted, "quota"));
+  EXPECT_THAT(tier.ChargeMetadata(b, 1), StatusIs(Code::kResourceExhausted, "quota"));
+  sb.reset();  // its segment empties and goes (no retain_bytes)
+  EXPECT_EQ(tier.Segments().size(), 1u);
+  ASSERT_OK_AND_ASSIGN(SlotRef sc, tier.Allocate(c, 4096));
+  EXPECT_EQ(tier.Stats().used_bytes, 3u * 4096);
+  EXPECT_EQ(tier.Stats().num_segments, 2u);
+  // A retained segment serves its class on any shard.
+  TierOptions r = Options(4 << 20);
+  r.retain_bytes = 1 << 20;
+  Tier kept(r);
+  ASSERT_OK_AND_ASSIGN(SlotRef first, kept.Allocate(kept.Account("t", 3), 4096));
+  const uint64_t id = first->segment_id();
+  first.reset();
+  EXPECT_GT(kept.Stats().retained_bytes, 0u);
+  ASSERT_OK_AND_ASSIGN(SlotRef again, kept.Allocate(kept.Account("t", 5), 4096));
+  EXPECT_EQ(again->segment_id(), id);
+  EXPECT_EQ(kept.Stats().retained_bytes, 0u);
+}
+
+// No lock of the tier is held by every allocation: while one shard makes a segment (here its
+// device memory, held back by the test), another shard's account allocates and frees, and
+// the tier's counts and segments can be read. With a lock all shards shared, the second
+// account would wait for the first's segment; the test fails after 20 s instead of hanging.
+TEST(Tier, AnAllocationDoesNotWaitForAnotherShardsNewSegment) {
+  auto state = std::make_shared<FakeDeviceState>();
+  auto make = FakeDeviceAllocator(state);
+  std::promise<void> entered, go;
+  std::shared_future<void> released = go.get_future().share();
+  std::atomic<int> calls = 0;
+  TierOptions o = Options(4 << 20);
+  o.tier = v1::TIER_DEVICE;
+  o.device_memory = [&](uint64_t bytes) {
+    if (calls.fetch_add(1) == 1) {  // the second segment made: the first account's
+      entered.set_value();
+      released.wait();
+    }
+    return make(bytes);
+  };
+  Tier tier(o);
+  const TierAccount slow = tier.Account("t", 0), other = tier.Account("t", 1);
+  ASSERT_OK_AND_ASSIGN(SlotRef held, tier.Allocate(other, 4096));  // other's segment, first
+  absl::StatusOr<SlotRef> slow_slot;
+  std::thread maker([&] { slow_slot = tier.Allocate(slow, 4096); });
+  entered.get_future().wait();
+  auto meanwhile = std::async(std::launch::async, [&]() -> absl::Status {
+    std::vector<SlotRef> more;
+    RETURN_IF_ERROR(tier.AllocateMany(other, 4096, 3, &more));
+    more.clear();
+    if (tier.Stats().num_slots != 1 || tier.Segments().size() != 1) {
+      return absl::InternalError("counts changed by the segment in the making");
+    }
+    return absl::OkStatus();
+  });
+  const bool done = meanwhile.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  go.set_value();
+  maker.join();
+  ASSERT_TRUE(done) << "the other shard's allocation waited for this shard's new segment";
+  EXPECT_OK(meanwhile.get());
+  ASSERT_OK(slow_slot.status());
+  EXPECT_NE((*slow_slot)->segment_id(), held->segment_id());
+  EXPECT_EQ(tier.Stats().num_slots, 2u);
 }
 
 // Callers tell a full tier from a quota by the reason the status carries, never its words.

@@ -22,13 +22,14 @@
 //                                   shard's (by lease id); each alone otherwise. Its tenants'
 //                                   map (tenants_mu_) is a leaf taken under neither. Slots are
 //                                   unpinned, and dropped (8), after letting go
-//   7  PromotionCache's locks       one tier's fp16 copies (host, device): its list_mu_, then
-//                                   its 16 stripes' in order (making room, counting); a read,
-//                                   an insert or a drop takes one stripe's alone. Evicting a
+//   7  PromotionCache's locks       one tier's fp16 copies (host, device): its 16 stripes' in
+//                                   order (making room, counting); a read, an insert or a drop
+//                                   takes one stripe's alone. Evicting a
 //                                   copy frees its slot (8)
-//   8  Tier::mu_                    one tier's segments and counts; taken by every slot freed
-//                                   anywhere above (leaf but for the slot table it guards)
-//   9  (unused: the service's per-tenant metric handles are made whole at its start)
+//   8  Tier's locks                 one tier's: a shard's mu (one of 16, by the allocating
+//                                   account), taken by every slot freed anywhere above; under
+//                                   it, or alone, its retained_mu_ or its registry_mu_ (leaves)
+//   9  Tier::tenants_mu_            one tier's table of tenants (leaf): an account made
 //  10  metrics::Registry::mu_       the metric families (leaf; scrape hooks run outside it).
 //                                   A Histogram's flush_mu_, a leaf too, is taken after it is
 //                                   let go (a scrape's flush, a read of the counts)

@@ -11,7 +11,7 @@
 namespace kvtier {
 
 SpanContext SpanContext::Of(const AgingContext& ctx) {
-  return SpanContext{ctx.format, ctx.policy.chunk_tokens(), ctx.host, ctx.tenant, ctx.cold_bits()};
+  return SpanContext{ctx.format, ctx.policy.chunk_tokens(), ctx.host, ctx.cold_bits()};
 }
 
 namespace {
@@ -57,7 +57,7 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
   const QuantLayout cold{d, ct, ctx.cold_bits};
   const uint64_t slot_bytes = ctx.cold_bits != 0 ? cold.Bytes() : f.slot_bytes();
   std::vector<SlotRef> slots;
-  if (!ctx.host->AllocateMany(ctx.tenant, slot_bytes, job->sources.size(), &slots).ok()) {
+  if (!ctx.host.tier()->AllocateMany(ctx.host, slot_bytes, job->sources.size(), &slots).ok()) {
     return false;
   }
   const uint32_t span_rows = kSemanticSpanChunks * ct;
@@ -218,7 +218,7 @@ void RunQuant(const SpanContext& ctx, QuantJob* job) {
   std::vector<uint16_t> rows;
   for (QuantJob::Item& item : job->items) {
     const QuantLayout layout{d, item.tokens, job->bits};
-    auto slot = ctx.host->Allocate(ctx.tenant, layout.Bytes());
+    auto slot = ctx.host.tier()->Allocate(ctx.host, layout.Bytes());
     if (!slot.ok()) {  // this chunk and those after it wait for the next call
       job->done = item.chunk;
       break;

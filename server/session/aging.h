@@ -52,8 +52,7 @@ struct AgingState {
 struct AgingContext {
   const v1::SessionPolicy& policy;
   ChunkFormat format;
-  Tier* host;  // slots for quantized and regrouped chunks
-  const std::string& tenant;
+  const TierAccount& host;  // slots for quantized and regrouped chunks
   // Bits of cold chunks under `policy`: 4, 8, or 0 (keep fp16).
   uint32_t cold_bits() const;
 };
@@ -74,8 +73,7 @@ void IndexLayer(const AgingContext& ctx, uint64_t tokens, std::span<Stream> head
 struct SpanContext {  // what RegroupSpan reads, copied: the session may change meanwhile
   ChunkFormat format;
   uint32_t chunk_tokens = 0;
-  Tier* host = nullptr;
-  std::string tenant;
+  TierAccount host;
   uint32_t cold_bits = 0;  // AgingContext::cold_bits()
   static SpanContext Of(const AgingContext& ctx);
 };

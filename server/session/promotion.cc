@@ -54,7 +54,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
     out[h][i] = std::move(found[j]);
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
-                   cache->Allocate(target.tenant, target.format.slot_bytes(), todo.size()));
+                   cache->Allocate(target.account, target.format.slot_bytes(), todo.size()));
   // Device slots are filled in one batch (FillDevice: int4 moved as int4, dequantized there),
   // then every copy enters the cache; host slots are written here.
   std::vector<DeviceFill> fills;
@@ -84,7 +84,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
     const Chunk& ch = heads[h].chunks()[c];
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
     (to_device ? heads[h].copies(c).mutable_device() : heads[h].copies(c).mutable_promoted()) =
-        cache->Insert(slots[j], target.tenant, cost, prefetch, group);
+        cache->Insert(slots[j], target.account.tenant(), cost, prefetch, group);
     out[h][i] = std::move(slots[j]);
   }
   if (promoted) *promoted = todo.size();

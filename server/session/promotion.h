@@ -19,7 +19,7 @@ namespace kvtier {
 struct PromotionTarget {
   PromotionCache* cache;  // over the host tier or the device tier
   bool to_device;
-  const std::string& tenant;
+  const TierAccount& account;  // of the cache's tier
   ChunkFormat format;
   uint32_t layer;  // of the chunks promoted (their ids name them in an error)
 };

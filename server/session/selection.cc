@@ -81,7 +81,7 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
 }
 
 absl::StatusOr<std::vector<SlotRef>> GatherPool::Take(PromotionCache* cache,
-                                                      const std::string& tenant, uint64_t bytes,
+                                                      const TierAccount& account, uint64_t bytes,
                                                       size_t n) {
   std::vector<SlotRef> out;
   out.reserve(n);
@@ -99,7 +99,7 @@ absl::StatusOr<std::vector<SlotRef>> GatherPool::Take(PromotionCache* cache,
   }
   slots_.resize(kept);
   if (out.size() < n) {
-    ASSIGN_OR_RETURN(std::vector<SlotRef> fresh, cache->Allocate(tenant, bytes, n - out.size()));
+    ASSIGN_OR_RETURN(std::vector<SlotRef> fresh, cache->Allocate(account, bytes, n - out.size()));
     for (SlotRef& s : fresh) {
       slots_.push_back(s);
       out.push_back(std::move(s));
@@ -137,7 +137,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     blocks += (rows[h].size() + f.capacity - 1) / f.capacity;
   }
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
-                   pool->Take(target.cache, target.tenant, f.slot_bytes(), blocks));
+                   pool->Take(target.cache, target.account, f.slot_bytes(), blocks));
   std::vector<std::vector<GatheredBlock>> out(heads.size());
   // Into each slot where it is mapped here; device slots (the slots are all of one tier) are
   // made here and filled in one batch, as promotion fills them (FillDevice).

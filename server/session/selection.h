@@ -68,15 +68,15 @@ struct GatheredBlock {
 // A session's slots for gathered blocks on one tier, kept from one Select for the next: a
 // slot whose lease ended (nothing but the pool holds it) is written again, under a new
 // generation, instead of going back to the tier and another coming from it, so that a decode
-// loop's Selects do not take the tier's lock, which every session shares. The pool keeps idle
-// at most as many slots as the last Select took; the rest go back to the tier. Guarded by its
-// session's lock.
+// loop's Selects neither allocate nor free (a shard's lock and the tier's atomic counts). The
+// pool keeps idle at most as many slots as the last Select took; the rest go back to the tier.
+// Guarded by its session's lock.
 class GatherPool {
  public:
-  // `n` slots of `bytes` for `tenant`: this pool's idle ones first (renewed), the rest from
+  // `n` slots of `bytes` for the account: this pool's idle ones first (renewed), the rest from
   // `cache`'s tier (Allocate: RESOURCE_EXHAUSTED, all or nothing). Idle slots past `n`, and
   // any of another size, go back to the tier.
-  absl::StatusOr<std::vector<SlotRef>> Take(PromotionCache* cache, const std::string& tenant,
+  absl::StatusOr<std::vector<SlotRef>> Take(PromotionCache* cache, const TierAccount& account,
                                             uint64_t bytes, size_t n);
   // Lets every slot go (a lease still holding one keeps it until released).
   void Clear() { slots_.clear(); }

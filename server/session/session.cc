@@ -49,6 +49,11 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
       shape_(std::move(shape)),
       labels_(std::move(labels)),
       env_(env),
+      host_account_(env.host != nullptr ? env.host->Account(tenant_, std::hash<std::string>{}(id_))
+                                        : TierAccount()),
+      device_account_(env.device_copies != nullptr ? env.device_copies->tier()->Account(
+                                                         tenant_, std::hash<std::string>{}(id_))
+                                                   : TierAccount()),
       created_ms_(env.clock->NowMs()),
       policy_(std::move(policy)),
       last_access_ms_(created_ms_),
@@ -59,7 +64,7 @@ Session::Session(std::string id, std::string tenant, v1::ModelShape shape, v1::S
     streams_.emplace_back(shape_.head_dim());
   }
   MutexLock lock(&mu_);
-  charge_ = charge.bytes() > 0 ? std::move(charge) : MetadataCharge(env_.host, tenant_);
+  charge_ = charge.bytes() > 0 ? std::move(charge) : MetadataCharge(host_account_);
   charge_.Set(std::max(charge_.bytes(), MeasureMetadata()));
 }
 
@@ -188,7 +193,7 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   for (const Stream& s : heads(layer)) slots_needed += s.CopiesOnGrow(plan);
   std::vector<SlotRef> fresh;
   fresh.reserve(slots_needed);
-  RETURN_IF_ERROR(env_.host->AllocateMany(tenant_, f.slot_bytes(), slots_needed, &fresh));
+  RETURN_IF_ERROR(env_.host->AllocateMany(host_account_, f.slot_bytes(), slots_needed, &fresh));
   size_t next = 0;
   auto slot = [&] { return std::move(fresh[next++]); };
   // Every head's rows land in their slots first, the stream unchanged, each value checked
@@ -735,14 +740,14 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Fork(std::string new_id, uint6
   // then its slots, before any work.
   uint64_t child_chunks = slots_needed;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) child_chunks += uint64_t{kvh} * keep[l];
-  MetadataCharge charge(env_.host, tenant_);
+  MetadataCharge charge(host_account_);
   RETURN_IF_ERROR(charge.Grow(CreationBytes(shape_, labels_, new_id, tenant_) +
                               child_chunks * ChunkBytesEstimate(f)));
   auto child =
       std::unique_ptr<Session>(new Session(*this, std::move(new_id), policy_, std::move(charge)));
   std::vector<SlotRef> copies;
   for (uint64_t i = 0; i < slots_needed; ++i) {
-    ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(tenant_, f.slot_bytes()));
+    ASSIGN_OR_RETURN(SlotRef s, env_.host->Allocate(host_account_, f.slot_bytes()));
     copies.push_back(std::move(s));
   }
   size_t next = 0;
@@ -918,7 +923,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
   // Its metadata is checked against the tier and the quota before anything is allocated.
   uint64_t chunks = 0;
   for (const v1::StreamRecord& sr : r.streams()) chunks += sr.chunks_size();
-  MetadataCharge charge(env.host, r.tenant());
+  MetadataCharge charge(env.host->Account(r.tenant()));
   RETURN_IF_ERROR(charge.Grow(CreationBytes(shape, labels, r.session_id(), r.tenant()) +
                               chunks * ChunkBytesEstimate(FormatOf(shape, *policy))));
   auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy, std::move(labels),
@@ -926,8 +931,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
   MutexLock lock(&s->mu_);
   const ChunkFormat f = s->format();
   for (size_t i = 0; i < streams; ++i) {
-    RETURN_IF_ERROR(DecodeStream(r.streams(static_cast<int>(i)), f, env.host, r.tenant(), what,
-                                 &s->streams_[i]));
+    RETURN_IF_ERROR(
+        DecodeStream(r.streams(static_cast<int>(i)), f, s->host_account_, what, &s->streams_[i]));
   }
   s->created_ms_ = r.created_unix_ms();
   // Every stream of a layer holds exactly the positions [0, layer_tokens) once each, in chunks

@@ -280,12 +280,12 @@ class Session : public std::enable_shared_from_this<Session> {
     return FormatOf(shape_, policy_);
   }
   AgingContext aging() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return AgingContext{policy_, format(), env_.host, tenant_};
+    return AgingContext{policy_, format(), host_account_};
   }
   PromotionTarget promotion(uint32_t layer, bool to_device) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device, tenant_,
-                           format(), layer};
+    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device,
+                           to_device ? device_account_ : host_account_, format(), layer};
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -336,6 +336,10 @@ class Session : public std::enable_shared_from_this<Session> {
   const v1::ModelShape shape_;
   const std::map<std::string, std::string> labels_;
   const SessionEnv env_;
+  // The tenant's accounts on the host tier and on the device copies' tier (null without one),
+  // on the shards this session's id picks: every slot of the session's comes through them.
+  const TierAccount host_account_;
+  const TierAccount device_account_;
   int64_t created_ms_;      // set once, before the session is shared (Import restores it)
   mutable absl::Mutex mu_;  // lock order 3 (server/common/lock_order.h)
   // Appends, Selects and ReadChunks waiting for mu_ (ForegroundLock): aging lets them in first.

@@ -124,7 +124,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Create(
   }
   // The session's metadata is charged to the host tier and the tenant's quota before it is made.
   std::map<std::string, std::string> labels(req.labels().begin(), req.labels().end());
-  MetadataCharge charge(env_.host, tenant);
+  MetadataCharge charge(env_.host->Account(tenant));
   absl::Status fits =
       WithRoom(id, [&] { return charge.Grow(Session::CreationBytes(shape, labels, id, tenant)); });
   if (fits.ok()) {

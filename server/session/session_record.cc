@@ -99,8 +99,8 @@ void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* 
   }
 }
 
-absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, Tier* host,
-                          const std::string& tenant, absl::string_view what, Stream* out) {
+absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f,
+                          const TierAccount& host, absl::string_view what, Stream* out) {
   auto bad = [&](absl::string_view why) {
     return absl::DataLossError(absl::StrCat(what, ": ", why));
   };
@@ -134,7 +134,7 @@ absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, 
       // Read in place, as AppendKV's check reads its request's bytes.
       return bad("a chunk holds a value that is Inf or NaN");
     }
-    absl::StatusOr<SlotRef> slot = host->Allocate(tenant, c.cold() ? bytes : f.slot_bytes());
+    absl::StatusOr<SlotRef> slot = host.tier()->Allocate(host, c.cold() ? bytes : f.slot_bytes());
     if (!slot.ok()) return slot.status();
     c.host = *std::move(slot);
     std::memcpy(c.host->data(), data, bytes);

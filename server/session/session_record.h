@@ -45,11 +45,11 @@ absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std
 // One stream's chunks in a record: per chunk its size, first position, offsets (u16
 // little-endian pairs, regrouped chunks only), sealed mark, precision and stored bytes.
 void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* out);
-// The stream a record holds, its chunks in host slots of `tenant` (each chunk's statistics
+// The stream a record holds, its chunks in host slots of the account's (each chunk's statistics
 // recomputed from its rows). INVALID_ARGUMENT, prefixed by `what`, for a chunk whose size,
 // offsets or bytes do not fit `f`; the tier's RESOURCE_EXHAUSTED as it is.
-absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f, Tier* host,
-                          const std::string& tenant, absl::string_view what, Stream* out);
+absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f,
+                          const TierAccount& host, absl::string_view what, Stream* out);
 
 }  // namespace kvtier
 

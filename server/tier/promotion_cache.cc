@@ -140,22 +140,19 @@ CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double c
   stats.inserted_ms = now;
   stats.cost_us = cost_us;
   const size_t at = absl::HashOf(group) % kStripes;
-  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched, at));
-  {
-    Stripe& stripe = stripes_[at];
-    MutexLock lock(&stripe.mu);
-    Touch(*copy, now);
-    ++(prefetched ? stripe.counters.prefetched : stripe.counters.misses);
-    ++stripe.counters.promotions;
-  }
-  MutexLock lock(&list_mu_);
+  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched, at,
+                                     next_seq_.fetch_add(1, std::memory_order_relaxed)));
+  Stripe& stripe = stripes_[at];
+  MutexLock lock(&stripe.mu);
+  Touch(*copy, now);
+  ++(prefetched ? stripe.counters.prefetched : stripe.counters.misses);
+  ++stripe.counters.promotions;
   // Forget copies whose chunks dropped them, now and then, so the list stays near the live set.
-  if (copies_.size() >= 64 && copies_.size() == copies_.capacity()) {
-    copies_.erase(std::remove_if(copies_.begin(), copies_.end(),
-                                 [](const std::weak_ptr<CachedCopy>& w) { return w.expired(); }),
-                  copies_.end());
+  std::vector<std::weak_ptr<CachedCopy>>& copies = stripe.copies;
+  if (copies.size() >= 64 && copies.size() == copies.capacity()) {
+    std::erase_if(copies, [](const std::weak_ptr<CachedCopy>& w) { return w.expired(); });
   }
-  copies_.push_back(copy);
+  copies.push_back(copy);
   return copy;
 }
 
@@ -171,32 +168,38 @@ uint64_t PromotionCache::Drop(const CopyRef& copy) {
   return bytes;
 }
 
-uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant)
+uint64_t PromotionCache::MakeRoom(uint64_t bytes, const TierAccount& account, bool own)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under every stripe's lock (AllStripes), as the caller holds
-  const uint64_t free = tenant != nullptr ? tier_->RoomFor(*tenant) : tier_->FreeBytes();
+  const uint64_t free = own ? tier_->RoomFor(account) : tier_->FreeBytes();
   if (free >= bytes) return 0;
   const int64_t now = clock_->NowMs();
   struct Candidate {
     double keep;
+    uint64_t seq;
     size_t at;
   };
   std::vector<CopyRef> live;
   std::vector<Candidate> order;
-  size_t kept = 0;
-  for (size_t i = 0; i < copies_.size(); ++i) {
-    CopyRef c = copies_[i].lock();
-    if (!c || !c->slot_) continue;  // dropped by its chunk, or evicted: forget it
-    copies_[kept++] = copies_[i];
-    // Evictable only when the cache's reference is the last: no lease, no Select in flight.
-    if (c->slot_.use_count() == 1 && !c->slot_->pinned() &&
-        (tenant == nullptr || c->tenant_ == *tenant)) {
-      order.push_back({policy_->Keep(c->stats_, now), live.size()});
-      live.push_back(std::move(c));
+  for (Stripe& stripe : stripes_) {
+    std::vector<std::weak_ptr<CachedCopy>>& copies = stripe.copies;
+    size_t kept = 0;
+    for (size_t i = 0; i < copies.size(); ++i) {
+      CopyRef c = copies[i].lock();
+      if (!c || !c->slot_) continue;  // dropped by its chunk, or evicted: forget it
+      copies[kept++] = copies[i];
+      // Evictable only when the cache's reference is the last: no lease, no Select in flight.
+      if (c->slot_.use_count() == 1 && !c->slot_->pinned() &&
+          (!own || c->tenant_ == account.tenant())) {
+        order.push_back({policy_->Keep(c->stats_, now), c->seq_, live.size()});
+        live.push_back(std::move(c));
+      }
     }
+    copies.resize(kept);
   }
-  copies_.resize(kept);
-  std::stable_sort(order.begin(), order.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.keep < b.keep; });
+  // The policy's order; among equals, the oldest copy first.
+  std::sort(order.begin(), order.end(), [](const Candidate& a, const Candidate& b) {
+    return a.keep < b.keep || (a.keep == b.keep && a.seq < b.seq);
+  });
   uint64_t freed = 0;
   for (const Candidate& o : order) {
     if (free + freed >= bytes) break;
@@ -211,21 +214,20 @@ uint64_t PromotionCache::MakeRoom(uint64_t bytes, const std::string* tenant)
   return freed;
 }
 
-absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const std::string& tenant,
+absl::StatusOr<std::vector<SlotRef>> PromotionCache::Allocate(const TierAccount& account,
                                                               uint64_t bytes, size_t n) {
   std::vector<SlotRef> out;
   out.reserve(n);
   while (out.size() < n) {
-    auto slot = tier_->Allocate(tenant, bytes);
+    auto slot = tier_->Allocate(account, bytes);
     if (!slot.ok() && absl::IsResourceExhausted(slot.status())) {
       uint64_t freed;
-      const bool own = tier_->QuotaBound(tenant);
+      const bool own = tier_->QuotaBound(account);
       {
-        MutexLock lock(&list_mu_);
         AllStripes all(this);
-        freed = MakeRoom((n - out.size()) * bytes, own ? &tenant : nullptr);
+        freed = MakeRoom((n - out.size()) * bytes, account, own);
       }
-      if (freed > 0) slot = tier_->Allocate(tenant, bytes);
+      if (freed > 0) slot = tier_->Allocate(account, bytes);
     }
     if (!slot.ok()) return slot.status();  // what was taken goes back with `out`
     out.push_back(*std::move(slot));
@@ -251,13 +253,14 @@ PromotionCache::Counters PromotionCache::counters() const {
   return sum;
 }
 
-size_t PromotionCache::size() const {
-  MutexLock lock(&list_mu_);
+size_t PromotionCache::size() const ABSL_NO_THREAD_SAFETY_ANALYSIS {  // AllStripes holds them
   AllStripes all(this);
   size_t n = 0;
-  for (const auto& w : copies_) {
-    CopyRef c = w.lock();
-    n += c && c->slot_;
+  for (const Stripe& stripe : stripes_) {
+    for (const auto& w : stripe.copies) {
+      CopyRef c = w.lock();
+      n += c && c->slot_;
+    }
   }
   return n;
 }

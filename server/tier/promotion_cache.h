@@ -6,10 +6,10 @@
 // chunk that changes or goes away drops its copy without telling the cache.
 //
 // Thread-safe. Its copies lie in stripes, each with a lock of its own, so that Selects of
-// different sessions read their copies without a lock they all share: a copy's stripe comes
-// from the group Insert names (Readable names a session's layer), and a Select reads one
-// layer's copies under one stripe's lock. Making room takes every stripe. Its locks come after
-// a session's and before its tier's (server/common/lock_order.h).
+// different sessions read and insert their copies without a lock they all share: a copy's
+// stripe comes from the group Insert names (Readable names a session's layer), and a Select
+// reads one layer's copies under one stripe's lock. Making room takes every stripe. Its locks
+// come after a session's and before its tier's (server/common/lock_order.h).
 #ifndef KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 #define KVTIER_SERVER_TIER_PROMOTION_CACHE_H_
 
@@ -72,12 +72,14 @@ class CachedCopy {
 
  private:
   friend class PromotionCache;
-  CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched, size_t stripe)
+  CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched, size_t stripe,
+             uint64_t seq)
       : slot_(std::move(slot)),
         tenant_(std::move(tenant)),
         stats_(stats),
         prefetched_(prefetched),
-        stripe_(stripe) {}
+        stripe_(stripe),
+        seq_(seq) {}
   // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under its
   // stripe's mutex.
   void Forget() {
@@ -92,6 +94,8 @@ class CachedCopy {
   CopyStats stats_;
   bool prefetched_;  // promoted ahead by a prefetch and not read since
   const size_t stripe_;
+  const uint64_t
+      seq_;  // the order of insertion, across stripes: ties of the policy go oldest first
 };
 using CopyRef = std::shared_ptr<CachedCopy>;
 
@@ -122,11 +126,11 @@ class PromotionCache {
   // clock reading: out[i] for *copies[i]. A Select reads tens of copies at once.
   void ReadAll(std::span<const CopyRef* const> copies, bool record, SlotRef* out);
 
-  // `n` slots of `bytes` for `tenant`, all or nothing. When the tier is full, evicts
-  // unpinned copies that nobody else holds, by the policy, until they fit (only the tenant's
-  // own copies when its quota is what binds); RESOURCE_EXHAUSTED when even that leaves too
-  // little room.
-  absl::StatusOr<std::vector<SlotRef>> Allocate(const std::string& tenant, uint64_t bytes,
+  // `n` slots of `bytes` for the account (of this cache's tier), all or nothing. When the tier
+  // is full, evicts unpinned copies that nobody else holds, by the policy, until they fit (only
+  // the tenant's own copies when its quota is what binds); RESOURCE_EXHAUSTED when even that
+  // leaves too little room.
+  absl::StatusOr<std::vector<SlotRef>> Allocate(const TierAccount& account, uint64_t bytes,
                                                 size_t n);
 
   // Registers a filled slot as a cached copy that would cost `cost_us` to remake. Copies of
@@ -157,14 +161,15 @@ class PromotionCache {
   struct Stripe {
     mutable absl::Mutex mu;  // lock order 7 (server/common/lock_order.h)
     Counters counters ABSL_GUARDED_BY(mu);
+    // The stripe's copies, for eviction (a chunk drops its copy without telling the cache).
+    std::vector<std::weak_ptr<CachedCopy>> copies ABSL_GUARDED_BY(mu);
   };
   // Every stripe's lock, in order (making room, counting the copies).
   class AllStripes;
-  // Evicts until `bytes` more would fit (or nothing evictable is left); returns bytes freed.
-  // With `tenant` (its quota binds), only that tenant's copies go. Under list_mu_ and every
-  // stripe (AllStripes).
-  uint64_t MakeRoom(uint64_t bytes, const std::string* tenant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(list_mu_);
+  // Evicts until `bytes` more would fit the account's room (or nothing evictable is left);
+  // returns bytes freed. With `own` (its quota binds), only its tenant's copies go. Under every
+  // stripe's lock (AllStripes).
+  uint64_t MakeRoom(uint64_t bytes, const TierAccount& account, bool own);
   void Touch(CachedCopy& c, int64_t now) const;
 
   Tier* const tier_;
@@ -172,9 +177,7 @@ class PromotionCache {
   const std::unique_ptr<EvictionPolicy> policy_;
   const Options options_;
   mutable std::array<Stripe, kStripes> stripes_;
-  // The copies, for eviction; taken before any stripe's lock.
-  mutable absl::Mutex list_mu_;  // lock order 7 (server/common/lock_order.h)
-  std::vector<std::weak_ptr<CachedCopy>> copies_ ABSL_GUARDED_BY(list_mu_);
+  std::atomic<uint64_t> next_seq_{0};
 };
 
 }  // namespace kvtier

@@ -40,11 +40,38 @@ const char* TierShortName(v1::Tier tier) {
   }
 }
 
+// One segment: slots of one size for one tenant. Its id, tenant, size and layout never change;
+// the rest is guarded by the lock of its shard while it is in one (`shard`), by the retained
+// lock while retained, and by nothing while one thread alone holds it (made, emptied).
+struct TierSegment {
+  uint64_t id;
+  std::shared_ptr<TierTenant> tenant;
+  uint64_t slot_bytes;
+  uint32_t num_slots;
+  uint64_t table_offset;  // the generation table: uint64 [num_slots]
+  ShmSegment shm;         // the slots and the table; the table alone when `device` holds the slots
+  std::unique_ptr<DeviceMemory> device;
+  uint64_t generation;
+  uint64_t stamp;            // random, at stamp_offset() (SegmentInfo::stamp)
+  uint32_t shard = 0;        // the shard whose lock its slots' frees take
+  uint32_t next_unused = 0;  // slots below this have been handed out at least once
+  uint64_t reserved = 0;     // the slots' bytes [0, reserved) are committed (Reserve)
+  uint32_t used = 0;
+  std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
+  // While emptied and retained: its place in retained_ (from 1) and the bytes it counts.
+  uint64_t retained_seq = 0;
+  uint64_t retained_bytes = 0;
+  // Where the stamp lies: right after the generation table.
+  uint64_t stamp_offset() const { return table_offset + uint64_t{num_slots} * sizeof(uint64_t); }
+};
+
 Slot::~Slot() {
   Publish(0);  // free: a reader holding an old handle sees it at once
   if (pins_.load(std::memory_order_acquire) > 0) tier_->AddPinned(-static_cast<int64_t>(bytes_));
-  tier_->Free(segment_id_, index_, bytes_);
+  tier_->Free(segment_, index_, bytes_);
 }
+
+uint64_t Slot::segment_id() const { return segment_->id; }
 
 v1::Tier Slot::tier() const { return tier_->options().tier; }
 
@@ -87,10 +114,10 @@ uint64_t Tier::FirstGeneration() {
 Tier::Tier(TierOptions options) : options_(std::move(options)) {}
 
 Tier::~Tier() {
-  MutexLock lock(&mu_);
-  CHECK_EQ(num_slots_, 0u) << TierShortName(options_.tier) << " tier destroyed with live slots";
-  CHECK_EQ(metadata_bytes_, 0u) << TierShortName(options_.tier)
-                                << " tier destroyed with metadata charged";
+  CHECK_EQ(num_slots_.load(), 0u) << TierShortName(options_.tier)
+                                  << " tier destroyed with live slots";
+  CHECK_EQ(metadata_bytes_.load(), 0u)
+      << TierShortName(options_.tier) << " tier destroyed with metadata charged";
 }
 
 absl::Status Tier::WithTierReason(absl::Status s) const {
@@ -105,37 +132,36 @@ std::string Tier::ShmPrefixOf(const std::string& instance, v1::Tier tier) {
 
 std::string Tier::ShmPrefix() const { return ShmPrefixOf(options_.instance, options_.tier); }
 
-absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
+TierAccount Tier::Account(const std::string& tenant, uint64_t shard_key) {
+  MutexLock lock(&tenants_mu_);
+  std::weak_ptr<TierTenant>& known = tenants_[tenant];
+  std::shared_ptr<TierTenant> t = known.lock();
+  if (t == nullptr) {
+    t = std::make_shared<TierTenant>(tenant,
+                                     options_.tenant_limit ? options_.tenant_limit(tenant) : 0);
+    known = t;
+    // Tenants nobody holds any more go with the next one made: the table stays near the live set.
+    std::erase_if(tenants_, [](const auto& e) { return e.second.expired(); });
+  }
+  return TierAccount(this, std::move(t), static_cast<uint32_t>(shard_key % kShards));
+}
+
+absl::StatusOr<SlotRef> Tier::Allocate(const TierAccount& account, uint64_t slot_bytes) {
   std::vector<SlotRef> one;
-  RETURN_IF_ERROR(AllocateMany(tenant, slot_bytes, 1, &one));
+  RETURN_IF_ERROR(AllocateMany(account, slot_bytes, 1, &one));
   return std::move(one[0]);
+}
+
+absl::StatusOr<SlotRef> Tier::Allocate(const std::string& tenant, uint64_t slot_bytes) {
+  return Allocate(Account(tenant), slot_bytes);
 }
 
 absl::Status Tier::AllocateMany(const std::string& tenant, uint64_t slot_bytes, uint64_t count,
                                 std::vector<SlotRef>* out) {
-  std::vector<PopulateRange> populate;
-  std::vector<SlotRef> taken;
-  absl::Status status;
-  {
-    MutexLock lock(&mu_);
-    for (uint64_t i = 0; i < count && status.ok(); ++i) {
-      absl::StatusOr<SlotRef> slot = AllocateLocked(tenant, slot_bytes, &populate);
-      if (slot.ok()) {
-        taken.push_back(*std::move(slot));
-      } else {
-        status = slot.status();
-      }
-    }
-  }
-  if (!status.ok()) return status;  // `taken` goes back, each slot taking the lock to free
-  // The segments stay mapped: each range's segment has a slot just taken from it.
-  for (const PopulateRange& r : populate) r.shm->Populate(r.offset, r.length);
-  for (SlotRef& s : taken) out->push_back(std::move(s));
-  return absl::OkStatus();
+  return AllocateMany(Account(tenant), slot_bytes, count, out);
 }
 
-absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
-                                             std::vector<PopulateRange>* populate) {
+absl::StatusOr<Tier::Layout> Tier::LayoutFor(uint64_t slot_bytes) const {
   // Host memory: slots, then the generation table at a 64-byte boundary, then the segment's
   // stamp. Device memory: the slots alone; the table at 0 of a host segment, then the stamp.
   const bool on_device = static_cast<bool>(options_.device_memory);
@@ -156,18 +182,71 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
     return absl::InvalidArgumentError(
         absl::StrFormat("slot of %d bytes is larger than a slot may be (4 GiB - 1)", slot_bytes));
   }
-  RETURN_IF_ERROR(CheckRoomLocked(tenant, slot_bytes, ""));
-  Segment* seg = nullptr;
-  auto& ids = classes_[{tenant, slot_bytes}];
-  for (uint64_t id : ids) {
-    Segment* s = segments_.at(id).get();
-    if (!s->free.empty() || s->next_unused < s->num_slots) {
-      seg = s;
-      break;
+  return Layout{num_slots, table_at(num_slots)};
+}
+
+absl::Status Tier::AllocateMany(const TierAccount& account, uint64_t slot_bytes, uint64_t count,
+                                std::vector<SlotRef>* out) {
+  CHECK(account.tier_ == this) << "an account of another tier";
+  ASSIGN_OR_RETURN(const Layout layout, LayoutFor(slot_bytes));
+  if (count == 0) return absl::OkStatus();
+  TierTenant& tenant = *account.tenant_;
+  const uint64_t bytes = count > std::numeric_limits<uint64_t>::max() / slot_bytes
+                             ? std::numeric_limits<uint64_t>::max()
+                             : count * slot_bytes;
+  RETURN_IF_ERROR(TakeBytes(tenant, bytes, ""));
+  std::vector<PopulateRange> populate;
+  std::vector<SlotRef> taken;
+  taken.reserve(count);
+  absl::Status status;
+  {
+    Shard& shard = shards_[account.shard_];
+    MutexLock lock(&shard.mu);
+    for (uint64_t i = 0; i < count && status.ok(); ++i) {
+      absl::StatusOr<SlotRef> slot =
+          TakeSlotLocked(shard, account.shard_, account.tenant_, slot_bytes, layout, &populate);
+      if (slot.ok()) {
+        taken.push_back(*std::move(slot));
+      } else {
+        status = slot.status();
+      }
+    }
+  }
+  num_slots_.fetch_add(taken.size(), std::memory_order_relaxed);
+  if (!status.ok()) {
+    // The slots not taken give their bytes back here; `taken` gives its own as it goes.
+    GiveBytes(tenant, (count - taken.size()) * slot_bytes);
+    return status;
+  }
+  if (retained_bytes_.load(std::memory_order_relaxed) > 0) TrimRetained();
+  // The segments stay mapped: each range's segment has a slot just taken from it.
+  for (const PopulateRange& r : populate) r.shm->Populate(r.offset, r.length);
+  for (SlotRef& s : taken) out->push_back(std::move(s));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SlotRef> Tier::TakeSlotLocked(Shard& shard, uint32_t shard_index,
+                                             const std::shared_ptr<TierTenant>& tenant,
+                                             uint64_t slot_bytes, Layout layout,
+                                             std::vector<PopulateRange>* populate) {
+  const ClassKey key{tenant.get(), slot_bytes};
+  TierSegment* seg = nullptr;
+  auto it = shard.classes.find(key);
+  if (it != shard.classes.end()) {
+    for (TierSegment* s : it->second) {
+      if (!s->free.empty() || s->next_unused < s->num_slots) {
+        seg = s;
+        break;
+      }
     }
   }
   if (seg == nullptr) {
-    ASSIGN_OR_RETURN(seg, NewSegmentLocked(tenant, slot_bytes, num_slots, table_at(num_slots)));
+    seg = Unretain(key);
+    if (seg == nullptr) {
+      ASSIGN_OR_RETURN(seg, NewSegment(tenant, slot_bytes, layout));
+    }
+    seg->shard = shard_index;
+    shard.classes[key].push_back(seg);
   }
   uint32_t index;
   if (!seg->free.empty()) {
@@ -189,38 +268,32 @@ absl::StatusOr<SlotRef> Tier::AllocateLocked(const std::string& tenant, uint64_t
       } else {
         s = seg->shm.Reserve(end - slot_bytes, slot_bytes);
         if (!s.ok()) {
-          ++allocation_failures_;
+          allocation_failures_.fetch_add(1, std::memory_order_relaxed);
           return WithTierReason(s);
         }
       }
     }
     index = seg->next_unused++;
   }
-  if (seg->retained_seq != 0) UnretainLocked(seg);
   ++seg->used;
-  used_bytes_ += slot_bytes;
-  TrimRetainedLocked();
-  tenant_used_[tenant] += slot_bytes;
-  ++num_slots_;
-  uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
+  const uint64_t offset = static_cast<uint64_t>(index) * slot_bytes;
   auto* table = reinterpret_cast<uint64_t*>(seg->shm.data() + seg->table_offset);
   return std::make_shared<Slot>(
-      Slot::Key{}, this, seg->id, index, seg->device ? nullptr : seg->shm.data() + offset,
+      Slot::Key{}, this, seg, index, seg->device ? nullptr : seg->shm.data() + offset,
       seg->device.get(), static_cast<uint32_t>(slot_bytes),
       next_generation_.fetch_add(1, std::memory_order_relaxed), table + index);
 }
 
-absl::StatusOr<Tier::Segment*> Tier::NewSegmentLocked(const std::string& tenant,
-                                                      uint64_t slot_bytes, uint64_t num_slots,
-                                                      uint64_t table_offset) {
+absl::StatusOr<TierSegment*> Tier::NewSegment(const std::shared_ptr<TierTenant>& tenant,
+                                              uint64_t slot_bytes, Layout layout) {
   const uint64_t id = next_segment_id.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t table_end = table_offset + (num_slots + 1) * sizeof(uint64_t);
+  const uint64_t table_end = layout.table_offset + (layout.num_slots + 1) * sizeof(uint64_t);
   std::unique_ptr<DeviceMemory> device;
   if (options_.device_memory) {
     absl::StatusOr<std::unique_ptr<DeviceMemory>> m =
-        options_.device_memory(num_slots * slot_bytes);
+        options_.device_memory(layout.num_slots * slot_bytes);
     if (!m.ok()) {
-      ++allocation_failures_;
+      allocation_failures_.fetch_add(1, std::memory_order_relaxed);
       return WithTierReason(m.status());
     }
     device = *std::move(m);
@@ -231,203 +304,273 @@ absl::StatusOr<Tier::Segment*> Tier::NewSegmentLocked(const std::string& tenant,
       device ? (table_end + page - 1) / page * page : options_.segment_bytes, options_.naming);
   // The generation table and the stamp are written at once: their pages first.
   absl::Status reserved =
-      shm.ok() ? shm->Reserve(table_offset, table_end - table_offset) : shm.status();
+      shm.ok() ? shm->Reserve(layout.table_offset, table_end - layout.table_offset) : shm.status();
   if (!reserved.ok()) {
-    ++allocation_failures_;
+    allocation_failures_.fetch_add(1, std::memory_order_relaxed);
     return WithTierReason(reserved);
   }
-  auto s = std::make_unique<Segment>(
-      Segment{.id = id,
-              .tenant = tenant,
-              .slot_bytes = slot_bytes,
-              .num_slots = static_cast<uint32_t>(num_slots),
-              .table_offset = table_offset,
-              .next_unused = 0,
-              .reserved = device ? num_slots * slot_bytes : 0,
-              .used = 0,
-              .free = {},
-              .shm = *std::move(shm),
-              .device = std::move(device),
-              .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
-              .stamp = RandomStamp()});
+  const uint64_t committed = device ? layout.num_slots * slot_bytes : 0;
+  auto s = std::make_unique<TierSegment>(TierSegment{
+      .id = id,
+      .tenant = tenant,
+      .slot_bytes = slot_bytes,
+      .num_slots = static_cast<uint32_t>(layout.num_slots),
+      .table_offset = layout.table_offset,
+      .shm = *std::move(shm),
+      .device = std::move(device),
+      .generation = next_generation_.fetch_add(1, std::memory_order_relaxed),
+      .stamp = RandomStamp(),
+      .reserved = committed,
+      .free = {},
+  });
   std::memcpy(s->shm.data() + s->stamp_offset(), &s->stamp, sizeof(s->stamp));
-  Segment* seg = s.get();
+  TierSegment* seg = s.get();
+  MutexLock lock(&registry_mu_);
   segments_.emplace(id, std::move(s));
-  classes_[{tenant, slot_bytes}].push_back(id);
   return seg;
 }
 
-void Tier::Free(uint64_t segment_id, uint32_t index, uint64_t bytes) {
-  MutexLock lock(&mu_);
-  auto it = segments_.find(segment_id);
-  CHECK(it != segments_.end()) << "slot freed into unknown segment " << segment_id;
-  Segment* seg = it->second.get();
-  used_bytes_ -= bytes;
-  if ((tenant_used_[seg->tenant] -= bytes) == 0) tenant_used_.erase(seg->tenant);
-  --num_slots_;
-  seg->free.push_back(index);
-  if (--seg->used > 0) return;
+TierSegment* Tier::Unretain(const ClassKey& key) {
+  if (retained_bytes_.load(std::memory_order_relaxed) == 0) return nullptr;
+  MutexLock lock(&retained_mu_);
+  for (auto it = retained_.begin(); it != retained_.end(); ++it) {
+    TierSegment* seg = it->second;
+    if (seg->tenant.get() != key.first || seg->slot_bytes != key.second) continue;
+    retained_.erase(it);
+    retained_bytes_.fetch_sub(seg->retained_bytes, std::memory_order_relaxed);
+    seg->retained_seq = 0;
+    seg->retained_bytes = 0;
+    return seg;
+  }
+  return nullptr;
+}
+
+void Tier::Free(TierSegment* seg, uint32_t index, uint64_t bytes) {
+  bool emptied = false;
+  {
+    Shard& shard = shards_[seg->shard];
+    MutexLock lock(&shard.mu);
+    seg->free.push_back(index);
+    if (--seg->used == 0) {
+      emptied = true;
+      auto it = shard.classes.find({seg->tenant.get(), seg->slot_bytes});
+      CHECK(it != shard.classes.end()) << "segment " << seg->id << " in no class of its shard";
+      std::erase(it->second, seg);
+      if (it->second.empty()) shard.classes.erase(it);
+    }
+  }
+  GiveBytes(*seg->tenant, bytes);
+  num_slots_.fetch_sub(1, std::memory_order_relaxed);
+  if (emptied) RetainOrRelease(seg);  // no shard holds it now, and it has no slot in use
+}
+
+void Tier::RetainOrRelease(TierSegment* seg) {
   const uint64_t committed = seg->reserved;
   if (committed == 0 || committed > options_.retain_bytes) {
-    ReleaseLocked(seg);
+    Release({&seg, 1});
     return;
   }
-  seg->retained_seq = next_retained_seq_++;
-  seg->retained_bytes = committed;
-  retained_.emplace(seg->retained_seq, seg->id);
-  retained_bytes_ += committed;
-  TrimRetainedLocked();
+  std::vector<TierSegment*> released;
+  {
+    MutexLock lock(&retained_mu_);
+    seg->retained_seq = next_retained_seq_++;
+    seg->retained_bytes = committed;
+    retained_.emplace(seg->retained_seq, seg);
+    retained_bytes_.fetch_add(committed, std::memory_order_relaxed);
+    TrimRetainedLocked(&released);
+  }
+  Release(released);
 }
 
-void Tier::ReleaseLocked(Segment* seg) {
-  if (seg->retained_seq != 0) UnretainLocked(seg);
-  auto& ids = classes_[{seg->tenant, seg->slot_bytes}];
-  std::erase(ids, seg->id);
-  if (ids.empty()) classes_.erase({seg->tenant, seg->slot_bytes});
-  segments_.erase(seg->id);  // unmaps and unlinks
+void Tier::TrimRetained() {
+  std::vector<TierSegment*> released;
+  {
+    MutexLock lock(&retained_mu_);
+    TrimRetainedLocked(&released);
+  }
+  Release(released);
 }
 
-void Tier::UnretainLocked(Segment* seg) {
-  retained_.erase(seg->retained_seq);
-  retained_bytes_ -= seg->retained_bytes;
-  seg->retained_seq = 0;
-  seg->retained_bytes = 0;
-}
-
-void Tier::TrimRetainedLocked() {
-  while (!retained_.empty() && (retained_bytes_ > options_.retain_bytes ||
-                                used_bytes_ + retained_bytes_ > options_.capacity_bytes)) {
-    ReleaseLocked(segments_.at(retained_.begin()->second).get());
+void Tier::TrimRetainedLocked(std::vector<TierSegment*>* released) {
+  while (!retained_.empty()) {
+    const uint64_t retained = retained_bytes_.load(std::memory_order_relaxed);
+    if (retained <= options_.retain_bytes &&
+        used_bytes_.load(std::memory_order_relaxed) + retained <= options_.capacity_bytes) {
+      break;
+    }
+    TierSegment* seg = retained_.begin()->second;
+    retained_.erase(retained_.begin());
+    retained_bytes_.fetch_sub(seg->retained_bytes, std::memory_order_relaxed);
+    released->push_back(seg);
   }
 }
 
-absl::Status Tier::CheckRoomLocked(const std::string& tenant, uint64_t bytes,
-                                   absl::string_view what) {
-  const Room r = RoomLocked(tenant);
-  if (bytes > r.quota) {
-    ++allocation_failures_;
+void Tier::Release(std::span<TierSegment* const> segs) {
+  if (segs.empty()) return;
+  std::vector<std::unique_ptr<TierSegment>> dead;
+  {
+    MutexLock lock(&registry_mu_);
+    for (TierSegment* seg : segs) {
+      auto node = segments_.extract(seg->id);
+      CHECK(!node.empty()) << "segment " << seg->id << " released twice";
+      dead.push_back(std::move(node.mapped()));
+    }
+  }
+  // `dead` unmaps and unlinks them here, outside the lock.
+}
+
+absl::Status Tier::TakeBytes(TierTenant& tenant, uint64_t bytes, absl::string_view what) {
+  if (tenant.limit == 0) {
+    RETURN_IF_ERROR(TakeTierBytes(bytes, what));
+    tenant.used.fetch_add(bytes, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+  MutexLock lock(&tenant.quota_mu);
+  const uint64_t held = tenant.used.load(std::memory_order_relaxed);
+  if (bytes > (tenant.limit > held ? tenant.limit - held : 0)) {
+    allocation_failures_.fetch_add(1, std::memory_order_relaxed);
     return WithReason(
         absl::ResourceExhaustedError(absl::StrFormat(
             "quota: tenant \"%s\" %s_bytes %s would be exceeded: %s held, %d more bytes%s needed",
-            tenant, TierShortName(options_.tier), FormatBytes(options_.tenant_limit(tenant)),
-            FormatBytes(TenantUsedLocked(tenant)), bytes, what)),
+            tenant.name, TierShortName(options_.tier), FormatBytes(tenant.limit), FormatBytes(held),
+            bytes, what)),
         ErrorReason::kQuota);
   }
-  if (bytes > r.tier) {
-    ++allocation_failures_;
-    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
-        "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
-        FormatBytes(used_bytes_), FormatBytes(options_.capacity_bytes), bytes, what)));
-  }
+  RETURN_IF_ERROR(TakeTierBytes(bytes, what));
+  tenant.used.fetch_add(bytes, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 
-absl::Status Tier::ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked) {
+absl::Status Tier::TakeTierBytes(uint64_t bytes, absl::string_view what) {
+  uint64_t used = used_bytes_.load(std::memory_order_relaxed);
+  do {
+    const uint64_t free = options_.capacity_bytes > used ? options_.capacity_bytes - used : 0;
+    if (bytes > free) {
+      allocation_failures_.fetch_add(1, std::memory_order_relaxed);
+      return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
+          "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
+          FormatBytes(used), FormatBytes(options_.capacity_bytes), bytes, what)));
+    }
+  } while (!used_bytes_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return absl::OkStatus();
+}
+
+void Tier::GiveBytes(TierTenant& tenant, uint64_t bytes) {
+  const uint64_t held = tenant.used.fetch_sub(bytes, std::memory_order_relaxed);
+  CHECK_GE(held, bytes) << "tenant \"" << tenant.name << "\" gave back more than it held";
+  used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+absl::Status Tier::ChargeMetadata(const TierAccount& account, uint64_t bytes, bool checked) {
   if (bytes == 0) return absl::OkStatus();
-  MutexLock lock(&mu_);
-  if (checked) RETURN_IF_ERROR(CheckRoomLocked(tenant, bytes, " of session metadata"));
-  used_bytes_ += bytes;
-  TrimRetainedLocked();
-  metadata_bytes_ += bytes;
-  tenant_used_[tenant] += bytes;
+  TierTenant& tenant = *account.tenant_;
+  if (checked) {
+    RETURN_IF_ERROR(TakeBytes(tenant, bytes, " of session metadata"));
+  } else {
+    tenant.used.fetch_add(bytes, std::memory_order_relaxed);
+    used_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  metadata_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  if (retained_bytes_.load(std::memory_order_relaxed) > 0) TrimRetained();
   return absl::OkStatus();
 }
 
-void Tier::RefundMetadata(const std::string& tenant, uint64_t bytes) {
+void Tier::RefundMetadata(const TierAccount& account, uint64_t bytes) {
   if (bytes == 0) return;
-  MutexLock lock(&mu_);
-  CHECK_GE(metadata_bytes_, bytes) << "metadata refund above the charge";
-  used_bytes_ -= bytes;
-  metadata_bytes_ -= bytes;
-  auto it = tenant_used_.find(tenant);
-  CHECK(it != tenant_used_.end() && it->second >= bytes) << "metadata refund above the charge";
-  if ((it->second -= bytes) == 0) tenant_used_.erase(it);
+  const uint64_t charged = metadata_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  CHECK_GE(charged, bytes) << "metadata refund above the charge";
+  GiveBytes(*account.tenant_, bytes);
 }
 
 MetadataCharge& MetadataCharge::operator=(MetadataCharge&& o) noexcept {
   if (this != &o) {
     Set(0);
-    tier_ = o.tier_;
-    tenant_ = std::move(o.tenant_);
+    account_ = std::move(o.account_);
     bytes_ = std::exchange(o.bytes_, 0);
   }
   return *this;
 }
 
 absl::Status MetadataCharge::Grow(uint64_t extra) {
-  if (tier_ == nullptr) return absl::OkStatus();
-  RETURN_IF_ERROR(tier_->ChargeMetadata(tenant_, extra));
+  if (!account_) return absl::OkStatus();
+  RETURN_IF_ERROR(account_.tier()->ChargeMetadata(account_, extra));
   bytes_ += extra;
   return absl::OkStatus();
 }
 
 void MetadataCharge::Set(uint64_t bytes) {
-  if (tier_ == nullptr || bytes == bytes_) return;
+  if (!account_ || bytes == bytes_) return;
   if (bytes > bytes_) {
     // What was grown covers it in practice; taken even past the limits so the count stays true.
-    (void)tier_->ChargeMetadata(tenant_, bytes - bytes_, /*checked=*/false);
+    (void)account_.tier()->ChargeMetadata(account_, bytes - bytes_, /*checked=*/false);
   } else {
-    tier_->RefundMetadata(tenant_, bytes_ - bytes);
+    account_.tier()->RefundMetadata(account_, bytes_ - bytes);
   }
   bytes_ = bytes;
 }
 
-uint64_t Tier::TenantUsedLocked(const std::string& tenant) const {
-  auto it = tenant_used_.find(tenant);
-  return it == tenant_used_.end() ? 0 : it->second;
-}
-
 uint64_t Tier::TenantUsed(const std::string& tenant) const {
-  MutexLock lock(&mu_);
-  return TenantUsedLocked(tenant);
+  MutexLock lock(&tenants_mu_);
+  auto it = tenants_.find(tenant);
+  if (it == tenants_.end()) return 0;
+  const std::shared_ptr<TierTenant> t = it->second.lock();
+  return t ? t->used.load(std::memory_order_relaxed) : 0;
 }
 
-Tier::Room Tier::RoomLocked(const std::string& tenant) const {
-  const uint64_t limit = options_.tenant_limit ? options_.tenant_limit(tenant) : 0;
+Tier::Room Tier::RoomOf(const TierTenant& tenant) const {
   Room r;
-  r.tier = FreeBytesLocked();
-  if (limit != 0) {
-    const uint64_t used = TenantUsedLocked(tenant);
-    r.quota = limit > used ? limit - used : 0;
+  r.tier = FreeBytes();
+  if (tenant.limit != 0) {
+    const uint64_t used = tenant.used.load(std::memory_order_relaxed);
+    r.quota = tenant.limit > used ? tenant.limit - used : 0;
   }
   return r;
 }
 
-uint64_t Tier::RoomFor(const std::string& tenant) const {
-  MutexLock lock(&mu_);
-  const Room r = RoomLocked(tenant);
+uint64_t Tier::RoomFor(const TierAccount& account) const {
+  const Room r = RoomOf(*account.tenant_);
   return std::min(r.tier, r.quota);
 }
 
+uint64_t Tier::RoomFor(const std::string& tenant) { return RoomFor(Account(tenant)); }
+
 uint64_t Tier::FreeBytes() const {
-  MutexLock lock(&mu_);
-  return FreeBytesLocked();
+  const uint64_t used = used_bytes_.load(std::memory_order_relaxed);
+  return options_.capacity_bytes > used ? options_.capacity_bytes - used : 0;
 }
 
-bool Tier::QuotaBound(const std::string& tenant) const {
-  MutexLock lock(&mu_);
-  const Room r = RoomLocked(tenant);
+bool Tier::QuotaBound(const TierAccount& account) const {
+  const Room r = RoomOf(*account.tenant_);
   return r.quota < r.tier;
 }
 
+bool Tier::QuotaBound(const std::string& tenant) { return QuotaBound(Account(tenant)); }
+
 TierSnapshot Tier::Stats() const {
-  MutexLock lock(&mu_);
+  // Metadata first: what it gains after this read, the used bytes read next include.
+  const uint64_t metadata = metadata_bytes_.load(std::memory_order_relaxed);
+  const uint64_t used = used_bytes_.load(std::memory_order_relaxed);
+  uint64_t num_segments;
+  {
+    MutexLock lock(&registry_mu_);
+    num_segments = segments_.size();
+  }
   return TierSnapshot{
       .tier = options_.tier,
       .emulated = options_.emulated,
       .capacity_bytes = options_.capacity_bytes,
-      .used_bytes = used_bytes_ - metadata_bytes_,
+      .used_bytes = used > metadata ? used - metadata : 0,
       .pinned_bytes = static_cast<uint64_t>(pinned_bytes_.load(std::memory_order_relaxed)),
-      .num_slots = num_slots_,
-      .num_segments = segments_.size(),
-      .allocation_failures = allocation_failures_,
-      .metadata_bytes = metadata_bytes_,
-      .retained_bytes = retained_bytes_,
+      .num_slots = num_slots_.load(std::memory_order_relaxed),
+      .num_segments = num_segments,
+      .allocation_failures = allocation_failures_.load(std::memory_order_relaxed),
+      .metadata_bytes = metadata,
+      .retained_bytes = retained_bytes_.load(std::memory_order_relaxed),
   };
 }
 
 std::vector<SegmentInfo> Tier::Segments() const {
-  MutexLock lock(&mu_);
+  MutexLock lock(&registry_mu_);
   std::vector<SegmentInfo> out;
   out.reserve(segments_.size());
   for (const auto& [id, s] : segments_) {
@@ -437,7 +580,7 @@ std::vector<SegmentInfo> Tier::Segments() const {
         .shm_name = s->shm.named() ? s->shm.name() : std::string(),
         .size_bytes = s->device ? s->device->size() : s->shm.size(),
         .slot_bytes = s->slot_bytes,
-        .tenant = s->tenant,
+        .tenant = s->tenant->name,
         .generation = s->generation,
         .generation_table_offset = s->table_offset,
         .stamp_offset = s->stamp_offset(),
@@ -450,9 +593,9 @@ std::vector<SegmentInfo> Tier::Segments() const {
 }
 
 absl::StatusOr<int> Tier::OpenReadOnly(uint64_t segment_id, const std::string& tenant) const {
-  MutexLock lock(&mu_);
+  MutexLock lock(&registry_mu_);
   auto it = segments_.find(segment_id);
-  if (it == segments_.end() || it->second->tenant != tenant) {
+  if (it == segments_.end() || it->second->tenant->name != tenant) {
     return absl::NotFoundError(
         absl::StrCat("segment_ids: ", segment_id, " is not a segment of this tenant's"));
   }

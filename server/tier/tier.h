@@ -10,6 +10,16 @@
 // OS. A retained segment's pages need no kernel work when they are taken again: a session
 // that follows a closed one writes its bytes at memory speed.
 //
+// Nothing on the path of an allocation or a free takes a lock that every session takes. An
+// allocation names a TierAccount: its tenant's count of bytes (an atomic, against the quota)
+// and one of the tier's 16 shards, by the session that holds the account. The tier's bytes
+// are an atomic against the capacity, taken with a compare-and-swap before any slot is, so
+// that no race passes a limit. A shard holds the segments its accounts' slots come from, under
+// a lock of its own: one session's appends, aging and promotions take its shard's lock only,
+// and another session's take it only when it hashes to the same shard. A segment enters a
+// shard's list when made (or taken from the retained ones), and leaves it when emptied; a
+// tenant with sessions on many shards has a partly used segment per shard and slot size.
+//
 // Capacity counts slot bytes: a slot is refused (RESOURCE_EXHAUSTED) when it would take
 // used bytes past the capacity, so committed shared memory never exceeds the capacity by
 // more than a page per segment.
@@ -34,12 +44,14 @@
 #ifndef KVTIER_SERVER_TIER_TIER_H_
 #define KVTIER_SERVER_TIER_TIER_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -75,12 +87,14 @@ struct TierOptions {
 };
 
 class Tier;
+class TierAccount;
+struct TierSegment;  // tier.cc
 
 // One slot of one segment. Not copyable; held through SlotRef, which Tier makes in one
 // allocation with its count (std::make_shared; only Tier holds the Key). One per stored chunk,
 // so its size counts against the stored format (quant_bench): 56 bytes, the slot's offset
 // derived from its index (slot i of a segment lies at i * bytes) and its host or device
-// memory in one pointer.
+// memory in one pointer. It names its segment, whose shard takes it back.
 class Slot {
  public:
   class Key {
@@ -88,10 +102,10 @@ class Slot {
     Key() = default;
   };
   // `data`: the slot's bytes mapped here, or null for a slot in `device` memory.
-  Slot(Key, Tier* tier, uint64_t segment_id, uint32_t index, uint8_t* data, DeviceMemory* device,
+  Slot(Key, Tier* tier, TierSegment* segment, uint32_t index, uint8_t* data, DeviceMemory* device,
        uint32_t bytes, uint64_t generation, uint64_t* shared_generation)
       : tier_(tier),
-        segment_id_(segment_id),
+        segment_(segment),
         memory_(device != nullptr ? static_cast<void*>(device) : static_cast<void*>(data)),
         generation_(generation),
         shared_generation_(shared_generation),
@@ -117,7 +131,7 @@ class Slot {
   // `n` bytes of the slot at `at` into `dst`.
   absl::Status Read(uint64_t at, void* dst, uint64_t n) const;
   uint64_t bytes() const { return bytes_; }
-  uint64_t segment_id() const { return segment_id_; }
+  uint64_t segment_id() const;
   uint64_t offset() const { return uint64_t{index_} * bytes_; }
   v1::Tier tier() const;
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
@@ -138,7 +152,7 @@ class Slot {
   }
 
   Tier* const tier_;
-  const uint64_t segment_id_;
+  TierSegment* const segment_;
   void* const memory_;  // the mapped bytes, or the segment's DeviceMemory (on_device_)
   std::atomic<uint64_t> generation_;
   uint64_t* const shared_generation_;  // this slot's cell of its segment's generation table
@@ -185,6 +199,20 @@ struct SegmentInfo {
 
 class MetadataCharge;
 
+// A tenant's bytes on one tier (its slots' and its metadata's: what its quota counts), shared
+// by the tier's table of tenants, each TierAccount of the tenant's and each of its segments.
+struct TierTenant {
+  TierTenant(std::string name, uint64_t limit) : name(std::move(name)), limit(limit) {}
+  const std::string name;
+  const uint64_t limit;  // its quota on the tier (TierOptions::tenant_limit); 0: none
+  // Added to only once the tier's bytes are taken, so that no refusal elsewhere ever sees
+  // bytes that are then given back; under quota_mu where there is a quota.
+  std::atomic<uint64_t> used{0};
+  // A quota's check and take as one: a lock of the tenant's sessions only (lock order 8, a
+  // leaf), which a tenant with no quota never takes.
+  absl::Mutex quota_mu;
+};
+
 class Tier {
  public:
   explicit Tier(TierOptions options);
@@ -193,34 +221,46 @@ class Tier {
   Tier(const Tier&) = delete;
   Tier& operator=(const Tier&) = delete;
 
-  // A slot of `slot_bytes` in one of `tenant`'s segments. The bytes are not cleared.
-  // RESOURCE_EXHAUSTED when the tier is full (ErrorReason kHostTierFull or kDeviceTierFull)
-  // or the tenant's quota would be exceeded (kQuota; the message names the quota);
-  // INVALID_ARGUMENT when a slot cannot fit in a segment; RESOURCE_EXHAUSTED (the tier's full
-  // reason) when /dev/shm has no room for a new slot's pages, which are committed before the
-  // slot is handed out; INTERNAL when shared memory cannot be created.
+  // `tenant`'s account on this tier, allocating from the shard that `shard_key` (a hash of the
+  // session that holds it) picks. Made once per holder: it takes a lock of the tier's (a leaf).
+  TierAccount Account(const std::string& tenant, uint64_t shard_key = 0);
+
+  // A slot of `slot_bytes` in one of the account's tenant's segments, of the account's shard.
+  // The bytes are not cleared. RESOURCE_EXHAUSTED when the tier is full (ErrorReason
+  // kHostTierFull or kDeviceTierFull) or the tenant's quota would be exceeded (kQuota; the
+  // message names the quota); INVALID_ARGUMENT when a slot cannot fit in a segment;
+  // RESOURCE_EXHAUSTED (the tier's full reason) when /dev/shm has no room for a new slot's
+  // pages, which are committed before the slot is handed out; INTERNAL when shared memory
+  // cannot be created.
+  absl::StatusOr<SlotRef> Allocate(const TierAccount& account, uint64_t slot_bytes);
+  // `count` such slots appended to `out`, all or none (the first refusal's status): their bytes
+  // are counted at once, then the slots taken under one hold of the shard's lock.
+  absl::Status AllocateMany(const TierAccount& account, uint64_t slot_bytes, uint64_t count,
+                            std::vector<SlotRef>* out);
+  // The same through an account made for the call, on shard 0 (tests, and paths that run once
+  // per session).
   absl::StatusOr<SlotRef> Allocate(const std::string& tenant, uint64_t slot_bytes);
-  // `count` such slots appended to `out`, all or none (the first refusal's status), under one
-  // hold of the tier's lock: an append's slots at once.
   absl::Status AllocateMany(const std::string& tenant, uint64_t slot_bytes, uint64_t count,
                             std::vector<SlotRef>* out);
 
-  // Bytes `tenant` may still take before its quota, or the tier's free bytes when that is
-  // less (or the tenant has no quota).
-  uint64_t RoomFor(const std::string& tenant) const;
+  // Bytes the account's tenant may still take before its quota, or the tier's free bytes when
+  // that is less (or the tenant has no quota).
+  uint64_t RoomFor(const TierAccount& account) const;
+  uint64_t RoomFor(const std::string& tenant);
   // The tier's free bytes: its capacity less what slots and session metadata take.
   uint64_t FreeBytes() const;
-  // Whether `tenant`'s quota, not the tier's capacity, is what limits it now.
-  bool QuotaBound(const std::string& tenant) const;
+  // Whether the tenant's quota, not the tier's capacity, is what limits it now.
+  bool QuotaBound(const TierAccount& account) const;
+  bool QuotaBound(const std::string& tenant);
   // Slot and metadata bytes `tenant` holds.
   uint64_t TenantUsed(const std::string& tenant) const;
 
-  // Charges `bytes` of `tenant`'s session metadata to this tier: when `checked`, refused as
+  // Charges `bytes` of the tenant's session metadata to this tier: when `checked`, refused as
   // Allocate refuses a slot of that size (kQuota, or the tier's full reason), with nothing
   // charged; else taken whatever the limits say (a count made true after the fact).
-  absl::Status ChargeMetadata(const std::string& tenant, uint64_t bytes, bool checked = true);
+  absl::Status ChargeMetadata(const TierAccount& account, uint64_t bytes, bool checked = true);
   // Gives back metadata bytes charged before.
-  void RefundMetadata(const std::string& tenant, uint64_t bytes);
+  void RefundMetadata(const TierAccount& account, uint64_t bytes);
 
   TierSnapshot Stats() const;
   std::vector<SegmentInfo> Segments() const;
@@ -235,87 +275,112 @@ class Tier {
 
  private:
   friend class Slot;
+  static constexpr size_t kShards = 16;
   // A segment's fresh slots are committed this many bytes at a time (at most the segment).
   static constexpr uint64_t kReserveAhead = 1 << 20;
-  // Pages committed under the lock, to be mapped in (ShmSegment::Populate) after it.
+  // Pages committed under a shard's lock, to be mapped in (ShmSegment::Populate) after it.
   struct PopulateRange {
     ShmSegment* shm;
     uint64_t offset, length;
   };
-  // One slot, under the lock; a range it committed goes to `populate`.
-  absl::StatusOr<SlotRef> AllocateLocked(const std::string& tenant, uint64_t slot_bytes,
-                                         std::vector<PopulateRange>* populate)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  struct Segment {
-    uint64_t id;
-    std::string tenant;
-    uint64_t slot_bytes;
-    uint32_t num_slots;
-    uint64_t table_offset;     // the generation table: uint64 [num_slots]
-    uint32_t next_unused = 0;  // slots below this have been handed out at least once
-    uint64_t reserved = 0;     // the slots' bytes [0, reserved) are committed (Reserve)
-    uint32_t used = 0;
-    std::vector<uint32_t> free;  // freed slots, reused last-in first-out (warm pages)
-    ShmSegment shm;  // the slots and the table; the table alone when `device` holds the slots
-    std::unique_ptr<DeviceMemory> device;
-    uint64_t generation;
-    uint64_t stamp;  // random, at stamp_offset() (SegmentInfo::stamp)
-    // While emptied and retained: its place in retained_ (from 1) and the bytes it counts.
-    uint64_t retained_seq = 0;
-    uint64_t retained_bytes = 0;
-    // Where the stamp lies: right after the generation table.
-    uint64_t stamp_offset() const { return table_offset + uint64_t{num_slots} * sizeof(uint64_t); }
+  // (tenant, slot bytes): the segments one class of slots comes from.
+  using ClassKey = std::pair<const TierTenant*, uint64_t>;
+  struct Shard {
+    absl::Mutex mu;  // lock order 8 (server/common/lock_order.h)
+    // Each class's segments with a slot in use, in the order they joined.
+    std::map<ClassKey, std::vector<TierSegment*>> classes ABSL_GUARDED_BY(mu);
   };
-  using ClassKey = std::pair<std::string, uint64_t>;  // (tenant, slot bytes)
-
-  void Free(uint64_t segment_id, uint32_t index, uint64_t bytes);
-  // A new segment of `tenant`'s for `num_slots` slots, its table at `table_offset`.
-  absl::StatusOr<Segment*> NewSegmentLocked(const std::string& tenant, uint64_t slot_bytes,
-                                            uint64_t num_slots, uint64_t table_offset)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Unmaps and unlinks a segment with no slot in use.
-  void ReleaseLocked(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A retained segment taken into use again.
-  void UnretainLocked(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How a segment of a class is laid out: its slots, and where its generation table starts.
+  struct Layout {
+    uint64_t num_slots;
+    uint64_t table_offset;
+  };
+  absl::StatusOr<Layout> LayoutFor(uint64_t slot_bytes) const;
+  // One slot of `shard`, under its lock; a range it committed goes to `populate`.
+  absl::StatusOr<SlotRef> TakeSlotLocked(Shard& shard, uint32_t shard_index,
+                                         const std::shared_ptr<TierTenant>& tenant,
+                                         uint64_t slot_bytes, Layout layout,
+                                         std::vector<PopulateRange>* populate)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // A new segment of `tenant`'s, registered (not yet in any shard's classes).
+  absl::StatusOr<TierSegment*> NewSegment(const std::shared_ptr<TierTenant>& tenant,
+                                          uint64_t slot_bytes, Layout layout);
+  // A retained segment of the class, taken out of the retained ones; null when none.
+  TierSegment* Unretain(const ClassKey& key);
+  // A segment whose last slot was just freed, out of every shard: retained or released.
+  void RetainOrRelease(TierSegment* seg);
   // Releases the oldest retained segments while they pass retain_bytes or, with the bytes in
   // use, the capacity.
-  void TrimRetainedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TrimRetained();
+  void TrimRetainedLocked(std::vector<TierSegment*>* released)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(retained_mu_);
+  // Unregisters segments with no slot in use (unmapped and unlinked as they go).
+  void Release(std::span<TierSegment* const> segs);
+  void Free(TierSegment* seg, uint32_t index, uint64_t bytes);
+
+  // Takes `bytes` of the tenant's quota and the tier's capacity, both or neither: OK, or the
+  // RESOURCE_EXHAUSTED that Allocate and ChargeMetadata answer (an allocation failure), `what`
+  // naming the bytes.
+  absl::Status TakeBytes(TierTenant& tenant, uint64_t bytes, absl::string_view what);
+  // The capacity's part of it: a compare-and-swap, never past the capacity.
+  absl::Status TakeTierBytes(uint64_t bytes, absl::string_view what);
+  void GiveBytes(TierTenant& tenant, uint64_t bytes);
   // A RESOURCE_EXHAUSTED status (the capacity, or a full /dev/shm under a segment) with this
   // tier's full reason; other statuses pass unchanged.
   absl::Status WithTierReason(absl::Status s) const;
-  // What is left of the capacity, and of `tenant`'s quota (the most a uint64 holds: none).
+  // What is left of the capacity, and of the tenant's quota (the most a uint64 holds: none).
   struct Room {
     uint64_t tier = 0;
     uint64_t quota = std::numeric_limits<uint64_t>::max();
   };
-  Room RoomLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t FreeBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return options_.capacity_bytes > used_bytes_ ? options_.capacity_bytes - used_bytes_ : 0;
-  }
-  uint64_t TenantUsedLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // OK when `bytes` more fit `tenant`'s quota and the capacity; else the RESOURCE_EXHAUSTED
-  // that Allocate and ChargeMetadata answer (an allocation failure), `what` naming the bytes.
-  absl::Status CheckRoomLocked(const std::string& tenant, uint64_t bytes, absl::string_view what)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Room RoomOf(const TierTenant& tenant) const;
   static uint64_t FirstGeneration();
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
   const TierOptions options_;
-  mutable absl::Mutex mu_;  // lock order 8 (server/common/lock_order.h)
-  std::map<uint64_t, std::unique_ptr<Segment>> segments_ ABSL_GUARDED_BY(mu_);
-  std::map<ClassKey, std::vector<uint64_t>> classes_ ABSL_GUARDED_BY(mu_);
-  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, uint64_t> tenant_used_ ABSL_GUARDED_BY(mu_);
-  uint64_t num_slots_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t allocation_failures_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t metadata_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // part of used_bytes_ and tenant_used_
-  std::map<uint64_t, uint64_t> retained_ ABSL_GUARDED_BY(mu_);  // retained_seq -> segment id
-  uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_retained_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  std::array<Shard, kShards> shards_;
+  // Slot and metadata bytes: never past the capacity but by an unchecked metadata charge.
+  std::atomic<uint64_t> used_bytes_{0};
+  std::atomic<uint64_t> metadata_bytes_{0};  // part of used_bytes_ and of tenants' used
+  std::atomic<uint64_t> num_slots_{0};
+  std::atomic<uint64_t> allocation_failures_{0};
+  std::atomic<int64_t> pinned_bytes_{0};
   // From a random start (below 2^52): a generation of this process is never one an earlier
   // daemon's segment of the same id held, so a worker's mapping of that one fails its check.
   std::atomic<uint64_t> next_generation_{FirstGeneration()};
-  std::atomic<int64_t> pinned_bytes_{0};
+
+  // The tenants with an account or a segment here.
+  mutable absl::Mutex tenants_mu_;  // lock order 9 (server/common/lock_order.h)
+  std::map<std::string, std::weak_ptr<TierTenant>> tenants_ ABSL_GUARDED_BY(tenants_mu_);
+
+  // Emptied segments kept for reuse, in no shard: retained_seq -> segment, oldest first.
+  absl::Mutex retained_mu_;  // lock order 8: a leaf, taken alone or under a shard's
+  std::map<uint64_t, TierSegment*> retained_ ABSL_GUARDED_BY(retained_mu_);
+  uint64_t next_retained_seq_ ABSL_GUARDED_BY(retained_mu_) = 1;
+  std::atomic<uint64_t> retained_bytes_{0};  // written under retained_mu_
+
+  // Every segment, by id: what owns them, and what ListSegments and OpenReadOnly read (the
+  // fields a segment never changes). Taken when a segment is made or released.
+  mutable absl::Mutex registry_mu_;  // lock order 8: a leaf, taken alone or under a shard's
+  std::map<uint64_t, std::unique_ptr<TierSegment>> segments_ ABSL_GUARDED_BY(registry_mu_);
+};
+
+// Who allocates from a tier: a tenant, through one shard of the tier (Tier::Account). Cheap to
+// copy; null when default-made.
+class TierAccount {
+ public:
+  TierAccount() = default;
+  Tier* tier() const { return tier_; }
+  const std::string& tenant() const { return tenant_->name; }
+  explicit operator bool() const { return tier_ != nullptr; }
+
+ private:
+  friend class Tier;
+  TierAccount(Tier* tier, std::shared_ptr<TierTenant> tenant, uint32_t shard)
+      : tier_(tier), tenant_(std::move(tenant)), shard_(shard) {}
+  Tier* tier_ = nullptr;
+  std::shared_ptr<TierTenant> tenant_;
+  uint32_t shard_ = 0;
 };
 
 // One holder's metadata bytes on a tier, given back when it is destroyed or reset. Grow is
@@ -324,7 +389,7 @@ class Tier {
 class MetadataCharge {
  public:
   MetadataCharge() = default;
-  MetadataCharge(Tier* tier, std::string tenant) : tier_(tier), tenant_(std::move(tenant)) {}
+  explicit MetadataCharge(TierAccount account) : account_(std::move(account)) {}
   MetadataCharge(const MetadataCharge&) = delete;
   MetadataCharge& operator=(const MetadataCharge&) = delete;
   MetadataCharge(MetadataCharge&& o) noexcept { *this = std::move(o); }
@@ -338,8 +403,7 @@ class MetadataCharge {
   uint64_t bytes() const { return bytes_; }
 
  private:
-  Tier* tier_ = nullptr;
-  std::string tenant_;
+  TierAccount account_;
   uint64_t bytes_ = 0;
 };
 
