@@ -192,6 +192,75 @@ TEST(ColdChunks, DevicePlacementDequantizesIntoTheDeviceTier) {
   EXPECT_EQ(read[0].stored_precision(), v1::PRECISION_INT4);
 }
 
+// What Info says a session holds (kept per stream and per cache as chunks change) equals a walk
+// of its chunks (ListChunks: each chunk's slot and copies, read one by one), through appends
+// that grow chunks in place and in a copy (a lease holds the partial one), aging to int4 and
+// semantic regrouping, promotions to host and device copies, evictions from a full device
+// tier, Evict, a policy change and a fork.
+TEST(ColdChunks, InfoCountsWhatAWalkOfTheChunksFinds) {
+  for (const bool semantic : {false, true}) {
+    SCOPED_TRACE(semantic ? "semantic chunks" : "contiguous chunks");
+    Env e(64 << 20, 34 * 2048);  // room for 34 device copies of 16 rows of head_dim 32
+    v1::SessionPolicy policy = Cold(v1::PRECISION_INT4);
+    if (semantic) policy.set_chunking(v1::CHUNKING_SEMANTIC);
+    Fixture f = Make(e, 3, 4, 2, 32, 700, policy);  // layers 0 and 1 dense, 2 selective
+    auto walk_equals_info = [&](Session& s, const char* when) {
+      SCOPED_TRACE(when);
+      uint64_t host = 0, device = 0;
+      std::map<std::string, uint64_t> by_precision;
+      const v1::ListChunksResponse all = s.ListChunks(std::nullopt, 1 << 30);
+      for (const v1::ChunkInfo& c : all.chunks()) {
+        host += c.host_bytes();
+        device += c.device_bytes();
+        ++by_precision[v1::Precision_Name(c.precision())];
+      }
+      const v1::SessionInfo info = s.Info();
+      EXPECT_EQ(info.bytes_by_tier().at("TIER_HOST"), host);
+      EXPECT_EQ(info.bytes_by_tier().at("TIER_DEVICE"), device);
+      const std::map<std::string, uint64_t> counted(info.chunks_by_precision().begin(),
+                                                    info.chunks_by_precision().end());
+      EXPECT_EQ(counted, by_precision);
+    };
+    walk_equals_info(*f.session, "empty");
+    ASSERT_OK(AppendAll(f, 300, 37));
+    walk_equals_info(*f.session, "appended and aged");
+    // A fork before any copy is made: its copies are its own (a fork reads the copies its
+    // parent had made of the chunks they share, and those count to the parent).
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> child, f.session->Fork("c", 250));
+    walk_equals_info(*child, "a fork");
+    // A lease on the partial last chunk: the next append grows it in a copy.
+    v1::SelectResponse held;
+    ASSERT_OK(f.session->Select(SelectReq(f, 0, 1000), &held));
+    for (int l = 0; l < 3; ++l) ASSERT_OK(f.session->Append(Req(f, l, 300, 5)).status());
+    walk_equals_info(*f.session, "grown beside a lease, host copies made");
+    auto on_device = SelectReq(f, 2, 200);  // 13 chunks a head
+    on_device.set_placement(v1::TIER_DEVICE);
+    for (uint32_t seed = 1; seed <= 6; ++seed) {  // other queries: the device tier fills, evicts
+      on_device.set_query(Query(f, seed));
+      v1::SelectResponse resp;
+      const absl::Status s = f.session->Select(on_device, &resp);
+      ASSERT_TRUE(s.ok() || absl::IsResourceExhausted(s)) << s;
+      if (s.ok()) ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    }
+    EXPECT_GT(e.device_copies.counters().evictions, 0u);
+    walk_equals_info(*f.session, "device copies, some evicted");
+    ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
+    walk_equals_info(*f.session, "device copies evicted");
+    v1::SessionPolicy wider = policy;
+    wider.set_recent_window(128);
+    ASSERT_OK(f.session->SetPolicy(wider).status());
+    ASSERT_OK(AppendAll(f, 700, 101));
+    walk_equals_info(*f.session, "a wider window, more appended");
+    v1::SelectResponse more;
+    ASSERT_OK(child->Select(SelectReq(f, 0, 1000), &more));
+    walk_equals_info(*child, "the fork's own copies");
+    ASSERT_OK(e.leases.Release("t", held.lease_id()));
+    ASSERT_OK(e.leases.Release("t", more.lease_id()));
+    child.reset();
+    walk_equals_info(*f.session, "its fork closed");
+  }
+}
+
 // A full host tier makes room by evicting dequantized copies nobody is reading (the host
 // promotion cache); the copies this very Select chose again are held and never evicted.
 TEST(ColdChunks, MakingRoomForCopiesKeepsTheChosenOnes) {

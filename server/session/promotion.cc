@@ -84,7 +84,7 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
     const Chunk& ch = heads[h].chunks()[c];
     const double cost = RemakeCostUs(2 * ch.num_tokens * target.format.row_bytes(), ch.cold());
     (to_device ? heads[h].copies(c).mutable_device() : heads[h].copies(c).mutable_promoted()) =
-        cache->Insert(slots[j], target.account.tenant(), cost, prefetch, group);
+        cache->Insert(slots[j], target.account.tenant(), cost, prefetch, group, target.copy_bytes);
     out[h][i] = std::move(slots[j]);
   }
   if (promoted) *promoted = todo.size();

@@ -19,7 +19,8 @@ namespace kvtier {
 struct PromotionTarget {
   PromotionCache* cache;  // over the host tier or the device tier
   bool to_device;
-  const TierAccount& account;  // of the cache's tier
+  const TierAccount& account;                    // of the cache's tier
+  const std::shared_ptr<CopyTally>& copy_bytes;  // where the new copies count
   ChunkFormat format;
   uint32_t layer;  // of the chunks promoted (their ids name them in an error)
 };

@@ -284,8 +284,12 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   PromotionTarget promotion(uint32_t layer, bool to_device) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies, to_device,
-                           to_device ? device_account_ : host_account_, format(), layer};
+    return PromotionTarget{to_device ? env_.device_copies : env_.host_copies,
+                           to_device,
+                           to_device ? device_account_ : host_account_,
+                           to_device ? device_copy_bytes_ : host_copy_bytes_,
+                           format(),
+                           layer};
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -340,6 +344,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // on the shards this session's id picks: every slot of the session's comes through them.
   const TierAccount host_account_;
   const TierAccount device_account_;
+  // The bytes of the copies this session's promotions made, while cached (Info's).
+  const std::shared_ptr<CopyTally> host_copy_bytes_ = std::make_shared<CopyTally>();
+  const std::shared_ptr<CopyTally> device_copy_bytes_ = std::make_shared<CopyTally>();
   int64_t created_ms_;      // set once, before the session is shared (Import restores it)
   mutable absl::Mutex mu_;  // lock order 3 (server/common/lock_order.h)
   // Appends, Selects and ReadChunks waiting for mu_ (ForegroundLock): aging lets them in first.

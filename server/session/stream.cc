@@ -174,7 +174,7 @@ const uint16_t* Halves(const uint8_t* p) { return reinterpret_cast<const uint16_
 }  // namespace
 
 uint32_t Stream::Push(Chunk chunk) {
-  AddOffsets(chunk);
+  Count(chunk);
   chunks_.push_back(std::move(chunk));
   return static_cast<uint32_t>(chunks_.size() - 1);
 }
@@ -241,6 +241,7 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
       SlotRef copy = slot();
       std::memcpy(copy->data(), c.host->data(), m * rb);                        // old K
       std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
+      slot_bytes_ += copy->bytes() - c.host->bytes();
       c.host = std::move(copy);
     } else {
       // Nobody else can see this slot: move V down to make room for the new key rows.
@@ -264,8 +265,8 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
 }
 
 void Stream::Replace(uint32_t c, Chunk chunk, const ChunkSummary& summary) {
-  DropOffsets(chunks_[c]);
-  AddOffsets(chunk);
+  Uncount(chunks_[c]);
+  Count(chunk);
   chunks_[c] = std::move(chunk);  // the old slot goes back (unless a lease or fork holds it)
   stats_.Set(c, summary);
 }
@@ -299,7 +300,9 @@ void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t 
   const uint64_t rb = f.row_bytes();
   chunks_.assign(src.chunks_.begin(), src.chunks_.begin() + keep);
   offset_bytes_ = 0;
-  for (const Chunk& c : chunks_) AddOffsets(c);
+  slot_bytes_ = 0;
+  by_precision_ = {};
+  for (const Chunk& c : chunks_) Count(c);
   stats_.CopyPrefix(src.stats_, keep);
   std::vector<uint16_t> scratch;
   for (uint64_t p = from; p < to;) {

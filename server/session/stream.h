@@ -20,6 +20,7 @@
 #ifndef KVTIER_SERVER_SESSION_STREAM_H_
 #define KVTIER_SERVER_SESSION_STREAM_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -138,7 +139,8 @@ struct Chunk {
   RowOffsets offsets;
   SlotRef host;        // the stored bytes
   ChunkCopies copies;  // its fp16 copies in the promotion caches, if any
-  bool cold() const { return precision == v1::PRECISION_INT4 || precision == v1::PRECISION_INT8; }
+  bool cold() const { return IsCold(precision); }
+  static bool IsCold(v1::Precision p) { return p == v1::PRECISION_INT4 || p == v1::PRECISION_INT8; }
   uint64_t position(uint32_t r) const { return first + (offsets.empty() ? r : offsets[r]); }
   uint64_t end() const { return position(num_tokens - 1) + 1; }  // past the last row
 };
@@ -156,7 +158,9 @@ struct ChunkFormat {
   v1::Precision warm() const {
     return dtype == v1::DTYPE_BF16 ? v1::PRECISION_BF16 : v1::PRECISION_FP16;
   }
-  v1::Precision precision(const Chunk& c) const { return c.cold() ? c.precision : warm(); }
+  v1::Precision precision(const Chunk& c) const { return precision(c.precision); }
+  // Of a chunk whose precision field says `p`.
+  v1::Precision precision(v1::Precision p) const { return Chunk::IsCold(p) ? p : warm(); }
   uint64_t row_bytes() const { return uint64_t{head_dim} * 2; }
   uint64_t slot_bytes() const { return row_bytes() * capacity * 2; }
   // The layout of a cold chunk's bytes.
@@ -207,6 +211,13 @@ class Stream {
   Stream& operator=(Stream&&) = default;
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
+  // Kept as the chunks change, so that a session's Info sums its streams, not their chunks:
+  // the bytes of the chunks' host slots, and how many chunks hold each precision (by the value
+  // of Chunk::precision).
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  const std::array<uint32_t, v1::Precision_ARRAYSIZE>& chunks_by_precision() const {
+    return by_precision_;
+  }
   const ChunkStats& stats() const { return stats_; }
   const ClusterIndex* index() const { return index_.get(); }
   // A chunk's cached copies (promoted, device) are the one part of it that callers set.
@@ -278,8 +289,17 @@ class Stream {
   }
 
  private:
-  void AddOffsets(const Chunk& c) { offset_bytes_ += c.offsets.AllocatedBytes(); }
-  void DropOffsets(const Chunk& c) { offset_bytes_ -= c.offsets.AllocatedBytes(); }
+  // A chunk joins or leaves the stream's counts (its offsets' bytes, its slot's, its precision).
+  void Count(const Chunk& c) {
+    offset_bytes_ += c.offsets.AllocatedBytes();
+    slot_bytes_ += c.host->bytes();
+    ++by_precision_[c.precision];
+  }
+  void Uncount(const Chunk& c) {
+    offset_bytes_ -= c.offsets.AllocatedBytes();
+    slot_bytes_ -= c.host->bytes();
+    --by_precision_[c.precision];
+  }
 
   // Appends `chunk` (its row offsets counted); returns its index. The caller adds its
   // statistics.
@@ -289,7 +309,9 @@ class Stream {
   ChunkStats stats_;
   std::unique_ptr<ClusterIndex> index_;  // null until the first chunk is final
   uint64_t offset_bytes_ = 0;            // the chunks' offsets arrays
-  uint64_t index_bytes_ = 0;             // index_->MemoryBytes(), taken when the index changes
+  uint64_t slot_bytes_ = 0;              // the chunks' host slots
+  std::array<uint32_t, v1::Precision_ARRAYSIZE> by_precision_{};
+  uint64_t index_bytes_ = 0;  // index_->MemoryBytes(), taken when the index changes
 };
 
 // The plan for the append's tokens [from, to) after what `head0` (any stream of the layer)

@@ -157,16 +157,18 @@ v1::SessionInfo Session::Info() const {
   info.set_created_unix_ms(created_ms_);
   info.set_last_access_unix_ms(last_access_ms_);
   info.mutable_labels()->insert(labels_.begin(), labels_.end());
-  uint64_t host = 0, device = 0;
+  // A step per stream, not per chunk (a long session has hundreds of thousands, and a decode
+  // loop waits for this lock): each stream keeps its slots' bytes and its chunks' precisions,
+  // and the caches count this session's copies. A fork's copies of its parent's, read through
+  // the chunks they share, count to the parent.
+  uint64_t host = host_copy_bytes_->bytes.load(std::memory_order_relaxed);
+  const uint64_t device = device_copy_bytes_->bytes.load(std::memory_order_relaxed);
   const ChunkFormat f = format();
-  // Counted by enum value, then named once each: a map keyed by name, bumped per chunk, hashed
-  // a string for each of a long session's hundreds of thousands of chunks under the lock.
   std::array<uint64_t, v1::Precision_ARRAYSIZE> counts{};
   for (const Stream& s : streams_) {
-    for (const Chunk& c : s.chunks()) {
-      host += c.host->bytes() + CopyBytes(*env_.host_copies, c.copies.promoted());
-      device += CopyBytes(*env_.device_copies, c.copies.device());
-      ++counts[f.precision(c)];
+    host += s.slot_bytes();
+    for (int p = 0; p < v1::Precision_ARRAYSIZE; ++p) {
+      counts[f.precision(static_cast<v1::Precision>(p))] += s.chunks_by_precision()[p];
     }
   }
   auto& by_precision = *info.mutable_chunks_by_precision();

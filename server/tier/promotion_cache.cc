@@ -133,15 +133,16 @@ SlotRef PromotionCache::Peek(const CopyRef& copy) const {
 }
 
 CopyRef PromotionCache::Insert(SlotRef slot, const std::string& tenant, double cost_us,
-                               bool prefetched, uint64_t group) {
+                               bool prefetched, uint64_t group, std::shared_ptr<CopyTally> tally) {
   const int64_t now = clock_->NowMs();
   CopyStats stats;
   stats.bytes = slot->bytes();
   stats.inserted_ms = now;
   stats.cost_us = cost_us;
   const size_t at = absl::HashOf(group) % kStripes;
-  auto copy = CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched, at,
-                                     next_seq_.fetch_add(1, std::memory_order_relaxed)));
+  auto copy =
+      CopyRef(new CachedCopy(std::move(slot), tenant, stats, prefetched, at,
+                             next_seq_.fetch_add(1, std::memory_order_relaxed), std::move(tally)));
   Stripe& stripe = stripes_[at];
   MutexLock lock(&stripe.mu);
   Touch(*copy, now);

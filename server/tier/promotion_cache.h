@@ -64,25 +64,39 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const std::st
 
 class PromotionCache;
 
+// The bytes of one holder's cached copies (a session's on one tier): what Insert added, less
+// what was evicted, dropped or let go of since. Read without a lock.
+struct CopyTally {
+  std::atomic<uint64_t> bytes{0};
+};
+
 // One cached copy, owned by the chunk it copies.
 class CachedCopy {
  public:
   CachedCopy(const CachedCopy&) = delete;
   CachedCopy& operator=(const CachedCopy&) = delete;
+  // The last reference: nobody else can reach slot_ now.
+  ~CachedCopy() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (slot_ && tally_) tally_->bytes.fetch_sub(slot_->bytes(), std::memory_order_relaxed);
+  }
 
  private:
   friend class PromotionCache;
   CachedCopy(SlotRef slot, std::string tenant, CopyStats stats, bool prefetched, size_t stripe,
-             uint64_t seq)
+             uint64_t seq, std::shared_ptr<CopyTally> tally)
       : slot_(std::move(slot)),
         tenant_(std::move(tenant)),
         stats_(stats),
         prefetched_(prefetched),
         stripe_(stripe),
-        seq_(seq) {}
+        seq_(seq),
+        tally_(std::move(tally)) {
+    if (tally_) tally_->bytes.fetch_add(slot_->bytes(), std::memory_order_relaxed);
+  }
   // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under its
   // stripe's mutex.
   void Forget() {
+    if (slot_ && tally_) tally_->bytes.fetch_sub(slot_->bytes(), std::memory_order_relaxed);
     slot_.reset();
     gone_.store(true, std::memory_order_relaxed);
   }
@@ -94,8 +108,9 @@ class CachedCopy {
   CopyStats stats_;
   bool prefetched_;  // promoted ahead by a prefetch and not read since
   const size_t stripe_;
-  const uint64_t
-      seq_;  // the order of insertion, across stripes: ties of the policy go oldest first
+  // The order of insertion, across stripes: ties of the policy go oldest first.
+  const uint64_t seq_;
+  const std::shared_ptr<CopyTally> tally_;  // null: counted nowhere
 };
 using CopyRef = std::shared_ptr<CachedCopy>;
 
@@ -134,9 +149,10 @@ class PromotionCache {
                                                 size_t n);
 
   // Registers a filled slot as a cached copy that would cost `cost_us` to remake. Copies of
-  // one `group` (any number: copies read together, as a session's layer) share a stripe.
+  // one `group` (any number: copies read together, as a session's layer) share a stripe. Its
+  // bytes count in `tally`, when given, while it is cached.
   CopyRef Insert(SlotRef slot, const std::string& tenant, double cost_us, bool prefetched,
-                 uint64_t group = 0);
+                 uint64_t group = 0, std::shared_ptr<CopyTally> tally = nullptr);
 
   // Drops a copy now (a session's Evict); returns its bytes, 0 if it was not cached.
   uint64_t Drop(const CopyRef& copy);
