@@ -54,7 +54,7 @@ int main() {
       auto described = c.DescribeSession(s->session_id());
       if (!described.ok()) return 1;
       if (described->info().aging_backlog_tokens() == 0) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // each look walks every chunk
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     indexed_bw.push_back(total / (NowSeconds() - t0) / 1e9);
     (void)c.CloseSession(s->session_id());

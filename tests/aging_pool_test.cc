@@ -1,14 +1,13 @@
-// Aging off the append path: a session whose aging runs on an AgingPool acknowledges appends
+// Aging off the append path: a session whose aging runs on a TaskPool acknowledges appends
 // with nothing aged, stays exact for Select meanwhile (against brute force), ends in the same
 // chunks as a session that aged inline, bounds its backlog, and forks, closes and drops
 // correctly with aging queued. `make tsan` runs it under ThreadSanitizer too.
-#include "server/session/aging_pool.h"
-
 #include <atomic>
 #include <numeric>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
+#include "server/session/task_pool.h"
 #include "tests/session_fixture.h"
 
 namespace kvtier {
@@ -17,7 +16,7 @@ namespace {
 using namespace ::kvtier::testing;
 using Code = absl::StatusCode;
 
-// An AgingPool of one thread, held busy until Release(): what aging is queued waits.
+// A TaskPool of one thread, held busy until Release(): what aging is queued waits.
 class BlockedPool {
  public:
   BlockedPool() {
@@ -27,7 +26,7 @@ class BlockedPool {
   void Release() {
     if (!gate_.HasBeenNotified()) gate_.Notify();
   }
-  AgingPool pool{1};
+  TaskPool pool{1};
 
  private:
   absl::Notification gate_;
@@ -49,9 +48,9 @@ std::vector<std::string> AllBytes(Fixture& f) {
 // The pool's own queues: tasks from many threads under many keys each run once; one key's run in
 // the order submitted on one thread; a task queued behind a busy thread is taken by an idle one
 // from that queue; and the queued tasks a stopping pool drops never run.
-TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
+TEST(TaskPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
   {
-    AgingPool pool(2);
+    TaskPool pool(2);
     std::atomic<int> ran = 0;
     std::vector<std::thread> submitters;
     for (int t = 0; t < 4; ++t) {
@@ -66,7 +65,7 @@ TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
     EXPECT_EQ(pool.counters().queued, 0u);
   }
   {
-    AgingPool pool(1);
+    TaskPool pool(1);
     std::vector<int> order;  // one thread: written by it alone, read after WaitIdle
     for (int i = 0; i < 100; ++i) pool.Submit([&order, i] { order.push_back(i); }, /*key=*/7);
     pool.WaitIdle();
@@ -77,7 +76,7 @@ TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
   {
     // Both tasks under one key, so in one queue: the first holds its thread until the second
     // runs, which only the other thread can do.
-    AgingPool pool(2);
+    TaskPool pool(2);
     absl::Notification second_ran;
     std::atomic<bool> first_saw = false;
     pool.Submit([&] { first_saw = second_ran.WaitForNotificationWithTimeout(absl::Seconds(30)); },
@@ -89,8 +88,8 @@ TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
   {
     std::atomic<int> ran = 0;
     absl::Notification started;
-    auto pool = std::make_unique<AgingPool>(1);
-    const AgingPool* raw = pool.get();
+    auto pool = std::make_unique<TaskPool>(1);
+    const TaskPool* raw = pool.get();
     pool->Submit([&] {
       started.Notify();
       while (!raw->stopping()) absl::SleepFor(absl::Milliseconds(1));  // ends once it stops
@@ -101,6 +100,34 @@ TEST(AgingPool, EveryTaskRunsOnceAndAnIdleThreadTakesWhatWaitsBehindABusyOne) {
     pool.reset();  // finishes the task in hand, drops the rest
     EXPECT_EQ(ran.load(), 0);
   }
+}
+
+// A bounded pool (the prefetcher's): a full queue drops its oldest task for the new one, and
+// what the dropped task held goes at once; the tasks kept run in the order submitted, and
+// WaitIdle counts exactly them. Another key's queue is not full for it.
+TEST(TaskPool, ABoundedQueueDropsItsOldestTask) {
+  TaskPool pool(TaskPool::Options{.threads = 1, .name = "kvtier-test", .max_queued = 2});
+  absl::Notification gate, started;
+  pool.Submit([&] {
+    started.Notify();
+    gate.WaitForNotification();
+  });
+  started.WaitForNotification();  // the thread is busy: what follows waits in the queues
+  std::vector<int> ran;           // written by the pool's one thread, read after WaitIdle
+  auto held = std::make_shared<int>(0);
+  for (int i = 0; i < 5; ++i) pool.Submit([&ran, i, held] { ran.push_back(i); }, /*key=*/1);
+  pool.Submit([&ran] { ran.push_back(100); }, /*key=*/2);
+  EXPECT_EQ(pool.counters().dropped, 3u);
+  EXPECT_EQ(pool.counters().queued, 3u);
+  EXPECT_EQ(held.use_count(), 3);  // the test's and the two kept tasks'
+  gate.Notify();
+  pool.WaitIdle();
+  ASSERT_EQ(ran.size(), 3u);
+  EXPECT_EQ(std::count(ran.begin(), ran.end(), 100), 1);
+  std::erase(ran, 100);
+  EXPECT_EQ(ran, (std::vector<int>{3, 4}));
+  EXPECT_EQ(pool.counters().tasks, 4u);
+  EXPECT_EQ(pool.counters().queued, 0u);
 }
 
 TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {
@@ -134,7 +161,7 @@ TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {
 TEST(AgingPool, ThePoolAgesIntoTheSameChunksAsTheAppendPath) {
   for (const v1::SessionPolicy& policy : {Cold(), SemanticPolicy(false)}) {
     Env inline_env(128 << 20), pooled_env(128 << 20);
-    AgingPool pool(2);
+    TaskPool pool(2);
     pooled_env.env.aging = &pool;
     Fixture a = Make(inline_env, 3, 4, 2, 64, 2500, policy, 11);
     Fixture b = Make(pooled_env, 3, 4, 2, 64, 2500, policy, 11);
@@ -236,7 +263,7 @@ TEST(AgingPool, ForkCloseAndDropWithAgingQueued) {
 // while (ThreadSanitizer's case); at the end the session equals one aged inline.
 TEST(AgingPool, AppendsSelectsAndAgingAtOnce) {
   Env e(128 << 20), twin_env(128 << 20);
-  AgingPool pool(2);
+  TaskPool pool(2);
   e.env.aging = &pool;
   const int layers = 4, tokens = 2048;
   Fixture f = Make(e, layers, 4, 2, 64, tokens, Cold(), 12);

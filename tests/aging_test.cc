@@ -240,7 +240,9 @@ TEST(ColdChunks, InfoCountsWhatAWalkOfTheChunksFinds) {
       v1::SelectResponse resp;
       const absl::Status s = f.session->Select(on_device, &resp);
       ASSERT_TRUE(s.ok() || absl::IsResourceExhausted(s)) << s;
-      if (s.ok()) ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+      if (s.ok()) {
+        ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+      }
     }
     EXPECT_GT(e.device_copies.counters().evictions, 0u);
     walk_equals_info(*f.session, "device copies, some evicted");

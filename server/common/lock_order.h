@@ -15,9 +15,7 @@
 //                                   the record to Redis under it (4), so that no append slips
 //                                   between the record and the free
 //   4  RemoteStore::mu_             the Redis connection (leaf)
-//   5  Prefetcher::mu_              its queue; never held while a session runs a prefetch. A
-//                                   task dropped from a full queue may free a session's slots
-//                                   under it (8)
+//   5  (unused: the prefetcher's tasks wait in a TaskPool's queues, 16)
 //   6  LeaseTable's shards          a worker shard's mu (one of 16, by worker id), then a lease
 //                                   shard's (by lease id); each alone otherwise. Its tenants'
 //                                   map (tenants_mu_) is a leaf taken under neither. Slots are
@@ -41,8 +39,10 @@
 //  14  UnixListener peer shards     the Unix socket's connections and their peers, one of 16
 //                                   shards by descriptor (leaf)
 //  15  FdChannel::mu_               the outstanding descriptor tickets (leaf)
-//  16  AgingPool queues' mu         one of its 16 queues of aging tasks (leaf); a session
-//                                   submits one per layer under its own lock (3)
+//  16  TaskPool queues' mu          one of a pool's 16 queues (the aging pool's, the
+//                                   prefetcher's; leaf); a session submits aging, one task per
+//                                   layer, under its own lock (3). A task dropped from a full
+//                                   queue is destroyed after the lock
 //  17  StagingRegistry::mu_         the staging areas by id (leaf)
 //  18  Session::staging_mu_         one session's staging area (leaf); taken under its mu_ (3)
 //                                   where the area is set or dropped, and alone by an append

@@ -71,7 +71,7 @@ absl::StatusOr<std::unique_ptr<RemoteStore>> ConnectRemote(const ServerOptions& 
 
 SessionEnv MakeSessionEnv(const ServerOptions& o, Tier* host, PromotionCache* host_copies,
                           PromotionCache* device_copies, LeaseTable* leases, const Clock* clock,
-                          AgingPool* aging, int gpu) {
+                          TaskPool* aging, int gpu) {
   SessionEnv env;
   env.aging = aging;
   if (gpu >= 0) {  // ingest from workers' device memory, copied on this daemon's GPU
@@ -236,11 +236,11 @@ Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* c
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
       staging_(absl::StrCat("kvtier-", options_.instance), options_.max_staging_size),
-      aging_(std::make_unique<AgingPool>(
+      aging_(std::make_unique<TaskPool>(
           static_cast<int>(std::max(1u, options_.aging_threads
                                             ? options_.aging_threads
                                             : std::thread::hardware_concurrency())),
-          AgingPool::kBackgroundNice)),
+          TaskPool::kBackgroundNice)),
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,
                                aging_.get(), device_choice_.gpu),
@@ -473,7 +473,7 @@ void Daemon::RegisterGauges() {
           .IncreaseTo(p.failed);
     }
     {
-      const AgingPool::Counters a = aging_->counters();
+      const TaskPool::Counters a = aging_->counters();
       metrics_.GetCounter("kvtier_aging_tasks_total", "Aging passes the aging pool ran")
           .IncreaseTo(a.tasks);
       metrics_

@@ -102,7 +102,7 @@ class Daemon {
   // Ages sessions off the append path. Declared before the sessions and after the tiers: a
   // task in hand keeps its session alive until it ends, and the pool's threads are joined
   // before the tiers go.
-  std::unique_ptr<AgingPool> aging_;
+  std::unique_ptr<TaskPool> aging_;
   SessionManager sessions_;
   // The Unix socket's listener (null for a TCP --listen): its connections' peers outlive
   // every call, so it is destroyed after the service and the server.

@@ -2,25 +2,25 @@
 // the chunks it would have chosen with a 25% larger budget (PrefetchGuess), and a worker thread
 // promotes them onto the placement tier, so that the next decode step finds them cached
 // (PromotionCache counts the hits). Best effort: a full queue drops the oldest task, a full
-// tier or a closed session ends a task quietly.
+// tier or a closed session ends a task quietly. The tasks wait in a TaskPool of one thread at
+// idle priority, whose queues have locks of their own: no lock every Select shares.
 #ifndef KVTIER_SERVER_SESSION_PREFETCHER_H_
 #define KVTIER_SERVER_SESSION_PREFETCHER_H_
 
+#include <atomic>
 #include <cstdint>
-#include <deque>
 #include <memory>
-#include <thread>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "server/session/session.h"
+#include "server/session/task_pool.h"
 
 namespace kvtier {
 
 class Prefetcher {
  public:
+  // `max_queue`: the tasks that may wait, over the pool's queues (at least one a queue).
   explicit Prefetcher(uint32_t extra_percent = 25, size_t max_queue = 256);
-  ~Prefetcher();  // finishes the task in hand, drops the rest
+  ~Prefetcher() = default;  // finishes the task in hand, drops the rest
   Prefetcher(const Prefetcher&) = delete;
   Prefetcher& operator=(const Prefetcher&) = delete;
 
@@ -31,7 +31,7 @@ class Prefetcher {
   // the guess is empty).
   void Enqueue(std::shared_ptr<Session> session, PrefetchGuess guess);
   // Blocks until every queued task has run (tests, benchmarks).
-  void WaitIdle();
+  void WaitIdle() { pool_.WaitIdle(); }
 
   struct Counters {
     uint64_t tasks = 0;    // prefetches run
@@ -42,26 +42,10 @@ class Prefetcher {
   Counters counters() const;
 
  private:
-  struct Task {
-    std::shared_ptr<Session> session;
-    PrefetchGuess guess;
-  };
-  void Run();
-  // Whether no task is queued or running (or the worker is stopping).
-  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stop_ || (queue_.empty() && !busy_);
-  }
-
   const uint32_t extra_percent_;
-  const size_t max_queue_;
-  mutable absl::Mutex mu_;  // lock order 5 (server/common/lock_order.h)
-  absl::CondVar work_;      // a task was queued, or stop
-  absl::CondVar idle_;      // the queue emptied with no task in hand
-  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  Counters counters_ ABSL_GUARDED_BY(mu_);
-  std::thread worker_;
+  std::atomic<uint64_t> tasks_ = 0, copies_ = 0, failed_ = 0;
+  // Last: its thread is joined before the counters it writes go.
+  TaskPool pool_;
 };
 
 }  // namespace kvtier

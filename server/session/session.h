@@ -37,12 +37,12 @@
 #include "kvtier/v1/record.pb.h"
 #include "server/common/clock.h"
 #include "server/session/aging.h"
-#include "server/session/aging_pool.h"
 #include "server/session/layer_budget.h"
 #include "server/session/lease_table.h"
 #include "server/session/promotion.h"
 #include "server/session/selection.h"
 #include "server/session/stream.h"
+#include "server/session/task_pool.h"
 #include "server/tier/promotion_cache.h"
 #include "server/tier/staging.h"
 #include "server/tier/tier.h"
@@ -63,7 +63,7 @@ struct SessionEnv {
   uint32_t max_lease_ms = 600'000;
   uint32_t max_leases_per_tenant = 4096;
   // Runs aging off the append path; null: each append ages its layer before it returns.
-  AgingPool* aging = nullptr;
+  TaskPool* aging = nullptr;
   // With a pool: the un-aged tokens, summed over layers, past which an append waits for the
   // pool (aging_wait_ms at most, then RESOURCE_EXHAUSTED naming the backlog); 0: no bound.
   uint64_t max_aging_backlog_tokens = 0;

@@ -1,4 +1,4 @@
-#include "server/session/aging_pool.h"
+#include "server/session/task_pool.h"
 
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -11,20 +11,25 @@
 
 namespace kvtier {
 
-AgingPool::AgingPool(int threads, int nice) {
-  CHECK_GT(threads, 0);
-  for (int i = 0; i < threads; ++i) {
+TaskPool::TaskPool(Options o) : max_queued_(o.max_queued) {
+  CHECK_GT(o.threads, 0);
+  for (int i = 0; i < o.threads; ++i) {
     // Each thread looks first at a queue of its own, spread over the queues.
-    const size_t first = static_cast<size_t>(i) * kQueues / static_cast<size_t>(threads);
-    threads_.emplace_back([this, nice, first] {
+    const size_t first = static_cast<size_t>(i) * kQueues / static_cast<size_t>(o.threads);
+    threads_.emplace_back([this, o, first] {
+      if (o.name[0] != '\0') pthread_setname_np(pthread_self(), o.name);
       // Linux: a thread's own nice value (a lower priority only; no privilege needed).
-      if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+      if (o.nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), o.nice);
+      if (o.idle_priority) {
+        sched_param idle{};
+        (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+      }
       Run(first);
     });
   }
 }
 
-AgingPool::~AgingPool() {
+TaskPool::~TaskPool() {
   stop_.store(true, std::memory_order_release);
   ready_.release(static_cast<std::ptrdiff_t>(threads_.size()));  // each thread sees the stop
   for (std::thread& t : threads_) t.join();
@@ -43,12 +48,21 @@ AgingPool::~AgingPool() {
   if (pending_.fetch_sub(dropped, std::memory_order_acq_rel) == dropped) pending_.notify_all();
 }
 
-void AgingPool::Submit(std::function<void()> task, uint64_t key) {
+void TaskPool::Submit(std::function<void()> task, uint64_t key) {
   if (stop_.load(std::memory_order_acquire)) return;
   Queue& q = queues_[key % kQueues];
+  std::function<void()> dropped;  // what it holds goes after the lock
   {
     MutexLock lock(&q.mu);
     if (q.closed) return;
+    if (max_queued_ != 0 && q.tasks.size() >= max_queued_) {
+      // The oldest makes way: as many tasks wait as before, and the semaphore counts them.
+      dropped = std::move(q.tasks.front());
+      q.tasks.pop_front();
+      q.tasks.push_back(std::move(task));
+      dropped_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     pending_.fetch_add(1, std::memory_order_relaxed);
     queued_.fetch_add(1, std::memory_order_relaxed);
     q.tasks.push_back(std::move(task));
@@ -57,19 +71,20 @@ void AgingPool::Submit(std::function<void()> task, uint64_t key) {
   ready_.release();
 }
 
-void AgingPool::WaitIdle() {
+void TaskPool::WaitIdle() {
   for (uint64_t p = pending_.load(std::memory_order_acquire); p != 0;
        p = pending_.load(std::memory_order_acquire)) {
     pending_.wait(p, std::memory_order_acquire);
   }
 }
 
-AgingPool::Counters AgingPool::counters() const {
+TaskPool::Counters TaskPool::counters() const {
   return Counters{.tasks = tasks_.load(std::memory_order_relaxed),
-                  .queued = queued_.load(std::memory_order_relaxed)};
+                  .queued = queued_.load(std::memory_order_relaxed),
+                  .dropped = dropped_.load(std::memory_order_relaxed)};
 }
 
-std::function<void()> AgingPool::Take(size_t first) {
+std::function<void()> TaskPool::Take(size_t first) {
   // Another thread may take the task this one saw first: then one waits in a queue passed
   // over, and the next round finds it.
   for (;;) {
@@ -86,7 +101,7 @@ std::function<void()> AgingPool::Take(size_t first) {
   }
 }
 
-void AgingPool::Run(size_t first) {
+void TaskPool::Run(size_t first) {
   for (;;) {
     ready_.acquire();
     if (stop_.load(std::memory_order_acquire)) return;

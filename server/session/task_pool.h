@@ -1,0 +1,98 @@
+// A pool of threads that run tasks off the calls that make them: the daemon's aging pool
+// (regroup, quantize, index: aging.h, off the append path, so that an AppendKV is acknowledged
+// once its rows are stored in fp16 and visible to Select) and the prefetcher's (prefetcher.h).
+// For aging, a session submits one task per layer while that layer has un-aged tokens and none
+// queued or running (Session::Append, Session::AgeQueuedLayer), so that the threads age one
+// session's layers side by side; the task holds the session only weakly, so a closed and
+// dropped session's queued task does nothing.
+//
+// Thread-safe, and no lock is shared by every session: tasks wait in 16 queues, each with a
+// lock of its own, a task's queue chosen by the key its submitter names (a session's layer),
+// and a semaphore (lock-free until a thread sleeps) counts them for the threads, each of which
+// takes the oldest task of the first queue that holds one, from a queue of its own onward. A
+// queue's lock is lock order 16, a leaf: a session submits under its own lock (3). A bounded
+// pool's full queue drops its oldest task for the new one (destroyed after the lock).
+#ifndef KVTIER_SERVER_SESSION_TASK_POOL_H_
+#define KVTIER_SERVER_SESSION_TASK_POOL_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <semaphore>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvtier {
+
+class TaskPool {
+ public:
+  // The daemon's aging: background work beside the calls it serves.
+  static constexpr int kBackgroundNice = 10;
+  static constexpr size_t kQueues = 16;
+  struct Options {
+    int threads = 1;
+    // > 0: each thread runs at that nice value, so that on a busy machine the appends and
+    // Selects it serves take the cores first (aging's backlog bound stops it falling behind
+    // without end).
+    int nice = 0;
+    // Each thread runs only on a core nothing else wants (SCHED_IDLE; no privilege needed).
+    bool idle_priority = false;
+    // The threads' name (at most 15 characters); empty: the process's.
+    const char* name = "";
+    // The most tasks a queue holds (0: no bound); past it the oldest is dropped.
+    size_t max_queued = 0;
+  };
+  explicit TaskPool(Options options);
+  explicit TaskPool(int threads, int nice = 0)
+      : TaskPool(Options{.threads = threads, .nice = nice}) {}
+  // Finishes the tasks in hand, drops the queued ones, joins the threads.
+  ~TaskPool();
+  TaskPool(const TaskPool&) = delete;
+  TaskPool& operator=(const TaskPool&) = delete;
+
+  int threads() const { return static_cast<int>(threads_.size()); }
+  // Queues `task` in the queue `key` picks (tasks of one key run in the order submitted, as far
+  // as one thread takes them); a no-op once the pool is stopping. In a full queue of a bounded
+  // pool, the oldest task makes way (Counters::dropped).
+  void Submit(std::function<void()> task, uint64_t key = 0);
+  // Blocks until no task is queued or running (tests, benchmarks).
+  void WaitIdle();
+  // The pool is being destroyed: the tasks in hand finish, no other runs.
+  bool stopping() const { return stop_.load(std::memory_order_acquire); }
+
+  struct Counters {
+    uint64_t tasks = 0;    // tasks run
+    uint64_t queued = 0;   // tasks waiting now
+    uint64_t dropped = 0;  // tasks dropped from a full queue
+  };
+  Counters counters() const;
+
+ private:
+  struct Queue {
+    mutable absl::Mutex mu;  // lock order 16 (server/common/lock_order.h)
+    std::deque<std::function<void()>> tasks ABSL_GUARDED_BY(mu);
+    bool closed ABSL_GUARDED_BY(mu) = false;  // the pool is stopping: Submit drops the task
+    std::atomic<size_t> size = 0;  // tasks.size(), read without the lock to skip empty queues
+  };
+  void Run(size_t first);
+  // The oldest task of the first queue from `first` on that holds one (one is there: the
+  // semaphore said so, and only a thread it let through takes one).
+  std::function<void()> Take(size_t first);
+
+  const size_t max_queued_;
+  std::array<Queue, kQueues> queues_;
+  std::counting_semaphore<> ready_{0};  // a release per task queued (and per thread at stop)
+  std::atomic<bool> stop_ = false;
+  std::atomic<uint64_t> queued_ = 0, tasks_ = 0, dropped_ = 0;
+  std::atomic<uint64_t> pending_ = 0;  // queued or running: WaitIdle waits on it
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVER_SESSION_TASK_POOL_H_
