@@ -218,7 +218,7 @@ absl::Status Tier::AllocateMany(const TierAccount& account, uint64_t slot_bytes,
     GiveBytes(tenant, (count - taken.size()) * slot_bytes);
     return status;
   }
-  if (retained_bytes_.load(std::memory_order_relaxed) > 0) TrimRetained();
+  if (RetainedOver()) TrimRetained();
   // The segments stay mapped: each range's segment has a slot just taken from it.
   for (const PopulateRange& r : populate) r.shm->Populate(r.offset, r.length);
   for (SlotRef& s : taken) out->push_back(std::move(s));
@@ -382,6 +382,13 @@ void Tier::RetainOrRelease(TierSegment* seg) {
   Release(released);
 }
 
+bool Tier::RetainedOver() const {
+  const uint64_t retained = retained_bytes_.load(std::memory_order_relaxed);
+  return retained > 0 &&
+         (retained > options_.retain_bytes ||
+          used_bytes_.load(std::memory_order_relaxed) + retained > options_.capacity_bytes);
+}
+
 void Tier::TrimRetained() {
   std::vector<TierSegment*> released;
   {
@@ -471,7 +478,7 @@ absl::Status Tier::ChargeMetadata(const TierAccount& account, uint64_t bytes, bo
     used_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   }
   metadata_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-  if (retained_bytes_.load(std::memory_order_relaxed) > 0) TrimRetained();
+  if (RetainedOver()) TrimRetained();
   return absl::OkStatus();
 }
 

@@ -310,7 +310,9 @@ class Tier {
   // A segment whose last slot was just freed, out of every shard: retained or released.
   void RetainOrRelease(TierSegment* seg);
   // Releases the oldest retained segments while they pass retain_bytes or, with the bytes in
-  // use, the capacity.
+  // use, the capacity. Allocations look first without the lock (RetainedOver): in a steady
+  // state with segments retained, none takes it.
+  bool RetainedOver() const;
   void TrimRetained();
   void TrimRetainedLocked(std::vector<TierSegment*>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(retained_mu_);
