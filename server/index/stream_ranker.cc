@@ -40,17 +40,19 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   };
 
   std::vector<uint32_t> found, extra;
-  if (index != nullptr && !uniform && out.candidates >= kIndexMinCandidates) {
+  const uint64_t picks = (budget + q.extra_budget) / std::max<uint64_t>(1, q.chunk_tokens);
+  const bool search = index != nullptr && IndexPays(out.candidates, picks);
+  if (search && !uniform) {
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
     // beside it. The answer is the scan's.
     ClusterIndex::SearchStats st;
     found = index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded,
                                 not_indexed(), &st);
     out.scored = st.chunks_scored;
-  } else if (index == nullptr || !uniform || out.candidates < kIndexMinCandidates) {
-    // Nothing indexed yet, or too few chunks for pruning to pay for its bounds: scan. The
-    // answer is the same. Every chunk is scored in place (the few returned anyway too), and
-    // the candidates' scores filled from.
+  } else if (!search) {
+    // Nothing indexed yet, or too few chunks (or too many to find) for pruning to pay for its
+    // bounds: scan. The answer is the same. Every chunk is scored in place (the few returned anyway
+    // too), and the candidates' scores filled from.
     out.scored = out.candidates;
     std::vector<float> scores(n);
     stats.Score(q.ranking, q.queries, q.group, scores.data());

@@ -1,6 +1,6 @@
 // The one place a stream's chunks are chosen for a query: the chunks that must be returned,
 // then the best of the others by the ranking score within what is left of the budget. Whether
-// the cluster index's search or a linear scan finds them is decided here (kIndexMinCandidates);
+// the cluster index's search or a linear scan finds them is decided here (IndexPays);
 // either way the answer is the scan's (SelectChunks over the same candidates), so the choice
 // changes only the work.
 #ifndef KVTIER_SERVER_INDEX_STREAM_RANKER_H_
@@ -23,6 +23,22 @@ namespace kvtier {
 // semantic chunks took 168-195 at 2048. (Before the scan scored its candidates' exponentials
 // and logarithms eight at a time, the index won from 1024 contiguous chunks.)
 inline constexpr uint64_t kIndexMinCandidates = 2048;
+// Nor does the search pay when it must find more than one chunk in this many: each chunk found
+// opens more of the index, and past that share the scan is faster whatever the context.
+// Measured with kvtier-bench select (contiguous and semantic 16-token chunks), index against
+// scan, in us: 32 picks of 2048 chunks (32K tokens, budget 1024 a head) 177-195 against 84,
+// 128 picks of them (budget 2048) 206-241 against 94; 64 picks of 8192 chunks (128K tokens)
+// 115 contiguous but 1072 semantic against 467, and 128 picks of them 930-1245 against 482.
+// In the daemon, a decode step's 28 selective layers under the default policy (rows refined
+// from an 8x pool: about 110 chunks picked a head) took 50-52 ms with the index at 40K tokens
+// against 20-21 ms with the scan, 75 against 38 ms at 64K, 147 against 64 ms at 128K. With
+// 16 picks (budget 256, whole chunks) the index takes 32 us at 2048 chunks against the scan's
+// 81, and 52 at 8192 against 463.
+inline constexpr uint64_t kIndexCandidatesPerPick = 128;
+// Whether RankStream searches the index to find `picks` chunks among `candidates`.
+inline bool IndexPays(uint64_t candidates, uint64_t picks) {
+  return candidates >= kIndexMinCandidates && candidates >= kIndexCandidatesPerPick * picks;
+}
 
 struct RankQuery {
   v1::Ranking ranking = v1::RANKING_LSE_PEAK;
