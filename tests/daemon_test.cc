@@ -324,7 +324,11 @@ TEST(Daemon, StaleHandlesAreDetectedAfterTheSlotIsFreedOrReused) {
   ASSERT_OK(c->CloseSession(a.session_id()).status());  // its slots go back: generation 0
   EXPECT_THAT(segments.Recheck(h), StatusIs(Code::kAborted, "freed"));
   EXPECT_THAT(segments.View(*c, h), StatusIs(Code::kAborted, "stale handle"));
-  ASSERT_OK_AND_ASSIGN(auto b, c->CreateSession(req));  // takes the freed slots again
+  // Its id again: the same shard of the tier, so the new session takes the freed slots (a
+  // session takes a tier's warm slots first: freed ones, then a closed session's segment).
+  v1::CreateSessionRequest again = req;
+  again.set_session_id(a.session_id());
+  ASSERT_OK_AND_ASSIGN(auto b, c->CreateSession(again));
   ASSERT_OK(c->AppendKV(AllLayers(b.session_id(), data, 0, 200)).status());
   EXPECT_THAT(segments.Recheck(h), StatusIs(Code::kAborted, "now holds generation"));
   EXPECT_THAT(segments.CopyOut(*c, h, k, v), StatusIs(Code::kAborted));

@@ -440,6 +440,34 @@ TEST(Tier, AccountsOnOtherShardsTakeOtherSegmentsAndShareTheirTenantsQuota) {
   EXPECT_EQ(kept.Stats().retained_bytes, 0u);
 }
 
+// Warm pages first: a shard whose segment has only slots with uncommitted pages left takes a
+// retained segment (a closed session's, from another shard) before committing new pages.
+TEST(Tier, ARetainedSegmentIsTakenBeforePagesAreCommittedAnew) {
+  TierOptions o = Options(64 << 20, 4 << 20);  // segments of 4 MiB, committed 1 MiB at a time
+  o.retain_bytes = 8 << 20;
+  Tier tier(o);
+  const TierAccount x = tier.Account("t", 0), y = tier.Account("t", 1);
+  std::vector<SlotRef> xs;
+  ASSERT_OK(tier.AllocateMany(x, 4096, 256, &xs));  // the first MiB of x's segment, all of it
+  ASSERT_OK_AND_ASSIGN(SlotRef ys, tier.Allocate(y, 4096));
+  const uint64_t closed = ys->segment_id();
+  ASSERT_NE(closed, xs[0]->segment_id());
+  ys.reset();  // y's segment empties: retained
+  ASSERT_GT(tier.Stats().retained_bytes, 0u);
+  ASSERT_OK_AND_ASSIGN(SlotRef next, tier.Allocate(x, 4096));
+  EXPECT_EQ(next->segment_id(), closed);
+  EXPECT_EQ(tier.Stats().retained_bytes, 0u);
+  // The retained segment's committed slots next, before x's uncommitted ones; past them (and
+  // none retained), x's segment commits its next pages.
+  ASSERT_OK_AND_ASSIGN(SlotRef more, tier.Allocate(x, 4096));
+  EXPECT_EQ(more->segment_id(), closed);
+  std::vector<SlotRef> rest;
+  ASSERT_OK(tier.AllocateMany(x, 4096, 300, &rest));
+  std::set<uint64_t> ids;
+  for (const SlotRef& r : rest) ids.insert(r->segment_id());
+  EXPECT_TRUE(ids.count(xs[0]->segment_id()));  // past the committed ones: x's own, anew
+}
+
 // No lock of the tier is held by every allocation: while one shard makes a segment (here its
 // device memory, held back by the test), another shard's account allocates and frees, and
 // the tier's counts and segments can be read. With a lock all shards shared, the second

@@ -229,24 +229,35 @@ absl::StatusOr<SlotRef> Tier::TakeSlotLocked(Shard& shard, uint32_t shard_index,
                                              const std::shared_ptr<TierTenant>& tenant,
                                              uint64_t slot_bytes, Layout layout,
                                              std::vector<PopulateRange>* populate) {
+  // Warm memory first: a freed slot, or a fresh one whose pages are committed already (kReserve
+  // ahead); then a retained segment (a closed session's pages); only then pages committed now,
+  // in one of the shard's segments or a new one. So the retained segments' lock is looked at
+  // about once per kReserveAhead of fresh slots, not per slot.
   const ClassKey key{tenant.get(), slot_bytes};
   TierSegment* seg = nullptr;
+  TierSegment* cold = nullptr;  // one with a fresh slot whose pages are not committed yet
   auto it = shard.classes.find(key);
   if (it != shard.classes.end()) {
     for (TierSegment* s : it->second) {
-      if (!s->free.empty() || s->next_unused < s->num_slots) {
+      const bool fresh = s->next_unused < s->num_slots;
+      if (!s->free.empty() || (fresh && uint64_t{s->next_unused + 1} * slot_bytes <= s->reserved)) {
         seg = s;
         break;
       }
+      if (cold == nullptr && fresh) cold = s;
     }
   }
   if (seg == nullptr) {
     seg = Unretain(key);
-    if (seg == nullptr) {
+    if (seg == nullptr && cold == nullptr) {
       ASSIGN_OR_RETURN(seg, NewSegment(tenant, slot_bytes, layout));
     }
-    seg->shard = shard_index;
-    shard.classes[key].push_back(seg);
+    if (seg != nullptr) {
+      seg->shard = shard_index;
+      shard.classes[key].push_back(seg);
+    } else {
+      seg = cold;
+    }
   }
   uint32_t index;
   if (!seg->free.empty()) {
