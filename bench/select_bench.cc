@@ -20,7 +20,8 @@
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
-// on fp16 K and V held in its memory).
+// on fp16 K and V held in its memory). `select_bench --decode_tokens 65536,131072` measures it
+// alone at other contexts.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -400,7 +401,8 @@ void DecodeStep(Client& c, int context, int steps) {
     if (d->info().aging_backlog_tokens() == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  auto channel = c.OpenChannel();
+  // Room for a dense layer's reply (every chunk's handle: about 93 bytes a token).
+  auto channel = c.OpenChannel(std::max<uint64_t>(4 << 20, uint64_t{160} * context));
   if (!channel.ok()) std::exit(1);
   std::vector<v1::SelectRequest> layers;
   for (int l = 0; l < kLayers; ++l) {
@@ -453,6 +455,17 @@ int main(int argc, char** argv) {
     if (a.size() != 5) return 2;
     return ScalingWorker(a[0], a[1], static_cast<uint32_t>(std::stoul(a[2])), std::stoi(a[3]),
                          static_cast<uint32_t>(std::stoul(a[4])));
+  }
+  if (argc == 3 && std::string(argv[1]) == "--decode_tokens") {
+    // decode_step_kvtier_ms alone, at each context of a comma-separated list (not in make bench:
+    // 128K tokens take about a minute, most of it the worker's exact attention).
+    Daemon d({"--host_capacity", "10G"});
+    auto client = Client::Connect(d.address());
+    if (!client.ok()) return 1;
+    for (const absl::string_view n : absl::StrSplit(argv[2], ',')) {
+      DecodeStep(**client, std::stoi(std::string(n)), 10);
+    }
+    return 0;
   }
   const int context = 4096;
   Daemon d({"--host_capacity", "2G"});
