@@ -410,12 +410,7 @@ void Tier::TrimRetained() {
 }
 
 void Tier::TrimRetainedLocked(std::vector<TierSegment*>* released) {
-  while (!retained_.empty()) {
-    const uint64_t retained = retained_bytes_.load(std::memory_order_relaxed);
-    if (retained <= options_.retain_bytes &&
-        used_bytes_.load(std::memory_order_relaxed) + retained <= options_.capacity_bytes) {
-      break;
-    }
+  while (!retained_.empty() && RetainedOver()) {
     TierSegment* seg = retained_.begin()->second;
     retained_.erase(retained_.begin());
     retained_bytes_.fetch_sub(seg->retained_bytes, std::memory_order_relaxed);
@@ -462,8 +457,7 @@ absl::Status Tier::TakeBytes(TierTenant& tenant, uint64_t bytes, absl::string_vi
 absl::Status Tier::TakeTierBytes(uint64_t bytes, absl::string_view what) {
   uint64_t used = used_bytes_.load(std::memory_order_relaxed);
   do {
-    const uint64_t free = options_.capacity_bytes > used ? options_.capacity_bytes - used : 0;
-    if (bytes > free) {
+    if (bytes > FreeOf(used)) {
       allocation_failures_.fetch_add(1, std::memory_order_relaxed);
       return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
           "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
@@ -552,10 +546,7 @@ uint64_t Tier::RoomFor(const TierAccount& account) const {
 
 uint64_t Tier::RoomFor(const std::string& tenant) { return RoomFor(Account(tenant)); }
 
-uint64_t Tier::FreeBytes() const {
-  const uint64_t used = used_bytes_.load(std::memory_order_relaxed);
-  return options_.capacity_bytes > used ? options_.capacity_bytes - used : 0;
-}
+uint64_t Tier::FreeBytes() const { return FreeOf(used_bytes_.load(std::memory_order_relaxed)); }
 
 bool Tier::QuotaBound(const TierAccount& account) const {
   const Room r = RoomOf(*account.tenant_);

@@ -336,6 +336,10 @@ class Tier {
     uint64_t quota = std::numeric_limits<uint64_t>::max();
   };
   Room RoomOf(const TierTenant& tenant) const;
+  // The capacity left with `used` bytes taken.
+  uint64_t FreeOf(uint64_t used) const {
+    return options_.capacity_bytes > used ? options_.capacity_bytes - used : 0;
+  }
   static uint64_t FirstGeneration();
   void AddPinned(int64_t delta) { pinned_bytes_.fetch_add(delta, std::memory_order_relaxed); }
 
