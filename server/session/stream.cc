@@ -241,8 +241,9 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
       SlotRef copy = slot();
       std::memcpy(copy->data(), c.host->data(), m * rb);                        // old K
       std::memcpy(copy->data() + grown * rb, c.host->data() + m * rb, m * rb);  // old V
-      slot_bytes_ += copy->bytes() - c.host->bytes();
+      Uncount(c);
       c.host = std::move(copy);
+      Count(c);
     } else {
       // Nobody else can see this slot: move V down to make room for the new key rows.
       std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
