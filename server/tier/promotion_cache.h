@@ -76,9 +76,7 @@ class CachedCopy {
   CachedCopy(const CachedCopy&) = delete;
   CachedCopy& operator=(const CachedCopy&) = delete;
   // The last reference: nobody else can reach slot_ now.
-  ~CachedCopy() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (slot_ && tally_) tally_->bytes.fetch_sub(slot_->bytes(), std::memory_order_relaxed);
-  }
+  ~CachedCopy() ABSL_NO_THREAD_SAFETY_ANALYSIS { Untally(); }
 
  private:
   friend class PromotionCache;
@@ -96,7 +94,7 @@ class CachedCopy {
   // Lets go of the slot (evicted or dropped) and marks the copy gone for Held. Under its
   // stripe's mutex.
   void Forget() {
-    if (slot_ && tally_) tally_->bytes.fetch_sub(slot_->bytes(), std::memory_order_relaxed);
+    Untally();
     slot_.reset();
     gone_.store(true, std::memory_order_relaxed);
   }
@@ -111,6 +109,10 @@ class CachedCopy {
   // The order of insertion, across stripes: ties of the policy go oldest first.
   const uint64_t seq_;
   const std::shared_ptr<CopyTally> tally_;  // null: counted nowhere
+  // The slot's bytes leave the tally (the copy is let go of: evicted, dropped, destroyed).
+  void Untally() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (slot_ && tally_) tally_->bytes.fetch_sub(slot_->bytes(), std::memory_order_relaxed);
+  }
 };
 using CopyRef = std::shared_ptr<CachedCopy>;
 
