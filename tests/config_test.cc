@@ -118,6 +118,7 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"log_level: \"loud\"", "log_level"},
       {"eviction_policy: \"fifo\"", "eviction_policy"},
       {"prefetch: \"maybe\"", "prefetch"},
+      {"channel_colocate: \"always\"", "channel_colocate"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},

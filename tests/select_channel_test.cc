@@ -6,18 +6,24 @@
 #include "server/rpc/select_channel.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -91,11 +97,14 @@ struct Worker {
   channel::Header* header() { return reinterpret_cast<channel::Header*>(mem); }
 
   // One call: the code and the answer's bytes; code -1 when the daemon hung up first.
-  std::pair<int, std::string> Call(uint32_t op, const std::string& request) {
+  // `worker_cpu` is the header's hint (1 + a CPU; 0: not said).
+  std::pair<int, std::string> Call(uint32_t op, const std::string& request,
+                                   uint32_t worker_cpu = 0) {
     channel::Header* h = header();
     std::memcpy(mem + h->request_offset, request.data(), request.size());
     h->op = op;
     h->request_bytes = static_cast<uint32_t>(request.size());
+    __atomic_store_n(&h->worker_cpu, worker_cpu, __ATOMIC_RELAXED);
     __atomic_store_n(&h->seq, ++seq, __ATOMIC_RELEASE);
     eventfd_write(fds[1], 1);
     while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq) {
@@ -113,7 +122,7 @@ struct Worker {
 
 TEST(SelectChannel, EachChannelAnswersItsOwnCallsAsItsTenantsWorker) {
   Record record;
-  ChannelHub hub("kvtier-test", EchoHooks(&record));
+  ChannelHub hub("kvtier-test", EchoHooks(&record), false);
   constexpr int kChannels = 4, kCalls = 300;
   std::vector<ChannelHub::Opened> opened;
   for (int i = 0; i < kChannels; ++i) {
@@ -172,7 +181,7 @@ TEST(SelectChannel, EachChannelAnswersItsOwnCallsAsItsTenantsWorker) {
 
 TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
   Record record;
-  auto hub = std::make_unique<ChannelHub>("kvtier-test", EchoHooks(&record));
+  auto hub = std::make_unique<ChannelHub>("kvtier-test", EchoHooks(&record), false);
   auto o = hub->Open("t", 128 << 10, 64 << 20);
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(hub->Open("t", 1024, 64 << 20).status().code(), absl::StatusCode::kInvalidArgument);
@@ -201,9 +210,93 @@ TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
   EXPECT_EQ(record.detached, record.attached);
 }
 
+// The CPUs of this process's threads that are held on exactly one CPU (their
+// Cpus_allowed_list in /proc is a single number).
+std::vector<int> ThreadsHeldOnOneCpu() {
+  std::vector<int> held;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      const std::string key = "Cpus_allowed_list:";
+      if (line.rfind(key, 0) != 0) continue;
+      const std::string list(absl::StripAsciiWhitespace(line.substr(key.size())));
+      int cpu = -1;
+      if (absl::SimpleAtoi(list, &cpu)) held.push_back(cpu);
+    }
+  }
+  return held;
+}
+
+// Waits (up to 10 s) until the header's serving_cpu is `want`.
+bool ServingCpuBecomes(Worker& w, uint32_t want) {
+  for (int i = 0; i < 10000; ++i) {
+    if (__atomic_load_n(&w.header()->serving_cpu, __ATOMIC_ACQUIRE) == want) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+TEST(SelectChannel, ItsThreadWaitsOnTheCpuItsWorkerCallsFromWhenItCoLocates) {
+  cpu_set_t mine;
+  ASSERT_EQ(sched_getaffinity(0, sizeof mine, &mine), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &mine)) cpus.push_back(c);
+  }
+  ASSERT_FALSE(cpus.empty());
+  if (cpus.size() == 1) GTEST_SKIP() << "one CPU: every thread is held on it already";
+  Record record;
+  ChannelHub hub("kvtier-test", EchoHooks(&record), /*colocate=*/true);
+  auto o = hub.Open("t", 64 << 10, 64 << 20);
+  ASSERT_TRUE(o.ok()) << o.status();
+  Worker w;
+  ASSERT_TRUE(w.Open(hub, o->id, "t"));
+  // Not said: served as before, from any CPU.
+  EXPECT_EQ(w.Call(channel::kSelect, "a").second, absl::StrCat("t/", o->worker_id, "/1:a"));
+  EXPECT_TRUE(ServingCpuBecomes(w, 0));
+  EXPECT_TRUE(ThreadsHeldOnOneCpu().empty());
+  // Said: the thread is held on that CPU, and says so; it follows the worker to another.
+  for (int cpu : {cpus[0], cpus[1], cpus[0]}) {
+    const uint32_t said = static_cast<uint32_t>(cpu) + 1;
+    EXPECT_EQ(w.Call(channel::kSelect, "b", said).second, absl::StrCat("t/", o->worker_id, "/1:b"));
+    EXPECT_TRUE(ServingCpuBecomes(w, said)) << cpu;
+    EXPECT_EQ(ThreadsHeldOnOneCpu(), std::vector<int>{cpu});
+  }
+  // A CPU the process may not use, and one past any CPU set: refused, and the thread runs
+  // anywhere again; the answers are the same.
+  int outside = -1;
+  for (int c = 0; c < CPU_SETSIZE && outside < 0; ++c) {
+    if (!CPU_ISSET(c, &mine)) outside = c;
+  }
+  for (uint32_t said : {static_cast<uint32_t>(outside) + 1, uint32_t{CPU_SETSIZE} + 7}) {
+    EXPECT_EQ(w.Call(channel::kSelect, "c", said).second, absl::StrCat("t/", o->worker_id, "/1:c"));
+    EXPECT_TRUE(ServingCpuBecomes(w, 0)) << said;
+    EXPECT_TRUE(ThreadsHeldOnOneCpu().empty()) << said;
+  }
+  w.Close();
+  hub.Stop();
+}
+
+TEST(SelectChannel, ItsThreadRunsAnywhereWhenItDoesNotCoLocate) {
+  Record record;
+  ChannelHub hub("kvtier-test", EchoHooks(&record), /*colocate=*/false);
+  auto o = hub.Open("t", 64 << 10, 64 << 20);
+  ASSERT_TRUE(o.ok()) << o.status();
+  Worker w;
+  ASSERT_TRUE(w.Open(hub, o->id, "t"));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(w.Call(channel::kSelect, "a", /*worker_cpu=*/1).first, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_EQ(__atomic_load_n(&w.header()->serving_cpu, __ATOMIC_ACQUIRE), 0u);
+  }
+  EXPECT_TRUE(ThreadsHeldOnOneCpu().empty());
+  w.Close();
+  hub.Stop();
+}
+
 TEST(SelectChannel, ChannelsAreBoundedPerTenant) {
   Record record;
-  ChannelHub hub("kvtier-test", EchoHooks(&record));
+  ChannelHub hub("kvtier-test", EchoHooks(&record), false);
   for (int i = 0; i < ChannelHub::kMaxPerTenant; ++i) {
     auto o = hub.Open("t", 64 << 10, 64 << 20);
     ASSERT_TRUE(o.ok()) << i << ": " << o.status();

@@ -1,10 +1,12 @@
 // The worker's side of a shared-memory Select channel (kvtier/channel_layout.h).
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +20,9 @@
 namespace kvtier {
 namespace {
 constexpr int kSpinUs = 100;  // how long a call watches for its answer before it sleeps
+// How long a call whose answer is served on its own CPU gives that CPU up (sched_yield) before
+// it sleeps: a dense layer's Select at long contexts takes milliseconds.
+constexpr int kHandOverUs = 50'000;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SelectChannel>> Client::OpenChannel(uint64_t size_bytes) {
@@ -116,20 +121,38 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
   auto* h = reinterpret_cast<channel::Header*>(data_);
   h->op = op;
   h->request_bytes = static_cast<uint32_t>(bytes);
+  // Where this call comes from, so that a daemon that co-locates serves it here; not said by a
+  // thread of a real-time policy, which a yield would not take off its CPU.
+  const int policy = sched_getscheduler(0);
+  const int cpu =
+      policy == SCHED_OTHER || policy == SCHED_BATCH || policy == SCHED_IDLE ? sched_getcpu() : -1;
+  const uint32_t here = cpu >= 0 ? static_cast<uint32_t>(cpu) + 1 : 0;
+  __atomic_store_n(&h->worker_cpu, here, __ATOMIC_RELAXED);
   __atomic_store_n(&h->seq, ++seq_, __ATOMIC_RELEASE);  // last: the daemon may be watching it
   if (eventfd_write(fds_[1], 1) != 0) {
     broken_ = true;
     return absl::UnavailableError(absl::StrCat("channel ", id_, ": ", std::strerror(errno)));
   }
   const absl::Time deadline = absl::Now() + timeout_;
-  // The answer often comes within microseconds: watch for it a while before sleeping on the
-  // doorbell (whose count the next poll drains).
-  const absl::Time spin_until = absl::Now() + absl::Microseconds(kSpinUs);
-  for (int i = 0; __atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq_; ++i) {
-    if ((i & 63) == 63 && absl::Now() > spin_until) break;
+  auto answered = [&] { return __atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) == seq_; };
+  if (here != 0 && __atomic_load_n(&h->serving_cpu, __ATOMIC_ACQUIRE) == here) {
+    // The daemon's thread waits on this CPU: the doorbell woke it here, and it serves the call
+    // once this thread gives the CPU up (a spin would only hold it off).
+    const absl::Time until = std::min(deadline, absl::Now() + absl::Microseconds(kHandOverUs));
+    for (int i = 0; !answered(); ++i) {
+      if ((i & 15) == 15 && absl::Now() > until) break;
+      sched_yield();
+    }
+  } else {
+    // The answer often comes within microseconds: watch for it a while before sleeping on the
+    // doorbell (whose count the next poll drains).
+    const absl::Time spin_until = absl::Now() + absl::Microseconds(kSpinUs);
+    for (int i = 0; !answered(); ++i) {
+      if ((i & 63) == 63 && absl::Now() > spin_until) break;
 #if defined(__x86_64__)
-    __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
+    }
   }
   while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq_) {
     pollfd p[2] = {{fds_[2], POLLIN, 0}, {fds_[3], POLLIN, 0}};

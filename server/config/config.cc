@@ -131,6 +131,7 @@ v1::Config DefaultConfig() {
   c.set_eviction_policy(o.eviction_policy);
   c.set_eviction_half_life_ms(o.eviction_half_life_ms);
   c.set_prefetch(o.prefetch ? "on" : "off");
+  c.set_channel_colocate(o.channel_colocate ? "on" : "off");
   c.set_drain_to_remote(o.drain_to_remote ? "on" : "off");
   c.set_remote_connections(o.remote_connections);
   c.set_remote_timeout_ms(o.remote_timeout_ms);
@@ -225,6 +226,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("prefetch", c.prefetch(), "is not on or off");
   }
   o.prefetch = c.prefetch() == "on";
+  if (c.channel_colocate() != "on" && c.channel_colocate() != "off") {
+    return InvalidField("channel_colocate", c.channel_colocate(), "is not on or off");
+  }
+  o.channel_colocate = c.channel_colocate() == "on";
   if (c.drain_to_remote() != "on" && c.drain_to_remote() != "off") {
     return InvalidField("drain_to_remote", c.drain_to_remote(), "is not on or off");
   }

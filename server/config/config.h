@@ -51,6 +51,8 @@ struct ServerOptions {
   std::string eviction_policy = "lru";
   uint32_t eviction_half_life_ms = 10'000;
   bool prefetch = true;
+  // Shared-memory Select channels: each channel's thread waits on its worker's CPU.
+  bool channel_colocate = true;
   // With a remote tier: a shutdown demotes every session to it before closing.
   bool drain_to_remote = true;
   // The remote tier's connection pool, and the bound on each of its calls.

@@ -333,7 +333,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
             .serve = [service](const ChannelHub::Call& call,
                                std::string* out) { return service->ServeChannel(call, out); },
             .attach = [leases](const std::string& tenant) { return leases->Attach(tenant); },
-            .detach = [leases](const std::string& worker) { leases->Detach(worker); }});
+            .detach = [leases](const std::string& worker) { leases->Detach(worker); }},
+        o.channel_colocate);
     ASSIGN_OR_RETURN(
         d->fds_,
         FdChannel::Start(sock + ".fds", [raw = d.get()](const std::string& tenant, uint64_t id,
@@ -383,7 +384,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   KVLOG(info, "daemon.start",
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
         "device_capacity={} device={} remote={} aging_threads={} eviction_policy={} "
-        "prefetch={} metrics_port={}",
+        "prefetch={} channel_colocate={} metrics_port={}",
         KVTIER_VERSION, LogValue(o.listen), LogValue(o.tcp_listen),
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
@@ -391,7 +392,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                        : "mtls",
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
         d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
-        o.eviction_policy, o.prefetch ? "on" : "off", o.metrics_port);
+        o.eviction_policy, o.prefetch ? "on" : "off", o.channel_colocate ? "on" : "off",
+        o.metrics_port);
   return d;
 }
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -30,18 +31,34 @@ void CloseFd(int fd) {
   if (fd >= 0) close(fd);
 }
 
-// Spins up to kSpin until `ready()`; true when it became so.
+// Spins up to kSpin until `ready()`; true when it became so. With `yield`, gives the CPU up
+// between looks (sched_yield), so that a thread beside it on the CPU runs meanwhile.
 template <typename Ready>
-bool SpinFor(Ready&& ready) {
+bool SpinFor(bool yield, Ready&& ready) {
   constexpr absl::Duration kSpin = absl::Microseconds(ChannelHub::kSpinUs);
   const absl::Time until = absl::Now() + kSpin;
   for (int i = 0;; ++i) {
     if (ready()) return true;
-    if ((i & 63) == 63 && absl::Now() > until) return false;
+    if ((yield || (i & 63) == 63) && absl::Now() > until) return false;
+    if (yield) {
+      sched_yield();
+    } else {
 #if defined(__x86_64__)
-    __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
+    }
   }
+}
+
+// Holds the calling thread on `cpu` alone (-1: on `all`, the set it started with); false when
+// the kernel refuses (a CPU outside this process's set).
+bool HoldOn(int cpu, const cpu_set_t& all) {
+  if (cpu < 0) return sched_setaffinity(0, sizeof all, &all) == 0;
+  if (cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &all)) return false;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  return sched_setaffinity(0, sizeof one, &one) == 0;
 }
 
 }  // namespace
@@ -65,8 +82,11 @@ struct ChannelHub::Channel {
   std::atomic<bool> ended{false};
 };
 
-ChannelHub::ChannelHub(std::string label, Hooks hooks)
-    : label_(std::move(label)), hooks_(std::move(hooks)), stop_fd_(eventfd(0, EFD_CLOEXEC)) {}
+ChannelHub::ChannelHub(std::string label, Hooks hooks, bool colocate)
+    : label_(std::move(label)),
+      hooks_(std::move(hooks)),
+      colocate_(colocate),
+      stop_fd_(eventfd(0, EFD_CLOEXEC)) {}
 
 ChannelHub::~ChannelHub() {
   Stop();
@@ -202,12 +222,33 @@ void ChannelHub::ReapLocked() {
 }
 
 void ChannelHub::Serve(Channel* c) {
-  const auto* shared = reinterpret_cast<const channel::Header*>(c->shm.data());
+  auto* shared = reinterpret_cast<channel::Header*>(c->shm.data());
   uint64_t answered = 0;  // the last seq answered
+  cpu_set_t all;          // the CPUs this thread may run on when not held on its worker's
+  const bool colocate = colocate_ && sched_getaffinity(0, sizeof all, &all) == 0;
+  int held = -1;     // the CPU this thread is held on, -1: none
+  int refused = -1;  // the last CPU the kernel refused, not asked for again
   for (;;) {
+    // Where the worker last called from (a hint, checked like every field it writes).
+    const uint32_t said = __atomic_load_n(&shared->worker_cpu, __ATOMIC_ACQUIRE);
+    const int want = colocate && said > 0 && said <= CPU_SETSIZE ? static_cast<int>(said) - 1 : -1;
+    if (colocate && want != held && !(want >= 0 && want == refused)) {
+      if (HoldOn(want, all)) {
+        held = want;
+      } else {
+        refused = want;
+        if (held >= 0 && HoldOn(-1, all)) held = -1;
+      }
+    }
+    const bool beside = held >= 0 && held == want;
+    __atomic_store_n(&shared->serving_cpu, beside ? static_cast<uint32_t>(held) + 1 : 0u,
+                     __ATOMIC_RELEASE);
     // A decode loop's next call often comes at once: a short spin on the worker's seq saves
-    // the doorbell's wake-up (the doorbell is drained when the thread next polls).
-    if (SpinFor([&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; })) {
+    // the doorbell's wake-up (the doorbell is drained when the thread next polls). Beside its
+    // worker the thread yields between looks instead (a spin would hold the worker off its
+    // own CPU).
+    if (SpinFor(beside,
+                [&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; })) {
       answered = Answer(c);
       continue;
     }

@@ -9,6 +9,16 @@
 // within kCollectWithin, or when the hub stops (the daemon drains): then the worker's socket
 // end sees the hang-up.
 //
+// Co-location (--channel_colocate): a wake-up of a sleeping thread on another core costs tens
+// of microseconds (far more in a virtual machine, whose idle core must be woken by its host),
+// twice a call (the request, then the answer). A worker that writes the CPU it calls from gets
+// the channel's thread held on that CPU between calls (sched_setaffinity of the thread alone;
+// a CPU outside the daemon's own set is refused, and the thread runs anywhere). The worker
+// then gives its CPU up until the answer comes rather than spinning, and the thread, woken on
+// the same CPU, serves the call there and watches for the next one by yielding (a spin would
+// hold the worker off its own CPU): each call is a hand-over on one core, with no other core
+// woken. The thread follows the worker when it moves.
+//
 // Thread-safe. mu_ is lock order 19, a leaf.
 #ifndef KVTIER_SERVER_RPC_SELECT_CHANNEL_H_
 #define KVTIER_SERVER_RPC_SELECT_CHANNEL_H_
@@ -54,7 +64,9 @@ class ChannelHub {
     std::function<void(const std::string& worker)> detach;
   };
 
-  ChannelHub(std::string label, Hooks hooks);
+  // colocate: each channel's thread waits for the next call on the CPU its worker says it
+  // calls from (channel_layout.h: worker_cpu, serving_cpu), watching for it by yielding.
+  ChannelHub(std::string label, Hooks hooks, bool colocate);
   ~ChannelHub();  // Stop()
   ChannelHub(const ChannelHub&) = delete;
   ChannelHub& operator=(const ChannelHub&) = delete;
@@ -85,6 +97,7 @@ class ChannelHub {
 
   const std::string label_;
   const Hooks hooks_;
+  const bool colocate_;
   int stop_fd_ = -1;        // an eventfd every channel's thread polls; written once by Stop
   mutable absl::Mutex mu_;  // lock order 19 (server/common/lock_order.h)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

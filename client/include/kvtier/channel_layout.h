@@ -49,6 +49,14 @@ struct Header {
   uint64_t answered_seq;
   int32_t code;
   uint32_t response_bytes;
+  // Optional, written by the worker per call before seq: 1 + the CPU its calling thread runs on
+  // (0: not said). A daemon that co-locates (--channel_colocate) holds the channel's thread on
+  // that CPU between calls, and says so in serving_cpu (1 + that CPU; 0: its thread may run
+  // anywhere). A worker calling from that very CPU should then not spin for the answer but
+  // give the CPU up (sched_yield) until it comes: the call is served on its CPU, with no
+  // wake-up of another core in either direction. A worker that says nothing is served as before.
+  uint32_t worker_cpu;
+  uint32_t serving_cpu;
 };
 
 // The areas start here (a page), so the header never shares a page with them.
