@@ -166,7 +166,7 @@ struct ByteElements {
 template <int G, typename E>
 __attribute__((target("avx2,fma,f16c"))) inline void GroupDotAvx2(const float* a,
                                                                   const typename E::T* x, int n,
-                                                                  float* out) {
+                                                                  float* out, int out_group) {
   __m256 acc0[G], acc1[G];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
@@ -189,20 +189,25 @@ __attribute__((target("avx2,fma,f16c"))) inline void GroupDotAvx2(const float* a
   for (int g = 0; g < G; ++g) {
     float v = SumLanes(acc0[g], acc1[g]);
     for (int t = j; t < n; ++t) v += a[g * n + t] * E::Value(x[t]);
-    out[g] = v;
+    out[g * out_group] = v;
   }
 }
 
 // Up to kMaxGroup query vectors against each of `rows` rows of elements E (a refinement's
-// run of pool rows, a run of chunks' compact statistics: one call per run, not per row).
+// run of pool rows, a run of chunks' compact statistics: one call per run, not per row), row r
+// at x + r * x_stride, its dot with vector g into out[r * out_row + g * out_group].
 template <int G, typename E>
 __attribute__((target("avx2,fma,f16c"))) void GroupRowsAvx2(const float* a, const typename E::T* x,
-                                                            int rows, int n, float* out) {
-  for (int r = 0; r < rows; ++r, x += n, out += G) GroupDotAvx2<G, E>(a, x, n, out);
+                                                            int rows, int n, int x_stride,
+                                                            float* out, int out_row,
+                                                            int out_group) {
+  for (int r = 0; r < rows; ++r, x += x_stride, out += out_row) {
+    GroupDotAvx2<G, E>(a, x, n, out, out_group);
+  }
 }
 
 template <typename E>
-using GroupRowsFn = void (*)(const float*, const typename E::T*, int, int, float*);
+using GroupRowsFn = void (*)(const float*, const typename E::T*, int, int, int, float*, int, int);
 template <typename E, int... G>
 constexpr std::array<GroupRowsFn<E>, sizeof...(G)> RowsKernels(std::integer_sequence<int, G...>) {
   return {&GroupRowsAvx2<G + 1, E>...};
@@ -883,9 +888,9 @@ void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, 
                    float* out) {
   if (kDotHalves == DotHalvesAvx2 && group >= 1 && group <= kMaxGroup) {
     if (kind == HalfKind::kBf16) {
-      kGroupRows<HalfElements<HalfKind::kBf16>>[group - 1](a, h, rows, n, out);
+      kGroupRows<HalfElements<HalfKind::kBf16>>[group - 1](a, h, rows, n, n, out, group, 1);
     } else {
-      kGroupRows<HalfElements<HalfKind::kFp16>>[group - 1](a, h, rows, n, out);
+      kGroupRows<HalfElements<HalfKind::kFp16>>[group - 1](a, h, rows, n, n, out, group, 1);
     }
     return;
   }
@@ -915,15 +920,20 @@ void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out)
 }
 
 void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int n, float* out) {
+  DotInt8GroupRowsStrided(a, group, c, rows, n, n, out, group, 1);
+}
+
+void DotInt8GroupRowsStrided(const float* a, int group, const int8_t* c, int rows, int n,
+                             int c_stride, float* out, int out_row, int out_group) {
   static const bool kVector = kDotInt8 == DotInt8Avx2 && HaveAvx2F16c();
   if (kVector && group >= 1 && group <= kMaxGroup) {
-    kGroupRows<ByteElements>[group - 1](a, c, rows, n, out);
+    kGroupRows<ByteElements>[group - 1](a, c, rows, n, c_stride, out, out_row, out_group);
     return;
   }
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < group; ++g) {
-      out[static_cast<size_t>(r) * group + g] =
-          kDotInt8(a + static_cast<size_t>(g) * n, c + static_cast<size_t>(r) * n, n);
+      out[static_cast<size_t>(r) * out_row + static_cast<size_t>(g) * out_group] =
+          kDotInt8(a + static_cast<size_t>(g) * n, c + static_cast<size_t>(r) * c_stride, n);
     }
   }
 }

@@ -49,6 +49,10 @@ void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out)
 // bit for bit: DotInt8Group over a run of rows (chunks' compact statistics side by side) in
 // one call.
 void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int n, float* out);
+// The same with strides, bit for bit: row r at c + r * c_stride, its dot with vector g into
+// out[r * out_row + g * out_group] (say, every other row of a run, the results head by head).
+void DotInt8GroupRowsStrided(const float* a, int group, const int8_t* c, int rows, int n,
+                             int c_stride, float* out, int out_row, int out_group);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j

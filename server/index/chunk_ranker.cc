@@ -1,5 +1,7 @@
 #include "server/index/chunk_ranker.h"
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -87,6 +89,56 @@ inline void LsePeakTerms(const float* mean_dot, const float* peak_dot, float mea
   }
 }
 
+// LsePeakTerms for one head of n candidates at once, four at a time (SSE, which every x86-64
+// has; the same IEEE operations, so the same bits): a = mean_dot * mean_scale * inv_sqrt_d +
+// log_rest, b = peak_dot * peak_scale * inv_sqrt_d, hi = max(a, b), t = min(a, b) - hi.
+// _mm_max_ps(b, a) is std::max(a, b) (a unless a < b), _mm_min_ps(b, a) std::min(a, b).
+void LsePeakTermsOfHead(const float* mean_dot, const float* peak_dot, const float* mean_scale,
+                        const float* peak_scale, const float* log_rest, uint32_t n,
+                        float inv_sqrt_d, float* hi, float* t) {
+  const __m128 s = _mm_set1_ps(inv_sqrt_d);
+  uint32_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m128 a = _mm_add_ps(
+        _mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(mean_dot + i), _mm_loadu_ps(mean_scale + i)), s),
+        _mm_loadu_ps(log_rest + i));
+    const __m128 b =
+        _mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(peak_dot + i), _mm_loadu_ps(peak_scale + i)), s);
+    const __m128 top = _mm_max_ps(b, a);
+    _mm_storeu_ps(hi + i, top);
+    _mm_storeu_ps(t + i, _mm_sub_ps(_mm_min_ps(b, a), top));
+  }
+  for (; i < n; ++i) {
+    const float a = mean_dot[i] * mean_scale[i] * inv_sqrt_d + log_rest[i];
+    const float b = peak_dot[i] * peak_scale[i] * inv_sqrt_d;
+    hi[i] = std::max(a, b);
+    t[i] = std::min(a, b) - hi[i];
+  }
+}
+
+// FinishLsePeak's last step for values head by head ([head][n]): out[i] = the largest of
+// hi + t over the heads, taken in head order as std::max takes it (_mm_max_ps(v, best) is
+// std::max(best, v)).
+void BestOfHeads(const float* hi, const float* t, uint32_t n, int group, float* out) {
+  uint32_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m128 best = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int h = 0; h < group; ++h) {
+      const size_t at = static_cast<size_t>(h) * n + i;
+      best = _mm_max_ps(_mm_add_ps(_mm_loadu_ps(hi + at), _mm_loadu_ps(t + at)), best);
+    }
+    _mm_storeu_ps(out + i, best);
+  }
+  for (; i < n; ++i) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < group; ++h) {
+      const size_t at = static_cast<size_t>(h) * n + i;
+      best = std::max(best, hi[at] + t[at]);
+    }
+    out[i] = best;
+  }
+}
+
 // Blocks of candidates: the scratch arrays hold kScratch (candidate, head) pairs.
 constexpr int kScratch = 1024;
 
@@ -138,18 +190,34 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   CHECK(group >= 1 && group <= kScratch);
   const uint32_t block = kScratch / group;
-  float hi[kScratch], t[kScratch];
-  float dots[2 * kScratch];
+  // A block's values head by head ([head][chunk]), so that every step below is a loop over the
+  // block's chunks that the compiler vectorizes: the mean's and the peak's dot products, the
+  // terms a and b (LsePeakTerms), hi and t, then FinishLsePeak's exponentials and logarithms
+  // and the best head. Each value is the same operations on the same operands as LsePeakTerms
+  // and FinishLsePeak, so the same bits.
+  float mean[kScratch], peak[kScratch], hi[kScratch], t[kScratch];
+  float mean_scale[kScratch], peak_scale[kScratch], log_rest[kScratch];
   for (uint32_t first = 0; first < n; first += block) {
-    const int b = static_cast<int>(std::min(block, n - first));
-    DotInt8GroupRows(queries.data(), group, codes + static_cast<size_t>(first) * 2 * head_dim,
-                     2 * b, head_dim, dots);
-    for (int i = 0; i < b; ++i) {
-      const float* mean_dot = dots + static_cast<size_t>(2 * i) * group;
-      LsePeakTerms(mean_dot, mean_dot + group, scales[2 * (first + i)], scales[2 * (first + i) + 1],
-                   tokens[first + i], group, inv_sqrt_d, hi + i * group, t + i * group);
+    const uint32_t b = std::min(block, n - first);
+    const int8_t* c = codes + static_cast<size_t>(first) * 2 * head_dim;
+    const int stride = 2 * head_dim, column = static_cast<int>(b);
+    DotInt8GroupRowsStrided(queries.data(), group, c, column, head_dim, stride, mean, 1, column);
+    DotInt8GroupRowsStrided(queries.data(), group, c + head_dim, column, head_dim, stride, peak, 1,
+                            column);
+    for (uint32_t i = 0; i < b; ++i) {
+      mean_scale[i] = scales[2 * (first + i)];
+      peak_scale[i] = scales[2 * (first + i) + 1];
+      log_rest[i] = LogRest(tokens[first + i]);
     }
-    FinishLsePeak(hi, t, b, group, out + first);
+    for (int h = 0; h < group; ++h) {
+      LsePeakTermsOfHead(mean + h * b, peak + h * b, mean_scale, peak_scale, log_rest, b,
+                         inv_sqrt_d, hi + h * b, t + h * b);
+    }
+    const int m = group * column;
+    ExpInPlace(t, m);
+    for (int k = 0; k < m; ++k) t[k] += 1.f;
+    LogInPlace(t, m);
+    BestOfHeads(hi, t, b, group, out + first);
   }
 }
 
