@@ -288,7 +288,8 @@ TEST(CountAtLeast, CountsTheKeysAtLeastT) {
 
 // A query group against one byte vector, and against a run of them (chunks' compact
 // statistics side by side): each result is DotInt8's own, bit for bit, at every group size
-// (the vectorized path's up to 8 and the fallback past it), width and run length.
+// (the vectorized path's up to 8 and the fallback past it), width and run length; and every
+// other row of a run with the results head by head (DotInt8GroupRowsStrided).
 TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
   std::mt19937 rng(13);
   std::normal_distribution<float> n(0, 1);
@@ -306,12 +307,22 @@ TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
         } else {
           DotInt8GroupRows(a.data(), group, c.data(), rows, d, got.data());
         }
+        // Every other row (a stride of two rows), the results head by head.
+        const int odd = rows / 2;
+        std::vector<float> strided(size_t(std::max(odd, 1)) * group);
+        DotInt8GroupRowsStrided(a.data(), group, c.data() + d, odd, d, 2 * d, strided.data(), 1,
+                                odd);
         for (int r = 0; r < rows; ++r) {
           for (int g = 0; g < group; ++g) {
             const float want = DotInt8(a.data() + size_t(g) * d, c.data() + size_t(r) * d, d);
             EXPECT_EQ(std::bit_cast<uint32_t>(got[size_t(r) * group + g]),
                       std::bit_cast<uint32_t>(want))
                 << "d " << d << " group " << group << " row " << r << " g " << g;
+            if (r % 2 == 1) {
+              EXPECT_EQ(std::bit_cast<uint32_t>(strided[size_t(g) * odd + r / 2]),
+                        std::bit_cast<uint32_t>(want))
+                  << "strided: d " << d << " group " << group << " row " << r << " g " << g;
+            }
           }
         }
       }
