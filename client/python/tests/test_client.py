@@ -3,6 +3,7 @@ import json
 import mmap
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -426,6 +427,34 @@ def test_append_layers_goes_through_a_staging_area_and_stores_the_same(start_dae
             c.open_staging(sid, 4096)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "max_staging_size" in e.value.message
+
+
+def test_select_channel_thread_waits_on_the_workers_cpu_unless_told_not_to(start_daemon):
+    """The client says which CPU it calls from (the header's worker_cpu); a daemon that
+    co-locates (the default) holds the channel's thread there and says so in serving_cpu, and
+    the answers are the same; with --channel_colocate off it says nothing."""
+    rng = np.random.default_rng(26)
+    k, v = make_kv(rng, 300)
+    q = rng.standard_normal((QH, D))
+    for flags, colocates in (((), True), (("--channel_colocate", "off"), False)):
+        d = start_daemon(*flags)
+        with kvtier.Client(d.address, tenant="alice") as c:
+            sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+            c.append_layers(sid, 0, k, v, wait_aged=True)
+            want = [x.chunk_id for x in c.select(sid, 1, q, budget_tokens=128).heads[0].blocks]
+            with c.open_channel() as ch:
+                for _ in range(3):
+                    r = ch.select(sid, 1, q, budget_tokens=128)
+                    assert [x.chunk_id for x in r.heads[0].blocks] == want
+                    ch.release(r.lease_id)
+                said, serving = struct.unpack_from("<II", ch._mem, 72)
+                assert said >= 1  # 1 + the CPU of the last call
+                for _ in range(200):
+                    said, serving = struct.unpack_from("<II", ch._mem, 72)
+                    if serving == (said if colocates else 0):
+                        break
+                    time.sleep(0.01)
+                assert serving == (said if colocates else 0), (flags, said, serving)
 
 
 def test_select_channel_answers_as_the_rpc_and_a_dead_worker_loses_its_leases(start_daemon):
