@@ -20,14 +20,18 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     for (uint32_t c = 0; c < n; ++c) excluded_storage[c] = must[c] || (*q.skip)[c];
     excluded = &excluded_storage;
   }
+  // Counted in locals (a member of `out` would be stored back on every chunk).
   uint64_t must_tokens = 0;
+  uint32_t candidates = 0;
   bool uniform = true;
   for (uint32_t c = 0; c < n; ++c) {
-    if (must[c]) must_tokens += stats.tokens(c);
+    const uint32_t tokens = stats.tokens(c);
+    if (must[c]) must_tokens += tokens;
     if ((*excluded)[c]) continue;
-    ++out.candidates;
-    uniform = uniform && stats.tokens(c) == q.chunk_tokens;
+    ++candidates;
+    uniform &= tokens == q.chunk_tokens;
   }
+  out.candidates = candidates;
   CHECK(must_tokens <= q.budget) << must_tokens << " tokens must be returned, budget " << q.budget;
   const uint64_t budget = q.budget - must_tokens;
   // Candidates the index does not hold, scored beside its search.
@@ -88,6 +92,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   }
   std::vector<bool> take = must;
   for (uint32_t c : found) take[c] = true;
+  out.chunks.reserve(found.size() + 16);
   for (uint32_t c = 0; c < n; ++c) {
     if (take[c]) out.chunks.push_back(c);
   }
