@@ -221,6 +221,26 @@ TEST(Session, SelectReturnsEverythingWhenItFitsOrTheLayerIsDense) {
   }
 }
 
+TEST(Session, ASelectIntoAReusedResponseAnswersAsIntoAFreshOne) {
+  // A decode loop passes the same response every step: each answer is that step's alone.
+  Env e;
+  Fixture f = Make(e, 3, 4, 2, 32, 200);
+  ASSERT_OK(AppendAll(f, 200, 64));
+  v1::SelectResponse reused;
+  for (uint32_t layer : {2u, 0u, 1u, 2u}) {
+    ASSERT_OK(f.session->Select(SelectReq(f, layer, 96), &reused));
+    v1::SelectResponse fresh;
+    ASSERT_OK(f.session->Select(SelectReq(f, layer, 96), &fresh));
+    ASSERT_EQ(reused.heads_size(), 2) << layer;
+    for (int h = 0; h < 2; ++h) {
+      Gathered a = Gather(reused.heads(h).blocks()), b = Gather(fresh.heads(h).blocks());
+      EXPECT_EQ(a.pos, b.pos) << layer;
+      EXPECT_EQ(a.k, b.k) << layer;
+    }
+    EXPECT_NE(reused.lease_id(), fresh.lease_id());
+  }
+}
+
 TEST(Session, SelectBudgetSemanticsMatchBruteForce) {
   for (auto [tokens, ranking] : {std::pair{1000, v1::RANKING_LSE_PEAK},  // whole last chunk
                                  std::pair{1003, v1::RANKING_LSE_PEAK},  // partial last chunk

@@ -518,6 +518,7 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
 
 absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out,
                              PrefetchGuess* guess, uint32_t extra_percent) {
+  out->Clear();
   ASSIGN_OR_RETURN(const std::vector<float> q,
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;

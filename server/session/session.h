@@ -156,7 +156,8 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t aging_backlog_tokens() const;
 
   // Chooses, per KV head, the sinks, the recent window and the best chunks within the
-  // budget; pins them under a lease; fills `out`. INVALID_ARGUMENT for the query size, a
+  // budget; pins them under a lease; fills `out` (cleared first: a caller may pass the same
+  // response call after call, as a decode loop does). INVALID_ARGUMENT for the query size, a
   // non-finite query, the layer, the placement, lease_ms, or a budget below the sink and
   // window chunks; RESOURCE_EXHAUSTED when the tier cannot take a promotion.
   // With `guess`, also the chunks a budget `extra_percent` larger would have chosen, found by
