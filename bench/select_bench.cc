@@ -8,7 +8,9 @@
 // (OpenChannel), its answers parsed into one response reused as a decode loop would, each
 // after an Echo RPC and a wait in the worker past the channel thread's watch for a next call
 // (so it finds the thread asleep), in a loop of their own (that watch would hold a core while
-// the gRPC calls are timed), against the gRPC loop's Echo figures.
+// the gRPC calls are timed), against the gRPC loop's Echo figures. The daemon runs with its
+// defaults, so the channel's thread waits on the worker's CPU (--channel_colocate on): the
+// call is handed over on that core, with no other core woken.
 //
 // select_shm_p50_back_to_back: channel Selects one after another (the decode loop's pattern)
 // against Echo RPCs one after another.
@@ -142,7 +144,8 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
   if (channel == nullptr) return;
   params["target_ratio"] = "0.25";
   params["path"] =
-      "shared-memory Select channel (OpenChannel), one response reused; the echo is the gRPC one";
+      "shared-memory Select channel (OpenChannel), one response reused, its thread held on the "
+      "worker's CPU (--channel_colocate on, the default); the echo is the gRPC one";
   Print({"select_shm_p50" + suffix, Median(shm50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_shm_p99" + suffix, Median(shm99), "us", Median(echo99), "echo_rpc_p99", params});
 }
