@@ -191,10 +191,10 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   CHECK(group >= 1 && group <= kScratch);
   const uint32_t block = kScratch / group;
   // A block's values head by head ([head][chunk]), so that every step below is a loop over the
-  // block's chunks that the compiler vectorizes: the mean's and the peak's dot products, the
-  // terms a and b (LsePeakTerms), hi and t, then FinishLsePeak's exponentials and logarithms
-  // and the best head. Each value is the same operations on the same operands as LsePeakTerms
-  // and FinishLsePeak, so the same bits.
+  // block's chunks, several at a time: the mean's and the peak's dot products, the terms a and
+  // b (LsePeakTerms), hi and t, then FinishLsePeak's exponentials and logarithms and the best
+  // head. Each value is the same operations on the same operands as LsePeakTerms and
+  // FinishLsePeak, so the same bits.
   float mean[kScratch], peak[kScratch], hi[kScratch], t[kScratch];
   float mean_scale[kScratch], peak_scale[kScratch], log_rest[kScratch];
   for (uint32_t first = 0; first < n; first += block) {
