@@ -255,13 +255,24 @@ TEST(SelectChannel, ItsThreadWaitsOnTheCpuItsWorkerCallsFromWhenItCoLocates) {
   EXPECT_EQ(w.Call(channel::kSelect, "a").second, absl::StrCat("t/", o->worker_id, "/1:a"));
   EXPECT_TRUE(ServingCpuBecomes(w, 0));
   EXPECT_TRUE(ThreadsHeldOnOneCpu().empty());
-  // Said: the thread is held on that CPU, and says so; it follows the worker to another.
+  // Said: the thread is held on that CPU, and says so; it follows the worker to another. A
+  // second call from the same CPU finds it there (the first, held elsewhere, does not).
   for (int cpu : {cpus[0], cpus[1], cpus[0]}) {
     const uint32_t said = static_cast<uint32_t>(cpu) + 1;
-    EXPECT_EQ(w.Call(channel::kSelect, "b", said).second, absl::StrCat("t/", o->worker_id, "/1:b"));
-    EXPECT_TRUE(ServingCpuBecomes(w, said)) << cpu;
-    EXPECT_EQ(ThreadsHeldOnOneCpu(), std::vector<int>{cpu});
+    for (int again = 0; again < 2; ++again) {
+      EXPECT_EQ(w.Call(channel::kSelect, "b", said).second,
+                absl::StrCat("t/", o->worker_id, "/1:b"));
+      EXPECT_TRUE(ServingCpuBecomes(w, said)) << cpu;
+      EXPECT_EQ(ThreadsHeldOnOneCpu(), std::vector<int>{cpu});
+    }
   }
+  // Every call counts once. Each second call from a CPU finds the thread there; the call
+  // naming none does not; a move's first call may (the thread can read the new CPU before the
+  // call's seq, and move first).
+  const ChannelHub::Counters n = hub.counters();
+  EXPECT_EQ(n.beside_worker + n.elsewhere, 7u);
+  EXPECT_GE(n.beside_worker, 3u);
+  EXPECT_GE(n.elsewhere, 1u);
   // A CPU the process may not use, and one past any CPU set: refused, and the thread runs
   // anywhere again; the answers are the same.
   int outside = -1;
@@ -290,6 +301,8 @@ TEST(SelectChannel, ItsThreadRunsAnywhereWhenItDoesNotCoLocate) {
     EXPECT_EQ(__atomic_load_n(&w.header()->serving_cpu, __ATOMIC_ACQUIRE), 0u);
   }
   EXPECT_TRUE(ThreadsHeldOnOneCpu().empty());
+  EXPECT_EQ(hub.counters().beside_worker, 0u);
+  EXPECT_EQ(hub.counters().elsewhere, 3u);
   w.Close();
   hub.Stop();
 }

@@ -463,6 +463,18 @@ void Daemon::RegisterGauges() {
           .GetCounter("kvtier_prefetch_hits_total", "Prefetched copies that a later Select read", l)
           .IncreaseTo(n.prefetch_hits);
     }
+    if (channels_) {
+      metrics_.GetGauge("kvtier_channels_open", "Shared-memory Select channels open")
+          .Set(static_cast<double>(channels_->open_channels()));
+      const ChannelHub::Counters n = channels_->counters();
+      const char* help =
+          "Select channel calls answered, by where the channel's thread was: on the CPU the "
+          "worker called from (--channel_colocate) or elsewhere";
+      metrics_.GetCounter("kvtier_channel_calls_total", help, {{"served", "beside_worker"}})
+          .IncreaseTo(n.beside_worker);
+      metrics_.GetCounter("kvtier_channel_calls_total", help, {{"served", "elsewhere"}})
+          .IncreaseTo(n.elsewhere);
+    }
     if (prefetcher_) {
       const Prefetcher::Counters p = prefetcher_->counters();
       metrics_.GetCounter("kvtier_prefetch_tasks_total", "Prefetches run after a Select")

@@ -247,8 +247,15 @@ void ChannelHub::Serve(Channel* c) {
     // the doorbell's wake-up (the doorbell is drained when the thread next polls). Beside its
     // worker the thread yields between looks instead (a spin would hold the worker off its
     // own CPU).
+    // Where the thread is when a call comes: held on the CPU that call names, or elsewhere.
+    auto count = [&] {
+      const uint32_t from = __atomic_load_n(&shared->worker_cpu, __ATOMIC_ACQUIRE);
+      (held >= 0 && from == static_cast<uint32_t>(held) + 1 ? beside_worker_ : elsewhere_)
+          .fetch_add(1, std::memory_order_relaxed);
+    };
     if (SpinFor(beside,
                 [&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; })) {
+      count();
       answered = Answer(c);
       continue;
     }
@@ -266,6 +273,7 @@ void ChannelHub::Serve(Channel* c) {
     eventfd_t rung = 0;
     if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0 &&
         __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered) {
+      count();
       answered = Answer(c);
     }
   }

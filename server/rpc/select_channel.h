@@ -88,6 +88,17 @@ class ChannelHub {
   // Ends every channel and joins their threads; Open is UNAVAILABLE from then on.
   void Stop();
   int open_channels() const;
+  // Calls answered by the channels' threads, by where: on the CPU the calling worker named
+  // (co-located), or anywhere else (no CPU named, co-location off or refused, or the worker
+  // had moved since). Monotonic.
+  struct Counters {
+    uint64_t beside_worker = 0;
+    uint64_t elsewhere = 0;
+  };
+  Counters counters() const {
+    return {beside_worker_.load(std::memory_order_relaxed),
+            elsewhere_.load(std::memory_order_relaxed)};
+  }
 
  private:
   struct Channel;
@@ -98,6 +109,7 @@ class ChannelHub {
   const std::string label_;
   const Hooks hooks_;
   const bool colocate_;
+  std::atomic<uint64_t> beside_worker_{0}, elsewhere_{0};
   int stop_fd_ = -1;        // an eventfd every channel's thread polls; written once by Stop
   mutable absl::Mutex mu_;  // lock order 19 (server/common/lock_order.h)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

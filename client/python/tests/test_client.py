@@ -920,6 +920,16 @@ def test_metrics_endpoint(start_daemon):
         body = scrape(port)
         assert "kvtier_leases 1" in body
         assert "kvtier_workers_attached 1" in body
+        assert "kvtier_channels_open 0" in body
+        with c.open_channel() as ch:
+            for _ in range(3):
+                ch.release(ch.select(sid, 3, np.ones((QH, D)), budget_tokens=256).lease_id)
+            channels = scrape(port)
+        assert "kvtier_channels_open 1" in channels
+        # Six calls, each counted once, by where the channel's thread was.
+        served = re.findall(r'kvtier_channel_calls_total\{served="(\w+)"\} (\d+)', channels)
+        assert sorted(k for k, _ in served) == ["beside_worker", "elsewhere"], served
+        assert sum(int(n) for _, n in served) == 6, served
     assert 'kvtier_rpc_total{code="OK",method="Select"} 1' in body
     assert 'kvtier_appended_tokens_total{tenant="default"} 160' in body
     assert 'kvtier_tier_used_bytes{tier="host"} 147456' in body  # 4 x 3 x 3 slots of 4 KiB
@@ -953,7 +963,7 @@ def test_the_daemon_s_own_log_lines(start_daemon):
     start = next(line for line in ours if " event=daemon.start " in line)
     for field in (r"version=\d+\.\d+\.\d+", "listen=unix:", 'tcp_listen="" tcp=none',
                   "segments=named", "device=emulated", "remote=none", r"aging_threads=\d+",
-                  "prefetch=on"):
+                  "prefetch=on", "channel_colocate=on"):
         assert re.search(field, start), (field, start)
     errors = [line for line in ours if " event=rpc.error " in line]
     assert any("level=info" in e and "method=DescribeSession" in e and "code=NOT_FOUND" in e
