@@ -23,7 +23,8 @@
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
 // on fp16 K and V held in its memory). `select_bench --decode_tokens 65536,131072` measures it
-// alone at other contexts.
+// alone at other contexts. `select_bench --daemon_flags "--channel_colocate off"` runs it all
+// against a daemon with more flags (named in each figure's parameters).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,6 +48,13 @@ using namespace kvtier::bench;
 namespace {
 
 constexpr int kLayers = 30, kQ = 9, kKv = 3, kD = 64;  // SmolLM2-135M
+
+// Flags the daemon gets beyond the bench's own (--daemon_flags), named in every figure's
+// parameters when there are any.
+std::string daemon_flags;
+void NameDaemonFlags(std::map<std::string, std::string>* params) {
+  if (!daemon_flags.empty()) (*params)["daemon_flags"] = daemon_flags;
+}
 
 // A Select of the middle layer with a fixed random query.
 v1::SelectRequest Request(const std::string& sid, uint32_t budget) {
@@ -138,6 +146,7 @@ void Run(Client& c, const std::string& sid, int context, uint32_t budget, bool i
                                                {"reps", std::to_string(reps)},
                                                {"iters", std::to_string(iters)},
                                                {"target_ratio", "1.3"}};
+  NameDaemonFlags(&params);
   // value/baseline: medians over reps of each rep's quantile; ratio printed = value/baseline.
   Print({"select_rpc_p50" + suffix, Median(sel50), "us", Median(echo50), "echo_rpc_p50", params});
   Print({"select_rpc_p99" + suffix, Median(sel99), "us", Median(echo99), "echo_rpc_p99", params});
@@ -191,6 +200,7 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
        "shared-memory Select channel, calls one after another, one response reused; the echo "
        "likewise"},
       {"target_ratio", "0.25"}};
+  NameDaemonFlags(&params);
   Print({"select_shm_p50_back_to_back", Median(shm50), "us", Median(echo50),
          "echo_rpc_p50_back_to_back", params});
   Print({"select_shm_p99_back_to_back", Median(shm99), "us", Median(echo99),
@@ -318,21 +328,19 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
     const double threads_one = threads_throughput(1);
     threads_ratio.push_back(threads_throughput(2) / threads_one);
   }
-  Print({"select_scaling",
-         Median(two),
-         "selects/s",
-         Median(one),
-         "one_worker",
-         {{"context_tokens", std::to_string(context)},
-          {"budget_tokens", std::to_string(budget)},
-          {"workers", "2 processes, each its own gRPC connection and session"},
-          {"shape", "30x9/3x64"},
-          {"cores", std::to_string(std::thread::hardware_concurrency())},
-          {"reps", std::to_string(reps)},
-          {"iters", std::to_string(iters)},
-          {"echo_scaling", absl::StrFormat("%.3f", Median(echo_ratio))},
-          {"threads_in_one_process_scaling", absl::StrFormat("%.3f", Median(threads_ratio))},
-          {"target_ratio", "1.7"}}});
+  std::map<std::string, std::string> params = {
+      {"context_tokens", std::to_string(context)},
+      {"budget_tokens", std::to_string(budget)},
+      {"workers", "2 processes, each its own gRPC connection and session"},
+      {"shape", "30x9/3x64"},
+      {"cores", std::to_string(std::thread::hardware_concurrency())},
+      {"reps", std::to_string(reps)},
+      {"iters", std::to_string(iters)},
+      {"echo_scaling", absl::StrFormat("%.3f", Median(echo_ratio))},
+      {"threads_in_one_process_scaling", absl::StrFormat("%.3f", Median(threads_ratio))},
+      {"target_ratio", "1.7"}};
+  NameDaemonFlags(&params);
+  Print({"select_scaling", Median(two), "selects/s", Median(one), "one_worker", params});
 }
 
 // Exact attention of one layer in the worker: every query head over all `n` tokens of its KV
@@ -433,21 +441,18 @@ void DecodeStep(Client& c, int context, int steps) {
     }
   }
   (void)c.CloseSession(s->session_id());
-  Print({"decode_step_kvtier_ms",
-         Median(kvtier_ms),
-         "ms",
-         Median(exact_ms),
-         "exact_attention_ms",
-         {{"context_tokens", std::to_string(context)},
-          {"budget_tokens", "256"},
-          {"layers", std::to_string(kLayers)},
-          {"shape", "30x9/3x64"},
-          {"path",
-           "Select channel, each Select then its Release, one response reused; default policy"},
-          {"baseline",
-           "the worker's exact attention over the whole context, fp32 arithmetic, "
-           "one thread"},
-          {"steps", std::to_string(steps)}}});
+  std::map<std::string, std::string> params = {
+      {"context_tokens", std::to_string(context)},
+      {"budget_tokens", "256"},
+      {"layers", std::to_string(kLayers)},
+      {"shape", "30x9/3x64"},
+      {"path", "Select channel, each Select then its Release, one response reused; default policy"},
+      {"baseline",
+       "the worker's exact attention over the whole context, fp32 arithmetic, one thread"},
+      {"steps", std::to_string(steps)}};
+  NameDaemonFlags(&params);
+  Print({"decode_step_kvtier_ms", Median(kvtier_ms), "ms", Median(exact_ms), "exact_attention_ms",
+         params});
 }
 
 }  // namespace
@@ -459,10 +464,23 @@ int main(int argc, char** argv) {
     return ScalingWorker(a[0], a[1], static_cast<uint32_t>(std::stoul(a[2])), std::stoi(a[3]),
                          static_cast<uint32_t>(std::stoul(a[4])));
   }
+  // --daemon_flags "FLAG VALUE ...": more flags for the daemon the bench starts (an A/B of a
+  // daemon setting with the same binaries), before any other argument.
+  std::vector<std::string> extra;
+  if (argc >= 3 && std::string(argv[1]) == "--daemon_flags") {
+    daemon_flags = argv[2];
+    extra = absl::StrSplit(daemon_flags, ' ', absl::SkipEmpty());
+    argc -= 2;
+    argv += 2;
+  }
+  auto flags = [&](std::vector<std::string> own) {
+    own.insert(own.end(), extra.begin(), extra.end());
+    return own;
+  };
   if (argc == 3 && std::string(argv[1]) == "--decode_tokens") {
     // decode_step_kvtier_ms alone, at each context of a comma-separated list (not in make bench:
     // 128K tokens take about a minute, most of it the worker's exact attention).
-    Daemon d({"--host_capacity", "10G"});
+    Daemon d(flags({"--host_capacity", "10G"}));
     auto client = Client::Connect(d.address());
     if (!client.ok()) return 1;
     for (const absl::string_view n : absl::StrSplit(argv[2], ',')) {
@@ -471,7 +489,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int context = 4096;
-  Daemon d({"--host_capacity", "2G"});
+  Daemon d(flags({"--host_capacity", "2G"}));
   auto client = Client::Connect(d.address());
   if (!client.ok()) return 1;
   Client& c = **client;
