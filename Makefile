@@ -122,6 +122,7 @@ bench: build venv
 	$(BUILD)/bin/quant_bench | tee bench/out/quant.jsonl
 	$(BUILD)/bin/tier_bench | tee bench/out/tier.jsonl
 	$(BUILD)/bin/kvtier-bench select --tokens 4096,32768,131072 --json | tee bench/out/policies.jsonl
+	$(PY) bench/python_channel_bench.py | tee bench/out/python_channel.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
 
 # The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget), the

@@ -19,6 +19,7 @@ COMMANDS = {
     "gpu-bench.jsonl": "scripts/device-check run (GPU machine)",
     "policies.jsonl": "build/bin/kvtier-bench select --tokens 4096,32768,131072 --json",
     "tier.jsonl": "build/bin/tier_bench",
+    "python_channel.jsonl": ".venv/bin/python bench/python_channel_bench.py",
 }
 
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
@@ -26,6 +27,9 @@ TARGETS = [
     ("select_rpc_", "<=", 1.3, "Select RPC vs a bare echo of the same bytes, same channel"),
     ("select_shm_", "<=", 0.25, "Select through a shared-memory Select channel (OpenChannel) vs "
      "the bare gRPC echo of the same bytes"),
+    ("python_channel_select_p50", None, None, "a whole-chunk Select through the Python "
+     "client's Select channel, against a daemon that does not co-locate the channel's thread "
+     "with the worker (--channel_colocate off), in the same run"),
     ("decode_step_kvtier_ms", None, None, "what kvtier adds to one decoded token: 30 sequential "
      "layer Selects and their Releases through a Select channel (default policy, budget 256), "
      "vs the worker's own exact attention of the 30 layers over the whole context (fp32 on one "
