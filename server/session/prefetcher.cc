@@ -23,7 +23,6 @@ void Prefetcher::Enqueue(std::shared_ptr<Session> session, PrefetchGuess guess) 
   pool_.Submit(
       [this, session = std::move(session), guess = std::move(guess)]() mutable {
         absl::StatusOr<uint64_t> made = session->Prefetch(std::move(guess));
-        tasks_.fetch_add(1, std::memory_order_relaxed);
         if (made.ok()) {
           copies_.fetch_add(*made, std::memory_order_relaxed);
         } else {
@@ -34,9 +33,10 @@ void Prefetcher::Enqueue(std::shared_ptr<Session> session, PrefetchGuess guess) 
 }
 
 Prefetcher::Counters Prefetcher::counters() const {
-  return Counters{.tasks = tasks_.load(std::memory_order_relaxed),
+  const TaskPool::Counters pool = pool_.counters();  // every task of the pool is a prefetch
+  return Counters{.tasks = pool.tasks,
                   .copies = copies_.load(std::memory_order_relaxed),
-                  .dropped = pool_.counters().dropped,
+                  .dropped = pool.dropped,
                   .failed = failed_.load(std::memory_order_relaxed)};
 }
 

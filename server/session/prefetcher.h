@@ -43,7 +43,7 @@ class Prefetcher {
 
  private:
   const uint32_t extra_percent_;
-  std::atomic<uint64_t> tasks_ = 0, copies_ = 0, failed_ = 0;
+  std::atomic<uint64_t> copies_ = 0, failed_ = 0;
   // Last: its thread is joined before the counters it writes go.
   TaskPool pool_;
 };
