@@ -172,22 +172,75 @@ TEST(Dot, AgreesWithDoubleAcrossWidths) {
   }
 }
 
-// Signed bytes widen exactly, the extremes -128 and 127 included.
-TEST(DotInt8, AgreesWithDoubleAcrossWidths) {
+// A query on QueryInt8Codes' grid: the smallest power of two that holds every value within
+// 127 steps (OnQueryGrid finds it by halving and doubling), each value its nearest step; a
+// vector already on the grid comes back as it is; NaN counts as 0 and infinities as FLT_MAX;
+// the vector and scalar paths give the same bytes.
+TEST(QueryInt8Codes, PutsAQueryOnThePowerOfTwoGrid) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0, 1);
+  for (float magnitude : {1e-35f, 1e-3f, 1.f, 127.f, 127.5f, 128.f, 3e5f, 1e38f}) {
+    for (int d : {1, 7, 8, 15, 64, 80, 129}) {
+      std::vector<float> x(d);
+      for (auto& v : x) v = magnitude * n(rng);
+      x[d / 2] = magnitude;  // the largest magnitude exactly, at a power-of-two boundary or not
+      std::vector<float> want = x;
+      testing::OnQueryGrid(&want, d);
+      std::vector<int8_t> codes(d), again(d);
+      const float scale = QueryInt8Codes(x.data(), d, codes.data());
+      int e;
+      ASSERT_EQ(std::frexp(scale, &e), 0.5f) << "a power of two";
+      std::vector<float> rounded = x;
+      RoundQueryToInt8(rounded.data(), d);
+      for (int j = 0; j < d; ++j) {
+        ASSERT_EQ(float(codes[j]) * scale, want[j]) << magnitude << " d " << d << " at " << j;
+        ASSERT_EQ(rounded[j], want[j]);
+      }
+      EXPECT_EQ(QueryInt8Codes(rounded.data(), d, again.data()), scale) << "on the grid";
+      EXPECT_EQ(again, codes);
+    }
+  }
+  std::vector<float> odd = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), 1.f, 0.f};
+  for (int i = 0; i < 3; ++i) odd.insert(odd.end(), odd.begin(), odd.begin() + 5);
+  std::vector<int8_t> codes(odd.size());
+  const float scale = QueryInt8Codes(odd.data(), int(odd.size()), codes.data());
+  EXPECT_EQ(scale, 0x1p122f);  // FLT_MAX is just under 2^128: past 127 * 2^121, 64 * 2^122
+  for (size_t j = 0; j < odd.size(); j += 5) {
+    EXPECT_EQ(codes[j], 0);
+    EXPECT_EQ(codes[j + 1], 64);
+    EXPECT_EQ(codes[j + 2], -64);
+    EXPECT_EQ(codes[j + 3], 0);
+  }
+  std::vector<float> zero(9, 0.f);
+  std::vector<int8_t> zc(9, 5);
+  QueryInt8Codes(zero.data(), 9, zc.data());
+  EXPECT_EQ(zc, std::vector<int8_t>(9, 0));
+}
+
+// DotInt8 is the exact dot product of the query on the grid with the bytes (their extremes
+// -128 and 127 included), on every path and every kernel.
+TEST(DotInt8, IsTheExactDotOfTheQueryOnItsGrid) {
   std::mt19937 rng(10);
   std::normal_distribution<float> n(0, 1);
-  for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 129, 512}) {
+  for (int d : {1, 7, 8, 15, 16, 17, 32, 64, 80, 96, 128, 129, 512}) {
     std::vector<float> a(d);
     std::vector<int8_t> c(d);
-    double want = 0, mag = 0;
     for (int j = 0; j < d; ++j) {
       a[j] = n(rng);
       c[j] = static_cast<int8_t>(j % 5 == 0 ? (j % 2 ? 127 : -128) : int(rng() % 255) - 127);
-      want += double(a[j]) * c[j];
-      mag += std::fabs(double(a[j]) * c[j]);
     }
-    EXPECT_NEAR(DotInt8(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
-    EXPECT_NEAR(DotInt8Scalar(a.data(), c.data(), d), want, 1e-6 * mag + 1e-7) << d;
+    std::vector<float> on = a;
+    testing::OnQueryGrid(&on, d);
+    double want = 0;  // exact: multiples of one power of two, under 2^53 of it
+    for (int j = 0; j < d; ++j) want += double(on[j]) * c[j];
+    EXPECT_EQ(DotInt8(a.data(), c.data(), d), float(want)) << d;
+    EXPECT_EQ(DotInt8Scalar(a.data(), c.data(), d), float(want)) << d;
+    for (Int8Kernel k : {Int8Kernel::kScalar, Int8Kernel::kAvx2, Int8Kernel::kVnni}) {
+      float got = 0;
+      DotInt8GroupRowsWith(k, a.data(), 1, c.data(), 1, d, d, &got, 1, 1);
+      EXPECT_EQ(got, float(want)) << d << " kernel " << int(k);
+    }
   }
 }
 
@@ -293,10 +346,10 @@ TEST(CountAtLeast, CountsTheKeysAtLeastT) {
 TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
   std::mt19937 rng(13);
   std::normal_distribution<float> n(0, 1);
-  std::uniform_int_distribution<int> byte(-127, 127);
-  for (int d : {1, 7, 8, 15, 16, 17, 64, 80, 128}) {
+  std::uniform_int_distribution<int> byte(-128, 127);
+  for (int d : {1, 7, 8, 15, 16, 17, 32, 64, 80, 96, 128}) {
     for (int group : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16}) {
-      for (int rows : {1, 2, 5}) {
+      for (int rows : {1, 2, 5, 9, 17}) {
         std::vector<float> a(size_t(group) * d);
         for (float& x : a) x = n(rng);
         std::vector<int8_t> c(size_t(rows) * d);
@@ -307,26 +360,34 @@ TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
         } else {
           DotInt8GroupRows(a.data(), group, c.data(), rows, d, got.data());
         }
-        // Every other row (a stride of two rows), the results head by head.
+        // Every other row (a stride of two rows), the results head by head, by every kernel.
         const int odd = rows / 2;
-        std::vector<float> strided(size_t(std::max(odd, 1)) * group);
-        DotInt8GroupRowsStrided(a.data(), group, c.data() + d, odd, d, 2 * d, strided.data(), 1,
-                                odd);
+        std::vector<std::vector<float>> strided;
+        for (Int8Kernel k : {Int8Kernel::kScalar, Int8Kernel::kAvx2, Int8Kernel::kVnni}) {
+          strided.emplace_back(size_t(std::max(odd, 1)) * group);
+          DotInt8GroupRowsWith(k, a.data(), group, c.data() + d, odd, d, 2 * d,
+                               strided.back().data(), 1, odd);
+        }
         for (int r = 0; r < rows; ++r) {
           for (int g = 0; g < group; ++g) {
             const float want = DotInt8(a.data() + size_t(g) * d, c.data() + size_t(r) * d, d);
             EXPECT_EQ(std::bit_cast<uint32_t>(got[size_t(r) * group + g]),
                       std::bit_cast<uint32_t>(want))
                 << "d " << d << " group " << group << " row " << r << " g " << g;
-            if (r % 2 == 1) {
-              EXPECT_EQ(std::bit_cast<uint32_t>(strided[size_t(g) * odd + r / 2]),
+            for (size_t k = 0; r % 2 == 1 && k < strided.size(); ++k) {
+              EXPECT_EQ(std::bit_cast<uint32_t>(strided[k][size_t(g) * odd + r / 2]),
                         std::bit_cast<uint32_t>(want))
-                  << "strided: d " << d << " group " << group << " row " << r << " g " << g;
+                  << "strided, kernel " << k << ": d " << d << " group " << group << " row " << r
+                  << " g " << g;
             }
           }
         }
       }
     }
+  }
+  EXPECT_TRUE(HaveInt8Kernel(Int8Kernel::kScalar));
+  if (!HaveInt8Kernel(Int8Kernel::kVnni)) {
+    std::printf("note: no AVX-512 VNNI here; its kernel ran as the scalar one\n");
   }
 }
 

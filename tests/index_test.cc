@@ -9,6 +9,7 @@
 #include "server/index/chunk_ranker.h"
 #include "server/index/chunk_stats.h"
 #include "server/index/chunking.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -176,6 +177,8 @@ TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
     ASSERT_EQ(stats.compact_chunks(), compact);
     std::vector<float> q(group * d);
     for (auto& x : q) x = n(rng);
+    testing::OnQueryGrid(&q,
+                         d);  // as RankStream passes it: the compact bytes are scored on its grid
     std::vector<ChunkCandidate> cands;
     for (uint32_t c = 0; c < chunks; ++c) {
       if (c % 7 != 3) cands.push_back(stats.candidate(c));
@@ -211,6 +214,7 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
       ASSERT_EQ(stats.compact_chunks(), compact);
       std::vector<float> q(group * d);
       for (auto& x : q) x = n(rng);
+      testing::OnQueryGrid(&q, d);  // as RankStream passes it
       std::vector<float> lse(chunks), mean(chunks);
       stats.Score(v1::RANKING_LSE_PEAK, q, group, lse.data());
       stats.Score(v1::RANKING_MEAN, q, group, mean.data());

@@ -238,9 +238,9 @@ inline v1::SelectRequest SelectReq(const Fixture& f, int layer, uint32_t budget,
 
 // Independent expectation of one head's chunks, for any chunking (`chunks`: each chunk's
 // positions, by chunk index): the chunks with a row among the sinks or in the window, then
-// the best scores (computed here in double from the original fp16 data) that fit in the
-// budget, greedily: the mean score, or log((n-1) e^(q.mu/sqrt d) + e^(q.peak/sqrt d)) with
-// the peak the key farthest from the mean.
+// the best scores (computed here in double from the original fp16 data, against the query on
+// its 8-bit grid) that fit in the budget, greedily: the mean score, or log((n-1) e^(q.mu/sqrt d) +
+// e^(q.peak/sqrt d)) with the peak the key farthest from the mean.
 inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int head, int tokens,
                                             const std::vector<std::vector<int64_t>>& chunks,
                                             uint32_t budget, uint32_t seed, int sink = 16,
@@ -250,6 +250,7 @@ inline std::set<uint32_t> ExpectedSelection(const Fixture& f, int layer, int hea
   const int group = f.qh / f.kvh;
   std::vector<float> q;
   Query(f, seed, &q);
+  OnQueryGrid(&q, f.d);  // every chunk is ranked against the query on its 8-bit grid
   std::set<uint32_t> out;
   uint64_t used = 0;
   std::vector<std::pair<double, uint32_t>> scored;

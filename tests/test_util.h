@@ -2,6 +2,8 @@
 #ifndef KVTIER_TESTS_TEST_UTIL_H_
 #define KVTIER_TESTS_TEST_UTIL_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -59,6 +61,21 @@ std::string AsBytes(const std::vector<uint16_t>& v);
 // Tokens [start, start+n) of a [kv_heads][total][d] tensor as [kv_heads][n][d].
 std::vector<uint16_t> Slice(const std::vector<uint16_t>& all, int kv_heads, int total, int d,
                             int start, int n);
+
+// The query the ranking of compact statistics takes (RoundQueryToInt8), found here another way:
+// each head's d values on the grid of the smallest power of two p with every |x| <= 127 p
+// (found by halving and doubling), rounded to the nearest multiple of p (ties to even).
+inline void OnQueryGrid(std::vector<float>* q, int d) {
+  for (size_t h = 0; h * d < q->size(); ++h) {
+    float* x = q->data() + h * d;
+    double top = 0;
+    for (int j = 0; j < d; ++j) top = std::max(top, std::fabs(double(x[j])));
+    double p = 1;
+    while (top > 127 * p) p *= 2;
+    while (p > 0x1p-100 && top <= 127 * (p / 2)) p /= 2;
+    for (int j = 0; j < d; ++j) x[j] = float(std::nearbyint(x[j] / p) * p);
+  }
+}
 
 // A kvtierd process for a test: a failed start and an unclean exit are test failures.
 class DaemonProcess : public LocalDaemon {

@@ -13,6 +13,10 @@ k chunks by true mass (the chunk oracle). Scores, max over the group's query hea
   mean+var    q.mu + (q^2 . var) / (2 sqrt(d))  (second-order estimate of log sum exp)
   max(mean,peak)  max(q.mu, q.k_peak)               (k_peak: the key farthest from mu)
   lse-peak    log(15 e^(q.mu/sqrt d) + e^(q.k_peak/sqrt d))
+  lse-peak-int8   the same over mu and k_peak as kvtierd keeps them once aged: signed bytes
+                  times each vector's largest magnitude / 127
+  lse-peak-int8q  and against the query as kvtierd ranks with it: each head's values on the
+                  grid of the smallest power of two p with every |q_j| <= 127 p
   max         max_k q.k                          (the true best key: needs every key)
 Prints one JSON line per (source, budget, score) with the mean and 10th percentile ratio.
 
@@ -27,7 +31,23 @@ import sys
 import numpy as np
 
 CHUNK, SINKS = 16, 16
-SCORES = ["mean", "box", "ball", "mean+var", "max(mean,peak)", "lse-peak", "max"]
+SCORES = ["mean", "box", "ball", "mean+var", "max(mean,peak)", "lse-peak", "lse-peak-int8",
+          "lse-peak-int8q", "max"]
+
+
+def int8_rows(x: np.ndarray) -> np.ndarray:
+    """Each row as kvtierd's compact statistics hold it: bytes times its largest magnitude / 127."""
+    top = np.abs(x).max(axis=-1, keepdims=True)
+    step = np.where(top > 0, top / 127.0, 1.0)
+    return np.round(x / step) * step
+
+
+def query_grid(q: np.ndarray) -> np.ndarray:
+    """Each row on its power-of-two grid (RoundQueryToInt8): the smallest p = 2^e with every
+    |q_j| <= 127 p, each value its nearest multiple of p."""
+    top = np.abs(q).max(axis=-1, keepdims=True)
+    p = np.exp2(np.ceil(np.log2(np.where(top > 0, top, 1.0) / 127.0)))
+    return np.round(q / p) * p
 
 
 def chunk_stats(k: np.ndarray):
@@ -43,6 +63,12 @@ def scores(q: np.ndarray, k: np.ndarray, st: dict) -> dict:
     """q [g][d], k [c][16][d]: every candidate's score per chunk, max over the g heads."""
     d = q.shape[1]
     mean = q @ st["mu"].T  # [g][c]
+    mu8, peak8, q8 = int8_rows(st["mu"]), int8_rows(st["peak"]), query_grid(q)
+
+    def lse_peak(qq, mu, peak):
+        return np.logaddexp((qq @ mu.T) / np.sqrt(d) + np.log(CHUNK - 1),
+                            (qq @ peak.T) / np.sqrt(d))
+
     qn = np.linalg.norm(q, axis=1, keepdims=True)
     out = {
         "mean": mean,
@@ -50,8 +76,9 @@ def scores(q: np.ndarray, k: np.ndarray, st: dict) -> dict:
         "ball": mean + qn * st["r"][None],
         "mean+var": mean + (q * q) @ st["var"].T / (2 * np.sqrt(d)),
         "max(mean,peak)": np.maximum(mean, q @ st["peak"].T),
-        "lse-peak": np.logaddexp(mean / np.sqrt(d) + np.log(CHUNK - 1),
-                                 q @ st["peak"].T / np.sqrt(d)),
+        "lse-peak": lse_peak(q, st["mu"], st["peak"]),
+        "lse-peak-int8": lse_peak(q, mu8, peak8),
+        "lse-peak-int8q": lse_peak(q8, mu8, peak8),
         "max": np.einsum("gd,ctd->gct", q, k).max(axis=2),
     }
     return {name: s.max(axis=0) for name, s in out.items()}

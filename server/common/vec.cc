@@ -7,9 +7,12 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <utility>
+#include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "server/common/fp16.h"
 
 namespace kvtier {
@@ -43,8 +46,11 @@ __attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint1
 // cpuid leaf 1 ECX: FMA bit 12, OSXSAVE bit 27, F16C bit 29; leaf 7 EBX: AVX2 bit 5; and the
 // OS must save the YMM registers (XCR0 bits 1 and 2). Not __builtin_cpu_supports: clang 14
 // does not know "f16c".
+// AVX-512 VNNI with VL (its 256-bit forms, 32 vector registers): leaf 7 EBX AVX512F bit 16,
+// AVX512VL bit 31, ECX AVX512_VNNI bit 11, and the OS saving the opmask and upper ZMM state
+// (XCR0 bits 5 to 7).
 struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false;
+  bool avx2 = false, fma = false, f16c = false, vnni = false;
   CpuFeatures() {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
@@ -59,6 +65,8 @@ struct CpuFeatures {
     const bool ymm = osxsave && (xcr0 & 6u) == 6u;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
     avx2 = ymm && (b & (1u << 5));
+    vnni =
+        avx2 && (xcr0 & 0xE0u) == 0xE0u && (b & (1u << 16)) && (b & (1u << 31)) && (c & (1u << 11));
     fma = fma && ymm;
     f16c = f16c && ymm;
   }
@@ -120,33 +128,14 @@ __attribute__((target("avx2,fma,f16c"))) float DotHalvesAvx2(HalfKind kind, cons
   return out;
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 WidenBytes8(const int8_t* c) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-}
-
-__attribute__((target("avx2,fma"))) float DotInt8Avx2(const float* a, const int8_t* c, int n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 16 <= n; j += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), WidenBytes8(c + j), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), WidenBytes8(c + j + 8), acc1);
-  }
-  for (; j + 8 <= n; j += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), WidenBytes8(c + j), acc0);
-  float out = SumLanes(acc0, acc1);
-  for (; j < n; ++j) out += a[j] * static_cast<float>(c[j]);
-  return out;
-}
-
 // The largest query group with a kernel of its own (larger groups go head by head).
 constexpr int kMaxGroup = 8;
 
 // G vectors of `a` against one vector `x` of n elements of a kind E (E::Load widens eight to
-// floats, E::Value one), each summed exactly as DotHalvesAvx2 and DotInt8Avx2 sum one: two
+// floats, E::Value one), each summed exactly as DotHalvesAvx2 sums one: two
 // accumulators over sixteen, then eight, SumLanes, then the tail. The group size is a template
 // argument, so that the accumulators stay in registers, and the elements are widened once for
-// the whole group (a query group against a key row, or against a chunk's compact statistics).
+// the whole group (a query group against a key row).
 template <HalfKind K>
 struct HalfElements {
   using T = uint16_t;
@@ -155,14 +144,6 @@ struct HalfElements {
   }
   static float Value(uint16_t v) { return K == HalfKind::kFp16 ? HalfToFloat(v) : Bf16ToFloat(v); }
 };
-struct ByteElements {
-  using T = int8_t;
-  __attribute__((target("avx2,fma,f16c"))) static __m256 Load(const int8_t* p) {
-    return WidenBytes8(p);
-  }
-  static float Value(int8_t v) { return static_cast<float>(v); }
-};
-
 template <int G, typename E>
 __attribute__((target("avx2,fma,f16c"))) inline void GroupDotAvx2(const float* a,
                                                                   const typename E::T* x, int n,
@@ -422,7 +403,8 @@ __attribute__((target("avx2"))) inline __m256 FiniteLanes(__m256 x) {
   return _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), kMax)), kMax);
 }
 
-__attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int n, int8_t* codes) {
+// The largest magnitude of x's values (each FiniteOrZero), eight at a time.
+__attribute__((target("avx2"))) float TopMagnitudeAvx2(const float* x, int n) {
   const int whole = n / 8 * 8;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 top8 = _mm256_setzero_ps();
@@ -434,8 +416,13 @@ __attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int
   float top = 0.f;
   for (float v : lanes) top = std::max(top, v);
   for (int i = whole; i < n; ++i) top = std::max(top, std::fabs(FiniteOrZero(x[i])));
-  const float scale = top / 127.f;
-  const float inv = top > 0.f ? 127.f / top : 0.f;
+  return top;
+}
+
+// codes[i] = SymmetricInt8Code(x[i], inv), eight at a time.
+__attribute__((target("avx2"))) void Int8CodesAvx2(const float* x, int n, float inv,
+                                                   int8_t* codes) {
+  const int whole = n / 8 * 8;
   const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (int i = 0; i < whole; i += 8) {
     __m256 c = _mm256_mul_ps(FiniteLanes(_mm256_loadu_ps(x + i)), inv8);
@@ -445,7 +432,12 @@ __attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(h, h));
   }
   for (int i = whole; i < n; ++i) codes[i] = SymmetricInt8Code(x[i], inv);
-  return scale;
+}
+
+__attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int n, int8_t* codes) {
+  const float top = TopMagnitudeAvx2(x, n);
+  Int8CodesAvx2(x, n, top > 0.f ? 127.f / top : 0.f, codes);
+  return top / 127.f;
 }
 
 __attribute__((target("avx2,fma,f16c"))) void ScaledCodesAvx2(const float* x, const float* inv,
@@ -902,18 +894,284 @@ void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, 
   }
 }
 
-float DotInt8Scalar(const float* a, const int8_t* c, int n) {
-  float s = 0.f;
-  for (int j = 0; j < n; ++j) s += a[j] * static_cast<float>(c[j]);
-  return s;
+namespace {
+
+// QueryInt8Codes' exponent of 2 for the largest magnitude `top` (0 or more, finite).
+int QueryExponent(float top) {
+  constexpr int kLow = -100, kHigh = 122;  // 2^-kLow and 2^-kHigh are normal floats
+  if (!(top > 0.f)) return kLow;
+  int t;
+  const float m = std::frexp(top, &t);  // top = m 2^t, m in [0.5, 1)
+  // top / 2^(t - 7) = 128 m, at most 127 when m <= 127/128; else top / 2^(t - 6) = 64 m < 64.
+  const int e = m * 128.f <= 127.f ? t - 7 : t - 6;
+  return std::clamp(e, kLow, kHigh);
 }
 
-namespace {
-float (*const kDotInt8)(const float*, const int8_t*, int) = HaveAvx2Fma() ? DotInt8Avx2
-                                                                          : DotInt8Scalar;
+float TopMagnitudeScalar(const float* x, int n) {
+  float top = 0.f;
+  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(FiniteOrZero(x[i])));
+  return top;
+}
+
+float QueryInt8CodesScalar(const float* x, int n, int8_t* codes) {
+  const int e = QueryExponent(TopMagnitudeScalar(x, n));
+  const float inv = std::ldexp(1.f, -e);  // exact: a power of two
+  for (int i = 0; i < n; ++i) codes[i] = SymmetricInt8Code(x[i], inv);
+  return std::ldexp(1.f, e);
+}
+
+float QueryInt8CodesAvx2(const float* x, int n, int8_t* codes) {
+  const int e = QueryExponent(TopMagnitudeAvx2(x, n));
+  Int8CodesAvx2(x, n, std::ldexp(1.f, -e), codes);
+  return std::ldexp(1.f, e);
+}
+
+// The exact integer sum, then its scale: the same on every path (an int32 holds it for any
+// head_dim under 66000; its conversion to float is exact under 2^24 and rounds alike past it).
+inline float Scaled(int32_t sum, float scale) { return static_cast<float>(sum) * scale; }
+
+void Int8RowsScalar(const QueryInt8Group& q, int group, const int8_t* c, int rows, int n,
+                    int c_stride, float* out, int out_row, int out_group) {
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* x = c + static_cast<size_t>(r) * c_stride;
+    for (int g = 0; g < group; ++g) {
+      const int8_t* a = q.codes(g);
+      int32_t sum = 0;
+      for (int j = 0; j < n; ++j) sum += int32_t{a[j]} * x[j];
+      out[static_cast<size_t>(r) * out_row + static_cast<size_t>(g) * out_group] =
+          Scaled(sum, q.scale(g));
+    }
+  }
+}
+
+#define KVTIER_VNNI __attribute__((target("avx2,avx512f,avx512vl,avx512vnni")))
+
+// The four lanes' sums of four rows' accumulators: [row 0, row 1, row 2, row 3].
+__attribute__((target("avx2"))) inline __m128i SumRows4(__m256i a0, __m256i a1, __m256i a2,
+                                                        __m256i a3) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// Four rows' sums of head g (less `bias`), scaled, into out[k * out_row + g * out_group].
+__attribute__((target("avx2"))) inline void StoreRows4(__m128i sums, int32_t bias, float scale,
+                                                       float* o, int out_row) {
+  const __m128 v =
+      _mm_mul_ps(_mm_cvtepi32_ps(_mm_sub_epi32(sums, _mm_set1_epi32(bias))), _mm_set1_ps(scale));
+  if (out_row == 1) {
+    _mm_storeu_ps(o, v);
+    return;
+  }
+  alignas(16) float four[4];
+  _mm_store_ps(four, v);
+  for (int k = 0; k < 4; ++k) o[static_cast<size_t>(k) * out_row] = four[k];
+}
+
+// Without VNNI: heads [g0, g0 + G) against rows [r, r + 4), n a multiple of 16, each row's bytes
+// widened to int16 once and multiplied with the heads' int16 codes in pairs (vpmaddwd).
+template <int G>
+__attribute__((target("avx2"))) inline void Int8Rows4Avx2(const QueryInt8Group& q, int g0,
+                                                          const int8_t* x, int n, int c_stride,
+                                                          float* out, int out_row, int out_group) {
+  __m256i acc[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[g][k] = _mm256_setzero_si256();
+  }
+  for (int j = 0; j < n; j += 16) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(x + static_cast<size_t>(k) * c_stride + j)));
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        acc[g][k] = _mm256_add_epi32(
+            acc[g][k],
+            _mm256_madd_epi16(
+                w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.wide(g0 + g) + j))));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    StoreRows4(SumRows4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), 0, q.scale(g0 + g),
+               out + static_cast<size_t>(g0 + g) * out_group, out_row);
+  }
+}
+
+__attribute__((target("avx2"))) void Int8RowsAvx2(const QueryInt8Group& q, int group,
+                                                  const int8_t* c, int rows, int n, int c_stride,
+                                                  float* out, int out_row, int out_group) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const int8_t* x = c + static_cast<size_t>(r) * c_stride;
+    float* o = out + static_cast<size_t>(r) * out_row;
+    int g = 0;  // heads three at a time: twelve accumulators in sixteen registers
+    for (; g + 3 <= group; g += 3) Int8Rows4Avx2<3>(q, g, x, n, c_stride, o, out_row, out_group);
+    if (group - g == 2) Int8Rows4Avx2<2>(q, g, x, n, c_stride, o, out_row, out_group);
+    if (group - g == 1) Int8Rows4Avx2<1>(q, g, x, n, c_stride, o, out_row, out_group);
+  }
+  if (r < rows) {
+    Int8RowsScalar(q, group, c + static_cast<size_t>(r) * c_stride, rows - r, n, c_stride,
+                   out + static_cast<size_t>(r) * out_row, out_row, out_group);
+  }
+}
+
+// Heads [g0, g0 + G) of the group against rows [r, r + 4), n a multiple of 32: each row's bytes
+// made unsigned (c + 128, one xor) and multiplied with the heads' signed codes four at a time
+// (vpdpbusd), the 128 times the codes' sum taken off after.
+template <int G>
+KVTIER_VNNI inline void Int8Rows4Vnni(const QueryInt8Group& q, int g0, const int8_t* x, int n,
+                                      int c_stride, float* out, int out_row, int out_group) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i acc[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[g][k] = _mm256_setzero_si256();
+  }
+  for (int j = 0; j < n; j += 32) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             x + static_cast<size_t>(k) * c_stride + j)),
+                                         flip);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        acc[g][k] = _mm256_dpbusd_epi32(
+            acc[g][k], u,
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes(g0 + g) + j)));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    StoreRows4(SumRows4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), q.bias(g0 + g),
+               q.scale(g0 + g), out + static_cast<size_t>(g0 + g) * out_group, out_row);
+  }
+}
+
+KVTIER_VNNI void Int8RowsVnni(const QueryInt8Group& q, int group, const int8_t* c, int rows, int n,
+                              int c_stride, float* out, int out_row, int out_group) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const int8_t* x = c + static_cast<size_t>(r) * c_stride;
+    float* o = out + static_cast<size_t>(r) * out_row;
+    int g = 0;  // heads four at a time (the rows stay in the first-level cache meanwhile)
+    for (; g + 4 <= group; g += 4) Int8Rows4Vnni<4>(q, g, x, n, c_stride, o, out_row, out_group);
+    switch (group - g) {
+      case 3:
+        Int8Rows4Vnni<3>(q, g, x, n, c_stride, o, out_row, out_group);
+        break;
+      case 2:
+        Int8Rows4Vnni<2>(q, g, x, n, c_stride, o, out_row, out_group);
+        break;
+      case 1:
+        Int8Rows4Vnni<1>(q, g, x, n, c_stride, o, out_row, out_group);
+        break;
+      default:
+        break;
+    }
+  }
+  if (r < rows) {
+    Int8RowsScalar(q, group, c + static_cast<size_t>(r) * c_stride, rows - r, n, c_stride,
+                   out + static_cast<size_t>(r) * out_row, out_row, out_group);
+  }
+}
+
+#undef KVTIER_VNNI
+
 }  // namespace
 
-float DotInt8(const float* a, const int8_t* c, int n) { return kDotInt8(a, c, n); }
+float QueryInt8Codes(const float* x, int n, int8_t* codes) {
+  static const auto impl = Cpu().avx2 ? QueryInt8CodesAvx2 : QueryInt8CodesScalar;
+  return impl(x, n, codes);
+}
+
+void RoundQueryToInt8(float* x, int n) {
+  absl::InlinedVector<int8_t, 512> codes(static_cast<size_t>(n));
+  const float scale = QueryInt8Codes(x, n, codes.data());
+  for (int i = 0; i < n; ++i) x[i] = static_cast<float>(codes[i]) * scale;
+}
+
+bool HaveInt8Kernel(Int8Kernel k) {
+  switch (k) {
+    case Int8Kernel::kScalar:
+      return true;
+    case Int8Kernel::kAvx2:
+      return Cpu().avx2;
+    case Int8Kernel::kVnni:
+      return Cpu().vnni;
+  }
+  return false;
+}
+
+Int8Kernel BestInt8Kernel() {
+  static const Int8Kernel best = Cpu().vnni   ? Int8Kernel::kVnni
+                                 : Cpu().avx2 ? Int8Kernel::kAvx2
+                                              : Int8Kernel::kScalar;
+  return best;
+}
+
+QueryInt8Group::QueryInt8Group(const float* a, int group, int n, Int8Kernel kernel)
+    : group_(std::max(group, 0)),
+      n_(std::max(n, 0)),
+      heap_(static_cast<size_t>(group_) * n_ > kInline ? static_cast<size_t>(group_) * n_ : 0),
+      codes_(heap_.empty() ? inline_.data() : heap_.data()),
+      scale_(static_cast<size_t>(group_)),
+      bias_(static_cast<size_t>(group_)) {
+  // A kernel not available here, or a width it does not take, runs as the scalar one.
+  if (kernel == Int8Kernel::kVnni && !(Cpu().vnni && n_ % 32 == 0)) kernel = Int8Kernel::kScalar;
+  if (kernel == Int8Kernel::kAvx2 && !(Cpu().avx2 && n_ % 16 == 0)) kernel = Int8Kernel::kScalar;
+  kernel_ = kernel;
+  if (kernel_ == Int8Kernel::kAvx2) wide_.reserve(static_cast<size_t>(group_) * n_);
+  for (int g = 0; g < group_; ++g) {
+    int8_t* q = codes_ + static_cast<size_t>(g) * n_;
+    scale_[g] = QueryInt8Codes(a + static_cast<size_t>(g) * n_, n_, q);
+    if (kernel_ == Int8Kernel::kAvx2) wide_.insert(wide_.end(), q, q + n_);
+    int32_t sum = 0;
+    for (int j = 0; j < n_; ++j) sum += q[j];
+    bias_[g] = 128 * sum;
+  }
+}
+
+void DotInt8GroupRowsStrided(const QueryInt8Group& q, const int8_t* c, int rows, int c_stride,
+                             float* out, int out_row, int out_group) {
+  const int group = q.group(), n = q.n();
+  if (group < 1 || rows < 1 || n < 1) return;
+  switch (q.kernel()) {
+    case Int8Kernel::kVnni:
+      Int8RowsVnni(q, group, c, rows, n, c_stride, out, out_row, out_group);
+      return;
+    case Int8Kernel::kAvx2:
+      Int8RowsAvx2(q, group, c, rows, n, c_stride, out, out_row, out_group);
+      return;
+    case Int8Kernel::kScalar:
+      break;
+  }
+  Int8RowsScalar(q, group, c, rows, n, c_stride, out, out_row, out_group);
+}
+
+void DotInt8GroupRowsWith(Int8Kernel kernel, const float* a, int group, const int8_t* c, int rows,
+                          int n, int c_stride, float* out, int out_row, int out_group) {
+  DotInt8GroupRowsStrided(QueryInt8Group(a, group, n, kernel), c, rows, c_stride, out, out_row,
+                          out_group);
+}
+
+float DotInt8(const float* a, const int8_t* c, int n) {
+  float out;
+  DotInt8GroupRowsStrided(a, 1, c, 1, n, n, &out, 1, 1);
+  return out;
+}
+
+float DotInt8Scalar(const float* a, const int8_t* c, int n) {
+  absl::InlinedVector<int8_t, 512> codes(static_cast<size_t>(n));
+  const float scale = QueryInt8CodesScalar(a, n, codes.data());
+  int32_t sum = 0;
+  for (int j = 0; j < n; ++j) sum += int32_t{codes[j]} * c[j];
+  return Scaled(sum, scale);
+}
 
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out) {
   DotInt8GroupRows(a, group, c, 1, n, out);
@@ -925,17 +1183,7 @@ void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int 
 
 void DotInt8GroupRowsStrided(const float* a, int group, const int8_t* c, int rows, int n,
                              int c_stride, float* out, int out_row, int out_group) {
-  static const bool kVector = kDotInt8 == DotInt8Avx2 && HaveAvx2F16c();
-  if (kVector && group >= 1 && group <= kMaxGroup) {
-    kGroupRows<ByteElements>[group - 1](a, c, rows, n, c_stride, out, out_row, out_group);
-    return;
-  }
-  for (int r = 0; r < rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      out[static_cast<size_t>(r) * out_row + static_cast<size_t>(g) * out_group] =
-          kDotInt8(a + static_cast<size_t>(g) * n, c + static_cast<size_t>(r) * c_stride, n);
-    }
-  }
+  DotInt8GroupRowsStrided(QueryInt8Group(a, group, n), c, rows, c_stride, out, out_row, out_group);
 }
 
 template <typename T>
@@ -983,8 +1231,7 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
 }
 
 float SymmetricInt8CodesScalar(const float* x, int n, int8_t* codes) {
-  float top = 0.f;
-  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(FiniteOrZero(x[i])));
+  const float top = TopMagnitudeScalar(x, n);
   const float inv = top > 0.f ? 127.f / top : 0.f;
   for (int i = 0; i < n; ++i) codes[i] = SymmetricInt8Code(x[i], inv);
   return top / 127.f;

@@ -1,5 +1,6 @@
-// Vector helpers on the append and select paths. AVX2 (+F16C, +FMA) when the CPU has them,
-// chosen once at run time; scalar otherwise.
+// Vector helpers on the append and select paths. AVX2 (+F16C, +FMA) when the CPU has them
+// (and AVX-512 VNNI for the ranking's integer dot products), chosen once at run time; scalar
+// otherwise.
 //
 // AddRows adds rows of 2-byte floats (fp16 or bf16) into a float accumulator, the per-chunk
 // key and value sums behind the mean-key ranking. Both paths give the same sums bit for bit:
@@ -7,10 +8,13 @@
 #ifndef KVTIER_SERVER_COMMON_VEC_H_
 #define KVTIER_SERVER_COMMON_VEC_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
+
+#include "absl/container/inlined_vector.h"
 
 namespace kvtier {
 
@@ -38,12 +42,27 @@ float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
 // group against a run of key rows).
 void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
                    float* out);
-// a . c over n floats and n signed bytes (exactly widened): the ranking's dot product with a
-// chunk's compact statistics, before their scale. The same caveat as Dot between the paths.
+// A query vector on an 8-bit grid, as the ranking of compact statistics takes it: scale = 2^e,
+// the smallest power of two (e in [-100, 122]) with every |x[i]| / scale <= 127, and codes[i]
+// = nearbyint(x[i] / scale) (NaN as 0, +-inf as +-FLT_MAX, then clamped to +-127). Returns
+// scale. The scale being a power of two, a vector already on the grid (codes times scale)
+// gets the same codes and scale back. Both paths give the same bytes and scale.
+float QueryInt8Codes(const float* x, int n, int8_t* codes);
+// x[i] = codes[i] * scale in place (QueryInt8Codes): the query every chunk of a stream is
+// ranked against, so that scores from compact and from float statistics, and the cluster
+// index's bounds, see one query.
+void RoundQueryToInt8(float* x, int n);
+
+// a . c over n floats and n signed bytes, the ranking's dot product with a chunk's compact
+// statistics (before their scale): with a on QueryInt8Codes' grid first, scale times the exact
+// integer sum of codes[j] * c[j]. So every path, every grouping of rows and heads below, and
+// DotInt8Scalar give the same bits; for a query already on the grid it is the exact value of
+// a . c (rounded once, past 2^24 in the integer sum). Rounding the query costs the ranking
+// nothing measurable (bench/ranking/compare.py: lse-peak against lse-peak-int8q).
 float DotInt8(const float* a, const int8_t* c, int n);
 float DotInt8Scalar(const float* a, const int8_t* c, int n);
-// out[g] = DotInt8(a + g * n, c, n) for g in [0, group), bit for bit, the bytes widened once for
-// the whole group.
+// out[g] = DotInt8(a + g * n, c, n) for g in [0, group), bit for bit, each head's codes made
+// once for the whole group.
 void DotInt8Group(const float* a, int group, const int8_t* c, int n, float* out);
 // out[r * group + g] = DotInt8(a + g * n, c + r * n, n) for g in [0, group) and r in [0, rows),
 // bit for bit: DotInt8Group over a run of rows (chunks' compact statistics side by side) in
@@ -53,6 +72,49 @@ void DotInt8GroupRows(const float* a, int group, const int8_t* c, int rows, int 
 // out[r * out_row + g * out_group] (say, every other row of a run, the results head by head).
 void DotInt8GroupRowsStrided(const float* a, int group, const int8_t* c, int rows, int n,
                              int c_stride, float* out, int out_row, int out_group);
+// The integer kernels behind them: kVnni multiplies four bytes at a time (AVX-512 VNNI in
+// 256-bit registers, n a multiple of 32), kAvx2 two int16 pairs (vpmaddwd, n a multiple of 16),
+// kScalar one. BestInt8Kernel is the best this machine has, which the functions above take.
+enum class Int8Kernel { kScalar, kAvx2, kVnni };
+bool HaveInt8Kernel(Int8Kernel kernel);
+Int8Kernel BestInt8Kernel();
+
+// A query group's codes (QueryInt8Codes, head by head), made once for several calls of
+// DotInt8GroupRowsStrided (a block's means, then its peaks): head g's n codes, its scale, and
+// 128 times the sum of its codes (what the VNNI kernel, which takes a row's bytes as unsigned,
+// c + 128, adds). For `kernel`; one not available here, or a width it does not take, runs as
+// kScalar.
+class QueryInt8Group {
+ public:
+  QueryInt8Group(const float* a, int group, int n, Int8Kernel kernel = BestInt8Kernel());
+  QueryInt8Group(const QueryInt8Group&) = delete;
+  QueryInt8Group& operator=(const QueryInt8Group&) = delete;
+  int group() const { return group_; }
+  int n() const { return n_; }
+  Int8Kernel kernel() const { return kernel_; }
+  const int8_t* codes(int g) const { return codes_ + static_cast<size_t>(g) * n_; }
+  const int16_t* wide(int g) const { return wide_.data() + static_cast<size_t>(g) * n_; }
+  float scale(int g) const { return scale_[g]; }
+  int32_t bias(int g) const { return bias_[g]; }
+
+ private:
+  static constexpr size_t kInline = 2048;
+  int group_, n_;
+  Int8Kernel kernel_;
+  std::array<int8_t, kInline> inline_;
+  std::vector<int8_t> heap_;
+  int8_t* codes_;
+  absl::InlinedVector<float, 16> scale_;
+  absl::InlinedVector<int32_t, 16> bias_;
+  std::vector<int16_t> wide_;  // int16 copies of the codes: the AVX2 kernel's operands
+};
+
+// DotInt8GroupRowsStrided of q's group and width, bit for bit.
+void DotInt8GroupRowsStrided(const QueryInt8Group& q, const int8_t* c, int rows, int c_stride,
+                             float* out, int out_row, int out_group);
+// DotInt8GroupRowsStrided by the given kernel (for tests).
+void DotInt8GroupRowsWith(Int8Kernel kernel, const float* a, int group, const int8_t* c, int rows,
+                          int n, int c_stride, float* out, int out_row, int out_group);
 
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j

@@ -151,6 +151,7 @@ void LsePeakScores(std::span<const float> queries, int group,
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
   float dots[2 * kScratch];  // a run of candidates' [mean, peak][head] dot products
+  const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every run
   for (size_t first = 0; first < candidates.size(); first += block) {
     const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
     for (int i = 0; i < n;) {
@@ -165,7 +166,7 @@ void LsePeakScores(std::span<const float> queries, int group,
                c[run].peak_q == c[run].mean_q + head_dim) {
           ++run;
         }
-        DotInt8GroupRows(queries.data(), group, c->mean_q, 2 * run, head_dim, dots);
+        DotInt8GroupRowsStrided(q8, c->mean_q, 2 * run, head_dim, dots, group, 1);
       } else {
         for (int h = 0; h < group; ++h) {
           const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
@@ -197,13 +198,13 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   // FinishLsePeak, so the same bits.
   float mean[kScratch], peak[kScratch], hi[kScratch], t[kScratch];
   float mean_scale[kScratch], peak_scale[kScratch], log_rest[kScratch];
+  const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every block
   for (uint32_t first = 0; first < n; first += block) {
     const uint32_t b = std::min(block, n - first);
     const int8_t* c = codes + static_cast<size_t>(first) * 2 * head_dim;
     const int stride = 2 * head_dim, column = static_cast<int>(b);
-    DotInt8GroupRowsStrided(queries.data(), group, c, column, head_dim, stride, mean, 1, column);
-    DotInt8GroupRowsStrided(queries.data(), group, c + head_dim, column, head_dim, stride, peak, 1,
-                            column);
+    DotInt8GroupRowsStrided(q8, c, column, stride, mean, 1, column);
+    DotInt8GroupRowsStrided(q8, c + head_dim, column, stride, peak, 1, column);
     for (uint32_t i = 0; i < b; ++i) {
       mean_scale[i] = scales[2 * (first + i)];
       peak_scale[i] = scales[2 * (first + i) + 1];

@@ -26,9 +26,13 @@ void PrefetchBytes(const void* p, size_t n) {
 
 ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int group) const {
   Prepared p;
+  // The bounds are of the query the chunks' compact statistics are scored against (DotInt8):
+  // the query on the 8-bit grid (RankStream passes it so already; rounding again keeps it).
+  p.queries.assign(queries.begin(), queries.begin() + static_cast<size_t>(group) * d_);
+  for (int h = 0; h < group; ++h) RoundQueryToInt8(&p.queries[static_cast<size_t>(h) * d_], d_);
   p.pos_neg.resize(static_cast<size_t>(group) * 2 * d_);
   for (int h = 0; h < group; ++h) {
-    const float* q = queries.data() + static_cast<size_t>(h) * d_;
+    const float* q = &p.queries[static_cast<size_t>(h) * d_];
     float* pn = &p.pos_neg[static_cast<size_t>(h) * 2 * d_];
     for (int j = 0; j < d_; ++j) {
       pn[j] = std::max(q[j], 0.f);
@@ -36,7 +40,6 @@ ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int
     }
     p.norm.push_back(static_cast<float>(Norm(q, d_)));
   }
-  p.queries.assign(queries.begin(), queries.begin() + static_cast<size_t>(group) * d_);
   return p;
 }
 

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "absl/container/inlined_vector.h"
 #include "server/common/check.h"
+#include "server/common/vec.h"
 
 namespace kvtier {
 
@@ -11,6 +13,14 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   const uint32_t n = stats.size();
   CHECK(must.size() == n && (q.skip == nullptr || q.skip->size() == n));
   const int d = stats.head_dim();
+  // Every candidate is ranked against the query on the 8-bit grid (RoundQueryToInt8, head by
+  // head): the compact statistics' integer dot products take it so, and the float statistics
+  // of chunks not yet aged, and the index's bounds, then see the same query.
+  absl::InlinedVector<float, 1024> rounded(q.queries.begin(),
+                                           q.queries.begin() + static_cast<size_t>(q.group) * d);
+  for (int h = 0; h < q.group; ++h)
+    RoundQueryToInt8(rounded.data() + static_cast<size_t>(h) * d, d);
+  const std::span<const float> queries(rounded.data(), rounded.size());
   RankResult out;
   // The index skips what is returned anyway and what may not be.
   std::vector<bool> excluded_storage;
@@ -50,7 +60,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // Chunks of several sizes (boundary chunking): the index's greedy fill, the extras scored
     // beside it. The answer is the scan's.
     ClusterIndex::SearchStats st;
-    found = index->SearchGreedy(q.ranking, q.queries, q.group, budget, stats, *excluded,
+    found = index->SearchGreedy(q.ranking, queries, q.group, budget, stats, *excluded,
                                 not_indexed(), &st);
     out.scored = st.chunks_scored;
   } else if (!search) {
@@ -59,7 +69,7 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // too), and the candidates' scores filled from.
     out.scored = out.candidates;
     std::vector<float> scores(n);
-    stats.Score(q.ranking, q.queries, q.group, scores.data());
+    stats.Score(q.ranking, queries, q.group, scores.data());
     std::vector<ScoredChunk> scored;
     scored.reserve(out.candidates);
     for (uint32_t c = 0; c < n; ++c) {
@@ -76,14 +86,14 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     ClusterIndex::SearchStats st;
     std::vector<ChunkCandidate> extras = not_indexed();
     const size_t k = budget / q.chunk_tokens;
-    found = index->Search(q.ranking, q.queries, q.group, (budget + q.extra_budget) / q.chunk_tokens,
+    found = index->Search(q.ranking, queries, q.group, (budget + q.extra_budget) / q.chunk_tokens,
                           stats, *excluded, &st);
     out.scored = st.chunks_scored + extras.size();
     if (!extras.empty()) {
       for (uint32_t c : found) extras.push_back(stats.candidate(c));
       std::sort(extras.begin(), extras.end(),
                 [](const ChunkCandidate& a, const ChunkCandidate& b) { return a.index < b.index; });
-      found = SelectChunks(q.ranking, q.queries, q.group, d, extras, budget, q.extra_budget,
+      found = SelectChunks(q.ranking, queries, q.group, d, extras, budget, q.extra_budget,
                            q.extra_budget > 0 ? &extra : nullptr);
     } else if (found.size() > k) {
       extra.assign(found.begin() + static_cast<ptrdiff_t>(k), found.end());
