@@ -240,6 +240,46 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
 // The case the peak term exists for: chunk A's mass sits on one key, chunk B's keys are all
 // mildly aligned with q. B has the higher mean score, A the larger true attention mass (by
 // brute force over every key); the mean ranking keeps B, the peak ranking keeps A.
+// FillGreedy against its definition: every candidate sorted (score down, index up), then the
+// greedy fill of the budget and, beside it, of the wider one (what only that takes is the
+// extra). Uniform sizes (the insertion pass for few picks, nth_element for many) and mixed
+// ones, scores with many ties, picks from none to all.
+TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 400; ++trial) {
+    const uint32_t n = 1 + rng() % 300;
+    const bool uniform = trial % 3 != 0;
+    std::vector<ScoredChunk> scored;
+    for (uint32_t i = 0; i < n; ++i) {
+      // Few distinct scores: ties are common and broken by the index.
+      const float score = static_cast<float>(static_cast<int>(rng() % 40)) - 20.f;
+      scored.push_back({score, (i * 7919u) % 100003u, uniform ? 16u : 1 + uint32_t(rng() % 32)});
+    }
+    const uint64_t budget = rng() % (16 * n + 32);
+    const uint64_t extra_budget = trial % 2 ? rng() % (8 * n + 16) : 0;
+    std::vector<ScoredChunk> all = scored;
+    std::sort(all.begin(), all.end(), [](const ScoredChunk& a, const ScoredChunk& b) {
+      return a.score != b.score ? a.score > b.score : a.index < b.index;
+    });
+    std::vector<uint32_t> want, want_extra;
+    uint64_t used = 0, used_wide = 0;
+    for (const ScoredChunk& c : all) {
+      const bool in_wide = used_wide + c.tokens <= budget + extra_budget;
+      if (in_wide) used_wide += c.tokens;
+      if (used + c.tokens <= budget) {
+        used += c.tokens;
+        want.push_back(c.index);
+      } else if (in_wide) {
+        want_extra.push_back(c.index);
+      }
+    }
+    std::vector<uint32_t> extra;
+    EXPECT_EQ(FillGreedy(scored, budget, extra_budget, &extra), want) << "trial " << trial;
+    EXPECT_EQ(extra, want_extra) << "trial " << trial;
+    EXPECT_EQ(FillGreedy(scored, budget), want) << "trial " << trial;
+  }
+}
+
 TEST(ChunkRanker, SoftplusUpperBoundCoversLogAddExpAndStaysClose) {
   // Against log(1 + e^t) in double, and against LogAddExp as the score computes it in float,
   // with e^t off by the 1e-6 ExpInPlace allows, in the direction that hurts.

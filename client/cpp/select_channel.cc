@@ -128,8 +128,12 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
       policy == SCHED_OTHER || policy == SCHED_BATCH || policy == SCHED_IDLE ? sched_getcpu() : -1;
   const uint32_t here = cpu >= 0 ? static_cast<uint32_t>(cpu) + 1 : 0;
   __atomic_store_n(&h->worker_cpu, here, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->worker_watching, 1u, __ATOMIC_RELAXED);  // the answer needs no doorbell
   __atomic_store_n(&h->seq, ++seq_, __ATOMIC_RELEASE);  // last: the daemon may be watching it
-  if (eventfd_write(fds_[1], 1) != 0) {
+  // The doorbell only when the daemon's thread may be asleep (channel_layout.h).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (__atomic_load_n(&h->daemon_watching, __ATOMIC_RELAXED) != 1u &&
+      eventfd_write(fds_[1], 1) != 0) {
     broken_ = true;
     return absl::UnavailableError(absl::StrCat("channel ", id_, ": ", std::strerror(errno)));
   }
@@ -153,6 +157,13 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
       __builtin_ia32_pause();
 #endif
     }
+  }
+  // About to sleep on the doorbell: say so, then look once more before each sleep (an answer
+  // stored before the daemon read the flag is seen here; one after it rings). An answer
+  // already here leaves the flag as it is: nothing rings until the next call.
+  if (!answered()) {
+    __atomic_store_n(&h->worker_watching, 0u, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
   }
   while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq_) {
     pollfd p[2] = {{fds_[2], POLLIN, 0}, {fds_[3], POLLIN, 0}};

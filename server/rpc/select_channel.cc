@@ -253,8 +253,18 @@ void ChannelHub::Serve(Channel* c) {
       (held >= 0 && from == static_cast<uint32_t>(held) + 1 ? beside_worker_ : elsewhere_)
           .fetch_add(1, std::memory_order_relaxed);
     };
-    if (SpinFor(beside,
-                [&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; })) {
+    auto called = [&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; };
+    __atomic_store_n(&shared->daemon_watching, 1u, __ATOMIC_RELAXED);  // no need to ring
+    if (SpinFor(beside, called)) {
+      count();
+      answered = Answer(c);
+      continue;
+    }
+    // About to sleep on the doorbell: say so, then look once more (a call whose worker read
+    // the flag before this store is seen here; one after it rings).
+    __atomic_store_n(&shared->daemon_watching, 0u, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (called()) {
       count();
       answered = Answer(c);
       continue;
@@ -308,7 +318,11 @@ uint64_t ChannelHub::Answer(Channel* c) {
   shared->response_bytes = static_cast<uint32_t>(out.size());
   std::atomic_thread_fence(std::memory_order_release);
   __atomic_store_n(&shared->answered_seq, h.seq, __ATOMIC_RELEASE);
-  eventfd_write(c->response_fd, 1);
+  // The doorbell only for a worker that may sleep on it (see channel_layout.h).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (__atomic_load_n(&shared->worker_watching, __ATOMIC_RELAXED) != 1u) {
+    eventfd_write(c->response_fd, 1);
+  }
   return h.seq;
 }
 

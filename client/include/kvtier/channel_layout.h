@@ -13,9 +13,10 @@
 // One call at a time per channel: the worker writes the request's bytes (the serialized
 // message of `op`) at request_offset, then op and request_bytes, then a new seq, last and as
 // one aligned 8-byte store (the daemon may be watching seq, and serves what it sees when seq
-// changes), then rings the request doorbell; it waits for the response doorbell (and the socket)
-// until answered_seq is its seq, then reads code and response_bytes: the serialized response when
-// code is 0, else the error's message (code is an absl/gRPC status code). Fields are little-endian.
+// changes), then rings the request doorbell (unless daemon_watching, below, says the daemon
+// watches); it waits for the response doorbell (and the socket) until answered_seq is its seq, then
+// reads code and response_bytes: the serialized response when code is 0, else the error's message
+// (code is an absl/gRPC status code). Fields are little-endian.
 #ifndef KVTIER_CHANNEL_LAYOUT_H_
 #define KVTIER_CHANNEL_LAYOUT_H_
 
@@ -57,6 +58,14 @@ struct Header {
   // wake-up of another core in either direction. A worker that says nothing is served as before.
   uint32_t worker_cpu;
   uint32_t serving_cpu;
+  // Optional, to spare a doorbell nobody sleeps on (0 where a side does not know them: it is
+  // rung as before). Each side sets its flag to 1 while it watches for the other's next store
+  // (seq for the daemon, answered_seq for the worker) without sleeping, and to 0 before it
+  // sleeps on its doorbell, then, after a full fence, looks at that store once more before it
+  // sleeps. The other side, after its store and a full fence, rings only when the flag reads 0.
+  // A flag only spares its own side a wake-up: a worker that writes a wrong one delays itself.
+  uint32_t daemon_watching;  // written by the daemon
+  uint32_t worker_watching;  // written by the worker
 };
 
 // The areas start here (a page), so the header never shares a page with them.
