@@ -168,18 +168,34 @@ TEST(SelectChannel, ADoorbellRingsOnlyForASideThatMaySleep) {
   ASSERT_TRUE(o.ok());
   Worker w;
   ASSERT_TRUE(w.Open(hub, o->id, "t"));
-  int spared = 0;
   bool rang = false;
   for (int c = 0; c < 300; ++c) {  // back to back, the worker watching long: no answer rings
     const auto [code, got] = w.CallSparing(absl::StrCat("q", c), absl::Seconds(10), &rang);
     ASSERT_EQ(code, 0);
     ASSERT_EQ(got, absl::StrCat("t/", o->worker_id, "/1:q", c));
-    spared += !rang;
   }
   EXPECT_EQ(w.ResponseRings(), 0u) << "a watching worker was rung";
-  EXPECT_GT(spared, 0) << "no call found the daemon's thread watching";
-  // The daemon's thread asleep (past its watch): the call rings, and is answered.
-  absl::SleepFor(absl::Microseconds(20 * ChannelHub::kSpinUs) + absl::Milliseconds(5));
+  // A call made while the daemon's thread says it watches is not rung, and is answered: each
+  // try waits until the flag reads 1 (it does after every answer, for the thread's watch) and
+  // calls at once; a try the watch ended first rings (and counts for nothing).
+  bool spared = false;
+  for (int c = 0; c < 2000 && !spared; ++c) {
+    for (int i = 0;
+         i < 100 && __atomic_load_n(&w.header()->daemon_watching, __ATOMIC_ACQUIRE) != 1u; ++i) {
+      absl::SleepFor(absl::Microseconds(1));
+    }
+    const auto [code, got] = w.CallSparing(absl::StrCat("w", c), absl::Seconds(10), &rang);
+    ASSERT_EQ(code, 0);
+    ASSERT_EQ(got, absl::StrCat("t/", o->worker_id, "/1:w", c));
+    spared = !rang;
+  }
+  EXPECT_TRUE(spared) << "no call found the daemon's thread watching";
+  // The daemon's thread asleep (its watch over: the flag reads 0 until a call rings it): the
+  // call rings, and is answered.
+  for (int i = 0;
+       i < 10000 && __atomic_load_n(&w.header()->daemon_watching, __ATOMIC_ACQUIRE) != 0u; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   EXPECT_EQ(__atomic_load_n(&w.header()->daemon_watching, __ATOMIC_ACQUIRE), 0u);
   auto [code, got] = w.CallSparing("late", absl::Seconds(10), &rang);
   EXPECT_EQ(code, 0);

@@ -58,7 +58,7 @@ void RoundQueryToInt8(float* x, int n);
 // integer sum of codes[j] * c[j]. So every path, every grouping of rows and heads below, and
 // DotInt8Scalar give the same bits; for a query already on the grid it is the exact value of
 // a . c (rounded once, past 2^24 in the integer sum). Rounding the query costs the ranking
-// nothing measurable (bench/ranking/compare.py: lse-peak against lse-peak-int8q).
+// nothing measurable (bench/ranking/compare.py: lse-peak-int8 against lse-peak-int8q).
 float DotInt8(const float* a, const int8_t* c, int n);
 float DotInt8Scalar(const float* a, const int8_t* c, int n);
 // out[g] = DotInt8(a + g * n, c, n) for g in [0, group), bit for bit, each head's codes made
