@@ -165,7 +165,7 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
     __atomic_store_n(&h->worker_watching, 0u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
-  while (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) != seq_) {
+  while (!answered()) {
     pollfd p[2] = {{fds_[2], POLLIN, 0}, {fds_[3], POLLIN, 0}};
     const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
     const int n = poll(p, 2, static_cast<int>(std::max<int64_t>(left, 0)));
@@ -177,7 +177,7 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
     }
     eventfd_t rung = 0;
     if (p[0].revents & POLLIN) eventfd_read(fds_[2], &rung);  // nonblocking: a lost race is fine
-    if (__atomic_load_n(&h->answered_seq, __ATOMIC_ACQUIRE) == seq_) break;
+    if (answered()) break;
     if (p[1].revents != 0) {  // the daemon hung up (drained, exited) before answering
       broken_ = true;
       return absl::UnavailableError(absl::StrCat("channel ", id_, ": the daemon closed it"));

@@ -247,17 +247,18 @@ void ChannelHub::Serve(Channel* c) {
     // the doorbell's wake-up (the doorbell is drained when the thread next polls). Beside its
     // worker the thread yields between looks instead (a spin would hold the worker off its
     // own CPU).
-    // Where the thread is when a call comes: held on the CPU that call names, or elsewhere.
-    auto count = [&] {
+    // A call answered, counted by where the thread was when it came: held on the CPU that
+    // call names, or elsewhere.
+    auto answer = [&] {
       const uint32_t from = __atomic_load_n(&shared->worker_cpu, __ATOMIC_ACQUIRE);
       (held >= 0 && from == static_cast<uint32_t>(held) + 1 ? beside_worker_ : elsewhere_)
           .fetch_add(1, std::memory_order_relaxed);
+      answered = Answer(c);
     };
     auto called = [&] { return __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered; };
     __atomic_store_n(&shared->daemon_watching, 1u, __ATOMIC_RELAXED);  // no need to ring
     if (SpinFor(beside, called)) {
-      count();
-      answered = Answer(c);
+      answer();
       continue;
     }
     // About to sleep on the doorbell: say so, then look once more (a call whose worker read
@@ -265,8 +266,7 @@ void ChannelHub::Serve(Channel* c) {
     __atomic_store_n(&shared->daemon_watching, 0u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (called()) {
-      count();
-      answered = Answer(c);
+      answer();
       continue;
     }
     const bool uncollected = c->worker_sock.load() >= 0;
@@ -281,10 +281,8 @@ void ChannelHub::Serve(Channel* c) {
     // The worker's end closed (or it wrote to a socket that carries nothing): the channel ends.
     if (p[1].revents != 0) break;
     eventfd_t rung = 0;
-    if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0 &&
-        __atomic_load_n(&shared->seq, __ATOMIC_ACQUIRE) != answered) {
-      count();
-      answered = Answer(c);
+    if ((p[0].revents & POLLIN) && eventfd_read(c->request_fd, &rung) == 0 && called()) {
+      answer();
     }
   }
   hooks_.detach(c->worker);      // its Selects' leases end now

@@ -299,8 +299,8 @@ absl::Status KvTierService::SelectAndGuess(const std::shared_ptr<Session>& sessi
 
 absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::SelectRequest& req,
                                      v1::SelectResponse* resp, uint64_t reply_limit) {
+  // Session::Select clears the response it fills (a retried run included).
   RETURN_IF_ERROR(env_.sessions->Run(tenant, req.session_id(), [&](const auto& session) {
-    resp->Clear();
     RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(req), reply_limit));
     RETURN_IF_ERROR(SelectAndGuess(session, req, resp));
     return absl::OkStatus();
@@ -331,9 +331,7 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
     absl::Status s = [&]() -> absl::Status {
       v1::SelectResponse* out = resp->add_responses();
       return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
-        out->Clear();
-        RETURN_IF_ERROR(SelectAndGuess(session, r, out));
-        return absl::OkStatus();
+        return SelectAndGuess(session, r, out);  // Session::Select clears `out` first
       });
     }();
     if (!s.ok()) {
