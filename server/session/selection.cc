@@ -60,11 +60,19 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
       if (!kept[c] && (next >= best.size() || best[next].chunk != c)) continue;
       const Chunk& chunk = heads[h].chunks()[c];
       std::vector<uint32_t> chosen;
-      chosen.reserve(chunk.num_tokens);
-      for (uint32_t r = 0; r < chunk.num_tokens; ++r) {
-        const bool picked = next < best.size() && best[next].chunk == c && best[next].row == r;
-        next += picked ? 1 : 0;
-        if (picked || (kept[c] && choice->KeptRow(chunk, r))) chosen.push_back(r);
+      if (!kept[c]) {
+        // Its picked rows alone: best's run for this chunk, already in row order.
+        size_t end = next;
+        while (end < best.size() && best[end].chunk == c) ++end;
+        chosen.reserve(end - next);
+        for (; next < end; ++next) chosen.push_back(best[next].row);
+      } else {
+        chosen.reserve(chunk.num_tokens);
+        for (uint32_t r = 0; r < chunk.num_tokens; ++r) {
+          const bool picked = next < best.size() && best[next].chunk == c && best[next].row == r;
+          next += picked ? 1 : 0;
+          if (picked || choice->KeptRow(chunk, r)) chosen.push_back(r);
+        }
       }
       if (chosen.empty()) continue;
       if (chosen.size() == chunk.num_tokens) chosen.clear();
