@@ -304,9 +304,9 @@ TEST(TopByValue, TheFirstTakeOfAFullSort) {
       return value[a] != value[b] ? value[a] > value[b] : a < b;
     });
     for (size_t take : {size_t{0}, size_t{1}, size / 3, size / 2, size - 1, size, size + 5}) {
-      std::vector<bool> want(size, false);
-      for (size_t i = 0; i < std::min(take, size); ++i) want[order[i]] = true;
-      std::vector<bool> got;
+      std::vector<uint32_t> want(order.begin(), order.begin() + std::min(take, size));
+      std::sort(want.begin(), want.end());
+      std::vector<uint32_t> got = {7};  // what was there goes
       TopByValue(value, take, &got);
       ASSERT_EQ(got, want) << "trial " << trial << " take " << take;
     }
@@ -334,6 +334,46 @@ TEST(CountAtLeast, CountsTheKeysAtLeastT) {
             std::count_if(keys.begin(), keys.end(), [&](int32_t k) { return k >= t; });
         EXPECT_EQ(CountAtLeast(keys.data(), n, t), want) << n << " " << t;
         EXPECT_EQ(CountAtLeastScalar(keys.data(), n, t), want) << n << " " << t;
+      }
+    }
+  }
+}
+
+// PickTop (TopByValue's last step) against picking one by one: every key above kth and the
+// first `ties` equal to it, ascending, at lengths that leave every tail of the vector path,
+// with many ties and none, for every count of ties from none to past the equal ones.
+TEST(PickTop, TheKeysAboveAndTheFirstTiesInOrder) {
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int32_t> any(std::numeric_limits<int32_t>::min(),
+                                             std::numeric_limits<int32_t>::max());
+  std::uniform_int_distribution<int32_t> few(-3, 3);
+  for (size_t n : {size_t(1), size_t(7), size_t(8), size_t(9), size_t(16), size_t(17), size_t(33),
+                   size_t(1488)}) {
+    for (bool many_ties : {false, true}) {
+      std::vector<int32_t> keys(n);
+      for (int32_t& k : keys) k = many_ties ? few(rng) : any(rng);
+      std::vector<int32_t> ts = {std::numeric_limits<int32_t>::min(), -3, 0, 3};
+      for (int i = 0; i < 4; ++i) ts.push_back(keys[rng() % n]);
+      for (int32_t kth : ts) {
+        const size_t equal = std::count(keys.begin(), keys.end(), kth);
+        for (size_t ties : {size_t(0), size_t(1), equal / 2, equal}) {
+          std::vector<uint32_t> want;
+          size_t left = ties;
+          for (size_t i = 0; i < n; ++i) {
+            if (keys[i] > kth) want.push_back(static_cast<uint32_t>(i));
+            if (keys[i] == kth && left > 0) {
+              want.push_back(static_cast<uint32_t>(i));
+              --left;
+            }
+          }
+          for (bool scalar : {false, true}) {
+            std::vector<uint32_t> got(want.size() + 1, 0xdeadbeef);  // one past: left alone
+            (scalar ? PickTopScalar : PickTop)(keys.data(), n, kth, ties, got.data());
+            EXPECT_EQ(got.back(), 0xdeadbeef) << n << " " << kth << " " << ties;
+            got.pop_back();
+            EXPECT_EQ(got, want) << n << " " << kth << " " << ties << (scalar ? " scalar" : "");
+          }
+        }
       }
     }
   }

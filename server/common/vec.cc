@@ -750,6 +750,33 @@ __attribute__((target("avx2"))) size_t CountAtLeastAvx2(const int32_t* keys, siz
   return i - under + CountAtLeastScalar(keys + i, n - i, t);
 }
 
+// PickTop, eight keys a step: their picks read off two compare masks (a branch per pick, not
+// one per key: a pool's keys above the k-th lie in no order a predictor could learn).
+__attribute__((target("avx2"))) void PickTopAvx2(const int32_t* keys, size_t n, int32_t kth,
+                                                 size_t ties, uint32_t* out) {
+  const __m256i t = _mm256_set1_epi32(kth);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    auto above =
+        static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a, t))));
+    auto equal =
+        static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, t))));
+    for (; equal != 0 && ties > 0; --ties) {  // the lowest equal ones first
+      above |= equal & (0u - equal);
+      equal &= equal - 1;
+    }
+    for (; above != 0; above &= above - 1) {
+      *out++ = static_cast<uint32_t>(i + static_cast<size_t>(__builtin_ctz(above)));
+    }
+  }
+  for (; i < n; ++i) {
+    if (keys[i] > kth || (keys[i] == kth && ties > 0 && ties-- > 0)) {
+      *out++ = static_cast<uint32_t>(i);
+    }
+  }
+}
+
 // MaxOf, SumAsDouble and AddQuotients: the softmax weights of a refinement's pool (thousands
 // of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
 // exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
@@ -1351,10 +1378,24 @@ size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t) {
   return c;
 }
 
-void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen) {
+void PickTopScalar(const int32_t* keys, size_t n, int32_t kth, size_t ties, uint32_t* out) {
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] > kth || (keys[i] == kth && ties > 0 && ties-- > 0)) {
+      *out++ = static_cast<uint32_t>(i);
+    }
+  }
+}
+
+void PickTop(const int32_t* keys, size_t n, int32_t kth, size_t ties, uint32_t* out) {
+  static void (*const impl)(const int32_t*, size_t, int32_t, size_t, uint32_t*) =
+      Cpu().avx2 ? PickTopAvx2 : PickTopScalar;
+  impl(keys, n, kth, ties, out);
+}
+
+void TopByValue(std::span<const float> value, size_t take, std::vector<uint32_t>* chosen) {
   const size_t n = value.size();
-  chosen->assign(n, false);
   take = std::min(take, n);
+  chosen->resize(take);
   if (take == 0) return;
   // Each value as a signed key in the same order (-0 as +0, which compare equal); the
   // take-th largest key is the largest t with at least `take` keys at least t, found by
@@ -1377,17 +1418,10 @@ void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* ch
     }
   }
   const int32_t kth = static_cast<int32_t>(lo);
-  size_t ties =
+  const size_t ties =
       take -
       (kth == std::numeric_limits<int32_t>::max() ? 0 : CountAtLeast(keys.data(), n, kth + 1));
-  for (size_t i = 0; i < n; ++i) {
-    if (keys[i] > kth) {
-      (*chosen)[i] = true;
-    } else if (keys[i] == kth && ties > 0) {
-      (*chosen)[i] = true;
-      --ties;
-    }
-  }
+  PickTop(keys.data(), n, kth, ties, chosen->data());
 }
 
 size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t) {

@@ -217,14 +217,18 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 
 // The largest of n floats (-inf for none).
 float MaxOf(const float* x, size_t n);
-// chosen[i] for the `take` largest of `value` (all of them when fewer), ties to the lower i:
-// the first `take` in the order best first, ties to the earlier, without sorting (the
-// take-th largest found by halving the range of its bits). REQUIRES: no NaN.
-void TopByValue(std::span<const float> value, size_t take, std::vector<bool>* chosen);
+// The indices, ascending, of the `take` largest of `value` (all of them when fewer), ties to
+// the lower index: the first `take` in the order best first, ties to the earlier, without
+// sorting (the take-th largest found by halving the range of its bits). REQUIRES: no NaN.
+void TopByValue(std::span<const float> value, size_t take, std::vector<uint32_t>* chosen);
 
 // How many of n keys are at least t.
 size_t CountAtLeast(const int32_t* keys, size_t n, int32_t t);
 size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t);
+// Into out, ascending, every i < n with keys[i] > kth, and the first `ties` with keys[i] == kth.
+// REQUIRES: out has room for them.
+void PickTop(const int32_t* keys, size_t n, int32_t kth, size_t ties, uint32_t* out);
+void PickTopScalar(const int32_t* keys, size_t n, int32_t kth, size_t ties, uint32_t* out);
 // x[0] + ... + x[n - 1] in double, in a fixed order on every path: eight partial sums (the k-th
 // takes x[i] for i % 8 == k), t_k = s_k + s_(k+4), then (t0 + t2) + (t1 + t3).
 double SumAsDouble(const float* x, size_t n);

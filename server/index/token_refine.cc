@@ -81,7 +81,7 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
     }
   }
   size_t take = std::min(k, total);
-  std::vector<bool> chosen;
+  std::vector<uint32_t> chosen;  // pool rows, ascending
   double held = fixed_mass;
   if (by_mass) {
     // Each row's value beside its place in the pool, best first, ties to the earlier row: the
@@ -99,27 +99,30 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
     for (float reached = fixed_mass; n < take && reached < mass_target;) {
       reached += order[n++].value;
     }
-    chosen.assign(total, false);
+    chosen.reserve(n);
     for (size_t i = 0; i < n; ++i) {
-      chosen[order[i].row] = true;
+      chosen.push_back(order[i].row);
       held += order[i].value;
     }
+    std::sort(chosen.begin(), chosen.end());
   } else {
     // The best `take` (ties to the earlier row), and the mass they hold, summed in the pool's
     // order.
     TopByValue(value, take, &chosen);
     if (missed != nullptr) {
-      for (size_t i = 0; i < total; ++i) held += chosen[i] ? mass[i] : 0.0;
+      for (uint32_t i : chosen) held += mass[i];
     }
   }
   if (missed != nullptr) *missed = static_cast<float>(std::max(0.0, 1.0 - held));
+  // Each chosen pool row as its chunk's row: the chunks' runs in the pool's order.
   std::vector<RefinedRow> out;
-  out.reserve(take);
-  size_t r = 0;
+  out.reserve(chosen.size());
+  size_t r = 0, next = 0;
   for (const RefineChunk& c : chunks) {
-    for (uint32_t row = c.first_row; row < c.first_row + c.rows; ++row, ++r) {
-      if (chosen[r]) out.push_back({c.chunk, row});
+    for (; next < chosen.size() && chosen[next] < r + c.rows; ++next) {
+      out.push_back({c.chunk, c.first_row + static_cast<uint32_t>(chosen[next] - r)});
     }
+    r += c.rows;
   }
   auto by_place = [](const RefinedRow& a, const RefinedRow& b) {
     return a.chunk != b.chunk ? a.chunk < b.chunk : a.row < b.row;
