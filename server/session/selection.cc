@@ -24,6 +24,7 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     const std::vector<uint32_t>& chunks = choice->chunks[h];
     const std::vector<bool>& kept = choice->kept[h];
     std::vector<RefineChunk> pool, fixed;
+    pool.reserve(chunks.size());
     for (size_t i = 0; i < chunks.size(); ++i) {
       const Chunk& c = heads[h].chunks()[chunks[i]];
       const auto* keys = reinterpret_cast<const uint16_t*>(slots[h][i]->data());
@@ -48,10 +49,13 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
     need_sum += head_need;
     // Each chunk with its kept and chosen rows (none: left out; all: whole), in chunk order.
     std::vector<uint32_t> out;
-    std::vector<std::vector<uint32_t>> rows;
+    ChunkRows rows;
     std::vector<SlotRef> out_slots;
     out.reserve(chunks.size());
-    rows.reserve(chunks.size());
+    rows.ends.reserve(chunks.size());
+    size_t fixed_rows = 0;
+    for (const RefineChunk& run : fixed) fixed_rows += run.rows;
+    rows.rows.reserve(best.size() + fixed_rows);
     out_slots.reserve(chunks.size());
     size_t next = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
@@ -59,25 +63,23 @@ absl::Status RefineLayer(const PromotionTarget& host, std::span<Stream> heads,
       // A pool chunk none of whose rows was picked is left out without a look at its rows.
       if (!kept[c] && (next >= best.size() || best[next].chunk != c)) continue;
       const Chunk& chunk = heads[h].chunks()[c];
-      std::vector<uint32_t> chosen;
+      const size_t begin = rows.rows.size();
       if (!kept[c]) {
         // Its picked rows alone: best's run for this chunk, already in row order.
-        size_t end = next;
-        while (end < best.size() && best[end].chunk == c) ++end;
-        chosen.reserve(end - next);
-        for (; next < end; ++next) chosen.push_back(best[next].row);
+        for (; next < best.size() && best[next].chunk == c; ++next) {
+          rows.rows.push_back(best[next].row);
+        }
       } else {
-        chosen.reserve(chunk.num_tokens);
         for (uint32_t r = 0; r < chunk.num_tokens; ++r) {
           const bool picked = next < best.size() && best[next].chunk == c && best[next].row == r;
           next += picked ? 1 : 0;
-          if (picked || choice->KeptRow(chunk, r)) chosen.push_back(r);
+          if (picked || choice->KeptRow(chunk, r)) rows.rows.push_back(r);
         }
       }
-      if (chosen.empty()) continue;
-      if (chosen.size() == chunk.num_tokens) chosen.clear();
+      if (rows.rows.size() == begin) continue;
+      if (rows.rows.size() - begin == chunk.num_tokens) rows.rows.resize(begin);  // whole
+      rows.EndChunk();
       out.push_back(c);
-      rows.push_back(std::move(chosen));
       out_slots.push_back(std::move(slots[h][i]));
     }
     choice->chunks[h] = std::move(out);
@@ -135,7 +137,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
       const Chunk& c = heads[h].chunks()[choice->chunks[h][i]];
       const uint8_t* fp16 = choice->host_slots[h][i]->data();
-      for (uint32_t r : choice->rows[h][i]) {
+      for (uint32_t r : choice->rows[h].of(i)) {
         rows[h].push_back({static_cast<int64_t>(c.position(r)), fp16 + r * rb,
                            fp16 + (c.num_tokens + r) * rb, choice->chunks[h][i]});
       }
@@ -147,6 +149,9 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
   ASSIGN_OR_RETURN(std::vector<SlotRef> slots,
                    pool->Take(target.cache, target.account, f.slot_bytes(), blocks));
   std::vector<std::vector<GatheredBlock>> out(heads.size());
+  for (size_t h = 0; h < heads.size(); ++h) {
+    out[h].reserve((rows[h].size() + f.capacity - 1) / f.capacity);
+  }
   // Into each slot where it is mapped here; device slots (the slots are all of one tier) are
   // made here and filled in one batch, as promotion fills them (FillDevice).
   const bool device = !slots.empty() && slots[0]->on_device();
@@ -161,6 +166,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
       GatheredBlock& b = out[h].emplace_back();
       b.slot = std::move(slots[next++]);
       uint8_t* dst = device ? made.data() + made_at : b.slot->data();
+      b.positions.reserve(n);
       for (size_t j = 0; j < n; ++j) {
         const Row& row = rows[h][at + j];
         std::memcpy(dst + j * rb, row.k, rb);
@@ -180,12 +186,14 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     }
     // What was gathered leaves the chunk handles.
     std::vector<uint32_t> chunks;
-    std::vector<std::vector<uint32_t>> kept_rows;
+    ChunkRows kept_rows;  // each whole
     std::vector<SlotRef> kept_slots;
+    chunks.reserve(choice->chunks[h].size());
+    kept_slots.reserve(choice->chunks[h].size());
     for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
-      if (!choice->rows[h][i].empty()) continue;
+      if (!choice->rows[h].of(i).empty()) continue;
       chunks.push_back(choice->chunks[h][i]);
-      kept_rows.emplace_back();
+      kept_rows.EndChunk();
       kept_slots.push_back(std::move(choice->host_slots[h][i]));
     }
     choice->chunks[h] = std::move(chunks);

@@ -24,12 +24,27 @@
 
 namespace kvtier {
 
+// The rows chosen of each of a KV head's chunks, side by side in one array (a refined Select
+// chooses rows of some hundred chunks: one array each cost as many allocations).
+struct ChunkRows {
+  std::vector<uint32_t> rows;
+  std::vector<uint32_t> ends;  // chunk i's rows are rows[ends[i - 1], ends[i]) (from 0 for i 0)
+
+  size_t size() const { return ends.size(); }
+  std::span<const uint32_t> of(size_t i) const {
+    const uint32_t begin = i == 0 ? 0 : ends[i - 1];
+    return {rows.data() + begin, ends[i] - begin};
+  }
+  // Ends the next chunk's rows: those added since the last (none: the whole chunk).
+  void EndChunk() { ends.push_back(static_cast<uint32_t>(rows.size())); }
+};
+
 struct LayerChoice {
   bool everything = false;  // every chunk, whole (a dense layer, or a context within budget)
   std::vector<std::vector<uint32_t>> chunks;  // [kv_head]: chunk indices, ascending
-  // [kv_head][i]: the rows chosen of chunks[h][i], ascending; empty: the whole chunk. Empty
-  // altogether when nothing was refined.
-  std::vector<std::vector<std::vector<uint32_t>>> rows;
+  // [kv_head]: of(i), the rows chosen of chunks[h][i], ascending; empty: the whole chunk.
+  // Empty altogether when nothing was refined.
+  std::vector<ChunkRows> rows;
   std::vector<std::vector<bool>> kept;  // [kv_head][chunk]: a sink or recent-window chunk
   // Positions below sink_end are sinks; from window_start on, the recent window.
   uint64_t sink_end = 0;

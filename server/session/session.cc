@@ -590,7 +590,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       const SlotRef& slot = readable[h][i];
       RETURN_IF_ERROR(FillHandle(s.chunks()[chunk], f, slot.get(), slot->data(),
                                  EncodeChunkId({layer, h, chunk}), req.include_data(),
-                                 c.rows.empty() ? std::span<const uint32_t>() : c.rows[h][i],
+                                 c.rows.empty() ? std::span<const uint32_t>() : c.rows[h].of(i),
                                  hs->add_blocks()));
       pinned.push_back(slot);
     }
