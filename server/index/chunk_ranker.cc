@@ -269,6 +269,7 @@ std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budge
   // takes a chunk by its own tokens used so far; what only the wider one takes is the extra.
   std::vector<uint32_t> out;
   out.reserve(sorted);  // at most: one allocation, not one per doubling
+  if (extra != nullptr) extra->reserve(sorted);
   uint64_t used = 0, used_wide = 0;
   for (size_t i = 0; i < sorted; ++i) {
     const ScoredChunk& c = scored[i];

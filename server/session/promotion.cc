@@ -28,6 +28,8 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
   // already there.
   std::vector<const CopyRef*> copies;
   std::vector<std::pair<uint32_t, size_t>> at;  // (kv_head, position in chosen[h])
+  size_t most = 0;
+  for (const std::vector<uint32_t>& c : chosen) most += c.size();
   for (uint32_t h = 0; h < chosen.size(); ++h) {
     out[h].resize(chosen[h].size());
     for (size_t i = 0; i < chosen[h].size(); ++i) {
@@ -35,6 +37,10 @@ absl::StatusOr<std::vector<std::vector<SlotRef>>> Readable(
       if (!to_device && !ch.cold()) {
         out[h][i] = ch.host;
         continue;
+      }
+      if (copies.empty()) {  // sized once, when some chunk needs a copy at all
+        copies.reserve(most);
+        at.reserve(most);
       }
       copies.push_back(to_device ? &ch.copies.device() : &ch.copies.promoted());
       at.emplace_back(h, i);

@@ -134,6 +134,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
   std::vector<std::vector<Row>> rows(heads.size());
   size_t blocks = 0;
   for (size_t h = 0; h < heads.size(); ++h) {
+    rows[h].reserve(choice->rows[h].rows.size());
     for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
       const Chunk& c = heads[h].chunks()[choice->chunks[h][i]];
       const uint8_t* fp16 = choice->host_slots[h][i]->data();
@@ -189,6 +190,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
     ChunkRows kept_rows;  // each whole
     std::vector<SlotRef> kept_slots;
     chunks.reserve(choice->chunks[h].size());
+    kept_rows.ends.reserve(choice->chunks[h].size());
     kept_slots.reserve(choice->chunks[h].size());
     for (size_t i = 0; i < choice->chunks[h].size(); ++i) {
       if (!choice->rows[h].of(i).empty()) continue;

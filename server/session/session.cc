@@ -580,6 +580,11 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   }
   const ChunkFormat f = format();
   std::vector<SlotRef> pinned;
+  size_t blocks = 0;
+  for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
+    blocks += c.chunks[h].size() + (gathered.empty() ? 0 : gathered[h].size());
+  }
+  pinned.reserve(blocks);
   out->set_context_tokens(layers_[layer].tokens);
   for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
     const Stream& s = stream(layer, h);
