@@ -246,7 +246,8 @@ TEST(DotInt8, IsTheExactDotOfTheQueryOnItsGrid) {
 
 // The softmax helpers of a refinement against their definitions, at lengths that leave every
 // tail of the vector paths: MaxOf is the largest element, SumAsDouble sums in its stated
-// order (bit for bit), AddQuotients adds each correctly rounded quotient.
+// order (bit for bit), AddQuotients adds each product by the reciprocal, rounded to float (and
+// within a float's rounding of the quotient itself).
 TEST(SoftmaxHelpers, MatchTheirDefinitions) {
   std::mt19937 rng(3);
   std::normal_distribution<float> g(0, 4);
@@ -265,8 +266,13 @@ TEST(SoftmaxHelpers, MatchTheirDefinitions) {
     const double z = want_sum + 1.0;
     std::vector<float> out(n, 0.5f);
     AddQuotients(x.data(), z, n, out.data());
+    const double r = 1.0 / z;
     for (size_t i = 0; i < n; ++i) {
-      EXPECT_EQ(out[i], 0.5f + static_cast<float>(x[i] / z)) << n << " " << i;
+      EXPECT_EQ(out[i], 0.5f + static_cast<float>(x[i] * r)) << n << " " << i;
+      const float q = static_cast<float>(x[i] / z);
+      EXPECT_LE(std::abs(static_cast<float>(x[i] * r) - q),
+                std::nextafter(q, std::numeric_limits<float>::infinity()) - q)
+          << n << " " << i;
     }
   }
 }

@@ -779,8 +779,8 @@ __attribute__((target("avx2"))) void PickTopAvx2(const int32_t* keys, size_t n, 
 
 // MaxOf, SumAsDouble and AddQuotients: the softmax weights of a refinement's pool (thousands
 // of rows per KV head, per Select). Each AVX2 path gives its scalar twin's bits: a maximum is
-// exact in any order, SumAsDouble's order is fixed (eight partial sums), and a quotient is
-// correctly rounded however many are computed at once.
+// exact in any order, SumAsDouble's order is fixed (eight partial sums), and a product by the
+// one reciprocal is correctly rounded however many are computed at once.
 __attribute__((target("avx2"))) float MaxOfAvx2(const float* x, size_t n) {
   __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
   size_t i = 0;
@@ -831,17 +831,19 @@ double SumAsDoubleScalar(const float* x, size_t n) {
 
 __attribute__((target("avx2"))) void AddQuotientsAvx2(const float* x, double z, size_t n,
                                                       float* out) {
-  const __m256d zz = _mm256_set1_pd(z);
+  const double r = 1.0 / z;
+  const __m256d rr = _mm256_set1_pd(r);
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m128 q = _mm256_cvtpd_ps(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), zz));
+    const __m128 q = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), rr));
     _mm_storeu_ps(out + i, _mm_add_ps(_mm_loadu_ps(out + i), q));
   }
-  for (; i < n; ++i) out[i] += static_cast<float>(x[i] / z);
+  for (; i < n; ++i) out[i] += static_cast<float>(x[i] * r);
 }
 
 void AddQuotientsScalar(const float* x, double z, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] += static_cast<float>(x[i] / z);
+  const double r = 1.0 / z;
+  for (size_t i = 0; i < n; ++i) out[i] += static_cast<float>(x[i] * r);
 }
 
 void ExpInPlaceScalar(float* x, int n) {

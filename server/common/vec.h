@@ -232,7 +232,9 @@ void PickTopScalar(const int32_t* keys, size_t n, int32_t kth, size_t ties, uint
 // x[0] + ... + x[n - 1] in double, in a fixed order on every path: eight partial sums (the k-th
 // takes x[i] for i % 8 == k), t_k = s_k + s_(k+4), then (t0 + t2) + (t1 + t3).
 double SumAsDouble(const float* x, size_t n);
-// out[i] += float(double(x[i]) / z) for i in [0, n): each quotient correctly rounded.
+// out[i] += float(double(x[i]) * (1 / z)) for i in [0, n), the same bits on every path: the
+// quotient through one reciprocal (a division each cost a refinement's softmax about 2 cycles
+// an element), within an ulp of the double quotient before its rounding to float.
 void AddQuotients(const float* x, double z, size_t n, float* out);
 
 // x[i] = log x[i] for positive normal floats; error under 2e-7 (AVX2: Cephes' logf
