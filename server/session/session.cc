@@ -582,7 +582,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   std::vector<SlotRef> pinned;
   size_t blocks = 0;
   for (uint32_t h = 0; h < shape_.num_kv_heads(); ++h) {
-    blocks += c.chunks[h].size() + (gathered.empty() ? 0 : gathered[h].size());
+    blocks += c.chunks[h].size() + gathered[h].size();
   }
   pinned.reserve(blocks);
   out->set_context_tokens(layers_[layer].tokens);
