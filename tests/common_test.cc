@@ -347,7 +347,7 @@ TEST(CountAtLeast, CountsTheKeysAtLeastT) {
 
 // PickTop (TopByValue's last step) against picking one by one: every key above kth and the
 // first `ties` equal to it, ascending, at lengths that leave every tail of the vector path,
-// with many ties and none, for every count of ties from none to past the equal ones.
+// with many ties and none, for counts of ties from none to all the equal ones.
 TEST(PickTop, TheKeysAboveAndTheFirstTiesInOrder) {
   std::mt19937 rng(9);
   std::uniform_int_distribution<int32_t> any(std::numeric_limits<int32_t>::min(),
