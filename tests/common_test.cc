@@ -393,7 +393,7 @@ TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
   std::mt19937 rng(13);
   std::normal_distribution<float> n(0, 1);
   std::uniform_int_distribution<int> byte(-128, 127);
-  for (int d : {1, 7, 8, 15, 16, 17, 32, 64, 80, 96, 128}) {
+  for (int d : {1, 7, 8, 15, 16, 17, 32, 64, 80, 96, 128, 129}) {
     for (int group : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16}) {
       for (int rows : {1, 2, 3, 5, 7, 9, 17}) {
         std::vector<float> a(size_t(group) * d);

@@ -1146,8 +1146,7 @@ Int8Kernel BestInt8Kernel() {
 QueryInt8Group::QueryInt8Group(const float* a, int group, int n, Int8Kernel kernel)
     : group_(std::max(group, 0)),
       n_(std::max(n, 0)),
-      heap_(static_cast<size_t>(group_) * n_ > kInline ? static_cast<size_t>(group_) * n_ : 0),
-      codes_(heap_.empty() ? inline_.data() : heap_.data()),
+      codes_(static_cast<size_t>(group_) * n_),
       scale_(static_cast<size_t>(group_)),
       bias_(static_cast<size_t>(group_)) {
   // A kernel not available here, or a width it does not take, runs as the scalar one.
@@ -1156,7 +1155,7 @@ QueryInt8Group::QueryInt8Group(const float* a, int group, int n, Int8Kernel kern
   kernel_ = kernel;
   if (kernel_ == Int8Kernel::kAvx2) wide_.reserve(static_cast<size_t>(group_) * n_);
   for (int g = 0; g < group_; ++g) {
-    int8_t* q = codes_ + static_cast<size_t>(g) * n_;
+    int8_t* q = codes_.data() + static_cast<size_t>(g) * n_;
     scale_[g] = QueryInt8Codes(a + static_cast<size_t>(g) * n_, n_, q);
     if (kernel_ == Int8Kernel::kAvx2) wide_.insert(wide_.end(), q, q + n_);
     int32_t sum = 0;

@@ -8,7 +8,6 @@
 #ifndef KVTIER_SERVER_COMMON_VEC_H_
 #define KVTIER_SERVER_COMMON_VEC_H_
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -92,18 +91,15 @@ class QueryInt8Group {
   int group() const { return group_; }
   int n() const { return n_; }
   Int8Kernel kernel() const { return kernel_; }
-  const int8_t* codes(int g) const { return codes_ + static_cast<size_t>(g) * n_; }
+  const int8_t* codes(int g) const { return codes_.data() + static_cast<size_t>(g) * n_; }
   const int16_t* wide(int g) const { return wide_.data() + static_cast<size_t>(g) * n_; }
   float scale(int g) const { return scale_[g]; }
   int32_t bias(int g) const { return bias_[g]; }
 
  private:
-  static constexpr size_t kInline = 2048;
   int group_, n_;
   Int8Kernel kernel_;
-  std::array<int8_t, kInline> inline_;
-  std::vector<int8_t> heap_;
-  int8_t* codes_;
+  absl::InlinedVector<int8_t, 2048> codes_;  // a query group's fit in the object
   absl::InlinedVector<float, 16> scale_;
   absl::InlinedVector<int32_t, 16> bias_;
   std::vector<int16_t> wide_;  // int16 copies of the codes: the AVX2 kernel's operands
