@@ -2,10 +2,17 @@
 // with nothing aged, stays exact for Select meanwhile (against brute force), ends in the same
 // chunks as a session that aged inline, bounds its backlog, and forks, closes and drops
 // correctly with aging queued. `make tsan` runs it under ThreadSanitizer too.
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <numeric>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "server/session/task_pool.h"
 #include "tests/session_fixture.h"
@@ -130,6 +137,68 @@ TEST(TaskPool, ABoundedQueueDropsItsOldestTask) {
   EXPECT_EQ(pool.counters().queued, 0u);
 }
 
+// How the thread that runs a task is scheduled: its policy and its nice value.
+struct Scheduling {
+  int policy = -1;
+  int nice = -100;
+};
+Scheduling Current() {
+  errno = 0;
+  const int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  return {sched_getscheduler(0), errno == 0 ? nice : -100};
+}
+
+// A pressable pool: its own threads run at idle priority; a task queued behind them all waits
+// until a Press is held, when a thread of normal policy at the pool's nice value runs it; once
+// the press has ended, tasks run on the idle threads again.
+TEST(TaskPool, APressWakesThreadsOfNormalPriority) {
+  absl::Notification gate, started;
+  Scheduling idle, pressed, after;
+  absl::Notification ran;
+  TaskPool pool(
+      TaskPool::Options{.threads = 1, .nice = 10, .idle_priority = true, .pressable = true});
+  absl::Cleanup open_gate = [&] {  // a failed assertion still lets the pool stop
+    if (!gate.HasBeenNotified()) gate.Notify();
+  };
+  pool.Submit([&] {
+    idle = Current();
+    started.Notify();
+    gate.WaitForNotification();
+  });
+  started.WaitForNotification();  // the idle thread is held: a task now waits in its queue
+  EXPECT_EQ(idle.policy, SCHED_IDLE);
+
+  pool.Submit([&] {
+    pressed = Current();
+    ran.Notify();
+  });
+  EXPECT_FALSE(ran.WaitForNotificationWithTimeout(absl::Milliseconds(50)))
+      << "a task ran with the idle thread held and no press";
+  {
+    TaskPool::Press press(&pool);
+    ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  }
+  EXPECT_EQ(pressed.policy, SCHED_OTHER);
+  EXPECT_EQ(pressed.nice, 10);
+
+  gate.Notify();
+  pool.WaitIdle();
+  EXPECT_EQ(pool.counters().pressed, 1u);  // counted once the task has returned
+  absl::SleepFor(absl::Milliseconds(20));  // the pressed thread looks again and sleeps
+  pool.Submit([&] { after = Current(); });
+  pool.WaitIdle();
+  EXPECT_EQ(after.policy, SCHED_IDLE);
+  EXPECT_EQ(pool.counters().pressed, 1u);
+  EXPECT_EQ(pool.counters().tasks, 3u);
+
+  // A pool that is not pressable ignores a press (and so does a null pool).
+  TaskPool plain(1);
+  TaskPool::Press ignored(&plain), none(nullptr);
+  plain.Submit([] {});
+  plain.WaitIdle();
+  EXPECT_EQ(plain.counters().pressed, 0u);
+}
+
 TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {
   Env e(128 << 20);
   BlockedPool blocked;
@@ -231,6 +300,36 @@ TEST(AgingPool, TheBacklogIsBounded) {
   release.join();
   blocked.pool.WaitIdle();
   ASSERT_OK(f.session->Append(Req(f, 0, 1000, 500)).status());
+}
+
+// An append held back by the backlog presses the pool: with the pool's idle thread held
+// (a busy machine's cores), its pressed thread ages what the append waits for.
+TEST(AgingPool, AnAppendThatWaitsOnTheBacklogPressesThePool) {
+  Env e(64 << 20);
+  absl::Notification gate, started;
+  TaskPool pool(
+      TaskPool::Options{.threads = 1, .nice = 10, .idle_priority = true, .pressable = true});
+  absl::Cleanup open_gate = [&] {  // a failed assertion still lets the pool stop
+    if (!gate.HasBeenNotified()) gate.Notify();
+  };
+  pool.Submit([&] {
+    started.Notify();
+    gate.WaitForNotification();
+  });
+  started.WaitForNotification();
+  e.env.aging = &pool;
+  e.env.max_aging_backlog_tokens = 1500;
+  e.env.aging_wait_ms = 30'000;
+  Fixture f = Make(e, 2, 2, 1, 64, 3000, Cold(), 11);
+  ASSERT_OK(f.session->Append(Req(f, 0, 0, 1000)).status());
+  ASSERT_OK(f.session->Append(Req(f, 1, 0, 1000)).status());
+  EXPECT_EQ(pool.counters().pressed, 0u);
+  ASSERT_OK(f.session->Append(Req(f, 0, 1000, 500)).status());  // 2000 >= 1500: it waits
+  EXPECT_EQ(f.session->Info().num_tokens(), 1000u);             // the least layer's
+  gate.Notify();
+  pool.WaitIdle();
+  EXPECT_GE(pool.counters().pressed, 1u);  // counted once a task has returned
+  EXPECT_EQ(f.session->aging_backlog_tokens(), 0u);
 }
 
 // Fork ages what is pending first, so the child starts from final chunks; a closed or dropped

@@ -236,11 +236,13 @@ Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* c
       leases_(clock),
       prefetcher_(options_.prefetch ? std::make_unique<Prefetcher>() : nullptr),
       staging_(absl::StrCat("kvtier-", options_.instance), options_.max_staging_size),
-      aging_(std::make_unique<TaskPool>(
-          static_cast<int>(std::max(1u, options_.aging_threads
-                                            ? options_.aging_threads
-                                            : std::thread::hardware_concurrency())),
-          TaskPool::kBackgroundNice)),
+      aging_(std::make_unique<TaskPool>(TaskPool::Options{
+          .threads = static_cast<int>(std::max(1u, options_.aging_threads
+                                                       ? options_.aging_threads
+                                                       : std::thread::hardware_concurrency())),
+          .nice = TaskPool::kBackgroundNice,
+          .idle_priority = true,
+          .pressable = true})),
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,
                                aging_.get(), device_choice_.gpu),
@@ -490,6 +492,11 @@ void Daemon::RegisterGauges() {
       const TaskPool::Counters a = aging_->counters();
       metrics_.GetCounter("kvtier_aging_tasks_total", "Aging passes the aging pool ran")
           .IncreaseTo(a.tasks);
+      metrics_
+          .GetCounter("kvtier_aging_pressed_tasks_total",
+                      "Aging passes run by the pool's nice-priority threads, while an append "
+                      "waited on its session's aging backlog")
+          .IncreaseTo(a.pressed);
       metrics_
           .GetGauge("kvtier_aging_queued",
                     "Aging tasks waiting for the pool (one per session layer with un-aged tokens)")

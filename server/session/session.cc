@@ -433,7 +433,10 @@ void Session::AgeAllLocked() {
 }
 
 absl::Status Session::WaitForBacklog() {
+  if (BacklogLocked() < env_.max_aging_backlog_tokens) return absl::OkStatus();
   const absl::Time deadline = absl::Now() + absl::Milliseconds(env_.aging_wait_ms);
+  // This append waits for the pool: its threads of normal (nice) priority join the idle ones.
+  TaskPool::Press press(env_.aging);
   while (BacklogLocked() >= env_.max_aging_backlog_tokens) {
     if (WaitOnUntil(&aged_, &mu_, deadline) && BacklogLocked() >= env_.max_aging_backlog_tokens) {
       return absl::ResourceExhaustedError(absl::StrFormat(

@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <utility>
 
 #include "server/common/check.h"
@@ -11,15 +12,24 @@
 
 namespace kvtier {
 
-TaskPool::TaskPool(Options o) : max_queued_(o.max_queued) {
+TaskPool::TaskPool(Options o)
+    : max_queued_(o.max_queued),
+      pressable_(o.pressable && o.idle_priority),
+      threads_asked_(o.threads) {
   CHECK_GT(o.threads, 0);
-  for (int i = 0; i < o.threads; ++i) {
+  for (int i = 0; i < (pressable_ ? 2 : 1) * o.threads; ++i) {
+    const bool pressed = i >= o.threads;  // the second set: the pressable threads
     // Each thread looks first at a queue of its own, spread over the queues.
-    const size_t first = static_cast<size_t>(i) * kQueues / static_cast<size_t>(o.threads);
-    threads_.emplace_back([this, o, first] {
+    const size_t first =
+        static_cast<size_t>(i % o.threads) * kQueues / static_cast<size_t>(o.threads);
+    threads_.emplace_back([this, o, first, pressed] {
       if (o.name[0] != '\0') pthread_setname_np(pthread_self(), o.name);
       // Linux: a thread's own nice value (a lower priority only; no privilege needed).
       if (o.nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), o.nice);
+      if (pressed) {
+        RunPressed(first);
+        return;
+      }
       if (o.idle_priority) {
         sched_param idle{};
         (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
@@ -29,8 +39,20 @@ TaskPool::TaskPool(Options o) : max_queued_(o.max_queued) {
   }
 }
 
+TaskPool::Press::Press(TaskPool* pool) : pool_(pool && pool->pressable_ ? pool : nullptr) {
+  if (pool_ != nullptr && pool_->presses_.fetch_add(1, std::memory_order_acq_rel) == 0) {
+    pool_->presses_.notify_all();
+  }
+}
+
+TaskPool::Press::~Press() {
+  if (pool_ != nullptr) pool_->presses_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
 TaskPool::~TaskPool() {
   stop_.store(true, std::memory_order_release);
+  presses_.fetch_add(1, std::memory_order_acq_rel);  // the pressable threads wake
+  presses_.notify_all();
   ready_.release(static_cast<std::ptrdiff_t>(threads_.size()));  // each thread sees the stop
   for (std::thread& t : threads_) t.join();
   uint64_t dropped = 0;
@@ -81,7 +103,8 @@ void TaskPool::WaitIdle() {
 TaskPool::Counters TaskPool::counters() const {
   return Counters{.tasks = tasks_.load(std::memory_order_relaxed),
                   .queued = queued_.load(std::memory_order_relaxed),
-                  .dropped = dropped_.load(std::memory_order_relaxed)};
+                  .dropped = dropped_.load(std::memory_order_relaxed),
+                  .pressed = pressed_tasks_.load(std::memory_order_relaxed)};
 }
 
 std::function<void()> TaskPool::Take(size_t first) {
@@ -105,13 +128,31 @@ void TaskPool::Run(size_t first) {
   for (;;) {
     ready_.acquire();
     if (stop_.load(std::memory_order_acquire)) return;
-    std::function<void()> task = Take(first);
-    queued_.fetch_sub(1, std::memory_order_relaxed);
-    task();
-    task = nullptr;  // what it held goes here
-    tasks_.fetch_add(1, std::memory_order_relaxed);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
+    RunOne(first, /*pressed=*/false);
   }
+}
+
+void TaskPool::RunPressed(size_t first) {
+  // A press ends unseen by a thread in a task, or waiting below: it looks again at least
+  // this often (each look a wake-up of its own).
+  constexpr auto kLookAgain = std::chrono::milliseconds(2);
+  for (;;) {
+    presses_.wait(0, std::memory_order_acquire);  // returns at once while one is held
+    if (stop_.load(std::memory_order_acquire)) return;
+    if (!ready_.try_acquire_for(kLookAgain)) continue;
+    if (stop_.load(std::memory_order_acquire)) return;
+    RunOne(first, /*pressed=*/true);
+  }
+}
+
+void TaskPool::RunOne(size_t first, bool pressed) {
+  std::function<void()> task = Take(first);
+  queued_.fetch_sub(1, std::memory_order_relaxed);
+  task();
+  task = nullptr;  // what it held goes here
+  tasks_.fetch_add(1, std::memory_order_relaxed);
+  if (pressed) pressed_tasks_.fetch_add(1, std::memory_order_relaxed);
+  if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
 }
 
 }  // namespace kvtier

@@ -6,6 +6,13 @@
 // session's layers side by side; the task holds the session only weakly, so a closed and
 // dropped session's queued task does nothing.
 //
+// Background work on a busy host: with `idle_priority` the threads run only on a core nothing
+// else wants (SCHED_IDLE), so appends and Selects never share a core with them. A caller that
+// waits for the pool's work (an append held back by its session's aging backlog) holds a Press
+// meanwhile; a `pressable` pool then wakes as many threads again, at `nice`, which take tasks
+// beside the idle ones only while some Press is held. (A thread cannot leave SCHED_IDLE
+// without CAP_SYS_NICE, hence threads of their own.)
+//
 // Thread-safe, and no lock is shared by every session: tasks wait in 16 queues, each with a
 // lock of its own, a task's queue chosen by the key its submitter names (a session's layer),
 // and a semaphore (lock-free until a thread sleeps) counts them for the threads, each of which
@@ -31,7 +38,8 @@ namespace kvtier {
 
 class TaskPool {
  public:
-  // The daemon's aging: background work beside the calls it serves.
+  // The daemon's aging: background work beside the calls it serves (the nice value of its
+  // pressable threads).
   static constexpr int kBackgroundNice = 10;
   static constexpr size_t kQueues = 16;
   struct Options {
@@ -42,6 +50,9 @@ class TaskPool {
     int nice = 0;
     // Each thread runs only on a core nothing else wants (SCHED_IDLE; no privilege needed).
     bool idle_priority = false;
+    // With idle_priority: `threads` more threads, at `nice`, that take tasks only while a
+    // Press is held.
+    bool pressable = false;
     // The threads' name (at most 15 characters); empty: the process's.
     const char* name = "";
     // The most tasks a queue holds (0: no bound); past it the oldest is dropped.
@@ -55,7 +66,8 @@ class TaskPool {
   TaskPool(const TaskPool&) = delete;
   TaskPool& operator=(const TaskPool&) = delete;
 
-  int threads() const { return static_cast<int>(threads_.size()); }
+  // The threads asked for (a pressable pool has as many again, which run only when pressed).
+  int threads() const { return threads_asked_; }
   // Queues `task` in the queue `key` picks (tasks of one key run in the order submitted, as far
   // as one thread takes them); a no-op once the pool is stopping. In a full queue of a bounded
   // pool, the oldest task makes way (Counters::dropped).
@@ -69,8 +81,22 @@ class TaskPool {
     uint64_t tasks = 0;    // tasks run
     uint64_t queued = 0;   // tasks waiting now
     uint64_t dropped = 0;  // tasks dropped from a full queue
+    uint64_t pressed = 0;  // of the tasks run, those the pressable threads ran
   };
   Counters counters() const;
+
+  // Held by a caller while it waits for the pool's work: a pressable pool's threads at `nice`
+  // take tasks until the last Press ends. A no-op on a pool that is not pressable, or null.
+  class Press {
+   public:
+    explicit Press(TaskPool* pool);
+    ~Press();
+    Press(const Press&) = delete;
+    Press& operator=(const Press&) = delete;
+
+   private:
+    TaskPool* const pool_;
+  };
 
  private:
   struct Queue {
@@ -80,6 +106,10 @@ class TaskPool {
     std::atomic<size_t> size = 0;  // tasks.size(), read without the lock to skip empty queues
   };
   void Run(size_t first);
+  // A pressable thread's loop: sleeps while no Press is held, else takes tasks as Run does.
+  void RunPressed(size_t first);
+  // Takes and runs one task (the semaphore let this thread through).
+  void RunOne(size_t first, bool pressed);
   // The oldest task of the first queue from `first` on that holds one (one is there: the
   // semaphore said so, and only a thread it let through takes one).
   std::function<void()> Take(size_t first);
@@ -88,7 +118,12 @@ class TaskPool {
   std::array<Queue, kQueues> queues_;
   std::counting_semaphore<> ready_{0};  // a release per task queued (and per thread at stop)
   std::atomic<bool> stop_ = false;
-  std::atomic<uint64_t> queued_ = 0, tasks_ = 0, dropped_ = 0;
+  std::atomic<uint64_t> queued_ = 0, tasks_ = 0, dropped_ = 0, pressed_tasks_ = 0;
+  // Presses held (each Press adds one while it lives); the destructor adds one for good so
+  // that the pressable threads wake and see the stop.
+  std::atomic<uint32_t> presses_ = 0;
+  const bool pressable_;
+  const int threads_asked_;
   std::atomic<uint64_t> pending_ = 0;  // queued or running: WaitIdle waits on it
   std::vector<std::thread> threads_;
 };

@@ -936,6 +936,7 @@ def test_metrics_endpoint(start_daemon):
     assert "# TYPE kvtier_rpc_latency_seconds histogram" in body
     assert "# TYPE kvtier_aging_backlog_tokens gauge" in body  # the aging pool's
     assert "# TYPE kvtier_aging_tasks_total counter" in body
+    assert "kvtier_aging_pressed_tasks_total 0" in body  # no append waited on its backlog
     # The client closed: its Attach stream ended, and its lease with it.
     deadline = time.monotonic() + 5
     while "kvtier_leases 0" not in body and time.monotonic() < deadline:
