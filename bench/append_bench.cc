@@ -7,6 +7,10 @@
 // each layer's K and V into its staging area (timed) and then sends the message that names
 // them (AppendKVRequest.staged) on one open stream (Client::OpenAppend), as a prefill does
 // layer by layer: the daemon stores one while the worker writes the next.
+// appendkv_decode_shm_p50/p99: a decode loop's appends, one token a layer, each through the
+// shared-memory channel (SelectChannel::AppendKV), against the same messages each sent as an
+// AppendKV stream of one message over gRPC (Client::AppendKV), alternated step by step after
+// a 4K-token prefill.
 #include <cstring>
 #include <random>
 #include <thread>
@@ -120,5 +124,56 @@ int main() {
       "staging area (OpenStaging), pages touched before; the worker's writes timed, each "
       "layer's message sent once its bytes are written";
   Print({"appendkv_ingest_shm", Median(shm_bw), "GB/s", Median(memcpy_bw), "memcpy", params});
+
+  // Decode steps: one token a layer, on a session that holds the prefill.
+  auto s = c.CreateSession(SmolLm2Session());
+  auto ch = c.OpenChannel();
+  if (!s.ok() || !ch.ok()) return 1;
+  std::vector<v1::AppendKVRequest> prefill;
+  for (int l = 0; l < kLayers; ++l) {
+    v1::AppendKVRequest r;
+    r.set_session_id(s->session_id());
+    r.set_layer(l);
+    r.set_start_token(0);
+    r.set_num_tokens(kTokens);
+    const std::string big(bytes.data(), bytes.size());
+    std::string kv;
+    for (int i = 0; i < kTokens / kStep; ++i) kv += big;  // [kv][256][d] repeated: any finite
+    r.set_keys(kv);
+    r.set_values(kv);
+    prefill.push_back(std::move(r));
+  }
+  if (!c.AppendKV(prefill).ok()) return 1;
+  const std::string row(bytes.data(), size_t(kKv) * kD * 2);  // one token of each KV head
+  std::vector<double> over_shm, over_rpc;
+  constexpr int kSteps = 200;
+  for (int step = 0; step < kSteps; ++step) {
+    const bool shm = step % 2 == 0;
+    for (int l = 0; l < kLayers; ++l) {
+      v1::AppendKVRequest r;
+      r.set_session_id(s->session_id());
+      r.set_layer(l);
+      r.set_start_token(kTokens + step);
+      r.set_num_tokens(1);
+      r.set_keys(row);
+      r.set_values(row);
+      const double t0 = NowSeconds();
+      const bool ok = shm ? (*ch)->AppendKV(r).ok() : c.AppendKV({r}).ok();
+      if (!ok) return 1;
+      (shm ? over_shm : over_rpc).push_back((NowSeconds() - t0) * 1e6);
+    }
+  }
+  std::map<std::string, std::string> decode = {
+      {"context_tokens", std::to_string(kTokens)},
+      {"layers", std::to_string(kLayers)},
+      {"kv_heads", std::to_string(kKv)},
+      {"head_dim", std::to_string(kD)},
+      {"tokens_per_message", "1"},
+      {"steps", std::to_string(kSteps) + ", alternating the paths"},
+      {"target_ratio", "reported"}};
+  Print({"appendkv_decode_shm_p50", Quantile(over_shm, 0.5), "us", Quantile(over_rpc, 0.5),
+         "appendkv_decode_rpc_p50", decode});
+  Print({"appendkv_decode_shm_p99", Quantile(over_shm, 0.99), "us", Quantile(over_rpc, 0.99),
+         "appendkv_decode_rpc_p99", decode});
   return 0;
 }

@@ -46,6 +46,9 @@ TARGETS = [
     ("appendkv_ingest_shm", ">=", 0.6, "AppendKV by zero-copy ingest (the worker writes each "
      "layer's K and V into its session's staging area, timed, then sends the message naming "
      "them on one open stream), acknowledged, vs memcpy"),
+    ("appendkv_decode_shm", None, None, "a decode loop's append of one token to one layer "
+     "through the shared-memory channel (SelectChannel::AppendKV), acknowledged, vs the same "
+     "message as an AppendKV stream of one over gRPC, steps of the two alternated"),
     ("appendkv_ingest", ">=", 0.25, "AppendKV ingest, acknowledged (rows stored in fp16 and "
      "selectable; aging runs on the pool) vs memcpy of the same bytes"),
     ("appendkv_to_indexed", ">=", 0.2, "AppendKV from the first byte until the aging pool "

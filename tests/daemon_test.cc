@@ -1297,6 +1297,73 @@ TEST(Daemon, SelectChannelAnswersAsTheRpcsAndEndsWithItsWorker) {
   EXPECT_EQ(d.WaitForExit(20), 0);
 }
 
+// Appends through the shared-memory channel (a decode loop's, one layer at a time, inline or
+// staged) store what the AppendKV stream stores, refuse what it refuses with its words, and
+// reach the channel's tenant's sessions only.
+TEST(Daemon, ChannelAppendsStoreWhatTheStreamStores) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  auto bob = Connect(d, "bob");
+  ASSERT_OK_AND_ASSIGN(auto by_channel, alice->CreateSession(Shape()));
+  ASSERT_OK_AND_ASSIGN(auto by_stream, alice->CreateSession(Shape()));
+  const std::string sid = by_channel.session_id(), other = by_stream.session_id();
+  const std::string bobs = SessionWithTokens(*bob, 100);
+  const Data data = MakeData(700);
+  ASSERT_OK_AND_ASSIGN(auto ch, alice->OpenChannel());
+  ASSERT_OK_AND_ASSIGN(auto area, alice->OpenStaging(sid, 600 * 1024));
+  // A prefill layer by layer from the staging area (the tokens stored in every layer come
+  // with the last), then decode steps of one token a layer, inline.
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_OK_AND_ASSIGN(uint64_t stored,
+                         ch->AppendKV(Staged(Append(sid, data, l, 0, 500), *area)));
+    EXPECT_EQ(stored, l + 1 == kLayers ? 500u : 0u) << "layer " << l;
+  }
+  for (int t = 500; t < 520; ++t) {
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_OK_AND_ASSIGN(uint64_t stored, ch->AppendKV(Append(sid, data, l, t, 1)));
+      EXPECT_EQ(stored, l + 1 == kLayers ? uint64_t(t + 1) : uint64_t(t));
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t stored, alice->AppendKV(AllLayers(other, data, 0, 520)));
+  EXPECT_EQ(stored, 520u);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_OK_AND_ASSIGN(auto a, alice->Select(Select(sid, l, 256, /*data=*/true)));
+    ASSERT_OK_AND_ASSIGN(auto b, alice->Select(Select(other, l, 256, true)));
+    ASSERT_EQ(a.heads_size(), b.heads_size());
+    for (int h = 0; h < a.heads_size(); ++h) {
+      ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size()) << "layer " << l;
+      for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
+        const v1::BlockHandle &x = a.heads(h).blocks(i), &y = b.heads(h).blocks(i);
+        EXPECT_EQ(x.keys(), y.keys());
+        EXPECT_EQ(x.values(), y.values());
+        EXPECT_EQ(std::vector<int64_t>(x.positions().begin(), x.positions().end()),
+                  std::vector<int64_t>(y.positions().begin(), y.positions().end()));
+      }
+    }
+    EXPECT_OK(alice->Release(a.lease_id()));
+    EXPECT_OK(alice->Release(b.lease_id()));
+  }
+  // The stream's refusals, word for word: a rewrite with other bytes, a NaN, a layer past the
+  // shape, another tenant's session, a staged append naming a session without an area.
+  const Data changed = MakeData(700, 9);
+  v1::AppendKVRequest nan = Append(sid, data, 1, 520, 4);
+  (*nan.mutable_values())[2 * 70 + 1] = static_cast<char>(0x7e);  // 0x7eXX: fp16 NaN
+  v1::AppendKVRequest past_layers = Append(sid, data, 0, 520, 4);
+  past_layers.set_layer(kLayers);
+  for (const v1::AppendKVRequest& bad :
+       {Append(sid, changed, 0, 10, 5), nan, past_layers, Append(bobs, data, 0, 100, 2),
+        Staged(Append(other, data, 0, 520, 2), *area)}) {
+    const absl::Status over_stream = alice->AppendKV({bad}).status();
+    EXPECT_FALSE(over_stream.ok());
+    EXPECT_EQ(ch->AppendKV(bad).status(), over_stream);
+  }
+  ASSERT_OK_AND_ASSIGN(auto described, alice->DescribeSession(sid));
+  EXPECT_EQ(described.info().num_tokens(), 520u);  // nothing of the refused ones stored
+  ASSERT_OK_AND_ASSIGN(auto bobs_described, bob->DescribeSession(bobs));
+  EXPECT_EQ(bobs_described.info().num_tokens(), 100u);
+}
+
 TEST(Daemon, DrainStopsNewCallsAndExits) {
   DaemonProcess d({"--drain_timeout_ms", "2000"});
   ASSERT_TRUE(d.started());

@@ -105,6 +105,12 @@ absl::Status SelectChannel::Release(const std::string& lease_id) {
   return Call(channel::kRelease, req, &resp);
 }
 
+absl::StatusOr<uint64_t> SelectChannel::AppendKV(const v1::AppendKVRequest& req) {
+  v1::AppendKVResponse resp;
+  if (absl::Status s = Call(channel::kAppendKV, req, &resp); !s.ok()) return s;
+  return resp.num_tokens();
+}
+
 absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& req,
                                  google::protobuf::Message* resp) {
   std::lock_guard lock(mu_);

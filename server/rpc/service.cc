@@ -208,6 +208,25 @@ grpc::ServerUnaryReactor* KvTierService::CreateSession(grpc::CallbackServerConte
   });
 }
 
+absl::StatusOr<uint64_t> KvTierService::ApplyAppend(const std::string& tenant,
+                                                    v1::AppendKVRequest* req,
+                                                    DeviceSources* sources,
+                                                    std::shared_ptr<Session>* session) {
+  DeviceSources own;  // a lone append's device memory, mapped for this append alone
+  absl::StatusOr<uint64_t> stored;
+  RETURN_IF_ERROR(env_.sessions->Run(
+      tenant, req->session_id(),
+      [&](const std::shared_ptr<Session>& s) {
+        // A GPU's bytes become its own.
+        RETURN_IF_ERROR(s->Undevice(req, sources != nullptr ? sources : &own));
+        stored = s->Append(*req);
+        return stored.status();
+      },
+      session));
+  if (sources == nullptr) SeriesOf(tenant).appended_tokens->Inc(req->num_tokens());
+  return stored;
+}
+
 // Applies each message as it arrives; the first error ends the stream with that status,
 // and the messages before it stay applied (each append is idempotent, so a client resends).
 //
@@ -252,16 +271,9 @@ class KvTierService::AppendReactor final
   }
 
   absl::Status Apply() {
-    absl::StatusOr<uint64_t> stored;
-    RETURN_IF_ERROR(svc_->env_.sessions->Run(
-        tenant_, req_.session_id(),
-        [&](const std::shared_ptr<Session>& s) {
-          RETURN_IF_ERROR(s->Undevice(&req_, &device_sources_));  // a GPU's bytes become its own
-          stored = s->Append(req_);
-          return stored.status();
-        },
-        &session_));
-    resp_->set_num_tokens(*stored);
+    ASSIGN_OR_RETURN(uint64_t stored,
+                     svc_->ApplyAppend(tenant_, &req_, &device_sources_, &session_));
+    resp_->set_num_tokens(stored);
     tokens_ += req_.num_tokens();
     return absl::OkStatus();
   }
@@ -412,9 +424,19 @@ absl::Status KvTierService::ServeChannel(const ChannelHub::Call& call, std::stri
         v1::ReleaseResponse().SerializeToString(out);
         return absl::OkStatus();
       }
+      case channel::kAppendKV: {
+        method = "AppendKV";
+        v1::AppendKVRequest req;
+        RETURN_IF_ERROR(parse(&req));
+        ASSIGN_OR_RETURN(uint64_t stored, ApplyAppend(call.tenant, &req, nullptr));
+        v1::AppendKVResponse resp;
+        resp.set_num_tokens(stored);
+        resp.SerializeToString(out);
+        return absl::OkStatus();
+      }
       default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("op: ", call.op, " is none of Select (1), BatchSelect (2), Release (3)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "op: ", call.op, " is none of Select (1), BatchSelect (2), Release (3), AppendKV (4)"));
     }
   }();
   Record(method, s, absl::Now() - start);  // the same series as the gRPC calls'

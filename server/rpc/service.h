@@ -208,6 +208,14 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // UNAVAILABLE while draining, else Identify: what a new call checks first.
   absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext* ctx) const;
 
+  // One append as `tenant`, for the AppendKV stream and the channels alike: the tokens now
+  // stored in every layer. `sources` keeps the worker device memory it names mapped (a
+  // stream's, until it ends); null: mapped for this append alone, and the tenant's appended
+  // tokens are counted here (a stream counts its own at its end). `session`: as
+  // SessionManager::Run's `cached`.
+  absl::StatusOr<uint64_t> ApplyAppend(const std::string& tenant, v1::AppendKVRequest* req,
+                                       DeviceSources* sources,
+                                       std::shared_ptr<Session>* session = nullptr);
   // The bodies of Select and BatchSelect as `tenant`, for gRPC and the channels alike; a reply
   // that may pass `reply_limit` bytes is RESOURCE_EXHAUSTED before any work.
   absl::Status DoSelect(const std::string& tenant, const v1::SelectRequest& req,

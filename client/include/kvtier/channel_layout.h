@@ -1,5 +1,6 @@
 // The shared-memory Select channel (OpenChannel): its memory's layout and its descriptors, as
-// the daemon and every client read them. Part of the API: a client in another language
+// the daemon and every client read them. Besides Select, BatchSelect and Release it carries a
+// decode loop's per-layer appends (Op). Part of the API: a client in another language
 // follows this file.
 //
 // The channel is one memory object (an unnamed memfd, read-write) and three more descriptors,
@@ -32,6 +33,10 @@ enum Op : uint32_t {
   kSelect = 1,       // SelectRequest -> SelectResponse
   kBatchSelect = 2,  // BatchSelectRequest -> BatchSelectResponse
   kRelease = 3,      // ReleaseRequest -> ReleaseResponse
+  // AppendKVRequest -> AppendKVResponse: one append, as an AppendKV stream of that one message
+  // (bytes inline or staged); num_tokens is then the tokens stored in every layer. A daemon
+  // older than this op answers INVALID_ARGUMENT naming op.
+  kAppendKV = 4,
 };
 
 struct Header {

@@ -218,6 +218,10 @@ class SelectChannel {
   absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
   absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
   absl::Status Release(const std::string& lease_id);
+  // One append (its bytes inline or staged), as an AppendKV stream of that one message: a
+  // decode loop's layer appends without a gRPC call each. Returns the tokens stored in every
+  // layer.
+  absl::StatusOr<uint64_t> AppendKV(const v1::AppendKVRequest& req);
 
   uint64_t id() const { return id_; }
   const std::string& worker_id() const { return worker_; }

@@ -606,7 +606,7 @@ class Staging:
 # The Select channel's header (client/include/kvtier/channel_layout.h), little-endian.
 _CHANNEL_HEADER = struct.Struct("<IIQQQQIIQQiI")
 _CHANNEL_MAGIC, _CHANNEL_VERSION, _CHANNEL_HEADER_BYTES = 0x4843564B, 1, 4096
-_OP_SELECT, _OP_BATCH_SELECT, _OP_RELEASE = 1, 2, 3
+_OP_SELECT, _OP_BATCH_SELECT, _OP_RELEASE, _OP_APPEND_KV = 1, 2, 3, 4
 # The header's worker_cpu and serving_cpu (uint32 each, 1 + a CPU; 0: not said).
 _WORKER_CPU_AT, _SERVING_CPU_AT = 72, 76
 # How long a call served on its own CPU gives it up (sched_yield) before it sleeps.
@@ -630,8 +630,8 @@ _LIBC = ctypes.CDLL(None)
 
 
 class SelectChannel:
-    """A shared-memory Select channel (Client.open_channel): select, batch_select and release
-    without gRPC, as the client's tenant. One call at a time; `close()` (or the process's end)
+    """A shared-memory Select channel (Client.open_channel): select, batch_select, release and
+    a decode loop's per-layer append without gRPC, as the client's tenant. One call at a time; `close()` (or the process's end)
     ends it, and the leases of its Selects with it."""
 
     def __init__(self, channel_id: int, worker_id: str, fds: list[int], timeout: float):
@@ -752,6 +752,19 @@ class SelectChannel:
     def release(self, lease_id: str) -> None:
         """Ends a lease: its handles may be reused from now on. NOT_FOUND once it ended."""
         self._call(_OP_RELEASE, _msg(pb.ReleaseRequest, lease_id=lease_id), pb.ReleaseResponse())
+
+    def append(self, session_id: str, layer: int, start: int, keys: np.ndarray,
+               values: np.ndarray, token_ids: Sequence[int] | None = None,
+               wait_aged: bool = False) -> int:
+        """One layer's append through the channel, as Client.append_kv of that one item
+        (keys/values [kv_heads][tokens][head_dim] in the session's dtype): a decode loop's
+        per-layer append without a gRPC call. Returns the tokens now stored in every layer."""
+        item = (layer, start, keys, values) + (() if token_ids is None else (token_ids,))
+        ((layer, start, k, v, ids),) = _checked_items([item])
+        req = _append_request(session_id, layer, start, k, v, ids, wait_aged)
+        req.keys = k.tobytes()
+        req.values = v.tobytes()
+        return self._call(_OP_APPEND_KV, req, pb.AppendKVResponse()).num_tokens
 
 
 class Client:

@@ -1240,3 +1240,40 @@ def test_the_public_api_is_documented():
                         if not n.startswith("_") and f.__qualname__.startswith(cls.__name__)
                         and not (f.__doc__ or "").strip()]
         assert not undocumented, (cls.__name__, undocumented)
+
+
+def test_select_channel_appends_store_the_bytes_appended(start_daemon):
+    """A prefill and then a decode loop's per-layer appends through the channel store exactly
+    the bytes appended (read back through a Select and shared memory); an append the daemon
+    refuses gets the RPC's error, and one that is malformed is refused before it is sent."""
+    d = start_daemon()
+    rng = np.random.default_rng(27)
+    k, v = make_kv(rng, 320)
+    q = rng.standard_normal((QH, D))
+    with kvtier.Client(d.address, tenant="alice") as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        with c.open_channel() as ch:
+            for layer in range(L):
+                got = ch.append(sid, layer, 0, k[layer, :, :300], v[layer, :, :300])
+                assert got == (300 if layer == L - 1 else 0)  # stored in every layer
+            for t in range(300, 320):
+                for layer in range(L):
+                    ch.append(sid, layer, t, k[layer, :, t:t + 1], v[layer, :, t:t + 1],
+                              wait_aged=True)
+            assert c.describe_session(sid).info.num_tokens == 320
+            for layer in range(L):
+                r = ch.select(sid, layer, q, budget_tokens=1024)  # past the context: every row
+                for h, head in enumerate(r.heads):
+                    pos, hk, hv = c.gather(head, sid)
+                    order = np.argsort(pos)
+                    assert pos[order].tolist() == list(range(320))
+                    assert np.array_equal(hk[order].view(np.uint16), k[layer, h].view(np.uint16))
+                    assert np.array_equal(hv[order].view(np.uint16), v[layer, h].view(np.uint16))
+                ch.release(r.lease_id)
+            with pytest.raises(kvtier.KvTierError) as e:
+                ch.append(sid, L, 320, k[0, :, :1], v[0, :, :1])  # no such layer
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "layer" in e.value.message
+            with pytest.raises(kvtier.KvTierArgumentError):
+                ch.append(sid, 0, 320, k[0, :, :1], v[0, :, :2])
+            assert c.describe_session(sid).info.num_tokens == 320
