@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <iostream>
 #include <numeric>
 #include <thread>
 
@@ -197,6 +198,38 @@ TEST(TaskPool, APressWakesThreadsOfNormalPriority) {
   plain.Submit([] {});
   plain.WaitIdle();
   EXPECT_EQ(plain.counters().pressed, 0u);
+}
+
+// A Boost lifts an idle-priority pool thread to the pool's nice value while it is held (where
+// the process may leave SCHED_IDLE: CAP_SYS_NICE, as root; elsewhere a pool that asks for it
+// runs at its nice value throughout), and changes nothing on a thread of no pool.
+TEST(TaskPool, ABoostLiftsAnIdleThreadWhileItHoldsALock) {
+  const bool can = TaskPool::IdleCanBeLifted(10);
+  Scheduling before, during, after;
+  {
+    TaskPool pool(TaskPool::Options{
+        .threads = 1, .nice = 10, .idle_priority = true, .idle_only_if_boostable = true});
+    pool.Submit([&] {
+      before = Current();
+      {
+        TaskPool::Boost boost;
+        during = Current();
+      }
+      after = Current();
+    });
+    pool.WaitIdle();
+  }
+  EXPECT_EQ(before.policy, can ? SCHED_IDLE : SCHED_OTHER);
+  EXPECT_EQ(during.policy, SCHED_OTHER);
+  EXPECT_EQ(during.nice, 10);
+  EXPECT_EQ(after.policy, before.policy);
+  const Scheduling here = Current();
+  {
+    TaskPool::Boost boost;
+    EXPECT_EQ(Current().policy, here.policy);
+    EXPECT_EQ(Current().nice, here.nice);
+  }
+  if (!can) std::cout << "this process may not leave SCHED_IDLE: the pool ran at nice 10\n";
 }
 
 TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {

@@ -242,6 +242,7 @@ Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* c
                                                        : std::thread::hardware_concurrency())),
           .nice = TaskPool::kBackgroundNice,
           .idle_priority = true,
+          .idle_only_if_boostable = true,
           .pressable = true})),
       sessions_(options_,
                 MakeSessionEnv(options_, &host_, &host_copies_, &device_copies_, &leases_, clock,

@@ -323,6 +323,7 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
 
 void Session::AgeQueuedLayer(uint32_t l) {
   {
+    TaskPool::Boost boost;  // held until after the lock: a foreground call may wait for it
     YieldToForeground(foreground_);
     MutexLock lock(&mu_);
     layers_[l].aging_queued = false;    // an append from now on queues another task
@@ -342,6 +343,7 @@ void Session::AgeLayerInPool(uint32_t l) {
     std::optional<QuantJob> quant;
     std::optional<SpanContext> context;
     {
+      TaskPool::Boost boost;
       YieldToForeground(foreground_);
       MutexLock lock(&mu_);
       Layer& layer = layers_[l];
@@ -369,6 +371,7 @@ void Session::AgeLayerInPool(uint32_t l) {
     }
     if (quant) {
       RunQuant(*context, &*quant);
+      TaskPool::Boost boost;
       YieldToForeground(foreground_);
       MutexLock lock(&mu_);
       if (closed_) continue;
@@ -379,6 +382,7 @@ void Session::AgeLayerInPool(uint32_t l) {
       continue;
     }
     const bool made = RegroupSpan(*context, &*job);
+    TaskPool::Boost boost;
     YieldToForeground(foreground_);
     MutexLock lock(&mu_);
     if (closed_) continue;
@@ -618,6 +622,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
 }
 
 absl::StatusOr<uint64_t> Session::Prefetch(PrefetchGuess guess) {
+  TaskPool::Boost boost;           // the prefetcher's thread: at idle priority but under the lock
   YieldToForeground(foreground_);  // background work, as aging is: the worker's calls first
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckOpen());

@@ -5,24 +5,59 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "server/common/check.h"
 #include "server/common/mutex.h"
 
 namespace kvtier {
+namespace {
+
+// A pool thread at idle priority that a Boost may lift: its pool's nice value; else -1.
+thread_local int tl_lift_to_nice = -1;
+
+void SetPolicy(int policy) {
+  sched_param none{};
+  (void)pthread_setschedparam(pthread_self(), policy, &none);
+}
+
+}  // namespace
+
+bool TaskPool::IdleCanBeLifted(int nice) {
+  bool lifted = false;
+  std::thread([nice, &lifted] {  // a thread of its own: it may stay at idle priority
+    if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+    sched_param none{};
+    if (pthread_setschedparam(pthread_self(), SCHED_IDLE, &none) != 0) return;
+    lifted = pthread_setschedparam(pthread_self(), SCHED_OTHER, &none) == 0;
+  })
+      .join();
+  return lifted;
+}
+
+TaskPool::Boost::Boost() {
+  if (tl_lift_to_nice < 0) return;
+  SetPolicy(SCHED_OTHER);  // the thread's nice value stays the pool's
+  lifted_ = true;
+}
+
+TaskPool::Boost::~Boost() {
+  if (lifted_) SetPolicy(SCHED_IDLE);
+}
 
 TaskPool::TaskPool(Options o)
     : max_queued_(o.max_queued),
       pressable_(o.pressable && o.idle_priority),
       threads_asked_(o.threads) {
   CHECK_GT(o.threads, 0);
+  const bool lift = o.idle_priority && IdleCanBeLifted(o.nice);
   for (int i = 0; i < (pressable_ ? 2 : 1) * o.threads; ++i) {
     const bool pressed = i >= o.threads;  // the second set: the pressable threads
     // Each thread looks first at a queue of its own, spread over the queues.
     const size_t first =
         static_cast<size_t>(i % o.threads) * kQueues / static_cast<size_t>(o.threads);
-    threads_.emplace_back([this, o, first, pressed] {
+    threads_.emplace_back([this, o, first, pressed, lift] {
       if (o.name[0] != '\0') pthread_setname_np(pthread_self(), o.name);
       // Linux: a thread's own nice value (a lower priority only; no privilege needed).
       if (o.nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), o.nice);
@@ -30,9 +65,9 @@ TaskPool::TaskPool(Options o)
         RunPressed(first);
         return;
       }
-      if (o.idle_priority) {
-        sched_param idle{};
-        (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+      if (o.idle_priority && (lift || !o.idle_only_if_boostable)) {
+        SetPolicy(SCHED_IDLE);
+        if (lift) tl_lift_to_nice = o.nice;
       }
       Run(first);
     });

@@ -49,7 +49,14 @@ class TaskPool {
     // without end).
     int nice = 0;
     // Each thread runs only on a core nothing else wants (SCHED_IDLE; no privilege needed).
+    // Where the process may leave SCHED_IDLE again (CAP_SYS_NICE, or an RLIMIT_NICE that
+    // reaches `nice`), a Boost lifts a thread to `nice` while it holds a lock that a
+    // foreground call may wait for.
     bool idle_priority = false;
+    // With idle_priority: where no Boost can lift a thread, it runs at `nice` instead (a lock
+    // holder at idle priority, preempted on a host whose cores are all busy, would keep a
+    // foreground call waiting for as long as the cores stay busy).
+    bool idle_only_if_boostable = false;
     // With idle_priority: `threads` more threads, at `nice`, that take tasks only while a
     // Press is held.
     bool pressable = false;
@@ -84,6 +91,23 @@ class TaskPool {
     uint64_t pressed = 0;  // of the tasks run, those the pressable threads ran
   };
   Counters counters() const;
+
+  // Held by a pool's thread around a hold of a lock that a foreground call may wait for: a
+  // thread at idle priority runs at its pool's nice value meanwhile. A no-op on any other
+  // thread, and where the process may not leave SCHED_IDLE.
+  class Boost {
+   public:
+    Boost();
+    ~Boost();
+    Boost(const Boost&) = delete;
+    Boost& operator=(const Boost&) = delete;
+
+   private:
+    bool lifted_ = false;
+  };
+  // Whether a thread of this process at `nice` may leave SCHED_IDLE (tried on a thread of its
+  // own).
+  static bool IdleCanBeLifted(int nice);
 
   // Held by a caller while it waits for the pool's work: a pressable pool's threads at `nice`
   // take tasks until the last Press ends. A no-op on a pool that is not pressable, or null.
