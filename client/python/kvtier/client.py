@@ -607,6 +607,10 @@ class Staging:
 _CHANNEL_HEADER = struct.Struct("<IIQQQQIIQQiI")
 _CHANNEL_MAGIC, _CHANNEL_VERSION, _CHANNEL_HEADER_BYTES = 0x4843564B, 1, 4096
 _OP_SELECT, _OP_BATCH_SELECT, _OP_RELEASE, _OP_APPEND_KV = 1, 2, 3, 4
+# append_layers sends appends of at most this many tokens through a channel: up to about 64
+# tokens a channel call per layer took half the time of one stream for every layer or less
+# (SmolLM2's shape), and about the same at 256.
+_CHANNEL_APPEND_TOKENS = 64
 # The header's worker_cpu and serving_cpu (uint32 each, 1 + a CPU; 0: not said).
 _WORKER_CPU_AT, _SERVING_CPU_AT = 72, 76
 # How long a call served on its own CPU gives it up (sched_yield) before it sleeps.
@@ -796,6 +800,10 @@ class Client:
         self._staging_lock = threading.Lock()
         self._attach_lock = threading.Lock()
         self._attachment: _Attachment | None = None
+        # append_layers' channel for small appends (a decode loop's), opened at the first one.
+        self._append_channel: SelectChannel | None = None
+        self._append_channel_ok = True  # false once the daemon refused it
+        self._append_channel_lock = threading.Lock()
 
     def close(self):
         """Ends this client: its Attach stream (and so its leases), the GPU allocations its
@@ -803,6 +811,10 @@ class Client:
         with self._attach_lock:
             if self._attachment is not None:
                 self._attachment.close()
+        with self._append_channel_lock:
+            if self._append_channel is not None:
+                self._append_channel.close()
+                self._append_channel = None
         self.segments.close()
         self._channel.close()
 
@@ -884,16 +896,60 @@ class Client:
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 
+    def _append_through_channel(self, session_id, items, wait_aged) -> int | None:
+        """append_layers' items through this client's channel, in order, the first error
+        raised; None when the channel cannot carry them (a daemon without its appends, a
+        channel that broke: the caller streams them instead, and a rewrite of what was
+        applied is a no-op)."""
+        with self._append_channel_lock:
+            try:
+                if self._append_channel is None:
+                    self._append_channel = self.open_channel()
+                ch = self._append_channel
+            except KvTierError:
+                self._append_channel_ok = False  # no channels here: the stream from now on
+                return None
+        stored = 0
+        try:
+            for layer, at, k, v in items:
+                stored = ch.append(session_id, layer, at, k, v, wait_aged=wait_aged)
+        except KvTierError as e:
+            if e.code == grpc.StatusCode.INVALID_ARGUMENT and e.message.startswith("op: "):
+                self._append_channel_ok = False  # a daemon older than the channel's appends
+            elif e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.DEADLINE_EXCEEDED) and f"channel {ch.id}" in e.message:
+                pass  # the channel broke (the daemon restarted, a call timed out)
+            else:
+                raise
+            with self._append_channel_lock:
+                if self._append_channel is ch:
+                    self._append_channel = None
+            ch.close()
+            return None
+        return stored
+
     def append_layers(self, session_id: str, start: int, keys: np.ndarray,
                       values: np.ndarray, wait_aged: bool = False,
-                      zero_copy: bool | None = None) -> int:
+                      zero_copy: bool | None = None, channel: bool | None = None) -> int:
         """keys/values [layers][kv_heads][n][head_dim]: every layer's tokens from `start`.
-        `zero_copy` (default: on a Unix socket): through the session's staging area, which this
-        client opens (and grows) as needed and keeps while the session lasts here; a daemon
-        without staging gets the bytes instead, and so does one that lost the area (a restart,
-        a session restored from the remote tier), which gets a new area next time."""
+        `channel` (default: on a Unix socket, for at most 64 tokens, a decode loop's step):
+        layer by layer through this client's own Select channel (opened at the first such
+        append and kept), each layer a call of microseconds rather than one gRPC stream for
+        all; a daemon without the channel's appends, or a channel that broke, gets the stream
+        instead. `zero_copy` (default: on a Unix socket), for the stream: through the session's
+        staging area, which this client opens (and grows) as needed and keeps while the session
+        lasts here; a daemon without staging gets the bytes instead, and so does one that lost
+        the area (a restart, a session restored from the remote tier), which gets a new area
+        next time."""
         keys, values = _as_array("keys", keys), _as_array("values", values)
         items = _layer_items(start, keys, values)
+        if channel is None:
+            channel = (self.address.startswith("unix:") and self._append_channel_ok
+                       and keys.shape[2] <= _CHANNEL_APPEND_TOKENS)
+        if channel:
+            stored = self._append_through_channel(session_id, items(), wait_aged)
+            if stored is not None:
+                return stored
         if zero_copy is None:
             zero_copy = self.address.startswith("unix:") and self._staging_ok
         if not zero_copy:

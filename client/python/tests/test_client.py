@@ -915,7 +915,7 @@ def test_metrics_endpoint(start_daemon):
     with kvtier.Client(d.address) as c:
         sid = c.create_session(L, QH, KVH, D).session_id
         k, v = make_kv(np.random.default_rng(5), 40)
-        c.append_layers(sid, 0, k, v)
+        c.append_layers(sid, 0, k, v, channel=False)  # one stream: the only channel is below
         c.select(sid, 3, np.ones((QH, D)), budget_tokens=256)
         body = scrape(port)
         assert "kvtier_leases 1" in body
@@ -1277,3 +1277,41 @@ def test_select_channel_appends_store_the_bytes_appended(start_daemon):
             with pytest.raises(kvtier.KvTierArgumentError):
                 ch.append(sid, 0, 320, k[0, :, :1], v[0, :, :2])
             assert c.describe_session(sid).info.num_tokens == 320
+
+
+def test_append_layers_sends_a_decode_steps_tokens_through_a_channel(start_daemon):
+    """On a Unix socket append_layers sends a few tokens (a decode step's) layer by layer
+    through the client's own channel, and a prefill's many as one stream; both store exactly
+    the bytes appended. A channel that broke is replaced, its append streamed instead."""
+    d = start_daemon()
+    rng = np.random.default_rng(28)
+    k, v = make_kv(rng, 200)
+    q = rng.standard_normal((QH, D))
+    with kvtier.Client(d.address, tenant="alice") as c:
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert c.append_layers(sid, 0, k[:, :, :100], v[:, :, :100]) == 100
+        assert c._append_channel is None  # 100 tokens: one stream
+        for t in range(100, 110):
+            assert c.append_layers(sid, t, k[:, :, t:t + 1], v[:, :, t:t + 1]) == t + 1
+        first = c._append_channel
+        assert first is not None
+        first.close()  # broken behind the client's back: this append goes as a stream
+        assert c.append_layers(sid, 110, k[:, :, 110:150], v[:, :, 110:150]) == 150
+        assert c._append_channel is None
+        assert c.append_layers(sid, 150, k[:, :, 150:200], v[:, :, 150:200],
+                               wait_aged=True) == 200
+        assert c._append_channel is not None and c._append_channel is not first
+        assert c.append_layers(sid, 190, k[:, :, 190:200], v[:, :, 190:200],
+                               channel=False) == 200  # a rewrite of the same bytes: a no-op
+        with pytest.raises(kvtier.KvTierError) as e:  # other bytes: the stream's refusal
+            c.append_layers(sid, 190, v[:, :, 190:191], k[:, :, 190:191])
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for layer in range(L):
+            r = c.select(sid, layer, q, budget_tokens=1024)
+            for h, head in enumerate(r.heads):
+                pos, hk, hv = c.gather(head, sid)
+                order = np.argsort(pos)
+                assert pos[order].tolist() == list(range(200))
+                assert np.array_equal(hk[order].view(np.uint16), k[layer, h].view(np.uint16))
+                assert np.array_equal(hv[order].view(np.uint16), v[layer, h].view(np.uint16))
+            c.release(r.lease_id)
