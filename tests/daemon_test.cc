@@ -961,6 +961,22 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
 
 // The inline append `r` as a staged one: its keys and values written into `area` at 0 and at
 // the keys' size, and named there.
+// Two Selects (with data) of two sessions that should hold the same rows: the same handles'
+// bytes and positions, head by head.
+void ExpectSameRows(const v1::SelectResponse& a, const v1::SelectResponse& b, int layer) {
+  ASSERT_EQ(a.heads_size(), b.heads_size());
+  for (int h = 0; h < a.heads_size(); ++h) {
+    ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size()) << "layer " << layer;
+    for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
+      const v1::BlockHandle &x = a.heads(h).blocks(i), &y = b.heads(h).blocks(i);
+      EXPECT_EQ(x.keys(), y.keys()) << "layer " << layer;
+      EXPECT_EQ(x.values(), y.values()) << "layer " << layer;
+      EXPECT_EQ(std::vector<int64_t>(x.positions().begin(), x.positions().end()),
+                std::vector<int64_t>(y.positions().begin(), y.positions().end()));
+    }
+  }
+}
+
 v1::AppendKVRequest Staged(v1::AppendKVRequest r, const StagingBuffer& area) {
   std::memcpy(area.data(), r.keys().data(), r.keys().size());
   std::memcpy(area.data() + r.keys().size(), r.values().data(), r.values().size());
@@ -997,15 +1013,7 @@ TEST(Daemon, StagedAppendsStoreWhatInlineOnesStore) {
   for (int l = 0; l < kLayers; ++l) {
     ASSERT_OK_AND_ASSIGN(auto a, alice->Select(Select(sid, l, 256, /*data=*/true)));
     ASSERT_OK_AND_ASSIGN(auto b, alice->Select(Select(inline_.session_id(), l, 256, true)));
-    ASSERT_EQ(a.heads_size(), b.heads_size());
-    for (int h = 0; h < a.heads_size(); ++h) {
-      ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size()) << "layer " << l;
-      for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
-        EXPECT_EQ(a.heads(h).blocks(i).keys(), b.heads(h).blocks(i).keys());
-        EXPECT_EQ(a.heads(h).blocks(i).values(), b.heads(h).blocks(i).values());
-        EXPECT_EQ(a.heads(h).blocks(i).positions_size(), b.heads(h).blocks(i).positions_size());
-      }
-    }
+    ExpectSameRows(a, b, l);
   }
   // A repeat with the same bytes is a no-op; other bytes are refused, as inline.
   ASSERT_OK(alice->AppendKV({Staged(Append(sid, data, 0, 0, 10), *area)}).status());
@@ -1330,17 +1338,7 @@ TEST(Daemon, ChannelAppendsStoreWhatTheStreamStores) {
   for (int l = 0; l < kLayers; ++l) {
     ASSERT_OK_AND_ASSIGN(auto a, alice->Select(Select(sid, l, 256, /*data=*/true)));
     ASSERT_OK_AND_ASSIGN(auto b, alice->Select(Select(other, l, 256, true)));
-    ASSERT_EQ(a.heads_size(), b.heads_size());
-    for (int h = 0; h < a.heads_size(); ++h) {
-      ASSERT_EQ(a.heads(h).blocks_size(), b.heads(h).blocks_size()) << "layer " << l;
-      for (int i = 0; i < a.heads(h).blocks_size(); ++i) {
-        const v1::BlockHandle &x = a.heads(h).blocks(i), &y = b.heads(h).blocks(i);
-        EXPECT_EQ(x.keys(), y.keys());
-        EXPECT_EQ(x.values(), y.values());
-        EXPECT_EQ(std::vector<int64_t>(x.positions().begin(), x.positions().end()),
-                  std::vector<int64_t>(y.positions().begin(), y.positions().end()));
-      }
-    }
+    ExpectSameRows(a, b, l);
     EXPECT_OK(alice->Release(a.lease_id()));
     EXPECT_OK(alice->Release(b.lease_id()));
   }

@@ -1242,14 +1242,26 @@ def test_the_public_api_is_documented():
         assert not undocumented, (cls.__name__, undocumented)
 
 
+def assert_stored_exactly(c, sid, select, k, v):
+    """Every layer's rows, selected whole by `select` (a budget past the context) and read
+    through shared memory, are k and v ([layers][kv_heads][tokens][head_dim]) bit for bit."""
+    for layer in range(L):
+        r = select(sid, layer, np.ones((QH, D)), budget_tokens=1024)
+        for h, head in enumerate(r.heads):
+            pos, hk, hv = c.gather(head, sid)
+            order = np.argsort(pos)
+            assert pos[order].tolist() == list(range(k.shape[2]))
+            assert np.array_equal(hk[order].view(np.uint16), k[layer, h].view(np.uint16))
+            assert np.array_equal(hv[order].view(np.uint16), v[layer, h].view(np.uint16))
+        c.release(r.lease_id)
+
+
 def test_select_channel_appends_store_the_bytes_appended(start_daemon):
     """A prefill and then a decode loop's per-layer appends through the channel store exactly
     the bytes appended (read back through a Select and shared memory); an append the daemon
     refuses gets the RPC's error, and one that is malformed is refused before it is sent."""
     d = start_daemon()
-    rng = np.random.default_rng(27)
-    k, v = make_kv(rng, 320)
-    q = rng.standard_normal((QH, D))
+    k, v = make_kv(np.random.default_rng(27), 320)
     with kvtier.Client(d.address, tenant="alice") as c:
         sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
         with c.open_channel() as ch:
@@ -1261,15 +1273,7 @@ def test_select_channel_appends_store_the_bytes_appended(start_daemon):
                     ch.append(sid, layer, t, k[layer, :, t:t + 1], v[layer, :, t:t + 1],
                               wait_aged=True)
             assert c.describe_session(sid).info.num_tokens == 320
-            for layer in range(L):
-                r = ch.select(sid, layer, q, budget_tokens=1024)  # past the context: every row
-                for h, head in enumerate(r.heads):
-                    pos, hk, hv = c.gather(head, sid)
-                    order = np.argsort(pos)
-                    assert pos[order].tolist() == list(range(320))
-                    assert np.array_equal(hk[order].view(np.uint16), k[layer, h].view(np.uint16))
-                    assert np.array_equal(hv[order].view(np.uint16), v[layer, h].view(np.uint16))
-                ch.release(r.lease_id)
+            assert_stored_exactly(c, sid, ch.select, k, v)
             with pytest.raises(kvtier.KvTierError) as e:
                 ch.append(sid, L, 320, k[0, :, :1], v[0, :, :1])  # no such layer
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -1284,9 +1288,7 @@ def test_append_layers_sends_a_decode_steps_tokens_through_a_channel(start_daemo
     through the client's own channel, and a prefill's many as one stream; both store exactly
     the bytes appended. A channel that broke is replaced, its append streamed instead."""
     d = start_daemon()
-    rng = np.random.default_rng(28)
-    k, v = make_kv(rng, 200)
-    q = rng.standard_normal((QH, D))
+    k, v = make_kv(np.random.default_rng(28), 200)
     with kvtier.Client(d.address, tenant="alice") as c:
         sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
         assert c.append_layers(sid, 0, k[:, :, :100], v[:, :, :100]) == 100
@@ -1306,12 +1308,4 @@ def test_append_layers_sends_a_decode_steps_tokens_through_a_channel(start_daemo
         with pytest.raises(kvtier.KvTierError) as e:  # other bytes: the stream's refusal
             c.append_layers(sid, 190, v[:, :, 190:191], k[:, :, 190:191])
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        for layer in range(L):
-            r = c.select(sid, layer, q, budget_tokens=1024)
-            for h, head in enumerate(r.heads):
-                pos, hk, hv = c.gather(head, sid)
-                order = np.argsort(pos)
-                assert pos[order].tolist() == list(range(200))
-                assert np.array_equal(hk[order].view(np.uint16), k[layer, h].view(np.uint16))
-                assert np.array_equal(hv[order].view(np.uint16), v[layer, h].view(np.uint16))
-            c.release(r.lease_id)
+        assert_stored_exactly(c, sid, c.select, k, v)
