@@ -48,16 +48,17 @@ TaskPool::Boost::~Boost() {
 
 TaskPool::TaskPool(Options o)
     : max_queued_(o.max_queued),
-      pressable_(o.pressable && o.idle_priority),
+      lift_(o.idle_priority && IdleCanBeLifted(o.nice)),
+      idle_(o.idle_priority && (lift_ || !o.idle_only_if_boostable)),
+      pressable_(o.pressable && idle_),  // threads at `nice` already take every task
       threads_asked_(o.threads) {
   CHECK_GT(o.threads, 0);
-  const bool lift = o.idle_priority && IdleCanBeLifted(o.nice);
   for (int i = 0; i < (pressable_ ? 2 : 1) * o.threads; ++i) {
     const bool pressed = i >= o.threads;  // the second set: the pressable threads
     // Each thread looks first at a queue of its own, spread over the queues.
     const size_t first =
         static_cast<size_t>(i % o.threads) * kQueues / static_cast<size_t>(o.threads);
-    threads_.emplace_back([this, o, first, pressed, lift] {
+    threads_.emplace_back([this, o, first, pressed] {
       if (o.name[0] != '\0') pthread_setname_np(pthread_self(), o.name);
       // Linux: a thread's own nice value (a lower priority only; no privilege needed).
       if (o.nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), o.nice);
@@ -65,9 +66,9 @@ TaskPool::TaskPool(Options o)
         RunPressed(first);
         return;
       }
-      if (o.idle_priority && (lift || !o.idle_only_if_boostable)) {
+      if (idle_) {
         SetPolicy(SCHED_IDLE);
-        if (lift) tl_lift_to_nice = o.nice;
+        if (lift_) tl_lift_to_nice = o.nice;
       }
       Run(first);
     });

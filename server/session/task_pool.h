@@ -57,8 +57,8 @@ class TaskPool {
     // holder at idle priority, preempted on a host whose cores are all busy, would keep a
     // foreground call waiting for as long as the cores stay busy).
     bool idle_only_if_boostable = false;
-    // With idle_priority: `threads` more threads, at `nice`, that take tasks only while a
-    // Press is held.
+    // With idle_priority (where the threads do run at it): `threads` more threads, at `nice`,
+    // that take tasks only while a Press is held.
     bool pressable = false;
     // The threads' name (at most 15 characters); empty: the process's.
     const char* name = "";
@@ -146,7 +146,9 @@ class TaskPool {
   // Presses held (each Press adds one while it lives); the destructor adds one for good so
   // that the pressable threads wake and see the stop.
   std::atomic<uint32_t> presses_ = 0;
-  const bool pressable_;
+  const bool lift_;       // a Boost lifts the idle threads (IdleCanBeLifted)
+  const bool idle_;       // the pool's own threads run at SCHED_IDLE
+  const bool pressable_;  // and a second set at `nice` runs while pressed
   const int threads_asked_;
   std::atomic<uint64_t> pending_ = 0;  // queued or running: WaitIdle waits on it
   std::vector<std::thread> threads_;
