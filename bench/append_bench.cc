@@ -136,9 +136,8 @@ int main() {
     r.set_layer(l);
     r.set_start_token(0);
     r.set_num_tokens(kTokens);
-    const std::string big(bytes.data(), bytes.size());
     std::string kv;
-    for (int i = 0; i < kTokens / kStep; ++i) kv += big;  // [kv][256][d] repeated: any finite
+    for (int i = 0; i < kTokens / kStep; ++i) kv += bytes;  // [kv][256][d] repeated: any finite
     r.set_keys(kv);
     r.set_values(kv);
     prefill.push_back(std::move(r));

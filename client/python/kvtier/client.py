@@ -635,8 +635,8 @@ _LIBC = ctypes.CDLL(None)
 
 class SelectChannel:
     """A shared-memory Select channel (Client.open_channel): select, batch_select, release and
-    a decode loop's per-layer append without gRPC, as the client's tenant. One call at a time; `close()` (or the process's end)
-    ends it, and the leases of its Selects with it."""
+    a decode loop's per-layer append without gRPC, as the client's tenant. One call at a time;
+    `close()` (or the process's end) ends it, and the leases of its Selects with it."""
 
     def __init__(self, channel_id: int, worker_id: str, fds: list[int], timeout: float):
         self.id = channel_id
