@@ -386,8 +386,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
-        "device_capacity={} device={} remote={} aging_threads={} eviction_policy={} "
-        "prefetch={} channel_colocate={} metrics_port={}",
+        "device_capacity={} device={} remote={} aging_threads={} aging_priority={} "
+        "eviction_policy={} prefetch={} channel_colocate={} metrics_port={}",
         KVTIER_VERSION, LogValue(o.listen), LogValue(o.tcp_listen),
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
@@ -395,8 +395,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                        : "mtls",
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
         d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
-        o.eviction_policy, o.prefetch ? "on" : "off", o.channel_colocate ? "on" : "off",
-        o.metrics_port);
+        d->aging_->idle() ? "idle" : "nice10", o.eviction_policy, o.prefetch ? "on" : "off",
+        o.channel_colocate ? "on" : "off", o.metrics_port);
   return d;
 }
 

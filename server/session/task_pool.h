@@ -75,6 +75,8 @@ class TaskPool {
 
   // The threads asked for (a pressable pool has as many again, which run only when pressed).
   int threads() const { return threads_asked_; }
+  // Whether the pool's own threads run at SCHED_IDLE (Options::idle_priority, where allowed).
+  bool idle() const { return idle_; }
   // Queues `task` in the queue `key` picks (tasks of one key run in the order submitted, as far
   // as one thread takes them); a no-op once the pool is stopping. In a full queue of a bounded
   // pool, the oldest task makes way (Counters::dropped).

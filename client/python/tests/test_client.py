@@ -964,7 +964,7 @@ def test_the_daemon_s_own_log_lines(start_daemon):
     start = next(line for line in ours if " event=daemon.start " in line)
     for field in (r"version=\d+\.\d+\.\d+", "listen=unix:", 'tcp_listen="" tcp=none',
                   "segments=named", "device=emulated", "remote=none", r"aging_threads=\d+",
-                  "prefetch=on", "channel_colocate=on"):
+                  "aging_priority=(idle|nice10)", "prefetch=on", "channel_colocate=on"):
         assert re.search(field, start), (field, start)
     errors = [line for line in ours if " event=rpc.error " in line]
     assert any("level=info" in e and "method=DescribeSession" in e and "code=NOT_FOUND" in e
