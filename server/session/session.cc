@@ -323,9 +323,7 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
 
 void Session::AgeQueuedLayer(uint32_t l) {
   {
-    TaskPool::Boost boost;  // held until after the lock: a foreground call may wait for it
-    YieldToForeground(foreground_);
-    MutexLock lock(&mu_);
+    BackgroundLock lock(&mu_, foreground_);
     layers_[l].aging_queued = false;    // an append from now on queues another task
     if (layers_[l].aging_busy) return;  // that thread ages what arrives meanwhile too
     layers_[l].aging_busy = true;
@@ -343,9 +341,7 @@ void Session::AgeLayerInPool(uint32_t l) {
     std::optional<QuantJob> quant;
     std::optional<SpanContext> context;
     {
-      TaskPool::Boost boost;
-      YieldToForeground(foreground_);
-      MutexLock lock(&mu_);
+      BackgroundLock lock(&mu_, foreground_);
       Layer& layer = layers_[l];
       if (closed_ || layer.aged_tokens == layer.tokens) {
         layer.aging_busy = false;
@@ -371,9 +367,7 @@ void Session::AgeLayerInPool(uint32_t l) {
     }
     if (quant) {
       RunQuant(*context, &*quant);
-      TaskPool::Boost boost;
-      YieldToForeground(foreground_);
-      MutexLock lock(&mu_);
+      BackgroundLock lock(&mu_, foreground_);
       if (closed_) continue;
       quant_stuck = !quant->progressed();
       const uint64_t before = LayerHeapBytes(l);
@@ -382,9 +376,7 @@ void Session::AgeLayerInPool(uint32_t l) {
       continue;
     }
     const bool made = RegroupSpan(*context, &*job);
-    TaskPool::Boost boost;
-    YieldToForeground(foreground_);
-    MutexLock lock(&mu_);
+    BackgroundLock lock(&mu_, foreground_);
     if (closed_) continue;
     if (!made) {  // no slots: what is left waits for the next append, as on the append path
       AgeLayerLocked(l);
@@ -622,9 +614,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
 }
 
 absl::StatusOr<uint64_t> Session::Prefetch(PrefetchGuess guess) {
-  TaskPool::Boost boost;           // the prefetcher's thread: at idle priority but under the lock
-  YieldToForeground(foreground_);  // background work, as aging is: the worker's calls first
-  MutexLock lock(&mu_);
+  BackgroundLock lock(&mu_, foreground_);  // background work, as aging is
   RETURN_IF_ERROR(CheckOpen());
   if (guess.layer >= shape_.num_layers() || guess.chunks.size() != shape_.num_kv_heads()) {
     return 0;

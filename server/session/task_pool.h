@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/mutex.h"
 
 namespace kvtier {
 
@@ -154,6 +155,30 @@ class TaskPool {
   const int threads_asked_;
   std::atomic<uint64_t> pending_ = 0;  // queued or running: WaitIdle waits on it
   std::vector<std::thread> threads_;
+};
+
+// A pool thread's hold of a lock that foreground calls take through a ForegroundLock: it lets
+// them in first (YieldToForeground), and is lifted to its pool's nice value (TaskPool::Boost)
+// from before it waits for the lock until after it lets the lock go, so that a preempted
+// holder at idle priority never keeps them waiting.
+class ABSL_SCOPED_LOCKABLE BackgroundLock {
+ public:
+  BackgroundLock(absl::Mutex* mu, const std::atomic<int>& waiting) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu)
+      : mu_(mu) {
+    YieldToForeground(waiting);
+    mu_->Lock();
+    KVTIER_TSAN_ACQUIRE(mu_);
+  }
+  ~BackgroundLock() ABSL_UNLOCK_FUNCTION() {
+    KVTIER_TSAN_RELEASE(mu_);
+    mu_->Unlock();
+  }  // boost_ goes after the unlock
+  BackgroundLock(const BackgroundLock&) = delete;
+  BackgroundLock& operator=(const BackgroundLock&) = delete;
+
+ private:
+  TaskPool::Boost boost_;  // first: lifted before the wait
+  absl::Mutex* const mu_;
 };
 
 }  // namespace kvtier
