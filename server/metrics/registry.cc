@@ -72,8 +72,10 @@ void Histogram::Flush() const {
     any |= now != flushed_[i];
     flushed_[i] = now;
   }
+  // An observation adds to its count before its sum: a flush between the two sees the count
+  // alone, and the next one the sum alone, which it must hand over too.
   const double sum = sum_.load(std::memory_order_relaxed);
-  if (any) h_->ObserveMultiple(increments, sum - flushed_sum_);
+  if (any || sum != flushed_sum_) h_->ObserveMultiple(increments, sum - flushed_sum_);
   flushed_sum_ = sum;
 }
 
