@@ -437,6 +437,58 @@ TEST(DotInt8Group, EachEqualsDotInt8BitForBit) {
   }
 }
 
+// Rows held in tiles (PutInt8TileRow, two parts a row as a chunk's mean and peak) against a
+// query group: every row's part read from any first tile, whole or cut short, equals
+// DotInt8's own over the same codes, bit for bit, by the machine's kernel and by the scalar
+// loop, at group sizes on both sides of the kernel's four heads a pass; and nothing past the
+// rows asked for is written.
+TEST(DotInt8GroupTiles, EachEqualsDotInt8BitForBit) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> n(0, 1);
+  std::uniform_int_distribution<int> byte(-128, 127);
+  for (int d : {32, 64, 128}) {
+    for (int group : {1, 2, 3, 4, 5, 7, 8, 9}) {
+      const uint32_t rows = 53;  // three whole tiles and five rows
+      std::vector<int8_t> codes(size_t(rows) * 2 * d);
+      for (int8_t& x : codes) x = static_cast<int8_t>(byte(rng));
+      std::vector<uint8_t> tiles(Int8TileBytes(rows, 2, d));
+      for (uint32_t r = 0; r < rows; ++r) {
+        for (int p = 0; p < 2; ++p) {
+          PutInt8TileRow(&codes[(size_t(r) * 2 + p) * d], r, 2, p, d, tiles.data());
+        }
+      }
+      std::vector<float> a(size_t(group) * d);
+      for (float& x : a) x = n(rng);
+      const QueryInt8Group q(a.data(), group, d);
+      for (uint32_t first : {0u, 16u, 48u}) {
+        for (uint32_t count : {1u, 5u, rows - first}) {
+          for (int p = 0; p < 2; ++p) {
+            const int column = static_cast<int>(count) + 3;  // room past the rows, kept
+            std::vector<float> got(size_t(group) * column, -1.f), scalar = got;
+            DotInt8GroupTiles(q, tiles.data(), 2, p, first, count, got.data(), column);
+            DotInt8GroupTilesScalar(q, tiles.data(), 2, p, first, count, scalar.data(), column);
+            for (int g = 0; g < group; ++g) {
+              for (int i = 0; i < column; ++i) {
+                const size_t at = size_t(g) * column + i;
+                if (i >= static_cast<int>(count)) {
+                  EXPECT_EQ(got[at], -1.f) << "written past the rows: d " << d << " g " << g;
+                  continue;
+                }
+                const int8_t* row = &codes[((size_t(first) + i) * 2 + p) * d];
+                const float want = DotInt8(a.data() + size_t(g) * d, row, d);
+                EXPECT_EQ(std::bit_cast<uint32_t>(got[at]), std::bit_cast<uint32_t>(want))
+                    << "d " << d << " group " << group << " first " << first << " row " << i
+                    << " part " << p << " g " << g;
+                EXPECT_EQ(std::bit_cast<uint32_t>(scalar[at]), std::bit_cast<uint32_t>(want));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A query group against a run of rows of halves: each result is DotHalves' own, bit for bit,
 // at every group size (the vectorized path's up to 8 and the fallback past it), width and
 // run length.

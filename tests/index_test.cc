@@ -201,7 +201,9 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
   // ChunkStats::Score over a whole stream (its compact chunks read in place, in blocks; its
   // loose ones as candidates) gives every chunk the bits LsePeakScore or MeanScore gives it
   // alone, and the LSE-peak score stays within float rounding of its definition. Block
-  // boundaries fall inside the compact run (1024 / group chunks a block).
+  // boundaries fall inside the compact run (1024 / group chunks a block). The chunks become
+  // compact in two steps (as the aging pool marks them), and a fork's copy of a prefix scores
+  // its chunks as the original does.
   std::mt19937 rng(17);
   std::normal_distribution<float> n(0, 1);
   const int d = 64;
@@ -210,7 +212,8 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
       const uint32_t chunks = std::max(compact, 1u) + 37;
       ChunkStats stats(d);
       AppendRandomChunks(chunks, rng, &stats);
-      if (compact > 0) stats.MarkFinal(compact);
+      stats.MarkFinal(compact / 3);
+      stats.MarkFinal(compact);
       ASSERT_EQ(stats.compact_chunks(), compact);
       std::vector<float> q(group * d);
       for (auto& x : q) x = n(rng);
@@ -232,6 +235,25 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
         ASSERT_NEAR(lse[c], LsePeakExpected(q, group, d, m.data(), p.data(), cand.tokens),
                     1e-4 * (1 + std::abs(lse[c])))
             << "group " << group << " compact " << compact << " chunk " << c;
+      }
+      // Skipped chunks (every third): the loose ones keep what out held, the others their bits.
+      std::vector<bool> skip(chunks);
+      for (uint32_t c = 0; c < chunks; c += 3) skip[c] = true;
+      std::vector<float> some(chunks, -7.f);
+      stats.Score(v1::RANKING_LSE_PEAK, q, group, some.data(), &skip);
+      for (uint32_t c = 0; c < chunks; ++c) {
+        const float want = skip[c] && !stats.compact(c) ? -7.f : lse[c];
+        ASSERT_EQ(std::bit_cast<uint32_t>(some[c]), std::bit_cast<uint32_t>(want))
+            << "skip: group " << group << " compact " << compact << " chunk " << c;
+      }
+      const uint32_t prefix = compact / 2 + 5;  // compact chunks, then loose ones
+      ChunkStats fork(d);
+      fork.CopyPrefix(stats, prefix);
+      std::vector<float> forked(prefix);
+      fork.Score(v1::RANKING_LSE_PEAK, q, group, forked.data());
+      for (uint32_t c = 0; c < prefix; ++c) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(forked[c]), std::bit_cast<uint32_t>(lse[c]))
+            << "fork: group " << group << " compact " << compact << " chunk " << c;
       }
     }
   }

@@ -8,11 +8,13 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "server/common/check.h"
 #include "server/common/fp16.h"
 
 namespace kvtier {
@@ -1109,6 +1111,73 @@ KVTIER_VNNI void Int8RowsVnni(const QueryInt8Group& q, int group, const int8_t* 
   }
 }
 
+// Heads [g0, g0 + G) against one tile's part (16 rows, n4 groups of four bytes, 64 bytes
+// each): the rows' bytes as they are (unsigned, code + 128), four of each head's codes
+// broadcast, sixteen rows a register, even and odd groups in accumulators of their own (two
+// chains of vpdpbusd per head); the bias taken off after, as Int8Rows4Vnni does. The first
+// `lanes` rows stored.
+template <int G>
+KVTIER_VNNI inline void Int8TileVnni(const QueryInt8Group& q, int g0, const uint8_t* tile, int n4,
+                                     int lanes, float* out, int out_group) {
+  __m512i acc[G][2];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_si512();
+  const int32_t* codes[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) codes[g] = reinterpret_cast<const int32_t*>(q.codes(g0 + g));
+  for (int k = 0; k < n4; k += 2) {
+#pragma GCC unroll 2
+    for (int e = 0; e < 2; ++e) {
+      const __m512i x = _mm512_loadu_si512(tile + static_cast<size_t>(k + e) * 64);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        int32_t four;
+        std::memcpy(&four, codes[g] + k + e, sizeof(four));
+        acc[g][e] = _mm512_dpbusd_epi32(acc[g][e], x, _mm512_set1_epi32(four));
+      }
+    }
+  }
+  const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m512i sum =
+        _mm512_sub_epi32(_mm512_add_epi32(acc[g][0], acc[g][1]), _mm512_set1_epi32(q.bias(g0 + g)));
+    // (maskz: GCC 12 warns of the unmasked form's undefined operand)
+    const __m512 v =
+        _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, sum), _mm512_set1_ps(q.scale(g0 + g)));
+    _mm512_mask_storeu_ps(out + static_cast<size_t>(g0 + g) * out_group, m, v);
+  }
+}
+
+// Part p of rows [first, first + rows) of tiles against the whole group (n4 even: n a multiple
+// of 32, as the kVnni kernel takes).
+KVTIER_VNNI void Int8TilesVnni(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
+                               uint32_t first, uint32_t rows, float* out, int out_group) {
+  const int n4 = q.n() / 4, group = q.group();
+  const size_t tile_bytes = static_cast<size_t>(parts) * n4 * 64;
+  for (uint32_t i = 0; i < rows; i += kInt8TileRows) {
+    const uint8_t* tile = tiles + static_cast<size_t>((first + i) / kInt8TileRows) * tile_bytes +
+                          static_cast<size_t>(p) * n4 * 64;
+    const int lanes = static_cast<int>(std::min<uint32_t>(kInt8TileRows, rows - i));
+    float* o = out + i;
+    int g = 0;
+    for (; g + 4 <= group; g += 4) Int8TileVnni<4>(q, g, tile, n4, lanes, o, out_group);
+    switch (group - g) {
+      case 3:
+        Int8TileVnni<3>(q, g, tile, n4, lanes, o, out_group);
+        break;
+      case 2:
+        Int8TileVnni<2>(q, g, tile, n4, lanes, o, out_group);
+        break;
+      case 1:
+        Int8TileVnni<1>(q, g, tile, n4, lanes, o, out_group);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
 #undef KVTIER_VNNI
 
 }  // namespace
@@ -1179,6 +1248,48 @@ void DotInt8GroupRowsStrided(const QueryInt8Group& q, const int8_t* c, int rows,
       break;
   }
   Int8RowsScalar(q, group, c, rows, n, c_stride, out, out_row, out_group);
+}
+
+size_t Int8TileBytes(uint32_t rows, int parts, int n) {
+  const size_t tiles = (static_cast<size_t>(rows) + kInt8TileRows - 1) / kInt8TileRows;
+  return tiles * static_cast<size_t>(parts) * static_cast<size_t>(n) * kInt8TileRows;
+}
+
+void PutInt8TileRow(const int8_t* codes, uint32_t r, int parts, int p, int n, uint8_t* tiles) {
+  uint8_t* at = tiles + Int8TileBytes(r / kInt8TileRows * kInt8TileRows, parts, n) +
+                static_cast<size_t>(p) * (n / 4) * 64 + r % kInt8TileRows * 4;
+  for (int j = 0; j < n; ++j) {
+    at[static_cast<size_t>(j / 4) * 64 + j % 4] = static_cast<uint8_t>(codes[j] + 128);
+  }
+}
+
+void DotInt8GroupTilesScalar(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
+                             uint32_t first, uint32_t rows, float* out, int out_group) {
+  const int n = q.n();
+  for (uint32_t i = 0; i < rows; ++i) {
+    const uint32_t r = first + i;
+    const uint8_t* at = tiles + Int8TileBytes(r / kInt8TileRows * kInt8TileRows, parts, n) +
+                        static_cast<size_t>(p) * (n / 4) * 64 + r % kInt8TileRows * 4;
+    for (int g = 0; g < q.group(); ++g) {
+      const int8_t* a = q.codes(g);
+      int32_t sum = 0;
+      for (int j = 0; j < n; ++j) {
+        sum += int32_t{a[j]} * (int32_t{at[static_cast<size_t>(j / 4) * 64 + j % 4]} - 128);
+      }
+      out[static_cast<size_t>(g) * out_group + i] = Scaled(sum, q.scale(g));
+    }
+  }
+}
+
+void DotInt8GroupTiles(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
+                       uint32_t first, uint32_t rows, float* out, int out_group) {
+  CHECK(first % kInt8TileRows == 0 && q.n() % 4 == 0) << first << " " << q.n();
+  if (q.group() < 1 || rows == 0) return;
+  if (q.kernel() == Int8Kernel::kVnni) {  // n a multiple of 32
+    Int8TilesVnni(q, tiles, parts, p, first, rows, out, out_group);
+    return;
+  }
+  DotInt8GroupTilesScalar(q, tiles, parts, p, first, rows, out, out_group);
 }
 
 void DotInt8GroupRowsWith(Int8Kernel kernel, const float* a, int group, const int8_t* c, int rows,

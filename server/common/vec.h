@@ -112,6 +112,29 @@ void DotInt8GroupRowsStrided(const QueryInt8Group& q, const int8_t* c, int rows,
 void DotInt8GroupRowsWith(Int8Kernel kernel, const float* a, int group, const int8_t* c, int rows,
                           int n, int c_stride, float* out, int out_row, int out_group);
 
+// Rows of signed bytes held a second time in tiles, for a scan of many rows against a query
+// group with no sum across a register: `parts` vectors of n bytes per row (n a multiple of 4;
+// a chunk's mean and peak, say), rows in tiles of kInt8TileRows, and in a tile each part's
+// bytes [4k, 4k + 4) of its 16 rows side by side (64 bytes), as unsigned bytes (the code +
+// 128, what vpdpbusd takes):
+//   byte b of row r's part p, dims 4k + b:  ((r / 16 * parts + p) * (n / 4) + k) * 64 +
+//                                           r % 16 * 4 + b
+// One vpdpbusd then adds four dimensions of sixteen rows for one head.
+constexpr int kInt8TileRows = 16;
+// The bytes of tiles holding `rows` rows (whole tiles).
+size_t Int8TileBytes(uint32_t rows, int parts, int n);
+// Writes row r's part p (n codes) into tiles (at least Int8TileBytes(r + 1, parts, n) bytes).
+void PutInt8TileRow(const int8_t* codes, uint32_t r, int parts, int p, int n, uint8_t* tiles);
+// The dot products of q's group with part p of rows [first, first + rows) of tiles (first a
+// multiple of kInt8TileRows): row first + i's with head g into out[g * out_group + i], the bits
+// DotInt8GroupRowsStrided gives over the same codes. The VNNI kernel (AVX-512, sixteen rows a
+// register) where q's kernel is kVnni, else row by row.
+void DotInt8GroupTiles(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
+                       uint32_t first, uint32_t rows, float* out, int out_group);
+// The same by the scalar loop (for tests).
+void DotInt8GroupTilesScalar(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
+                             uint32_t first, uint32_t rows, float* out, int out_group);
+
 // out[h * out_stride + i] = sum_j a[h * a_stride + j] * cols[j * stride + i] for h in [0, m),
 // i in [0, lanes): m vectors against `lanes` vectors stored channel-major (lane i's channel j
 // at cols[j * stride + i]). One pass over the columns serves up to four of the m vectors,

@@ -186,11 +186,11 @@ void LsePeakScores(std::span<const float> queries, int group,
 }
 
 void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
-                          const float* scales, const uint32_t* tokens, uint32_t n, int head_dim,
-                          float* out) {
+                          const uint8_t* tiles, const float* scales, const uint32_t* tokens,
+                          uint32_t n, int head_dim, float* out) {
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   CHECK(group >= 1 && group <= kScratch);
-  const uint32_t block = kScratch / group;
+  uint32_t block = kScratch / group;
   // A block's values head by head ([head][chunk]), so that every step below is a loop over the
   // block's chunks, several at a time: the mean's and the peak's dot products, the terms a and
   // b (LsePeakTerms), hi and t, then FinishLsePeak's exponentials and logarithms and the best
@@ -199,12 +199,20 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   float mean[kScratch], peak[kScratch], hi[kScratch], t[kScratch];
   float mean_scale[kScratch], peak_scale[kScratch], log_rest[kScratch];
   const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every block
+  // The tiles where the VNNI kernel reads them, in blocks of whole tiles; else the rows.
+  const bool tiled = tiles != nullptr && q8.kernel() == Int8Kernel::kVnni && block >= kInt8TileRows;
+  if (tiled) block -= block % kInt8TileRows;
   for (uint32_t first = 0; first < n; first += block) {
     const uint32_t b = std::min(block, n - first);
     const int8_t* c = codes + static_cast<size_t>(first) * 2 * head_dim;
     const int stride = 2 * head_dim, column = static_cast<int>(b);
-    DotInt8GroupRowsStrided(q8, c, column, stride, mean, 1, column);
-    DotInt8GroupRowsStrided(q8, c + head_dim, column, stride, peak, 1, column);
+    if (tiled) {
+      DotInt8GroupTiles(q8, tiles, 2, 0, first, b, mean, column);
+      DotInt8GroupTiles(q8, tiles, 2, 1, first, b, peak, column);
+    } else {
+      DotInt8GroupRowsStrided(q8, c, column, stride, mean, 1, column);
+      DotInt8GroupRowsStrided(q8, c + head_dim, column, stride, peak, 1, column);
+    }
     for (uint32_t i = 0; i < b; ++i) {
       mean_scale[i] = scales[2 * (first + i)];
       peak_scale[i] = scales[2 * (first + i) + 1];

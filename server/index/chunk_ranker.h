@@ -85,10 +85,12 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
 
 // LsePeakScores of n compact chunks as ChunkStats holds them side by side, read in place:
 // codes [n][2][head_dim] signed bytes (mean, then peak), scales [n][2] (mean's, then peak's),
-// tokens [n]. The same bits as LsePeakScores of their candidates, without building them.
+// tokens [n]; and, where not null, the same codes in tiles (PutInt8TileRow, parts 2: mean,
+// then peak), which the VNNI kernel reads instead. The same bits as LsePeakScores of their
+// candidates, without building them.
 void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
-                          const float* scales, const uint32_t* tokens, uint32_t n, int head_dim,
-                          float* out);
+                          const uint8_t* tiles, const float* scales, const uint32_t* tokens,
+                          uint32_t n, int head_dim, float* out);
 
 // A candidate's score, index and tokens: what the greedy fill reads.
 struct ScoredChunk {

@@ -9,6 +9,9 @@
 
 namespace kvtier {
 
+ChunkStats::ChunkStats(int head_dim)
+    : d_(head_dim), tiled_(head_dim % 32 == 0 && BestInt8Kernel() == Int8Kernel::kVnni) {}
+
 void ChunkStats::Narrow(const float* x) {
   // A bf16 sum may overflow to infinity: it is held as the largest float. A NaN (rows that
   // validation let through from a damaged record) is held as 0, never cast.
@@ -141,10 +144,14 @@ void ChunkStats::MarkFinal(uint32_t n) {
   // Chunks [compact_, n) leave the float arrays for the compact ones.
   const size_t moved = static_cast<size_t>(n - compact_) * d_;
   std::vector<float> mean(d_);
+  if (tiled_) tiles_.resize(Int8TileBytes(n, 2, d_));
   for (uint32_t c = compact_; c < n; ++c) {
     Mean(c, mean.data());
     Narrow(mean.data());
     Narrow(&peaks_[Loose(c)]);
+    for (int part = 0; tiled_ && part < 2; ++part) {
+      PutInt8TileRow(&codes_[Code(c, part)], c, 2, part, d_, tiles_.data());
+    }
   }
   loose_begin_ += moved;
   // The floats of chunks now compact go once they are half the arrays: each float is moved
@@ -171,6 +178,12 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   tokens_.assign(from.tokens_.begin(), from.tokens_.begin() + n);
   codes_.assign(from.codes_.begin(), from.codes_.begin() + codes);
   scales_.assign(from.scales_.begin(), from.scales_.begin() + 2 * static_cast<ptrdiff_t>(compact));
+  // Whole tiles: the rows past `compact` in the last one are never read, and MarkFinal writes
+  // them as their chunks become compact.
+  if (tiled_) {
+    tiles_.assign(from.tiles_.begin(),
+                  from.tiles_.begin() + static_cast<ptrdiff_t>(Int8TileBytes(compact, 2, d_)));
+  }
   const auto from_loose = static_cast<ptrdiff_t>(from.loose_begin_);
   sums_.assign(from.sums_.begin() + from_loose, from.sums_.begin() + from_loose + floats);
   peaks_.assign(from.peaks_.begin() + from_loose, from.peaks_.begin() + from_loose + floats);
@@ -179,19 +192,28 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   final_ = 0;
 }
 
-void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group,
-                       float* out) const {
+void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,
+                       const std::vector<bool>* skip) const {
   const uint32_t n = size();
   uint32_t from = 0;
   if (ranking == v1::RANKING_LSE_PEAK && compact_ > 0) {
-    LsePeakScoresCompact(queries, group, codes_.data(), scales_.data(), tokens_.data(), compact_,
-                         d_, out);
+    LsePeakScoresCompact(queries, group, codes_.data(), tiled_ ? tiles_.data() : nullptr,
+                         scales_.data(), tokens_.data(), compact_, d_, out);
     from = compact_;
   }
   std::vector<ChunkCandidate> rest;
   rest.reserve(n - from);
-  for (uint32_t c = from; c < n; ++c) rest.push_back(candidate(c));
-  ScoreCandidates(ranking, queries, group, d_, rest, out + from);
+  for (uint32_t c = from; c < n; ++c) {
+    if (skip == nullptr || !(*skip)[c]) rest.push_back(candidate(c));
+  }
+  if (rest.empty()) return;
+  if (rest.size() == n - from) {
+    ScoreCandidates(ranking, queries, group, d_, rest, out + from);
+    return;
+  }
+  std::vector<float> scores(rest.size());
+  ScoreCandidates(ranking, queries, group, d_, rest, scores.data());
+  for (size_t i = 0; i < rest.size(); ++i) out[rest[i].index] = scores[i];
 }
 
 }  // namespace kvtier

@@ -13,6 +13,9 @@
 //   codes     int8   [compact][2][head_dim]   the compact chunks [0, compact_chunks()): mean,
 //                                             then peak, side by side (one read scores both)
 //   scales    float  [compact][2]             mean's, then peak's
+//   tiles     uint8  the compact chunks' codes again, in tiles (PutInt8TileRow, parts 2: mean,
+//                    then peak), where this machine's VNNI kernel scores them (Score): kept
+//                    only there, and for head_dim a multiple of 32
 //   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
 //   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
 //
@@ -49,7 +52,7 @@ struct ChunkSummary {
 
 class ChunkStats {
  public:
-  explicit ChunkStats(int head_dim) : d_(head_dim) {}
+  explicit ChunkStats(int head_dim);
 
   int head_dim() const { return d_; }
   uint32_t size() const { return static_cast<uint32_t>(tokens_.size()); }
@@ -78,7 +81,10 @@ class ChunkStats {
   }
   // Every chunk's score by `ranking` into out[c], c < size(): the bits ScoreCandidates gives
   // over candidate(c) of each, with the compact chunks read in place (a scan's whole stream).
-  void Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out) const;
+  // Where `skip` is given (size() flags), a chunk that is not compact and is skipped (the
+  // recent window, returned anyway) is not scored: its out[c] is left as it was.
+  void Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,
+             const std::vector<bool>* skip = nullptr) const;
   // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak: side by side
   // when it is compact), and how many each.
   const void* mean_data(uint32_t c) const;
@@ -118,6 +124,7 @@ class ChunkStats {
   // The heap bytes its arrays hold (their capacities), and the object itself.
   size_t MemoryBytes() const {
     return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) + codes_.capacity() +
+           tiles_.capacity() +
            (scales_.capacity() + sums_.capacity() + peaks_.capacity()) * sizeof(float);
   }
 
@@ -132,8 +139,10 @@ class ChunkStats {
   void Widen(uint32_t c, int part, float* out) const;
 
   int d_;
+  bool tiled_;  // tiles_ kept
   std::vector<uint32_t> tokens_;
   std::vector<int8_t> codes_;
+  std::vector<uint8_t> tiles_;
   std::vector<float> scales_;
   std::vector<float> sums_;
   std::vector<float> peaks_;

@@ -65,11 +65,12 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     out.scored = st.chunks_scored;
   } else if (!search) {
     // Nothing indexed yet, or too few chunks (or too many to find) for pruning to pay for its
-    // bounds: scan. The answer is the same. Every chunk is scored in place (the few returned anyway
-    // too), and the candidates' scores filled from.
+    // bounds: scan. The answer is the same. Every compact chunk is scored in place (the few
+    // returned anyway too), the others only where they are candidates, and the candidates'
+    // scores filled from.
     out.scored = out.candidates;
     std::vector<float> scores(n);
-    stats.Score(q.ranking, queries, q.group, scores.data());
+    stats.Score(q.ranking, queries, q.group, scores.data(), excluded);
     std::vector<ScoredChunk> scored;
     scored.reserve(out.candidates);
     for (uint32_t c = 0; c < n; ++c) {
