@@ -264,7 +264,7 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
 // brute force over every key); the mean ranking keeps B, the peak ranking keeps A.
 // FillGreedy against its definition: every candidate sorted (score down, index up), then the
 // greedy fill of the budget and, beside it, of the wider one (what only that takes is the
-// extra). Uniform sizes (the insertion pass for few picks, nth_element for many) and mixed
+// extra). Uniform sizes (the insertion pass for up to 64 picks, nth_element for more) and mixed
 // ones, scores with many ties, picks from none to all.
 TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
   std::mt19937 rng(23);

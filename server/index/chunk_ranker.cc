@@ -248,6 +248,10 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
   }
 }
 
+// Up to this many picks of equal chunks, FillGreedy keeps the best in order by insertion
+// rather than by nth_element and a sort.
+constexpr size_t kInsertionPicks = 64;
+
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
                                  uint64_t extra_budget, std::vector<uint32_t>* extra) {
   const uint64_t wide = budget + (extra != nullptr ? extra_budget : 0);
@@ -266,10 +270,24 @@ std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budge
   size_t sorted = scored.size();
   if (uniform && !scored.empty() && scored.front().tokens > 0) {
     sorted = std::min<size_t>(scored.size(), wide / scored.front().tokens);
-    if (sorted < scored.size()) {
-      std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
+    if (sorted > 0 && sorted <= kInsertionPicks) {
+      // Few picks (a Select's budget over many chunks): the best so far kept in order at the
+      // front, each other candidate against the worst of them (it loses, mostly, in that one
+      // comparison) and placed by insertion when it wins.
+      std::sort(scored.begin(), scored.begin() + sorted, better);
+      for (size_t i = sorted; i < scored.size(); ++i) {
+        if (!better(scored[i], scored[sorted - 1])) continue;
+        const ScoredChunk c = scored[i];
+        size_t at = sorted - 1;
+        for (; at > 0 && better(c, scored[at - 1]); --at) scored[at] = scored[at - 1];
+        scored[at] = c;
+      }
+    } else {
+      if (sorted < scored.size()) {
+        std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
+      }
+      std::sort(scored.begin(), scored.begin() + sorted, better);
     }
-    std::sort(scored.begin(), scored.begin() + sorted, better);
   } else {
     std::sort(scored.begin(), scored.end(), better);
   }
