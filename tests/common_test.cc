@@ -586,24 +586,31 @@ TEST(LogInPlace, WithinTwoUlpsOfDouble) {
 TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
   // The same values at every offset and in arrays of every length give the same bits: the
   // LSE-peak score relies on it to be equal whether chunks are scored one by one or in blocks.
+  // Log1pExpInPlace gives log(1 + e^x) the bits of the three steps (its AVX-512 path, sixteen
+  // at a time, against the eight-wide ones), over a range past both of the clamp's ends.
   std::mt19937 rng(13);
-  std::uniform_real_distribution<float> u(-20.f, 0.f);
-  std::vector<float> values(40);
-  for (float& v : values) v = u(rng);
+  std::uniform_real_distribution<float> u(-20.f, 0.f), wide(-100.f, 90.f);
+  std::vector<float> values(80);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = i < 40 ? u(rng) : wide(rng);
   std::vector<float> exp_all = values, log_all = values;
   ExpInPlace(exp_all.data(), int(exp_all.size()));
   for (size_t i = 0; i < values.size(); ++i) log_all[i] = 1.f + exp_all[i];
   LogInPlace(log_all.data(), int(log_all.size()));
-  for (int n = 1; n <= 17; ++n) {
+  for (int n = 1; n <= 35; ++n) {
     for (int first = 0; first + n <= int(values.size()); first += 3) {
       std::vector<float> e(values.begin() + first, values.begin() + first + n);
       ExpInPlace(e.data(), n);
       std::vector<float> l(n);
       for (int i = 0; i < n; ++i) l[i] = 1.f + e[i];
       LogInPlace(l.data(), n);
+      // log(1 + e^x) in one pass: the bits of the three steps.
+      std::vector<float> fused(values.begin() + first, values.begin() + first + n);
+      Log1pExpInPlace(fused.data(), n);
       for (int i = 0; i < n; ++i) {
         ASSERT_EQ(e[i], exp_all[first + i]) << "n " << n << " first " << first << " i " << i;
         ASSERT_EQ(l[i], log_all[first + i]) << "n " << n << " first " << first << " i " << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(fused[i]), std::bit_cast<uint32_t>(log_all[first + i]))
+            << "n " << n << " first " << first << " i " << i;
       }
     }
   }

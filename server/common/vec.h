@@ -260,6 +260,9 @@ void AddQuotients(const float* x, double z, size_t n, float* out);
 // polynomial, eight at a time). Each result depends only on its input, not on n or i.
 void LogInPlace(float* x, int n);
 
+// x[i] = log(1 + e^x[i]): the bits of ExpInPlace, adding 1, then LogInPlace, in one pass.
+void Log1pExpInPlace(float* x, int n);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVER_COMMON_VEC_H_

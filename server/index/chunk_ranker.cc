@@ -35,18 +35,24 @@ float MeanScore(std::span<const float> queries, int group, const ChunkCandidate&
 
 namespace {
 
-// log(n - 1) for chunk sizes n, -inf for n <= 1: the same values std::log gives, computed once.
-float LogRest(uint32_t n) {
+// log(n - 1) for chunk sizes n, -inf for n <= 1: the same values std::log gives, computed once
+// for n below kLogRestTable (LogRestTable), in a call each above.
+constexpr uint32_t kLogRestTable = 1024;
+const float* LogRestTable() {
   static const std::vector<float> table = [] {
-    std::vector<float> t(1024);
+    std::vector<float> t(kLogRestTable);
     for (uint32_t i = 0; i < t.size(); ++i) {
       t[i] = i > 1 ? std::log(static_cast<float>(i - 1)) : -std::numeric_limits<float>::infinity();
     }
     return t;
   }();
-  if (n < table.size()) return table[n];
-  return std::log(static_cast<float>(n - 1));
+  return table.data();
 }
+// With the table fetched once by the caller (a loop over many chunks).
+inline float LogRest(const float* table, uint32_t n) {
+  return n < kLogRestTable ? table[n] : std::log(static_cast<float>(n - 1));
+}
+float LogRest(uint32_t n) { return LogRest(LogRestTable(), n); }
 
 }  // namespace
 
@@ -64,10 +70,7 @@ namespace {
 // (hi = max(a, b), t = min(a, b) - hi): e^t, log(1 + e^t), hi + that, all at once, and each
 // candidate's max over its heads into out[i].
 void FinishLsePeak(const float* hi, float* t, int n, int group, float* out) {
-  const int m = n * group;
-  ExpInPlace(t, m);
-  for (int k = 0; k < m; ++k) t[k] += 1.f;
-  LogInPlace(t, m);
+  Log1pExpInPlace(t, n * group);
   for (int i = 0; i < n; ++i) {
     float best = -std::numeric_limits<float>::infinity();
     for (int h = 0; h < group; ++h) best = std::max(best, hi[i * group + h] + t[i * group + h]);
@@ -202,6 +205,7 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   // The tiles where the VNNI kernel reads them, in blocks of whole tiles; else the rows.
   const bool tiled = tiles != nullptr && q8.kernel() == Int8Kernel::kVnni && block >= kInt8TileRows;
   if (tiled) block -= block % kInt8TileRows;
+  const float* log_rest_table = LogRestTable();
   for (uint32_t first = 0; first < n; first += block) {
     const uint32_t b = std::min(block, n - first);
     const int8_t* c = codes + static_cast<size_t>(first) * 2 * head_dim;
@@ -216,16 +220,13 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
     for (uint32_t i = 0; i < b; ++i) {
       mean_scale[i] = scales[2 * (first + i)];
       peak_scale[i] = scales[2 * (first + i) + 1];
-      log_rest[i] = LogRest(tokens[first + i]);
+      log_rest[i] = LogRest(log_rest_table, tokens[first + i]);
     }
     for (int h = 0; h < group; ++h) {
       LsePeakTermsOfHead(mean + h * b, peak + h * b, mean_scale, peak_scale, log_rest, b,
                          inv_sqrt_d, hi + h * b, t + h * b);
     }
-    const int m = group * column;
-    ExpInPlace(t, m);
-    for (int k = 0; k < m; ++k) t[k] += 1.f;
-    LogInPlace(t, m);
+    Log1pExpInPlace(t, group * column);
     BestOfHeads(hi, t, b, group, out + first);
   }
 }
