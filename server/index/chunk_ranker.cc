@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "server/common/check.h"
@@ -154,7 +155,9 @@ void LsePeakScores(std::span<const float> queries, int group,
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
   float dots[2 * kScratch];  // a run of candidates' [mean, peak][head] dot products
-  const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every run
+  // The codes, once for every run, made at the first run of compact chunks (loose chunks, the
+  // window's, take the floats).
+  std::optional<QueryInt8Group> q8;
   for (size_t first = 0; first < candidates.size(); first += block) {
     const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
     for (int i = 0; i < n;) {
@@ -169,7 +172,8 @@ void LsePeakScores(std::span<const float> queries, int group,
                c[run].peak_q == c[run].mean_q + head_dim) {
           ++run;
         }
-        DotInt8GroupRowsStrided(q8, c->mean_q, 2 * run, head_dim, dots, group, 1);
+        if (!q8) q8.emplace(queries.data(), group, head_dim);
+        DotInt8GroupRowsStrided(*q8, c->mean_q, 2 * run, head_dim, dots, group, 1);
       } else {
         for (int h = 0; h < group; ++h) {
           const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
