@@ -280,12 +280,14 @@ std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budge
       // front, each other candidate against the worst of them (it loses, mostly, in that one
       // comparison) and placed by insertion when it wins.
       std::sort(scored.begin(), scored.begin() + sorted, better);
+      float worst = scored[sorted - 1].score;  // the worst pick's score, kept in a register
       for (size_t i = sorted; i < scored.size(); ++i) {
-        if (!better(scored[i], scored[sorted - 1])) continue;
+        if (scored[i].score < worst || !better(scored[i], scored[sorted - 1])) continue;
         const ScoredChunk c = scored[i];
         size_t at = sorted - 1;
         for (; at > 0 && better(c, scored[at - 1]); --at) scored[at] = scored[at - 1];
         scored[at] = c;
+        worst = scored[sorted - 1].score;
       }
     } else {
       if (sorted < scored.size()) {
