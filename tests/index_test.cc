@@ -208,7 +208,8 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
   std::normal_distribution<float> n(0, 1);
   const int d = 64;
   for (int group : {1, 3, 9}) {
-    for (uint32_t compact : {0u, 1u, 400u, 700u}) {
+    // 2100: past ChunkStats::kMaxTiledChunks, the tiles let go (and rebuilt in the fork).
+    for (uint32_t compact : {0u, 1u, 400u, 700u, 2100u}) {
       const uint32_t chunks = std::max(compact, 1u) + 37;
       ChunkStats stats(d);
       AppendRandomChunks(chunks, rng, &stats);

@@ -9,8 +9,14 @@
 
 namespace kvtier {
 
-ChunkStats::ChunkStats(int head_dim)
-    : d_(head_dim), tiled_(head_dim % 32 == 0 && BestInt8Kernel() == Int8Kernel::kVnni) {}
+namespace {
+
+// Whether chunks of this width are kept in tiles on this machine (its VNNI kernel reads them).
+bool Tileable(int head_dim) { return head_dim % 32 == 0 && BestInt8Kernel() == Int8Kernel::kVnni; }
+
+}  // namespace
+
+ChunkStats::ChunkStats(int head_dim) : d_(head_dim), tiled_(Tileable(head_dim)) {}
 
 void ChunkStats::Narrow(const float* x) {
   // A bf16 sum may overflow to infinity: it is held as the largest float. A NaN (rows that
@@ -144,14 +150,10 @@ void ChunkStats::MarkFinal(uint32_t n) {
   // Chunks [compact_, n) leave the float arrays for the compact ones.
   const size_t moved = static_cast<size_t>(n - compact_) * d_;
   std::vector<float> mean(d_);
-  if (tiled_) tiles_.resize(Int8TileBytes(n, 2, d_));
   for (uint32_t c = compact_; c < n; ++c) {
     Mean(c, mean.data());
     Narrow(mean.data());
     Narrow(&peaks_[Loose(c)]);
-    for (int part = 0; tiled_ && part < 2; ++part) {
-      PutInt8TileRow(&codes_[Code(c, part)], c, 2, part, d_, tiles_.data());
-    }
   }
   loose_begin_ += moved;
   // The floats of chunks now compact go once they are half the arrays: each float is moved
@@ -167,7 +169,23 @@ void ChunkStats::MarkFinal(uint32_t n) {
       peaks_.shrink_to_fit();
     }
   }
+  const uint32_t was = compact_;
   compact_ = n;
+  if (tiled_ && n > kMaxTiledChunks) {  // past a scan's reach: the index reads the rows
+    tiled_ = false;
+    std::vector<uint8_t>().swap(tiles_);
+  }
+  Tile(was);
+}
+
+void ChunkStats::Tile(uint32_t from) {
+  if (!tiled_) return;
+  tiles_.resize(Int8TileBytes(compact_, 2, d_));
+  for (uint32_t c = from; c < compact_; ++c) {
+    for (int part = 0; part < 2; ++part) {
+      PutInt8TileRow(&codes_[Code(c, part)], c, 2, part, d_, tiles_.data());
+    }
+  }
 }
 
 void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
@@ -178,18 +196,16 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   tokens_.assign(from.tokens_.begin(), from.tokens_.begin() + n);
   codes_.assign(from.codes_.begin(), from.codes_.begin() + codes);
   scales_.assign(from.scales_.begin(), from.scales_.begin() + 2 * static_cast<ptrdiff_t>(compact));
-  // Whole tiles: the rows past `compact` in the last one are never read, and MarkFinal writes
-  // them as their chunks become compact.
-  if (tiled_) {
-    tiles_.assign(from.tiles_.begin(),
-                  from.tiles_.begin() + static_cast<ptrdiff_t>(Int8TileBytes(compact, 2, d_)));
-  }
   const auto from_loose = static_cast<ptrdiff_t>(from.loose_begin_);
   sums_.assign(from.sums_.begin() + from_loose, from.sums_.begin() + from_loose + floats);
   peaks_.assign(from.peaks_.begin() + from_loose, from.peaks_.begin() + from_loose + floats);
   loose_begin_ = 0;
   compact_ = compact;
   final_ = 0;
+  // From the codes: `from` may have let its tiles go past kMaxTiledChunks.
+  tiled_ = Tileable(d_) && compact <= kMaxTiledChunks;
+  tiles_.clear();
+  Tile(0);
 }
 
 void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,

@@ -15,7 +15,8 @@
 //   scales    float  [compact][2]             mean's, then peak's
 //   tiles     uint8  the compact chunks' codes again, in tiles (PutInt8TileRow, parts 2: mean,
 //                    then peak), where this machine's VNNI kernel scores them (Score): kept
-//                    only there, and for head_dim a multiple of 32
+//                    only there, for head_dim a multiple of 32, and up to kMaxTiledChunks
+//                    compact chunks (2 * head_dim bytes a chunk, a whole-chunk scan's reach)
 //   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
 //   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
 //
@@ -53,6 +54,11 @@ struct ChunkSummary {
 class ChunkStats {
  public:
   explicit ChunkStats(int head_dim);
+
+  // Tiles are kept while the compact chunks are at most this many: a whole-chunk Select scans
+  // up to kIndexMinCandidates (stream_ranker.h) and searches the index past it, whose reads
+  // want the rows. A stream past it lets its tiles go for good.
+  static constexpr uint32_t kMaxTiledChunks = 2048;
 
   int head_dim() const { return d_; }
   uint32_t size() const { return static_cast<uint32_t>(tokens_.size()); }
@@ -137,6 +143,8 @@ class ChunkStats {
   // Appends x (d_ floats) to codes_ and scales_ as bytes and their scale.
   void Narrow(const float* x);
   void Widen(uint32_t c, int part, float* out) const;
+  // The tiles of compact chunks [from, compact_) from their codes (tiles_ sized for compact_).
+  void Tile(uint32_t from);
 
   int d_;
   bool tiled_;  // tiles_ kept
