@@ -586,8 +586,8 @@ TEST(LogInPlace, WithinTwoUlpsOfDouble) {
 TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
   // The same values at every offset and in arrays of every length give the same bits: the
   // LSE-peak score relies on it to be equal whether chunks are scored one by one or in blocks.
-  // Log1pExpInPlace gives log(1 + e^x) the bits of the three steps (its AVX-512 path, sixteen
-  // at a time, against the eight-wide ones), over a range past both of the clamp's ends.
+  // Log1pExpInPlace gives log(1 + e^x) the bits of the three steps, over a range past both of
+  // the clamp's ends.
   std::mt19937 rng(13);
   std::uniform_real_distribution<float> u(-20.f, 0.f), wide(-100.f, 90.f);
   std::vector<float> values(80);

@@ -48,11 +48,11 @@ __attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint1
 // cpuid leaf 1 ECX: FMA bit 12, OSXSAVE bit 27, F16C bit 29; leaf 7 EBX: AVX2 bit 5; and the
 // OS must save the YMM registers (XCR0 bits 1 and 2). Not __builtin_cpu_supports: clang 14
 // does not know "f16c".
-// AVX-512 (avx512: AVX512F, leaf 7 EBX bit 16, and the OS saving the opmask and upper ZMM
-// state, XCR0 bits 5 to 7); VNNI with VL (its 256-bit forms, 32 vector registers) besides:
-// AVX512VL EBX bit 31, ECX AVX512_VNNI bit 11.
+// AVX-512 VNNI with VL (its 256-bit forms, 32 vector registers): leaf 7 EBX AVX512F bit 16,
+// AVX512VL bit 31, ECX AVX512_VNNI bit 11, and the OS saving the opmask and upper ZMM state
+// (XCR0 bits 5 to 7).
 struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false, vnni = false, avx512 = false;
+  bool avx2 = false, fma = false, f16c = false, vnni = false;
   CpuFeatures() {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
@@ -67,8 +67,8 @@ struct CpuFeatures {
     const bool ymm = osxsave && (xcr0 & 6u) == 6u;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
     avx2 = ymm && (b & (1u << 5));
-    avx512 = avx2 && (xcr0 & 0xE0u) == 0xE0u && (b & (1u << 16));  // AVX512F
-    vnni = avx512 && (b & (1u << 31)) && (c & (1u << 11));
+    vnni =
+        avx2 && (xcr0 & 0xE0u) == 0xE0u && (b & (1u << 16)) && (b & (1u << 31)) && (c & (1u << 11));
     fma = fma && ymm;
     f16c = f16c && ymm;
   }
@@ -697,89 +697,6 @@ __attribute__((target("avx2,fma"))) void Log1pExpInPlaceAvx2(float* x, int n) {
   EightAtATime(x, n, 0.f, Log1pExpEight());
 }
 
-#define KVTIER_AVX512 __attribute__((target("avx2,fma,avx512f")))
-// GCC 12 warns of the undefined pass-through operand inside the unmasked AVX-512 intrinsics.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
-// Log1pExpEight sixteen lanes at a time (AVX-512): each lane by the same IEEE operations in the
-// same order (ExpEight's clamp, rounding, reduction and polynomial; LogEight's split, halving
-// and polynomial), so the same bits.
-struct Log1pExpSixteen {
-  KVTIER_AVX512 static __m512 Exp(__m512 v) {
-    const __m512 lo = _mm512_set1_ps(-87.f), hi = _mm512_set1_ps(88.f);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
-    const __m512 one = _mm512_set1_ps(1.f);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_fnmadd_ps(k, c1, v);
-    v = _mm512_fnmadd_ps(k, c2, v);
-    __m512 y =
-        _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), v, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, one));
-    const __m512i e =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  }
-  KVTIER_AVX512 static __m512 Log(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512 one = _mm512_set1_ps(1.f);
-    __m512 e = _mm512_maskz_cvtepi32_ps(
-        0xFFFF, _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(126)));
-    __m512 m = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_and_si512(bits, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f000000)));
-    const __mmask16 small =
-        _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
-    // LogEight's and with the comparison's mask: 1 (or m) where small, +0 elsewhere.
-    e = _mm512_sub_ps(e, _mm512_maskz_mov_ps(small, one));
-    m = _mm512_sub_ps(_mm512_add_ps(m, _mm512_maskz_mov_ps(small, m)), one);
-    const __m512 z = _mm512_mul_ps(m, m);
-    __m512 y = _mm512_set1_ps(7.0376836292E-2f);
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.1514610310E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.1676998740E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.2420140846E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.4249322787E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.6668057665E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(2.0000714765E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-2.4999993993E-1f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(3.3333331174E-1f));
-    y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
-    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
-    y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
-    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
-  }
-  KVTIER_AVX512 __m512 operator()(__m512 v) const {
-    return Log(_mm512_add_ps(Exp(v), _mm512_set1_ps(1.f)));
-  }
-};
-
-// Sixteen at a time, the tail as EightAtATime takes it: through the same vector code, padded.
-KVTIER_AVX512 void Log1pExpInPlaceAvx512(float* x, int n) {
-  const Log1pExpSixteen sixteen;
-  int i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, sixteen(_mm512_loadu_ps(x + i)));
-  if (i < n) {
-    alignas(64) float tail[16];
-    std::fill_n(tail, 16, 0.f);
-    std::copy(x + i, x + n, tail);
-    _mm512_store_ps(tail, sixteen(_mm512_load_ps(tail)));
-    std::copy(tail, tail + (n - i), x + i);
-  }
-}
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#undef KVTIER_AVX512
-
 // A half's bits as a key whose unsigned order is the value order: negatives flipped, positives
 // with the sign bit set. Its own inverse is KeyHalf.
 inline uint16_t HalfOrderKey(uint16_t h) {
@@ -1213,39 +1130,44 @@ KVTIER_VNNI void Int8RowsVnni(const QueryInt8Group& q, int group, const int8_t* 
 
 // Heads [g0, g0 + G) against one tile's part (16 rows, n4 groups of four bytes, 64 bytes
 // each): the rows' bytes as they are (unsigned, code + 128), four of each head's codes
-// broadcast, sixteen rows a register, even and odd groups in accumulators of their own (two
-// chains of vpdpbusd per head); the bias taken off after, as Int8Rows4Vnni does. The first
-// `lanes` rows stored.
+// broadcast, eight rows a 256-bit register (the row kernel's width: no 512-bit arithmetic),
+// each half of the tile in accumulators of its own; the bias taken off after, as
+// Int8Rows4Vnni does. The first `lanes` rows stored.
 template <int G>
 KVTIER_VNNI inline void Int8TileVnni(const QueryInt8Group& q, int g0, const uint8_t* tile, int n4,
                                      int lanes, float* out, int out_group) {
-  __m512i acc[G][2];
+  __m256i acc[G][2];
 #pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_si512();
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_si256();
   const int32_t* codes[G];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) codes[g] = reinterpret_cast<const int32_t*>(q.codes(g0 + g));
-  for (int k = 0; k < n4; k += 2) {
-#pragma GCC unroll 2
-    for (int e = 0; e < 2; ++e) {
-      const __m512i x = _mm512_loadu_si512(tile + static_cast<size_t>(k + e) * 64);
+  for (int k = 0; k < n4; ++k) {
+    const uint8_t* at = tile + static_cast<size_t>(k) * 64;
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32));
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        int32_t four;
-        std::memcpy(&four, codes[g] + k + e, sizeof(four));
-        acc[g][e] = _mm512_dpbusd_epi32(acc[g][e], x, _mm512_set1_epi32(four));
-      }
+    for (int g = 0; g < G; ++g) {
+      int32_t four;
+      std::memcpy(&four, codes[g] + k, sizeof(four));
+      const __m256i b = _mm256_set1_epi32(four);
+      acc[g][0] = _mm256_dpbusd_epi32(acc[g][0], lo, b);
+      acc[g][1] = _mm256_dpbusd_epi32(acc[g][1], hi, b);
     }
   }
-  const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    const __m512i sum =
-        _mm512_sub_epi32(_mm512_add_epi32(acc[g][0], acc[g][1]), _mm512_set1_epi32(q.bias(g0 + g)));
-    // (maskz: GCC 12 warns of the unmasked form's undefined operand)
-    const __m512 v =
-        _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, sum), _mm512_set1_ps(q.scale(g0 + g)));
-    _mm512_mask_storeu_ps(out + static_cast<size_t>(g0 + g) * out_group, m, v);
+    const __m256i bias = _mm256_set1_epi32(q.bias(g0 + g));
+    const __m256 scale = _mm256_set1_ps(q.scale(g0 + g));
+    float* o = out + static_cast<size_t>(g0 + g) * out_group;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const int n = std::min(8, lanes - 8 * half);
+      if (n <= 0) break;
+      const __m256 v =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[g][half], bias)), scale);
+      _mm256_mask_storeu_ps(o + 8 * half, static_cast<__mmask8>((1u << n) - 1), v);
+    }
   }
 }
 
@@ -1579,9 +1501,8 @@ void LogInPlace(float* x, int n) {
 }
 
 void Log1pExpInPlace(float* x, int n) {
-  static void (*const impl)(float*, int) = !HaveAvx2Fma() ? Log1pExpInPlaceScalar
-                                           : Cpu().avx512 ? Log1pExpInPlaceAvx512
-                                                          : Log1pExpInPlaceAvx2;
+  static void (*const impl)(float*, int) =
+      HaveAvx2Fma() ? Log1pExpInPlaceAvx2 : Log1pExpInPlaceScalar;
   impl(x, n);
 }
 
