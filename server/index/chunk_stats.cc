@@ -18,6 +18,11 @@ bool Tileable(int head_dim) { return head_dim % 32 == 0 && BestInt8Kernel() == I
 
 ChunkStats::ChunkStats(int head_dim) : d_(head_dim), tiled_(Tileable(head_dim)) {}
 
+size_t ChunkStats::CompactChunkBytes(int head_dim) {
+  const size_t d = static_cast<size_t>(head_dim);
+  return 2 * (d + sizeof(float)) + (Tileable(head_dim) ? 2 * d : 0);
+}
+
 void ChunkStats::Narrow(const float* x) {
   // A bf16 sum may overflow to infinity: it is held as the largest float. A NaN (rows that
   // validation let through from a damaged record) is held as 0, never cast.

@@ -59,6 +59,10 @@ class ChunkStats {
   // up to kIndexMinCandidates (stream_ranker.h) and searches the index past it, whose reads
   // want the rows. A stream past it lets its tiles go for good.
   static constexpr uint32_t kMaxTiledChunks = 2048;
+  // The bytes a compact chunk's statistics hold here: its mean and peak codes and their scales,
+  // and their tiles where this machine keeps them (counting them for every chunk: an estimate
+  // made before the stream's length is known errs high, not low).
+  static size_t CompactChunkBytes(int head_dim);
 
   int head_dim() const { return d_; }
   uint32_t size() const { return static_cast<uint32_t>(tokens_.size()); }
@@ -143,7 +147,7 @@ class ChunkStats {
   // Appends x (d_ floats) to codes_ and scales_ as bytes and their scale.
   void Narrow(const float* x);
   void Widen(uint32_t c, int part, float* out) const;
-  // The tiles of compact chunks [from, compact_) from their codes (tiles_ sized for compact_).
+  // The tiles of compact chunks [from, compact_) from their codes, tiles_ sized for compact_.
   void Tile(uint32_t from);
 
   int d_;

@@ -94,10 +94,11 @@ uint64_t Session::CreationBytes(const v1::ModelShape& shape,
 
 uint64_t Session::ChunkBytesEstimate(const ChunkFormat& f) {
   // What one more chunk holds however it ages: its record, its slot's heap, its token count
-  // and its compact mean and peak, bytes and a scale each (a new chunk's float sums are more,
-  // until it is final).
+  // and its compact mean and peak, bytes and a scale each, and their tiles where kept (a new
+  // chunk's float sums are more, until it is final).
   // Arrays that double, row offsets and the index's share are counted as measured.
-  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) + 2 * (f.head_dim + sizeof(float));
+  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) +
+         ChunkStats::CompactChunkBytes(static_cast<int>(f.head_dim));
 }
 
 uint64_t Session::MeasureMetadata() const {
