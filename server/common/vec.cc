@@ -1171,8 +1171,7 @@ KVTIER_VNNI inline void Int8TileVnni(const QueryInt8Group& q, int g0, const uint
   }
 }
 
-// Part p of rows [first, first + rows) of tiles against the whole group (n4 even: n a multiple
-// of 32, as the kVnni kernel takes).
+// Part p of rows [first, first + rows) of tiles against the whole group, four heads a pass.
 KVTIER_VNNI void Int8TilesVnni(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
                                uint32_t first, uint32_t rows, float* out, int out_group) {
   const int n4 = q.n() / 4, group = q.group();

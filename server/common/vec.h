@@ -119,7 +119,7 @@ void DotInt8GroupRowsWith(Int8Kernel kernel, const float* a, int group, const in
 // 128, what vpdpbusd takes):
 //   byte b of row r's part p, dims 4k + b:  ((r / 16 * parts + p) * (n / 4) + k) * 64 +
 //                                           r % 16 * 4 + b
-// One vpdpbusd then adds four dimensions of sixteen rows for one head.
+// One vpdpbusd then adds four dimensions of eight rows (half a tile) for one head.
 constexpr int kInt8TileRows = 16;
 // The bytes of tiles holding `rows` rows (whole tiles).
 size_t Int8TileBytes(uint32_t rows, int parts, int n);
@@ -127,8 +127,8 @@ size_t Int8TileBytes(uint32_t rows, int parts, int n);
 void PutInt8TileRow(const int8_t* codes, uint32_t r, int parts, int p, int n, uint8_t* tiles);
 // The dot products of q's group with part p of rows [first, first + rows) of tiles (first a
 // multiple of kInt8TileRows): row first + i's with head g into out[g * out_group + i], the bits
-// DotInt8GroupRowsStrided gives over the same codes. The VNNI kernel (AVX-512, sixteen rows a
-// register) where q's kernel is kVnni, else row by row.
+// DotInt8GroupRowsStrided gives over the same codes. The VNNI kernel (AVX-512 VNNI on 256-bit
+// registers, eight rows a register) where q's kernel is kVnni, else row by row.
 void DotInt8GroupTiles(const QueryInt8Group& q, const uint8_t* tiles, int parts, int p,
                        uint32_t first, uint32_t rows, float* out, int out_group);
 // The same by the scalar loop (for tests).
