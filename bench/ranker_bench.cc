@@ -2,9 +2,11 @@
 // chunk, max over a GQA group of 3; the mean score and the default LSE-peak score) against
 // an exact scan of every key, at 4K, 32K and 128K tokens; and a Select's token-level
 // refinement's pool by the chunk ranking (select_pool_us) and its rows' exact scores
-// (refine_rows_us), each against the exact scan at 4K; and semantic chunking's regrouping of
+// (refine_rows_us), each against the exact scan at 4K; a whole-chunk Select's greedy fill
+// (fill_greedy_us) against a full sort's; and semantic chunking's regrouping of
 // one span (regroup_span_us) against a copy of its K and V. Timed with Google Benchmark;
 // printed as JSON figures.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -182,11 +184,69 @@ void BM_SpanCopy(benchmark::State& state) {
   }
 }
 
+// A whole-chunk Select's greedy fill of one KV head at 4K tokens: 240 candidates of 16 tokens
+// (the sinks' and the window's chunks left out), 176 tokens and a guess 25% wider (15 picks),
+// each iteration the next of 4096 sets of random scores (one set over and over would let the
+// branch predictor learn every branch, which a decode loop's queries never give it). The
+// baseline is FillGreedy's definition: every candidate sorted, then the greedy fill.
+constexpr int kFillSets = 4096, kFillCandidates = 240;
+constexpr uint64_t kFillBudget = 176, kFillExtra = 64;
+
+const std::vector<std::vector<ScoredChunk>>& FillSets() {
+  static const std::vector<std::vector<ScoredChunk>> sets = [] {
+    std::mt19937 rng(29);
+    std::normal_distribution<float> n(0, 1);
+    std::vector<std::vector<ScoredChunk>> s(kFillSets);
+    for (auto& set : s) {
+      for (uint32_t c = 0; c < kFillCandidates; ++c) set.push_back({n(rng), c + 1, kChunk});
+    }
+    return s;
+  }();
+  return sets;
+}
+
+void BM_FillGreedy(benchmark::State& state) {
+  const auto& sets = FillSets();
+  std::vector<uint32_t> extra;
+  size_t i = 0;
+  for (auto _ : state) {
+    auto picked = FillGreedy(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
+    benchmark::DoNotOptimize(picked.data());
+  }
+}
+
+void BM_FillBySort(benchmark::State& state) {
+  const auto& sets = FillSets();
+  size_t i = 0;
+  for (auto _ : state) {
+    std::vector<ScoredChunk> all = sets[i++ % sets.size()];
+    std::sort(all.begin(), all.end(), [](const ScoredChunk& a, const ScoredChunk& b) {
+      return a.score != b.score ? a.score > b.score : a.index < b.index;
+    });
+    std::vector<uint32_t> picked, extra;
+    uint64_t used = 0, used_wide = 0;
+    for (const ScoredChunk& c : all) {
+      const bool in_wide = used_wide + c.tokens <= kFillBudget + kFillExtra;
+      if (in_wide) used_wide += c.tokens;
+      if (used + c.tokens <= kFillBudget) {
+        used += c.tokens;
+        picked.push_back(c.index);
+      } else if (in_wide) {
+        extra.push_back(c.index);
+      }
+    }
+    benchmark::DoNotOptimize(picked.data());
+    benchmark::DoNotOptimize(extra.data());
+  }
+}
+
 BENCHMARK(BM_MeanScoreSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
 BENCHMARK(BM_RankStream)->Arg(4096);
+BENCHMARK(BM_FillGreedy);
+BENCHMARK(BM_FillBySort);
 BENCHMARK(BM_LsePeakPool)->Arg(4096);
 BENCHMARK(BM_BalancedGroups);
 BENCHMARK(BM_SpanCopy);
@@ -274,6 +334,16 @@ int main(int argc, char** argv) {
                          {"rule",
                           "one KV head of a whole-chunk Select: LSE-peak score over "
                           "compact statistics, linear"}}});
+  kvtier::bench::Print({"fill_greedy_us",
+                        reporter.Median("BM_FillGreedy"),
+                        "us",
+                        reporter.Median("BM_FillBySort"),
+                        "full_sort_fill",
+                        {{"candidates", std::to_string(kvtier::kFillCandidates)},
+                         {"budget_tokens", "176 (a guess 64 wider)"},
+                         {"chunk_tokens", "16"},
+                         {"reps", "5"},
+                         {"sets", "4096 of random scores, in turn"}}});
   kvtier::bench::Print({"regroup_span_us",
                         reporter.Median("BM_BalancedGroups"),
                         "us",

@@ -113,6 +113,9 @@ TARGETS = [
      "default 8x pool of 1408 rows and 80 fixed sink and window rows, exact scores on fp16 "
      "keys, the group's mean softmax mass, the best 176 taken) vs the exact scan of all 4096 "
      "keys"),
+    ("fill_greedy_us", None, None, "a whole-chunk Select's greedy fill for one KV head at 4K "
+     "tokens (240 candidates of 16 tokens, 176 tokens and a guess 64 wider), each call on the "
+     "next of 4096 sets of random scores, vs every candidate sorted and then filled"),
     ("regroup_span_us", None, None, "semantic chunking's regrouping of one span (8 chunks of "
      "16 rows, one KV head, head_dim 64) into 8 balanced groups, as the aging pool runs it for "
      "every span of every head, vs a copy of the span's fp16 K and V"),
