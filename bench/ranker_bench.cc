@@ -217,26 +217,11 @@ void BM_FillGreedy(benchmark::State& state) {
 
 void BM_FillBySort(benchmark::State& state) {
   const auto& sets = FillSets();
+  std::vector<uint32_t> extra;
   size_t i = 0;
   for (auto _ : state) {
-    std::vector<ScoredChunk> all = sets[i++ % sets.size()];
-    std::sort(all.begin(), all.end(), [](const ScoredChunk& a, const ScoredChunk& b) {
-      return a.score != b.score ? a.score > b.score : a.index < b.index;
-    });
-    std::vector<uint32_t> picked, extra;
-    uint64_t used = 0, used_wide = 0;
-    for (const ScoredChunk& c : all) {
-      const bool in_wide = used_wide + c.tokens <= kFillBudget + kFillExtra;
-      if (in_wide) used_wide += c.tokens;
-      if (used + c.tokens <= kFillBudget) {
-        used += c.tokens;
-        picked.push_back(c.index);
-      } else if (in_wide) {
-        extra.push_back(c.index);
-      }
-    }
+    auto picked = FillGreedyBySort(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
     benchmark::DoNotOptimize(picked.data());
-    benchmark::DoNotOptimize(extra.data());
   }
 }
 

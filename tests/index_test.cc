@@ -280,22 +280,8 @@ TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
     }
     const uint64_t budget = rng() % (16 * n + 32);
     const uint64_t extra_budget = trial % 2 ? rng() % (8 * n + 16) : 0;
-    std::vector<ScoredChunk> all = scored;
-    std::sort(all.begin(), all.end(), [](const ScoredChunk& a, const ScoredChunk& b) {
-      return a.score != b.score ? a.score > b.score : a.index < b.index;
-    });
-    std::vector<uint32_t> want, want_extra;
-    uint64_t used = 0, used_wide = 0;
-    for (const ScoredChunk& c : all) {
-      const bool in_wide = used_wide + c.tokens <= budget + extra_budget;
-      if (in_wide) used_wide += c.tokens;
-      if (used + c.tokens <= budget) {
-        used += c.tokens;
-        want.push_back(c.index);
-      } else if (in_wide) {
-        want_extra.push_back(c.index);
-      }
-    }
+    std::vector<uint32_t> want_extra;
+    const std::vector<uint32_t> want = FillGreedyBySort(scored, budget, extra_budget, &want_extra);
     std::vector<uint32_t> extra;
     EXPECT_EQ(FillGreedy(scored, budget, extra_budget, &extra), want) << "trial " << trial;
     EXPECT_EQ(extra, want_extra) << "trial " << trial;

@@ -318,6 +318,27 @@ std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budge
   return out;
 }
 
+std::vector<uint32_t> FillGreedyBySort(std::vector<ScoredChunk> scored, uint64_t budget,
+                                       uint64_t extra_budget, std::vector<uint32_t>* extra) {
+  std::sort(scored.begin(), scored.end(), [](const ScoredChunk& a, const ScoredChunk& b) {
+    return a.score != b.score ? a.score > b.score : a.index < b.index;
+  });
+  std::vector<uint32_t> out;
+  extra->clear();
+  uint64_t used = 0, used_wide = 0;
+  for (const ScoredChunk& c : scored) {
+    const bool in_wide = used_wide + c.tokens <= budget + extra_budget;
+    if (in_wide) used_wide += c.tokens;
+    if (used + c.tokens <= budget) {
+      used += c.tokens;
+      out.push_back(c.index);
+    } else if (in_wide) {
+      extra->push_back(c.index);
+    }
+  }
+  return out;
+}
+
 std::vector<uint32_t> SelectChunks(v1::Ranking ranking, std::span<const float> queries, int group,
                                    int head_dim, std::span<const ChunkCandidate> candidates,
                                    uint64_t budget, uint64_t extra_budget,

@@ -102,6 +102,11 @@ struct ScoredChunk {
 // The greedy fill of SelectChunks over candidates already scored (any order).
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
                                  uint64_t extra_budget = 0, std::vector<uint32_t>* extra = nullptr);
+// FillGreedy's definition, which it must equal (for tests and benches): every candidate sorted
+// (score down, index up), then the greedy fill of `budget` and, beside it, of budget +
+// extra_budget (what only that one takes, in order, into *extra).
+std::vector<uint32_t> FillGreedyBySort(std::vector<ScoredChunk> scored, uint64_t budget,
+                                       uint64_t extra_budget, std::vector<uint32_t>* extra);
 
 // The chunk indices, best score first, whose tokens fit in `budget` together: greedy by
 // score, skipping a chunk that no longer fits. Ties go to the lower index, so the answer is
