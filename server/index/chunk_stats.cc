@@ -16,7 +16,9 @@ bool Tileable(int head_dim) { return head_dim % 32 == 0 && BestInt8Kernel() == I
 
 }  // namespace
 
-ChunkStats::ChunkStats(int head_dim) : d_(head_dim), tiled_(Tileable(head_dim)) {}
+ChunkStats::ChunkStats(int head_dim) : d_(head_dim) {}
+
+bool ChunkStats::tiled() const { return compact_ <= kMaxTiledChunks && Tileable(d_); }
 
 size_t ChunkStats::CompactChunkBytes(int head_dim) {
   const size_t d = static_cast<size_t>(head_dim);
@@ -176,15 +178,14 @@ void ChunkStats::MarkFinal(uint32_t n) {
   }
   const uint32_t was = compact_;
   compact_ = n;
-  if (tiled_ && n > kMaxTiledChunks) {  // past a scan's reach: the index reads the rows
-    tiled_ = false;
+  if (!tiled() && !tiles_.empty()) {  // past a scan's reach: the index reads the rows
     std::vector<uint8_t>().swap(tiles_);
   }
   Tile(was);
 }
 
 void ChunkStats::Tile(uint32_t from) {
-  if (!tiled_) return;
+  if (!tiled()) return;
   tiles_.resize(Int8TileBytes(compact_, 2, d_));
   for (uint32_t c = from; c < compact_; ++c) {
     for (int part = 0; part < 2; ++part) {
@@ -208,7 +209,6 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   compact_ = compact;
   final_ = 0;
   // From the codes: `from` may have let its tiles go past kMaxTiledChunks.
-  tiled_ = Tileable(d_) && compact <= kMaxTiledChunks;
   tiles_.clear();
   Tile(0);
 }
@@ -218,7 +218,7 @@ void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int 
   const uint32_t n = size();
   uint32_t from = 0;
   if (ranking == v1::RANKING_LSE_PEAK && compact_ > 0) {
-    LsePeakScoresCompact(queries, group, codes_.data(), tiled_ ? tiles_.data() : nullptr,
+    LsePeakScoresCompact(queries, group, codes_.data(), tiled() ? tiles_.data() : nullptr,
                          scales_.data(), tokens_.data(), compact_, d_, out);
     from = compact_;
   }

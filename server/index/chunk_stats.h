@@ -147,11 +147,13 @@ class ChunkStats {
   // Appends x (d_ floats) to codes_ and scales_ as bytes and their scale.
   void Narrow(const float* x);
   void Widen(uint32_t c, int part, float* out) const;
+  // Whether tiles_ holds the compact chunks (this machine's kernel reads them, and they are at
+  // most kMaxTiledChunks: compact_ never goes down, so once past it, for good).
+  bool tiled() const;
   // The tiles of compact chunks [from, compact_) from their codes, tiles_ sized for compact_.
   void Tile(uint32_t from);
 
   int d_;
-  bool tiled_;  // tiles_ kept
   std::vector<uint32_t> tokens_;
   std::vector<int8_t> codes_;
   std::vector<uint8_t> tiles_;
