@@ -1276,10 +1276,19 @@ size_t Int8TileBytes(uint32_t rows, int parts, int n) {
   return tiles * static_cast<size_t>(parts) * static_cast<size_t>(n) * kInt8TileRows;
 }
 
+namespace {
+
+// Where row r's part p begins in tiles: its first four bytes (the next four 64 bytes on).
+size_t TileRowAt(uint32_t r, int parts, int p, int n) {
+  return Int8TileBytes(r / kInt8TileRows * kInt8TileRows, parts, n) +
+         static_cast<size_t>(p) * (n / 4) * 64 + r % kInt8TileRows * 4;
+}
+
+}  // namespace
+
 void PutInt8TileRow(const int8_t* codes, uint32_t r, int parts, int p, int n, uint8_t* tiles) {
   CHECK(n % 4 == 0) << n;
-  uint8_t* at = tiles + Int8TileBytes(r / kInt8TileRows * kInt8TileRows, parts, n) +
-                static_cast<size_t>(p) * (n / 4) * 64 + r % kInt8TileRows * 4;
+  uint8_t* at = tiles + TileRowAt(r, parts, p, n);
   // Four bytes at a time: a byte plus 128 (mod 256) is the byte with its top bit flipped.
   for (int k = 0; k < n / 4; ++k) {
     uint32_t four;
@@ -1294,8 +1303,7 @@ void DotInt8GroupTilesScalar(const QueryInt8Group& q, const uint8_t* tiles, int 
   const int n = q.n();
   for (uint32_t i = 0; i < rows; ++i) {
     const uint32_t r = first + i;
-    const uint8_t* at = tiles + Int8TileBytes(r / kInt8TileRows * kInt8TileRows, parts, n) +
-                        static_cast<size_t>(p) * (n / 4) * 64 + r % kInt8TileRows * 4;
+    const uint8_t* at = tiles + TileRowAt(r, parts, p, n);
     for (int g = 0; g < q.group(); ++g) {
       const int8_t* a = q.codes(g);
       int32_t sum = 0;
