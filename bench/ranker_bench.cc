@@ -205,22 +205,13 @@ const std::vector<std::vector<ScoredChunk>>& FillSets() {
   return sets;
 }
 
-void BM_FillGreedy(benchmark::State& state) {
+// `fill` (FillGreedy, or FillGreedyBySort for the baseline) over the sets in turn.
+void BM_Fill(benchmark::State& state, decltype(&FillGreedy) fill) {
   const auto& sets = FillSets();
   std::vector<uint32_t> extra;
   size_t i = 0;
   for (auto _ : state) {
-    auto picked = FillGreedy(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
-    benchmark::DoNotOptimize(picked.data());
-  }
-}
-
-void BM_FillBySort(benchmark::State& state) {
-  const auto& sets = FillSets();
-  std::vector<uint32_t> extra;
-  size_t i = 0;
-  for (auto _ : state) {
-    auto picked = FillGreedyBySort(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
+    auto picked = fill(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
     benchmark::DoNotOptimize(picked.data());
   }
 }
@@ -230,8 +221,8 @@ BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
 BENCHMARK(BM_RankStream)->Arg(4096);
-BENCHMARK(BM_FillGreedy);
-BENCHMARK(BM_FillBySort);
+BENCHMARK_CAPTURE(BM_Fill, greedy, &FillGreedy);
+BENCHMARK_CAPTURE(BM_Fill, by_sort, &FillGreedyBySort);
 BENCHMARK(BM_LsePeakPool)->Arg(4096);
 BENCHMARK(BM_BalancedGroups);
 BENCHMARK(BM_SpanCopy);
@@ -320,9 +311,9 @@ int main(int argc, char** argv) {
                           "one KV head of a whole-chunk Select: LSE-peak score over "
                           "compact statistics, linear"}}});
   kvtier::bench::Print({"fill_greedy_us",
-                        reporter.Median("BM_FillGreedy"),
+                        reporter.Median("BM_Fill/greedy"),
                         "us",
-                        reporter.Median("BM_FillBySort"),
+                        reporter.Median("BM_Fill/by_sort"),
                         "full_sort_fill",
                         {{"candidates", std::to_string(kvtier::kFillCandidates)},
                          {"budget_tokens", "176 (a guess 64 wider)"},
