@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -222,6 +223,7 @@ void ChannelHub::ReapLocked() {
 }
 
 void ChannelHub::Serve(Channel* c) {
+  pthread_setname_np(pthread_self(), "kvtier-channel");  // else the opening gRPC thread's name
   auto* shared = reinterpret_cast<channel::Header*>(c->shm.data());
   uint64_t answered = 0;  // the last seq answered
   cpu_set_t all;          // the CPUs this thread may run on when not held on its worker's
