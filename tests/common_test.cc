@@ -935,6 +935,62 @@ TEST(MultiplyInto, EachProductRoundedOnceOnEveryPath) {
   }
 }
 
+TEST(SubtractInto, EachDifferenceRoundedOnceOnEveryPath) {
+  std::mt19937 rng(59);
+  std::normal_distribution<float> n(0, 100);
+  for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
+    std::vector<float> a(len), b(len), out(len + 1, -7.f), scalar(len + 1, -7.f);
+    for (size_t i = 0; i < len; ++i) a[i] = n(rng), b[i] = std::ldexp(n(rng), int(rng() % 40) - 20);
+    SubtractInto(a.data(), b.data(), len, out.data());
+    SubtractIntoScalar(a.data(), b.data(), len, scalar.data());
+    for (size_t i = 0; i < len; ++i) {
+      const float want = static_cast<float>(double(a[i]) - b[i]);  // exact, then rounded once
+      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want)) << len << " " << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(scalar[i]), std::bit_cast<uint32_t>(want))
+          << len << " " << i;
+    }
+    EXPECT_EQ(out[len], -7.f) << "wrote past " << len;
+  }
+}
+
+// A box widened to each point in turn keeps std::max's and std::min's bits on every path: NaN
+// points leave it as it was, an equal value of the other sign leaves the box's zero, and an
+// empty box (hi -inf, lo +inf) takes the first point.
+TEST(WidenBoxTo, IsStdMaxAndStdMinOnEveryPath) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(61);
+  std::normal_distribution<float> n(0, 1);
+  for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
+    std::vector<float> hi(len + 1, -kInf), lo(len + 1, kInf), hi2(len + 1, -kInf),
+        lo2(len + 1, kInf), want_hi(len, -kInf), want_lo(len, kInf);
+    hi[len] = lo[len] = hi2[len] = lo2[len] = -7.f;
+    for (int point = 0; point < 6; ++point) {
+      std::vector<float> x(len);
+      for (size_t i = 0; i < len; ++i) {
+        const int kind = int(rng() % 8);
+        x[i] = kind == 0 ? nan : kind == 1 ? 0.f : kind == 2 ? -0.f : n(rng);
+      }
+      WidenBoxTo(x.data(), len, hi.data(), lo.data());
+      WidenBoxToScalar(x.data(), len, hi2.data(), lo2.data());
+      for (size_t i = 0; i < len; ++i) {
+        want_hi[i] = want_hi[i] < x[i] ? x[i] : want_hi[i];
+        want_lo[i] = x[i] < want_lo[i] ? x[i] : want_lo[i];
+        for (const auto* got : {&hi, &hi2}) {
+          EXPECT_EQ(std::bit_cast<uint32_t>((*got)[i]), std::bit_cast<uint32_t>(want_hi[i]))
+              << len << " " << i;
+        }
+        for (const auto* got : {&lo, &lo2}) {
+          EXPECT_EQ(std::bit_cast<uint32_t>((*got)[i]), std::bit_cast<uint32_t>(want_lo[i]))
+              << len << " " << i;
+        }
+      }
+    }
+    EXPECT_EQ(hi[len], -7.f) << "wrote past " << len;
+    EXPECT_EQ(lo[len], -7.f) << "wrote past " << len;
+  }
+}
+
 TEST(PowerOfTwoScales, CodesSpanTheBoxExactlyOnTheSmallestScale) {
   std::mt19937 rng(43);
   std::normal_distribution<float> n(0, 1);
@@ -1028,6 +1084,28 @@ TEST(SymmetricInt8Codes, EachPathGivesTheFormulasBytes) {
       const int want = static_cast<int>(std::max(-127.0, std::min(127.0, c)));
       EXPECT_EQ(out[i], want) << "trial " << trial << " i " << i;
       EXPECT_EQ(scalar[i], want) << "trial " << trial << " i " << i;
+    }
+  }
+}
+
+// Both paths give each code times the scale, rounded once (computed here in double, where the
+// product is exact), over every code, lengths that are not multiples of 8, and scales that
+// round, overflow and underflow.
+TEST(Int8Times, EachPathGivesEachProductRoundedOnce) {
+  std::vector<int8_t> codes;
+  for (int c = -128; c <= 127; ++c) codes.push_back(static_cast<int8_t>(c));
+  for (float scale : {1.f, 0.37f, -2.5e-3f, 3e37f, 1e-44f, 0.f}) {
+    for (int len : {0, 1, 7, 8, 13, 64, 256}) {
+      const int8_t* at = codes.data() + (256 - len) / 2;
+      std::vector<float> out(len + 1, -7.f), scalar(len + 1, -7.f);
+      Int8Times(at, len, scale, out.data());
+      Int8TimesScalar(at, len, scale, scalar.data());
+      for (int i = 0; i < len; ++i) {
+        const float want = static_cast<float>(double(at[i]) * double(scale));
+        EXPECT_EQ(out[i], want) << scale << " " << len << " " << i;
+        EXPECT_EQ(scalar[i], want) << scale << " " << len << " " << i;
+      }
+      EXPECT_EQ(out[len], -7.f);  // nothing past n
     }
   }
 }

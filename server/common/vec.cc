@@ -387,6 +387,27 @@ __attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float
   MultiplyIntoScalar(a + i, b + i, n - i, out + i);
 }
 
+__attribute__((target("avx2"))) void SubtractIntoAvx(const float* a, const float* b, size_t n,
+                                                     float* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  }
+  SubtractIntoScalar(a + i, b + i, n - i, out + i);
+}
+
+// max_ps(x, hi) is x > hi ? x : hi, which is std::max(hi, x) (hi < x ? x : hi), NaNs and equal
+// values (signed zeros) included; min_ps(x, lo) likewise std::min(lo, x).
+__attribute__((target("avx2"))) void WidenBoxToAvx(const float* x, size_t n, float* hi, float* lo) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(hi + i, _mm256_max_ps(v, _mm256_loadu_ps(hi + i)));
+    _mm256_storeu_ps(lo + i, _mm256_min_ps(v, _mm256_loadu_ps(lo + i)));
+  }
+  WidenBoxToScalar(x + i, n - i, hi + i, lo + i);
+}
+
 // SymmetricInt8Codes' steps for one value: x with a NaN as 0 and the rest clamped to
 // +-FLT_MAX, and its code on the scale's inverse.
 inline float FiniteOrZero(float x) {
@@ -440,6 +461,17 @@ __attribute__((target("avx2"))) float SymmetricInt8CodesAvx2(const float* x, int
   const float top = TopMagnitudeAvx2(x, n);
   Int8CodesAvx2(x, n, top > 0.f ? 127.f / top : 0.f, codes);
   return top / 127.f;
+}
+
+__attribute__((target("avx2"))) void Int8TimesAvx2(const int8_t* codes, int n, float scale,
+                                                   float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), s));
+  }
+  Int8TimesScalar(codes + i, n - i, scale, out + i);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void ScaledCodesAvx2(const float* x, const float* inv,
@@ -1415,6 +1447,15 @@ float SymmetricInt8Codes(const float* x, int n, int8_t* codes) {
   return impl(x, n, codes);
 }
 
+void Int8TimesScalar(const int8_t* codes, int n, float scale, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+}
+
+void Int8Times(const int8_t* codes, int n, float scale, float* out) {
+  static const auto impl = Cpu().avx2 ? Int8TimesAvx2 : Int8TimesScalar;
+  impl(codes, n, scale, out);
+}
+
 void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int n, bool up,
                        int32_t* out) {
   for (int i = 0; i < n; ++i) out[i] = ScaledCode(x[i], inv[i], k0[i], up);
@@ -1522,6 +1563,29 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out) {
   static void (*const impl)(const float*, const float*, size_t, float*) =
       Cpu().avx2 ? MultiplyIntoAvx : MultiplyIntoScalar;
   impl(a, b, n, out);
+}
+
+void SubtractIntoScalar(const float* a, const float* b, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] - b[i];
+}
+
+void WidenBoxToScalar(const float* x, size_t n, float* hi, float* lo) {
+  for (size_t i = 0; i < n; ++i) {
+    hi[i] = std::max(hi[i], x[i]);
+    lo[i] = std::min(lo[i], x[i]);
+  }
+}
+
+void SubtractInto(const float* a, const float* b, size_t n, float* out) {
+  static void (*const impl)(const float*, const float*, size_t, float*) =
+      Cpu().avx2 ? SubtractIntoAvx : SubtractIntoScalar;
+  impl(a, b, n, out);
+}
+
+void WidenBoxTo(const float* x, size_t n, float* hi, float* lo) {
+  static void (*const impl)(const float*, size_t, float*, float*) =
+      Cpu().avx2 ? WidenBoxToAvx : WidenBoxToScalar;
+  impl(x, n, hi, lo);
 }
 
 size_t CountAtLeastScalar(const int32_t* keys, size_t n, int32_t t) {

@@ -230,9 +230,22 @@ void ScaledCodesScalar(const float* x, const float* inv, const int32_t* k0, int 
 // operation rounded once. Both paths give the same bytes and scale.
 float SymmetricInt8Codes(const float* x, int n, int8_t* codes);
 float SymmetricInt8CodesScalar(const float* x, int n, int8_t* codes);
+// out[i] = codes[i] * scale for i in [0, n), each product rounded once (a code widens to a
+// float exactly): the vector SymmetricInt8Codes' codes and scale stand for, the same bits on
+// every path.
+void Int8Times(const int8_t* codes, int n, float scale, float* out);
+void Int8TimesScalar(const int8_t* codes, int n, float scale, float* out);
 
 // out[i] = a[i] * b[i] for i in [0, n) (each product rounded once: the same on every path).
 void MultiplyInto(const float* a, const float* b, size_t n, float* out);
+// out[i] = a[i] - b[i] for i in [0, n) (each difference rounded once: the same on every path).
+void SubtractInto(const float* a, const float* b, size_t n, float* out);
+void SubtractIntoScalar(const float* a, const float* b, size_t n, float* out);
+// hi[i] = std::max(hi[i], x[i]) and lo[i] = std::min(lo[i], x[i]) for i in [0, n): a box over
+// [lo, hi] widened to cover x, with std::max's and std::min's answers to NaNs and signed zeros
+// (hi or lo stays) on every path.
+void WidenBoxTo(const float* x, size_t n, float* hi, float* lo);
+void WidenBoxToScalar(const float* x, size_t n, float* hi, float* lo);
 
 // The largest of n floats (-inf for none).
 float MaxOf(const float* x, size_t n);

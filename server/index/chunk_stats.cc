@@ -34,9 +34,7 @@ void ChunkStats::Narrow(const float* x) {
 }
 
 void ChunkStats::Widen(uint32_t c, int part, float* out) const {
-  const int8_t* q = &codes_[Code(c, part)];
-  const float scale = scales_[ScaleAt(c, part)];
-  for (int j = 0; j < d_; ++j) out[j] = static_cast<float>(q[j]) * scale;
+  Int8Times(&codes_[Code(c, part)], d_, scales_[ScaleAt(c, part)], out);
 }
 
 void ChunkStats::Mean(uint32_t c, float* out) const {

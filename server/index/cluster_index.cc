@@ -20,7 +20,7 @@ namespace {
 // |x - y|^2 in float over n <= 1024 floats (a [mean | peak] point at head_dim 512).
 float SquaredDistance(const float* x, const float* y, int n) {
   float diff[1024];
-  for (int j = 0; j < n; ++j) diff[j] = x[j] - y[j];
+  SubtractInto(x, y, static_cast<size_t>(n), diff);
   return Dot(diff, diff, n);
 }
 
@@ -103,12 +103,8 @@ void ClusterIndex::BoxOver(std::span<const uint32_t> chunks, const ChunkStats& a
     Mean(ch, a, mu);
     Peak(ch, a, p);
     WidenTokens(b, a.tokens(ch));
-    for (size_t j = 0; j < d; ++j) {
-      box[kMuHi * d + j] = std::max(box[kMuHi * d + j], mu[j]);
-      box[kMuLo * d + j] = std::min(box[kMuLo * d + j], mu[j]);
-      box[kPeakHi * d + j] = std::max(box[kPeakHi * d + j], p[j]);
-      box[kPeakLo * d + j] = std::min(box[kPeakLo * d + j], p[j]);
-    }
+    WidenBoxTo(mu, d, &box[kMuHi * d], &box[kMuLo * d]);
+    WidenBoxTo(p, d, &box[kPeakHi * d], &box[kPeakLo * d]);
   }
 }
 
