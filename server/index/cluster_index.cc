@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <queue>
 #include <string>
@@ -127,11 +128,15 @@ void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, const Grid* grid, f
     }
     return;
   }
-  // The halves out of their tile, then widened eight at a time (exactly; a -0 comes out +0,
-  // which nothing reading a lane tells apart).
   uint16_t halves[kBoxParts * kMaxHeadDim];
   const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];
   for (size_t r = 0; r < BoxRows(); ++r) halves[r] = col[r * w];
+  BoxFloats(halves, box);
+}
+
+void ClusterIndex::BoxFloats(const uint16_t* halves, float* box) const {
+  // Widened eight at a time (exactly; a -0 comes out +0, which nothing reading a box tells
+  // apart).
   std::fill_n(box, BoxRows(), 0.f);
   AddRows(HalfKind::kFp16, halves, 1, static_cast<int>(BoxRows()), box);
 }
@@ -222,7 +227,8 @@ void ClusterIndex::Reserve(Block& blk, uint32_t lane) const {
     if (old_w == 0) return;
     auto* at = &v[static_cast<size_t>(t) * rows];
     for (size_t r = rows; r-- > 0;) {
-      for (uint32_t i = new_w; i-- > 0;) at[r * new_w + i] = i < old_w ? at[r * old_w + i] : 0;
+      std::memmove(at + r * new_w, at + r * old_w, old_w * sizeof *at);
+      std::fill(at + r * new_w + old_w, at + (r + 1) * new_w, 0);
     }
   };
   if (blk.coded) {
@@ -329,10 +335,8 @@ void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float*
   for (int part = 0; part < kBoxParts; ++part) {
     finite &= WidenHalves(&rounded[part * d], d_, IsUpper(part), &box[part * d]);
   }
-  for (size_t r = 0; r < BoxRows(); ++r) {
-    col[r * w] = box[r];
-    out[r] = HalfToFloat(box[r]);
-  }
+  for (size_t r = 0; r < BoxRows(); ++r) col[r * w] = box[r];
+  BoxFloats(box, out);
   if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 
