@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "server/common/error.h"
 #include "server/common/fp16.h"
 #include "server/common/log.h"
@@ -685,6 +686,78 @@ TEST(SquaredDistances, EachLaneIsTheRowLoopOnBothPaths) {
           exact += std::pow(double(cols[size_t(j) * stride + i]) - point[j], 2);
         }
         EXPECT_NEAR(out[i], exact, 1e-5 * (1 + exact));
+      }
+    }
+  }
+}
+
+// BoxGrowthBelow, on halves and on floats: true with BoxGrowth's bits whenever some lane's
+// offset + whole growth does not exceed the bound (it may not stop then); false only when every
+// lane's does. On this machine's AVX2 path a bound below every offset stops it at the first
+// look (16 channels), so that a search can count on passing such tiles over.
+TEST(BoxGrowthBelow, StopsOnlyWhenEveryLaneExceedsTheBound) {
+  std::mt19937 rng(67);
+  std::normal_distribution<float> n(0, 1);
+  for (int m : {1, 15, 16, 33, 64}) {
+    for (int lanes : {1, 7, 8, 9, 16}) {
+      const int stride = 16;
+      std::vector<uint16_t> cols(size_t(2 * m) * stride + 8);
+      for (int j = 0; j < m; ++j) {
+        for (int i = 0; i < stride; ++i) {
+          float a = n(rng), b = n(rng);
+          if (a < b) std::swap(a, b);
+          cols[size_t(j) * stride + i] = FloatToHalfUp(a);
+          cols[size_t(m + j) * stride + i] = FloatToHalfDown(b);
+        }
+      }
+      std::vector<float> fcols(cols.size());
+      for (size_t k = 0; k < cols.size(); ++k) fcols[k] = HalfToFloat(cols[k]);
+      std::vector<float> x(m), offset(lanes);
+      for (float& v : x) v = 2.f * n(rng);
+      for (float& v : offset) v = std::fabs(n(rng));
+      std::vector<float> grow(lanes), width(lanes);
+      BoxGrowth(x.data(), 1, m, cols.data(), stride, lanes, grow.data(), width.data());
+      for (const bool with_offset : {false, true}) {
+        std::vector<float> total(lanes);
+        for (int i = 0; i < lanes; ++i) total[i] = (with_offset ? offset[i] : 0.f) + grow[i];
+        const float least = *std::min_element(total.begin(), total.end());
+        const float most = *std::max_element(total.begin(), total.end());
+        const float* off = with_offset ? offset.data() : nullptr;
+        for (const float bound : {-1.f, std::nextafter(least, -1e30f), least, most, 1e30f}) {
+          bool every_above = true;
+          for (float t : total) every_above = every_above && t > bound;
+          std::vector<float> g(lanes + 1, -7.f), w(lanes + 1, -7.f), fg(lanes, -7.f),
+              fw(lanes, -7.f), sg(lanes, -7.f), sw(lanes, -7.f);
+          const bool whole = BoxGrowthBelow(x.data(), 1, m, cols.data(), stride, lanes, off, bound,
+                                            g.data(), w.data());
+          const bool fwhole = BoxGrowthBelow(x.data(), 1, m, fcols.data(), stride, lanes, off,
+                                             bound, fg.data(), fw.data());
+          EXPECT_TRUE(BoxGrowthBelowScalar(x.data(), 1, m, cols.data(), stride, lanes, off, bound,
+                                           sg.data(), sw.data()));
+          const std::string at =
+              absl::StrCat("m ", m, " lanes ", lanes, " offset ", with_offset, " bound ", bound);
+          if (!every_above) {
+            EXPECT_TRUE(whole) << at;
+            EXPECT_TRUE(fwhole) << at;
+          }
+          if (bound == -1.f && m >= 16 && AddRowsIsVectorized()) {
+            EXPECT_FALSE(whole) << at;
+            EXPECT_FALSE(fwhole) << at;
+          }
+          for (int i = 0; i < lanes; ++i) {
+            EXPECT_EQ(std::bit_cast<uint32_t>(sg[i]), std::bit_cast<uint32_t>(grow[i])) << at;
+            EXPECT_EQ(std::bit_cast<uint32_t>(sw[i]), std::bit_cast<uint32_t>(width[i])) << at;
+            if (whole) {
+              EXPECT_EQ(std::bit_cast<uint32_t>(g[i]), std::bit_cast<uint32_t>(grow[i])) << at;
+              EXPECT_EQ(std::bit_cast<uint32_t>(w[i]), std::bit_cast<uint32_t>(width[i])) << at;
+            }
+            if (fwhole) {
+              EXPECT_EQ(std::bit_cast<uint32_t>(fg[i]), std::bit_cast<uint32_t>(grow[i])) << at;
+              EXPECT_EQ(std::bit_cast<uint32_t>(fw[i]), std::bit_cast<uint32_t>(width[i])) << at;
+            }
+          }
+          EXPECT_EQ(g[lanes], -7.f) << at;
+        }
       }
     }
   }

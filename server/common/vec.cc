@@ -328,11 +328,38 @@ __attribute__((target("avx2,fma,f16c"))) void DotColumnsAvx2(const float* a, int
 
 // BoxGrowth for G groups of 8 lanes (cols starts at the first), every row read once; the
 // sums go to grow[0, 8 G) and width[0, 8 G).
-template <int G, typename T>
-__attribute__((target("avx2,fma,f16c"))) inline void BoxGrowthLanes(const float* x, int pairs,
+// Where BoxGrowthBelow may stop: lanes [0, lanes) of the pass, each with its offset.
+struct GrowthCut {
+  const float* offset;  // null: 0
+  float bound;
+  int lanes;
+};
+
+// The lanes of `g` (eight per register, G registers) whose offset + g exceeds cut.bound, or that
+// lie past cut.lanes: all of them when every lane that counts does.
+template <int G>
+__attribute__((target("avx2,fma,f16c"))) inline bool EveryLaneAbove(const __m256* g,
+                                                                    const GrowthCut& cut) {
+  const __m256 bound = _mm256_set1_ps(cut.bound);
+  int above = 0;
+  for (int k = 0; k < G; ++k) {
+    const __m256 off =
+        cut.offset != nullptr ? _mm256_loadu_ps(cut.offset + 8 * k) : _mm256_setzero_ps();
+    above |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(off, g[k]), bound, _CMP_GT_OQ))
+             << (8 * k);
+  }
+  const int counted = (1 << cut.lanes) - 1;
+  return (above & counted) == counted;
+}
+
+// With a cut (kCut), every 16 channels: false (the outputs unwritten) once every lane's
+// offset + growth so far exceeds the cut's bound.
+template <int G, bool kCut, typename T>
+__attribute__((target("avx2,fma,f16c"))) inline bool BoxGrowthLanes(const float* x, int pairs,
                                                                     int m, const T* cols,
                                                                     int stride, float* grow,
-                                                                    float* width) {
+                                                                    float* width,
+                                                                    const GrowthCut* cut) {
   const __m256 zero = _mm256_setzero_ps();
   __m256 g[G], w[G];
   for (int k = 0; k < G; ++k) g[k] = w[k] = zero;
@@ -348,12 +375,16 @@ __attribute__((target("avx2,fma,f16c"))) inline void BoxGrowthLanes(const float*
         g[k] = _mm256_add_ps(g[k], _mm256_max_ps(_mm256_sub_ps(lo, xv), zero));
         w[k] = _mm256_add_ps(w[k], _mm256_sub_ps(hi, lo));
       }
+      if constexpr (kCut) {
+        if (j % 16 == 15 && EveryLaneAbove<G>(g, *cut)) return false;
+      }
     }
   }
   for (int k = 0; k < G; ++k) {
     _mm256_storeu_ps(grow + 8 * k, g[k]);
     _mm256_storeu_ps(width + 8 * k, w[k]);
   }
+  return true;
 }
 
 template <typename T>
@@ -365,13 +396,30 @@ __attribute__((target("avx2,fma,f16c"))) void BoxGrowthAvx2(const float* x, int 
   for (int first = 0; first < lanes; first += 16) {
     const int n = std::min(16, lanes - first);
     if (n > 8) {
-      BoxGrowthLanes<2>(x, pairs, m, cols + first, stride, g, w);
+      BoxGrowthLanes<2, false>(x, pairs, m, cols + first, stride, g, w, nullptr);
     } else {
-      BoxGrowthLanes<1>(x, pairs, m, cols + first, stride, g, w);
+      BoxGrowthLanes<1, false>(x, pairs, m, cols + first, stride, g, w, nullptr);
     }
     std::copy_n(g, n, grow + first);
     std::copy_n(w, n, width + first);
   }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) bool BoxGrowthBelowAvx2(const float* x, int pairs, int m,
+                                                                 const T* cols, int stride,
+                                                                 int lanes, const float* offset,
+                                                                 float bound, float* grow,
+                                                                 float* width) {
+  float g[16], w[16], off[16] = {};
+  if (offset != nullptr) std::copy_n(offset, lanes, off);
+  const GrowthCut cut{offset != nullptr ? off : nullptr, bound, lanes};
+  const bool whole = lanes > 8 ? BoxGrowthLanes<2, true>(x, pairs, m, cols, stride, g, w, &cut)
+                               : BoxGrowthLanes<1, true>(x, pairs, m, cols, stride, g, w, &cut);
+  if (!whole) return false;
+  std::copy_n(g, lanes, grow);
+  std::copy_n(w, lanes, width);
+  return true;
 }
 
 void MultiplyIntoScalar(const float* a, const float* b, size_t n, float* out) {
@@ -1419,6 +1467,40 @@ void BoxGrowthScalar(const float* x, int pairs, int m, const uint16_t* cols, int
 void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
                      float* grow, float* width) {
   BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
+}
+
+bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
+                          int lanes, const float*, float, float* grow, float* width) {
+  BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
+  return true;
+}
+
+bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const float* cols, int stride,
+                          int lanes, const float*, float, float* grow, float* width) {
+  BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
+  return true;
+}
+
+bool BoxGrowthBelow(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+                    const float* offset, float bound, float* grow, float* width) {
+  CHECK(lanes > 0 && lanes <= 16) << lanes;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c
+          ? BoxGrowthBelowAvx2<uint16_t>
+          : static_cast<bool (*)(const float*, int, int, const uint16_t*, int, int, const float*,
+                                 float, float*, float*)>(BoxGrowthBelowScalar);
+  return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
+}
+
+bool BoxGrowthBelow(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+                    const float* offset, float bound, float* grow, float* width) {
+  CHECK(lanes > 0 && lanes <= 16) << lanes;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c
+          ? BoxGrowthBelowAvx2<float>
+          : static_cast<bool (*)(const float*, int, int, const float*, int, int, const float*,
+                                 float, float*, float*)>(BoxGrowthBelowScalar);
+  return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
 }
 
 void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,

@@ -162,6 +162,19 @@ void BoxGrowth(const float* x, int pairs, int m, const float* cols, int stride, 
                float* grow, float* width);
 void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
                      float* grow, float* width);
+// BoxGrowth over lanes in (0, 16], stopping early: false, grow and width then unwritten, once
+// every lane's offset[i] + growth so far (offset null: 0) exceeds `bound`, so that its whole
+// growth would too (every term is >= 0, and a rounded sum never falls as a term >= 0 is added,
+// nor does offset[i] + it). Else true, with BoxGrowth's bits. How often a path looks is its
+// own (the AVX2 one every 16 channels; the scalar one never stops).
+bool BoxGrowthBelow(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
+                    const float* offset, float bound, float* grow, float* width);
+bool BoxGrowthBelow(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
+                    const float* offset, float bound, float* grow, float* width);
+bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
+                          int lanes, const float* offset, float bound, float* grow, float* width);
+bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const float* cols, int stride,
+                          int lanes, const float* offset, float bound, float* grow, float* width);
 
 // out[r * out_stride + i] = fma(codes[r * stride + i], step[r], base[r]) for r in [0, rows), i
 // in [0, lanes): bytes decoded on a scale per row, each correctly rounded (one fused

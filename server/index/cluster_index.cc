@@ -374,7 +374,7 @@ void ClusterIndex::SetScalars(Lane l, Bounds& b, const LaneMeasure& m) const {
 }
 
 uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const float* point,
-                                    const Grid* grid, float* growth) const {
+                                    const Grid* grid, float* growth, uint32_t first) const {
   const int pairs = opt_.cluster_by_peak ? 2 : 1;  // [mu_hi | mu_lo] (| [peak_hi | peak_lo])
   constexpr float kInf = std::numeric_limits<float>::infinity();
   float grow[kTile], width[kTile], more[kTile], wider[kTile];
@@ -384,7 +384,10 @@ uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const floa
   // A coded tile's boxes decoded first, kTile lanes a row (scratch kept between calls).
   thread_local std::vector<float> decoded;
   if (blk.coded) decoded.resize(BoxRows() * kTile);
-  for (uint32_t t = 0; t < lanes; t += kTile) {
+  const uint32_t first_tile = first < lanes ? first / kTile * kTile : 0;
+  for (uint32_t i = 0; i < lanes; i += kTile) {
+    // first_tile, then the others in order.
+    const uint32_t t = i == 0 ? first_tile : i <= first_tile ? i - kTile : i;
     const uint32_t n = std::min(kTile, lanes - t);
     int w = static_cast<int>(TileWidth(blk, t));
     const uint16_t* halves = blk.coded ? nullptr : &blk.box[BoxIndex(blk, t, 0)];
@@ -396,24 +399,24 @@ uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const floa
       }
       w = kTile;
     }
-    auto box_growth = [&](const float* x, size_t row, float* g, float* width) {
-      if (blk.coded) {
-        BoxGrowth(x, 1, d_, decoded.data() + row * w, w, static_cast<int>(n), g, width);
-      } else {
-        BoxGrowth(x, 1, d_, halves + row * w, w, static_cast<int>(n), g, width);
-      }
+    // False once every lane's `offset` plus growth so far exceeds the best so far: none of
+    // them can be the least widened (every term is >= 0).
+    auto box_growth = [&](const float* x, size_t row, const float* offset, float* g, float* width) {
+      return blk.coded ? BoxGrowthBelow(x, 1, d_, decoded.data() + row * w, w, static_cast<int>(n),
+                                        offset, best_grow, g, width)
+                       : BoxGrowthBelow(x, 1, d_, halves + row * w, w, static_cast<int>(n), offset,
+                                        best_grow, g, width);
     };
-    // With the peak (cluster_by_peak), its growth first: every term is >= 0, so a tile none of
-    // whose lanes grows less than the best so far over the peak alone is passed without
-    // reading its mean boxes. (Measured at 128K tokens, the peak's growth prunes; the mean's
-    // would not.)
+    // With the peak (cluster_by_peak), its growth first: a tile none of whose lanes grows less
+    // than the best so far over the peak alone is passed without reading its mean boxes, and
+    // the mean's growth stops once no lane's sum of the two can be the least.
     if (pairs == 2) {
-      box_growth(point + d_, static_cast<size_t>(2) * d_, grow, width);
+      if (!box_growth(point + d_, static_cast<size_t>(2) * d_, nullptr, grow, width)) continue;
       float least = kInf;
       for (uint32_t i = 0; i < n; ++i) least = std::min(least, grow[i]);
       if (least > best_grow) continue;
     }
-    box_growth(point, 0, more, wider);
+    if (!box_growth(point, 0, pairs == 2 ? grow : nullptr, more, wider)) continue;
     for (uint32_t i = 0; i < n; ++i) {
       grow[i] = pairs == 2 ? grow[i] + more[i] : more[i];
       width[i] = pairs == 2 ? width[i] + wider[i] : wider[i];
@@ -422,7 +425,8 @@ uint32_t ClusterIndex::LeastWidened(const Block& blk, uint32_t lanes, const floa
       // An unbounded lane (a box beyond the half range: infinite or NaN width) is taken only
       // when no lane is bounded.
       const float g = std::isfinite(width[i]) ? grow[i] : kInf;
-      if (g < best_grow || (g == best_grow && width[i] < best_width)) {
+      if (g < best_grow ||
+          (g == best_grow && (width[i] < best_width || (width[i] == best_width && t + i < best)))) {
         best = t + i, best_grow = g, best_width = width[i];
       }
     }
@@ -621,7 +625,8 @@ void ClusterIndex::Add(uint32_t chunk, const ChunkStats& a) {
   ChunkPoint(chunk, a, point.data());
   float unit_growth = 0, cluster_growth = 0;
   const uint32_t best_unit = LeastWidened(units_block_, static_cast<uint32_t>(units_.size()),
-                                          point.data(), nullptr, &unit_growth);
+                                          point.data(), nullptr, &unit_growth, last_unit_);
+  last_unit_ = best_unit;
   const Unit& unit = units_[best_unit];
   thread_local Grid grid, now;  // scratch, kept between calls
   GridOf(best_unit, &grid);

@@ -273,9 +273,10 @@ class ClusterIndex {
   // The lane among blk's first `lanes` (at least one) whose boxes `point` ([mu | peak], 2 *
   // head_dim floats) widens least, ties to the narrowest (BoxGrowth), then to the lowest lane.
   // `growth` (when given) gets the chosen lane's growth: 0 when the point lies in its boxes.
-  // grid: a coded block's (exact).
+  // grid: a coded block's (exact). The tile of lane `first` is looked at first (any lane gives
+  // the same answer; the likelier the winner, the sooner the rest are passed over).
   uint32_t LeastWidened(const Block& blk, uint32_t lanes, const float* point, const Grid* grid,
-                        float* growth = nullptr) const;
+                        float* growth = nullptr, uint32_t first = 0) const;
 
   struct Cluster {
     Bounds b;
@@ -401,6 +402,7 @@ class ClusterIndex {
   Block units_block_;              // every unit's bounds, lane u = units_[u]
   std::vector<uint32_t> node_of_;  // chunk -> cluster, kNone if not indexed
   size_t num_chunks_ = 0;
+  uint32_t last_unit_ = 0;  // the unit the last Add chose: the next chunk's likely one
 };
 
 }  // namespace kvtier
