@@ -771,5 +771,42 @@ TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
   }
 }
 
+// A slice whose deadline has passed indexes one chunk, of the first head with any left, and
+// leaves none final outside the index: one call per chunk of each head, then the same index as
+// IndexLayer's.
+TEST(AgeLayer, AnIndexSlicePastItsDeadlineTakesOneChunk) {
+  LayerEnv e, twin;
+  e.policy.set_cold_precision(v1::PRECISION_FP16);
+  twin.policy.set_cold_precision(v1::PRECISION_FP16);
+  e.Append(0, 256);
+  twin.Append(0, 256);
+  int calls = 0;
+  uint64_t final_total = 0;
+  for (;;) {
+    const bool more =
+        IndexLayerSlice(e.ctx(), e.tokens, e.heads, &e.state, 3, absl::InfinitePast());
+    ++calls;
+    uint64_t now = 0;
+    for (const Stream& s : e.heads) {
+      now += s.stats().final_chunks();
+      // Every final chunk but the sink (chunk 0) is in the index.
+      EXPECT_EQ(s.index() ? s.index()->num_chunks() : 0u,
+                s.stats().final_chunks() > 0 ? s.stats().final_chunks() - 1 : 0u);
+    }
+    EXPECT_EQ(now, final_total + 1) << "call " << calls;
+    final_total = now;
+    if (!more) break;
+    ASSERT_LT(calls, 40);
+  }
+  EXPECT_EQ(calls, 24);  // 12 aged-out chunks of each of two heads
+  IndexLayer(twin.ctx(), twin.tokens, twin.heads, &twin.state);
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_EQ(e.heads[h].stats().final_chunks(), 12u);
+    EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
+    EXPECT_EQ(e.heads[h].index()->num_clusters(), twin.heads[h].index()->num_clusters());
+    EXPECT_EQ(e.heads[h].index()->CheckInvariants(e.heads[h].stats()), "");
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

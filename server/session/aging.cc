@@ -250,7 +250,7 @@ void CommitQuant(std::span<Stream> heads, AgingState* state, QuantJob&& job) {
 }
 
 bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
-                     AgingState* state, uint32_t max_chunks) {
+                     AgingState* state, uint32_t max_chunks, absl::Time deadline) {
   // Peaks first, at most `max_chunks` more of them too; a chunk enters the index only with
   // its peak.
   const uint32_t aged = AgedOutChunks(ctx.policy, tokens, heads[0]);
@@ -259,11 +259,15 @@ bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream>
   if (ctx.cold_bits() != 0) limit = std::min(limit, state->quantized);
   bool more = state->peaked < aged;
   limit = std::min(limit, state->peaked);
+  bool added = false;  // one chunk at least, whatever the deadline
   for (Stream& s : heads) {
     const uint32_t from = s.stats().final_chunks();
     const uint32_t to = from + std::min(max_chunks, limit > from ? limit - from : 0);
-    s.Finalize(to, ctx.policy.sink_tokens(), ctx.policy.ranking());
-    more = more || to < limit;
+    if (to == from) continue;
+    if (added && absl::Now() > deadline) return true;  // this head's chunks wait
+    const uint32_t got = s.Finalize(to, ctx.policy.sink_tokens(), ctx.policy.ranking(), deadline);
+    added = true;
+    more = more || got < limit;
   }
   return more;
 }

@@ -125,10 +125,12 @@ void RunQuant(const SpanContext& ctx, QuantJob* job);
 void CommitQuant(std::span<Stream> heads, AgingState* state, QuantJob&& job);
 
 // IndexLayer a slice at a time: at most `max_chunks` more chunks get their peaks and at most
-// `max_chunks` more of each head enter the index; returns whether any peak or chunk that could
-// be made or enter is still left out.
+// `max_chunks` more of each head enter the index, and none more once `deadline` has passed
+// (after at least one); returns whether any peak or chunk that could be made or enter is still
+// left out.
 bool IndexLayerSlice(const AgingContext& ctx, uint64_t tokens, std::span<Stream> heads,
-                     AgingState* state, uint32_t max_chunks);
+                     AgingState* state, uint32_t max_chunks,
+                     absl::Time deadline = absl::InfiniteFuture());
 
 // The chunks [0, n) of a layer holding `tokens` that lie wholly before its recent window.
 uint32_t AgedOutChunks(const v1::SessionPolicy& policy, uint64_t tokens, const Stream& head0);

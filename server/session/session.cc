@@ -334,8 +334,8 @@ void Session::AgeQueuedLayer(uint32_t l) {
 
 void Session::AgeLayerInPool(uint32_t l) {
   // The heavy steps (regrouping a span, quantizing chunks) run without the lock; what runs
-  // under it is bounded by kAgingSlice chunks of each head, so that an append or a Select
-  // waits for at most one slice, not for a layer's whole backlog.
+  // under it is bounded by kAgingSlice chunks of each head (and, indexing, kAgingSliceTime), so
+  // that an append or a Select waits for at most one slice, not for a layer's whole backlog.
   bool quant_stuck = false;  // no slots for quantizing: the rest waits for the next run
   for (;;) {
     std::optional<SpanJob> job;
@@ -354,8 +354,8 @@ void Session::AgeLayerInPool(uint32_t l) {
       }
       if (!job && !quant) {
         const uint64_t before = LayerHeapBytes(l);
-        const bool more =
-            IndexLayerSlice(aging(), layer.tokens, heads(l), &layer.aging, kAgingSlice);
+        const bool more = IndexLayerSlice(aging(), layer.tokens, heads(l), &layer.aging,
+                                          kAgingSlice, absl::Now() + kAgingSliceTime);
         charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
         if (!more) {
           layer.aged_tokens = layer.tokens;

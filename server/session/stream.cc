@@ -277,22 +277,33 @@ void Stream::ComputePeak(uint32_t c, const ChunkFormat& f) {
   stats_.ComputePeak(c, f.kind(), f.Fp16Rows(chunks_[c], scratch));
 }
 
-void Stream::Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking) {
+uint32_t Stream::Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking,
+                          absl::Time deadline) {
   const uint32_t from = stats_.final_chunks();
-  if (n <= from) return;
-  stats_.MarkFinal(n);
-  for (uint32_t c = from; c < n; ++c) {
-    if (chunks_[c].first < sink_tokens) continue;  // sinks are always returned
-    if (!index_) {
-      // Clustered for the ranking the session has now; a later change of ranking leaves the
-      // answers exact, only the search's work tuned for the other.
-      ClusterIndex::Options options;
-      options.cluster_by_peak = ranking == v1::RANKING_LSE_PEAK;
-      index_ = std::make_unique<ClusterIndex>(stats_.head_dim(), options);
+  if (n <= from) return from;
+  // Without a deadline, every chunk's statistics at once; with one, a chunk at a time, each
+  // final before it enters the index (only final chunks may), so that the chunks past a stop
+  // stay out of both.
+  const bool bounded = deadline != absl::InfiniteFuture();
+  if (!bounded) stats_.MarkFinal(n);
+  uint32_t c = from;
+  while (c < n) {
+    if (bounded) stats_.MarkFinal(c + 1);
+    if (chunks_[c].first >= sink_tokens) {  // sinks are always returned
+      if (!index_) {
+        // Clustered for the ranking the session has now; a later change of ranking leaves the
+        // answers exact, only the search's work tuned for the other.
+        ClusterIndex::Options options;
+        options.cluster_by_peak = ranking == v1::RANKING_LSE_PEAK;
+        index_ = std::make_unique<ClusterIndex>(stats_.head_dim(), options);
+      }
+      index_->Add(c, stats_);
     }
-    index_->Add(c, stats_);
+    ++c;
+    if (bounded && absl::Now() > deadline) break;
   }
   if (index_) index_bytes_ = index_->MemoryBytes();
+  return c;
 }
 
 void Stream::ForkFrom(const Stream& src, uint32_t keep, uint64_t from, uint64_t to, uint32_t piece,

@@ -29,6 +29,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/quant_layout.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "server/common/vec.h"
@@ -268,8 +270,11 @@ class Stream {
   // Chunk c's peak, from its keys as attention reads them.
   void ComputePeak(uint32_t c, const ChunkFormat& f);
   // Chunks [0, n) have final statistics: each that is not a sink (first < sink_tokens) enters
-  // the index, which is made on first use, clustered for `ranking`. Smaller n: a no-op.
-  void Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking);
+  // the index, which is made on first use, clustered for `ranking`. Smaller n: a no-op. Past
+  // `deadline` it stops after the chunk in hand (at least one), so that a caller under a lock
+  // holds it for a bounded while; returns the chunks final now (n, or fewer when it stopped).
+  uint32_t Finalize(uint32_t n, uint64_t sink_tokens, v1::Ranking ranking,
+                    absl::Time deadline = absl::InfiniteFuture());
 
   // A fork's stream: the first `keep` chunks of `src` shared (their statistics copied, not yet
   // final here), then the rows of positions [from, to) copied, in position order, into new
