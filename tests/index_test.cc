@@ -404,7 +404,7 @@ std::vector<std::vector<uint32_t>> ReferenceGroups(const std::vector<float>& x, 
   return groups;
 }
 
-// The daemon's assignment (rows' sorted pairs merged through a heap) is the reference's, on
+// The daemon's assignment (deferred acceptance: no sort of the pairs) is the reference's, on
 // random rows and on rows of few distinct values, where many distances tie.
 TEST(BalancedGroups, EqualsTheFullSortGreedyAssignment) {
   std::mt19937 rng(11);

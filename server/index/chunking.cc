@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -106,19 +105,36 @@ void Transpose(const float* rows, uint32_t n, int d, float* cols, size_t stride)
   }
 }
 
-// order = the rows 0..n-1 by the bits of dist[r] (distances: never negative, so their bits
-// order as they do), equal ones in row order: a stable radix sort, a byte at a time, that
-// skips a byte every distance shares.
-void RowsByDistance(const float* dist, uint32_t n, uint32_t* order, uint32_t* spare) {
-  std::iota(order, order + n, 0u);
-  for (int shift = 0; shift < 32; shift += 8) {
-    auto digit = [&](uint32_t r) { return (std::bit_cast<uint32_t>(dist[r]) >> shift) & 255; };
-    uint32_t start[257] = {};
-    for (uint32_t r = 0; r < n; ++r) ++start[digit(r) + 1];
-    if (start[digit(0) + 1] == n) continue;
-    for (int b = 0; b < 256; ++b) start[b + 1] += start[b];
-    for (uint32_t i = 0; i < n; ++i) spare[start[digit(order[i])]++] = order[i];
-    std::copy_n(spare, n, order);
+typedef int32_t Ints4 __attribute__((vector_size(16)));
+
+// least[r] = the least of dist[g * stride + r] over centers g in [0, k), at[r] = that g, ties
+// to the lower one: four rows at a time, each lane comparing as the plain loop does (a NaN
+// never replaces, nor is replaced by less than itself).
+void Closest(const float* dist, uint32_t n, uint32_t k, size_t stride, float* least, uint32_t* at) {
+  uint32_t r = 0;
+  for (; r + 4 <= n; r += 4) {
+    Lanes4 best;
+    std::memcpy(&best, dist + r, sizeof best);
+    Ints4 where = {0, 0, 0, 0};
+    for (uint32_t g = 1; g < k; ++g) {
+      Lanes4 v;
+      std::memcpy(&v, dist + g * stride + r, sizeof v);
+      const Ints4 closer = v < best;
+      best = closer ? v : best;
+      where = closer ? Ints4{int32_t(g), int32_t(g), int32_t(g), int32_t(g)} : where;
+    }
+    std::memcpy(least + r, &best, sizeof best);
+    for (int i = 0; i < 4; ++i) at[r + i] = static_cast<uint32_t>(where[i]);
+  }
+  for (; r < n; ++r) {
+    float best = dist[r];
+    uint32_t where = 0;
+    for (uint32_t g = 1; g < k; ++g) {
+      const float v = dist[g * stride + r];
+      if (v < best) best = v, where = g;
+    }
+    least[r] = best;
+    at[r] = where;
   }
 }
 
@@ -182,8 +198,8 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
     return uint64_t{std::bit_cast<uint32_t>(dist)} << 32 | (uint64_t{r} << bits | g);
   };
   std::vector<float> least(n);  // each row's closest center's distance, and that center
-  std::vector<uint32_t> least_g(n), order(n), spare(n);
-  std::vector<uint64_t> offers(n), again;
+  std::vector<uint32_t> least_g(n), held_count(k);
+  std::vector<uint64_t> held(size_t{k} * size);  // the pairs each center holds
   std::vector<uint32_t> group_of(n), last_group_of;
   const int last_round = std::max(rounds, 1) - 1;
   for (int round = 0; round <= last_round; ++round) {
@@ -191,48 +207,43 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
       SquaredDistances(cols.data(), stride, static_cast<int>(n), d, &centers[g * d], &dist[g * n8]);
     }
     // Assigning the closest pairs first while the center has room, as if every pair were
-    // sorted, visits only each unplaced row's closest pair not yet refused. Each row first
-    // offers its closest pair (ties to the lower center); those offers are taken in order, and
-    // a refused row's next offer (the smallest of its pairs above the refused one: pairs are
-    // distinct, and some center has room) waits in a heap, merged with the rest in order.
-    // Few rows are refused, so the heap stays small.
-    for (uint32_t r = 0; r < n; ++r) {
-      float best = dist[r];
-      uint32_t at = 0;
-      for (uint32_t g = 1; g < k; ++g) {
-        const float v = dist[g * n8 + r];
-        if (v < best) best = v, at = g;
-      }
-      least[r] = best;
-      least_g[r] = at;
-    }
-    RowsByDistance(least.data(), n, order.data(), spare.data());
-    for (uint32_t i = 0; i < n; ++i) offers[i] = key(least[order[i]], order[i], least_g[order[i]]);
-    again.clear();
-    std::vector<uint32_t> room(k, size);
-    size_t next = 0;
-    for (uint32_t left = n; left > 0;) {
-      uint64_t pair;
-      if (!again.empty() && (next == n || again.front() < offers[next])) {
-        std::pop_heap(again.begin(), again.end(), std::greater<>());
-        pair = again.back();
-        again.pop_back();
-      } else {
-        pair = offers[next++];
-      }
-      const uint32_t r = static_cast<uint32_t>(pair) >> bits, g = pair & g_mask;
-      if (room[g] > 0) {  // placed; its other pairs are never offered
-        group_of[r] = g;
-        --room[g];
-        --left;
-      } else {
+    // sorted, is the one stable assignment of rows to centers whose preferences are that
+    // order of pairs (the smallest pair is in every stable assignment, and so on), which
+    // deferred acceptance finds without the sort: each row offers its closest pair not yet
+    // refused (ties to the lower center); a center holds the smallest offers it has had, up
+    // to its size, and turns away the largest. Each row offers each center at most once.
+    Closest(dist.data(), n, k, n8, least.data(), least_g.data());
+    std::fill(held_count.begin(), held_count.end(), 0u);
+    for (uint32_t first = 0; first < n; ++first) {
+      uint64_t pair = key(least[first], first, least_g[first]);
+      for (;;) {
+        const uint32_t g = pair & g_mask;
+        uint64_t* h = &held[size_t{g} * size];  // a max-heap of the center's pairs
+        if (held_count[g] < size) {
+          h[held_count[g]++] = pair;
+          std::push_heap(h, h + held_count[g]);
+          break;
+        }
+        if (pair < h[0]) {  // held; the center's largest pair is turned away instead
+          std::pop_heap(h, h + size);
+          std::swap(pair, h[size - 1]);
+          std::push_heap(h, h + size);
+        }
+        // `pair` was turned away: its row offers the smallest of its pairs above it (pairs
+        // are distinct, and some center has room).
+        const uint32_t r = static_cast<uint32_t>(pair) >> bits;
         uint64_t offer = std::numeric_limits<uint64_t>::max();
         for (uint32_t c = 0; c < k; ++c) {
           const uint64_t mine = key(dist[c * n8 + r], r, c);
           if (mine > pair) offer = std::min(offer, mine);
         }
-        again.push_back(offer);
-        std::push_heap(again.begin(), again.end(), std::greater<>());
+        CHECK(offer != std::numeric_limits<uint64_t>::max()) << "row " << r << " refused by all";
+        pair = offer;
+      }
+    }
+    for (uint32_t g = 0; g < k; ++g) {
+      for (uint32_t i = 0; i < size; ++i) {
+        group_of[static_cast<uint32_t>(held[size_t{g} * size + i]) >> bits] = g;
       }
     }
     // An assignment equal to the last round's moves no center: every later round repeats it.
