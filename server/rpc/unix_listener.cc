@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
@@ -25,21 +26,36 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
     return absl::InvalidArgumentError(absl::StrCat("listen: socket path \"", path, "\" must be 1..",
                                                    sizeof(addr.sun_path) - 1, " bytes"));
   }
+  // Bound under a name of its own, made 0660 and listening, then renamed into place (never
+  // over an existing file): a client never finds the socket before its mode is set. Where
+  // that name would not fit, bound in place and then made 0660.
+  const std::string temp = path + ".new";
+  const bool renamed = temp.size() < sizeof(addr.sun_path);
+  const std::string& bound = renamed ? temp : path;
+  struct stat st {};
+  if (renamed && lstat(temp.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    unlink(temp.c_str());  // left by a daemon killed between its bind and its rename
+  }
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("listen: socket: ", std::strerror(errno)));
   addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
+  std::memcpy(addr.sun_path, bound.data(), bound.size());
   if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     close(fd);
     return absl::UnavailableError(
-        absl::StrCat("listen: cannot bind ", path, ": ", std::strerror(err)));
+        absl::StrCat("listen: cannot bind ", bound, ": ", std::strerror(err)));
   }
-  if (chmod(path.c_str(), 0660) != 0 || listen(fd, SOMAXCONN) != 0) {
+  if (chmod(bound.c_str(), 0660) != 0 || listen(fd, SOMAXCONN) != 0 ||
+      (renamed &&
+       renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0)) {
     const int err = errno;
     close(fd);
-    unlink(path.c_str());
-    return absl::InternalError(absl::StrCat("listen: ", path, ": ", std::strerror(err)));
+    unlink(bound.c_str());
+    return err == EEXIST
+               ? absl::UnavailableError(
+                     absl::StrCat("listen: cannot bind ", path, ": ", std::strerror(err)))
+               : absl::InternalError(absl::StrCat("listen: ", path, ": ", std::strerror(err)));
   }
   int stop[2];
   if (pipe2(stop, O_CLOEXEC) != 0) {

@@ -39,8 +39,9 @@ struct PeerCredentials {
 
 class UnixListener {
  public:
-  // Binds `path` (created with mode 0660) and listens. INTERNAL naming the path and the
-  // reason when it cannot; UNAVAILABLE when the path is in use.
+  // Binds `path` (created with mode 0660: the socket appears there with that mode, through
+  // `path`.new renamed into place) and listens. INTERNAL naming the path and the reason when it
+  // cannot; UNAVAILABLE when the path is in use.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
   ~UnixListener();  // Stop()
 
