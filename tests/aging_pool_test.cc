@@ -202,10 +202,11 @@ TEST(TaskPool, APressWakesThreadsOfNormalPriority) {
 
 // A Boost lifts an idle-priority pool thread to the pool's nice value while it is held (where
 // the process may leave SCHED_IDLE: CAP_SYS_NICE, as root; elsewhere a pool that asks for it
-// runs at its nice value throughout), and changes nothing on a thread of no pool.
+// runs at its nice value throughout), until the outermost of nested ones ends, and changes
+// nothing on a thread of no pool.
 TEST(TaskPool, ABoostLiftsAnIdleThreadWhileItHoldsALock) {
   const bool can = TaskPool::IdleCanBeLifted(10);
-  Scheduling before, during, after;
+  Scheduling before, during, nested, after_inner, after;
   {
     TaskPool pool(TaskPool::Options{
         .threads = 1, .nice = 10, .idle_priority = true, .idle_only_if_boostable = true});
@@ -214,6 +215,11 @@ TEST(TaskPool, ABoostLiftsAnIdleThreadWhileItHoldsALock) {
       {
         TaskPool::Boost boost;
         during = Current();
+        {
+          TaskPool::Boost inner;  // nested: the outer one's lift stays
+          nested = Current();
+        }
+        after_inner = Current();
       }
       after = Current();
     });
@@ -222,6 +228,9 @@ TEST(TaskPool, ABoostLiftsAnIdleThreadWhileItHoldsALock) {
   EXPECT_EQ(before.policy, can ? SCHED_IDLE : SCHED_OTHER);
   EXPECT_EQ(during.policy, SCHED_OTHER);
   EXPECT_EQ(during.nice, 10);
+  EXPECT_EQ(nested.policy, SCHED_OTHER);
+  EXPECT_EQ(after_inner.policy, SCHED_OTHER);
+  EXPECT_EQ(after_inner.nice, 10);
   EXPECT_EQ(after.policy, before.policy);
   const Scheduling here = Current();
   {

@@ -337,6 +337,10 @@ void Session::AgeLayerInPool(uint32_t l) {
   // under it is bounded by kAgingSlice chunks of each head (and, indexing, kAgingSliceTime), so
   // that an append or a Select waits for at most one slice, not for a layer's whole backlog.
   bool quant_stuck = false;  // no slots for quantizing: the rest waits for the next run
+  // The thread stays lifted from one hold to the next (index slices follow one another, a
+  // span's commit the next span's choice), and goes back to idle priority for the work done
+  // without the lock.
+  std::optional<TaskPool::Boost> lifted(std::in_place);
   for (;;) {
     std::optional<SpanJob> job;
     std::optional<QuantJob> quant;
@@ -366,8 +370,10 @@ void Session::AgeLayerInPool(uint32_t l) {
       }
       context = SpanContext::Of(aging());
     }
+    lifted.reset();
     if (quant) {
       RunQuant(*context, &*quant);
+      lifted.emplace();
       BackgroundLock lock(&mu_, foreground_);
       if (closed_) continue;
       quant_stuck = !quant->progressed();
@@ -377,6 +383,7 @@ void Session::AgeLayerInPool(uint32_t l) {
       continue;
     }
     const bool made = RegroupSpan(*context, &*job);
+    lifted.emplace();
     BackgroundLock lock(&mu_, foreground_);
     if (closed_) continue;
     if (!made) {  // no slots: what is left waits for the next append, as on the append path

@@ -16,6 +16,8 @@ namespace {
 
 // A pool thread at idle priority that a Boost may lift: its pool's nice value; else -1.
 thread_local int tl_lift_to_nice = -1;
+// Boosts alive on this thread: only the outermost lifts and lets go.
+thread_local int tl_boosts = 0;
 
 void SetPolicy(int policy) {
   sched_param none{};
@@ -38,12 +40,12 @@ bool TaskPool::IdleCanBeLifted(int nice) {
 
 TaskPool::Boost::Boost() {
   if (tl_lift_to_nice < 0) return;
-  SetPolicy(SCHED_OTHER);  // the thread's nice value stays the pool's
+  if (tl_boosts++ == 0) SetPolicy(SCHED_OTHER);  // the thread's nice value stays the pool's
   lifted_ = true;
 }
 
 TaskPool::Boost::~Boost() {
-  if (lifted_) SetPolicy(SCHED_IDLE);
+  if (lifted_ && --tl_boosts == 0) SetPolicy(SCHED_IDLE);
 }
 
 TaskPool::TaskPool(Options o)

@@ -97,7 +97,9 @@ class TaskPool {
 
   // Held by a pool's thread around a hold of a lock that a foreground call may wait for: a
   // thread at idle priority runs at its pool's nice value meanwhile. A no-op on any other
-  // thread, and where the process may not leave SCHED_IDLE.
+  // thread, and where the process may not leave SCHED_IDLE. Boosts nest: the thread goes back
+  // to idle priority when the outermost ends (a task that takes a lock many times in a row
+  // holds one around them all, rather than two system calls a hold).
   class Boost {
    public:
     Boost();
