@@ -742,14 +742,33 @@ TEST(AgeLayer, QuantJobsEqualAgeLayerAndSkipChunksAgedMeanwhile) {
   }
 }
 
-// The index a slice at a time: at most that many chunks of each head per call, and in the
-// end the same index as IndexLayer's, whose search is the linear scan's.
-TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
+// A layer of two heads holding 256 fp16 tokens (12 chunks aged out, the first a sink) for an
+// index made a slice at a time, and its twin, indexed at once.
+struct SlicedLayer {
+  SlicedLayer() {
+    for (LayerEnv* l : {&e, &twin}) {
+      l->policy.set_cold_precision(v1::PRECISION_FP16);
+      l->Append(0, 256);
+    }
+  }
+  // Once the slices are done: IndexLayer's index, whose search is the linear scan's.
+  void ExpectTheTwinsIndex() {
+    IndexLayer(twin.ctx(), twin.tokens, twin.heads, &twin.state);
+    for (int h = 0; h < 2; ++h) {
+      EXPECT_EQ(e.heads[h].stats().final_chunks(), 12u);
+      EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
+      EXPECT_EQ(e.heads[h].index()->num_clusters(), twin.heads[h].index()->num_clusters());
+      EXPECT_EQ(e.heads[h].index()->CheckInvariants(e.heads[h].stats()), "");
+    }
+  }
   LayerEnv e, twin;
-  e.policy.set_cold_precision(v1::PRECISION_FP16);
-  twin.policy.set_cold_precision(v1::PRECISION_FP16);
-  e.Append(0, 256);
-  twin.Append(0, 256);
+};
+
+// The index a slice at a time: at most that many chunks of each head per call, and in the
+// end the same index as IndexLayer's.
+TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
+  SlicedLayer layer;
+  LayerEnv& e = layer.e;
   int calls = 0;
   uint32_t final_before = e.heads[0].stats().final_chunks();
   for (;;) {
@@ -763,23 +782,15 @@ TEST(AgeLayer, IndexSlicesTakeAtMostTheirChunks) {
     ASSERT_LT(calls, 10);
   }
   EXPECT_EQ(calls, 4);  // 12 aged-out chunks, 3 a call
-  IndexLayer(twin.ctx(), twin.tokens, twin.heads, &twin.state);
-  for (int h = 0; h < 2; ++h) {
-    EXPECT_EQ(e.heads[h].stats().final_chunks(), 12u);
-    EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
-    EXPECT_EQ(e.heads[h].index()->CheckInvariants(e.heads[h].stats()), "");
-  }
+  layer.ExpectTheTwinsIndex();
 }
 
 // A slice whose deadline has passed indexes one chunk, of the first head with any left, and
 // leaves none final outside the index: one call per chunk of each head, then the same index as
 // IndexLayer's.
 TEST(AgeLayer, AnIndexSlicePastItsDeadlineTakesOneChunk) {
-  LayerEnv e, twin;
-  e.policy.set_cold_precision(v1::PRECISION_FP16);
-  twin.policy.set_cold_precision(v1::PRECISION_FP16);
-  e.Append(0, 256);
-  twin.Append(0, 256);
+  SlicedLayer layer;
+  LayerEnv& e = layer.e;
   int calls = 0;
   uint64_t final_total = 0;
   for (;;) {
@@ -799,13 +810,7 @@ TEST(AgeLayer, AnIndexSlicePastItsDeadlineTakesOneChunk) {
     ASSERT_LT(calls, 40);
   }
   EXPECT_EQ(calls, 24);  // 12 aged-out chunks of each of two heads
-  IndexLayer(twin.ctx(), twin.tokens, twin.heads, &twin.state);
-  for (int h = 0; h < 2; ++h) {
-    EXPECT_EQ(e.heads[h].stats().final_chunks(), 12u);
-    EXPECT_EQ(e.heads[h].index()->num_chunks(), twin.heads[h].index()->num_chunks());
-    EXPECT_EQ(e.heads[h].index()->num_clusters(), twin.heads[h].index()->num_clusters());
-    EXPECT_EQ(e.heads[h].index()->CheckInvariants(e.heads[h].stats()), "");
-  }
+  layer.ExpectTheTwinsIndex();
 }
 
 }  // namespace
