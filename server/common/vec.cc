@@ -1469,38 +1469,40 @@ void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int st
   BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
 }
 
-bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
-                          int lanes, const float*, float, float* grow, float* width) {
+template <typename T>
+bool BoxGrowthBelowScalarOf(const float* x, int pairs, int m, const T* cols, int stride, int lanes,
+                            const float*, float, float* grow, float* width) {
   BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
   return true;
 }
 
+template <typename T>
+bool BoxGrowthBelowOf(const float* x, int pairs, int m, const T* cols, int stride, int lanes,
+                      const float* offset, float bound, float* grow, float* width) {
+  CHECK(lanes > 0 && lanes <= 16) << lanes;
+  static const auto impl =
+      HaveAvx2Fma() && Cpu().f16c ? BoxGrowthBelowAvx2<T> : BoxGrowthBelowScalarOf<T>;
+  return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
+}
+
+bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const uint16_t* cols, int stride,
+                          int lanes, const float* offset, float bound, float* grow, float* width) {
+  return BoxGrowthBelowScalarOf(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
+}
+
 bool BoxGrowthBelowScalar(const float* x, int pairs, int m, const float* cols, int stride,
-                          int lanes, const float*, float, float* grow, float* width) {
-  BoxGrowthScalarOf(x, pairs, m, cols, stride, lanes, grow, width);
-  return true;
+                          int lanes, const float* offset, float bound, float* grow, float* width) {
+  return BoxGrowthBelowScalarOf(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
 }
 
 bool BoxGrowthBelow(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                     const float* offset, float bound, float* grow, float* width) {
-  CHECK(lanes > 0 && lanes <= 16) << lanes;
-  static const auto impl =
-      HaveAvx2Fma() && Cpu().f16c
-          ? BoxGrowthBelowAvx2<uint16_t>
-          : static_cast<bool (*)(const float*, int, int, const uint16_t*, int, int, const float*,
-                                 float, float*, float*)>(BoxGrowthBelowScalar);
-  return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
+  return BoxGrowthBelowOf(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
 }
 
 bool BoxGrowthBelow(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
                     const float* offset, float bound, float* grow, float* width) {
-  CHECK(lanes > 0 && lanes <= 16) << lanes;
-  static const auto impl =
-      HaveAvx2Fma() && Cpu().f16c
-          ? BoxGrowthBelowAvx2<float>
-          : static_cast<bool (*)(const float*, int, int, const float*, int, int, const float*,
-                                 float, float*, float*)>(BoxGrowthBelowScalar);
-  return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
+  return BoxGrowthBelowOf(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);
 }
 
 void BoxGrowth(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
