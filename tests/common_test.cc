@@ -156,6 +156,30 @@ TEST(AddRows, DispatchedPathEqualsScalar) {
   std::printf("AddRows vectorized here: %s\n", AddRowsIsVectorized() ? "yes" : "no");
 }
 
+// Every fp16 bit pattern and every bf16 one, as one array, each its exact float (a -0 as +0, a
+// NaN as a NaN), nothing written past n.
+TEST(HalvesToFloats, EachHalfIsItsExactFloat) {
+  std::vector<uint16_t> all(1 << 16);
+  std::iota(all.begin(), all.end(), uint16_t{0});
+  for (HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
+    std::vector<float> out(all.size() + 1, -7.f);
+    HalvesToFloats(kind, all.data(), all.size(), out.data());
+    for (size_t i = 0; i < all.size(); ++i) {
+      const uint16_t h = all[i];
+      const float want = kind == HalfKind::kFp16
+                             ? HalfToFloat(h)
+                             : std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(out[i])) << i;
+      } else {
+        EXPECT_EQ(out[i], want) << i;  // == : -0 and +0 compare equal
+        EXPECT_FALSE(std::signbit(out[i]) && out[i] == 0.f) << "a -0 comes out +0: " << i;
+      }
+    }
+    EXPECT_EQ(out[all.size()], -7.f);
+  }
+}
+
 TEST(Dot, AgreesWithDoubleAcrossWidths) {
   std::mt19937 rng(9);
   std::normal_distribution<float> n(0, 1);

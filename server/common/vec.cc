@@ -974,6 +974,11 @@ void AddRows(HalfKind kind, const uint16_t* rows, int n, int d, float* sum) {
 
 bool AddRowsIsVectorized() { return HaveAvx2F16c(); }
 
+void HalvesToFloats(HalfKind kind, const uint16_t* h, size_t n, float* out) {
+  std::fill_n(out, n, 0.f);
+  AddRows(kind, h, 1, static_cast<int>(n), out);
+}
+
 float DotScalar(const float* a, const float* b, int n) {
   float s = 0.f;
   for (int j = 0; j < n; ++j) s += a[j] * b[j];

@@ -25,6 +25,10 @@ void AddRows(HalfKind kind, const uint16_t* rows, int n, int d, float* sum);
 // The scalar path, always available (the reference for tests).
 void AddRowsScalar(HalfKind kind, const uint16_t* rows, int n, int d, float* sum);
 
+// out[i] = value(h[i]) for i in [0, n), exactly (AddRows onto zeros: a -0 comes out +0, which
+// nothing that reads the floats as magnitudes or distances tells apart).
+void HalvesToFloats(HalfKind kind, const uint16_t* h, size_t n, float* out);
+
 // True when AddRows and Dot use the AVX2 paths on this machine.
 bool AddRowsIsVectorized();
 

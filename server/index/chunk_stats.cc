@@ -105,10 +105,8 @@ namespace {
 void PeakOf(HalfKind kind, const uint16_t* rows, uint32_t n, int d, const float* mean,
             float* peak) {
   const size_t dd = static_cast<size_t>(d);
-  // The halves as floats: the n rows as one row of n * d values added onto zeros (each value
-  // exactly, as a row at a time would).
-  std::vector<float> floats(n * dd, 0.f);
-  kvtier::AddRows(kind, rows, 1, static_cast<int>(n * dd), floats.data());
+  std::vector<float> floats(n * dd);
+  HalvesToFloats(kind, rows, floats.size(), floats.data());
   const float* far = FarthestRow(floats.data(), n, d, mean);
   std::copy(far, far + dd, peak);
 }

@@ -131,14 +131,7 @@ void ClusterIndex::ReadLane(const Block& blk, uint32_t lane, const Grid* grid, f
   uint16_t halves[kBoxParts * kMaxHeadDim];
   const uint16_t* col = &blk.box[BoxIndex(blk, lane, 0)];
   for (size_t r = 0; r < BoxRows(); ++r) halves[r] = col[r * w];
-  BoxFloats(halves, box);
-}
-
-void ClusterIndex::BoxFloats(const uint16_t* halves, float* box) const {
-  // Widened eight at a time (exactly; a -0 comes out +0, which nothing reading a box tells
-  // apart).
-  std::fill_n(box, BoxRows(), 0.f);
-  AddRows(HalfKind::kFp16, halves, 1, static_cast<int>(BoxRows()), box);
+  HalvesToFloats(HalfKind::kFp16, halves, BoxRows(), box);
 }
 
 void ClusterIndex::GridOf(uint32_t unit, Grid* g) const {
@@ -336,7 +329,7 @@ void ClusterIndex::WidenBoxes(Lane l, const float* mu, const float* peak, float*
     finite &= WidenHalves(&rounded[part * d], d_, IsUpper(part), &box[part * d]);
   }
   for (size_t r = 0; r < BoxRows(); ++r) col[r * w] = box[r];
-  BoxFloats(box, out);
+  HalvesToFloats(HalfKind::kFp16, box, BoxRows(), out);
   if (!finite) l.blk->scalars[ScalarIndex(*l.blk, l.lane, kUnbounded)] = 1.f;
 }
 

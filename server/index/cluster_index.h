@@ -313,8 +313,6 @@ class ClusterIndex {
   // A lane's boxes, [kBoxParts][head_dim] floats, out of its tile: halves widened, or codes
   // decoded on `grid` (a coded block's, exact).
   void ReadLane(const Block& blk, uint32_t lane, const Grid* grid, float* box) const;
-  // Boxes of halves ([kBoxParts][head_dim], as a lane holds them) as floats.
-  void BoxFloats(const uint16_t* halves, float* box) const;
   // The middle of a lane's mean box and of its peak box (head_dim floats each; a side beyond
   // the half range counts as +-65504).
   void LaneMiddles(const Block& blk, uint32_t lane, const Grid* grid, float* mu, float* peak) const;

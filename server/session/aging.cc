@@ -75,10 +75,7 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
       std::copy_n(rows + size_t{ct} * d, size_t{ct} * d,
                   values.begin() + static_cast<ptrdiff_t>(i) * ct * d);
     }
-    // The keys as floats: the span's rows as one row of span_rows * d values added onto zeros
-    // (each value exactly, as a row at a time would).
-    std::fill(key_floats.begin(), key_floats.end(), 0.f);
-    AddRows(f.kind(), keys.data(), 1, static_cast<int>(span_rows * d), key_floats.data());
+    HalvesToFloats(f.kind(), keys.data(), keys.size(), key_floats.data());
     const auto groups = BalancedGroups(key_floats.data(), span_rows, static_cast<int>(d), ct);
     for (uint32_t g = 0; g < kSemanticSpanChunks; ++g) {
       Chunk c;
