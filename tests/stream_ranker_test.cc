@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <iterator>
 #include <limits>
@@ -171,6 +172,49 @@ TEST(ChunkStats, MarkingFinalAFewAtATimeEqualsAllAtOnce) {
   a.CopyPrefix(stepwise, 50);
   b.CopyPrefix(once, 50);
   expect_same(a, b, 50);
+}
+
+// LooseFloats against a deque of vectors under random pushes, writes and pops: every chunk's
+// floats where they were written (none moved or overwritten by another chunk's), and the
+// blocks held at most those the chunks held touch.
+TEST(LooseFloats, HoldsEachChunksFloatsThroughPushesAndPops) {
+  constexpr int kWidth = 5;  // not a divisor of anything
+  std::mt19937 rng(11);
+  LooseFloats loose(kWidth), copy(kWidth);
+  std::deque<std::vector<float>> model;
+  float next = 1.f;
+  for (int step = 0; step < 4000; ++step) {
+    const uint32_t op = rng() % 10;
+    if (op < 6) {
+      loose.PushZero();
+      model.emplace_back(kWidth, 0.f);
+      if (op < 4) {  // written after the push, as Recompute and AddSummed write
+        for (int j = 0; j < kWidth; ++j) model.back()[j] = loose.at(model.size() - 1)[j] = next++;
+      }
+    } else if (op < 9 && !model.empty()) {
+      const size_t n = rng() % (std::min<size_t>(model.size(), 20) + 1);
+      loose.PopFront(n);
+      model.erase(model.begin(), model.begin() + static_cast<ptrdiff_t>(n));
+    } else {
+      const size_t n = model.empty() ? 0 : rng() % (model.size() + 1);
+      copy.AssignPrefix(loose, n);
+      ASSERT_EQ(copy.size(), n);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::vector<float>(copy.at(i), copy.at(i) + kWidth), model[i]) << i;
+      }
+    }
+    ASSERT_EQ(loose.size(), model.size());
+    for (size_t i = 0; i < model.size(); ++i) {
+      ASSERT_EQ(std::vector<float>(loose.at(i), loose.at(i) + kWidth), model[i])
+          << "chunk " << i << " at step " << step;
+    }
+    const size_t blocks =
+        (model.size() + 2 * LooseFloats::kBlockChunks - 2) / LooseFloats::kBlockChunks;
+    ASSERT_LE(loose.MemoryBytes(), blocks * LooseFloats::kBlockChunks * kWidth * sizeof(float))
+        << model.size() << " chunks";
+  }
+  loose.PopFront(loose.size());
+  EXPECT_EQ(loose.MemoryBytes(), 0u);
 }
 
 // A final chunk is held compact: its mean and its peak each as bytes times one scale, the

@@ -16,7 +16,34 @@ bool Tileable(int head_dim) { return head_dim % 32 == 0 && BestInt8Kernel() == I
 
 }  // namespace
 
-ChunkStats::ChunkStats(int head_dim) : d_(head_dim) {}
+void LooseFloats::PushZero() {
+  const size_t j = first_ + size_;
+  if (j / kBlockChunks == blocks_.size()) {
+    blocks_.push_back(std::make_unique_for_overwrite<float[]>(kBlockChunks * d_));
+  }
+  std::fill_n(blocks_[j / kBlockChunks].get() + (j % kBlockChunks) * d_, d_, 0.f);
+  ++size_;
+}
+
+void LooseFloats::PopFront(size_t n) {
+  CHECK(n <= size_) << n << " of " << size_;
+  first_ += n;
+  size_ -= n;
+  const size_t gone = size_ == 0 ? blocks_.size() : first_ / kBlockChunks;
+  blocks_.erase(blocks_.begin(), blocks_.begin() + static_cast<ptrdiff_t>(gone));
+  first_ = size_ == 0 ? 0 : first_ - gone * kBlockChunks;
+}
+
+void LooseFloats::AssignPrefix(const LooseFloats& from, size_t n) {
+  CHECK(n <= from.size_ && from.d_ == d_) << n << " of " << from.size_;
+  PopFront(size_);
+  for (size_t i = 0; i < n; ++i) {
+    PushZero();
+    std::copy_n(from.at(i), d_, at(i));
+  }
+}
+
+ChunkStats::ChunkStats(int head_dim) : d_(head_dim), sums_(head_dim), peaks_(head_dim) {}
 
 bool ChunkStats::tiled() const { return compact_ <= kMaxTiledChunks && Tileable(d_); }
 
@@ -40,33 +67,33 @@ void ChunkStats::Widen(uint32_t c, int part, float* out) const {
 void ChunkStats::Mean(uint32_t c, float* out) const {
   if (c < compact_) return Widen(c, 0, out);
   const float inv = 1.f / static_cast<float>(tokens_[c]);
-  const float* s = &sums_[Loose(c)];
+  const float* s = sums_.at(Loose(c));
   for (int j = 0; j < d_; ++j) out[j] = s[j] * inv;
 }
 
 void ChunkStats::Peak(uint32_t c, float* out) const {
   if (c < compact_) return Widen(c, 1, out);
-  std::copy_n(&peaks_[Loose(c)], d_, out);
+  std::copy_n(peaks_.at(Loose(c)), d_, out);
 }
 
 const float* ChunkStats::key_sum(uint32_t c) const {
   CHECK(c >= compact_ && c < size()) << "chunk " << c << " is compact or absent";
-  return &sums_[Loose(c)];
+  return sums_.at(Loose(c));
 }
 
 const float* ChunkStats::peak(uint32_t c) const {
   CHECK(c >= compact_ && c < size()) << "chunk " << c << " is compact or absent";
-  return &peaks_[Loose(c)];
+  return peaks_.at(Loose(c));
 }
 
 const void* ChunkStats::mean_data(uint32_t c) const {
   return c < compact_ ? static_cast<const void*>(&codes_[Code(c, 0)])
-                      : static_cast<const void*>(&sums_[Loose(c)]);
+                      : static_cast<const void*>(sums_.at(Loose(c)));
 }
 
 const void* ChunkStats::peak_data(uint32_t c) const {
   return c < compact_ ? static_cast<const void*>(&codes_[Code(c, 1)])
-                      : static_cast<const void*>(&peaks_[Loose(c)]);
+                      : static_cast<const void*>(peaks_.at(Loose(c)));
 }
 
 size_t ChunkStats::vector_bytes(uint32_t c) const {
@@ -78,20 +105,20 @@ void ChunkStats::Grow(uint32_t c) {
   CHECK(c >= final_ && c >= compact_) << "chunk " << c << " has final statistics";
   if (c < size()) return;
   tokens_.push_back(0);
-  sums_.resize(sums_.size() + d_, 0.f);
-  peaks_.resize(peaks_.size() + d_, 0.f);
+  sums_.PushZero();
+  peaks_.PushZero();
 }
 
 void ChunkStats::AddRows(uint32_t c, HalfKind kind, const uint16_t* rows, uint32_t n) {
   Grow(c);
   tokens_[c] += n;
-  kvtier::AddRows(kind, rows, static_cast<int>(n), d_, &sums_[Loose(c)]);
+  kvtier::AddRows(kind, rows, static_cast<int>(n), d_, sums_.at(Loose(c)));
 }
 
 void ChunkStats::AddSummed(uint32_t c, const float* sum, uint32_t n) {
   Grow(c);
   tokens_[c] += n;
-  float* to = &sums_[Loose(c)];
+  float* to = sums_.at(Loose(c));
   for (int j = 0; j < d_; ++j) to[j] += sum[j];
 }
 
@@ -117,7 +144,7 @@ void ChunkStats::ComputePeak(uint32_t c, HalfKind kind, const uint16_t* rows) {
   CHECK(c < size() && c >= final_ && c >= compact_) << "chunk " << c;
   std::vector<float> mean(d_);
   Mean(c, mean.data());
-  PeakOf(kind, rows, tokens_[c], d_, mean.data(), &peaks_[Loose(c)]);
+  PeakOf(kind, rows, tokens_[c], d_, mean.data(), peaks_.at(Loose(c)));
 }
 
 ChunkSummary ChunkStats::Summarize(HalfKind kind, const uint16_t* rows, uint32_t n, int d) {
@@ -134,16 +161,16 @@ void ChunkStats::Set(uint32_t c, const ChunkSummary& s) {
   CHECK(s.key_sum.size() == static_cast<size_t>(d_) && s.peak.size() == s.key_sum.size());
   Grow(c);
   tokens_[c] = s.tokens;
-  std::copy_n(s.key_sum.data(), d_, &sums_[Loose(c)]);
-  std::copy_n(s.peak.data(), d_, &peaks_[Loose(c)]);
+  std::copy_n(s.key_sum.data(), d_, sums_.at(Loose(c)));
+  std::copy_n(s.peak.data(), d_, peaks_.at(Loose(c)));
 }
 
 void ChunkStats::Append(uint32_t tokens, const float* key_sum, const float* peak) {
   const uint32_t c = size();
   Grow(c);
   tokens_[c] = tokens;
-  std::copy_n(key_sum, d_, &sums_[Loose(c)]);
-  std::copy_n(peak, d_, &peaks_[Loose(c)]);
+  std::copy_n(key_sum, d_, sums_.at(Loose(c)));
+  std::copy_n(peak, d_, peaks_.at(Loose(c)));
 }
 
 void ChunkStats::MarkFinal(uint32_t n) {
@@ -151,27 +178,15 @@ void ChunkStats::MarkFinal(uint32_t n) {
   final_ = n;
   if (n <= compact_) return;
   // Chunks [compact_, n) leave the float arrays for the compact ones.
-  const size_t moved = static_cast<size_t>(n - compact_) * d_;
+  const size_t moved = n - compact_;
   std::vector<float> mean(d_);
   for (uint32_t c = compact_; c < n; ++c) {
     Mean(c, mean.data());
     Narrow(mean.data());
-    Narrow(&peaks_[Loose(c)]);
+    Narrow(peaks_.at(Loose(c)));
   }
-  loose_begin_ += moved;
-  // The floats of chunks now compact go once they are half the arrays: each float is moved
-  // at most once on average however few chunks each call marks.
-  if (2 * loose_begin_ >= sums_.size()) {
-    sums_.erase(sums_.begin(), sums_.begin() + static_cast<ptrdiff_t>(loose_begin_));
-    peaks_.erase(peaks_.begin(), peaks_.begin() + static_cast<ptrdiff_t>(loose_begin_));
-    loose_begin_ = 0;
-    // Many chunks at once left the float arrays (an aging pool catching up on a long backlog,
-    // a large append): their room goes back rather than staying held for the recent window.
-    if (sums_.capacity() > 2 * sums_.size() + 16 * static_cast<size_t>(d_)) {
-      sums_.shrink_to_fit();
-      peaks_.shrink_to_fit();
-    }
-  }
+  sums_.PopFront(moved);
+  peaks_.PopFront(moved);
   const uint32_t was = compact_;
   compact_ = n;
   if (!tiled() && !tiles_.empty()) {  // past a scan's reach: the index reads the rows
@@ -194,14 +209,11 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   CHECK(n <= from.size() && from.d_ == d_) << n << " of " << from.size();
   const uint32_t compact = std::min(n, from.compact_);
   const auto codes = static_cast<ptrdiff_t>(compact) * 2 * d_;
-  const auto floats = static_cast<ptrdiff_t>(n - compact) * d_;
   tokens_.assign(from.tokens_.begin(), from.tokens_.begin() + n);
   codes_.assign(from.codes_.begin(), from.codes_.begin() + codes);
   scales_.assign(from.scales_.begin(), from.scales_.begin() + 2 * static_cast<ptrdiff_t>(compact));
-  const auto from_loose = static_cast<ptrdiff_t>(from.loose_begin_);
-  sums_.assign(from.sums_.begin() + from_loose, from.sums_.begin() + from_loose + floats);
-  peaks_.assign(from.peaks_.begin() + from_loose, from.peaks_.begin() + from_loose + floats);
-  loose_begin_ = 0;
+  sums_.AssignPrefix(from.sums_, n - compact);
+  peaks_.AssignPrefix(from.peaks_, n - compact);
   compact_ = compact;
   final_ = 0;
   // From the codes: `from` may have let its tiles go past kMaxTiledChunks.

@@ -20,9 +20,9 @@
 //   sums      float  [chunks - compact][head_dim]   sum of the chunk's keys (mean = sum / tokens)
 //   peaks     float  [chunks - compact][head_dim]   zeros until the chunk's peak is computed
 //
-// (The float arrays begin at loose_begin_: chunks that became compact leave their floats at the
-// front until they are half the array, so that marking a few chunks final at a time, as the
-// aging pool does, moves no floats.)
+// (The float arrays are LooseFloats: blocks of chunks, so that an append's chunks never move
+// the floats already held, however long the backlog the aging pool has not reached, and the
+// chunks that became compact leave by whole blocks at the front.)
 //
 // The ranking reads either form through ChunkCandidate; the cluster index bounds the compact
 // values, so its searches stay exact against the scan over the same statistics. Statistics
@@ -37,6 +37,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <vector>
 
 #include "server/common/vec.h"
@@ -49,6 +51,37 @@ namespace kvtier {
 struct ChunkSummary {
   uint32_t tokens = 0;
   std::vector<float> key_sum, peak;
+};
+
+// head_dim floats per chunk for a run of chunks, the first ones leaving first: held in blocks
+// of kBlockChunks chunks, so that adding a chunk never moves (or copies, or touches the fresh
+// pages of) the floats held, as a vector's growth would, and one chunk's floats are contiguous.
+class LooseFloats {
+ public:
+  static constexpr size_t kBlockChunks = 8;  // 2 KiB at head_dim 64: few chunks held idle
+  explicit LooseFloats(int d) : d_(static_cast<size_t>(d)) {}
+  size_t size() const { return size_; }
+  // Chunk i's d floats (i from the first chunk held). REQUIRES: i < size().
+  float* at(size_t i) { return Row(i); }
+  const float* at(size_t i) const { return Row(i); }
+  // One more chunk, its floats 0.
+  void PushZero();
+  // The first n chunks leave. REQUIRES: n <= size().
+  void PopFront(size_t n);
+  // The first n chunks of `from`, replacing what is here.
+  void AssignPrefix(const LooseFloats& from, size_t n);
+  size_t MemoryBytes() const { return blocks_.size() * kBlockChunks * d_ * sizeof(float); }
+
+ private:
+  float* Row(size_t i) const {
+    const size_t j = first_ + i;
+    return blocks_[j / kBlockChunks].get() + (j % kBlockChunks) * d_;
+  }
+
+  size_t d_;
+  std::deque<std::unique_ptr<float[]>> blocks_;
+  size_t first_ = 0;  // chunks of the first block already gone
+  size_t size_ = 0;
 };
 
 class ChunkStats {
@@ -134,13 +167,13 @@ class ChunkStats {
   // The heap bytes its arrays hold (their capacities), and the object itself.
   size_t MemoryBytes() const {
     return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) + codes_.capacity() +
-           tiles_.capacity() +
-           (scales_.capacity() + sums_.capacity() + peaks_.capacity()) * sizeof(float);
+           tiles_.capacity() + scales_.capacity() * sizeof(float) + sums_.MemoryBytes() +
+           peaks_.MemoryBytes();
   }
 
  private:
   void Grow(uint32_t c);
-  size_t Loose(uint32_t c) const { return loose_begin_ + static_cast<size_t>(c - compact_) * d_; }
+  size_t Loose(uint32_t c) const { return c - compact_; }
   // Where compact chunk c's vector `part` (0 mean, 1 peak) begins in codes_, its scale's index.
   size_t Code(uint32_t c, int part) const { return (static_cast<size_t>(c) * 2 + part) * d_; }
   size_t ScaleAt(uint32_t c, int part) const { return static_cast<size_t>(c) * 2 + part; }
@@ -158,9 +191,8 @@ class ChunkStats {
   std::vector<int8_t> codes_;
   std::vector<uint8_t> tiles_;
   std::vector<float> scales_;
-  std::vector<float> sums_;
-  std::vector<float> peaks_;
-  size_t loose_begin_ = 0;  // floats of sums_ and peaks_ before the first loose chunk's
+  LooseFloats sums_;   // chunks [compact_, size())
+  LooseFloats peaks_;  // the same chunks'
   uint32_t compact_ = 0;
   uint32_t final_ = 0;
 };
