@@ -1,4 +1,5 @@
 // kvtierd: the KV-cache daemon. See docs/operator-guide.md.
+#include <malloc.h>
 #include <signal.h>
 #include <sys/resource.h>
 
@@ -32,6 +33,12 @@ int main(int argc, char** argv) {
   // Debian's Abseil checks every Mutex acquisition for lock cycles (a debug aid that costs
   // on each lock); the lock order is documented and tested instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // glibc's heap: blocks up to 32 MiB come from the heap rather than each from its own
+  // mapping (a 256-token layer's K and V, 200 KB in a message, would otherwise fault in fresh
+  // pages every time), and freed memory stays for reuse up to 64 MiB rather than going back
+  // to the kernel at once.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
 
   auto cl = kvtier::ParseCommandLine(std::vector<std::string>(argv + 1, argv + argc));
   if (!cl.ok()) {
