@@ -13,7 +13,7 @@ JOBS ?= $(shell nproc)
 PROTOS := $(wildcard proto/kvtier/v1/*.proto)
 
 .PHONY: all deps venv venv-torch configure build run test lint unit pytest tsan asan asan-build fuzz thread-safety conformance \
-        bench benchmarks-md eval quality-md clean
+        bench benchmarks-md eval quality-md quality-findings clean
 
 all: build
 
@@ -142,6 +142,10 @@ eval: build venv
 
 quality-md:
 	$(PY) scripts/quality_md.py bench/out/eval docs
+
+# docs/QUALITY.md's findings section anew from bench/model/FINDINGS.md, its tables as they are.
+quality-findings:
+	$(PY) scripts/quality_md.py --findings docs
 
 benchmarks-md:
 	$(PY) scripts/benchmarks_md.py bench/out/*.jsonl > docs/BENCHMARKS.md
