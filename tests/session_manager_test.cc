@@ -185,12 +185,14 @@ TEST(SessionManager, SessionMetadataCountsAgainstTheQuotaAndTheTier) {
 }
 
 TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
-  // Room for one session of 64 tokens: 4 slots, and its metadata.
+  // Room for one session of 64 tokens: 4 slots, and its metadata (measured on a twin of the
+  // same tenant and session names, which the metadata counts; an append is refused when its
+  // pre-counted growth would not fit, so a byte short is short).
   const ServerOptions twin_options = Options();
   const uint64_t meta = MetadataOfTwin([&](Env& twin) {
     SessionManager m(twin_options, twin.env, /*remote=*/nullptr);
-    EXPECT_OK(m.Create("t", SmallSession("a")).status());
-    EXPECT_OK(RunAppend(m, "t", Tokens("a", 0, 64)));
+    EXPECT_OK(m.Create("small", SmallSession("s")).status());
+    EXPECT_OK(RunAppend(m, "small", Tokens("s", 0, 64)));
     return twin.host.Stats().metadata_bytes;
   });
   Remote remote;
@@ -210,9 +212,9 @@ TEST(SessionManager, AQuotaOrAMissingRemoteTierIsNotRelievedByDemotion) {
   // Without a remote tier a full host tier is the answer as it is.
   Env full(4 * 4096 + meta);
   SessionManager local(o, full.env, /*remote=*/nullptr);
-  ASSERT_OK(local.Create("t", SmallSession("a")).status());
-  ASSERT_OK(RunAppend(local, "t", Tokens("a", 0, 64)));
-  const absl::Status refused = RunAppend(local, "t", Tokens("a", 64, 1));
+  ASSERT_OK(local.Create("small", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(local, "small", Tokens("s", 0, 64)));
+  const absl::Status refused = RunAppend(local, "small", Tokens("s", 64, 1));
   EXPECT_THAT(refused, StatusIs(Code::kResourceExhausted, "host tier full"));
   EXPECT_EQ(ReasonOf(refused), ErrorReason::kHostTierFull);
 }

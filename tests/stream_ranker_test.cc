@@ -175,8 +175,8 @@ TEST(ChunkStats, MarkingFinalAFewAtATimeEqualsAllAtOnce) {
 }
 
 // LooseFloats against a deque of vectors under random pushes, writes and pops: every chunk's
-// floats where they were written (none moved or overwritten by another chunk's), and the
-// blocks held at most those the chunks held touch.
+// floats where they were written (none moved or overwritten by another chunk's), the blocks
+// held at most those the chunks held touch, and GrowthBytes what pushes then take.
 TEST(LooseFloats, HoldsEachChunksFloatsThroughPushesAndPops) {
   constexpr int kWidth = 5;  // not a divisor of anything
   std::mt19937 rng(11);
@@ -186,11 +186,16 @@ TEST(LooseFloats, HoldsEachChunksFloatsThroughPushesAndPops) {
   for (int step = 0; step < 4000; ++step) {
     const uint32_t op = rng() % 10;
     if (op < 6) {
-      loose.PushZero();
-      model.emplace_back(kWidth, 0.f);
-      if (op < 4) {  // written after the push, as Recompute and AddSummed write
-        for (int j = 0; j < kWidth; ++j) model.back()[j] = loose.at(model.size() - 1)[j] = next++;
+      const size_t more = 1 + rng() % 3, bytes = loose.MemoryBytes();
+      const size_t growth = loose.GrowthBytes(more);  // what the pushes will take, exactly
+      for (size_t i = 0; i < more; ++i) {
+        loose.PushZero();
+        model.emplace_back(kWidth, 0.f);
+        if (op < 4) {  // written after the push, as Recompute and AddSummed write
+          for (int j = 0; j < kWidth; ++j) model.back()[j] = loose.at(model.size() - 1)[j] = next++;
+        }
       }
+      ASSERT_EQ(loose.MemoryBytes(), bytes + growth) << more << " pushed at step " << step;
     } else if (op < 9 && !model.empty()) {
       const size_t n = rng() % (std::min<size_t>(model.size(), 20) + 1);
       loose.PopFront(n);

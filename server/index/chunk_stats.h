@@ -71,6 +71,11 @@ class LooseFloats {
   // The first n chunks of `from`, replacing what is here.
   void AssignPrefix(const LooseFloats& from, size_t n);
   size_t MemoryBytes() const { return blocks_.size() * kBlockChunks * d_ * sizeof(float); }
+  // What `more` chunks pushed would add to MemoryBytes(): the blocks they would begin.
+  size_t GrowthBytes(size_t more) const {
+    const size_t blocks = (first_ + size_ + more + kBlockChunks - 1) / kBlockChunks;
+    return (blocks - std::min(blocks, blocks_.size())) * kBlockChunks * d_ * sizeof(float);
+  }
 
  private:
   float* Row(size_t i) const {
@@ -164,6 +169,11 @@ class ChunkStats {
   // copy's owner marks them final as its own index takes them in.
   void CopyPrefix(const ChunkStats& from, uint32_t n);
 
+  // What `more` chunks appended would add to MemoryBytes() in float statistics (the blocks
+  // they would begin), before any is made compact.
+  size_t LooseGrowthBytes(uint32_t more) const {
+    return sums_.GrowthBytes(more) + peaks_.GrowthBytes(more);
+  }
   // The heap bytes its arrays hold (their capacities), and the object itself.
   size_t MemoryBytes() const {
     return sizeof(*this) + tokens_.capacity() * sizeof(uint32_t) + codes_.capacity() +

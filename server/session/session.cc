@@ -186,7 +186,15 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   // exactly as it was. The charge is set to what the append came to at the end.
   const uint64_t layer_bytes = LayerHeapBytes(layer);
   const uint64_t charged = charge_.bytes();
-  RETURN_IF_ERROR(charge_.Grow(kvh * plan.new_chunks() * ChunkBytesEstimate(f)));
+  // Each new chunk's record, and the larger of its statistics' two forms: the float ones it
+  // holds until aged (in blocks: what each stream's next blocks take) or the compact ones.
+  const uint64_t compact = ChunkStats::CompactChunkBytes(static_cast<int>(f.head_dim));
+  uint64_t growth = kvh * plan.new_chunks() * (ChunkBytesEstimate(f) - compact);
+  for (const Stream& s : heads(layer)) {
+    growth += std::max<uint64_t>(plan.new_chunks() * compact,
+                                 s.stats().LooseGrowthBytes(plan.new_chunks()));
+  }
+  RETURN_IF_ERROR(charge_.Grow(growth));
   absl::Cleanup settle = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // under this call's lock
     charge_.Set(charged + LayerHeapBytes(layer) - layer_bytes);
   };
