@@ -19,6 +19,7 @@ bool Tileable(int head_dim) { return head_dim % 32 == 0 && BestInt8Kernel() == I
 void LooseFloats::PushZero() {
   const size_t j = first_ + size_;
   if (j / kBlockChunks == blocks_.size()) {
+    if (blocks_.size() == blocks_.capacity()) blocks_.reserve(NextRoom(blocks_.capacity()));
     blocks_.push_back(std::make_unique_for_overwrite<float[]>(kBlockChunks * d_));
   }
   std::fill_n(blocks_[j / kBlockChunks].get() + (j % kBlockChunks) * d_, d_, 0.f);
@@ -32,6 +33,7 @@ void LooseFloats::PopFront(size_t n) {
   const size_t gone = size_ == 0 ? blocks_.size() : first_ / kBlockChunks;
   blocks_.erase(blocks_.begin(), blocks_.begin() + static_cast<ptrdiff_t>(gone));
   first_ = size_ == 0 ? 0 : first_ - gone * kBlockChunks;
+  if (blocks_.empty()) blocks_.shrink_to_fit();  // a stream aged to its end holds nothing
 }
 
 void LooseFloats::AssignPrefix(const LooseFloats& from, size_t n) {

@@ -35,9 +35,9 @@
 #ifndef KVTIER_SERVER_INDEX_CHUNK_STATS_H_
 #define KVTIER_SERVER_INDEX_CHUNK_STATS_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <vector>
 
@@ -56,6 +56,7 @@ struct ChunkSummary {
 // head_dim floats per chunk for a run of chunks, the first ones leaving first: held in blocks
 // of kBlockChunks chunks, so that adding a chunk never moves (or copies, or touches the fresh
 // pages of) the floats held, as a vector's growth would, and one chunk's floats are contiguous.
+// Nothing is allocated until the first chunk.
 class LooseFloats {
  public:
   static constexpr size_t kBlockChunks = 8;  // 2 KiB at head_dim 64: few chunks held idle
@@ -70,22 +71,32 @@ class LooseFloats {
   void PopFront(size_t n);
   // The first n chunks of `from`, replacing what is here.
   void AssignPrefix(const LooseFloats& from, size_t n);
-  size_t MemoryBytes() const { return blocks_.size() * kBlockChunks * d_ * sizeof(float); }
-  // What `more` chunks pushed would add to MemoryBytes(): the blocks they would begin.
+  // The blocks, and the array of their pointers.
+  size_t MemoryBytes() const {
+    return blocks_.size() * BlockBytes() + blocks_.capacity() * sizeof(blocks_[0]);
+  }
+  // What `more` chunks pushed would add to MemoryBytes(): the blocks they would begin, and
+  // the pointers' array grown as PushZero grows it.
   size_t GrowthBytes(size_t more) const {
     const size_t blocks = (first_ + size_ + more + kBlockChunks - 1) / kBlockChunks;
-    return (blocks - std::min(blocks, blocks_.size())) * kBlockChunks * d_ * sizeof(float);
+    const size_t had = blocks_.capacity();
+    size_t room = had;
+    while (room < blocks) room = NextRoom(room);
+    return (blocks - std::min(blocks, blocks_.size())) * BlockBytes() +
+           (room - had) * sizeof(blocks_[0]);
   }
 
  private:
+  static size_t NextRoom(size_t room) { return std::max<size_t>(2 * room, 4); }
+  size_t BlockBytes() const { return kBlockChunks * d_ * sizeof(float); }
   float* Row(size_t i) const {
     const size_t j = first_ + i;
     return blocks_[j / kBlockChunks].get() + (j % kBlockChunks) * d_;
   }
 
   size_t d_;
-  std::deque<std::unique_ptr<float[]>> blocks_;
-  size_t first_ = 0;  // chunks of the first block already gone
+  std::vector<std::unique_ptr<float[]>> blocks_;  // a few dozen at most in a long backlog
+  size_t first_ = 0;                              // chunks of the first block already gone
   size_t size_ = 0;
 };
 
