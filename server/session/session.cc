@@ -92,13 +92,14 @@ uint64_t Session::CreationBytes(const v1::ModelShape& shape,
          layers * (sizeof(Layer) + sizeof(float)) + layers * shape.num_kv_heads() * sizeof(Stream);
 }
 
+uint64_t Session::ChunkRecordBytes() { return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t); }
+
 uint64_t Session::ChunkBytesEstimate(const ChunkFormat& f) {
-  // What one more chunk holds however it ages: its record, its slot's heap, its token count
-  // and its compact mean and peak, bytes and a scale each, and their tiles where kept (a new
-  // chunk's float sums are more, until it is final).
+  // What one more chunk holds however it ages: its record, and its compact mean and peak,
+  // bytes and a scale each, and their tiles where kept (a new chunk's float statistics are
+  // more, until it is final: an append counts those blocks itself).
   // Arrays that double, row offsets and the index's share are counted as measured.
-  return sizeof(Chunk) + kSlotHeapBytes + sizeof(uint32_t) +
-         ChunkStats::CompactChunkBytes(static_cast<int>(f.head_dim));
+  return ChunkRecordBytes() + ChunkStats::CompactChunkBytes(static_cast<int>(f.head_dim));
 }
 
 uint64_t Session::MeasureMetadata() const {
@@ -189,7 +190,7 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   // Each new chunk's record, and the larger of its statistics' two forms: the float ones it
   // holds until aged (in blocks: what each stream's next blocks take) or the compact ones.
   const uint64_t compact = ChunkStats::CompactChunkBytes(static_cast<int>(f.head_dim));
-  uint64_t growth = kvh * plan.new_chunks() * (ChunkBytesEstimate(f) - compact);
+  uint64_t growth = kvh * plan.new_chunks() * ChunkRecordBytes();
   for (const Stream& s : heads(layer)) {
     growth += std::max<uint64_t>(plan.new_chunks() * compact,
                                  s.stats().LooseGrowthBytes(plan.new_chunks()));

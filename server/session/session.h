@@ -110,6 +110,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // slot's heap, its statistics), checked before the work; what arrays' growth and the index
   // add later is charged as measured once the work is done.
   static uint64_t ChunkBytesEstimate(const ChunkFormat& f);
+  // The part of it that is the chunk's record: the entry, its slot's heap, its token count.
+  static uint64_t ChunkRecordBytes();
   // The metadata bytes charged for this session now.
   uint64_t metadata_bytes() const;
 
