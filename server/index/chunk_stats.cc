@@ -22,8 +22,8 @@ void LooseFloats::PushZero() {
     if (blocks_.size() == blocks_.capacity()) blocks_.reserve(NextRoom(blocks_.capacity()));
     blocks_.push_back(std::make_unique_for_overwrite<float[]>(kBlockChunks * d_));
   }
-  std::fill_n(blocks_[j / kBlockChunks].get() + (j % kBlockChunks) * d_, d_, 0.f);
   ++size_;
+  std::fill_n(Row(size_ - 1), d_, 0.f);
 }
 
 void LooseFloats::PopFront(size_t n) {
