@@ -297,6 +297,54 @@ TEST(AgingPool, ThePoolAgesIntoTheSameChunksAsTheAppendPath) {
   }
 }
 
+// A decode loop's appends, one token a layer: the pool is asked to run only when a chunk leaves
+// the recent window (once every chunk_tokens appends), not at every append, and the session
+// still ends in the same chunks, byte for byte, with the same index as one that aged every
+// append inline. A policy change, which moves the window, asks for a run again.
+TEST(AgingPool, OneTokenAppendsQueueAgingOnlyWhenAChunkLeavesTheWindow) {
+  Env inline_env(64 << 20), pooled_env(64 << 20);
+  TaskPool pool(1);
+  pooled_env.env.aging = &pool;
+  const int prefill = 1000, steps = 64;  // window 64, chunks of 16
+  Fixture a = Make(inline_env, 2, 4, 2, 64, prefill + steps + 1, Cold(), 13);
+  Fixture b = Make(pooled_env, 2, 4, 2, 64, prefill + steps + 1, Cold(), 13);
+  for (Fixture* f : {&a, &b}) {
+    for (int l = 0; l < 2; ++l) ASSERT_OK(f->session->Append(Req(*f, l, 0, prefill)).status());
+  }
+  pool.WaitIdle();
+  const uint64_t before = pool.counters().tasks;
+  int crossings = 0;  // appends after which one more chunk ends by tokens - window
+  for (int t = prefill; t < prefill + steps; ++t) {
+    if ((t + 1 - 64) % 16 == 0) ++crossings;
+    for (Fixture* f : {&a, &b}) {
+      for (int l = 0; l < 2; ++l) ASSERT_OK(f->session->Append(Req(*f, l, t, 1)).status());
+    }
+    pool.WaitIdle();  // each run done before the next append, as a decode step's Selects wait
+  }
+  ASSERT_EQ(crossings, 4);
+  EXPECT_EQ(pool.counters().tasks - before, 2u * crossings) << "one run a layer a crossing";
+  EXPECT_EQ(b.session->aging_backlog_tokens(), 0u);
+  EXPECT_EQ(AllBytes(a), AllBytes(b));
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(a.session->Layers()[l].indexed_chunks(), b.session->Layers()[l].indexed_chunks());
+  }
+  EXPECT_EQ(b.session->Layers()[1].indexed_chunks(), 2u * ((prefill + steps - 64) / 16 - 1))
+      << "every chunk out of the window but the sink";
+
+  // A smaller window ages chunks out at once: the next append asks for a run even though it
+  // moves no chunk out itself.
+  v1::SessionPolicy smaller;
+  smaller.set_recent_window(32);
+  for (Fixture* f : {&a, &b}) ASSERT_OK(f->session->SetPolicy(smaller).status());
+  const uint64_t at_change = pool.counters().tasks;
+  const int t = prefill + steps;  // 1064 tokens then 1065: 1065 - 32 ends no new chunk
+  for (Fixture* f : {&a, &b}) ASSERT_OK(f->session->Append(Req(*f, 0, t, 1)).status());
+  pool.WaitIdle();
+  EXPECT_EQ(pool.counters().tasks - at_change, 1u);
+  EXPECT_EQ(b.session->aging_backlog_tokens(), 0u);
+  EXPECT_EQ(AllBytes(a), AllBytes(b)) << "the chunks the smaller window let go are quantized";
+}
+
 // wait_aged ages the layer before the reply, pool or not, and never waits on the backlog.
 TEST(AgingPool, WaitAgedAgesTheLayerBeforeTheReply) {
   Env e(64 << 20);

@@ -220,14 +220,22 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
                           "(rewrite it only after the stream's reply)");
     }
   }
+  const uint32_t out_before = AgedOutChunks(policy_, stored, stream(layer, 0));
   for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
   Layer& l = layers_[layer];
+  const bool was_aged = l.aged_tokens == stored;
   l.tokens = start + n;
   ++version_;
   std::weak_ptr<Session> self = weak_from_this();
   if (!defer || self.expired()) {
     AgeLayer(aging(), l.tokens, heads(layer), &l.aging);  // `settle` charges what it adds
     l.aged_tokens = l.tokens;
+    l.aging_settled = false;  // a chunk short of slots waits for the pool's next run
+    return MinTokens();
+  }
+  if (was_aged && l.aging_settled &&
+      AgedOutChunks(policy_, l.tokens, stream(layer, 0)) == out_before) {
+    l.aged_tokens = l.tokens;  // no chunk left the window: nothing to age
     return MinTokens();
   }
   // The rest (peaks, regroup, quantize, index) on the pool; a Select before it gets there
@@ -372,6 +380,7 @@ void Session::AgeLayerInPool(uint32_t l) {
         charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
         if (!more) {
           layer.aged_tokens = layer.tokens;
+          layer.aging_settled = !quant_stuck;
           aged_.SignalAll();
           quant_stuck = false;
         }
@@ -436,6 +445,7 @@ void Session::AgeLayerLocked(uint32_t l) {
   const uint64_t before = LayerHeapBytes(l);
   AgeLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
   layers_[l].aged_tokens = layers_[l].tokens;
+  layers_[l].aging_settled = false;  // a chunk short of slots waits for the pool's next run
   charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
 }
 
@@ -840,6 +850,7 @@ absl::StatusOr<v1::SessionPolicy> Session::SetPolicy(const v1::SessionPolicy& po
   // A smaller window or fewer sinks age chunks out now; the index takes them in.
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     IndexLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
+    layers_[l].aging_settled = false;  // their regrouping and quantizing wait for the pool
   }
   charge_.Set(MeasureMetadata());
   return policy_;

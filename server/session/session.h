@@ -247,6 +247,11 @@ class Session : public std::enable_shared_from_this<Session> {
     uint64_t aged_tokens = 0;   // tokens when the layer was last aged (AgeLayer)
     bool aging_busy = false;    // a pool thread is ageing it (another leaves it to that one)
     bool aging_queued = false;  // a pool task for it is queued (AgeQueuedLayer)
+    // The pool's last run left nothing of the layer waiting (no chunk short of slots, no
+    // policy changed since): until a chunk leaves the recent window, an append has nothing
+    // for the pool, and marks its tokens aged itself rather than wake a thread for nothing
+    // (a decode loop's append of one token a layer moves a chunk out once a chunk's tokens).
+    bool aging_settled = false;
     AgingState aging;
     // Select's candidate chunks and how many of them were scored, cumulative.
     uint64_t select_candidates = 0;
