@@ -17,7 +17,8 @@
 //
 // select_scaling: gRPC Select throughput of two worker processes at once, each with its own
 // gRPC connection and session, against one worker process alone (a fleet's workers are
-// processes of their own).
+// processes of their own). select_scaling_shm: the same through a Select channel each (the
+// decode loop's path), where gRPC's own scaling is not in the way.
 //
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
 // (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
@@ -207,16 +208,30 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
          "echo_rpc_p99_back_to_back", params});
 }
 
-// A worker process of Scaling (select_bench --scaling_worker ADDRESS,SESSION,BUDGET,ITERS,ECHO):
-// connects, warms up with 50 pairs, says "ready", waits for a line on stdin, then times `iters`
-// pairs (Select+Release, or, with `echo_bytes` nonzero, Echo pairs carrying that many bytes
-// back and none) and prints the seconds they took.
+// A worker process of Scaling (select_bench --scaling_worker
+// ADDRESS,SESSION,BUDGET,ITERS,ECHO,CHANNEL): connects, warms up with 50 pairs, says "ready",
+// waits for a line on stdin, then times `iters` pairs (Select+Release, or, with `echo_bytes`
+// nonzero, Echo pairs carrying that many bytes back and none; with `channel`, Select+Release
+// through a Select channel of its own, into one response reused) and prints the seconds they
+// took.
 int ScalingWorker(const std::string& address, const std::string& sid, uint32_t budget, int iters,
-                  uint32_t echo_bytes) {
+                  uint32_t echo_bytes, bool channel) {
   auto c = Client::Connect(address);
   if (!c.ok()) return 1;
   const v1::SelectRequest req = Request(sid, budget);
+  std::unique_ptr<SelectChannel> ch;
+  if (channel) {
+    auto opened = (*c)->OpenChannel();
+    if (!opened.ok()) return 1;
+    ch = *std::move(opened);
+  }
+  v1::SelectResponse resp;
   auto pair = [&] {
+    if (ch != nullptr) {
+      if (!ch->Select(req, &resp).ok()) std::exit(1);
+      (void)ch->Release(resp.lease_id());
+      return;
+    }
     if (echo_bytes > 0) {
       if (!(*c)->Echo(req.query(), echo_bytes).ok() || !(*c)->Echo("", 0).ok()) std::exit(1);
       return;
@@ -240,7 +255,7 @@ int ScalingWorker(const std::string& address, const std::string& sid, uint32_t b
 // Pairs per second of one worker process per session of `sids` (ScalingWorker), all at once:
 // they start together once each is connected and warm, and the slowest one's time counts.
 double ProcessThroughput(const std::string& address, const std::vector<std::string>& sids,
-                         uint32_t budget, int iters, uint32_t echo_bytes) {
+                         uint32_t budget, int iters, uint32_t echo_bytes, bool channel = false) {
   struct Worker {
     pid_t pid;
     FILE* to;
@@ -251,7 +266,7 @@ double ProcessThroughput(const std::string& address, const std::vector<std::stri
     int in[2], out[2];
     if (pipe(in) != 0 || pipe(out) != 0) std::exit(1);
     const std::string args =
-        absl::StrCat(address, ",", sid, ",", budget, ",", iters, ",", echo_bytes);
+        absl::StrCat(address, ",", sid, ",", budget, ",", iters, ",", echo_bytes, ",", channel);
     const pid_t pid = fork();
     if (pid < 0) std::exit(1);
     if (pid == 0) {  // only async-signal-safe calls until exec
@@ -319,10 +334,12 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
   work(0, 50);  // warm-up, each connection
   work(1, 50);
   const std::vector<std::string> first = {sids[0]};
-  std::vector<double> one, two, echo_ratio, threads_ratio;
+  std::vector<double> one, two, echo_ratio, threads_ratio, shm_one, shm_two;
   for (int r = 0; r < reps; ++r) {
     one.push_back(ProcessThroughput(address, first, budget, iters, 0));
     two.push_back(ProcessThroughput(address, sids, budget, iters, 0));
+    shm_one.push_back(ProcessThroughput(address, first, budget, iters, 0, true));
+    shm_two.push_back(ProcessThroughput(address, sids, budget, iters, 0, true));
     const double echo_one = ProcessThroughput(address, first, budget, iters, resp_bytes);
     echo_ratio.push_back(ProcessThroughput(address, sids, budget, iters, resp_bytes) / echo_one);
     const double threads_one = threads_throughput(1);
@@ -341,6 +358,11 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
       {"target_ratio", "1.7"}};
   NameDaemonFlags(&params);
   Print({"select_scaling", Median(two), "selects/s", Median(one), "one_worker", params});
+  params.erase("echo_scaling");
+  params.erase("threads_in_one_process_scaling");
+  params["workers"] = "2 processes, each its own Select channel (OpenChannel) and session";
+  Print(
+      {"select_scaling_shm", Median(shm_two), "selects/s", Median(shm_one), "one_worker", params});
 }
 
 // Exact attention of one layer in the worker: every query head over all `n` tokens of its KV
@@ -460,9 +482,9 @@ void DecodeStep(Client& c, int context, int steps) {
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "--scaling_worker") {
     const std::vector<std::string> a = absl::StrSplit(argv[2], ',');
-    if (a.size() != 5) return 2;
+    if (a.size() != 6) return 2;
     return ScalingWorker(a[0], a[1], static_cast<uint32_t>(std::stoul(a[2])), std::stoi(a[3]),
-                         static_cast<uint32_t>(std::stoul(a[4])));
+                         static_cast<uint32_t>(std::stoul(a[4])), a[5] == "1");
   }
   // --daemon_flags "FLAG VALUE ...": more flags for the daemon the bench starts (an A/B of a
   // daemon setting with the same binaries), before any other argument.

@@ -39,6 +39,10 @@ TARGETS = [
      "once, each on a session of its own over the same tiers, copy caches and lease table, vs "
      "one thread: the daemon's own work without a transport (default policy, every layer in "
      "turn)"),
+    ("select_scaling_shm", ">=", 1.7, "Select throughput of two worker processes at once, "
+     "each through a Select channel of its own (OpenChannel) on a session of its own, vs one "
+     "worker process alone, on the same daemon: the decode loop's path, without gRPC's own "
+     "scaling (select_scaling's echo_scaling) in the way"),
     ("select_scaling", ">=", 1.7, "gRPC Select throughput of two worker processes at once "
      "(each its own gRPC connection and session) vs one worker process alone, on the same "
      "daemon; echo_scaling is the same for bare Echo pairs, threads_in_one_process_scaling two "
