@@ -20,7 +20,15 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
   std::vector<float> logits(total * group);
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   size_t r = 0;
-  for (const RefineChunk& c : chunks) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const RefineChunk& c = chunks[i];
+    // The next chunk's keys are asked for while these are scored: a pool's chunks lie apart
+    // (slots, cached copies), and a decode step's layers leave none of them in the cache.
+    if (i + 1 < chunks.size()) {
+      const RefineChunk& n = chunks[i + 1];
+      const char* p = reinterpret_cast<const char*>(n.keys + n.first_row * d);
+      for (size_t b = 0; b < n.rows * d * 2; b += 64) __builtin_prefetch(p + b);
+    }
     // Straight from the 2-byte keys (widened in registers, once for the group), no float copy
     // of the rows.
     DotHalvesRows(kind, queries.data(), group, c.keys + c.first_row * d, static_cast<int>(c.rows),
