@@ -139,8 +139,12 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
       const Chunk& c = heads[h].chunks()[choice->chunks[h][i]];
       const uint8_t* fp16 = choice->host_slots[h][i]->data();
       for (uint32_t r : choice->rows[h].of(i)) {
-        rows[h].push_back({static_cast<int64_t>(c.position(r)), fp16 + r * rb,
-                           fp16 + (c.num_tokens + r) * rb, choice->chunks[h][i]});
+        const uint8_t* v = fp16 + (c.num_tokens + r) * rb;
+        // The value rows, which refinement did not read, are asked for now: they arrive while
+        // the rows are sorted and the slots taken, before the copies below.
+        for (uint64_t b = 0; b < rb; b += 64) __builtin_prefetch(v + b);
+        rows[h].push_back(
+            {static_cast<int64_t>(c.position(r)), fp16 + r * rb, v, choice->chunks[h][i]});
       }
     }
     std::sort(rows[h].begin(), rows[h].end(),
