@@ -2,9 +2,10 @@
 // (regroup, quantize, index: aging.h, off the append path, so that an AppendKV is acknowledged
 // once its rows are stored in fp16 and visible to Select) and the prefetcher's (prefetcher.h).
 // For aging, a session submits one task per layer while that layer has un-aged tokens and none
-// queued or running (Session::Append, Session::AgeQueuedLayer), so that the threads age one
-// session's layers side by side; the task holds the session only weakly, so a closed and
-// dropped session's queued task does nothing.
+// queued or running (Session::Append, Session::AgeQueuedLayer; an append that moves no chunk
+// out of the recent window after a run that left nothing waiting submits none), so that the
+// threads age one session's layers side by side; the task holds the session only weakly, so a
+// closed and dropped session's queued task does nothing.
 //
 // Background work on a busy host: with `idle_priority` the threads run only on a core nothing
 // else wants (SCHED_IDLE), so appends and Selects never share a core with them. A caller that
