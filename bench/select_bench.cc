@@ -26,6 +26,7 @@
 // on fp16 K and V held in its memory). `select_bench --decode_tokens 65536,131072` measures it
 // alone at other contexts. `select_bench --daemon_flags "--channel_colocate off"` runs it all
 // against a daemon with more flags (named in each figure's parameters).
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -209,18 +210,23 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
 }
 
 // A worker process of Scaling (select_bench --scaling_worker
-// ADDRESS,SESSION,BUDGET,ITERS,ECHO,CHANNEL): connects, warms up with 50 pairs, says "ready",
-// waits for a line on stdin, then times `iters` pairs (Select+Release, or, with `echo_bytes`
-// nonzero, Echo pairs carrying that many bytes back and none; with `channel`, Select+Release
-// through a Select channel of its own, into one response reused) and prints the seconds they
-// took.
+// ADDRESS,SESSION,BUDGET,ITERS,ECHO,CHANNEL_CPU): connects, warms up with 50 pairs, says
+// "ready", waits for a line on stdin, then times `iters` pairs (Select+Release, or, with
+// `echo_bytes` nonzero, Echo pairs carrying that many bytes back and none; with `channel_cpu`
+// 0 or more, Select+Release through a Select channel of its own, into one response reused,
+// the worker held on that CPU, as an engine's worker is on its own) and prints the seconds
+// they took.
 int ScalingWorker(const std::string& address, const std::string& sid, uint32_t budget, int iters,
-                  uint32_t echo_bytes, bool channel) {
+                  uint32_t echo_bytes, int channel_cpu) {
   auto c = Client::Connect(address);
   if (!c.ok()) return 1;
   const v1::SelectRequest req = Request(sid, budget);
   std::unique_ptr<SelectChannel> ch;
-  if (channel) {
+  if (channel_cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(channel_cpu, &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0) return 1;
     auto opened = (*c)->OpenChannel();
     if (!opened.ok()) return 1;
     ch = *std::move(opened);
@@ -262,11 +268,13 @@ double ProcessThroughput(const std::string& address, const std::vector<std::stri
     FILE* from;
   };
   std::vector<Worker> workers;
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (const std::string& sid : sids) {
     int in[2], out[2];
     if (pipe(in) != 0 || pipe(out) != 0) std::exit(1);
+    const int cpu = channel ? static_cast<int>(workers.size()) % cpus : -1;
     const std::string args =
-        absl::StrCat(address, ",", sid, ",", budget, ",", iters, ",", echo_bytes, ",", channel);
+        absl::StrCat(address, ",", sid, ",", budget, ",", iters, ",", echo_bytes, ",", cpu);
     const pid_t pid = fork();
     if (pid < 0) std::exit(1);
     if (pid == 0) {  // only async-signal-safe calls until exec
@@ -360,7 +368,9 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
   Print({"select_scaling", Median(two), "selects/s", Median(one), "one_worker", params});
   params.erase("echo_scaling");
   params.erase("threads_in_one_process_scaling");
-  params["workers"] = "2 processes, each its own Select channel (OpenChannel) and session";
+  params["workers"] =
+      "2 processes, each its own Select channel (OpenChannel) and session, each held on a CPU "
+      "of its own (one alone: on the first)";
   Print(
       {"select_scaling_shm", Median(shm_two), "selects/s", Median(shm_one), "one_worker", params});
 }
@@ -484,7 +494,7 @@ int main(int argc, char** argv) {
     const std::vector<std::string> a = absl::StrSplit(argv[2], ',');
     if (a.size() != 6) return 2;
     return ScalingWorker(a[0], a[1], static_cast<uint32_t>(std::stoul(a[2])), std::stoi(a[3]),
-                         static_cast<uint32_t>(std::stoul(a[4])), a[5] == "1");
+                         static_cast<uint32_t>(std::stoul(a[4])), std::stoi(a[5]));
   }
   // --daemon_flags "FLAG VALUE ...": more flags for the daemon the bench starts (an A/B of a
   // daemon setting with the same binaries), before any other argument.
