@@ -220,10 +220,12 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
                           "(rewrite it only after the stream's reply)");
     }
   }
-  const uint32_t out_before = AgedOutChunks(policy_, stored, stream(layer, 0));
-  for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
   Layer& l = layers_[layer];
-  const bool was_aged = l.aged_tokens == stored;
+  // Aged to its end by a run that left nothing waiting: the pool has something to do for this
+  // append only if it moves a chunk out of the window.
+  const bool settled = defer && l.aging_settled && l.aged_tokens == stored;
+  const uint32_t out_before = settled ? AgedOutChunks(policy_, stored, stream(layer, 0)) : 0;
+  for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
   l.tokens = start + n;
   ++version_;
   std::weak_ptr<Session> self = weak_from_this();
@@ -233,8 +235,7 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
     l.aging_settled = false;  // a chunk short of slots waits for the pool's next run
     return MinTokens();
   }
-  if (was_aged && l.aging_settled &&
-      AgedOutChunks(policy_, l.tokens, stream(layer, 0)) == out_before) {
+  if (settled && AgedOutChunks(policy_, l.tokens, stream(layer, 0)) == out_before) {
     l.aged_tokens = l.tokens;  // no chunk left the window: nothing to age
     return MinTokens();
   }
