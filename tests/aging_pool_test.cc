@@ -486,5 +486,48 @@ TEST(AgingPool, AppendsSelectsAndAgingAtOnce) {
   EXPECT_EQ(AllBytes(f), AllBytes(twin));
 }
 
+// A decode loop on every layer at once: one-token appends (most of which leave aging out,
+// some moving a chunk out of the window) from a thread per layer, Selects beside them and the
+// pool ageing meanwhile, end in the same chunks as a session that aged every append inline.
+TEST(AgingPool, OneTokenAppendsSelectsAndAgingAtOnce) {
+  Env e(128 << 20), twin_env(128 << 20);
+  TaskPool pool(2);
+  e.env.aging = &pool;
+  const int layers = 3, prefill = 512, steps = 100;
+  Fixture f = Make(e, layers, 4, 2, 64, prefill + steps, Cold(), 14);
+  Fixture twin = Make(twin_env, layers, 4, 2, 64, prefill + steps, Cold(), 14);
+  ASSERT_OK(AppendAll(f, prefill, 128));
+  ASSERT_OK(AppendAll(twin, prefill, 128));
+  std::atomic<bool> done{false};
+  std::thread selector([&] {
+    for (int i = 0; !done.load(); ++i) {
+      v1::SelectResponse r;
+      auto req = SelectReq(f, i % layers, 256, i);
+      req.set_include_data(false);
+      EXPECT_OK(f.session->Select(req, &r));
+    }
+  });
+  std::vector<std::thread> appenders;
+  for (int l = 0; l < layers; ++l) {
+    appenders.emplace_back([&, l] {
+      for (int t = prefill; t < prefill + steps; ++t) {
+        EXPECT_OK(f.session->Append(Req(f, l, t, 1)).status());
+      }
+    });
+  }
+  for (std::thread& t : appenders) t.join();
+  done = true;
+  selector.join();
+  for (int t = prefill; t < prefill + steps; ++t) {
+    for (int l = 0; l < layers; ++l) ASSERT_OK(twin.session->Append(Req(twin, l, t, 1)).status());
+  }
+  pool.WaitIdle();
+  EXPECT_EQ(f.session->aging_backlog_tokens(), 0u);
+  EXPECT_EQ(AllBytes(f), AllBytes(twin));
+  for (int l = 0; l < layers; ++l) {
+    EXPECT_EQ(f.session->Layers()[l].indexed_chunks(), twin.session->Layers()[l].indexed_chunks());
+  }
+}
+
 }  // namespace
 }  // namespace kvtier
