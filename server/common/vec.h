@@ -19,6 +19,13 @@ namespace kvtier {
 
 enum class HalfKind { kFp16, kBf16 };
 
+// Starts the loads of n bytes from p (a software prefetch of each 64-byte line), so that they
+// arrive while other work runs.
+inline void PrefetchBytes(const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off);
+}
+
 // sum[j] += value(rows[r * d + j]) for r in [0, n), j in [0, d).
 void AddRows(HalfKind kind, const uint16_t* rows, int n, int d, float* sum);
 

@@ -14,16 +14,6 @@
 #include "server/index/cluster_index.h"
 
 namespace kvtier {
-namespace {
-
-// Starts the loads of n bytes from p.
-void PrefetchBytes(const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off);
-}
-
-}  // namespace
-
 ClusterIndex::Prepared ClusterIndex::Prepare(std::span<const float> queries, int group) const {
   Prepared p;
   // The bounds are of the query the chunks' compact statistics are scored against (DotInt8):

@@ -26,8 +26,7 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
     // (slots, cached copies), and a decode step's layers leave none of them in the cache.
     if (i + 1 < chunks.size()) {
       const RefineChunk& n = chunks[i + 1];
-      const char* p = reinterpret_cast<const char*>(n.keys + n.first_row * d);
-      for (size_t b = 0; b < n.rows * d * sizeof(*n.keys); b += 64) __builtin_prefetch(p + b);
+      PrefetchBytes(n.keys + n.first_row * d, n.rows * d * sizeof(*n.keys));
     }
     // Straight from the 2-byte keys (widened in registers, once for the group), no float copy
     // of the rows.

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "server/common/status_macros.h"
+#include "server/common/vec.h"
 #include "server/index/token_refine.h"
 #include "server/transfer/device_fill.h"
 
@@ -142,7 +143,7 @@ absl::StatusOr<std::vector<std::vector<GatheredBlock>>> GatherRows(const Promoti
         const uint8_t* v = fp16 + (c.num_tokens + r) * rb;
         // The value rows, which refinement did not read, are asked for now: they arrive while
         // the rows are sorted and the slots taken, before the copies below.
-        for (uint64_t b = 0; b < rb; b += 64) __builtin_prefetch(v + b);
+        PrefetchBytes(v, rb);
         rows[h].push_back(
             {static_cast<int64_t>(c.position(r)), fp16 + r * rb, v, choice->chunks[h][i]});
       }
