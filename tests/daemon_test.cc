@@ -129,6 +129,44 @@ std::vector<std::string> ShmEntries(const std::string& instance) {
   return out;
 }
 
+// Client::Select's second form parses each answer into the response it is given, as a decode
+// loop passes one call after call: every answer there is the one the first form returns (but
+// for its lease), whatever the response held before, and an error leaves it empty.
+TEST(Daemon, SelectIntoAReusedResponseIsTheFreshAnswer) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto c = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  Data data = MakeData(700);
+  std::vector<v1::AppendKVRequest> appends = AllLayers(sid, data, 0, 700);
+  for (auto& a : appends) a.set_wait_aged(true);  // no chunk regrouped between two Selects
+  ASSERT_OK(c->AppendKV(appends).status());
+  auto without_lease = [](v1::SelectResponse r) {
+    r.clear_lease_id();
+    r.clear_lease_expires_unix_ms();
+    return r.SerializeAsString();
+  };
+  v1::SelectResponse reused;
+  // Large and small answers in turn (with bytes inline, then without, then everything), so
+  // that each finds the response holding more handles, or other fields, than it has.
+  const std::vector<v1::SelectRequest> turns = {Select(sid, 3, 256, /*data=*/true),
+                                                Select(sid, 2, 96), Select(sid, 0, 1000),
+                                                Select(sid, 3, 128, /*data=*/true)};
+  for (const v1::SelectRequest& req : turns) {
+    ASSERT_OK(c->Select(req, &reused));
+    ASSERT_FALSE(reused.lease_id().empty());
+    EXPECT_OK(c->Release(reused.lease_id()));
+    ASSERT_OK_AND_ASSIGN(auto fresh, c->Select(req));
+    EXPECT_OK(c->Release(fresh.lease_id()));
+    EXPECT_GT(fresh.heads(0).blocks_size(), 0);
+    EXPECT_EQ(without_lease(reused), without_lease(fresh)) << "layer " << req.layer();
+  }
+  EXPECT_THAT(c->Select(Select(sid, 3, 32), &reused),
+              StatusIs(Code::kInvalidArgument, "budget_tokens"));
+  EXPECT_EQ(reused.ByteSizeLong(), 0u);
+}
+
 TEST(Daemon, HandlesAreReadableFromThisProcessThroughSharedMemory) {
   DaemonProcess d;
   ASSERT_TRUE(d.started());

@@ -196,6 +196,12 @@ bool NameWorker(const std::string& worker, v1::BatchSelectRequest* r) {
   return any;
 }
 
+const absl::Status& StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
 // The daemon no longer knows the worker id a request named.
 bool LostWorker(const absl::Status& s) {
   return s.code() == absl::StatusCode::kNotFound && absl::StrContains(s.message(), "worker_id");
@@ -213,7 +219,7 @@ auto Client::WithWorker(const Req& req, Call&& call) -> decltype(call(req)) {
     const bool set = NameWorker(*worker, &named);
     auto r = call(named);
     // It restarted, or the stream ended just now: attach anew, once.
-    if (set && attempt == 0 && LostWorker(r.status())) continue;
+    if (set && attempt == 0 && LostWorker(StatusOf(r))) continue;
     return r;
   }
 }
@@ -291,6 +297,17 @@ absl::StatusOr<uint64_t> AppendWriter::Finish() {
 absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) {
   return WithWorker(req, [this](const v1::SelectRequest& r) {
     return KVTIER_CALL(v1::SelectResponse, Select, r);
+  });
+}
+
+absl::Status Client::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
+  return WithWorker(req, [this, out](const v1::SelectRequest& r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    const grpc::Status s = stub_->Select(&ctx, r, out);
+    if (s.ok()) return absl::OkStatus();
+    out->Clear();  // nothing of an earlier answer is taken for this one's
+    return FromGrpcStatus(s);
   });
 }
 

@@ -73,6 +73,9 @@ class Client {
   // area just before its message, so that the daemon stores one while the next is written.
   std::unique_ptr<AppendWriter> OpenAppend();
   absl::StatusOr<v1::SelectResponse> Select(const v1::SelectRequest& req);
+  // The same into `out`, cleared first: a decode loop that passes one response call after
+  // call reuses its handles' memory instead of allocating and freeing them every call.
+  absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out);
   absl::StatusOr<v1::BatchSelectResponse> BatchSelect(const v1::BatchSelectRequest& req);
   absl::Status Release(const std::string& lease_id);
   absl::StatusOr<std::vector<v1::BlockHandle>> ReadChunks(const std::string& session_id,
