@@ -283,7 +283,9 @@ TEST(CopyFinite, CopiesAndAgreesWithFindNonFinite) {
 TEST(CopyFinite, RowsAddTheBitsAddRowsAdds) {
   std::mt19937 rng(12);
   for (const HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
-    for (const int d : {8, 16, 24, 64, 128}) {
+    // Panels of 64 columns and what is left past them (16, 32 or 48), and sizes the AVX2 path
+    // does not take.
+    for (const int d : {8, 16, 24, 32, 48, 64, 80, 96, 112, 128}) {
       for (const uint32_t rows : {1u, 7u, 16u}) {
         const size_t n = size_t{rows} * d;
         std::vector<uint16_t> src(n);
@@ -303,11 +305,17 @@ TEST(CopyFinite, RowsAddTheBitsAddRowsAdds) {
                 << d << " " << rows << " " << stream;
           }
         }
-        std::vector<uint16_t> bad = src;
-        bad[n - 1] = kind == HalfKind::kFp16 ? 0x7c00 : 0x7f80;  // the last row's last value
-        std::vector<float> sums(d, 0.f);
-        alignas(32) static uint16_t dst[16 * 128];
-        EXPECT_FALSE(CopyFiniteRows(kind, dst, bad.data(), rows, d, sums.data(), true));
+        // One value not finite, wherever it is: the last row's last, the first row's first,
+        // and one in the middle of the middle row (NaN).
+        for (const size_t at : {n - 1, size_t{0}, n / 2 + 3}) {
+          std::vector<uint16_t> bad = src;
+          bad[std::min(at, n - 1)] = kind == HalfKind::kFp16 ? 0x7c00 : 0x7f80;
+          if (at == n / 2 + 3) bad[std::min(at, n - 1)] |= 1;  // NaN
+          std::vector<float> sums(d, 0.f);
+          alignas(32) static uint16_t dst[16 * 128];
+          EXPECT_FALSE(CopyFiniteRows(kind, dst, bad.data(), rows, d, sums.data(), true))
+              << d << " " << rows << " at " << at;
+        }
       }
     }
   }
