@@ -109,13 +109,16 @@ v1::SelectRequest Select(const std::string& sid, int layer, uint32_t budget, boo
   return r;
 }
 
-// A new session (Shape()) holding `tokens` tokens of MakeData(tokens) in every layer.
-std::string SessionWithTokens(Client& c, int tokens) {
+// A new session (Shape()) holding `tokens` tokens of MakeData(tokens) in every layer; with
+// `aged`, once every chunk out of the window is aged (no chunk regrouped after it returns).
+std::string SessionWithTokens(Client& c, int tokens, bool aged = false) {
   auto created = c.CreateSession(Shape());
   EXPECT_TRUE(created.ok()) << created.status();
   if (!created.ok()) return "";
   const Data data = MakeData(tokens);
-  EXPECT_OK(c.AppendKV(AllLayers(created->session_id(), data, 0, tokens)).status());
+  std::vector<v1::AppendKVRequest> appends = AllLayers(created->session_id(), data, 0, tokens);
+  for (auto& a : appends) a.set_wait_aged(aged);
+  EXPECT_OK(c.AppendKV(appends).status());
   return created->session_id();
 }
 
@@ -136,12 +139,8 @@ TEST(Daemon, SelectIntoAReusedResponseIsTheFreshAnswer) {
   DaemonProcess d;
   ASSERT_TRUE(d.started());
   auto c = Connect(d);
-  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
-  const std::string sid = created.session_id();
-  Data data = MakeData(700);
-  std::vector<v1::AppendKVRequest> appends = AllLayers(sid, data, 0, 700);
-  for (auto& a : appends) a.set_wait_aged(true);  // no chunk regrouped between two Selects
-  ASSERT_OK(c->AppendKV(appends).status());
+  const std::string sid = SessionWithTokens(*c, 700, /*aged=*/true);  // the same chunks throughout
+  ASSERT_FALSE(sid.empty());
   auto without_lease = [](v1::SelectResponse r) {
     r.clear_lease_id();
     r.clear_lease_expires_unix_ms();
