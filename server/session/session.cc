@@ -591,8 +591,11 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                                 by_need ? &need : nullptr));
     if (by_need) needs_.Record(layer, need);
   }
-  // Chunks with a row returned: what summaries leave out.
-  const std::vector<std::vector<uint32_t>> returned = c.chunks;
+  // Chunks with a row returned: what summaries leave out (copied only when asked for, before
+  // GatherRows takes the gathered rows' chunks out of c.chunks).
+  const bool summaries = req.include_summaries() && !c.everything;
+  std::vector<std::vector<uint32_t>> returned;
+  if (summaries) returned = c.chunks;
   std::vector<std::vector<GatheredBlock>> gathered(shape_.num_kv_heads());
   if (refine && !req.row_handles()) {
     ASSIGN_OR_RETURN(gathered, GatherRows(promotion(layer, to_device), heads(layer), &c,
@@ -631,7 +634,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                                          hs->add_blocks()));
       pinned.push_back(std::move(g.slot));
     }
-    if (req.include_summaries() && !c.everything) AddSummaries(s, f, returned[h], hs);
+    if (summaries) AddSummaries(s, f, returned[h], hs);
   }
   ASSIGN_OR_RETURN(
       const LeaseTable::Granted lease,
