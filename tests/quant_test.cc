@@ -283,8 +283,8 @@ TEST(CopyFinite, CopiesAndAgreesWithFindNonFinite) {
 TEST(CopyFinite, RowsAddTheBitsAddRowsAdds) {
   std::mt19937 rng(12);
   for (const HalfKind kind : {HalfKind::kFp16, HalfKind::kBf16}) {
-    // Panels of 64 columns and what is left past them (16, 32 or 48), and sizes the AVX2 path
-    // does not take.
+    // Every multiple of 16 up to 128 (the AVX2 path, 16 columns at a time), and sizes it does
+    // not take (8, 24).
     for (const int d : {8, 16, 24, 32, 48, 64, 80, 96, 112, 128}) {
       for (const uint32_t rows : {1u, 7u, 16u}) {
         const size_t n = size_t{rows} * d;
