@@ -237,15 +237,25 @@ void Client::AddCredentials(const ClientOptions& options, grpc::ClientContext* c
 
 namespace {
 
+// Calls a unary method of the stub into `resp` (cleared on an error: nothing of an earlier
+// answer is taken for this one's) and returns its status.
+template <typename Resp, typename Req, typename Method>
+absl::Status CallInto(v1::KvTier::Stub& stub, Method method, const Req& req, Resp* resp,
+                      const std::function<void(grpc::ClientContext*)>& prepare) {
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  const grpc::Status s = (stub.*method)(&ctx, req, resp);
+  if (s.ok()) return absl::OkStatus();
+  resp->Clear();
+  return FromGrpcStatus(s);
+}
+
 // Calls a unary method of the stub and returns its response or status.
 template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> Call(v1::KvTier::Stub& stub, Method method, const Req& req,
                           const std::function<void(grpc::ClientContext*)>& prepare) {
-  grpc::ClientContext ctx;
-  prepare(&ctx);
   Resp resp;
-  grpc::Status s = (stub.*method)(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
+  if (absl::Status s = CallInto(stub, method, req, &resp, prepare); !s.ok()) return s;
   return resp;
 }
 
@@ -302,12 +312,8 @@ absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) 
 
 absl::Status Client::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
   return WithWorker(req, [this, out](const v1::SelectRequest& r) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    const grpc::Status s = stub_->Select(&ctx, r, out);
-    if (s.ok()) return absl::OkStatus();
-    out->Clear();  // nothing of an earlier answer is taken for this one's
-    return FromGrpcStatus(s);
+    return CallInto(*stub_, &v1::KvTier::Stub::Select, r, out,
+                    [this](grpc::ClientContext* c) { Prepare(c); });
   });
 }
 
