@@ -199,11 +199,11 @@ TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
 
 TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
   // ChunkStats::Score over a whole stream (its compact chunks read in place, in blocks; its
-  // loose ones as candidates) gives every chunk the bits LsePeakScore or MeanScore gives it
-  // alone, and the LSE-peak score stays within float rounding of its definition. Block
-  // boundaries fall inside the compact run (1024 / group chunks a block). The chunks become
-  // compact in two steps (as the aging pool marks them), and a fork's copy of a prefix scores
-  // its chunks as the original does.
+  // loose ones as candidates), and ScoreCompact over compact chunks picked anywhere, give
+  // every chunk the bits LsePeakScore or MeanScore gives it alone, and the LSE-peak score stays
+  // within float rounding of its definition. Block boundaries fall inside the compact run (1024 /
+  // group chunks a block). The chunks become compact in two steps (as the aging pool marks them),
+  // and a fork's copy of a prefix scores its chunks as the original does.
   std::mt19937 rng(17);
   std::normal_distribution<float> n(0, 1);
   const int d = 64;
@@ -236,6 +236,35 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
         ASSERT_NEAR(lse[c], LsePeakExpected(q, group, d, m.data(), p.data(), cand.tokens),
                     1e-4 * (1 + std::abs(lse[c])))
             << "group " << group << " compact " << compact << " chunk " << c;
+      }
+      // Compact chunks picked anywhere and in any order (a searched cluster's), gathered and
+      // scored with the query's codes made once (ScoreCompact): each its own bits, for a query
+      // on the grid and one off it. 400 picks cross a block (1024 / group chunks) at group 3
+      // and 9.
+      if (compact > 0) {
+        std::vector<float> off_grid(q);
+        for (auto& x : off_grid) x += 1e-3f * n(rng);
+        for (const std::vector<float>* query : {&q, &off_grid}) {
+          const QueryInt8Group q8(query->data(), group, d);
+          for (uint32_t size : {1u, 5u, 13u, 400u}) {
+            std::vector<uint32_t> pick(size);
+            for (auto& c : pick) c = static_cast<uint32_t>(rng() % compact);  // repeats too
+            std::vector<float> got(size), got_mean(size);
+            stats.ScoreCompact(v1::RANKING_LSE_PEAK, q8, pick, got.data());
+            stats.ScoreCompact(v1::RANKING_MEAN, q8, pick, got_mean.data());
+            for (uint32_t i = 0; i < size; ++i) {
+              const ChunkCandidate cand = stats.candidate(pick[i]);
+              ASSERT_EQ(std::bit_cast<uint32_t>(got[i]),
+                        std::bit_cast<uint32_t>(LsePeakScore(*query, group, cand, d)))
+                  << "gathered: group " << group << " compact " << compact << " pick " << i
+                  << " of " << size << (query == &q ? "" : ", off the grid");
+              ASSERT_EQ(std::bit_cast<uint32_t>(got_mean[i]),
+                        std::bit_cast<uint32_t>(MeanScore(*query, group, cand, d)))
+                  << "gathered, mean: group " << group << " compact " << compact << " pick " << i
+                  << " of " << size << (query == &q ? "" : ", off the grid");
+            }
+          }
+        }
       }
       // Skipped chunks (every third): the loose ones keep what out held, the others their bits.
       std::vector<bool> skip(chunks);

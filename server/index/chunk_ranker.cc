@@ -195,6 +195,14 @@ void LsePeakScores(std::span<const float> queries, int group,
 void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
                           const uint8_t* tiles, const float* scales, const uint32_t* tokens,
                           uint32_t n, int head_dim, float* out) {
+  CHECK(group >= 1 && group <= kScratch);
+  const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every block
+  LsePeakScoresCompact(q8, codes, tiles, scales, tokens, n, out);
+}
+
+void LsePeakScoresCompact(const QueryInt8Group& q8, const int8_t* codes, const uint8_t* tiles,
+                          const float* scales, const uint32_t* tokens, uint32_t n, float* out) {
+  const int group = q8.group(), head_dim = q8.n();
   const float inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(head_dim));
   CHECK(group >= 1 && group <= kScratch);
   uint32_t block = kScratch / group;
@@ -205,7 +213,6 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
   // FinishLsePeak, so the same bits.
   float mean[kScratch], peak[kScratch], hi[kScratch], t[kScratch];
   float mean_scale[kScratch], peak_scale[kScratch], log_rest[kScratch];
-  const QueryInt8Group q8(queries.data(), group, head_dim);  // the codes, once for every block
   // The tiles where the VNNI kernel reads them, in blocks of whole tiles; else the rows.
   const bool tiled = tiles != nullptr && q8.kernel() == Int8Kernel::kVnni && block >= kInt8TileRows;
   if (tiled) block -= block % kInt8TileRows;

@@ -91,6 +91,10 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
 void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_t* codes,
                           const uint8_t* tiles, const float* scales, const uint32_t* tokens,
                           uint32_t n, int head_dim, float* out);
+// The same with the query group's codes made by the caller (QueryInt8Group of the same queries,
+// group and head_dim), as a search that scores many runs of chunks makes them once.
+void LsePeakScoresCompact(const QueryInt8Group& q8, const int8_t* codes, const uint8_t* tiles,
+                          const float* scales, const uint32_t* tokens, uint32_t n, float* out);
 
 // A candidate's score, index and tokens: what the greedy fill reads.
 struct ScoredChunk {

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
+#include "absl/container/inlined_vector.h"
 #include "server/common/check.h"
 #include "server/common/fp16.h"
 
@@ -221,6 +223,44 @@ void ChunkStats::CopyPrefix(const ChunkStats& from, uint32_t n) {
   // From the codes: `from` may have let its tiles go past kMaxTiledChunks.
   tiles_.clear();
   Tile(0);
+}
+
+void ChunkStats::ScoreCompact(v1::Ranking ranking, const QueryInt8Group& q8,
+                              std::span<const uint32_t> chunks, float* out) const {
+  CHECK(q8.n() == d_) << q8.n() << " against head_dim " << d_;
+  const bool lse = ranking == v1::RANKING_LSE_PEAK;
+  const int group = q8.group();
+  // Rows of whole passes of four (the rows past n zero, their scores dropped): a cluster's few
+  // chunks would leave up to three rows of each kind to the scalar loop.
+  const size_t n = chunks.size(), padded = (n + 3) / 4 * 4;
+  const size_t parts = lse ? 2 : 1, row = parts * static_cast<size_t>(d_);
+  // A cluster's chunks (13 at most by default) fit the inline room.
+  absl::InlinedVector<int8_t, 16 * 2 * 128> codes(padded * row, 0);
+  absl::InlinedVector<float, 32> scales(parts * padded, 0.f);
+  absl::InlinedVector<uint32_t, 16> tokens(padded, 1);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t c = chunks[i];
+    CHECK(c < compact_) << "chunk " << c << " is not compact (" << compact_ << " are)";
+    std::memcpy(&codes[i * row], &codes_[Code(c, 0)], row);
+    for (size_t part = 0; part < parts; ++part) {
+      scales[parts * i + part] = scales_[ScaleAt(c, static_cast<int>(part))];
+    }
+    tokens[i] = tokens_[c];
+  }
+  absl::InlinedVector<float, 16 * 8> scores(lse ? padded : padded * group);
+  if (lse) {
+    LsePeakScoresCompact(q8, codes.data(), nullptr, scales.data(), tokens.data(),
+                         static_cast<uint32_t>(padded), scores.data());
+    std::copy_n(scores.begin(), n, out);
+    return;
+  }
+  // MeanScore: the largest over the heads, in order, of DotInt8 times the mean's scale.
+  DotInt8GroupRowsStrided(q8, codes.data(), static_cast<int>(padded), d_, scores.data(), group, 1);
+  for (size_t i = 0; i < n; ++i) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < group; ++h) best = std::max(best, scores[i * group + h] * scales[i]);
+    out[i] = best;
+  }
 }
 
 void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,

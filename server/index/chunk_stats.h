@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "server/common/vec.h"
@@ -144,6 +145,13 @@ class ChunkStats {
   // recent window, returned anyway) is not scored: its out[c] is left as it was.
   void Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,
              const std::vector<bool>* skip = nullptr) const;
+  // The scores by `ranking` of the compact chunks `chunks` (anywhere in the stream, in any
+  // order) into out[i]: Score's bits, their codes gathered side by side (four rows a pass of
+  // the vector kernel) and scored with the query group's codes as the caller made them
+  // (QueryInt8Group of its queries: a search scores cluster after cluster with one).
+  // REQUIRES: every chunk compact, q8.n() == head_dim().
+  void ScoreCompact(v1::Ranking ranking, const QueryInt8Group& q8, std::span<const uint32_t> chunks,
+                    float* out) const;
   // Where the bytes scoring chunk c reads begin (its mean or sum, then its peak: side by side
   // when it is compact), and how many each.
   const void* mean_data(uint32_t c) const;

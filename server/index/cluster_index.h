@@ -340,18 +340,22 @@ class ClusterIndex {
                    float* out, uint32_t unit = kNone) const;
   float ChunkScore(v1::Ranking ranking, uint32_t chunk, std::span<const float> queries, int group,
                    const ChunkStats& a) const;
-  // ChunkScore of each of `chunks` into out[i], the same values, computed together.
+  // ChunkScore of each of `chunks` into out[i], the same values, computed together. q8, when
+  // given, is the QueryInt8Group of `queries` (a search makes it once for every cluster it
+  // scores): compact chunks by the LSE-peak score are then gathered and scored with it.
   void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
-                   std::span<const float> queries, int group, const ChunkStats& a,
-                   float* out) const;
+                   std::span<const float> queries, int group, const ChunkStats& a, float* out,
+                   const QueryInt8Group* q8 = nullptr) const;
   // A searched cluster's chunks and their scores: those not in `skip` and of at most
-  // max_tokens tokens, scored together (their exponentials and logarithms in one pass). Its
-  // chunks' loads start first, and those of `next` (the cluster the search may open next).
+  // max_tokens tokens, scored together (their exponentials and logarithms in one pass), with
+  // the search's query codes q8 (QueryInt8Group of queries, made once). Its chunks' loads
+  // start first, and those of `next` (the cluster the search may open next).
   using ClusterChunks = absl::InlinedVector<uint32_t, 32>;
   using ClusterScores = absl::InlinedVector<float, 32>;
   void ScoreCluster(v1::Ranking ranking, uint32_t cluster, const Cluster* next, uint64_t max_tokens,
                     const std::vector<bool>& skip, std::span<const float> queries, int group,
-                    const ChunkStats& a, ClusterChunks* chunks, ClusterScores* scores) const;
+                    const QueryInt8Group& q8, const ChunkStats& a, ClusterChunks* chunks,
+                    ClusterScores* scores) const;
   // visit(u, unit_bound, cluster_bounds) for every unit u: its bound and its clusters' (lane
   // i = clusters[i]), all computed as the searches compute them (the test and profile hooks).
   template <typename Visit>
