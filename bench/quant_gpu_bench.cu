@@ -45,21 +45,21 @@ void Run(uint32_t d, uint32_t bits, int chunks) {
   std::normal_distribution<float> g(0, 1);
   for (auto& h : host) h = FloatToHalf(g(rng));
   uint8_t *fp, *q, *out, *copy;
-  QuantJob *dq, *dd;
+  DeviceQuantJob *dq, *dd;
   CHECK_CUDA(cudaMalloc(&fp, fb * chunks));
   CHECK_CUDA(cudaMalloc(&out, fb * chunks));
   CHECK_CUDA(cudaMalloc(&copy, fb * chunks));
   CHECK_CUDA(cudaMalloc(&q, qb * chunks));
-  CHECK_CUDA(cudaMalloc(&dq, sizeof(QuantJob) * chunks));
-  CHECK_CUDA(cudaMalloc(&dd, sizeof(QuantJob) * chunks));
+  CHECK_CUDA(cudaMalloc(&dq, sizeof(DeviceQuantJob) * chunks));
+  CHECK_CUDA(cudaMalloc(&dd, sizeof(DeviceQuantJob) * chunks));
   CHECK_CUDA(cudaMemcpy(fp, host.data(), fb * chunks, cudaMemcpyHostToDevice));
-  std::vector<QuantJob> jq(chunks), jd(chunks);
+  std::vector<DeviceQuantJob> jq(chunks), jd(chunks);
   for (int c = 0; c < chunks; ++c) {
     jq[c] = {fp + c * fb, q + c * qb};
     jd[c] = {out + ((c * 7919) % chunks) * fb, q + c * qb};  // a scattered gather
   }
-  CHECK_CUDA(cudaMemcpy(dq, jq.data(), sizeof(QuantJob) * chunks, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dd, jd.data(), sizeof(QuantJob) * chunks, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dq, jq.data(), sizeof(DeviceQuantJob) * chunks, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dd, jd.data(), sizeof(DeviceQuantJob) * chunks, cudaMemcpyHostToDevice));
   const double bytes = 2.0 * 16 * d * 2 * chunks;  // fp16 K and V of every chunk
   std::vector<float> tq, td, tc;
   for (int rep = 0; rep < 11; ++rep) {

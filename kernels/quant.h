@@ -26,16 +26,16 @@ namespace kvtier {
 
 // One quantize or dequantize job: a chunk's fp16 slot (K [n][d] then V [n][d]) and its
 // quantized bytes, both device-accessible.
-struct QuantJob {
+struct DeviceQuantJob {
   uint8_t* fp16;   // ChunkLayout{d, n}: K then V
   uint8_t* quant;  // QuantLayout{d, n, bits}
 };
 
 // Quantizes jobs[i].fp16 into jobs[i].quant, one block per job. `jobs` in device memory.
-cudaError_t QuantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+cudaError_t QuantizeChunks(const DeviceQuantJob* jobs, int num_jobs, const QuantLayout& layout,
                            cudaStream_t stream);
 // Dequantizes jobs[i].quant into jobs[i].fp16 (a gather of many chunks into fp16 slots).
-cudaError_t DequantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+cudaError_t DequantizeChunks(const DeviceQuantJob* jobs, int num_jobs, const QuantLayout& layout,
                              cudaStream_t stream);
 
 }  // namespace kvtier

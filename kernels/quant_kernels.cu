@@ -14,11 +14,11 @@ constexpr uint32_t kMaxHeadDim = 512;
 // into shared memory; one thread encodes the keys' parameters and another the values' (the
 // header needs every group's range); every thread then decodes them for its codes. Phase 2:
 // each thread writes whole code bytes, so no two threads share one.
-__global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
+__global__ void QuantizeKernel(const DeviceQuantJob* __restrict__ jobs, QuantLayout L) {
   __shared__ float key_zero[kMaxKeyGroups], key_inv[kMaxKeyGroups];
   __shared__ float value_zero[kMaxValueGroups], value_inv[kMaxValueGroups];
   __shared__ float key_mx[kMaxKeyGroups], value_mx[kMaxValueGroups];
-  const QuantJob job = jobs[blockIdx.x];
+  const DeviceQuantJob job = jobs[blockIdx.x];
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups(), levels = L.levels();
   const uint32_t K = L.key_groups();
   const ChunkLayout fp{d, n};
@@ -84,8 +84,8 @@ __global__ void QuantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L)
   }
 }
 
-__global__ void DequantizeKernel(const QuantJob* __restrict__ jobs, QuantLayout L) {
-  const QuantJob job = jobs[blockIdx.x];
+__global__ void DequantizeKernel(const DeviceQuantJob* __restrict__ jobs, QuantLayout L) {
+  const DeviceQuantJob job = jobs[blockIdx.x];
   const uint32_t n = L.num_tokens, d = L.head_dim, G = L.groups();
   const ChunkLayout fp{d, n};
   const QuantSections<const uint8_t> q(job.quant, L);
@@ -110,7 +110,7 @@ bool Supported(const QuantLayout& L) {
 
 }  // namespace
 
-cudaError_t QuantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+cudaError_t QuantizeChunks(const DeviceQuantJob* jobs, int num_jobs, const QuantLayout& layout,
                            cudaStream_t stream) {
   if (!Supported(layout)) return cudaErrorInvalidValue;
   if (num_jobs <= 0) return cudaSuccess;
@@ -118,7 +118,7 @@ cudaError_t QuantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout
   return cudaGetLastError();
 }
 
-cudaError_t DequantizeChunks(const QuantJob* jobs, int num_jobs, const QuantLayout& layout,
+cudaError_t DequantizeChunks(const DeviceQuantJob* jobs, int num_jobs, const QuantLayout& layout,
                              cudaStream_t stream) {
   if (!Supported(layout)) return cudaErrorInvalidValue;
   if (num_jobs <= 0) return cudaSuccess;

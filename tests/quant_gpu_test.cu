@@ -40,18 +40,19 @@ TEST(QuantGpu, BitIdenticalToReference) {
           DequantizeChunkReference(&want_q[c * qb], L, o, o + n * d);
         }
         uint8_t *dfp, *dq, *dout;
-        QuantJob* djobs;
+        DeviceQuantJob* djobs;
         ASSERT_EQ(cudaMalloc(&dfp, fp16.size()), cudaSuccess);
         ASSERT_EQ(cudaMalloc(&dq, want_q.size()), cudaSuccess);
         ASSERT_EQ(cudaMalloc(&dout, want_f.size()), cudaSuccess);
-        ASSERT_EQ(cudaMalloc(&djobs, sizeof(QuantJob) * chunks), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&djobs, sizeof(DeviceQuantJob) * chunks), cudaSuccess);
         ASSERT_EQ(cudaMemcpy(dfp, fp16.data(), fp16.size(), cudaMemcpyHostToDevice), cudaSuccess);
         ASSERT_EQ(cudaMemset(dq, 0xcd, want_q.size()), cudaSuccess);
         ASSERT_EQ(cudaMemset(dout, 0, want_f.size()), cudaSuccess);
-        std::vector<QuantJob> jobs(chunks);
+        std::vector<DeviceQuantJob> jobs(chunks);
         for (int c = 0; c < chunks; ++c) jobs[c] = {dfp + c * fb, dq + c * qb};
-        ASSERT_EQ(cudaMemcpy(djobs, jobs.data(), sizeof(QuantJob) * chunks, cudaMemcpyHostToDevice),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(djobs, jobs.data(), sizeof(DeviceQuantJob) * chunks, cudaMemcpyHostToDevice),
+            cudaSuccess);
         ASSERT_EQ(QuantizeChunks(djobs, chunks, L, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         std::vector<uint8_t> got_q(want_q.size());
@@ -59,8 +60,9 @@ TEST(QuantGpu, BitIdenticalToReference) {
         EXPECT_EQ(got_q, want_q) << "quantize d " << d << " n " << n << " bits " << bits;
         // Dequantize as a gather: chunk c into slot (c * 7) % chunks.
         for (int c = 0; c < chunks; ++c) jobs[c] = {dout + ((c * 7) % chunks) * fb, dq + c * qb};
-        ASSERT_EQ(cudaMemcpy(djobs, jobs.data(), sizeof(QuantJob) * chunks, cudaMemcpyHostToDevice),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(djobs, jobs.data(), sizeof(DeviceQuantJob) * chunks, cudaMemcpyHostToDevice),
+            cudaSuccess);
         ASSERT_EQ(DequantizeChunks(djobs, chunks, L, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         std::vector<uint8_t> got_f(want_f.size());

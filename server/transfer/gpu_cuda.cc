@@ -118,7 +118,7 @@ class Promoter {
     std::vector<uint64_t> jobs_at;
     for (const auto& [key, members] : by_layout) {
       jobs_at.push_back(at = align(at));
-      at += members.size() * sizeof(QuantJob);
+      at += members.size() * sizeof(DeviceQuantJob);
     }
     if (absl::Status s = Reserve(at); !s.ok()) return s;
     for (size_t i = 0; i < fills.size(); ++i) {
@@ -131,7 +131,7 @@ class Promoter {
     }
     size_t g = 0;
     for (const auto& [key, members] : by_layout) {
-      auto* jobs = reinterpret_cast<QuantJob*>(staging_ + jobs_at[g++]);
+      auto* jobs = reinterpret_cast<DeviceQuantJob*>(staging_ + jobs_at[g++]);
       for (size_t j = 0; j < members.size(); ++j) {
         const DeviceFill& f = fills[members[j]];
         jobs[j] = {f.dst->data() + f.offset, scratch_ + src_at[members[j]]};
@@ -156,7 +156,7 @@ class Promoter {
     g = 0;
     for (const auto& [key, members] : by_layout) {
       const auto [d, n, bits] = key;
-      e = DequantizeChunks(reinterpret_cast<const QuantJob*>(scratch_ + jobs_at[g++]),
+      e = DequantizeChunks(reinterpret_cast<const DeviceQuantJob*>(scratch_ + jobs_at[g++]),
                            static_cast<int>(members.size()), QuantLayout{d, n, bits}, stream_);
       if (e != cudaSuccess) return failed(e, "DequantizeChunks");
     }
