@@ -1032,6 +1032,30 @@ TEST(MultiplyInto, EachProductRoundedOnceOnEveryPath) {
   }
 }
 
+TEST(AddInto, EachSumRoundedOnceOnEveryPathAndInPlace) {
+  std::mt19937 rng(61);
+  std::normal_distribution<float> n(0, 100);
+  for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
+    std::vector<float> a(len), b(len), out(len + 1, -7.f), scalar(len + 1, -7.f);
+    for (size_t i = 0; i < len; ++i) a[i] = n(rng), b[i] = std::ldexp(n(rng), int(rng() % 40) - 20);
+    AddInto(a.data(), b.data(), len, out.data());
+    AddIntoScalar(a.data(), b.data(), len, scalar.data());
+    std::vector<float> in_place(a);  // out is a: what ChunkStats::AddSummed does
+    in_place.push_back(-7.f);
+    AddInto(in_place.data(), b.data(), len, in_place.data());
+    for (size_t i = 0; i < len; ++i) {
+      const float want = static_cast<float>(double(a[i]) + b[i]);  // exact, then rounded once
+      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want)) << len << " " << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(scalar[i]), std::bit_cast<uint32_t>(want))
+          << len << " " << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(in_place[i]), std::bit_cast<uint32_t>(want))
+          << len << " " << i;
+    }
+    EXPECT_EQ(out[len], -7.f) << "wrote past " << len;
+    EXPECT_EQ(in_place[len], -7.f) << "wrote past " << len;
+  }
+}
+
 TEST(SubtractInto, EachDifferenceRoundedOnceOnEveryPath) {
   std::mt19937 rng(59);
   std::normal_distribution<float> n(0, 100);

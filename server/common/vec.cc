@@ -444,6 +444,15 @@ __attribute__((target("avx2"))) void SubtractIntoAvx(const float* a, const float
   SubtractIntoScalar(a + i, b + i, n - i, out + i);
 }
 
+__attribute__((target("avx2"))) void AddIntoAvx(const float* a, const float* b, size_t n,
+                                                float* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  }
+  AddIntoScalar(a + i, b + i, n - i, out + i);
+}
+
 // max_ps(x, hi) is x > hi ? x : hi, which is std::max(hi, x) (hi < x ? x : hi), NaNs and equal
 // values (signed zeros) included; min_ps(x, lo) likewise std::min(lo, x).
 __attribute__((target("avx2"))) void WidenBoxToAvx(const float* x, size_t n, float* hi, float* lo) {
@@ -1656,6 +1665,16 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out) {
 
 void SubtractIntoScalar(const float* a, const float* b, size_t n, float* out) {
   for (size_t i = 0; i < n; ++i) out[i] = a[i] - b[i];
+}
+
+void AddIntoScalar(const float* a, const float* b, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void AddInto(const float* a, const float* b, size_t n, float* out) {
+  static void (*const impl)(const float*, const float*, size_t, float*) =
+      Cpu().avx2 ? AddIntoAvx : AddIntoScalar;
+  impl(a, b, n, out);
 }
 
 void WidenBoxToScalar(const float* x, size_t n, float* hi, float* lo) {

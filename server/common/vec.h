@@ -265,6 +265,10 @@ void MultiplyInto(const float* a, const float* b, size_t n, float* out);
 // out[i] = a[i] - b[i] for i in [0, n) (each difference rounded once: the same on every path).
 void SubtractInto(const float* a, const float* b, size_t n, float* out);
 void SubtractIntoScalar(const float* a, const float* b, size_t n, float* out);
+// out[i] = a[i] + b[i] for i in [0, n) (each sum rounded once: the same on every path); out may
+// be a.
+void AddInto(const float* a, const float* b, size_t n, float* out);
+void AddIntoScalar(const float* a, const float* b, size_t n, float* out);
 // hi[i] = std::max(hi[i], x[i]) and lo[i] = std::min(lo[i], x[i]) for i in [0, n): a box over
 // [lo, hi] widened to cover x, with std::max's and std::min's answers to NaNs and signed zeros
 // (hi or lo stays) on every path.
