@@ -370,9 +370,13 @@ __attribute__((target("avx2,fma,f16c"))) inline bool BoxGrowthLanes(const float*
       const T* lo_row = cols + (static_cast<size_t>(2 * p + 1) * m + j) * stride;
       for (int k = 0; k < G; ++k) {
         const __m256 hi = Load8(hi_row + 8 * k), lo = Load8(lo_row + 8 * k);
-        // max(v, 0) is 0 for a NaN v, as the scalar path's std::max(0.f, v) is.
-        g[k] = _mm256_add_ps(g[k], _mm256_max_ps(_mm256_sub_ps(xv, hi), zero));
-        g[k] = _mm256_add_ps(g[k], _mm256_max_ps(_mm256_sub_ps(lo, xv), zero));
+        // max(v, 0) is 0 for a NaN v, as the scalar path's std::max(0.f, v) is. A channel's
+        // two terms are summed first, so that each channel adds once to the running sum (one
+        // add a channel on its chain, not two; at most one term is nonzero in a box, so the
+        // bits are those of adding them one after the other).
+        const __m256 out = _mm256_add_ps(_mm256_max_ps(_mm256_sub_ps(xv, hi), zero),
+                                         _mm256_max_ps(_mm256_sub_ps(lo, xv), zero));
+        g[k] = _mm256_add_ps(g[k], out);
         w[k] = _mm256_add_ps(w[k], _mm256_sub_ps(hi, lo));
       }
       if constexpr (kCut) {
@@ -1463,8 +1467,7 @@ void BoxGrowthScalarOf(const float* x, int pairs, int m, const T* cols, int stri
         const float xv = x[static_cast<size_t>(p) * m + j];
         const float hi = ColumnValue(cols[(static_cast<size_t>(2 * p) * m + j) * stride + i]);
         const float lo = ColumnValue(cols[(static_cast<size_t>(2 * p + 1) * m + j) * stride + i]);
-        g += std::max(0.f, xv - hi);
-        g += std::max(0.f, lo - xv);
+        g += std::max(0.f, xv - hi) + std::max(0.f, lo - xv);  // the channel's, then the sum
         w += hi - lo;
       }
     }
