@@ -342,7 +342,7 @@ class ClusterIndex {
                    const ChunkStats& a) const;
   // ChunkScore of each of `chunks` into out[i], the same values, computed together. q8, when
   // given, is the QueryInt8Group of `queries` (a search makes it once for every cluster it
-  // scores): compact chunks by the LSE-peak score are then gathered and scored with it.
+  // scores): compact chunks are then gathered and scored with it (ChunkStats::ScoreCompact).
   void ScoreChunks(v1::Ranking ranking, std::span<const uint32_t> chunks,
                    std::span<const float> queries, int group, const ChunkStats& a, float* out,
                    const QueryInt8Group* q8 = nullptr) const;
