@@ -242,6 +242,26 @@ void LsePeakScoresCompact(const QueryInt8Group& q8, const int8_t* codes, const u
   }
 }
 
+void MeanScoresCompact(const QueryInt8Group& q8, const int8_t* codes, int stride,
+                       const float* mean_scales, int scale_stride, uint32_t n, float* out) {
+  const int group = q8.group();
+  CHECK(group >= 1 && group <= kScratch);
+  const uint32_t block = kScratch / group;
+  float dots[kScratch];  // a block's [chunk][head]
+  for (uint32_t first = 0; first < n; first += block) {
+    const uint32_t b = std::min(block, n - first);
+    DotInt8GroupRowsStrided(q8, codes + static_cast<size_t>(first) * stride, static_cast<int>(b),
+                            stride, dots, group, 1);
+    // MeanScore: the largest over the heads, in order, of MeanDot (DotInt8 times the scale).
+    for (uint32_t i = 0; i < b; ++i) {
+      const float scale = mean_scales[static_cast<size_t>(first + i) * scale_stride];
+      float best = -std::numeric_limits<float>::infinity();
+      for (int h = 0; h < group; ++h) best = std::max(best, dots[i * group + h] * scale);
+      out[first + i] = best;
+    }
+  }
+}
+
 float LsePeakScore(std::span<const float> queries, int group, const ChunkCandidate& c,
                    int head_dim) {
   float score;

@@ -96,6 +96,13 @@ void LsePeakScoresCompact(std::span<const float> queries, int group, const int8_
 void LsePeakScoresCompact(const QueryInt8Group& q8, const int8_t* codes, const uint8_t* tiles,
                           const float* scales, const uint32_t* tokens, uint32_t n, float* out);
 
+// MeanScore of n compact chunks read in place: chunk i's mean codes at codes + i * stride
+// (head_dim signed bytes) and its mean's scale at mean_scales[i * scale_stride], scored with
+// the query group's codes q8 made once (MeanScore makes them again for every chunk and head):
+// the same bits.
+void MeanScoresCompact(const QueryInt8Group& q8, const int8_t* codes, int stride,
+                       const float* mean_scales, int scale_stride, uint32_t n, float* out);
+
 // A candidate's score, index and tokens: what the greedy fill reads.
 struct ScoredChunk {
   float score;

@@ -229,7 +229,6 @@ void ChunkStats::ScoreCompact(v1::Ranking ranking, const QueryInt8Group& q8,
                               std::span<const uint32_t> chunks, float* out) const {
   CHECK(q8.n() == d_) << q8.n() << " against head_dim " << d_;
   const bool lse = ranking == v1::RANKING_LSE_PEAK;
-  const int group = q8.group();
   // Rows of whole passes of four (the rows past n zero, their scores dropped): a cluster's few
   // chunks would leave up to three rows of each kind to the scalar loop.
   const size_t n = chunks.size(), padded = (n + 3) / 4 * 4;
@@ -247,20 +246,15 @@ void ChunkStats::ScoreCompact(v1::Ranking ranking, const QueryInt8Group& q8,
     }
     tokens[i] = tokens_[c];
   }
-  absl::InlinedVector<float, 16 * 8> scores(lse ? padded : padded * group);
+  absl::InlinedVector<float, 16> scores(padded);
   if (lse) {
     LsePeakScoresCompact(q8, codes.data(), nullptr, scales.data(), tokens.data(),
                          static_cast<uint32_t>(padded), scores.data());
-    std::copy_n(scores.begin(), n, out);
-    return;
+  } else {
+    MeanScoresCompact(q8, codes.data(), d_, scales.data(), 1, static_cast<uint32_t>(padded),
+                      scores.data());
   }
-  // MeanScore: the largest over the heads, in order, of DotInt8 times the mean's scale.
-  DotInt8GroupRowsStrided(q8, codes.data(), static_cast<int>(padded), d_, scores.data(), group, 1);
-  for (size_t i = 0; i < n; ++i) {
-    float best = -std::numeric_limits<float>::infinity();
-    for (int h = 0; h < group; ++h) best = std::max(best, scores[i * group + h] * scales[i]);
-    out[i] = best;
-  }
+  std::copy_n(scores.begin(), n, out);
 }
 
 void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int group, float* out,
@@ -270,6 +264,11 @@ void ChunkStats::Score(v1::Ranking ranking, std::span<const float> queries, int 
   if (ranking == v1::RANKING_LSE_PEAK && compact_ > 0) {
     LsePeakScoresCompact(queries, group, codes_.data(), tiled() ? tiles_.data() : nullptr,
                          scales_.data(), tokens_.data(), compact_, d_, out);
+    from = compact_;
+  } else if (ranking == v1::RANKING_MEAN && compact_ > 0) {
+    // The means in place (every other vector of the codes), the query's codes made once.
+    const QueryInt8Group q8(queries.data(), group, d_);
+    MeanScoresCompact(q8, codes_.data(), 2 * d_, scales_.data(), 2, compact_, out);
     from = compact_;
   }
   std::vector<ChunkCandidate> rest;
