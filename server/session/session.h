@@ -312,8 +312,11 @@ class Session : public std::enable_shared_from_this<Session> {
   static constexpr uint32_t kAgingSlice = 4;
   // And the time one hold indexes for: the chunk in hand when it passes is the slice's last.
   // (Counted alone, a slice's Adds held the lock for 100 us at the 90th percentile and 300 us
-  // at the 99th, when their splits came together.)
-  static constexpr absl::Duration kAgingSliceTime = absl::Microseconds(50);
+  // at the 99th, when their splits came together. At 50 us, a decode loop's index holds (a
+  // chunk of each of three heads every 16 tokens) took 30 us at the median and 59 / 90 us at
+  // the 90th / 99th percentiles, and its one-token appends waited up to that for the lock; at
+  // 10 us, one or two Adds a hold: 12 / 22 / 70 us.)
+  static constexpr absl::Duration kAgingSliceTime = absl::Microseconds(10);
   // Ages layer `l` now (regroup, quantize, index) and settles the metadata charge.
   void AgeLayerLocked(uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ages every layer with un-aged tokens now (before a fork copies them).
