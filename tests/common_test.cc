@@ -1032,46 +1032,42 @@ TEST(MultiplyInto, EachProductRoundedOnceOnEveryPath) {
   }
 }
 
-TEST(AddInto, EachSumRoundedOnceOnEveryPathAndInPlace) {
-  std::mt19937 rng(61);
+// An element-wise operation's two paths (fn, whose AVX2 form runs here, and scalar) against
+// the exact result rounded once (want), and fn in place (out is a).
+template <typename Fn, typename Want>
+void ExpectEachRoundedOnce(Fn fn, Fn scalar, Want want, uint32_t seed) {
+  std::mt19937 rng(seed);
   std::normal_distribution<float> n(0, 100);
   for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
-    std::vector<float> a(len), b(len), out(len + 1, -7.f), scalar(len + 1, -7.f);
+    std::vector<float> a(len), b(len), out(len + 1, -7.f), by_scalar(len + 1, -7.f);
     for (size_t i = 0; i < len; ++i) a[i] = n(rng), b[i] = std::ldexp(n(rng), int(rng() % 40) - 20);
-    AddInto(a.data(), b.data(), len, out.data());
-    AddIntoScalar(a.data(), b.data(), len, scalar.data());
-    std::vector<float> in_place(a);  // out is a: what ChunkStats::AddSummed does
+    fn(a.data(), b.data(), len, out.data());
+    scalar(a.data(), b.data(), len, by_scalar.data());
+    std::vector<float> in_place(a);
     in_place.push_back(-7.f);
-    AddInto(in_place.data(), b.data(), len, in_place.data());
+    fn(in_place.data(), b.data(), len, in_place.data());
     for (size_t i = 0; i < len; ++i) {
-      const float want = static_cast<float>(double(a[i]) + b[i]);  // exact, then rounded once
-      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want)) << len << " " << i;
-      EXPECT_EQ(std::bit_cast<uint32_t>(scalar[i]), std::bit_cast<uint32_t>(want))
-          << len << " " << i;
-      EXPECT_EQ(std::bit_cast<uint32_t>(in_place[i]), std::bit_cast<uint32_t>(want))
-          << len << " " << i;
+      const uint32_t bits = std::bit_cast<uint32_t>(want(a[i], b[i]));
+      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), bits) << len << " " << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(by_scalar[i]), bits) << len << " " << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(in_place[i]), bits) << len << " " << i;
     }
     EXPECT_EQ(out[len], -7.f) << "wrote past " << len;
     EXPECT_EQ(in_place[len], -7.f) << "wrote past " << len;
   }
 }
 
+TEST(AddInto, EachSumRoundedOnceOnEveryPathAndInPlace) {
+  // a + b exact in double (their exponents lie within 30 of each other), then rounded once.
+  ExpectEachRoundedOnce(
+      AddInto, AddIntoScalar, [](float a, float b) { return static_cast<float>(double(a) + b); },
+      61);
+}
+
 TEST(SubtractInto, EachDifferenceRoundedOnceOnEveryPath) {
-  std::mt19937 rng(59);
-  std::normal_distribution<float> n(0, 100);
-  for (size_t len : {0, 1, 7, 8, 9, 64, 77}) {
-    std::vector<float> a(len), b(len), out(len + 1, -7.f), scalar(len + 1, -7.f);
-    for (size_t i = 0; i < len; ++i) a[i] = n(rng), b[i] = std::ldexp(n(rng), int(rng() % 40) - 20);
-    SubtractInto(a.data(), b.data(), len, out.data());
-    SubtractIntoScalar(a.data(), b.data(), len, scalar.data());
-    for (size_t i = 0; i < len; ++i) {
-      const float want = static_cast<float>(double(a[i]) - b[i]);  // exact, then rounded once
-      EXPECT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want)) << len << " " << i;
-      EXPECT_EQ(std::bit_cast<uint32_t>(scalar[i]), std::bit_cast<uint32_t>(want))
-          << len << " " << i;
-    }
-    EXPECT_EQ(out[len], -7.f) << "wrote past " << len;
-  }
+  ExpectEachRoundedOnce(
+      SubtractInto, SubtractIntoScalar,
+      [](float a, float b) { return static_cast<float>(double(a) - b); }, 59);
 }
 
 // A box widened to each point in turn keeps std::max's and std::min's bits on every path: NaN

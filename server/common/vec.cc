@@ -426,35 +426,50 @@ __attribute__((target("avx2,fma,f16c"))) bool BoxGrowthBelowAvx2(const float* x,
   return true;
 }
 
-void MultiplyIntoScalar(const float* a, const float* b, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+// An element-wise operation on floats, each result rounded once: the same bits eight at a time
+// (Vector) as one at a time (Scalar).
+struct MultiplyOp {
+  __attribute__((target("avx2"))) static __m256 Vector(__m256 a, __m256 b) {
+    return _mm256_mul_ps(a, b);
+  }
+  static float Scalar(float a, float b) { return a * b; }
+};
+struct SubtractOp {
+  __attribute__((target("avx2"))) static __m256 Vector(__m256 a, __m256 b) {
+    return _mm256_sub_ps(a, b);
+  }
+  static float Scalar(float a, float b) { return a - b; }
+};
+struct AddOp {
+  __attribute__((target("avx2"))) static __m256 Vector(__m256 a, __m256 b) {
+    return _mm256_add_ps(a, b);
+  }
+  static float Scalar(float a, float b) { return a + b; }
+};
+
+// out[i] = Op(a[i], b[i]) for i in [0, n); out may be a or b (each element is read before it
+// is written).
+template <typename Op>
+void ElementwiseScalar(const float* a, const float* b, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = Op::Scalar(a[i], b[i]);
 }
 
-__attribute__((target("avx2"))) void MultiplyIntoAvx(const float* a, const float* b, size_t n,
-                                                     float* out) {
+template <typename Op>
+__attribute__((target("avx2"))) void ElementwiseAvx(const float* a, const float* b, size_t n,
+                                                    float* out) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    _mm256_storeu_ps(out + i, Op::Vector(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
   }
-  MultiplyIntoScalar(a + i, b + i, n - i, out + i);
+  ElementwiseScalar<Op>(a + i, b + i, n - i, out + i);
 }
 
-__attribute__((target("avx2"))) void SubtractIntoAvx(const float* a, const float* b, size_t n,
-                                                     float* out) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-  }
-  SubtractIntoScalar(a + i, b + i, n - i, out + i);
-}
-
-__attribute__((target("avx2"))) void AddIntoAvx(const float* a, const float* b, size_t n,
-                                                float* out) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-  }
-  AddIntoScalar(a + i, b + i, n - i, out + i);
+// The AVX2 form where this machine has it.
+template <typename Op>
+void Elementwise(const float* a, const float* b, size_t n, float* out) {
+  static void (*const impl)(const float*, const float*, size_t, float*) =
+      Cpu().avx2 ? ElementwiseAvx<Op> : ElementwiseScalar<Op>;
+  impl(a, b, n, out);
 }
 
 // max_ps(x, hi) is x > hi ? x : hi, which is std::max(hi, x) (hi < x ? x : hi), NaNs and equal
@@ -1661,23 +1676,19 @@ void Log1pExpInPlace(float* x, int n) {
 }
 
 void MultiplyInto(const float* a, const float* b, size_t n, float* out) {
-  static void (*const impl)(const float*, const float*, size_t, float*) =
-      Cpu().avx2 ? MultiplyIntoAvx : MultiplyIntoScalar;
-  impl(a, b, n, out);
+  Elementwise<MultiplyOp>(a, b, n, out);
 }
 
 void SubtractIntoScalar(const float* a, const float* b, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = a[i] - b[i];
+  ElementwiseScalar<SubtractOp>(a, b, n, out);
 }
 
 void AddIntoScalar(const float* a, const float* b, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  ElementwiseScalar<AddOp>(a, b, n, out);
 }
 
 void AddInto(const float* a, const float* b, size_t n, float* out) {
-  static void (*const impl)(const float*, const float*, size_t, float*) =
-      Cpu().avx2 ? AddIntoAvx : AddIntoScalar;
-  impl(a, b, n, out);
+  Elementwise<AddOp>(a, b, n, out);
 }
 
 void WidenBoxToScalar(const float* x, size_t n, float* hi, float* lo) {
@@ -1688,9 +1699,7 @@ void WidenBoxToScalar(const float* x, size_t n, float* hi, float* lo) {
 }
 
 void SubtractInto(const float* a, const float* b, size_t n, float* out) {
-  static void (*const impl)(const float*, const float*, size_t, float*) =
-      Cpu().avx2 ? SubtractIntoAvx : SubtractIntoScalar;
-  impl(a, b, n, out);
+  Elementwise<SubtractOp>(a, b, n, out);
 }
 
 void WidenBoxTo(const float* x, size_t n, float* hi, float* lo) {
