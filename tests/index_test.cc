@@ -163,9 +163,10 @@ void AppendRandomChunks(uint32_t chunks, std::mt19937& rng, ChunkStats* stats) {
 }
 
 TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
-  // Compact chunks side by side are scored as runs: with gaps in the candidates (the runs
-  // break), loose chunks after them, and blocks of every size, each score has the bits the
-  // chunk alone gets, and is its score over the float mean and peak its bytes stand for.
+  // Compact chunks' codes are gathered and scored together: with gaps in the candidates, loose
+  // chunks after them or among them in any order, and blocks of every size, each score has the
+  // bits the chunk alone gets, and is its score over the float mean and peak its bytes stand
+  // for.
   std::mt19937 rng(16);
   std::normal_distribution<float> n(0, 1);
   const int d = 64;
@@ -193,6 +194,18 @@ TEST(ChunkRanker, LsePeakScoresOfCompactRunsEqualOneByOne) {
       ASSERT_NEAR(all[i], LsePeakExpected(q, group, d, mean.data(), peak.data(), cands[i].tokens),
                   1e-4 * (1 + std::abs(all[i])))
           << "group " << group << " at " << i;
+    }
+    // The same candidates shuffled: compact and loose ones interleaved, no two side by side.
+    std::vector<size_t> order(cands.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<ChunkCandidate> shuffled;
+    for (size_t i : order) shuffled.push_back(cands[i]);
+    std::vector<float> again(shuffled.size());
+    LsePeakScores(q, group, shuffled, d, again.data());
+    for (size_t i = 0; i < shuffled.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(again[i]), std::bit_cast<uint32_t>(all[order[i]]))
+          << "shuffled: group " << group << " at " << i;
     }
   }
 }

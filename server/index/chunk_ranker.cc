@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -154,39 +155,46 @@ void LsePeakScores(std::span<const float> queries, int group,
   CHECK(group >= 1 && group <= kScratch);  // the session allows 256 query heads per KV head
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
-  float dots[2 * kScratch];  // a run of candidates' [mean, peak][head] dot products
-  // The codes, once for every run, made at the first run of compact chunks (loose chunks, the
-  // window's, take the floats).
+  float dots[2 * kScratch];  // a block's candidates' [mean, peak][head] dot products
+  int row[kScratch];         // where candidate i's lie in dots (in units of 2 * group)
+  // A block's compact chunks' codes gathered side by side, mean then peak each (most lie so in
+  // their stream already; a searched cluster's or a search's picks do not): one call of the rows
+  // kernel for all of them, four rows a pass, MeanDot's and PeakDot's values bit for bit. The
+  // query's codes are made once, at the first compact chunk (loose chunks, the window's, take
+  // the floats).
+  const size_t pair = 2 * static_cast<size_t>(head_dim);
+  std::vector<int8_t> gathered;
   std::optional<QueryInt8Group> q8;
   for (size_t first = 0; first < candidates.size(); first += block) {
     const int n = static_cast<int>(std::min<size_t>(block, candidates.size() - first));
-    for (int i = 0; i < n;) {
-      // Compact chunks side by side in their stream (the usual case) are one run of rows,
-      // mean then peak each: their bytes against the whole group in one call, MeanDot's and
-      // PeakDot's values bit for bit.
-      const ChunkCandidate* c = &candidates[first + i];
-      int run = 0;
-      if (c->mean_q != nullptr && c->peak_q == c->mean_q + head_dim) {
-        run = 1;
-        while (i + run < n && c[run].mean_q == c[run - 1].peak_q + head_dim &&
-               c[run].peak_q == c[run].mean_q + head_dim) {
-          ++run;
-        }
-        if (!q8) q8.emplace(queries.data(), group, head_dim);
-        DotInt8GroupRowsStrided(*q8, c->mean_q, 2 * run, head_dim, dots, group, 1);
-      } else {
+    const ChunkCandidate* c = &candidates[first];
+    int compact = 0;
+    for (int i = 0; i < n; ++i) {
+      if (c[i].mean_q == nullptr || c[i].peak_q != c[i].mean_q + head_dim) continue;
+      if (gathered.empty()) gathered.resize(static_cast<size_t>(block) * pair);
+      std::memcpy(&gathered[static_cast<size_t>(compact) * pair], c[i].mean_q, pair);
+      row[i] = compact++;
+    }
+    if (compact > 0) {
+      if (!q8) q8.emplace(queries.data(), group, head_dim);
+      DotInt8GroupRowsStrided(*q8, gathered.data(), 2 * compact, head_dim, dots, group, 1);
+    }
+    int loose = compact;  // the loose ones' dots after the compact ones'
+    for (int i = 0; i < n; ++i) {
+      const bool packed = c[i].mean_q != nullptr && c[i].peak_q == c[i].mean_q + head_dim;
+      if (!packed) {
+        row[i] = loose++;
+        float* d = dots + static_cast<size_t>(2 * row[i]) * group;
         for (int h = 0; h < group; ++h) {
           const float* q = queries.data() + static_cast<size_t>(h) * head_dim;
-          dots[h] = MeanDot(q, *c, head_dim);
-          dots[group + h] = PeakDot(q, *c, head_dim);
+          d[h] = MeanDot(q, c[i], head_dim);
+          d[group + h] = PeakDot(q, c[i], head_dim);
         }
       }
-      for (int r = 0; r < std::max(run, 1); ++r, ++i) {
-        const float* mean_dot = dots + static_cast<size_t>(2 * r) * group;
-        LsePeakTerms(mean_dot, mean_dot + group, run > 0 ? c[r].mean_scale : 1.f,
-                     run > 0 ? c[r].peak_scale : 1.f, c[r].tokens, group, inv_sqrt_d,
-                     hi + i * group, t + i * group);
-      }
+      const float* mean_dot = dots + static_cast<size_t>(2 * row[i]) * group;
+      LsePeakTerms(mean_dot, mean_dot + group, packed ? c[i].mean_scale : 1.f,
+                   packed ? c[i].peak_scale : 1.f, c[i].tokens, group, inv_sqrt_d, hi + i * group,
+                   t + i * group);
     }
     FinishLsePeak(hi, t, n, group, out + first);
   }
