@@ -156,7 +156,7 @@ void LsePeakScores(std::span<const float> queries, int group,
   const int block = kScratch / group;
   float hi[kScratch], t[kScratch];
   float dots[2 * kScratch];  // a block's candidates' [mean, peak][head] dot products
-  int row[kScratch];         // where candidate i's lie in dots (in units of 2 * group)
+  int row[kScratch];  // where candidate i's lie in dots (in units of 2 * group); -1: loose, so far
   // A block's compact chunks' codes gathered side by side, mean then peak each (most lie so in
   // their stream already; a searched cluster's or a search's picks do not): one call of the rows
   // kernel for all of them, four rows a pass, MeanDot's and PeakDot's values bit for bit. The
@@ -170,6 +170,7 @@ void LsePeakScores(std::span<const float> queries, int group,
     const ChunkCandidate* c = &candidates[first];
     int compact = 0;
     for (int i = 0; i < n; ++i) {
+      row[i] = -1;
       if (c[i].mean_q == nullptr || c[i].peak_q != c[i].mean_q + head_dim) continue;
       if (gathered.empty()) gathered.resize(static_cast<size_t>(block) * pair);
       std::memcpy(&gathered[static_cast<size_t>(compact) * pair], c[i].mean_q, pair);
@@ -181,7 +182,7 @@ void LsePeakScores(std::span<const float> queries, int group,
     }
     int loose = compact;  // the loose ones' dots after the compact ones'
     for (int i = 0; i < n; ++i) {
-      const bool packed = c[i].mean_q != nullptr && c[i].peak_q == c[i].mean_q + head_dim;
+      const bool packed = row[i] >= 0;
       if (!packed) {
         row[i] = loose++;
         float* d = dots + static_cast<size_t>(2 * row[i]) * group;
