@@ -205,13 +205,27 @@ const std::vector<std::vector<ScoredChunk>>& FillSets() {
   return sets;
 }
 
-// `fill` (FillGreedy, or FillGreedyBySort for the baseline) over the sets in turn.
-void BM_Fill(benchmark::State& state, decltype(&FillGreedy) fill) {
+using FillFn = std::vector<uint32_t> (*)(std::vector<ScoredChunk>, uint64_t, uint64_t,
+                                         std::vector<uint32_t>*);
+std::vector<uint32_t> FillBestFirst(std::vector<ScoredChunk> s, uint64_t budget, uint64_t extra,
+                                    std::vector<uint32_t>* out) {
+  return FillGreedy(std::move(s), budget, extra, out);
+}
+std::vector<uint32_t> FillAnyOrder(std::vector<ScoredChunk> s, uint64_t budget, uint64_t extra,
+                                   std::vector<uint32_t>* out) {
+  return FillGreedy(std::move(s), budget, extra, out, FillOrder::kAny);
+}
+
+// `fill` (FillGreedy, or FillGreedyBySort for the baseline) over the sets in turn, with a
+// budget of `scale` times a whole-chunk Select's: 8 is a refined Select's pool (the default
+// refine_factor: 88 picks and a guess of 32 more).
+void BM_Fill(benchmark::State& state, FillFn fill, uint64_t scale) {
   const auto& sets = FillSets();
   std::vector<uint32_t> extra;
   size_t i = 0;
   for (auto _ : state) {
-    auto picked = fill(sets[i++ % sets.size()], kFillBudget, kFillExtra, &extra);
+    extra.clear();
+    auto picked = fill(sets[i++ % sets.size()], scale * kFillBudget, scale * kFillExtra, &extra);
     benchmark::DoNotOptimize(picked.data());
   }
 }
@@ -221,8 +235,10 @@ BENCHMARK(BM_LsePeakSelect)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_ExactKeyScan)->Arg(4096)->Arg(32768)->Arg(131072);
 BENCHMARK(BM_RefineRows)->Arg(4096);
 BENCHMARK(BM_RankStream)->Arg(4096);
-BENCHMARK_CAPTURE(BM_Fill, greedy, &FillGreedy);
-BENCHMARK_CAPTURE(BM_Fill, by_sort, &FillGreedyBySort);
+BENCHMARK_CAPTURE(BM_Fill, greedy, &FillBestFirst, 1);
+BENCHMARK_CAPTURE(BM_Fill, by_sort, &FillGreedyBySort, 1);
+BENCHMARK_CAPTURE(BM_Fill, pool_any_order, &FillAnyOrder, 8);
+BENCHMARK_CAPTURE(BM_Fill, pool_best_first, &FillBestFirst, 8);
 BENCHMARK(BM_LsePeakPool)->Arg(4096);
 BENCHMARK(BM_BalancedGroups);
 BENCHMARK(BM_SpanCopy);
@@ -320,6 +336,19 @@ int main(int argc, char** argv) {
                          {"chunk_tokens", "16"},
                          {"reps", "5"},
                          {"sets", "4096 of random scores, in turn"}}});
+  kvtier::bench::Print({"fill_pool_us",
+                        reporter.Median("BM_Fill/pool_any_order"),
+                        "us",
+                        reporter.Median("BM_Fill/pool_best_first"),
+                        "best_first_fill",
+                        {{"candidates", std::to_string(kvtier::kFillCandidates)},
+                         {"budget_tokens", "1408 (a guess 512 wider)"},
+                         {"chunk_tokens", "16"},
+                         {"reps", "5"},
+                         {"sets", "4096 of random scores, in turn"},
+                         {"rule",
+                          "a refined Select's pool (8x), the chunks in any order (RankStream's "
+                          "fill) against best first"}}});
   kvtier::bench::Print({"regroup_span_us",
                         reporter.Median("BM_BalancedGroups"),
                         "us",

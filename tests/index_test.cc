@@ -308,7 +308,7 @@ TEST(ChunkRanker, AStreamScoredInPlaceHasEachCandidatesBits) {
 // FillGreedy against its definition: every candidate sorted (score down, index up), then the
 // greedy fill of the budget and, beside it, of the wider one (what only that takes is the
 // extra). Uniform sizes (the insertion pass for up to 64 picks, nth_element for more) and mixed
-// ones, scores with many ties, picks from none to all.
+// ones, scores with many ties, picks from none to all; best first, and in any order.
 TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
   std::mt19937 rng(23);
   for (int trial = 0; trial < 400; ++trial) {
@@ -316,8 +316,9 @@ TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
     const bool uniform = trial % 3 != 0;
     std::vector<ScoredChunk> scored;
     for (uint32_t i = 0; i < n; ++i) {
-      // Few distinct scores: ties are common and broken by the index.
-      const float score = static_cast<float>(static_cast<int>(rng() % 40)) - 20.f;
+      // Few distinct scores: ties are common and broken by the index (-0 ties with +0).
+      const float score =
+          rng() % 16 == 0 ? -0.f : static_cast<float>(static_cast<int>(rng() % 40)) - 20.f;
       scored.push_back({score, (i * 7919u) % 100003u, uniform ? 16u : 1 + uint32_t(rng() % 32)});
     }
     const uint64_t budget = rng() % (16 * n + 32);
@@ -328,6 +329,16 @@ TEST(ChunkRanker, FillGreedyIsTheGreedyFillOfAFullSort) {
     EXPECT_EQ(FillGreedy(scored, budget, extra_budget, &extra), want) << "trial " << trial;
     EXPECT_EQ(extra, want_extra) << "trial " << trial;
     EXPECT_EQ(FillGreedy(scored, budget), want) << "trial " << trial;
+    // In any order: the same chunks, and the same extra ones.
+    auto sorted = [](std::vector<uint32_t> v) {
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    std::vector<uint32_t> any_extra;
+    EXPECT_EQ(sorted(FillGreedy(scored, budget, extra_budget, &any_extra, FillOrder::kAny)),
+              sorted(want))
+        << "trial " << trial;
+    EXPECT_EQ(sorted(any_extra), sorted(want_extra)) << "trial " << trial;
   }
 }
 

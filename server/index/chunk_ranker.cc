@@ -3,6 +3,7 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -289,12 +290,27 @@ void ScoreCandidates(v1::Ranking ranking, std::span<const float> queries, int gr
   }
 }
 
+namespace {
+
+// A candidate as one integer that orders as FillGreedy's `better` does (the larger key first):
+// the score's bits made to order as their values (negatives flipped; -0 made +0 first, as the
+// scores' == holds them equal), then the index reversed (the lower index first on a tie).
+uint64_t RankKey(const ScoredChunk& c) {
+  const uint32_t bits = std::bit_cast<uint32_t>(c.score + 0.f);
+  const uint32_t ordered = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return uint64_t{ordered} << 32 | (0xffffffffu - c.index);
+}
+uint32_t RankKeyIndex(uint64_t key) { return 0xffffffffu - static_cast<uint32_t>(key); }
+
+}  // namespace
+
 // Up to this many picks of equal chunks, FillGreedy keeps the best in order by insertion
 // rather than by nth_element and a sort.
 constexpr size_t kInsertionPicks = 64;
 
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
-                                 uint64_t extra_budget, std::vector<uint32_t>* extra) {
+                                 uint64_t extra_budget, std::vector<uint32_t>* extra,
+                                 FillOrder order) {
   const uint64_t wide = budget + (extra != nullptr ? extra_budget : 0);
   // A strict total order (chunk indices differ), so every partial order below picks and ranks
   // what a full sort would.
@@ -326,6 +342,28 @@ std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budge
         worst = scored[sorted - 1].score;
       }
     } else {
+      if (order == FillOrder::kAny) {
+        // The fill of equal chunks takes the best budget / size, and the wider one the next
+        // ones up to `sorted`: two partitions find both sets, in no order, with no sort, over
+        // one 64-bit key a candidate whose order is `better`'s.
+        const size_t take = std::min<size_t>(sorted, budget / scored.front().tokens);
+        std::vector<uint64_t> keys(scored.size());
+        for (size_t i = 0; i < scored.size(); ++i) keys[i] = RankKey(scored[i]);
+        if (sorted < keys.size()) {
+          std::nth_element(keys.begin(), keys.begin() + sorted, keys.end(), std::greater<>());
+        }
+        if (take < sorted) {
+          std::nth_element(keys.begin(), keys.begin() + take, keys.begin() + sorted,
+                           std::greater<>());
+        }
+        std::vector<uint32_t> out(take);
+        for (size_t i = 0; i < take; ++i) out[i] = RankKeyIndex(keys[i]);
+        if (extra != nullptr) {
+          extra->reserve(extra->size() + sorted - take);
+          for (size_t i = take; i < sorted; ++i) extra->push_back(RankKeyIndex(keys[i]));
+        }
+        return out;
+      }
       if (sorted < scored.size()) {
         std::nth_element(scored.begin(), scored.begin() + sorted, scored.end(), better);
       }

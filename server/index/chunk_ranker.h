@@ -110,9 +110,15 @@ struct ScoredChunk {
   uint32_t tokens;
 };
 
+// The order FillGreedy returns its picks (and the extra ones) in: best first, as the fill
+// takes them, or any (the same chunks, for a caller that marks them in a set: where every
+// candidate has the same size, two partitions find them without sorting any).
+enum class FillOrder { kBestFirst, kAny };
+
 // The greedy fill of SelectChunks over candidates already scored (any order).
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
-                                 uint64_t extra_budget = 0, std::vector<uint32_t>* extra = nullptr);
+                                 uint64_t extra_budget = 0, std::vector<uint32_t>* extra = nullptr,
+                                 FillOrder order = FillOrder::kBestFirst);
 // FillGreedy's definition, which it must equal (for tests and benches): every candidate sorted
 // (score down, index up), then the greedy fill of `budget` and, beside it, of budget +
 // extra_budget (what only that one takes, in order, into *extra).

@@ -76,8 +76,9 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     for (uint32_t c = 0; c < n; ++c) {
       if (!(*excluded)[c]) scored.push_back({scores[c], c, stats.tokens(c)});
     }
+    // In any order: `take` below marks them, and the extra ones are sorted.
     found = FillGreedy(std::move(scored), budget, q.extra_budget,
-                       q.extra_budget > 0 ? &extra : nullptr);
+                       q.extra_budget > 0 ? &extra : nullptr, FillOrder::kAny);
   } else {
     // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its
     // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
