@@ -608,6 +608,37 @@ TEST(LogInPlace, WithinTwoUlpsOfDouble) {
   EXPECT_EQ(got[x.size() - 6], 0.f) << "log 1 is exactly 0";
 }
 
+TEST(ExpAndLogInPlace, SixteenLanesGiveTheBitsOfEight) {
+  if (!HaveAvx512()) GTEST_SKIP() << "no AVX-512F on this CPU: the eight-lane path serves";
+  // Across both clamps of the exponential, the logarithm's whole normal range and its branch
+  // at sqrt(1/2), the values the LSE-peak score takes (log of [1, 2], log(1 + e^t) for t <= 0),
+  // and lengths that leave every tail.
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<float> wide(-120.f, 100.f), near_zero(-30.f, 0.f);
+  std::vector<float> x;
+  for (int i = 0; i < 100000; ++i) x.push_back(i % 2 ? wide(rng) : near_zero(rng));
+  for (float v : {0.f, -0.f, -87.f, 88.f, -87.5f, 88.5f, 1e-30f, -1e-30f}) x.push_back(v);
+  std::vector<float> positive;
+  for (float v = std::numeric_limits<float>::min(); v < 1e38f; v *= 1.0137f) positive.push_back(v);
+  for (int i = 0; i <= 20000; ++i) positive.push_back(1.f + float(i) / 20000.f);
+  for (float v : {0.70710677f, 0.70710683f, 0.70710678f, 1.4142135f}) positive.push_back(v);
+  auto same_bits = [](const std::vector<float>& in, void (*sixteen)(float*, int),
+                      void (*eight)(float*, int), const char* what) {
+    for (int n : {int(in.size()), 1, 7, 15, 17, 31, 33}) {
+      std::vector<float> a(in.begin(), in.begin() + n), b = a;
+      sixteen(a.data(), n);
+      eight(b.data(), n);
+      for (int i = 0; i < n; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(a[i]), std::bit_cast<uint32_t>(b[i]))
+            << what << " x " << in[i] << " n " << n;
+      }
+    }
+  };
+  same_bits(x, ExpInPlace, ExpInPlaceEight, "exp");
+  same_bits(x, Log1pExpInPlace, Log1pExpInPlaceEight, "log1p(exp)");
+  same_bits(positive, LogInPlace, LogInPlaceEight, "log");
+}
+
 TEST(ExpAndLogInPlace, ResultsDoNotDependOnTheirPlace) {
   // The same values at every offset and in arrays of every length give the same bits: the
   // LSE-peak score relies on it to be equal whether chunks are scored one by one or in blocks.

@@ -228,7 +228,8 @@ void FloatsToHalvesDirected(const float* x, int n, bool up, uint16_t* out);
 
 // x[i] = e^x[i] for i in [0, n), each input first clamped to [-87, 88] (so that results stay
 // normal floats); relative error under 1e-6 (AVX2: Cephes' expf polynomial after range
-// reduction, eight at a time). Each result depends only on its input, not on n or i.
+// reduction, eight at a time; sixteen with AVX-512F, the same bits). Each result depends only
+// on its input, not on n or i.
 void ExpInPlace(float* x, int n);
 
 // floor(x * inv) - k0 (up: the ceiling), x * inv first clamped to +-2^30 (a NaN to -2^30, as
@@ -303,6 +304,14 @@ void LogInPlace(float* x, int n);
 
 // x[i] = log(1 + e^x[i]): the bits of ExpInPlace, adding 1, then LogInPlace, in one pass.
 void Log1pExpInPlace(float* x, int n);
+
+// Whether the CPU (and the OS) run AVX-512F: ExpInPlace, LogInPlace and Log1pExpInPlace then
+// take sixteen lanes at a time, with the bits of their eight-lane paths below (for tests;
+// REQUIRES: AVX2 and FMA).
+bool HaveAvx512();
+void ExpInPlaceEight(float* x, int n);
+void LogInPlaceEight(float* x, int n);
+void Log1pExpInPlaceEight(float* x, int n);
 
 }  // namespace kvtier
 
