@@ -516,7 +516,7 @@ TEST(DotInt8GroupTiles, EachEqualsDotInt8BitForBit) {
 
 // A query group against a run of rows of halves: each result is DotHalves' own, bit for bit,
 // at every group size (the vectorized path's up to 8 and the fallback past it), width and
-// run length.
+// run length, row-major and head-major.
 TEST(DotHalvesRows, EachEqualsDotHalvesBitForBit) {
   std::mt19937 rng(12);
   std::normal_distribution<float> n(0, 1);
@@ -539,6 +539,22 @@ TEST(DotHalvesRows, EachEqualsDotHalvesBitForBit) {
               EXPECT_EQ(std::bit_cast<uint32_t>(got[size_t(r) * group + g]),
                         std::bit_cast<uint32_t>(want))
                   << "d " << d << " group " << group << " row " << r << " g " << g;
+            }
+          }
+          // Head-major (each query's values side by side, in a wider array): the same bits.
+          const int stride = rows + 2;
+          std::vector<float> by_head(size_t(stride) * group, -1.f);
+          DotHalvesRows(kind, a.data(), group, h.data(), rows, d, by_head.data(), 1, stride);
+          for (int r = 0; r < stride; ++r) {
+            for (int g = 0; g < group; ++g) {
+              const float v = by_head[size_t(g) * stride + r];
+              if (r >= rows) {
+                EXPECT_EQ(v, -1.f) << "written past the rows: g " << g << " r " << r;
+                continue;
+              }
+              EXPECT_EQ(std::bit_cast<uint32_t>(v),
+                        std::bit_cast<uint32_t>(got[size_t(r) * group + g]))
+                  << "head-major d " << d << " group " << group << " row " << r << " g " << g;
             }
           }
         }

@@ -1137,17 +1137,24 @@ float DotHalves(HalfKind kind, const float* a, const uint16_t* h, int n) {
 
 void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
                    float* out) {
+  DotHalvesRows(kind, a, group, h, rows, n, out, group, 1);
+}
+
+void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
+                   float* out, int out_row, int out_group) {
   if (kDotHalves == DotHalvesAvx2 && group >= 1 && group <= kMaxGroup) {
     if (kind == HalfKind::kBf16) {
-      kGroupRows<HalfElements<HalfKind::kBf16>>[group - 1](a, h, rows, n, n, out, group, 1);
+      kGroupRows<HalfElements<HalfKind::kBf16>>[group - 1](a, h, rows, n, n, out, out_row,
+                                                           out_group);
     } else {
-      kGroupRows<HalfElements<HalfKind::kFp16>>[group - 1](a, h, rows, n, n, out, group, 1);
+      kGroupRows<HalfElements<HalfKind::kFp16>>[group - 1](a, h, rows, n, n, out, out_row,
+                                                           out_group);
     }
     return;
   }
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < group; ++g) {
-      out[static_cast<size_t>(r) * group + g] =
+      out[static_cast<size_t>(r) * out_row + static_cast<size_t>(g) * out_group] =
           kDotHalves(kind, a + static_cast<size_t>(g) * n, h + static_cast<size_t>(r) * n, n);
     }
   }

@@ -52,6 +52,10 @@ float DotHalvesScalar(HalfKind kind, const float* a, const uint16_t* h, int n);
 // group against a run of key rows).
 void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
                    float* out);
+// The same values into out[r * out_row + g * out_group] (out_row 1, out_group `rows` or more:
+// each query's dot products side by side, head-major).
+void DotHalvesRows(HalfKind kind, const float* a, int group, const uint16_t* h, int rows, int n,
+                   float* out, int out_row, int out_group);
 // A query vector on an 8-bit grid, as the ranking of compact statistics takes it: scale = 2^e,
 // the smallest power of two (e in [-100, 122]) with every |x[i]| / scale <= 127, and codes[i]
 // = nearbyint(x[i] / scale) (NaN as 0, +-inf as +-FLT_MAX, then clamped to +-127). Returns

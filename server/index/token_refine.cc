@@ -11,7 +11,8 @@ namespace kvtier {
 
 namespace {
 
-// logits[r * group + h] = q_h . k_r / sqrt(d) for every row r of `chunks`, in order.
+// logits[h * rows + r] = q_h . k_r / sqrt(d) for every row r of `chunks`, in order: head-major,
+// so that each head's logits lie side by side for its softmax.
 std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int group, int head_dim,
                           std::span<const RefineChunk> chunks) {
   const size_t d = static_cast<size_t>(head_dim);
@@ -31,23 +32,25 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
     // Straight from the 2-byte keys (widened in registers, once for the group), no float copy
     // of the rows.
     DotHalvesRows(kind, queries.data(), group, c.keys + c.first_row * d, static_cast<int>(c.rows),
-                  head_dim, &logits[r * group]);
+                  head_dim, &logits[r], 1, static_cast<int>(total));
     r += c.rows;
   }
   for (float& l : logits) l *= inv_sqrt_d;
   return logits;
 }
 
-// Per row of `rows` (logits, `group` per row), the sum over heads of its softmax weight over
-// `rows` and `others` together (from each head's largest logit, so no term overflows).
+// Per row of `rows` (logits, head-major as Logits makes them), the sum over heads of its softmax
+// weight over `rows` and `others` together (from each head's largest logit, so no term
+// overflows).
 std::vector<float> SoftmaxMass(const std::vector<float>& rows, const std::vector<float>& others,
                                int group) {
   const size_t n = rows.size() / group, m = others.size() / group;
   std::vector<float> mass(n, 0.f);
   std::vector<float> e(n + m);  // one head's logits, then exps: the rows', then the others'
   for (int h = 0; h < group; ++h) {
-    for (size_t i = 0; i < n; ++i) e[i] = rows[i * group + h];
-    for (size_t i = 0; i < m; ++i) e[n + i] = others[i * group + h];
+    std::copy_n(rows.begin() + static_cast<ptrdiff_t>(h * n), n, e.begin());
+    std::copy_n(others.begin() + static_cast<ptrdiff_t>(h * m), m,
+                e.begin() + static_cast<ptrdiff_t>(n));
     const float top = MaxOf(e.data(), e.size());
     for (float& v : e) v -= top;
     ExpInPlace(e.data(), static_cast<int>(n + m));  // eight at a time; each within 1e-6
@@ -82,9 +85,11 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
   } else if (score == v1::REFINE_SCORE_MEAN_MASS) {
     value = SoftmaxMass(logits, {}, group);
   } else {
-    value.resize(total);
-    for (size_t i = 0; i < total; ++i) {
-      value[i] = *std::max_element(&logits[i * group], &logits[i * group] + group);
+    // The largest of each row's heads, the first of equals kept (as max_element keeps it).
+    value.assign(logits.begin(), logits.begin() + static_cast<ptrdiff_t>(total));
+    for (int h = 1; h < group; ++h) {
+      const float* l = &logits[static_cast<size_t>(h) * total];
+      for (size_t i = 0; i < total; ++i) value[i] = value[i] < l[i] ? l[i] : value[i];
     }
   }
   size_t take = std::min(k, total);
