@@ -20,11 +20,13 @@
 //
 // select_scaling: gRPC Select throughput of two worker processes at once, each with its own
 // gRPC connection and session, against one worker process alone (a fleet's workers are
-// processes of their own). select_scaling_shm: the same through a Select channel each (the
-// decode loop's path), where gRPC's own scaling is not in the way.
+// processes of their own), each Select ending the previous one's lease (release_lease_ids) as
+// a decode loop's next step does, one call a Select. select_scaling_shm: the same through a
+// Select channel each (the decode loop's path), where gRPC's own scaling is not in the way.
 //
 // decode_step_kvtier_ms: what kvtier adds to one decoded token, 30 sequential layer Selects
-// (each followed by its Release) through a Select channel, at 4K and 32K tokens, against the
+// (each ending the previous one's lease: release_lease_ids) through a Select channel, at 4K
+// and 32K tokens, against the
 // worker's own exact attention of the same 30 layers over the whole context (fp32 arithmetic
 // on fp16 K and V held in its memory). `select_bench --decode_tokens 65536,131072` measures it
 // alone at other contexts. `select_bench --daemon_flags "--channel_colocate off"` runs it all
@@ -225,12 +227,13 @@ void BackToBack(Client& c, const std::string& sid, uint32_t budget, int reps, in
 }
 
 // A worker process of Scaling (select_bench --scaling_worker
-// ADDRESS,SESSION,BUDGET,ITERS,ECHO,CHANNEL_CPU): connects, warms up with 50 pairs, says
-// "ready", waits for a line on stdin, then times `iters` pairs (Select+Release, or, with
-// `echo_bytes` nonzero, Echo pairs carrying that many bytes back and none; with `channel_cpu`
-// 0 or more, Select+Release through a Select channel of its own, the worker held on that CPU,
-// as an engine's worker is on its own; either way into one response reused) and prints the
-// seconds they took.
+// ADDRESS,SESSION,BUDGET,ITERS,ECHO,CHANNEL_CPU): connects, warms up with 50 calls, says
+// "ready", waits for a line on stdin, then times `iters` Selects, each ending the previous
+// one's lease (release_lease_ids), as a decode loop's next step does (or, with `echo_bytes`
+// nonzero, Echo calls carrying that many bytes back; with `channel_cpu` 0 or more, the Selects
+// through a Select channel of its own, the worker held on that CPU, as an engine's worker is
+// on its own; either way into one response reused) and prints the seconds they took. The last
+// lease is released after the clock stops.
 int ScalingWorker(const std::string& address, const std::string& sid, uint32_t budget, int iters,
                   uint32_t echo_bytes, int channel_cpu) {
   auto c = Client::Connect(address);
@@ -247,32 +250,31 @@ int ScalingWorker(const std::string& address, const std::string& sid, uint32_t b
     ch = *std::move(opened);
   }
   v1::SelectResponse resp;
-  auto pair = [&] {
-    if (ch != nullptr) {
-      if (!ch->Select(req, &resp).ok()) std::exit(1);
-      (void)ch->Release(resp.lease_id());
-      return;
-    }
+  v1::SelectRequest next = req;  // names the previous Select's lease once there is one
+  auto call = [&] {
     if (echo_bytes > 0) {
-      if (!(*c)->Echo(req.query(), echo_bytes).ok() || !(*c)->Echo("", 0).ok()) std::exit(1);
+      if (!(*c)->Echo(req.query(), echo_bytes).ok()) std::exit(1);
       return;
     }
-    if (!(*c)->Select(req, &resp).ok()) std::exit(1);
-    (void)(*c)->Release(resp.lease_id());
+    if (!(ch != nullptr ? ch->Select(next, &resp) : (*c)->Select(next, &resp)).ok()) std::exit(1);
+    next.clear_release_lease_ids();
+    next.add_release_lease_ids(resp.lease_id());
   };
-  for (int i = 0; i < 50; ++i) pair();
+  for (int i = 0; i < 50; ++i) call();
   std::printf("ready\n");
   std::fflush(stdout);
   char line[16];
   if (std::fgets(line, sizeof line, stdin) == nullptr) return 1;
   const double t0 = NowSeconds();
-  for (int i = 0; i < iters; ++i) pair();
+  for (int i = 0; i < iters; ++i) call();
   std::printf("%.9f\n", NowSeconds() - t0);
   std::fflush(stdout);
+  if (echo_bytes == 0)
+    (void)(ch != nullptr ? ch->Release(resp.lease_id()) : (*c)->Release(resp.lease_id()));
   return 0;
 }
 
-// Pairs per second of one worker process per session of `sids` (ScalingWorker), all at once:
+// Calls per second of one worker process per session of `sids` (ScalingWorker), all at once:
 // they start together once each is connected and warm, and the slowest one's time counts.
 double ProcessThroughput(const std::string& address, const std::vector<std::string>& sids,
                          uint32_t budget, int iters, uint32_t echo_bytes, bool channel = false) {
@@ -323,12 +325,13 @@ double ProcessThroughput(const std::string& address, const std::vector<std::stri
   return static_cast<double>(sids.size()) * iters / slowest;
 }
 
-// Selects per second (Select+Release pairs) of one worker process on `sids[0]` and of two at
-// once on both sessions, each worker a process with its own gRPC connection, doing `iters`
-// pairs after a warm-up; interleaved over `reps`, medians printed (the ratio is theirs). In the
-// parameters: the same for bare Echo pairs of the same bytes (how far the machine and gRPC alone
-// scale), and the ratio of two threads of one process to one thread (a process's threads share
-// its gRPC client's poller, so that ratio says what one process's workers get).
+// Selects per second (each ending the previous one's lease) of one worker process on
+// `sids[0]` and of two at once on both sessions, each worker a process with its own gRPC
+// connection, doing `iters` Selects after a warm-up; interleaved over `reps`, medians printed
+// (the ratio is theirs). In the parameters: the same for bare Echo calls of the same bytes
+// (how far the machine and gRPC alone scale), and the ratio of two threads of one process to
+// one thread (a process's threads share its gRPC client's poller, so that ratio says what one
+// process's workers get).
 void Scaling(Client& c, const std::string& address, const std::vector<std::string>& sids,
              int context, uint32_t budget, int reps, int iters) {
   const uint32_t resp_bytes = ResponseBytes(c, Request(sids[0], budget));
@@ -339,12 +342,14 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
     clients.push_back(*std::move(made));
   }
   auto work = [&](int w, int n) {
-    const v1::SelectRequest req = Request(sids[w], budget);
+    v1::SelectRequest req = Request(sids[w], budget);
+    v1::SelectResponse resp;
     for (int i = 0; i < n; ++i) {
-      auto s = clients[w]->Select(req);
-      if (!s.ok()) std::exit(1);
-      (void)clients[w]->Release(s->lease_id());
+      if (!clients[w]->Select(req, &resp).ok()) std::exit(1);
+      req.clear_release_lease_ids();
+      req.add_release_lease_ids(resp.lease_id());
     }
+    (void)clients[w]->Release(resp.lease_id());
   };
   auto threads_throughput = [&](int workers) {
     std::vector<std::thread> threads;
@@ -370,7 +375,9 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
   std::map<std::string, std::string> params = {
       {"context_tokens", std::to_string(context)},
       {"budget_tokens", std::to_string(budget)},
-      {"workers", "2 processes, each its own gRPC connection and session"},
+      {"workers",
+       "2 processes, each its own gRPC connection and session; each Select ends the previous "
+       "one's lease (release_lease_ids)"},
       {"shape", "30x9/3x64"},
       {"cores", std::to_string(std::thread::hardware_concurrency())},
       {"reps", std::to_string(reps)},
@@ -384,7 +391,8 @@ void Scaling(Client& c, const std::string& address, const std::vector<std::strin
   params.erase("threads_in_one_process_scaling");
   params["workers"] =
       "2 processes, each its own Select channel (OpenChannel) and session, each held on a CPU "
-      "of its own (one alone: on the first)";
+      "of its own (one alone: on the first); each Select ends the previous one's lease "
+      "(release_lease_ids)";
   Print(
       {"select_scaling_shm", Median(shm_two), "selects/s", Median(shm_one), "one_worker", params});
 }
@@ -473,9 +481,11 @@ void DecodeStep(Client& c, int context, int steps) {
   v1::SelectResponse m;  // reused layer after layer
   for (int step = 0; step < steps + 3; ++step) {
     const double t0 = NowSeconds();
-    for (const v1::SelectRequest& r : layers) {
+    for (v1::SelectRequest& r : layers) {
+      // The previous Select's lease (the layer before, its attention done) ends in this call.
+      r.clear_release_lease_ids();
+      if (!m.lease_id().empty()) r.add_release_lease_ids(m.lease_id());
       if (!(*channel)->Select(r, &m).ok()) std::exit(1);
-      (void)(*channel)->Release(m.lease_id());
     }
     const double t1 = NowSeconds();
     for (int l = 0; l < kLayers; ++l) ExactAttention(q, k0, v0, context, &out, &scores);
@@ -486,13 +496,16 @@ void DecodeStep(Client& c, int context, int steps) {
       exact_ms.push_back((t2 - t1) * 1e3);
     }
   }
+  (void)(*channel)->Release(m.lease_id());
   (void)c.CloseSession(s->session_id());
   std::map<std::string, std::string> params = {
       {"context_tokens", std::to_string(context)},
       {"budget_tokens", "256"},
       {"layers", std::to_string(kLayers)},
       {"shape", "30x9/3x64"},
-      {"path", "Select channel, each Select then its Release, one response reused; default policy"},
+      {"path",
+       "Select channel, each Select ending the previous Select's lease (release_lease_ids), "
+       "one response reused; default policy"},
       {"baseline",
        "the worker's exact attention over the whole context, fp32 arithmetic, one thread"},
       {"steps", std::to_string(steps)}};

@@ -682,6 +682,78 @@ TEST(Daemon, ATenantsLiveLeasesAreBounded) {
   ASSERT_OK(a->Select(Select(sa.session_id(), 3, 256)).status());
 }
 
+// A Select ends the leases it names (release_lease_ids) before it is served: a decode loop's
+// previous step's lease goes in the same call. All are checked first: an unknown one, or
+// another tenant's, is NOT_FOUND naming it, and nothing ends and nothing is selected; too many
+// is INVALID_ARGUMENT. Checked, they end even if the Select then fails, as a Release before it
+// would. The same in a BatchSelect (every request's, before any is served) and through a
+// Select channel.
+TEST(Daemon, ASelectEndsTheLeasesItNames) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto a = Connect(d, "a"), b = Connect(d, "b");
+  const std::string sid = SessionWithTokens(*a, 400);
+  const std::string bobs = SessionWithTokens(*b, 100);
+  auto live = [&]() -> uint32_t {
+    auto described = a->DescribeSession(sid);
+    return described.ok() ? described->info().active_leases() : 9999;
+  };
+  ASSERT_OK_AND_ASSIGN(auto first, a->Select(Select(sid, 3, 256)));
+  v1::SelectRequest next = Select(sid, 3, 256);
+  next.add_release_lease_ids(first.lease_id());
+  ASSERT_OK_AND_ASSIGN(auto second, a->Select(next));
+  EXPECT_EQ(live(), 1u) << "the first lease should have ended with the second Select";
+  EXPECT_THAT(a->Release(first.lease_id()), StatusIs(Code::kNotFound, "not a live lease"));
+
+  // Unknown, or another tenant's: nothing selected, nothing ended.
+  ASSERT_OK_AND_ASSIGN(auto bobs_lease, b->Select(Select(bobs, 3, 256)));
+  for (const std::string& bad : {std::string("no-such-lease"), bobs_lease.lease_id()}) {
+    v1::SelectRequest r = Select(sid, 3, 256);
+    r.add_release_lease_ids(second.lease_id());
+    r.add_release_lease_ids(bad);
+    EXPECT_THAT(a->Select(r), StatusIs(Code::kNotFound, "release_lease_ids[1]: lease_id: "));
+    EXPECT_EQ(live(), 1u);
+  }
+  ASSERT_OK(b->Release(bobs_lease.lease_id()));  // still bob's, still live
+
+  v1::SelectRequest crowded = Select(sid, 3, 256);
+  for (int i = 0; i < 65; ++i) crowded.add_release_lease_ids(second.lease_id());
+  EXPECT_THAT(a->Select(crowded),
+              StatusIs(Code::kInvalidArgument, "release_lease_ids: 65 ids, at most 64"));
+  EXPECT_EQ(live(), 1u);
+
+  // A batch: its second request names an unknown lease, then the lease of the Select above.
+  v1::BatchSelectRequest batch;
+  *batch.add_requests() = Select(sid, 2, 256);
+  *batch.add_requests() = Select(sid, 3, 256);
+  batch.mutable_requests(1)->add_release_lease_ids("no-such-lease");
+  EXPECT_THAT(a->BatchSelect(batch),
+              StatusIs(Code::kNotFound, "requests[1].release_lease_ids[0]: lease_id: "));
+  EXPECT_EQ(live(), 1u);
+  batch.mutable_requests(1)->set_release_lease_ids(0, second.lease_id());
+  ASSERT_OK_AND_ASSIGN(auto served, a->BatchSelect(batch));
+  EXPECT_EQ(live(), 2u) << "the batch's two leases, the one it named ended";
+  EXPECT_THAT(a->Release(second.lease_id()), StatusIs(Code::kNotFound));
+
+  // Through a Select channel: the same field, the same checks.
+  ASSERT_OK_AND_ASSIGN(auto ch, a->OpenChannel());
+  v1::SelectRequest by_channel = Select(sid, 3, 256);
+  by_channel.add_release_lease_ids(served.responses(0).lease_id());
+  by_channel.add_release_lease_ids(served.responses(1).lease_id());
+  ASSERT_OK_AND_ASSIGN(auto third, ch->Select(by_channel));
+  EXPECT_EQ(live(), 1u);
+  by_channel.clear_release_lease_ids();
+  by_channel.add_release_lease_ids("no-such-lease");
+  EXPECT_THAT(ch->Select(by_channel), StatusIs(Code::kNotFound, "release_lease_ids[0]"));
+  EXPECT_EQ(live(), 1u);
+  // Checked, they end before the Select is served, as a Release before it would: also when
+  // the Select then fails (a layer past the session's).
+  v1::SelectRequest failing = Select(sid, 999, 256);
+  failing.add_release_lease_ids(third.lease_id());
+  EXPECT_THAT(a->Select(failing), StatusIs(Code::kInvalidArgument, "layer"));
+  EXPECT_EQ(live(), 0u);
+}
+
 // A client attaches on its first Select and names its worker in every Select; when it goes
 // away its leases end at once, however long they were to last, and a drain ends every
 // Attach stream (UNAVAILABLE) instead of waiting for it.

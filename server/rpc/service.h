@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -222,6 +223,13 @@ class KvTierService final : public v1::KvTier::CallbackService {
                         v1::SelectResponse* resp, uint64_t reply_limit);
   absl::Status DoBatchSelect(const std::string& tenant, const v1::BatchSelectRequest& req,
                              v1::BatchSelectResponse* resp, uint64_t reply_limit);
+  // The leases the requests name in release_lease_ids (SelectRequest): every one checked live
+  // (the first that is not fails the call naming it, nothing ended), then all ended, before
+  // the Select is served (its slots free for it to reuse, as a Release before it would).
+  static constexpr int kMaxReleasesPerSelect = 64;
+  absl::Status CheckReleases(const std::string& tenant,
+                             std::span<const v1::SelectRequest* const> requests);
+  void EndReleases(const std::string& tenant, std::span<const v1::SelectRequest* const> requests);
   // One Select of `session`, and, with a prefetcher, the promotion of its guess queued.
   absl::Status SelectAndGuess(const std::shared_ptr<Session>& session, const v1::SelectRequest& req,
                               v1::SelectResponse* resp);

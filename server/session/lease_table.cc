@@ -191,6 +191,24 @@ size_t LeaseTable::workers() const {
   return n;
 }
 
+namespace {
+
+absl::Status NotLive(const std::string& lease_id) {
+  return absl::NotFoundError(absl::StrCat("lease_id: ", Quoted(lease_id),
+                                          " is not a live lease of this tenant (released, "
+                                          "expired, or never granted to it)"));
+}
+
+}  // namespace
+
+absl::Status LeaseTable::CheckLive(const std::string& tenant, const std::string& lease_id) const {
+  LeaseShard& shard = LeasesOf(lease_id);
+  MutexLock lock(&shard.mu);
+  auto it = shard.leases.find(lease_id);
+  if (it == shard.leases.end() || it->second.tenant->tenant() != tenant) return NotLive(lease_id);
+  return absl::OkStatus();
+}
+
 absl::Status LeaseTable::Release(const std::string& tenant, const std::string& lease_id) {
   std::vector<Lease> ended;
   {
@@ -198,10 +216,7 @@ absl::Status LeaseTable::Release(const std::string& tenant, const std::string& l
     MutexLock lock(&shard.mu);
     auto it = shard.leases.find(lease_id);
     if (it == shard.leases.end() || it->second.tenant->tenant() != tenant) {
-      // another's: as if none (above)
-      return absl::NotFoundError(absl::StrCat("lease_id: ", Quoted(lease_id),
-                                              " is not a live lease of this tenant (released, "
-                                              "expired, or never granted to it)"));
+      return NotLive(lease_id);  // another's: as if none (above)
     }
     ended.push_back(std::move(it->second));
     shard.leases.erase(it);

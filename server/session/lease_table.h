@@ -81,6 +81,8 @@ class LeaseTable {
 
   // NOT_FOUND for an unknown or expired lease and for another tenant's, in the same words.
   absl::Status Release(const std::string& tenant, const std::string& lease_id);
+  // Release's NOT_FOUND, without ending the lease: OK for a live lease of `tenant`.
+  absl::Status CheckLive(const std::string& tenant, const std::string& lease_id) const;
 
   // Ends every lease whose time has come. Returns how many.
   int ExpireDue();

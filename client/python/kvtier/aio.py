@@ -111,12 +111,13 @@ class Client:
     async def select(self, session_id: str, layer: int, query: np.ndarray,
                      budget_tokens: int = 0, placement: str | None = None,
                      include_data: bool = False, lease_ms: int = 0,
-                     include_summaries: bool = False,
-                     row_handles: bool = True) -> pb.SelectResponse:
-        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease."""
+                     include_summaries: bool = False, row_handles: bool = True,
+                     release_lease_ids: Sequence[str] = ()) -> pb.SelectResponse:
+        """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease
+        (`release_lease_ids` end in the same call, as kvtier.Client.select says)."""
         return await self._unary("Select", _sync._select_request(
             session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
-            include_summaries, row_handles))
+            include_summaries, row_handles, release_lease_ids=release_lease_ids))
 
     async def batch_select(self, requests: Sequence[pb.SelectRequest]) -> pb.BatchSelectResponse:
         """Several Selects in one call, all or nothing, as kvtier.Client.batch_select."""

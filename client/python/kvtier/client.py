@@ -191,13 +191,17 @@ def _layer_items(start, keys, values):
 
 
 def _select_request(session_id, layer, query, budget_tokens, placement, include_data, lease_ms,
-                    include_summaries, row_handles, worker_id="") -> pb.SelectRequest:
+                    include_summaries, row_handles, worker_id="",
+                    release_lease_ids=()) -> pb.SelectRequest:
     q = _query(query)
+    if isinstance(release_lease_ids, (str, bytes)) or not isinstance(release_lease_ids, Iterable):
+        raise KvTierArgumentError("release_lease_ids",
+                                  f"{release_lease_ids!r} is not a sequence of lease ids")
     return _msg(pb.SelectRequest,
         session_id=session_id, layer=layer, query=q.tobytes(), budget_tokens=budget_tokens,
         placement=_choice("placement", _TIERS, placement), include_data=include_data,
         lease_ms=lease_ms, include_summaries=include_summaries, row_handles=row_handles,
-        worker_id=worker_id)
+        worker_id=worker_id, release_lease_ids=list(release_lease_ids))
 
 
 def _read_chunks_request(session_id, chunk_ids) -> pb.ReadChunksRequest:
@@ -975,13 +979,18 @@ class Client:
 
     def select(self, session_id: str, layer: int, query: np.ndarray, budget_tokens: int = 0,
                placement: str | None = None, include_data: bool = False, lease_ms: int = 0,
-               include_summaries: bool = False, row_handles: bool = True) -> pb.SelectResponse:
+               include_summaries: bool = False, row_handles: bool = True,
+               release_lease_ids: Sequence[str] = ()) -> pb.SelectResponse:
         """query fp32 [num_q_heads][head_dim]; returns handles per KV head and a lease.
         `row_handles`: refined rows come as their chunks' handles with a row list, read in
-        place by `gather` (False: gathered by the daemon into compact blocks of their own)."""
+        place by `gather` (False: gathered by the daemon into compact blocks of their own).
+        `release_lease_ids`: leases (a decode loop's previous step's, of this layer) ended in
+        the same call, before the Select is served; each must be live (else NOT_FOUND, and
+        nothing ends and nothing is selected)."""
         # Checked before anything is sent (the Attach stream included).
         req = _select_request(session_id, layer, query, budget_tokens, placement, include_data,
-                              lease_ms, include_summaries, row_handles)
+                              lease_ms, include_summaries, row_handles,
+                              release_lease_ids=release_lease_ids)
         for attempt in range(2):
             req.worker_id = self.worker_id()
             worker = req.worker_id

@@ -758,6 +758,27 @@ def test_worker_ids_are_checked_and_close_ends_the_leases(daemon):
         assert wait_unpinned(admin, 5), "close() ended the stream, and with it the lease"
 
 
+def test_a_select_ends_the_leases_it_names(daemon):
+    rng = np.random.default_rng(10)
+    k, v = make_kv(rng, 300)
+    q = np.ones((QH, D), np.float32)
+    with kvtier.Client(daemon.address) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        c.append_layers(sid, 0, k, v)
+        first = c.select(sid, 3, q)
+        second = c.select(sid, 3, q, release_lease_ids=[first.lease_id])
+        with pytest.raises(kvtier.KvTierError) as e:  # ended with the second Select
+            c.release(first.lease_id)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(kvtier.KvTierError) as e:  # checked first: nothing selected
+            c.select(sid, 3, q, release_lease_ids=[second.lease_id, "no-such-lease"])
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert "release_lease_ids[1]" in e.value.message
+        with pytest.raises(kvtier.KvTierArgumentError):
+            c.select(sid, 3, q, release_lease_ids=second.lease_id)  # a string, not a list
+        c.release(second.lease_id)  # still live
+
+
 def test_a_stale_handle_is_reported_not_read(client):
     rng = np.random.default_rng(8)
     k, v = make_kv(rng, 200)
