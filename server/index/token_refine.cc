@@ -88,7 +88,7 @@ std::vector<RefinedRow> RefineRows(v1::RefineScore score, HalfKind kind,
     // The largest of each row's heads, the first of equals kept (as max_element keeps it).
     value.assign(logits.begin(), logits.begin() + static_cast<ptrdiff_t>(total));
     for (int h = 1; h < group; ++h) {
-      const float* l = &logits[static_cast<size_t>(h) * total];
+      const float* l = logits.data() + static_cast<size_t>(h) * total;
       for (size_t i = 0; i < total; ++i) value[i] = value[i] < l[i] ? l[i] : value[i];
     }
   }
