@@ -32,7 +32,7 @@ std::vector<float> Logits(HalfKind kind, std::span<const float> queries, int gro
     // Straight from the 2-byte keys (widened in registers, once for the group), no float copy
     // of the rows.
     DotHalvesRows(kind, queries.data(), group, c.keys + c.first_row * d, static_cast<int>(c.rows),
-                  head_dim, &logits[r], 1, static_cast<int>(total));
+                  head_dim, logits.data() + r, 1, static_cast<int>(total));
     r += c.rows;
   }
   for (float& l : logits) l *= inv_sqrt_d;
