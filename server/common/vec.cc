@@ -58,10 +58,8 @@ __attribute__((target("avx2,f16c"))) void AddRowsAvx2(HalfKind kind, const uint1
 // OS must save the YMM registers (XCR0 bits 1 and 2). Not __builtin_cpu_supports: clang 14
 // does not know "f16c".
 // AVX-512F (the exponential's and logarithm's sixteen lanes): leaf 7 EBX bit 16 and the OS
-// saving the opmask and upper ZMM state (XCR0 bits 5 to 7).
-// AVX-512 VNNI with VL (its 256-bit forms, 32 vector registers): leaf 7 EBX AVX512F bit 16,
-// AVX512VL bit 31, ECX AVX512_VNNI bit 11, and the OS saving the opmask and upper ZMM state
-// (XCR0 bits 5 to 7).
+// saving the opmask and upper ZMM state (XCR0 bits 5 to 7). AVX-512 VNNI with VL (its 256-bit
+// forms, 32 vector registers): AVX-512F, leaf 7 EBX AVX512VL bit 31 and ECX AVX512_VNNI bit 11.
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false, vnni = false, avx512f = false;
   CpuFeatures() {

@@ -309,11 +309,13 @@ absl::Status KvTierService::SelectAndGuess(const std::shared_ptr<Session>& sessi
   return absl::OkStatus();
 }
 
-absl::Status KvTierService::CheckReleases(const std::string& tenant,
-                                          std::span<const v1::SelectRequest* const> requests) {
+absl::Status KvTierService::EndNamedLeases(const std::string& tenant,
+                                           std::span<const v1::SelectRequest* const> requests) {
+  bool any = false;
   for (size_t r = 0; r < requests.size(); ++r) {
     const auto& list = requests[r]->release_lease_ids();
     if (list.empty()) continue;  // the usual Select: nothing to look at
+    any = true;
     const std::string where = requests.size() > 1 ? absl::StrCat("requests[", r, "].") : "";
     if (list.size() > kMaxReleasesPerSelect) {
       return absl::InvalidArgumentError(absl::StrCat(where, "release_lease_ids: ", list.size(),
@@ -326,25 +328,21 @@ absl::Status KvTierService::CheckReleases(const std::string& tenant,
       }
     }
   }
-  return absl::OkStatus();
-}
-
-void KvTierService::EndReleases(const std::string& tenant,
-                                std::span<const v1::SelectRequest* const> requests) {
-  // Checked just before: one that ended meanwhile (it expired, or another call of this tenant
-  // released it) has ended as asked.
+  if (!any) return absl::OkStatus();
+  // Every one checked: each ends now. One that ended meanwhile (it expired, or another call of
+  // this tenant released it) has ended as asked.
   for (const v1::SelectRequest* req : requests) {
     for (const std::string& id : req->release_lease_ids()) {
       env_.leases->Release(tenant, id).IgnoreError();
     }
   }
+  return absl::OkStatus();
 }
 
 absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::SelectRequest& req,
                                      v1::SelectResponse* resp, uint64_t reply_limit) {
   const v1::SelectRequest* const one[] = {&req};
-  RETURN_IF_ERROR(CheckReleases(tenant, one));
-  EndReleases(tenant, one);
+  RETURN_IF_ERROR(EndNamedLeases(tenant, one));
   // Session::Select clears the response it fills (a retried run included).
   RETURN_IF_ERROR(env_.sessions->Run(tenant, req.session_id(), [&](const auto& session) {
     RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(req), reply_limit));
@@ -375,8 +373,7 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
   std::vector<const v1::SelectRequest*> all;
   all.reserve(req.requests_size());
   for (const v1::SelectRequest& r : req.requests()) all.push_back(&r);
-  RETURN_IF_ERROR(CheckReleases(tenant, all));
-  EndReleases(tenant, all);
+  RETURN_IF_ERROR(EndNamedLeases(tenant, all));
   for (int i = 0; i < req.requests_size(); ++i) {
     const v1::SelectRequest& r = req.requests(i);
     absl::Status s = [&]() -> absl::Status {

@@ -227,9 +227,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // (the first that is not fails the call naming it, nothing ended), then all ended, before
   // the Select is served (its slots free for it to reuse, as a Release before it would).
   static constexpr int kMaxReleasesPerSelect = 64;
-  absl::Status CheckReleases(const std::string& tenant,
-                             std::span<const v1::SelectRequest* const> requests);
-  void EndReleases(const std::string& tenant, std::span<const v1::SelectRequest* const> requests);
+  absl::Status EndNamedLeases(const std::string& tenant,
+                              std::span<const v1::SelectRequest* const> requests);
   // One Select of `session`, and, with a prefetcher, the promotion of its guess queued.
   absl::Status SelectAndGuess(const std::shared_ptr<Session>& session, const v1::SelectRequest& req,
                               v1::SelectResponse* resp);
