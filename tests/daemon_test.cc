@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -621,6 +622,67 @@ TEST(Daemon, AWorkersMappingsOfARestartedDaemonAreReplacedNotUsed) {
   ASSERT_TRUE(serving) << "the second kvtierd did not serve on " << listen;
   read_first_block(MakeData(300, 2), 300, &after);
   EXPECT_EQ(after, before) << "the scenario needs the id reused";
+  kill(second, SIGTERM);
+  int status = 0;
+  waitpid(second, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// The threads of this process whose name is `name` (/proc/self/task/*/comm).
+int ThreadsNamed(const std::string& name) {
+  int n = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string got;
+    std::getline(comm, got);
+    n += got == name;
+  }
+  return n;
+}
+
+// A worker's client keeps its Attach stream without a thread of gRPC's waiting on it (gRPC's
+// callback API would start its callback queue's two threads, "nexting_thread", which then take
+// the socket's events from the worker's calls), and still sees the stream end: after the
+// daemon is killed and another starts on its socket, the same client attaches anew and its
+// Selects name the new worker.
+TEST(Daemon, AWorkerWaitsOnItsAttachStreamInNoThreadAndReattachesAfterARestart) {
+  auto first = std::make_unique<DaemonProcess>();  // NOLINT: killed, and its directory kept
+  ASSERT_TRUE(first->started());
+  const std::string socket = first->socket(), instance = first->instance();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect("unix:" + socket));
+  auto select_once = [&](int seed) {
+    ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+    ASSERT_OK(c->AppendKV(AllLayers(created.session_id(), MakeData(300, seed), 0, 300)).status());
+    ASSERT_OK_AND_ASSIGN(auto sel, c->Select(Select(created.session_id(), 3, 256)));
+    ASSERT_OK(c->Release(sel.lease_id()));
+  };
+  select_once(1);
+  ASSERT_OK_AND_ASSIGN(const std::string before, c->WorkerId());
+  EXPECT_TRUE(absl::StartsWith(before, "w-")) << before;
+  ASSERT_OK(c->Health().status());
+  EXPECT_EQ(ThreadsNamed("nexting_thread"), 0) << "gRPC's callback threads run in the worker";
+
+  EXPECT_EQ(first->Kill(), 128 + SIGKILL);
+  const std::string kvtierd = BinaryPath("kvtierd");
+  const pid_t second = fork();
+  if (second == 0) {
+    execl(kvtierd.c_str(), kvtierd.c_str(), "--listen", ("unix:" + socket).c_str(), "--instance",
+          instance.c_str(), "--log_level", "warn", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  bool serving = false;
+  for (int i = 0; i < 500 && !serving; ++i) {
+    absl::StatusOr<bool> health = c->Health();
+    serving = health.ok() && *health;
+    if (!serving) usleep(20'000);
+  }
+  ASSERT_TRUE(serving) << "the second kvtierd did not serve on " << socket;
+  select_once(2);
+  ASSERT_OK_AND_ASSIGN(const std::string after, c->WorkerId());
+  EXPECT_TRUE(absl::StartsWith(after, "w-")) << after;
+  EXPECT_NE(after, before) << "the client kept the dead daemon's worker id";
+  EXPECT_EQ(ThreadsNamed("nexting_thread"), 0);
+  c.reset();
   kill(second, SIGTERM);
   int status = 0;
   waitpid(second, &status, 0);

@@ -7,14 +7,12 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <fstream>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "grpc/grpc.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -32,6 +30,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  // A daemon that restarts is tried again within a second, however long it was away (gRPC's
+  // own backoff grows to two minutes between tries).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!options.tls_ca_file.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -62,26 +64,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   return std::unique_ptr<Client>(new Client(address, std::move(channel), std::move(options)));
 }
 
-// gRPC (which Debian does not build with ThreadSanitizer) hands a reactor from the thread that
-// starts an operation to the callback thread that completes it; TSAN builds mark that hand-off.
-// (server/common/mutex.h does the same for the daemon; client/ builds without server/ headers.)
-#if defined(__SANITIZE_THREAD__)
-#define KVTIER_CLIENT_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVTIER_CLIENT_TSAN 1
-#endif
-#endif
-#ifdef KVTIER_CLIENT_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#define KVTIER_HANDOFF(p) __tsan_release(p)
-#define KVTIER_TAKEOVER(p) __tsan_acquire(p)
-#else
-#define KVTIER_HANDOFF(p) ((void)0)
-#define KVTIER_TAKEOVER(p) ((void)0)
-#endif
-
 namespace {
 
 // gRPC 1.51 shuts its library down when its last object goes, joining its executor threads; one
@@ -92,68 +74,112 @@ void KeepGrpcInitialized() { [[maybe_unused]] static const bool once = (grpc_ini
 
 }  // namespace
 
-// The Attach stream: one read for the worker id, a second that ends with the stream. The
-// destructor cancels the call and waits for OnDone, after which gRPC touches nothing here.
-class Client::Attachment final : public grpc::ClientReadReactor<v1::AttachResponse> {
+// The Attach stream on gRPC's async API, with a completion queue of its own that no thread
+// waits on: one read for the worker id, a second that completes when the stream ends, each
+// taken from the queue only by the calls below (under the client's attach_mu_). gRPC's
+// callback API would start two threads in the process (its callback queue's) that wait in
+// gRPC's poller for as long as the channel lives, and take the socket's events from a worker
+// blocked in a call, handing each of its answers over from one thread to another: some 60 us
+// of CPU a Select (docs/design.md).
+class Client::Attachment {
  public:
   Attachment(v1::KvTier::Stub& stub, const ClientOptions& options) {
     Client::AddCredentials(options, &ctx_);
-    stub.async()->Attach(&ctx_, &req_, this);
-    KVTIER_HANDOFF(this);
-    StartRead(&resp_);
-    StartCall();
+    reader_ = stub.PrepareAsyncAttach(&ctx_, req_, &cq_);
+    reader_->StartCall(Tag(kStarted));
+    reader_->Read(&resp_, Tag(kRead));
+    pending_ = 2;
   }
-  ~Attachment() override {
+  ~Attachment() {
     ctx_.TryCancel();
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [this] { return done_; });
+    while (pending_ > 0 || !done_) {
+      if (pending_ == 0) Finish();  // the read and the start are back: the status next
+      void* tag = nullptr;
+      bool ok = false;
+      if (!cq_.Next(&tag, &ok)) break;
+      Take(tag, ok);
+    }
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
   }
 
   // The worker id once the daemon sent it; the stream's status if it ended first; DEADLINE_
   // EXCEEDED after `timeout`.
   absl::StatusOr<std::string> Wait(absl::Duration timeout) {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout),
-                 [this] { return !worker_.empty() || done_; });
-    if (!worker_.empty() && !done_) return worker_;
+    const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
+    while (!done_ && (worker_.empty() || ended_)) {
+      if (ended_ && pending_ == 0) Finish();
+      void* tag = nullptr;
+      bool ok = false;
+      const auto got = cq_.AsyncNext(&tag, &ok, deadline);
+      if (got != grpc::CompletionQueue::GOT_EVENT) break;
+      Take(tag, ok);
+    }
+    if (!worker_.empty() && !ended_) return worker_;
     if (done_) return status_.ok() ? absl::UnavailableError("Attach: the stream ended") : status_;
+    if (ended_) return absl::UnavailableError("Attach: the stream ended");
     return absl::DeadlineExceededError("Attach: no worker id from the daemon in time");
   }
+  // Whether the stream has ended, from what its queue holds now (it does not wait).
   bool ended() {
-    std::lock_guard lock(mu_);
-    return done_;
-  }
-
-  void OnReadDone(bool ok) override {
-    KVTIER_TAKEOVER(this);
-    if (!ok) return;  // the stream ended: OnDone follows
-    {
-      std::lock_guard lock(mu_);
-      if (worker_.empty()) worker_ = resp_.worker_id();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.AsyncNext(&tag, &ok, std::chrono::system_clock::time_point()) ==
+           grpc::CompletionQueue::GOT_EVENT) {
+      Take(tag, ok);
     }
-    cv_.notify_all();
-    KVTIER_HANDOFF(this);
-    StartRead(&resp_);  // completes only when the stream ends
-  }
-  void OnDone(const grpc::Status& s) override {
-    KVTIER_TAKEOVER(this);
-    {
-      std::lock_guard lock(mu_);
-      done_ = true;
-      status_ = FromGrpcStatus(s);
-    }
-    cv_.notify_all();
+    return ended_;
   }
 
  private:
+  enum Op : intptr_t { kStarted = 1, kRead, kFinished };
+  static void* Tag(Op op) { return reinterpret_cast<void*>(op); }
+
+  // One operation back from the queue.
+  void Take(void* tag, bool ok) {
+    --pending_;
+    switch (static_cast<Op>(reinterpret_cast<intptr_t>(tag))) {
+      case kStarted:
+        if (!ok) ended_ = true;  // no stream: its read fails too
+        break;
+      case kRead:
+        if (!ok) {
+          ended_ = true;
+          break;
+        }
+        if (worker_.empty()) worker_ = resp_.worker_id();
+        reader_->Read(&resp_, Tag(kRead));  // back only when the stream ends
+        ++pending_;
+        break;
+      case kFinished:
+        done_ = true;
+        status_ = FromGrpcStatus(status_wire_);
+        break;
+    }
+  }
+  // Asks for the stream's status, once nothing else is outstanding.
+  void Finish() {
+    if (finishing_) return;
+    finishing_ = true;
+    reader_->Finish(&status_wire_, Tag(kFinished));
+    ++pending_;
+  }
+
+  grpc::CompletionQueue cq_;
   grpc::ClientContext ctx_;
   v1::AttachRequest req_;
   v1::AttachResponse resp_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::string worker_;   // guarded by mu_
-  bool done_ = false;    // guarded by mu_
-  absl::Status status_;  // guarded by mu_
+  std::unique_ptr<grpc::ClientAsyncReader<v1::AttachResponse>> reader_;
+  int pending_ = 0;     // operations asked for and not yet back from cq_
+  bool ended_ = false;  // the start or a read failed: the stream is over
+  bool finishing_ = false;
+  bool done_ = false;  // the status is in
+  grpc::Status status_wire_;
+  absl::Status status_;
+  std::string worker_;
 };
 
 Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options)
@@ -237,32 +263,44 @@ void Client::AddCredentials(const ClientOptions& options, grpc::ClientContext* c
 
 namespace {
 
+// After a call that found the daemon unreachable. gRPC's channel only reconnects (to a daemon
+// that restarted) while some thread of the process waits inside gRPC, and between calls none of
+// this client's does (Attachment): a moment's wait here lets the next call find it connected,
+// rather than failing again until gRPC's own timers come round (about 5 s seen).
+void AwaitReconnect(grpc::Channel& channel) {
+  if (channel.GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return;
+  channel.WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+}
+
 // Calls a unary method of the stub into `resp` (cleared on an error: nothing of an earlier
 // answer is taken for this one's) and returns its status.
 template <typename Resp, typename Req, typename Method>
-absl::Status CallInto(v1::KvTier::Stub& stub, Method method, const Req& req, Resp* resp,
-                      const std::function<void(grpc::ClientContext*)>& prepare) {
+absl::Status CallInto(v1::KvTier::Stub& stub, grpc::Channel& channel, Method method, const Req& req,
+                      Resp* resp, const std::function<void(grpc::ClientContext*)>& prepare) {
   grpc::ClientContext ctx;
   prepare(&ctx);
   const grpc::Status s = (stub.*method)(&ctx, req, resp);
   if (s.ok()) return absl::OkStatus();
   resp->Clear();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) AwaitReconnect(channel);
   return FromGrpcStatus(s);
 }
 
 // Calls a unary method of the stub and returns its response or status.
 template <typename Resp, typename Req, typename Method>
-absl::StatusOr<Resp> Call(v1::KvTier::Stub& stub, Method method, const Req& req,
+absl::StatusOr<Resp> Call(v1::KvTier::Stub& stub, grpc::Channel& channel, Method method,
+                          const Req& req,
                           const std::function<void(grpc::ClientContext*)>& prepare) {
   Resp resp;
-  if (absl::Status s = CallInto(stub, method, req, &resp, prepare); !s.ok()) return s;
+  if (absl::Status s = CallInto(stub, channel, method, req, &resp, prepare); !s.ok()) return s;
   return resp;
 }
 
 }  // namespace
 
-#define KVTIER_CALL(Resp, Method, req) \
-  Call<Resp>(*stub_, &v1::KvTier::Stub::Method, req, [this](grpc::ClientContext* c) { Prepare(c); })
+#define KVTIER_CALL(Resp, Method, req)                          \
+  Call<Resp>(*stub_, *channel_, &v1::KvTier::Stub::Method, req, \
+             [this](grpc::ClientContext* c) { Prepare(c); })
 
 absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
     const v1::CreateSessionRequest& req) {
@@ -312,7 +350,7 @@ absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) 
 
 absl::Status Client::Select(const v1::SelectRequest& req, v1::SelectResponse* out) {
   return WithWorker(req, [this, out](const v1::SelectRequest& r) {
-    return CallInto(*stub_, &v1::KvTier::Stub::Select, r, out,
+    return CallInto(*stub_, *channel_, &v1::KvTier::Stub::Select, r, out,
                     [this](grpc::ClientContext* c) { Prepare(c); });
   });
 }
@@ -619,14 +657,20 @@ absl::StatusOr<bool> Client::Health() {
   grpc::ByteBuffer request, response;
   grpc::Slice empty;
   request = grpc::ByteBuffer(&empty, 1);
-  absl::Notification done;
+  // On a queue of its own that this thread waits on (not gRPC's callback API: see Attachment).
+  grpc::CompletionQueue cq;
   grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                    [&](grpc::Status s) {
-                      status = std::move(s);
-                      done.Notify();
-                    });
-  done.WaitForNotification();
+  auto call = generic.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  call->Finish(&response, &status, &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  const bool got = cq.Next(&tag, &ok);  // the one operation: its finish
+  cq.Shutdown();
+  for (void* t = nullptr; cq.Next(&t, &ok);) {
+  }
+  if (!got) return absl::InternalError("health: no answer from gRPC's queue");
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) AwaitReconnect(*channel_);
   if (!status.ok()) return FromGrpcStatus(status);
   std::vector<grpc::Slice> slices;
   if (!response.Dump(&slices).ok()) return absl::InternalError("health: unreadable response");
