@@ -581,6 +581,38 @@ TEST(Daemon, SigtermRemovesSocketAndSegmentsAndExitsZero) {
   EXPECT_TRUE(ShmEntries(d.instance()).empty()) << "segments left behind";
 }
 
+// Starts kvtierd on the Unix socket `socket` as instance `instance` (after another daemon of
+// them was killed): its pid.
+pid_t StartDaemonOn(const std::string& socket, const std::string& instance) {
+  const std::string kvtierd = BinaryPath("kvtierd");
+  const std::string listen = "unix:" + socket;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl(kvtierd.c_str(), kvtierd.c_str(), "--listen", listen.c_str(), "--instance",
+          instance.c_str(), "--log_level", "warn", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// Whether `c`'s daemon answers Health as serving within 10 s.
+bool Serving(Client& c) {
+  for (int i = 0; i < 500; ++i) {
+    absl::StatusOr<bool> health = c.Health();
+    if (health.ok() && *health) return true;
+    usleep(20'000);
+  }
+  return false;
+}
+
+// SIGTERM to the daemon `pid`, which must exit 0.
+void ExpectStopsCleanly(pid_t pid) {
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 // A worker keeps its segment mappings across a daemon's restart on the same socket; the new
 // daemon's segments reuse the ids. A handle of the new daemon is never read through the old
 // mapping: its generation is not there, so the segment is mapped anew and the bytes read are
@@ -604,28 +636,12 @@ TEST(Daemon, AWorkersMappingsOfARestartedDaemonAreReplacedNotUsed) {
   uint64_t before = 0, after = 0;
   read_first_block(MakeData(300, 1), 300, &before);
   EXPECT_EQ(first->Kill(), 128 + SIGKILL);  // (its directory, with the socket, stays)
-  const std::string kvtierd = BinaryPath("kvtierd");
-  const std::string listen = "unix:" + socket;
-  const pid_t second = fork();
-  if (second == 0) {
-    execl(kvtierd.c_str(), kvtierd.c_str(), "--listen", listen.c_str(), "--instance",
-          instance.c_str(), "--log_level", "warn", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  ASSERT_OK_AND_ASSIGN(c, Client::Connect(listen));
-  bool serving = false;
-  for (int i = 0; i < 500 && !serving; ++i) {
-    absl::StatusOr<bool> health = c->Health();
-    serving = health.ok() && *health;
-    if (!serving) usleep(20'000);
-  }
-  ASSERT_TRUE(serving) << "the second kvtierd did not serve on " << listen;
+  const pid_t second = StartDaemonOn(socket, instance);
+  ASSERT_OK_AND_ASSIGN(c, Client::Connect("unix:" + socket));
+  ASSERT_TRUE(Serving(*c)) << "the second kvtierd did not serve on " << socket;
   read_first_block(MakeData(300, 2), 300, &after);
   EXPECT_EQ(after, before) << "the scenario needs the id reused";
-  kill(second, SIGTERM);
-  int status = 0;
-  waitpid(second, &status, 0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ExpectStopsCleanly(second);
 }
 
 // The threads of this process whose name is `name` (/proc/self/task/*/comm).
@@ -663,30 +679,15 @@ TEST(Daemon, AWorkerWaitsOnItsAttachStreamInNoThreadAndReattachesAfterARestart) 
   EXPECT_EQ(ThreadsNamed("nexting_thread"), 0) << "gRPC's callback threads run in the worker";
 
   EXPECT_EQ(first->Kill(), 128 + SIGKILL);
-  const std::string kvtierd = BinaryPath("kvtierd");
-  const pid_t second = fork();
-  if (second == 0) {
-    execl(kvtierd.c_str(), kvtierd.c_str(), "--listen", ("unix:" + socket).c_str(), "--instance",
-          instance.c_str(), "--log_level", "warn", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  bool serving = false;
-  for (int i = 0; i < 500 && !serving; ++i) {
-    absl::StatusOr<bool> health = c->Health();
-    serving = health.ok() && *health;
-    if (!serving) usleep(20'000);
-  }
-  ASSERT_TRUE(serving) << "the second kvtierd did not serve on " << socket;
+  const pid_t second = StartDaemonOn(socket, instance);
+  ASSERT_TRUE(Serving(*c)) << "the second kvtierd did not serve on " << socket;
   select_once(2);
   ASSERT_OK_AND_ASSIGN(const std::string after, c->WorkerId());
   EXPECT_TRUE(absl::StartsWith(after, "w-")) << after;
   EXPECT_NE(after, before) << "the client kept the dead daemon's worker id";
   EXPECT_EQ(ThreadsNamed("nexting_thread"), 0);
   c.reset();
-  kill(second, SIGTERM);
-  int status = 0;
-  waitpid(second, &status, 0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ExpectStopsCleanly(second);
 }
 
 // A daemon killed with SIGKILL leaves its segments in /dev/shm; the next kvtierd to start, of
