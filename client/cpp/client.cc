@@ -193,10 +193,12 @@ Client::~Client() {
   attachment_.reset();
 }
 
-absl::StatusOr<std::string> Client::WorkerId() {
+absl::StatusOr<std::string> Client::WorkerId() { return AttachedWorker(/*recheck=*/true); }
+
+absl::StatusOr<std::string> Client::AttachedWorker(bool recheck) {
   std::lock_guard lock(attach_mu_);
   if (!options_.attach || attach_unsupported_) return std::string();
-  if (attachment_ != nullptr && attachment_->ended()) attachment_.reset();
+  if (attachment_ != nullptr && recheck && attachment_->ended()) attachment_.reset();
   if (attachment_ == nullptr) attachment_ = std::make_unique<Attachment>(*stub_, options_);
   absl::StatusOr<std::string> id = attachment_->Wait(options_.timeout);
   if (id.ok()) return id;
@@ -239,7 +241,10 @@ template <typename Req, typename Call>
 auto Client::WithWorker(const Req& req, Call&& call) -> decltype(call(req)) {
   if (!options_.attach) return call(req);
   for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<std::string> worker = WorkerId();
+    // The stream is looked at again only after a call the daemon refused for naming a worker it
+    // no longer has (it restarted, or the stream ended): a stream that ends detaches its worker
+    // at once, so each call need not look first.
+    absl::StatusOr<std::string> worker = AttachedWorker(/*recheck=*/attempt > 0);
     if (!worker.ok()) return worker.status();
     Req named = req;
     const bool set = NameWorker(*worker, &named);

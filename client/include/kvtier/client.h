@@ -145,6 +145,8 @@ class Client {
   // after attaching anew when the daemon no longer knows the worker (it restarted).
   template <typename Req, typename Call>
   auto WithWorker(const Req& req, Call&& call) -> decltype(call(req));
+  // WorkerId, which looks whether the Attach stream has ended first only with `recheck`.
+  absl::StatusOr<std::string> AttachedWorker(bool recheck);
   class Attachment;
   // The `want` descriptors of an OpenSegments or OpenStaging ticket, from this client's
   // socket path + ".fds"; none kept on an error.
