@@ -299,6 +299,46 @@ TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
   EXPECT_EQ(record.detached, record.attached);
 }
 
+// A worker whose next call is always there when an answer goes leaves its channel's thread no
+// pause in which to sleep on the doorbells (and see the stop there): Stop ends the channel all
+// the same, and returns. Here the serve hook itself makes the next call (it moves the
+// header's seq on) while `feed` holds, so that the calls never pause, whatever the machine.
+TEST(SelectChannel, StopEndsAChannelWhoseCallsNeverPause) {
+  Record record;
+  std::atomic<channel::Header*> header{nullptr};
+  std::atomic<bool> feed{true};
+  ChannelHub::Hooks hooks = EchoHooks(&record);
+  hooks.serve = [&record, &header, &feed](const ChannelHub::Call&, std::string* out) {
+    record.calls.fetch_add(1);
+    channel::Header* h = header.load();
+    if (h != nullptr && feed.load()) __atomic_fetch_add(&h->seq, 1, __ATOMIC_RELEASE);
+    *out = "a";
+    return absl::OkStatus();
+  };
+  auto hub = std::make_unique<ChannelHub>("kvtier-test", hooks, false);
+  auto o = hub->Open("t", 128 << 10, 64 << 20);
+  ASSERT_TRUE(o.ok());
+  Worker w;
+  ASSERT_TRUE(w.Open(*hub, o->id, "t"));
+  header.store(w.header());
+  std::thread first([&] { (void)w.Call(channel::kSelect, "q"); });  // then the hook calls on
+  while (record.calls.load() < 1000) absl::SleepFor(absl::Milliseconds(1));
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    hub->Stop();
+    stopped.store(true);
+  });
+  for (int i = 0; i < 1000 && !stopped.load(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(stopped.load()) << "Stop still waits for a channel whose calls never pause";
+  feed.store(false);  // (a channel that missed the stop sleeps now, and sees it)
+  stopper.join();
+  first.join();
+  hub.reset();
+  w.Close();
+  std::lock_guard lock(record.mu);
+  EXPECT_EQ(record.detached, record.attached);
+}
+
 // The CPUs of this process's threads that are held on exactly one CPU (their
 // Cpus_allowed_list in /proc is a single number).
 std::vector<int> ThreadsHeldOnOneCpu() {

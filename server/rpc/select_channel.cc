@@ -195,6 +195,7 @@ void ChannelHub::Stop() {
   std::map<uint64_t, std::unique_ptr<Channel>> all;
   {
     MutexLock lock(&mu_);
+    stop_requested_.store(true, std::memory_order_release);
     if (!stopping_ && stop_fd_ >= 0) eventfd_write(stop_fd_, 1);
     stopping_ = true;
     all.swap(channels_);
@@ -231,6 +232,9 @@ void ChannelHub::Serve(Channel* c) {
   int held = -1;     // the CPU this thread is held on, -1: none
   int refused = -1;  // the last CPU the kernel refused, not asked for again
   for (;;) {
+    // A worker whose next call is always there would keep this thread off the poll below,
+    // where the stop rings.
+    if (stop_requested_.load(std::memory_order_acquire)) break;
     // Where the worker last called from (a hint, checked like every field it writes).
     const uint32_t said = __atomic_load_n(&shared->worker_cpu, __ATOMIC_ACQUIRE);
     const int want = colocate && said > 0 && said <= CPU_SETSIZE ? static_cast<int>(said) - 1 : -1;

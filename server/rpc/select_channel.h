@@ -110,7 +110,10 @@ class ChannelHub {
   const Hooks hooks_;
   const bool colocate_;
   std::atomic<uint64_t> beside_worker_{0}, elsewhere_{0};
-  int stop_fd_ = -1;        // an eventfd every channel's thread polls; written once by Stop
+  int stop_fd_ = -1;  // an eventfd every channel's thread polls; written once by Stop
+  // Set by Stop before it writes stop_fd_: a thread that answers call after call, and so never
+  // polls, looks at it before each.
+  std::atomic<bool> stop_requested_{false};
   mutable absl::Mutex mu_;  // lock order 19 (server/common/lock_order.h)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
