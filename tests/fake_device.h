@@ -77,6 +77,7 @@ struct FakeWorkerDevice {
    public:
     Source(FakeWorkerDevice* dev, const std::vector<uint8_t>* bytes) : dev_(dev), bytes_(bytes) {}
     ~Source() override { ++dev_->closes; }
+    uint64_t size() const override { return bytes_->size(); }
     absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override {
       if (dev_->fail_reads) return absl::InternalError("cudaMemcpyAsync: injected failure");
       if (offset > bytes_->size() || n > bytes_->size() - offset) {

@@ -171,6 +171,16 @@ TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
   r.mutable_device()->set_values_offset(buffer.size());
   EXPECT_THAT(g.session->Undevice(&r, &stream),
               StatusIs(Code::kInvalidArgument, "device.values_offset"));
+  // A range past the allocation is refused before anything is allocated or read for it: the
+  // daemon once made host strings of what num_tokens asked (here 128 GB each) first.
+  r = device_req(0, 16, 0);
+  r.set_num_tokens(1u << 31);
+  EXPECT_THAT(g.session->Undevice(&r, &stream),
+              StatusIs(Code::kInvalidArgument, "device.keys_offset: 137438953472 bytes at 0"));
+  r = device_req(0, 16, 0);
+  r.mutable_device()->set_keys_offset(~uint64_t{0});
+  EXPECT_THAT(g.session->Undevice(&r, &stream),
+              StatusIs(Code::kInvalidArgument, "device.keys_offset"));
   worker.fail_reads = true;
   r = device_req(0, 16, 0);
   EXPECT_THAT(g.session->Undevice(&r, &stream), StatusIs(Code::kInternal, "device.keys_offset"));

@@ -326,7 +326,19 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
   absl::StatusOr<const DeviceSource*> source =
       sources->Get(device.cuda_ipc_handle(), env_.open_device_source);
   if (!source.ok()) return naming(source.status(), "device.cuda_ipc_handle");
+  // Both ranges within the allocation before anything is allocated for them: num_tokens is
+  // checked later (CheckAppend), and only the allocation's size bounds what it may ask for.
   const uint64_t want = KvBytes(shape_, req->num_tokens());
+  const uint64_t size = (*source)->size();
+  for (const auto& [field, offset] : {std::pair{"device.keys_offset", device.keys_offset()},
+                                      {"device.values_offset", device.values_offset()}}) {
+    if (offset > size || want > size - offset) {
+      return InvalidField(field,
+                          absl::StrFormat("%d bytes at %d pass the allocation's %d (%d "
+                                          "tokens of [num_kv_heads][head_dim] 2-byte values)",
+                                          want, offset, size, req->num_tokens()));
+    }
+  }
   std::string keys(want, '\0'), values(want, '\0');
   if (absl::Status s = (*source)->Read(device.keys_offset(), keys.data(), want); !s.ok()) {
     return naming(s, "device.keys_offset");

@@ -63,10 +63,13 @@ class DeviceMemory {
 absl::StatusOr<std::unique_ptr<DeviceMemory>> AllocateGpuMemory(int device, uint64_t bytes);
 
 // Another process's device memory, as this one reads it: `n` bytes at `offset` copied to the
-// host, done when Read returns.
+// host, done when Read returns (INVALID_ARGUMENT for a range past size()).
 class DeviceSource {
  public:
   virtual ~DeviceSource() = default;
+  // The bytes the allocation holds from where it is mapped: what a range is checked against
+  // before anything is read or allocated for it.
+  virtual uint64_t size() const = 0;
   virtual absl::Status Read(uint64_t offset, void* dst, uint64_t n) const = 0;
 };
 
@@ -75,8 +78,9 @@ using DeviceSourceOpener =
     std::function<absl::StatusOr<std::unique_ptr<DeviceSource>>(absl::string_view handle)>;
 
 // The other side of an IPC handle: another process's memory mapped on `device` of this one
-// (cudaIpcOpenMemHandle), unmapped when destroyed. Read copies on a stream of the mapping's own
-// and waits for that copy's event.
+// (cudaIpcOpenMemHandle), unmapped when destroyed; its size is the allocation's from the mapped
+// address (cuMemGetAddressRange, through the runtime's driver entry points). Read copies on a
+// stream of the mapping's own and waits for that copy's event.
 class GpuMapping final : public DeviceSource {
  public:
   static absl::StatusOr<std::unique_ptr<GpuMapping>> Open(int device, absl::string_view handle);
@@ -85,12 +89,14 @@ class GpuMapping final : public DeviceSource {
   GpuMapping& operator=(const GpuMapping&) = delete;
   uint8_t* data() const { return data_; }
   int device() const { return device_; }
+  uint64_t size() const override { return size_; }
   absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override;
 
  private:
   GpuMapping(uint8_t* data, int device) : data_(data), device_(device) {}
   uint8_t* data_;
   int device_;
+  uint64_t size_ = 0;
   [[maybe_unused]] void* stream_ = nullptr;  // cudaStream_t (none in a build without CUDA)
   [[maybe_unused]] void* done_ = nullptr;    // cudaEvent_t
 };

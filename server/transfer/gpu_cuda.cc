@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/gather_chunks.h"
 #include "kernels/quant.h"
+#include "server/common/status_macros.h"
 #include "server/transfer/cuda_status.h"
 #include "server/transfer/device_fill.h"
 #include "server/transfer/gpu.h"
@@ -20,6 +21,36 @@ namespace kvtier {
 namespace {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes);
+
+// The bytes of the allocation holding device address `p` from `p` to its end: the driver's
+// cuMemGetAddressRange, found through the runtime (which loads libcuda itself), so that nothing
+// links the driver library.
+absl::StatusOr<uint64_t> AllocationBytesFrom(const void* p) {
+  using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+  static const GetAddressRange get = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(fn);
+  }();
+  if (get == nullptr) {
+    return absl::InternalError("cuMemGetAddressRange: not found through the CUDA runtime");
+  }
+  unsigned long long base = 0;
+  size_t size = 0;
+  const auto at = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p));
+  if (const int r = get(&base, &size, at); r != 0) {
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange: CUresult ", r));
+  }
+  if (at < base || at - base > size) {
+    return absl::InternalError("cuMemGetAddressRange: the mapping lies outside its allocation");
+  }
+  return size - (at - base);
+}
 
 absl::Status CheckRange(uint64_t offset, uint64_t n, uint64_t size) {
   if (offset > size || n > size - offset) {
@@ -253,6 +284,9 @@ absl::StatusOr<std::unique_ptr<GpuMapping>> GpuMapping::Open(int device, absl::s
   void* p = nullptr;
   KVTIER_CUDA_RETURN(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
   auto m = std::unique_ptr<GpuMapping>(new GpuMapping(static_cast<uint8_t*>(p), device));
+  // How far the allocation reaches: a range the worker names past it is refused before any copy
+  // (the driver would read whatever lies there, another allocation of this process included).
+  ASSIGN_OR_RETURN(m->size_, AllocationBytesFrom(p));
   cudaStream_t stream;
   KVTIER_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   m->stream_ = stream;
@@ -270,6 +304,7 @@ GpuMapping::~GpuMapping() {
 }
 
 absl::Status GpuMapping::Read(uint64_t offset, void* dst, uint64_t n) const {
+  RETURN_IF_ERROR(CheckRange(offset, n, size_));
   auto stream = static_cast<cudaStream_t>(stream_);
   auto done = static_cast<cudaEvent_t>(done_);
   KVTIER_CUDA_RETURN(cudaSetDevice(device_));
