@@ -245,9 +245,11 @@ void Stream::Take(const AppendPlan& plan, LandedRows&& rows, const ChunkFormat& 
       c.host = std::move(copy);
       Count(c);
     } else {
-      // Nobody else can see this slot: move V down to make room for the new key rows.
-      std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
+      // No lease holds this slot: move V down to make room for the new key rows. A worker may
+      // still read it through a handle of an ended lease, so the slot takes its new generation
+      // first: a copy that overlaps the move fails its Recheck.
       c.host->Renew();
+      std::memmove(c.host->data() + grown * rb, c.host->data() + m * rb, m * rb);
     }
     std::memcpy(c.host->data() + m * rb, keys, k * rb);
     std::memcpy(c.host->data() + (grown + m) * rb, values, k * rb);

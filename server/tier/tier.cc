@@ -93,6 +93,9 @@ void Slot::Renew() {
   const uint64_t g = tier_->next_generation_.fetch_add(1, std::memory_order_relaxed);
   generation_.store(g, std::memory_order_release);
   Publish(g);
+  // The rewrite that follows stores after the new generation, never before it (a release
+  // store alone lets later stores move above it).
+  std::atomic_thread_fence(std::memory_order_release);
 }
 
 void Slot::Pin() {

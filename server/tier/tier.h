@@ -136,7 +136,9 @@ class Slot {
   v1::Tier tier() const;
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
-  // The memory is about to be rewritten in place: takes a new generation.
+  // The memory is about to be rewritten in place: takes a new generation, published before
+  // any store the caller makes after it (so call it before the rewrite, not after: a reader's
+  // Recheck then fails for a copy that overlapped it).
   void Renew();
 
   // Leases pin slots; a pinned slot's bytes count as the tier's pinned bytes.
