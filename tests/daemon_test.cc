@@ -1307,6 +1307,28 @@ uint32_t LeasesBecome(Client& c, const std::string& sid, uint32_t want) {
   return n;
 }
 
+// A channel call waits as long as the client's timeout says, however long that is: past
+// poll's 24.8 days it sleeps in parts (a timeout of 2^32 ms and 200 ms once wrapped to a 200 ms
+// wait, and a call to a daemon busy for longer failed DEADLINE_EXCEEDED at once).
+TEST(Daemon, AChannelCallWaitsOutATimeoutLongerThanPollTakes) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  ClientOptions o;
+  o.tenant = "alice";
+  o.timeout = absl::Milliseconds((int64_t{1} << 32) + 200);
+  ASSERT_OK_AND_ASSIGN(auto alice, Client::Connect(d.address(), o));
+  const std::string sid = SessionWithTokens(*alice, 300);
+  ASSERT_OK_AND_ASSIGN(auto ch, alice->OpenChannel());
+  ASSERT_OK(ch->Select(Select(sid, 0, 64)).status());
+  ASSERT_EQ(kill(d.pid(), SIGSTOP), 0);  // busy, as far as the worker can tell, for a second
+  absl::StatusOr<v1::SelectResponse> got;
+  std::thread call([&] { got = ch->Select(Select(sid, 1, 64)); });
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_EQ(kill(d.pid(), SIGCONT), 0);
+  call.join();
+  EXPECT_OK(got.status());
+}
+
 // The shared-memory Select channel answers as the RPCs do (the same handles, the same errors,
 // its tenant's sessions only); its Selects' leases end when its worker closes it, even in the
 // middle of a call, and a drain hangs it up.

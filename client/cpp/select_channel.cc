@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -173,9 +174,13 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
   }
   while (!answered()) {
     pollfd p[2] = {{fds_[2], POLLIN, 0}, {fds_[3], POLLIN, 0}};
-    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
-    const int n = poll(p, 2, static_cast<int>(std::max<int64_t>(left, 0)));
+    // In whole milliseconds rounded up, and at most what poll takes (a longer timeout, up to
+    // an infinite one, is slept in parts, never cut short).
+    const int64_t left_us = absl::ToInt64Microseconds(deadline - absl::Now());
+    const int64_t left_ms = left_us <= 0 ? 0 : left_us / 1000 + (left_us % 1000 != 0);
+    const int n = poll(p, 2, static_cast<int>(std::min<int64_t>(left_ms, INT_MAX)));
     if (n < 0 && errno == EINTR) continue;
+    if (n == 0 && absl::Now() < deadline) continue;
     if (n <= 0) {
       broken_ = true;  // the answer may still come: the memory is no longer this call's
       return absl::DeadlineExceededError(
