@@ -268,6 +268,40 @@ TEST(SelectChannel, EachChannelAnswersItsOwnCallsAsItsTenantsWorker) {
   EXPECT_EQ(record.attached.size(), static_cast<size_t>(kChannels));
 }
 
+// What of this process refers to memory labelled `label`: its mappings (/proc/self/maps) and
+// its descriptors (/proc/self/fd links, "/memfd:<label>...").
+int ReferencesTo(const std::string& label) {
+  int n = 0;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) n += line.find(label) != std::string::npos;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    n += !ec && target.find(label) != std::string::npos;
+  }
+  return n;
+}
+
+// A channel whose worker went gives its memory and descriptors back when it ends, not when the
+// next channel is opened (which may be never).
+TEST(SelectChannel, AnEndedChannelGivesItsMemoryBackAtOnce) {
+  Record record;
+  ChannelHub hub("kvtier-test-gone", EchoHooks(&record), false);
+  auto o = hub.Open("t", 0, 64 << 20);
+  ASSERT_TRUE(o.ok());
+  EXPECT_GT(ReferencesTo("kvtier-test-gone-channel-"), 0);
+  Worker w;
+  ASSERT_TRUE(w.Open(hub, o->id, "t"));
+  EXPECT_EQ(w.Call(channel::kSelect, "q").first, 0);
+  w.Close();  // the worker goes: its channel ends
+  for (int i = 0; i < 200 && hub.open_channels() > 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(hub.open_channels(), 0);
+  EXPECT_EQ(ReferencesTo("kvtier-test-gone-channel-"), 0)
+      << "the ended channel still holds its memory or a descriptor";
+  std::lock_guard lock(record.mu);
+  EXPECT_EQ(record.detached, record.attached);
+}
+
 TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
   Record record;
   auto hub = std::make_unique<ChannelHub>("kvtier-test", EchoHooks(&record), false);

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -73,7 +74,8 @@ struct ChannelHub::Channel {
   const uint64_t id;
   const std::string tenant;
   std::string worker;  // set before the thread starts
-  ShmSegment shm;
+  // The memory, until the channel ends (its thread lets it go then, under the hub's lock).
+  std::optional<ShmSegment> shm;
   uint64_t request_capacity = 0, response_capacity = 0;
   int request_fd = -1, response_fd = -1;  // eventfds
   int sock = -1;                          // the daemon's end
@@ -148,7 +150,7 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
   h.request_capacity = c->request_capacity;
   h.response_offset = channel::kHeaderBytes + c->request_capacity;
   h.response_capacity = c->response_capacity;
-  std::memcpy(c->shm.data(), &h, sizeof h);
+  std::memcpy(c->shm->data(), &h, sizeof h);
   c->collect_by = absl::Now() + kCollectWithin;
   c->worker = hooks_.attach(tenant);  // before mu_: the lease table's lock comes first
   const Opened opened{id, size, c->worker};
@@ -174,7 +176,7 @@ absl::StatusOr<int> ChannelHub::OpenFd(uint64_t id, const std::string& tenant, s
   Channel& c = *it->second;
   switch (index) {
     case 0:
-      return c.shm.OpenWritableFd();
+      return c.shm->OpenWritableFd();
     case 1:
     case 2: {
       const int fd = fcntl(index == 1 ? c.request_fd : c.response_fd, F_DUPFD_CLOEXEC, 0);
@@ -225,7 +227,7 @@ void ChannelHub::ReapLocked() {
 
 void ChannelHub::Serve(Channel* c) {
   pthread_setname_np(pthread_self(), "kvtier-channel");  // else the opening gRPC thread's name
-  auto* shared = reinterpret_cast<channel::Header*>(c->shm.data());
+  auto* shared = reinterpret_cast<channel::Header*>(c->shm->data());
   uint64_t answered = 0;  // the last seq answered
   cpu_set_t all;          // the CPUs this thread may run on when not held on its worker's
   const bool colocate = colocate_ && sched_getaffinity(0, sizeof all, &all) == 0;
@@ -293,12 +295,20 @@ void ChannelHub::Serve(Channel* c) {
   }
   hooks_.detach(c->worker);      // its Selects' leases end now
   shutdown(c->sock, SHUT_RDWR);  // the worker sees the hang-up
-  c->ended.store(true);
+  {
+    // The memory and the descriptors go now, not when the next Open reaps the channel (which
+    // may be long after): OpenFd looks at `ended` under the same lock before it uses them.
+    MutexLock lock(&mu_);
+    c->ended.store(true);
+    c->shm.reset();
+    for (int* fd : {&c->request_fd, &c->response_fd, &c->sock}) CloseFd(std::exchange(*fd, -1));
+    CloseFd(c->worker_sock.exchange(-1));
+  }
   KVLOG(debug, "channel.end", "channel={} tenant={}", c->id, LogValue(c->tenant));
 }
 
 uint64_t ChannelHub::Answer(Channel* c) {
-  uint8_t* base = c->shm.data();
+  uint8_t* base = c->shm->data();
   channel::Header h;
   std::memcpy(&h, base, sizeof h);  // a snapshot: the worker may write meanwhile
   absl::Status s;
