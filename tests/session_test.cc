@@ -193,6 +193,45 @@ TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
   EXPECT_EQ(h.session->Info().num_tokens(), 0u);
 }
 
+// The bound a Select's reply is checked against before any work (ReplyBytesBound, against the
+// daemon's message size) holds for every reply the Select then makes: whole chunks, refined
+// rows gathered into blocks or named in their chunks (row_handles: each chunk with a chosen row
+// goes whole, so up to refine_factor times the budget's rows), with and without the bytes and
+// the summaries, on a dense layer and on the others.
+TEST(Session, AReplyNeverPassesTheBoundItWasCheckedAgainst) {
+  for (const auto [refine, mass] : {std::pair{1u, 0.f}, {4u, 0.f}, {16u, 0.f}, {1u, 0.9f}}) {
+    Env e;
+    v1::SessionPolicy policy = Lossless();
+    policy.set_refine_factor(refine);
+    policy.set_mass_target(mass);
+    policy.set_dense_layers(1);
+    const int tokens = 1200;
+    Fixture f = Make(e, 3, 6, 2, 64, tokens, policy, 7);
+    ASSERT_OK(AppendAll(f, tokens, 300));
+    for (const int layer : {0, 2}) {
+      for (const uint32_t budget : {96u, 160u, 512u}) {
+        for (const bool row_handles : {false, true}) {
+          for (const bool data : {false, true}) {
+            for (const bool summaries : {false, true}) {
+              v1::SelectRequest req = SelectReq(f, layer, budget, 3 + budget);
+              req.set_row_handles(row_handles);
+              req.set_include_data(data);
+              req.set_include_summaries(summaries);
+              v1::SelectResponse resp;
+              ASSERT_OK(f.session->Select(req, &resp));
+              EXPECT_LE(resp.ByteSizeLong(), f.session->ReplyBytesBound(req))
+                  << "refine_factor " << refine << " mass_target " << mass << " layer " << layer
+                  << " budget " << budget << " row_handles " << row_handles << " data " << data
+                  << " summaries " << summaries;
+              ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Session, FullHostTierStoresNothingAndKeepsWhatWasThere) {
   // 2 kv heads, d 16: a slot is 16*16*4 = 1 KiB; room for 6 slots and the session's metadata.
   const uint64_t meta = MetadataOfTwin([](Env& twin) {
