@@ -68,6 +68,32 @@ TEST(Tier, SlotsAreDistinctAndInsideTheirSegment) {
   EXPECT_EQ(st.num_slots, 40u);
 }
 
+// A segment holds the most slots whose generation table (at a 64-byte boundary after them) and
+// stamp still fit: counted here one slot at a time, down from the segment's size over the
+// slot's, and read back from the segment's layout (SegmentInfo), for slots of a few bytes to
+// larger than a page.
+TEST(Tier, ASegmentHoldsTheMostSlotsWhoseTableFits) {
+  for (const uint64_t segment : {uint64_t{4096}, uint64_t{4096 + 72}, uint64_t{65536} + 8}) {
+    for (const uint64_t slot : {4u, 8u, 12u, 24u, 56u, 64u, 100u, 1000u, 2040u, 4000u}) {
+      uint64_t want = segment / slot;
+      auto table_at = [&](uint64_t n) { return (n * slot + 63) / 64 * 64; };
+      while (want > 0 && table_at(want) + 8 * (want + 1) > segment) --want;
+      Tier tier(Options(1 << 20, segment));
+      auto s = tier.Allocate("a", slot);
+      if (want == 0) {
+        EXPECT_THAT(s.status(), StatusIs(Code::kInvalidArgument)) << segment << " " << slot;
+        continue;
+      }
+      ASSERT_OK(s.status());
+      const SegmentInfo seg = tier.Segments().at(0);
+      EXPECT_EQ(seg.generation_table_offset, table_at(want)) << segment << " " << slot;
+      EXPECT_EQ((seg.stamp_offset - seg.generation_table_offset) / 8, want)
+          << segment << " " << slot;
+      EXPECT_LE(seg.stamp_offset + 8, segment);
+    }
+  }
+}
+
 TEST(Tier, FullTierRefusesAndNeverOverruns) {
   Tier tier(Options(3 * 4096));
   std::vector<SlotRef> slots;

@@ -168,13 +168,19 @@ absl::StatusOr<Tier::Layout> Tier::LayoutFor(uint64_t slot_bytes) const {
   // Host memory: slots, then the generation table at a 64-byte boundary, then the segment's
   // stamp. Device memory: the slots alone; the table at 0 of a host segment, then the stamp.
   const bool on_device = static_cast<bool>(options_.device_memory);
-  uint64_t num_slots = slot_bytes == 0 ? 0 : options_.segment_bytes / slot_bytes;
+  const uint64_t size = options_.segment_bytes;
+  uint64_t num_slots = slot_bytes == 0 ? 0 : size / slot_bytes;
   auto table_at = [slot_bytes, on_device](uint64_t n) {
     return on_device ? 0 : (n * slot_bytes + 63) / 64 * 64;
   };
-  while (!on_device && num_slots > 0 &&
-         table_at(num_slots) + 8 * (num_slots + 1) > options_.segment_bytes) {
-    --num_slots;
+  if (!on_device && num_slots > 0) {
+    // The most slots whose table and stamp fit: n slot_bytes + 8 (n + 1) <= size gives at
+    // least as many as fit (the table's 64-byte alignment aside), and a few steps down take
+    // that away (each step frees slot_bytes + 8; the alignment costs at most 63). Counting down
+    // from size / slot_bytes took millions of steps for slots of a few bytes, on every
+    // allocation.
+    num_slots = std::min(num_slots, size < 8 ? 0 : (size - 8) / (slot_bytes + 8));
+    while (num_slots > 0 && table_at(num_slots) + 8 * (num_slots + 1) > size) --num_slots;
   }
   if (num_slots == 0) {
     return absl::InvalidArgumentError(
