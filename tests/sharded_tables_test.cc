@@ -119,7 +119,7 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
         } else if (i % 2 == 0) {
           held.push_back(g->lease_id);
         }
-        EXPECT_GE(leases.CountForSession(session), static_cast<size_t>(kept[t]));
+        EXPECT_GE(leases.CountForSession(tenant, session), static_cast<size_t>(kept[t]));
         EXPECT_GE(mine->live(), static_cast<size_t>(kept[t]));
       }
       // Released now, or expired already: NOT_FOUND is the expirer's doing, never an error.
@@ -133,7 +133,7 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
       }
       // The worker ends what is left of its short leases.
       leases.Detach(worker);
-      EXPECT_EQ(leases.CountForSession(session), static_cast<size_t>(kept[t]));
+      EXPECT_EQ(leases.CountForSession(t % 2 ? "b" : "a", session), static_cast<size_t>(kept[t]));
     });
   }
   std::atomic<bool> done = false;
@@ -181,6 +181,25 @@ TEST(LeaseTable, ATenantsCountIsOneObjectWhileHeld) {
   EXPECT_EQ(leases.Tenant("a")->live(), 1u);
   ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
   EXPECT_EQ(leases.Tenant("a")->live(), 0u);
+}
+
+// A session's lease count is its tenant's: another tenant may name a session of its own the
+// same (once the first is closed, while its leases still live), and sees none of them.
+TEST(LeaseTable, ASessionsLeaseCountIsItsTenantsOnly) {
+  ManualClock clock;
+  Tier tier(HostTier());
+  LeaseTable leases(&clock);
+  absl::StatusOr<LeaseTable::Granted> g = leases.Create("a", "x", Slots(tier, 2), 1000);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(leases.CountForSession("a", "x"), 1u);
+  EXPECT_EQ(leases.CountForSession("b", "x"), 0u);
+  absl::StatusOr<LeaseTable::Granted> h = leases.Create("b", "x", Slots(tier, 1), 1000);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(leases.CountForSession("a", "x"), 1u);
+  EXPECT_EQ(leases.CountForSession("b", "x"), 1u);
+  ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
+  EXPECT_EQ(leases.CountForSession("a", "x"), 0u);
+  EXPECT_EQ(leases.CountForSession("b", "x"), 1u);
 }
 
 // Reader threads promote copies in groups of their own (their own stripes) and read them all

@@ -46,7 +46,7 @@ std::shared_ptr<LeaseTable::TenantLeases> LeaseTable::Tenant(const std::string& 
 }
 
 void LeaseTable::Forget(LeaseShard& shard, const Lease& lease) {
-  auto it = shard.per_session.find(lease.session_id);
+  auto it = shard.per_session.find(std::pair(lease.tenant->tenant(), lease.session_id));
   if (--it->second == 0) shard.per_session.erase(it);
   lease.tenant->live_.fetch_sub(1, std::memory_order_relaxed);
 }
@@ -112,7 +112,7 @@ absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<Ten
     LeaseShard& shard = LeasesOf(id);
     MutexLock lock(&shard.mu);
     for (const SlotRef& s : slots) s->Pin();
-    ++shard.per_session[session_id];
+    ++shard.per_session[{tenant->tenant(), session_id}];
     tenant->live_.fetch_add(1, std::memory_order_relaxed);
     shard.leases.emplace(id, Lease{id, tenant, session_id, expires, std::move(slots), worker});
   };
@@ -269,11 +269,12 @@ size_t LeaseTable::size() const {
   return n;
 }
 
-size_t LeaseTable::CountForSession(const std::string& session_id) const {
+size_t LeaseTable::CountForSession(const std::string& tenant, const std::string& session_id) const {
   size_t n = 0;
+  const std::pair<std::string, std::string> key(tenant, session_id);
   for (const LeaseShard& shard : lease_shards_) {
     MutexLock lock(&shard.mu);
-    auto it = shard.per_session.find(session_id);
+    auto it = shard.per_session.find(key);
     if (it != shard.per_session.end()) n += it->second;
   }
   return n;

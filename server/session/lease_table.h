@@ -101,7 +101,9 @@ class LeaseTable {
                          size_t* total) const;
 
   size_t size() const;
-  size_t CountForSession(const std::string& session_id) const;
+  // Live leases of `tenant`'s session `session_id` (another tenant may name a session of its own
+  // so once this one is closed; its leases are not this one's).
+  size_t CountForSession(const std::string& tenant, const std::string& session_id) const;
 
  private:
   struct Lease {
@@ -125,7 +127,9 @@ class LeaseTable {
     mutable absl::Mutex mu;
     absl::flat_hash_map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
     // Live leases per session, so a session's count is a lookup per shard, not a scan.
-    absl::flat_hash_map<std::string, size_t> per_session ABSL_GUARDED_BY(mu);
+    // Live leases by (tenant, session id).
+    absl::flat_hash_map<std::pair<std::string, std::string>, size_t> per_session
+        ABSL_GUARDED_BY(mu);
   };
   WorkerShard& WorkersOf(const std::string& worker) const;
   LeaseShard& LeasesOf(const std::string& lease_id) const;

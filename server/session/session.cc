@@ -947,7 +947,7 @@ absl::StatusOr<uint64_t> Session::Demote(
   {
     MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckOpen());
-    if (size_t leases = env_.leases->CountForSession(id_); leases > 0) {
+    if (size_t leases = env_.leases->CountForSession(tenant_, id_); leases > 0) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "session_id: \"%s\" has %d active leases; leased chunks are not moved", id_, leases));
     }
