@@ -199,7 +199,7 @@ TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
 // goes whole, so up to refine_factor times the budget's rows), with and without the bytes and
 // the summaries, on a dense layer and on the others.
 TEST(Session, AReplyNeverPassesTheBoundItWasCheckedAgainst) {
-  for (const auto [refine, mass] : {std::pair{1u, 0.f}, {4u, 0.f}, {16u, 0.f}, {1u, 0.9f}}) {
+  for (const auto& [refine, mass] : {std::pair{1u, 0.f}, {4u, 0.f}, {16u, 0.f}, {1u, 0.9f}}) {
     Env e;
     v1::SessionPolicy policy = Lossless();
     policy.set_refine_factor(refine);
@@ -219,10 +219,17 @@ TEST(Session, AReplyNeverPassesTheBoundItWasCheckedAgainst) {
               req.set_include_summaries(summaries);
               v1::SelectResponse resp;
               ASSERT_OK(f.session->Select(req, &resp));
-              EXPECT_LE(resp.ByteSizeLong(), f.session->ReplyBytesBound(req))
+              const uint64_t bound = f.session->ReplyBytesBound(req);
+              EXPECT_LE(resp.ByteSizeLong(), bound)
                   << "refine_factor " << refine << " mass_target " << mass << " layer " << layer
                   << " budget " << budget << " row_handles " << row_handles << " data " << data
                   << " summaries " << summaries;
+              // Nor so loose that it refuses what would fit: row handles bring at most the
+              // pool's chunks, refine_factor times what gathered blocks hold, and a chunk.
+              v1::SelectRequest gathered = req;
+              gathered.set_row_handles(false);
+              EXPECT_LE(bound, (refine + 1) * f.session->ReplyBytesBound(gathered))
+                  << "refine_factor " << refine << " mass_target " << mass;
               ASSERT_OK(e.leases.Release("t", resp.lease_id()));
             }
           }

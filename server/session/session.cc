@@ -690,15 +690,12 @@ uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
         policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED ? LayerNeeds::kMaxShare : 1.0;
     rows =
         std::min<uint64_t>(total, static_cast<uint64_t>(share * double(budget)) + 2 * f.capacity);
-    // Refined rows named in their chunks (row_handles) bring each such chunk whole: at most a
-    // chunk a row, all of them from the chunk pool (refine_factor times the rows, and the chunk
-    // that crosses its end).
+    // Refined rows named in their chunks (row_handles) bring each such chunk whole, and every
+    // one of them is of the chunk pool the rows were refined from: refine_factor (at least 1)
+    // times the rows, and the chunk that crosses its end.
     if (req.row_handles() && (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f)) {
-      uint64_t whole = rows * f.capacity;
-      if (policy_.refine_factor() > 1) {
-        whole = std::min<uint64_t>(whole, policy_.refine_factor() * rows + f.capacity);
-      }
-      rows = std::min(total, std::max(rows, whole));
+      const uint64_t pool = std::max<uint64_t>(policy_.refine_factor(), 1) * rows + f.capacity;
+      rows = std::min(total, std::max(rows, pool));
     }
   }
   const uint64_t d = shape_.head_dim();
