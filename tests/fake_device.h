@@ -70,7 +70,7 @@ class FakeDeviceMemory final : public DeviceMemory {
 // DeviceSource; opens and reads are counted, and either can be made to fail.
 struct FakeWorkerDevice {
   std::map<std::string, std::vector<uint8_t>> buffers;  // by CUDA IPC handle
-  std::atomic<int> opens{0}, closes{0};
+  std::atomic<int> opens{0}, closes{0}, reads{0};
   std::atomic<bool> fail_reads{false};
 
   class Source final : public DeviceSource {
@@ -79,6 +79,7 @@ struct FakeWorkerDevice {
     ~Source() override { ++dev_->closes; }
     uint64_t size() const override { return bytes_->size(); }
     absl::Status Read(uint64_t offset, void* dst, uint64_t n) const override {
+      ++dev_->reads;
       if (dev_->fail_reads) return absl::InternalError("cudaMemcpyAsync: injected failure");
       if (offset > bytes_->size() || n > bytes_->size() - offset) {
         return absl::InvalidArgumentError("cudaMemcpyAsync: cudaErrorInvalidValue (past the end)");
