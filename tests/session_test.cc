@@ -1217,7 +1217,7 @@ TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
       v1::SelectResponse failed;
       EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "promoting chunk"));
       EXPECT_EQ(failed.heads_size(), 0);
-      EXPECT_EQ(e.leases.CountForSession("t", f.session->id()), 0u);
+      EXPECT_EQ(f.session->live_leases(), 0u);
       state->fail_copies = false;
     }
     ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
@@ -1230,7 +1230,7 @@ TEST(Session, DevicePlacementOnDeviceMemoryCopiesTheExactBytes) {
   v1::SelectResponse failed;
   EXPECT_THAT(f.session->Select(r, &failed), StatusIs(Code::kInternal, "promoting chunk"));
   EXPECT_EQ(failed.heads_size(), 0);
-  EXPECT_EQ(e.leases.CountForSession("t", "s"), 0u);
+  EXPECT_EQ(f.session->live_leases(), 0u);
 }
 
 TEST(Session, SetPolicyKeepsChunkingOnceTokensAreStored) {

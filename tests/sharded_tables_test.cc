@@ -106,20 +106,21 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
       const std::string session = "s" + std::to_string(t);
       const std::string worker = leases.Attach(tenant);
       std::shared_ptr<LeaseTable::TenantLeases> mine = leases.Tenant(tenant);
+      auto counted = std::make_shared<LeaseTable::SessionLeases>();  // the session's own count
       started.fetch_add(1);
       std::vector<std::string> held;
       for (int i = 0; i < kLeases; ++i) {
         // Every third lease has a long TTL and no worker: the one kind the expirer may not end.
         const bool keep = i % 3 == 0;
         absl::StatusOr<LeaseTable::Granted> g = leases.Create(
-            mine, session, {slots[t][i % 4]}, keep ? 3'600'000 : 10, keep ? "" : worker);
+            mine, session, {slots[t][i % 4]}, keep ? 3'600'000 : 10, keep ? "" : worker, counted);
         ASSERT_TRUE(g.ok()) << g.status();
         if (keep) {
           ++kept[t];
         } else if (i % 2 == 0) {
           held.push_back(g->lease_id);
         }
-        EXPECT_GE(leases.CountForSession(tenant, session), static_cast<size_t>(kept[t]));
+        EXPECT_GE(counted->live(), static_cast<size_t>(kept[t]));
         EXPECT_GE(mine->live(), static_cast<size_t>(kept[t]));
       }
       // Released now, or expired already: NOT_FOUND is the expirer's doing, never an error.
@@ -133,7 +134,7 @@ TEST(LeaseTable, CountsStayExactUnderThreads) {
       }
       // The worker ends what is left of its short leases.
       leases.Detach(worker);
-      EXPECT_EQ(leases.CountForSession(t % 2 ? "b" : "a", session), static_cast<size_t>(kept[t]));
+      EXPECT_EQ(counted->live(), static_cast<size_t>(kept[t]));
     });
   }
   std::atomic<bool> done = false;
@@ -183,23 +184,33 @@ TEST(LeaseTable, ATenantsCountIsOneObjectWhileHeld) {
   EXPECT_EQ(leases.Tenant("a")->live(), 0u);
 }
 
-// A session's lease count is its tenant's: another tenant may name a session of its own the
-// same (once the first is closed, while its leases still live), and sees none of them.
-TEST(LeaseTable, ASessionsLeaseCountIsItsTenantsOnly) {
+// A session's lease count is its own: a session of the same id made after it (by its tenant
+// or another), while its leases still live, counts none of them.
+TEST(LeaseTable, ASessionsLeaseCountIsItsOwn) {
   ManualClock clock;
   Tier tier(HostTier());
   LeaseTable leases(&clock);
-  absl::StatusOr<LeaseTable::Granted> g = leases.Create("a", "x", Slots(tier, 2), 1000);
+  auto first = std::make_shared<LeaseTable::SessionLeases>();
+  absl::StatusOr<LeaseTable::Granted> g = leases.Create("a", "x", Slots(tier, 2), 1000, "", first);
   ASSERT_TRUE(g.ok());
-  EXPECT_EQ(leases.CountForSession("a", "x"), 1u);
-  EXPECT_EQ(leases.CountForSession("b", "x"), 0u);
-  absl::StatusOr<LeaseTable::Granted> h = leases.Create("b", "x", Slots(tier, 1), 1000);
-  ASSERT_TRUE(h.ok());
-  EXPECT_EQ(leases.CountForSession("a", "x"), 1u);
-  EXPECT_EQ(leases.CountForSession("b", "x"), 1u);
+  EXPECT_EQ(first->live(), 1u);
+  for (const std::string tenant : {"a", "b"}) {  // "x" closed, and made again
+    auto again = std::make_shared<LeaseTable::SessionLeases>();
+    absl::StatusOr<LeaseTable::Granted> h =
+        leases.Create(tenant, "x", Slots(tier, 1), 1000, "", again);
+    ASSERT_TRUE(h.ok());
+    EXPECT_EQ(again->live(), 1u);
+    EXPECT_EQ(first->live(), 1u);
+    ASSERT_TRUE(leases.Release(tenant, h->lease_id).ok());
+    EXPECT_EQ(again->live(), 0u);
+  }
   ASSERT_TRUE(leases.Release("a", g->lease_id).ok());
-  EXPECT_EQ(leases.CountForSession("a", "x"), 0u);
-  EXPECT_EQ(leases.CountForSession("b", "x"), 1u);
+  EXPECT_EQ(first->live(), 0u);
+  auto expiring = std::make_shared<LeaseTable::SessionLeases>();  // an expiry ends it too
+  ASSERT_TRUE(leases.Create("a", "x", Slots(tier, 1), 1000, "", expiring).ok());
+  clock.AdvanceMs(2000);
+  EXPECT_EQ(leases.ExpireDue(), 1);
+  EXPECT_EQ(expiring->live(), 0u);
 }
 
 // Reader threads promote copies in groups of their own (their own stripes) and read them all

@@ -45,9 +45,8 @@ std::shared_ptr<LeaseTable::TenantLeases> LeaseTable::Tenant(const std::string& 
   return made;
 }
 
-void LeaseTable::Forget(LeaseShard& shard, const Lease& lease) {
-  auto it = shard.per_session.find(std::pair(lease.tenant->tenant(), lease.session_id));
-  if (--it->second == 0) shard.per_session.erase(it);
+void LeaseTable::Forget(const Lease& lease) {
+  if (lease.session != nullptr) lease.session->live_.fetch_sub(1, std::memory_order_relaxed);
   lease.tenant->live_.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -105,16 +104,18 @@ std::vector<LeaseTable::Info> LeaseTable::List(const std::string* tenant,
 absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<TenantLeases>& tenant,
                                                        const std::string& session_id,
                                                        std::vector<SlotRef> slots, uint32_t ttl_ms,
-                                                       const std::string& worker) {
+                                                       const std::string& worker,
+                                                       std::shared_ptr<SessionLeases> session) {
   const int64_t expires = clock_->NowMs() + ttl_ms;
   std::string id = NewId('l');
   auto insert = [&] {
     LeaseShard& shard = LeasesOf(id);
     MutexLock lock(&shard.mu);
     for (const SlotRef& s : slots) s->Pin();
-    ++shard.per_session[{tenant->tenant(), session_id}];
+    if (session != nullptr) session->live_.fetch_add(1, std::memory_order_relaxed);
     tenant->live_.fetch_add(1, std::memory_order_relaxed);
-    shard.leases.emplace(id, Lease{id, tenant, session_id, expires, std::move(slots), worker});
+    shard.leases.emplace(
+        id, Lease{id, tenant, session_id, expires, std::move(slots), worker, std::move(session)});
   };
   if (worker.empty()) {
     insert();
@@ -155,7 +156,7 @@ int LeaseTable::Detach(const std::string& worker) {
     if (it == shard.leases.end()) continue;  // released or expired meanwhile
     ended.push_back(std::move(it->second));
     shard.leases.erase(it);
-    Forget(shard, ended.back());
+    Forget(ended.back());
   }
   for (Lease& l : ended) Unpin(l);  // outside the locks, as Release; the worker's set is gone
   return static_cast<int>(ended.size());
@@ -220,7 +221,7 @@ absl::Status LeaseTable::Release(const std::string& tenant, const std::string& l
     }
     ended.push_back(std::move(it->second));
     shard.leases.erase(it);
-    Forget(shard, ended.back());
+    Forget(ended.back());
   }
   End(ended);
   return absl::OkStatus();
@@ -234,7 +235,7 @@ int LeaseTable::ExpireDue() {
     for (auto it = shard.leases.begin(); it != shard.leases.end();) {
       if (it->second.expires_ms <= now) {
         ended.push_back(std::move(it->second));
-        Forget(shard, ended.back());
+        Forget(ended.back());
         shard.leases.erase(it++);
       } else {
         ++it;
@@ -251,10 +252,9 @@ int LeaseTable::EndAll() {
     MutexLock lock(&shard.mu);
     for (auto& [id, lease] : shard.leases) {
       ended.push_back(std::move(lease));
-      ended.back().tenant->live_.fetch_sub(1, std::memory_order_relaxed);
+      Forget(ended.back());
     }
     shard.leases.clear();
-    shard.per_session.clear();
   }
   End(ended);
   return static_cast<int>(ended.size());
@@ -265,17 +265,6 @@ size_t LeaseTable::size() const {
   for (const LeaseShard& shard : lease_shards_) {
     MutexLock lock(&shard.mu);
     n += shard.leases.size();
-  }
-  return n;
-}
-
-size_t LeaseTable::CountForSession(const std::string& tenant, const std::string& session_id) const {
-  size_t n = 0;
-  const std::pair<std::string, std::string> key(tenant, session_id);
-  for (const LeaseShard& shard : lease_shards_) {
-    MutexLock lock(&shard.mu);
-    auto it = shard.per_session.find(key);
-    if (it != shard.per_session.end()) n += it->second;
   }
   return n;
 }

@@ -53,21 +53,36 @@ class LeaseTable {
   // `tenant`'s count: the same object while anything holds it.
   std::shared_ptr<TenantLeases> Tenant(const std::string& tenant);
 
+  // One session's count of live leases, read without a lock (DescribeSession, Evict, the idle
+  // demotion). The session makes its own; each lease granted on it holds it until it ends. A
+  // count of its own rather than one by session id: ids are the clients', and a session closed
+  // with live leases leaves its id to the next session of that name, of any tenant.
+  class SessionLeases {
+   public:
+    size_t live() const { return static_cast<size_t>(live_.load(std::memory_order_relaxed)); }
+
+   private:
+    friend class LeaseTable;
+    std::atomic<int64_t> live_ = 0;
+  };
+
   struct Granted {
     std::string lease_id;
     int64_t expires_unix_ms;
   };
   // Pins `slots` until Release, `ttl_ms` from now, or the end of `worker` (empty: none), for
-  // `tenant` (made by Tenant). NOT_FOUND when `worker` is not attached (it detached meanwhile);
-  // nothing stays pinned.
+  // `tenant` (made by Tenant), counted in `session` (null: in no session's count). NOT_FOUND
+  // when `worker` is not attached (it detached meanwhile); nothing stays pinned.
   absl::StatusOr<Granted> Create(const std::shared_ptr<TenantLeases>& tenant,
                                  const std::string& session_id, std::vector<SlotRef> slots,
-                                 uint32_t ttl_ms, const std::string& worker = "");
+                                 uint32_t ttl_ms, const std::string& worker = "",
+                                 std::shared_ptr<SessionLeases> session = nullptr);
   // The same, looking the tenant up (tests).
   absl::StatusOr<Granted> Create(const std::string& tenant, const std::string& session_id,
                                  std::vector<SlotRef> slots, uint32_t ttl_ms,
-                                 const std::string& worker = "") {
-    return Create(Tenant(tenant), session_id, std::move(slots), ttl_ms, worker);
+                                 const std::string& worker = "",
+                                 std::shared_ptr<SessionLeases> session = nullptr) {
+    return Create(Tenant(tenant), session_id, std::move(slots), ttl_ms, worker, std::move(session));
   }
 
   // A new worker of `tenant`; its id is unguessable.
@@ -101,9 +116,6 @@ class LeaseTable {
                          size_t* total) const;
 
   size_t size() const;
-  // Live leases of `tenant`'s session `session_id` (another tenant may name a session of its own
-  // so once this one is closed; its leases are not this one's).
-  size_t CountForSession(const std::string& tenant, const std::string& session_id) const;
 
  private:
   struct Lease {
@@ -112,7 +124,8 @@ class LeaseTable {
     std::string session_id;
     int64_t expires_ms;
     std::vector<SlotRef> slots;
-    std::string worker;  // empty: none
+    std::string worker;                      // empty: none
+    std::shared_ptr<SessionLeases> session;  // null: counted in no session
   };
   struct Worker {
     std::string tenant;
@@ -127,9 +140,6 @@ class LeaseTable {
     mutable absl::Mutex mu;
     absl::flat_hash_map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
     // Live leases per session, so a session's count is a lookup per shard, not a scan.
-    // Live leases by (tenant, session id).
-    absl::flat_hash_map<std::pair<std::string, std::string>, size_t> per_session
-        ABSL_GUARDED_BY(mu);
   };
   WorkerShard& WorkersOf(const std::string& worker) const;
   LeaseShard& LeasesOf(const std::string& lease_id) const;
@@ -138,8 +148,8 @@ class LeaseTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // "<kind>-<counter>-<64 random bits>".
   std::string NewId(char kind);
-  // Ends `lease` in its shard's counts (the caller removes it from the shard's map).
-  static void Forget(LeaseShard& shard, const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Ends `lease` in its tenant's and session's counts (the caller removes it from its shard).
+  static void Forget(const Lease& lease);
   // Takes `lease` out of its worker's set (a Release or an expiry; a Detach took the set).
   void Unlist(const Lease& lease);
   static void Unpin(const Lease& lease);

@@ -650,7 +650,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   }
   ASSIGN_OR_RETURN(
       const LeaseTable::Granted lease,
-      env_.leases->Create(tenant_leases_, id_, std::move(pinned), ttl, req.worker_id()));
+      env_.leases->Create(tenant_leases_, id_, std::move(pinned), ttl, req.worker_id(), leases_));
   out->set_lease_id(lease.lease_id);
   out->set_lease_expires_unix_ms(lease.expires_unix_ms);
   return absl::OkStatus();
@@ -944,7 +944,7 @@ absl::StatusOr<uint64_t> Session::Demote(
   {
     MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckOpen());
-    if (size_t leases = env_.leases->CountForSession(tenant_, id_); leases > 0) {
+    if (size_t leases = live_leases(); leases > 0) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "session_id: \"%s\" has %d active leases; leased chunks are not moved", id_, leases));
     }

@@ -117,6 +117,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   const std::string& id() const { return id_; }
   const std::string& tenant() const { return tenant_; }
+  // Its live leases (the Selects' on it that have not ended).
+  size_t live_leases() const { return leases_->live(); }
 
   // Stores tokens [start_token, start_token + num_tokens) of one layer, all KV heads.
   // A repeat of stored tokens with the same bytes is a no-op; with other bytes
@@ -353,6 +355,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // The tenant's count of live leases (null without a lease table): Select checks
   // max_leases_per_tenant against it without a lock.
   const std::shared_ptr<LeaseTable::TenantLeases> tenant_leases_;
+  // This session's live leases (its own count: a later session of its id has another).
+  const std::shared_ptr<LeaseTable::SessionLeases> leases_ =
+      std::make_shared<LeaseTable::SessionLeases>();
   const v1::ModelShape shape_;
   const std::map<std::string, std::string> labels_;
   const SessionEnv env_;

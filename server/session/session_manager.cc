@@ -482,7 +482,7 @@ bool SessionManager::DemoteIdle(const std::string& keep) {
   std::sort(idle.begin(), idle.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (const auto& [_, s] : idle) {
-    if (env_.leases->CountForSession(s->tenant(), s->id()) > 0) continue;  // leased chunks stay
+    if (s->live_leases() > 0) continue;  // leased chunks stay
     if (Demote("", s->id()).ok()) return true;
   }
   return false;

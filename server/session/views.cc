@@ -177,7 +177,7 @@ v1::SessionInfo Session::Info() const {
   }
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_HOST)] = host;
   (*info.mutable_bytes_by_tier())[v1::Tier_Name(v1::TIER_DEVICE)] = device;
-  info.set_active_leases(static_cast<uint32_t>(env_.leases->CountForSession(tenant_, id_)));
+  info.set_active_leases(static_cast<uint32_t>(live_leases()));
   info.set_metadata_bytes(charge_.bytes());
   info.set_aging_backlog_tokens(BacklogLocked());
   return info;
