@@ -1327,6 +1327,12 @@ TEST(Daemon, AChannelCallWaitsOutATimeoutLongerThanPollTakes) {
   ASSERT_EQ(kill(d.pid(), SIGCONT), 0);
   call.join();
   EXPECT_OK(got.status());
+  // An infinite timeout (no deadline at all), over gRPC and the channel alike.
+  o.timeout = absl::InfiniteDuration();
+  ASSERT_OK_AND_ASSIGN(auto patient, Client::Connect(d.address(), o));
+  ASSERT_OK(patient->DescribeSession(sid).status());
+  ASSERT_OK_AND_ASSIGN(auto forever, patient->OpenChannel());
+  EXPECT_OK(forever->Select(Select(sid, 1, 64)).status());
 }
 
 // The shared-memory Select channel answers as the RPCs do (the same handles, the same errors,

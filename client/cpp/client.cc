@@ -109,7 +109,7 @@ class Client::Attachment {
   // The worker id once the daemon sent it; the stream's status if it ended first; DEADLINE_
   // EXCEEDED after `timeout`.
   absl::StatusOr<std::string> Wait(absl::Duration timeout) {
-    const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
+    const auto deadline = absl::ToChronoTime(absl::Now() + timeout);  // (infinite: max())
     while (!done_ && (worker_.empty() || ended_)) {
       if (ended_ && pending_ == 0) Finish();
       void* tag = nullptr;
@@ -256,8 +256,9 @@ auto Client::WithWorker(const Req& req, Call&& call) -> decltype(call(req)) {
 }
 
 void Client::Prepare(grpc::ClientContext* ctx) const {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    absl::ToChronoMilliseconds(options_.timeout));
+  // absl saturates an infinite timeout to time_point::max(), which gRPC takes as no deadline
+  // (now() plus the longest chrono duration overflowed, to a deadline in the past).
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   AddCredentials(options_, ctx);
 }
 
