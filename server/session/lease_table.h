@@ -139,7 +139,6 @@ class LeaseTable {
   struct LeaseShard {
     mutable absl::Mutex mu;
     absl::flat_hash_map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
-    // Live leases per session, so a session's count is a lookup per shard, not a scan.
   };
   WorkerShard& WorkersOf(const std::string& worker) const;
   LeaseShard& LeasesOf(const std::string& lease_id) const;

@@ -593,7 +593,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
       });
     }
   }
-  const bool refine = (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f) && !c.everything;
+  const bool refine = refines() && !c.everything;
   if (refine) {
     const bool by_need = policy_.layer_budget() == v1::LAYER_BUDGET_BY_NEED;
     float need = 0.f;
@@ -693,7 +693,7 @@ uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
     // Refined rows named in their chunks (row_handles) bring each such chunk whole, and every
     // one of them is of the chunk pool the rows were refined from: refine_factor (at least 1)
     // times the rows, and the chunk that crosses its end.
-    if (req.row_handles() && (policy_.refine_factor() > 1 || policy_.mass_target() > 0.f)) {
+    if (req.row_handles() && refines()) {
       const uint64_t pool = std::max<uint64_t>(policy_.refine_factor(), 1) * rows + f.capacity;
       rows = std::min(total, std::max(rows, pool));
     }

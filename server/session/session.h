@@ -290,6 +290,10 @@ class Session : public std::enable_shared_from_this<Session> {
   ChunkFormat format() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return FormatOf(shape_, policy_);
   }
+  // Whether the policy refines Selects to rows (a pool of chunks, then their best rows).
+  bool refines() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return policy_.refine_factor() > 1 || policy_.mass_target() > 0.f;
+  }
   AgingContext aging() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return AgingContext{policy_, format(), host_account_};
   }
