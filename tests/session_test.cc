@@ -4,7 +4,9 @@
 #include <malloc.h>
 
 #include <cstdio>
+#include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "server/session/layer_budget.h"
 #include "server/session/prefetcher.h"
@@ -239,6 +241,43 @@ TEST(Session, AReplyNeverPassesTheBoundItWasCheckedAgainst) {
       }
     }
   }
+}
+
+// A tenant's lease limit holds for Selects at once too: each passes the early look (before its
+// work) while none has its lease yet, and the limit is taken again, atomically, as the lease is
+// made, so exactly the limit's number get one and the others are RESOURCE_EXHAUSTED.
+TEST(Session, SelectsAtOnceNeverPassTheTenantsLeaseLimit) {
+  Env e;
+  e.env.max_leases_per_tenant = 2;
+  Fixture f = Make(e, 2, 4, 2, 64, 600);
+  ASSERT_OK(AppendAll(f, 600, 200));
+  constexpr int kThreads = 8;
+  std::atomic<int> ready{0}, granted{0}, refused{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      v1::SelectRequest req = SelectReq(f, t % 2, 256, 5 + t);
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) {
+      }
+      v1::SelectResponse resp;
+      const absl::Status s = f.session->Select(req, &resp);
+      if (s.ok()) {
+        granted.fetch_add(1);
+      } else if (s.code() == Code::kResourceExhausted &&
+                 absl::StrContains(s.message(), "max_leases_per_tenant 2")) {
+        refused.fetch_add(1);
+      } else {
+        other.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(granted.load(), 2);
+  EXPECT_EQ(refused.load(), kThreads - 2);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(e.leases.Tenant("t")->live(), 2u);
+  EXPECT_EQ(f.session->live_leases(), 2u);
 }
 
 TEST(Session, FullHostTierStoresNothingAndKeepsWhatWasThere) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
@@ -105,7 +106,20 @@ absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<Ten
                                                        const std::string& session_id,
                                                        std::vector<SlotRef> slots, uint32_t ttl_ms,
                                                        const std::string& worker,
-                                                       std::shared_ptr<SessionLeases> session) {
+                                                       std::shared_ptr<SessionLeases> session,
+                                                       uint64_t max_live) {
+  // The tenant's count first, as one step against its limit: a check apart from the increment
+  // let calls of one tenant at once each pass it.
+  int64_t live = tenant->live_.load(std::memory_order_relaxed);
+  do {
+    if (max_live > 0 && live >= static_cast<int64_t>(max_live)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
+          "expire)",
+          max_live, Quoted(tenant->tenant()), live));
+    }
+  } while (!tenant->live_.compare_exchange_weak(live, live + 1, std::memory_order_relaxed));
+  absl::Cleanup give_back = [&tenant] { tenant->live_.fetch_sub(1, std::memory_order_relaxed); };
   const int64_t expires = clock_->NowMs() + ttl_ms;
   std::string id = NewId('l');
   auto insert = [&] {
@@ -113,9 +127,9 @@ absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<Ten
     MutexLock lock(&shard.mu);
     for (const SlotRef& s : slots) s->Pin();
     if (session != nullptr) session->live_.fetch_add(1, std::memory_order_relaxed);
-    tenant->live_.fetch_add(1, std::memory_order_relaxed);
     shard.leases.emplace(
         id, Lease{id, tenant, session_id, expires, std::move(slots), worker, std::move(session)});
+    std::move(give_back).Cancel();  // the lease holds its count now
   };
   if (worker.empty()) {
     insert();

@@ -72,11 +72,14 @@ class LeaseTable {
   };
   // Pins `slots` until Release, `ttl_ms` from now, or the end of `worker` (empty: none), for
   // `tenant` (made by Tenant), counted in `session` (null: in no session's count). NOT_FOUND
-  // when `worker` is not attached (it detached meanwhile); nothing stays pinned.
+  // when `worker` is not attached (it detached meanwhile); RESOURCE_EXHAUSTED when the tenant
+  // holds `max_live` leases already (0: no limit; the count is taken atomically, so calls at
+  // once never pass it together). Either way nothing stays pinned.
   absl::StatusOr<Granted> Create(const std::shared_ptr<TenantLeases>& tenant,
                                  const std::string& session_id, std::vector<SlotRef> slots,
                                  uint32_t ttl_ms, const std::string& worker = "",
-                                 std::shared_ptr<SessionLeases> session = nullptr);
+                                 std::shared_ptr<SessionLeases> session = nullptr,
+                                 uint64_t max_live = 0);
   // The same, looking the tenant up (tests).
   absl::StatusOr<Granted> Create(const std::string& tenant, const std::string& session_id,
                                  std::vector<SlotRef> slots, uint32_t ttl_ms,

@@ -648,9 +648,9 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     }
     if (summaries) AddSummaries(s, f, returned[h], hs);
   }
-  ASSIGN_OR_RETURN(
-      const LeaseTable::Granted lease,
-      env_.leases->Create(tenant_leases_, id_, std::move(pinned), ttl, req.worker_id(), leases_));
+  ASSIGN_OR_RETURN(const LeaseTable::Granted lease,
+                   env_.leases->Create(tenant_leases_, id_, std::move(pinned), ttl, req.worker_id(),
+                                       leases_, env_.max_leases_per_tenant));
   out->set_lease_id(lease.lease_id);
   out->set_lease_expires_unix_ms(lease.expires_unix_ms);
   return absl::OkStatus();
