@@ -120,6 +120,9 @@ TEST(Session, ANonFiniteValueIsRefusedFirstAndStoresNothing) {
   }
 }
 
+// No bound on a device append's host copy but the allocation's size.
+constexpr uint64_t kNoLimit = ~uint64_t{0};
+
 // Ingest from a worker's device memory (the CPU twin of GPU ingest): the bytes read through the
 // stream's mapping are stored exactly as bytes sent inline; the mapping is opened once per
 // stream and closed with it; every refusal names its field and stores nothing.
@@ -146,7 +149,7 @@ TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
     DeviceSources stream;  // one AppendKV stream's mappings
     for (int start = 0; start < 96; start += 32) {
       v1::AppendKVRequest r = device_req(start, 32, 1000 * start);
-      ASSERT_OK(f.session->Undevice(&r, &stream));
+      ASSERT_OK(f.session->Undevice(&r, &stream, kNoLimit));
       EXPECT_FALSE(r.has_device());
       ASSERT_OK(f.session->Append(r).status());
     }
@@ -160,39 +163,48 @@ TEST(Session, AppendsFromWorkerDeviceMemoryAreStoredAsInline) {
   DeviceSources stream;
   v1::AppendKVRequest r = device_req(0, 16, 0);
   r.set_keys("xx");
-  EXPECT_THAT(g.session->Undevice(&r, &stream), StatusIs(Code::kInvalidArgument, "keys"));
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit), StatusIs(Code::kInvalidArgument, "keys"));
   r = device_req(0, 16, 0);
   r.mutable_device()->set_cuda_ipc_handle("short");
-  EXPECT_THAT(g.session->Undevice(&r, &stream),
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
               StatusIs(Code::kInvalidArgument, "device.cuda_ipc_handle"));
   r = device_req(0, 16, 0);
   r.mutable_device()->set_cuda_ipc_handle(std::string(kCudaIpcHandleBytes, 'x'));  // no such
-  EXPECT_THAT(g.session->Undevice(&r, &stream),
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
               StatusIs(Code::kInvalidArgument, "device.cuda_ipc_handle: cudaIpcOpenMemHandle"));
   r = device_req(0, 16, 0);
   r.mutable_device()->set_values_offset(buffer.size());
-  EXPECT_THAT(g.session->Undevice(&r, &stream),
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
               StatusIs(Code::kInvalidArgument, "device.values_offset"));
   // A range past the allocation is refused before anything is allocated or read for it: the
   // daemon once made host strings of what num_tokens asked first (up to terabytes).
   const int reads = worker.reads.load();
+  // The host copy is bounded as the bytes it stands for would be: 16 tokens' keys and values
+  // are 2 x 1024 bytes, refused below that, before anything is read.
+  r = device_req(0, 16, 0);
+  EXPECT_THAT(g.session->Undevice(&r, &stream, 2047),
+              StatusIs(Code::kResourceExhausted, "num_tokens: 16 tokens are 2 x 1024 bytes"));
   r = device_req(0, 16, 0);
   r.set_num_tokens(1u << 16);
-  EXPECT_THAT(g.session->Undevice(&r, &stream),
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
               StatusIs(Code::kInvalidArgument, "device.keys_offset: 4194304 bytes at 0 pass"));
   r = device_req(0, 16, 0);
   r.mutable_device()->set_keys_offset(~uint64_t{0});
-  EXPECT_THAT(g.session->Undevice(&r, &stream),
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
               StatusIs(Code::kInvalidArgument, "device.keys_offset"));
   EXPECT_EQ(worker.reads.load(), reads) << "a range past the allocation was read";
+  r = device_req(0, 16, 0);
+  ASSERT_OK(g.session->Undevice(&r, &stream, 2048));
   worker.fail_reads = true;
   r = device_req(0, 16, 0);
-  EXPECT_THAT(g.session->Undevice(&r, &stream), StatusIs(Code::kInternal, "device.keys_offset"));
+  EXPECT_THAT(g.session->Undevice(&r, &stream, kNoLimit),
+              StatusIs(Code::kInternal, "device.keys_offset"));
   worker.fail_reads = false;
   Env no_gpu;
   Fixture h = Make(no_gpu, 1, 2, 2, 16, 96);
   r = device_req(0, 16, 0);
-  EXPECT_THAT(h.session->Undevice(&r, &stream), StatusIs(Code::kFailedPrecondition, "no GPU"));
+  EXPECT_THAT(h.session->Undevice(&r, &stream, kNoLimit),
+              StatusIs(Code::kFailedPrecondition, "no GPU"));
   EXPECT_EQ(g.session->Info().num_tokens(), 0u);
   EXPECT_EQ(h.session->Info().num_tokens(), 0u);
 }

@@ -218,7 +218,8 @@ absl::StatusOr<uint64_t> KvTierService::ApplyAppend(const std::string& tenant,
       tenant, req->session_id(),
       [&](const std::shared_ptr<Session>& s) {
         // A GPU's bytes become its own.
-        RETURN_IF_ERROR(s->Undevice(req, sources != nullptr ? sources : &own));
+        RETURN_IF_ERROR(
+            s->Undevice(req, sources != nullptr ? sources : &own, env_.max_message_bytes));
         stored = s->Append(*req);
         return stored.status();
       },

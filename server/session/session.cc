@@ -301,7 +301,8 @@ absl::StatusOr<Session::AppendBytes> Session::BytesOf(const v1::AppendKVRequest&
   return AppendBytes{base + staged.keys_offset(), base + staged.values_offset(), std::move(area)};
 }
 
-absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const {
+absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources,
+                               uint64_t max_bytes) const {
   if (!req->has_device()) return absl::OkStatus();
   if (!req->keys().empty() || !req->values().empty() || req->has_staged()) {
     return InvalidField(req->has_staged()     ? "staged"
@@ -326,9 +327,15 @@ absl::Status Session::Undevice(v1::AppendKVRequest* req, DeviceSources* sources)
   absl::StatusOr<const DeviceSource*> source =
       sources->Get(device.cuda_ipc_handle(), env_.open_device_source);
   if (!source.ok()) return naming(source.status(), "device.cuda_ipc_handle");
-  // Both ranges within the allocation before anything is allocated for them: num_tokens is
-  // checked later (CheckAppend), and only the allocation's size bounds what it may ask for.
+  // The host copy bounded, and both ranges within the allocation, before anything is
+  // allocated for them: num_tokens is checked later (CheckAppend).
   const uint64_t want = KvBytes(shape_, req->num_tokens());
+  if (want > max_bytes / 2) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "num_tokens: %d tokens are 2 x %d bytes of keys and values, past max_message_size %d, "
+        "the most one append carries; append them in parts",
+        req->num_tokens(), want, max_bytes));
+  }
   const uint64_t size = (*source)->size();
   for (const auto& [field, offset] : {std::pair{"device.keys_offset", device.keys_offset()},
                                       {"device.values_offset", device.values_offset()}}) {

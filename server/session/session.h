@@ -149,9 +149,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // to req->keys and req->values through `sources` (the mappings of the caller's stream) and
   // clears `device`, so that Append checks and stores them as bytes sent inline. Errors name
   // the field: bytes sent two ways, a handle of the wrong size (INVALID_ARGUMENT), a daemon with
-  // no GPU (FAILED_PRECONDITION); a handle that cannot be opened or a failed copy, the device's
-  // error. No-op without `device`.
-  absl::Status Undevice(v1::AppendKVRequest* req, DeviceSources* sources) const;
+  // no GPU (FAILED_PRECONDITION), more bytes than `max_bytes` (the most one message carries,
+  // --max_message_size: the host copy is bounded as the bytes it stands for would be;
+  // RESOURCE_EXHAUSTED); a handle that cannot be opened or a failed copy, the device's error.
+  // No-op without `device`.
+  absl::Status Undevice(v1::AppendKVRequest* req, DeviceSources* sources, uint64_t max_bytes) const;
 
   // The pool's task for layer `l`, queued by an append that left it un-aged tokens: ages them
   // (and what arrives meanwhile), unless another pool thread is ageing that layer already.
