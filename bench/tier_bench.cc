@@ -222,7 +222,7 @@ int main() {
         v1::SelectResponse resp;
         const auto req = Query(q, 10, 256);
         PrefetchGuess guess;
-        if (!s->Select(req, &resp, prefetch ? &guess : nullptr, 25).ok()) return 1;
+        if (!s->Select(req, &resp, nullptr, prefetch ? &guess : nullptr, 25).ok()) return 1;
         (void)e.leases.Release("bench", resp.lease_id());
         if (prefetch && !s->Prefetch(guess).ok()) return 1;
       }

@@ -255,6 +255,54 @@ TEST(Session, AReplyNeverPassesTheBoundItWasCheckedAgainst) {
   }
 }
 
+// A Select takes its reply's bound from a room under the lock its work runs under: a room one
+// byte short refuses it before any lease, an exact one is used up, and a room that Selects
+// share (a batch's) refuses the one that would pass it. With appends to a dense layer at once
+// (each grows that layer's reply), every reply still fits the bound it took.
+TEST(Session, ASelectTakesItsReplysBoundUnderTheLockOfItsWork) {
+  Env e;
+  v1::SessionPolicy policy = Lossless();
+  policy.set_dense_layers(1);
+  const int tokens = 2400;
+  Fixture f = Make(e, 2, 4, 2, 64, tokens, policy, 3);
+  ASSERT_OK(AppendAll(f, 600, 200));
+  v1::SelectRequest req = SelectReq(f, 0, 128, 11);
+  req.set_include_data(true);
+  const uint64_t bound = f.session->ReplyBytesBound(req);
+  v1::SelectResponse resp;
+  ReplyRoom short_room{bound, bound - 1};
+  EXPECT_THAT(f.session->Select(req, &resp, &short_room),
+              StatusIs(Code::kResourceExhausted,
+                       absl::StrFormat("Select: a reply of up to %d bytes would pass "
+                                       "max_message_size %d (%d bytes left of it",
+                                       bound, bound, bound - 1)));
+  EXPECT_EQ(short_room.left, bound - 1);
+  EXPECT_EQ(f.session->live_leases(), 0u);
+  ReplyRoom shared{2 * bound, 2 * bound - 1};
+  ASSERT_OK(f.session->Select(req, &resp, &shared));
+  EXPECT_EQ(shared.left, bound - 1);
+  EXPECT_LE(resp.ByteSizeLong(), bound);
+  EXPECT_THAT(f.session->Select(req, &resp, &shared), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(f.session->live_leases(), 1u);
+
+  std::atomic<bool> done{false};
+  std::thread appender([&] {
+    for (int s = 600; s < tokens; s += 8) {
+      EXPECT_OK(f.session->Append(Req(f, 0, s, 8)).status());
+    }
+    done = true;
+  });
+  int selects = 0;
+  while (!done.load() || selects == 0) {
+    ReplyRoom room{~uint64_t{0}, ~uint64_t{0}};
+    ASSERT_OK(f.session->Select(req, &resp, &room));
+    EXPECT_LE(resp.ByteSizeLong(), room.limit - room.left) << "select " << selects;
+    ASSERT_OK(e.leases.Release("t", resp.lease_id()));
+    ++selects;
+  }
+  appender.join();
+}
+
 // A tenant's lease limit holds for Selects at once too: each passes the early look (before its
 // work) while none has its lease yet, and the limit is taken again, atomically, as the lease is
 // made, so exactly the limit's number get one and the others are RESOURCE_EXHAUSTED.
@@ -1324,7 +1372,7 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     req.set_placement(placement);
     v1::SelectResponse first;
     PrefetchGuess guess;
-    ASSERT_OK(f.session->Select(req, &first, &guess, 25));
+    ASSERT_OK(f.session->Select(req, &first, nullptr, &guess, 25));
     const uint64_t made_first = cache.counters().misses;
     const auto stats_before = f.session->Layers()[2];
     ASSERT_OK_AND_ASSIGN(uint64_t prefetched, f.session->Prefetch(guess));
@@ -1370,12 +1418,12 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     // wakes no prefetcher); once the device copies are dropped, it names them again.
     v1::SelectResponse again;
     PrefetchGuess next;
-    ASSERT_OK(f.session->Select(req, &again, &next, 25));
+    ASSERT_OK(f.session->Select(req, &again, nullptr, &next, 25));
     ASSERT_OK(e.leases.Release("t", again.lease_id()));
     EXPECT_TRUE(next.empty()) << v1::Tier_Name(placement);
     if (placement == v1::TIER_DEVICE) {
       ASSERT_OK(f.session->Evict(v1::TIER_DEVICE).status());
-      ASSERT_OK(f.session->Select(req, &again, &next, 25));
+      ASSERT_OK(f.session->Select(req, &again, nullptr, &next, 25));
       ASSERT_OK(e.leases.Release("t", again.lease_id()));
       std::set<uint64_t> renamed;
       for (uint32_t h = 0; h < next.chunks.size(); ++h) {
@@ -1398,7 +1446,7 @@ TEST(Prefetch, WorkerRunsTasksOffTheCallerAndSurvivesClosedSessions) {
   for (uint32_t seed = 0; seed < 4; ++seed) {
     req.set_query(Query(f, seed));
     v1::SelectResponse resp;
-    ASSERT_OK(session->Select(req, &resp, &guess, 25));
+    ASSERT_OK(session->Select(req, &resp, nullptr, &guess, 25));
     ASSERT_OK(e.leases.Release("t", resp.lease_id()));
     ASSERT_FALSE(guess.empty());
     prefetcher.Enqueue(session, guess);

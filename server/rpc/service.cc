@@ -38,15 +38,6 @@ google::protobuf::ArenaOptions ArenaStart() {
 // The series a tenant's metrics go to once max_tenant_series tenants have their own.
 constexpr char kOtherTenants[] = "_other";
 
-// RESOURCE_EXHAUSTED for a reply that may pass the message limit, before any work is done.
-absl::Status CheckReply(const char* what, uint64_t bound, uint64_t limit) {
-  if (bound <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s: a reply of up to %d bytes would pass max_message_size %d; ask for less (a smaller "
-      "budget, no include_data, fewer requests per batch)",
-      what, bound, limit));
-}
-
 // The tenant the admin RPCs look sessions up as: an admin's call sees every tenant's (the
 // empty tenant is SessionManager's admin view), any other only its own.
 std::string Scope(const Caller& caller) { return caller.admin ? std::string() : caller.tenant; }
@@ -302,10 +293,11 @@ grpc::ServerReadReactor<v1::AppendKVRequest>* KvTierService::AppendKV(
 }
 
 absl::Status KvTierService::SelectAndGuess(const std::shared_ptr<Session>& session,
-                                           const v1::SelectRequest& req, v1::SelectResponse* resp) {
-  if (!env_.prefetcher) return session->Select(req, resp);
+                                           const v1::SelectRequest& req, v1::SelectResponse* resp,
+                                           ReplyRoom* room) {
+  if (!env_.prefetcher) return session->Select(req, resp, room);
   PrefetchGuess guess;
-  RETURN_IF_ERROR(session->Select(req, resp, &guess, env_.prefetcher->extra_percent()));
+  RETURN_IF_ERROR(session->Select(req, resp, room, &guess, env_.prefetcher->extra_percent()));
   env_.prefetcher->Enqueue(session, std::move(guess));
   return absl::OkStatus();
 }
@@ -346,9 +338,8 @@ absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::Select
   RETURN_IF_ERROR(EndNamedLeases(tenant, one));
   // Session::Select clears the response it fills (a retried run included).
   RETURN_IF_ERROR(env_.sessions->Run(tenant, req.session_id(), [&](const auto& session) {
-    RETURN_IF_ERROR(CheckReply("Select", session->ReplyBytesBound(req), reply_limit));
-    RETURN_IF_ERROR(SelectAndGuess(session, req, resp));
-    return absl::OkStatus();
+    ReplyRoom room{reply_limit, reply_limit};  // a retried run starts anew
+    return SelectAndGuess(session, req, resp, &room);
   }));
   SeriesOf(tenant).selects->Inc();
   return absl::OkStatus();
@@ -357,8 +348,12 @@ absl::Status KvTierService::DoSelect(const std::string& tenant, const v1::Select
 absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
                                           const v1::BatchSelectRequest& req,
                                           v1::BatchSelectResponse* resp, uint64_t reply_limit) {
-  // The whole reply's bound first: a batch too large to send takes no lease at all.
-  uint64_t bound = 0;
+  // The whole reply's bound first: a batch too large to send takes no lease at all. Each
+  // reply's framing in the batch takes 8 bytes of the room besides.
+  constexpr uint64_t kFraming = 8;
+  const ReplyRoom whole{
+      reply_limit, reply_limit - std::min<uint64_t>(reply_limit, kFraming * req.requests_size())};
+  ReplyRoom first = whole;
   for (int i = 0; i < req.requests_size(); ++i) {
     const v1::SelectRequest& r = req.requests(i);
     auto session = env_.sessions->Get(tenant, r.session_id());
@@ -366,11 +361,12 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
       return absl::Status(session.status().code(),
                           absl::StrCat("requests[", i, "].", session.status().message()));
     }
-    bound += (*session)->ReplyBytesBound(r) + 8;  // and its framing in the batch
-    if (bound > reply_limit) {
-      return CheckReply(absl::StrCat("requests[0..", i, "]").c_str(), bound, reply_limit);
-    }
+    RETURN_IF_ERROR(
+        TakeReplyRoom(absl::StrCat("requests[", i, "]"), (*session)->ReplyBytesBound(r), &first));
   }
+  // Then each Select takes its bound again, under its session's lock, from one room: appends
+  // since the first look cannot grow the batch's reply past the limit.
+  ReplyRoom room = whole;
   std::vector<const v1::SelectRequest*> all;
   all.reserve(req.requests_size());
   for (const v1::SelectRequest& r : req.requests()) all.push_back(&r);
@@ -380,7 +376,7 @@ absl::Status KvTierService::DoBatchSelect(const std::string& tenant,
     absl::Status s = [&]() -> absl::Status {
       v1::SelectResponse* out = resp->add_responses();
       return env_.sessions->Run(tenant, r.session_id(), [&](const auto& session) {
-        return SelectAndGuess(session, r, out);  // Session::Select clears `out` first
+        return SelectAndGuess(session, r, out, &room);  // Session::Select clears `out` first
       });
     }();
     if (!s.ok()) {
@@ -921,8 +917,8 @@ grpc::ServerUnaryReactor* KvTierService::Echo(grpc::CallbackServerContext* ctx,
                                               const v1::EchoRequest* req, v1::EchoResponse* resp) {
   return Unary(ctx, "Echo", [&]() -> absl::Status {
     // The payload and its framing within the reply limit, checked before it is made.
-    RETURN_IF_ERROR(
-        CheckReply("response_bytes", uint64_t{req->response_bytes()} + 16, env_.max_message_bytes));
+    ReplyRoom room{env_.max_message_bytes, env_.max_message_bytes};
+    RETURN_IF_ERROR(TakeReplyRoom("response_bytes", uint64_t{req->response_bytes()} + 16, &room));
     if (req->response_bytes() == 0) {
       resp->set_payload(req->payload());
     } else {

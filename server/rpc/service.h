@@ -229,9 +229,10 @@ class KvTierService final : public v1::KvTier::CallbackService {
   static constexpr int kMaxReleasesPerSelect = 64;
   absl::Status EndNamedLeases(const std::string& tenant,
                               std::span<const v1::SelectRequest* const> requests);
-  // One Select of `session`, and, with a prefetcher, the promotion of its guess queued.
+  // One Select of `session`, its reply's bound taken from `room`, and, with a prefetcher, the
+  // promotion of its guess queued.
   absl::Status SelectAndGuess(const std::shared_ptr<Session>& session, const v1::SelectRequest& req,
-                              v1::SelectResponse* resp);
+                              v1::SelectResponse* resp, ReplyRoom* room);
 
   // The per-tenant counters of `tenant` (of "_other" for a tenant the config does not name).
   struct TenantSeries {

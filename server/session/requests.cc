@@ -97,4 +97,19 @@ absl::StatusOr<std::vector<float>> CheckSelect(const v1::ModelShape& shape,
   return q;
 }
 
+absl::Status TakeReplyRoom(std::string_view what, uint64_t bound, ReplyRoom* room) {
+  if (bound <= room->left) {
+    room->left -= bound;
+    return absl::OkStatus();
+  }
+  const std::string before =
+      room->left < room->limit
+          ? absl::StrFormat(" (%d bytes left of it after the replies before)", room->left)
+          : "";
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s: a reply of up to %d bytes would pass max_message_size %d%s; ask for less (a smaller "
+      "budget, no include_data, fewer requests per batch)",
+      what, bound, room->limit, before));
+}
+
 }  // namespace kvtier

@@ -5,6 +5,7 @@
 #define KVTIER_SERVER_SESSION_REQUESTS_H_
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,6 +28,19 @@ absl::Status CheckAppendFinite(const v1::ModelShape& shape, const v1::AppendKVRe
 absl::StatusOr<std::vector<float>> CheckSelect(const v1::ModelShape& shape,
                                                const v1::SelectRequest& req,
                                                uint32_t default_lease_ms, uint32_t max_lease_ms);
+
+// What replies may still take of `limit` (--max_message_size, or a channel's response area).
+// A Select takes its reply's bound from `left` under the same hold of its session's lock as
+// its work, so an append between the check and the work cannot grow the reply past it, and
+// the replies of one batch, taking from one room, never pass `limit` together.
+struct ReplyRoom {
+  uint64_t limit;
+  uint64_t left;
+};
+
+// Takes `bound` bytes of `room`, or RESOURCE_EXHAUSTED naming `what`, the bound and the limit
+// (and changes nothing).
+absl::Status TakeReplyRoom(std::string_view what, uint64_t bound, ReplyRoom* room);
 
 }  // namespace kvtier
 

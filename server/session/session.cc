@@ -562,7 +562,7 @@ absl::StatusOr<LayerChoice> Session::Choose(uint32_t layer, std::span<const floa
   return c;
 }
 
-absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out,
+absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* out, ReplyRoom* room,
                              PrefetchGuess* guess, uint32_t extra_percent) {
   out->Clear();
   ASSIGN_OR_RETURN(const std::vector<float> q,
@@ -578,6 +578,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
   RETURN_IF_ERROR(env_.leases->CheckWorker(tenant_, req.worker_id()));
   ForegroundLock lock(&mu_, &foreground_);
   RETURN_IF_ERROR(CheckOpen());
+  if (room != nullptr) RETURN_IF_ERROR(TakeReplyRoom("Select", ReplyBound(req), room));
   last_access_ms_ = env_.clock->NowMs();
   const uint32_t layer = req.layer();
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();
@@ -686,6 +687,10 @@ uint64_t Session::ReplyBytesBound(const v1::SelectRequest& req) const {
   // A session closed or moved since the caller found it holds no streams; the Select that
   // follows says so (CheckOpen).
   if (closed_ || req.layer() >= shape_.num_layers()) return 0;
+  return ReplyBound(req);
+}
+
+uint64_t Session::ReplyBound(const v1::SelectRequest& req) const {
   const ChunkFormat f = format();
   const uint64_t total = layers_[req.layer()].tokens;
   const uint64_t budget = req.budget_tokens() ? req.budget_tokens() : policy_.default_budget();

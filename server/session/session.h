@@ -41,6 +41,7 @@
 #include "server/session/layer_budget.h"
 #include "server/session/lease_table.h"
 #include "server/session/promotion.h"
+#include "server/session/requests.h"
 #include "server/session/selection.h"
 #include "server/session/stream.h"
 #include "server/session/task_pool.h"
@@ -166,13 +167,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // budget; pins them under a lease; fills `out` (cleared first: a caller may pass the same
   // response call after call, as a decode loop does). INVALID_ARGUMENT for the query size, a
   // non-finite query, the layer, the placement, lease_ms, or a budget below the sink and
-  // window chunks; RESOURCE_EXHAUSTED when the tier cannot take a promotion.
+  // window chunks; RESOURCE_EXHAUSTED when the tier cannot take a promotion, or, with `room`,
+  // when the reply's bound (ReplyBytesBound, taken from `room` under the lock the work runs
+  // under) does not fit.
   // With `guess`, also the chunks a budget `extra_percent` larger would have chosen, found by
   // the same ranking (a deeper top-k, not a second one), into *guess for Prefetch: those that
   // need a copy made on the Select's placement (not a warm chunk for the host, nor one whose
   // copy is cached there, as PromotionCache::Held sees it), so an empty guess needs nothing.
   absl::Status Select(const v1::SelectRequest& req, v1::SelectResponse* out,
-                      PrefetchGuess* guess = nullptr, uint32_t extra_percent = 0);
+                      ReplyRoom* room = nullptr, PrefetchGuess* guess = nullptr,
+                      uint32_t extra_percent = 0);
 
   // Promotes ahead, onto the placement tier of the Select that made `guess`, its chunks (those
   // that Select chose are cached already), so that the next step's Select finds them; only
@@ -183,8 +187,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // An upper bound on the serialized size of Select's reply to `req`, from the layer's tokens,
   // the budget and what the request asks for (data, summaries), computed before any work so
-  // that a reply too large to send is refused before it takes a lease or a copy. 0 for a
-  // layer the session does not have (Select refuses it).
+  // that a reply too large to send is refused before it takes a lease or a copy (Select with a
+  // room computes it again under the lock of its work: appends grow it). 0 for a layer the
+  // session does not have (Select refuses it).
   uint64_t ReplyBytesBound(const v1::SelectRequest& req) const;
 
   // Handles with data for `chunk_ids`. NOT_FOUND names an id that is not in the session.
@@ -279,6 +284,7 @@ class Session : public std::enable_shared_from_this<Session> {
   Session(const Session& parent, std::string new_id, v1::SessionPolicy policy,
           MetadataCharge charge);
   // The metadata bytes held now: CreationBytes, and Stream::HeapBytes of every stream.
+  uint64_t ReplyBound(const v1::SelectRequest& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MeasureMetadata() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::SessionRecord Export() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
