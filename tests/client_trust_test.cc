@@ -3,16 +3,21 @@
 // each with an error naming the segment, never map another file or fault past a file's end,
 // and refuse a handle whose offset + length wraps around 2^64.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "client/cpp/socket_io.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvtier/client.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -99,6 +104,36 @@ TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
   shm_unlink(small.c_str());
   unlink(("/dev/shm" + link).c_str());
   unlink(sock.c_str());
+}
+
+// The client's one send on a socket (the ticket line on the descriptor socket): a daemon that
+// closed the connection first (past its per-uid limit, or draining) is an error of that call,
+// never a SIGPIPE, which would end the worker's process (this test's process does not ignore
+// it, as a worker need not). A send larger than the socket takes goes on until all is sent.
+TEST(ClientTrust, ASendToAClosedSocketIsAnErrorNotASignal) {
+  ASSERT_NE(signal(SIGPIPE, SIG_DFL), SIG_ERR);
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  close(sv[1]);
+  EXPECT_THAT(client_internal::SendAll(sv[0], "ticket\n", "descriptor socket /x.fds"),
+              testing::StatusIs(absl::StatusCode::kUnavailable,
+                                "descriptor socket /x.fds: Broken pipe (7 bytes unsent)"));
+  close(sv[0]);
+
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::string big(4 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 % 251);
+  std::string got;
+  std::thread reader([&] {
+    char buf[65536];
+    for (ssize_t n; (n = read(sv[1], buf, sizeof buf)) > 0;)
+      got.append(buf, static_cast<size_t>(n));
+  });
+  EXPECT_TRUE(client_internal::SendAll(sv[0], big, "big").ok());
+  close(sv[0]);
+  reader.join();
+  close(sv[1]);
+  EXPECT_TRUE(got == big) << got.size() << " bytes of " << big.size();
 }
 
 }  // namespace

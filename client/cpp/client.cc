@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/cpp/socket_io.h"
 #include "grpc/grpc.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -487,7 +489,12 @@ absl::Status ReceiveFds(int sock, size_t want, std::vector<int>* out, std::strin
   } while (n < 0 && errno == EINTR);
   if (n <= 0) {
     return absl::UnavailableError(
-        absl::StrCat("descriptor socket: ", n == 0 ? "closed" : std::strerror(errno)));
+        absl::StrCat("descriptor socket: ",
+                     n == 0 ? "the daemon closed it unanswered (it drains, or this uid holds "
+                              "as many descriptor connections as it allows at once; try again)"
+                     : errno == EAGAIN || errno == EWOULDBLOCK
+                         ? "no answer within the client's timeout (at most 5 s)"
+                         : std::strerror(errno)));
   }
   text->assign(buf, static_cast<size_t>(n));
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
@@ -511,6 +518,24 @@ absl::Status ReceiveFds(int sock, size_t want, std::vector<int>* out, std::strin
 
 }  // namespace
 
+namespace client_internal {
+
+absl::Status SendAll(int sock, absl::string_view data, absl::string_view what) {
+  while (!data.empty()) {
+    const ssize_t sent = send(sock, data.data(), data.size(), MSG_NOSIGNAL);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) {
+      const int error = sent < 0 ? errno : EPIPE;
+      return absl::UnavailableError(
+          absl::StrCat(what, ": ", std::strerror(error), " (", data.size(), " bytes unsent)"));
+    }
+    data.remove_prefix(static_cast<size_t>(sent));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace client_internal
+
 absl::StatusOr<std::vector<int>> Client::CollectFds(const std::string& ticket, size_t want) {
   // The socket's path is this client's own address, never a name the daemon gave.
   const std::string path = address_.substr(5) + ".fds";
@@ -522,15 +547,21 @@ absl::StatusOr<std::vector<int>> Client::CollectFds(const std::string& ticket, s
   std::memcpy(addr.sun_path, path.data(), path.size());
   const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  timeval tv{.tv_sec = 5, .tv_usec = 0};
+  // The daemon answers at once or not at all: the client's timeout, at most 5 s (an infinite
+  // one too), at least a millisecond.
+  const absl::Duration wait = std::clamp(options_.timeout, absl::Milliseconds(1), absl::Seconds(5));
+  const timeval tv = absl::ToTimeval(wait);
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   std::vector<int> fds;
   absl::Status s;
   const std::string line = ticket + "\n";
-  if (connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
-      write(sock, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+  if (connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
     s = absl::UnavailableError(
         absl::StrCat("descriptor socket ", path, ": ", std::strerror(errno)));
+  } else {
+    // The daemon closes a connection past its per-uid limit, or one it drains, at once.
+    s = client_internal::SendAll(sock, line, absl::StrCat("descriptor socket ", path));
   }
   while (s.ok() && fds.size() < want) {
     std::string text;
