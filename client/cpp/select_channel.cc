@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -46,8 +47,14 @@ absl::StatusOr<std::unique_ptr<SelectChannel>> Client::OpenChannel(uint64_t size
   c->timeout_ = options_.timeout;
   // The memory's real size bounds everything; the header's areas must lie inside it.
   struct stat st {};
-  if (fstat(c->fds_[0], &st) != 0 || st.st_size < static_cast<off_t>(channel::kHeaderBytes)) {
-    return absl::FailedPreconditionError("OpenChannel: the channel's memory is too small");
+  if (fstat(c->fds_[0], &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenChannel: the channel's memory: fstat: ", std::strerror(errno)));
+  }
+  if (st.st_size < static_cast<off_t>(channel::kHeaderBytes)) {
+    return absl::FailedPreconditionError(absl::StrCat("OpenChannel: the channel's memory is ",
+                                                      st.st_size, " bytes, below its header's ",
+                                                      channel::kHeaderBytes));
   }
   c->size_ = static_cast<uint64_t>(st.st_size);
   void* p = mmap(nullptr, c->size_, PROT_READ | PROT_WRITE, MAP_SHARED, c->fds_[0], 0);
@@ -61,11 +68,20 @@ absl::StatusOr<std::unique_ptr<SelectChannel>> Client::OpenChannel(uint64_t size
   auto inside = [&](uint64_t offset, uint64_t length) {
     return offset >= channel::kHeaderBytes && offset <= c->size_ && length <= c->size_ - offset;
   };
-  if (h.magic != channel::kMagic || h.version != channel::kVersion ||
-      !inside(h.request_offset, h.request_capacity) ||
-      !inside(h.response_offset, h.response_capacity)) {
-    return absl::FailedPreconditionError(
-        "OpenChannel: the channel's header is not a version-1 kvtier channel's");
+  if (h.magic != channel::kMagic || h.version != channel::kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "OpenChannel: the channel's header (magic 0x", absl::Hex(h.magic), ", version ", h.version,
+        ") is not a version-", channel::kVersion, " kvtier channel's"));
+  }
+  // Areas an int counts (the parse takes an int size), within the memory.
+  for (const auto& [what, offset, capacity] :
+       {std::tuple{"request", uint64_t{h.request_offset}, uint64_t{h.request_capacity}},
+        {"response", uint64_t{h.response_offset}, uint64_t{h.response_capacity}}}) {
+    if (!inside(offset, capacity) || capacity > INT_MAX) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("OpenChannel: the channel's ", what, " area (", capacity, " bytes at ",
+                       offset, ") lies outside its ", c->size_, " bytes of memory"));
+    }
   }
   c->request_offset_ = h.request_offset;
   c->request_capacity_ = h.request_capacity;
@@ -181,8 +197,13 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
     const int n = poll(p, 2, static_cast<int>(std::min<int64_t>(left_ms, INT_MAX)));
     if (n < 0 && errno == EINTR) continue;
     if (n == 0 && absl::Now() < deadline) continue;
-    if (n <= 0) {
+    if (n < 0) {
       broken_ = true;  // the answer may still come: the memory is no longer this call's
+      return absl::UnavailableError(
+          absl::StrCat("channel ", id_, ": waiting for the answer: ", std::strerror(errno)));
+    }
+    if (n == 0) {
+      broken_ = true;
       return absl::DeadlineExceededError(
           absl::StrCat("channel ", id_, ": no answer within ", absl::FormatDuration(timeout_)));
     }
@@ -198,16 +219,20 @@ absl::Status SelectChannel::Call(uint32_t op, const google::protobuf::Message& r
   const uint32_t got = h->response_bytes;
   if (got > response_capacity_) {
     broken_ = true;
-    return absl::FailedPreconditionError(
-        absl::StrCat("channel ", id_, ": an answer of ", got, " bytes past its response area"));
+    return absl::FailedPreconditionError(absl::StrCat("channel ", id_, ": an answer of ", got,
+                                                      " bytes past its response area's ",
+                                                      response_capacity_));
   }
   const uint8_t* out = data_ + response_offset_;
   if (code != 0) {
-    const auto c = static_cast<absl::StatusCode>(code >= 1 && code <= 16 ? code : 2 /*UNKNOWN*/);
-    return absl::Status(c, std::string(reinterpret_cast<const char*>(out), got));
+    const std::string message(reinterpret_cast<const char*>(out), got);
+    if (code >= 1 && code <= 16) return absl::Status(static_cast<absl::StatusCode>(code), message);
+    return absl::UnknownError(absl::StrCat("channel ", id_, ": status code ", code, ": ", message));
   }
   if (!resp->ParseFromArray(out, static_cast<int>(got))) {
-    return absl::DataLossError(absl::StrCat("channel ", id_, ": an answer that does not parse"));
+    resp->Clear();  // cleared whatever the outcome, as the header says
+    return absl::DataLossError(
+        absl::StrCat("channel ", id_, ": an answer of ", got, " bytes that does not parse"));
   }
   return absl::OkStatus();
 }
