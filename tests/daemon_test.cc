@@ -641,6 +641,24 @@ TEST(Daemon, AWorkersMappingsOfARestartedDaemonAreReplacedNotUsed) {
   ASSERT_TRUE(Serving(*c)) << "the second kvtierd did not serve on " << socket;
   read_first_block(MakeData(300, 2), 300, &after);
   EXPECT_EQ(after, before) << "the scenario needs the id reused";
+  // The first daemon's mapping, set aside, holds its memory (unlinked by the second daemon)
+  // until Prune lets it go; what the second daemon lists stays mapped.
+  auto mapped = [&](bool unlinked) {  // this process's mappings of the instance's segments
+    std::ifstream maps("/proc/self/maps");
+    int n = 0;
+    for (std::string line; std::getline(maps, line);) {
+      n += absl::StrContains(line, "/kvtier-" + instance + "-") &&
+           absl::EndsWith(line, " (deleted)") == unlinked;
+    }
+    return n;
+  };
+  EXPECT_EQ(mapped(true), 1);
+  EXPECT_EQ(mapped(false), 1);
+  ASSERT_OK_AND_ASSIGN(const size_t pruned, segments.Prune(*c));
+  EXPECT_EQ(pruned, 1u);
+  EXPECT_EQ(mapped(true), 0) << "the first daemon's memory is still mapped";
+  EXPECT_EQ(mapped(false), 1);
+  read_first_block(MakeData(300, 3), 300, &after);  // the second daemon's bytes, still
   ExpectStopsCleanly(second);
 }
 

@@ -39,6 +39,29 @@ SegmentMap::~SegmentMap() {
   for (const Mapping& m : retired_) munmap(const_cast<uint8_t*>(m.data), m.size);
 }
 
+absl::StatusOr<size_t> SegmentMap::Prune(Client& client) {
+  auto list = client.ListSegments();
+  if (!list.ok()) return list.status();
+  std::map<uint64_t, uint64_t> listed;  // id -> stamp
+  for (const v1::Segment& seg : list->segments()) listed[seg.segment_id()] = seg.stamp();
+  std::vector<Mapping> drop;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drop.swap(retired_);
+    for (auto it = maps_.begin(); it != maps_.end();) {
+      const auto l = listed.find(it->first);
+      if (l != listed.end() && l->second == it->second.stamp) {
+        ++it;
+        continue;
+      }
+      drop.push_back(it->second);
+      it = maps_.erase(it);
+    }
+  }
+  for (const Mapping& m : drop) munmap(const_cast<uint8_t*>(m.data), m.size);
+  return drop.size();
+}
+
 bool SegmentMap::StampMatches(int fd, const v1::Segment& seg) {
   if (seg.stamp_offset() == 0) return true;  // a daemon that writes none
   uint64_t stamp = 0;

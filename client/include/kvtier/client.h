@@ -299,6 +299,13 @@ class SegmentMap {
   absl::Status CopyOut(Client& client, const v1::BlockHandle& handle, std::span<uint16_t> keys,
                        std::span<uint16_t> values);
 
+  // Unmaps what the daemon no longer lists as it was mapped (a segment retired, or every one of
+  // a daemon since restarted: their memory stays allocated while a worker maps it), and every
+  // mapping View set aside; returns how many. Views made of them must no longer be read:
+  // call it where none is in use (between decode steps, after a restart). Errors are
+  // ListSegments', and then nothing is unmapped.
+  absl::StatusOr<size_t> Prune(Client& client);
+
  private:
   struct Mapping {
     const uint8_t* data;
@@ -328,7 +335,8 @@ class SegmentMap {
   // the daemon.
   std::mutex mu_;
   std::map<uint64_t, Mapping> maps_;  // guarded by mu_
-  // Mappings set aside (views made of them may still be read); unmapped with this map.
+  // Mappings set aside (views made of them may still be read); unmapped by Prune or with this
+  // map.
   std::vector<Mapping> retired_;  // guarded by mu_
 };
 

@@ -7,9 +7,11 @@
 //   ... kernels read chunk->keys / chunk->values ...
 //   tables.Recheck(handle);                // after reading: the slot still held that chunk
 //
-// Each allocation is opened once (cudaIpcOpenMemHandle on the current device) and closed when
-// the daemon lists its segment with another stamp (retired, or the daemon restarted and reused
-// the id), by Prune for segments no longer listed, and when this object is destroyed.
+// Each allocation is opened once (cudaIpcOpenMemHandle on the current device). One the daemon
+// lists with another stamp (retired, or the daemon restarted and reused the id) is set aside
+// when a handle names the new one, since pointers of it may still be in use (by another thread,
+// or a kernel queued); Prune closes those and the allocations of segments no longer listed, and
+// so does destroying this object.
 #ifndef KVTIER_CUDA_SEGMENTS_H_
 #define KVTIER_CUDA_SEGMENTS_H_
 
@@ -21,6 +23,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -39,6 +42,7 @@ class CudaSegments {
   explicit CudaSegments(SegmentMap* tables) : tables_(tables) {}
   ~CudaSegments() {
     for (auto& [id, open] : open_) (void)cudaIpcCloseMemHandle(open.base);
+    for (uint8_t* base : retired_) (void)cudaIpcCloseMemHandle(base);
   }
   CudaSegments(const CudaSegments&) = delete;
   CudaSegments& operator=(const CudaSegments&) = delete;
@@ -50,7 +54,7 @@ class CudaSegments {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(d->segment_id);
     if (it != open_.end() && it->second.stamp != d->stamp) {  // what the id named before
-      (void)cudaIpcCloseMemHandle(it->second.base);
+      retired_.push_back(it->second.base);                    // closed by Prune
       open_.erase(it);
       it = open_.end();
     }
@@ -75,13 +79,17 @@ class CudaSegments {
     return CudaChunk{it->second.base + d->offset, it->second.base + d->offset + half, half};
   }
 
-  // Closes the allocations of segments the daemon no longer lists.
+  // Closes the allocations of segments the daemon no longer lists as opened, and those set
+  // aside. Pointers of them must no longer be used: call it where none is (between decode
+  // steps, after a restart), with the kernels that read them finished.
   absl::Status Prune(Client& client) {
     absl::StatusOr<v1::ListSegmentsResponse> list = client.ListSegments();
     if (!list.ok()) return list.status();
     std::map<uint64_t, uint64_t> listed;
     for (const v1::Segment& s : list->segments()) listed[s.segment_id()] = s.stamp();
     std::lock_guard<std::mutex> lock(mu_);
+    for (uint8_t* base : retired_) (void)cudaIpcCloseMemHandle(base);
+    retired_.clear();
     for (auto it = open_.begin(); it != open_.end();) {
       auto l = listed.find(it->first);
       if (l != listed.end() && l->second == it->second.stamp) {
@@ -107,6 +115,7 @@ class CudaSegments {
   SegmentMap* const tables_;
   mutable std::mutex mu_;
   std::map<uint64_t, Open> open_;  // by segment id; guarded by mu_
+  std::vector<uint8_t*> retired_;  // set aside by View, closed by Prune; guarded by mu_
 };
 
 }  // namespace kvtier
