@@ -136,14 +136,21 @@ class Client:
         return self._reader, self._shapes[session_id].head_dim
 
     async def gather(self, head: pb.HeadSelection, session_id: str):
-        """(positions, K, V) of one HeadSelection's rows, as kvtier.Client.gather."""
+        """(positions, K, V) of one HeadSelection's rows, as kvtier.Client.gather. Read here
+        when its segments are mapped already (memory alone); else in a thread, since mapping
+        asks the daemon (blocking calls), and the event loop goes on meanwhile."""
         reader, head_dim = await self._mapped(session_id)
-        return reader.gather(head, head_dim=head_dim)
+        if reader.segments.holds(b.segment_id for b in head.blocks if not b.keys):
+            return reader.gather(head, head_dim=head_dim)
+        return await asyncio.to_thread(reader.gather, head, head_dim=head_dim)
 
     async def view(self, handle: pb.BlockHandle, session_id: str, like: str = "numpy"):
-        """Zero-copy (K, V) of one handle, numpy or torch, as kvtier.Client.view."""
+        """Zero-copy (K, V) of one handle, numpy or torch, as kvtier.Client.view (in a thread
+        when its segment is not mapped yet, as gather)."""
         reader, head_dim = await self._mapped(session_id)
-        return reader.view(handle, head_dim, like=like)
+        if reader.segments.holds([handle.segment_id]):
+            return reader.view(handle, head_dim, like=like)
+        return await asyncio.to_thread(reader.view, handle, head_dim, like=like)
 
     async def move_session(self, session_id: str, to: "Client",
                            new_session_id: str = "", carrier: str = "parts") -> SessionHandle:

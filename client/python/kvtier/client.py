@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -146,8 +147,7 @@ def _checked_items(items) -> list:
             except (TypeError, ValueError):
                 raise KvTierArgumentError(f"items[{i}].token_ids",
                                           f"{ids!r} is not a sequence of integers") from None
-        k = np.ascontiguousarray(k)
-        v = np.ascontiguousarray(v)
+        k, v = _little_endian(np.ascontiguousarray(k)), _little_endian(np.ascontiguousarray(v))
         for name, a in (("keys", k), ("values", v)):
             if a.ndim != 3:
                 raise KvTierArgumentError(f"items[{i}].{name}",
@@ -168,6 +168,12 @@ def _checked_items(items) -> list:
 def _append_request(session_id, layer, start, k, v, ids, wait_aged) -> pb.AppendKVRequest:
     return _msg(pb.AppendKVRequest, session_id=session_id, layer=layer, start_token=start,
                 num_tokens=k.shape[1], token_ids=[] if ids is None else ids, wait_aged=wait_aged)
+
+
+def _little_endian(a: np.ndarray) -> np.ndarray:
+    """`a` with its values in little-endian order, as the daemon reads them (a big-endian
+    array's values converted, never its bytes sent as they are)."""
+    return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
 
 
 def _as_array(argument: str, a) -> np.ndarray:
@@ -344,6 +350,12 @@ class SegmentMap:
         self._tensors: dict = {}  # each map as one torch fp16 tensor, made on first use
         self._lock = threading.Lock()
 
+    def holds(self, segment_ids: Iterable[int]) -> bool:
+        """Whether every one of these segments is mapped already (reading them then asks the
+        daemon nothing, unless a handle's generation is stale)."""
+        with self._lock:
+            return all(i in self._maps for i in segment_ids)
+
     def _segment(self, segment_id: int) -> mmap.mmap:
         with self._lock:
             m = self._maps.get(segment_id)
@@ -489,9 +501,18 @@ class SegmentMap:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
                               f"handle of chunk {handle.chunk_id} does not fit its segment")
         base, dev = self._device_base(seg)
-        k = cuda.CudaArray(base + handle.offset, handle.num_tokens, head_dim, dev)
-        v = cuda.CudaArray(base + handle.offset + 2 * n, handle.num_tokens, head_dim, dev)
-        return cuda.as_like(k, like), cuda.as_like(v, like)
+        # A bf16 session's bits: torch's bfloat16, else 2-byte integers (no other array type
+        # every consumer knows has bf16).
+        bf16 = handle.precision == pb.PRECISION_BF16
+        typestr = "<u2" if bf16 and like != "torch" else "<f2"
+        k = cuda.CudaArray(base + handle.offset, handle.num_tokens, head_dim, dev, typestr)
+        v = cuda.CudaArray(base + handle.offset + 2 * n, handle.num_tokens, head_dim, dev,
+                           typestr)
+        k, v = cuda.as_like(k, like), cuda.as_like(v, like)
+        if bf16 and like == "torch":
+            torch = _torch()
+            k, v = k.view(torch.bfloat16), v.view(torch.bfloat16)
+        return k, v
 
     def _tensor(self, segment_id: int):
         """The whole segment as one torch fp16 tensor over the same mapping (DLPack, no copy)."""
@@ -502,15 +523,17 @@ class SegmentMap:
                 t = self._tensors.setdefault(segment_id, t)
         return t
 
-    def view(self, handle: pb.BlockHandle, head_dim: int, dtype=np.float16,
-             like: str = "numpy"):
+    def view(self, handle: pb.BlockHandle, head_dim: int, dtype=None, like: str = "numpy"):
         """K and V of `handle` as read-only [num_tokens][head_dim] views over shared memory:
         numpy arrays, or torch tensors with like="torch" (the same bytes, through DLPack; torch
         has no read-only tensors, and writing to one faults). Either exports DLPack
         (`np.from_dlpack`, `torch.from_dlpack`). A handle on a GPU segment gives device arrays
         over the daemon's allocation (kvtier.cuda): torch tensors (like="torch"), CuPy arrays
-        (like="cupy") or `__cuda_array_interface__` objects (like="cuda"), fp16. Checked
-        against the slot's generation first; call check() again after reading."""
+        (like="cupy") or `__cuda_array_interface__` objects (like="cuda"). The values are
+        fp16, or a bf16 session's bits (PRECISION_BF16 handles): uint16 in numpy (as append
+        takes them) and in device arrays, torch.bfloat16 in torch; `dtype` reads a host
+        handle's 2-byte values as another numpy type. Checked against the slot's generation
+        first; call check() again after reading."""
         if like not in _LIKES + _DEVICE_LIKES:
             raise KvTierArgumentError("like", f"{like!r} is not one of "
                                       f"{', '.join(dict.fromkeys(_LIKES + _DEVICE_LIKES))}")
@@ -528,12 +551,19 @@ class SegmentMap:
             raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
                               f"handle of chunk {handle.chunk_id} does not fit its segment")
         o = handle.offset // 2
+        bf16 = handle.precision == pb.PRECISION_BF16
         if like == "torch":
-            if dtype is not np.float16:
-                raise KvTierArgumentError("dtype", "torch views are fp16")
+            if dtype is not None:
+                raise KvTierArgumentError("dtype", "torch views are fp16, or bf16 for a bf16 "
+                                          "session's handles")
             t = self._tensor(handle.segment_id)
-            return (t[o:o + n].view(handle.num_tokens, head_dim),
-                    t[o + n:o + 2 * n].view(handle.num_tokens, head_dim))
+            k = t[o:o + n].view(handle.num_tokens, head_dim)
+            v = t[o + n:o + 2 * n].view(handle.num_tokens, head_dim)
+            if bf16:
+                k, v = k.view(_torch().bfloat16), v.view(_torch().bfloat16)
+            return k, v
+        if dtype is None:
+            dtype = np.uint16 if bf16 else np.float16
         k, v = a[o:o + n], a[o + n:o + 2 * n]
         if dtype is not np.float16:
             k, v = k.view(dtype), v.view(dtype)
@@ -615,6 +645,9 @@ _OP_SELECT, _OP_BATCH_SELECT, _OP_RELEASE, _OP_APPEND_KV = 1, 2, 3, 4
 # tokens a channel call per layer took half the time of one stream for every layer or less
 # (SmolLM2's shape), and about the same at 256.
 _CHANNEL_APPEND_TOKENS = 64
+# An append request's bytes beside its K and V (ids, layer, start, framing; token_ids at
+# most 64 x 5 bytes), kept free of the channel's request area.
+_CHANNEL_APPEND_OVERHEAD = 1024
 # The header's worker_cpu and serving_cpu (uint32 each, 1 + a CPU; 0: not said).
 _WORKER_CPU_AT, _SERVING_CPU_AT = 72, 76
 # How long a call served on its own CPU gives it up (sched_yield) before it sleeps.
@@ -637,6 +670,12 @@ def _calling_cpu() -> int:
 _LIBC = ctypes.CDLL(None)
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+
+
 class SelectChannel:
     """A shared-memory Select channel (Client.open_channel): select, batch_select, release and
     a decode loop's per-layer append without gRPC, as the client's tenant. One call at a time;
@@ -646,9 +685,12 @@ class SelectChannel:
         self.id = channel_id
         self.worker_id = worker_id
         self._timeout = timeout
-        self._lock = threading.Lock()
+        # Reentrant: a call that times out closes the channel under it.
+        self._lock = threading.RLock()
         self._seq = 0
         self._fds = fds
+        # A channel never closed still hangs up once collected (its descriptors are plain ints).
+        self._finalizer = weakref.finalize(self, _close_fds, fds)
         try:
             size = os.fstat(fds[0]).st_size
             self._mem = mmap.mmap(fds[0], size)
@@ -668,14 +710,15 @@ class SelectChannel:
             raise
 
     def close(self) -> None:
-        """Hangs up: the daemon ends the channel's thread and the leases it holds."""
-        self._words = None  # the view first: a map with views on it cannot close
-        if getattr(self, "_mem", None) is not None:
-            self._mem.close()
-            self._mem = None
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        """Hangs up: the daemon ends the channel's thread and the leases it holds. Waits for
+        a call another thread is making to end first."""
+        with self._lock:
+            self._words = None  # the view first: a map with views on it cannot close
+            if getattr(self, "_mem", None) is not None:
+                self._mem.close()
+                self._mem = None
+            self._finalizer()  # closes the descriptors, once
+            self._fds = []
 
     def __enter__(self):
         return self
@@ -900,11 +943,12 @@ class Client:
         return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
                      metadata=self._metadata).num_tokens
 
-    def _append_through_channel(self, session_id, items, wait_aged) -> int | None:
-        """append_layers' items through this client's channel, in order, the first error
-        raised; None when the channel cannot carry them (a daemon without its appends, a
-        channel that broke: the caller streams them instead, and a rewrite of what was
-        applied is a no-op)."""
+    def _append_through_channel(self, session_id, items, wait_aged,
+                                layer_bytes: int) -> int | None:
+        """append_layers' items (`layer_bytes` of K and V each) through this client's channel,
+        in order, the first error raised; None when the channel cannot carry them (a daemon
+        without its appends, a channel that broke, a layer larger than its request area: the
+        caller streams them instead, and a rewrite of what was applied is a no-op)."""
         with self._append_channel_lock:
             try:
                 if self._append_channel is None:
@@ -913,6 +957,8 @@ class Client:
             except KvTierError:
                 self._append_channel_ok = False  # no channels here: the stream from now on
                 return None
+        if layer_bytes + _CHANNEL_APPEND_OVERHEAD > ch._req_cap:
+            return None  # larger steps than this channel's area: this one streams
         stored = 0
         try:
             for layer, at, k, v in items:
@@ -951,7 +997,8 @@ class Client:
             channel = (self.address.startswith("unix:") and self._append_channel_ok
                        and keys.shape[2] <= _CHANNEL_APPEND_TOKENS)
         if channel:
-            stored = self._append_through_channel(session_id, items(), wait_aged)
+            stored = self._append_through_channel(session_id, items(), wait_aged,
+                                                  keys[0].nbytes + values[0].nbytes)
             if stored is not None:
                 return stored
         if zero_copy is None:
@@ -963,8 +1010,20 @@ class Client:
             area = self._staging.get(session_id)
             try:
                 if area is None or area.size < need:
-                    area = self._staging[session_id] = self.open_staging(session_id, need)
-                return self.append_kv(session_id, items(), wait_aged, staging=area)
+                    try:
+                        area = self._staging[session_id] = self.open_staging(session_id, need)
+                    except KvTierError as e:
+                        # An area this large refused (past --max_staging_size, the room the
+                        # sessions' areas leave, the session's old one counted until this one
+                        # replaces it), or the descriptor socket out of reach: this call sends
+                        # the bytes, and a later, smaller one may stage again.
+                        if e.code not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                          grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          grpc.StatusCode.UNAVAILABLE):
+                            raise
+                        area = None
+                if area is not None:
+                    return self.append_kv(session_id, items(), wait_aged, staging=area)
             except KvTierError as e:
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and "OpenStaging" in e.message:
                     self._staging_ok = False  # this daemon has none: bytes from now on
@@ -1023,9 +1082,11 @@ class Client:
             head_dim = self._shape(session_id).head_dim
         blocks = head.blocks
         total = sum(len(b.rows) or b.num_tokens for b in blocks)
+        # A bf16 session's rows are bf16 bits, given back as uint16, as append takes them.
+        dt = np.uint16 if any(b.precision == pb.PRECISION_BF16 for b in blocks) else np.float16
         pos = np.empty(total, np.int64)
-        keys = np.empty((total, head_dim), np.float16)
-        values = np.empty((total, head_dim), np.float16)
+        keys = np.empty((total, head_dim), dt)
+        values = np.empty((total, head_dim), dt)
         at = 0
         for b in blocks:
             n = b.num_tokens
@@ -1034,10 +1095,10 @@ class Client:
                     raise KvTierArgumentError(
                         "head_dim", f"{head_dim} does not fit chunk {b.chunk_id}'s inline bytes "
                         f"({len(b.keys)} of keys for {n} tokens)")
-                k = np.frombuffer(b.keys, np.float16).reshape(n, head_dim)
-                v = np.frombuffer(b.values, np.float16).reshape(n, head_dim)
+                k = np.frombuffer(b.keys, dt).reshape(n, head_dim)
+                v = np.frombuffer(b.values, dt).reshape(n, head_dim)
             else:
-                k, v = self.segments.view(b, head_dim)
+                k, v = self.segments.view(b, head_dim, dtype=dt)
             p = np.asarray(b.positions, np.int64)
             if b.rows:
                 rows = np.asarray(b.rows, np.int64)
@@ -1167,6 +1228,8 @@ class Client:
                 while len(fds) < want:
                     text, got, flags, _ = socket.recv_fds(sock, 512, 253)
                     fds.extend(got)
+                    for fd in got:  # recv_fds takes no MSG_CMSG_CLOEXEC: a child never has them
+                        os.set_inheritable(fd, False)
                     if text == b"k" and not got:  # so that the loop ends
                         raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
                                           "descriptor socket: a message without descriptors")

@@ -35,10 +35,11 @@ class LocalDaemon:
         self.instance = f"{prefix}-{os.getpid()}-{next(_counter)}"
         self.address = f"unix:{self.socket}"
         self.log = directory / "daemon.log"
-        self.proc = subprocess.Popen(
-            [str(binary), "--listen", self.address, "--instance", self.instance,
-             "--log_level", "warn", *flags],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        with self.log.open("w") as log:  # the child holds its own descriptor of it
+            self.proc = subprocess.Popen(
+                [str(binary), "--listen", self.address, "--instance", self.instance,
+                 "--log_level", "warn", *flags],
+                stdout=log, stderr=subprocess.STDOUT)
         started = False
         # up to a minute: a loaded machine (sanitizers, fuzzers beside it) starts slowly
         for _ in range(1200):
@@ -51,10 +52,15 @@ class LocalDaemon:
             raise RuntimeError(f"kvtierd did not start: {self.log.read_text()}")
 
     def stop(self) -> int:
-        """SIGTERM (unless it has exited already); its exit status, waited for up to 30 s."""
+        """SIGTERM (unless it has exited already); its exit status, waited for up to 30 s,
+        after which it is killed (SIGKILL) and that status given."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
     def __enter__(self) -> "LocalDaemon":
         return self

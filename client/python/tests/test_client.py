@@ -60,6 +60,42 @@ def test_round_trip_through_shared_memory_is_exact_and_zero_copy(client):
     client.release(sel.lease_id)
 
 
+def test_a_bf16_sessions_rows_come_back_as_the_bits_appended(client):
+    """A bf16 session stores bf16 bits (appended as uint16): gather, view and the torch view give
+    them back as such (uint16 bits; torch.bfloat16), never read as fp16, through shared memory
+    and inline alike."""
+    rng = np.random.default_rng(5)
+    want = rng.standard_normal((L, KVH, 200, D)).astype(np.float32)
+    bits = (want.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: exact below
+    bits[0, 0, 0, :2] = (0x3F80, 0xC000)  # 1.0 and -2.0 (as fp16 bits: 1.875 and -2.0)
+    sid = client.create_session(L, QH, KVH, D, dtype="bf16", lossless=True).session_id
+    assert client.append_layers(sid, 0, bits, bits[::-1].copy(), wait_aged=True) == 200
+    for data in (False, True):
+        sel = client.select(sid, 0, rng.standard_normal((QH, D)), budget_tokens=5000,
+                            include_data=data)
+        for head in sel.heads:
+            assert all(b.precision == pb.PRECISION_BF16 for b in head.blocks)
+            pos, hk, hv = client.gather(head, sid)
+            assert hk.dtype == np.uint16
+            order = np.argsort(pos)
+            np.testing.assert_array_equal(hk[order], bits[0, head.kv_head])
+            np.testing.assert_array_equal(hv[order], bits[::-1][0, head.kv_head])
+        block = sel.heads[0].blocks[0]
+        if not data:
+            kview, _ = client.view(block, D)
+            assert kview.dtype == np.uint16
+            np.testing.assert_array_equal(kview[0, :2], [0x3F80, 0xC000])
+            try:
+                import torch
+            except ImportError:
+                torch = None
+            if torch is not None:
+                kt, _ = client.view(block, D, like="torch")
+                assert kt.dtype == torch.bfloat16
+                assert kt[0, :2].float().tolist() == [1.0, -2.0]
+        client.release(sel.lease_id)
+
+
 def test_torch_views_are_the_mapped_bytes_without_a_copy(client):
     """like="torch" gives tensors over the same mapping as the numpy views (same address, no
     copy), equal to what was appended; both export DLPack to the other without a copy."""
@@ -427,6 +463,59 @@ def test_append_layers_goes_through_a_staging_area_and_stores_the_same(start_dae
             c.open_staging(sid, 4096)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "max_staging_size" in e.value.message
+
+
+def test_append_layers_sends_the_bytes_when_no_area_or_channel_can_carry_them(start_daemon):
+    """append_layers picks staging and the channel by default; an append larger than the
+    daemon lets a staging area be (--max_staging_size), or a decode step larger than the
+    channel's request area, is sent as bytes instead of refused, and stored exactly."""
+    rng = np.random.default_rng(27)
+    d = start_daemon("--max_staging_size", "1M")
+    with kvtier.Client(d.address) as c:
+        k, v = make_kv(rng, 1200)  # 2 x 1.8 MB: past the 1 MB an area may hold
+        sid = c.create_session(L, QH, KVH, D, lossless=True).session_id
+        assert c.append_layers(sid, 0, k[:, :, :100], v[:, :, :100]) == 100  # staged
+        assert c.append_layers(sid, 100, k[:, :, 100:], v[:, :, 100:], wait_aged=True) == 1200
+        sel = c.select(sid, 1, rng.standard_normal((QH, D)), budget_tokens=5000)
+        pos, hk, _ = c.gather(sel.heads[2], sid)
+        np.testing.assert_array_equal(hk[np.argsort(pos)], k[1, 2])
+        # 32 KV heads x 128 x 64 tokens: a layer's K and V are 1 MiB, past the request area of
+        # the default 4 MiB channel.
+        big = rng.standard_normal((1, 32, 64, 128)).astype(np.float16)
+        wide = c.create_session(1, 32, 32, 128, lossless=True).session_id
+        assert c.append_layers(wide, 0, big, big[:, ::-1].copy(), wait_aged=True) == 64
+        sel = c.select(wide, 0, rng.standard_normal((32, 128)), budget_tokens=5000)
+        pos, hk, hv = c.gather(sel.heads[31], wide)
+        np.testing.assert_array_equal(hk[np.argsort(pos)], big[0, 31])
+        np.testing.assert_array_equal(hv[np.argsort(pos)], big[0, 0])
+
+
+def test_arrays_in_either_byte_order_are_stored_as_their_values(client):
+    """The daemon reads little-endian values: a big-endian array's values are stored, not its
+    bytes."""
+    rng = np.random.default_rng(28)
+    k, v = make_kv(rng, 100)
+    sid = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    assert client.append_layers(sid, 0, k.astype(">f2"), v.astype(">f2"), wait_aged=True) == 100
+    sel = client.select(sid, 0, rng.standard_normal((QH, D)), budget_tokens=5000)
+    pos, hk, hv = client.gather(sel.heads[1], sid)
+    np.testing.assert_array_equal(hk[np.argsort(pos)], k[0, 1])
+    np.testing.assert_array_equal(hv[np.argsort(pos)], v[0, 1])
+
+
+def test_a_channels_descriptors_are_not_inherited_and_go_with_it(client):
+    """The descriptors a channel receives are close-on-exec (a child program never holds the
+    worker's end, which would keep the channel and its leases alive), and a channel dropped
+    without close() still hangs up once collected."""
+    import gc
+    ch = client.open_channel()
+    fds = list(ch._fds)
+    assert fds and not any(os.get_inheritable(fd) for fd in fds)
+    del ch
+    gc.collect()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 def test_select_channel_thread_waits_on_the_workers_cpu_unless_told_not_to(start_daemon):

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 import kvtier
+from kvtier.v1 import kvtier_pb2 as pb
 
 # The cache whose layer was just updated: the attention function that follows in the same
 # layer's forward reads it.
@@ -99,7 +100,10 @@ def _read(client: kvtier.Client, head, head_dim: int):
     vt = torch.empty(n, head_dim, dtype=torch.float32)
     at = 0
     for b in head.blocks:
-        if b.keys:  # the bytes came inline (a remote daemon)
+        if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
+            k, v = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).reshape(b.num_tokens, -1)
+                    for x in (b.keys, b.values))
+        elif b.keys:  # the bytes came inline (a remote daemon)
             k, v = (torch.from_dlpack(np.frombuffer(x, np.float16).reshape(b.num_tokens, -1))
                     for x in (b.keys, b.values))
         else:
