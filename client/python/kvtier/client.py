@@ -343,6 +343,7 @@ class SegmentMap:
         self._cuda = cuda
         self._gpu: dict[int, pb.Segment] = {}  # GPU segments as listed when mapped
         self._opened: dict[int, tuple[int, int, int]] = {}  # (pointer, device, stamp) by id
+        self._retired: list[int] = []  # allocations set aside by _device_base, closed by prune
         self._maps: dict[int, mmap.mmap] = {}
         self._tables: dict[int, tuple[int, int]] = {}  # (slot_bytes, generation table offset)
         self._stamps: dict[int, int] = {}  # each segment's stamp, as listed when mapped
@@ -453,14 +454,15 @@ class SegmentMap:
         return self._cuda
 
     def _device_base(self, seg: pb.Segment) -> tuple[int, int]:
-        """(pointer, device) of a GPU segment's allocation, opened once per stamp: an
-        allocation opened under another stamp (what the id named before) is closed first."""
+        """(pointer, device) of a GPU segment's allocation, opened once per stamp: one
+        opened under another stamp (what the id named before) is set aside, since views of it
+        may still be read (another thread's, a kernel queued), and closed by prune."""
         with self._lock:
             opened = self._opened.get(seg.segment_id)
             if opened is not None and opened[2] == seg.stamp:
                 return opened[0], opened[1]
             if opened is not None:
-                self._runtime().close(opened[0])
+                self._retired.append(opened[0])
                 del self._opened[seg.segment_id]
             try:
                 ptr, dev = self._runtime().open(bytes(seg.cuda_ipc_handle))
@@ -472,24 +474,32 @@ class SegmentMap:
 
     def prune(self) -> int:
         """Closes the GPU allocations of segments the daemon no longer lists (or lists with
-        another stamp); how many. Views over them must not be read after this."""
+        another stamp) and those set aside, and drops the host mappings of such segments (each
+        unmapped once no view holds it); how many allocations it closed. Views over them must
+        not be read after this."""
         listed = {s.segment_id: s.stamp for s in self._client.list_segments()}
-        closed = 0
         with self._lock:
+            retired, self._retired = self._retired, []
+            closed = len(retired)
+            for ptr in retired:
+                self._runtime().close(ptr)
             for sid, (ptr, _, stamp) in list(self._opened.items()):
                 if listed.get(sid) != stamp:
                     self._runtime().close(ptr)
                     del self._opened[sid]
-                    self._forget(sid)
                     closed += 1
+            for sid, stamp in list(self._stamps.items()):
+                if listed.get(sid) != stamp:
+                    self._forget(sid)
         return closed
 
     def close(self) -> None:
         """Closes every GPU allocation this map opened."""
         with self._lock:
-            for ptr, _, _ in self._opened.values():
+            for ptr in [p for p, _, _ in self._opened.values()] + self._retired:
                 self._runtime().close(ptr)
             self._opened.clear()
+            self._retired = []
 
     def _device_view(self, seg: pb.Segment, handle: pb.BlockHandle, head_dim: int, like: str):
         if like not in _DEVICE_LIKES:

@@ -148,15 +148,19 @@ def test_a_stale_or_misfit_handle_is_refused_before_any_pointer_is_made(gpu_segm
         fresh.view(handle(1, 6), D, like="cuda")
 
 
-def test_a_restarted_daemons_segment_is_opened_anew_and_the_old_allocation_closed(gpu_segment):
+def test_a_restarted_daemons_segment_is_opened_anew_and_the_old_allocation_set_aside(gpu_segment):
+    """The old allocation is not closed under views that may still be read (another thread's,
+    a kernel queued): prune closes it."""
     daemon, runtime, first, second = gpu_segment
     seg = kvtier.SegmentMap(daemon, cuda=runtime)
-    seg.view(handle(0, 5), D, like="cuda")
+    old, _ = seg.view(handle(0, 5), D, like="cuda")
     # The daemon restarts: the same segment id, another stamp, allocation and generations.
     daemon.publish(segment_id=7, stamp=0x2222, handle=b"B" * 64, generations=[0, 0, 41, 0])
     k, _ = seg.view(handle(2, 41), D, like="cuda")
-    assert runtime.closed == [first.ctypes.data]
+    assert runtime.closed == []
+    np.testing.assert_array_equal(read(old).reshape(-1), first[:N * D])  # still readable
     assert runtime.opened == [b"A" * 64, b"B" * 64]
+    assert seg.prune() == 1 and runtime.closed == [first.ctypes.data]
     np.testing.assert_array_equal(read(k).reshape(-1), second[SLOT:SLOT + N * D])
     # The old handle is never read through the new mapping.
     with pytest.raises(kvtier.KvTierError) as e:
