@@ -721,7 +721,10 @@ absl::StatusOr<bool> Client::Health() {
 absl::StatusOr<ChunkView> InlineView(const v1::BlockHandle& h) {
   const size_t half = h.length() / 2;
   if (h.keys().size() != half || h.values().size() != half || half % 2 != 0) {
-    return absl::InvalidArgumentError("handle: inline keys/values missing (include_data)");
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle of chunk ", h.chunk_id(), ": inline keys and values of ",
+                     h.keys().size(), " and ", h.values().size(), " bytes, not ", half,
+                     " each of its length ", h.length(), " (Select with include_data)"));
   }
   return ChunkView{
       {reinterpret_cast<const uint16_t*>(h.keys().data()), half / 2},
