@@ -134,7 +134,7 @@ int main() {
       const std::string key = RecordKey("s");
       double t0 = NowSeconds();
       auto bytes =
-          s->Demote([&](const v1::SessionRecord& rec) { return r.Put(key, EncodeRecord(rec)); });
+          s->Demote([&](const v1::SessionRecord& rec) { return r.Put(key, *EncodeRecord(rec)); });
       double t1 = NowSeconds();
       if (!bytes.ok()) return 1;
       auto got = r.Get(key);

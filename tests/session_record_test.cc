@@ -41,7 +41,7 @@ TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
     }
     std::string stored;
     ASSERT_OK_AND_ASSIGN(uint64_t bytes, f.session->Demote([&](const v1::SessionRecord& r) {
-      stored = EncodeRecord(r);
+      stored = *EncodeRecord(r);
       return absl::OkStatus();
     }));
     EXPECT_GT(bytes, 0u);
@@ -96,7 +96,7 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   ExpectStreamExact(f, 0, 0, 100);  // a failed store leaves the session as it was
   ASSERT_OK(f.session
                 ->Demote([&](const v1::SessionRecord& r) {
-                  stored = EncodeRecord(r);
+                  stored = *EncodeRecord(r);
                   return absl::OkStatus();
                 })
                 .status());
@@ -127,7 +127,46 @@ TEST(Remote, BadRecordsAreRefusedAndLeasedSessionsStay) {
   v1::SessionRecord odd = good;
   odd.mutable_streams(0)->mutable_chunks(0)->set_precision(v1::PRECISION_BF16);
   EXPECT_THAT(Session::Import(odd, e.env), StatusIs(Code::kDataLoss, "precision"));
+  // Chunks that hold every position once but not in the order Locate searches them (a
+  // binary search by first position): the restored session aborted on its next append. Out
+  // of order; a contiguous chunk in a regrouped span; a span's row past the next span's first.
+  ASSERT_GE(good.streams(0).chunks_size(), 3);
+  ASSERT_EQ(good.streams(0).chunks(1).first(), 16u);
+  v1::SessionRecord shuffled = good;
+  shuffled.mutable_streams(0)->mutable_chunks()->SwapElements(0, 2);
+  EXPECT_THAT(Session::Import(shuffled, e.env),
+              StatusIs(Code::kDataLoss, "chunk 1 starts at 16, before chunk 0's 32"));
+  auto offsets = [](std::vector<uint16_t> rows) {
+    std::string out;
+    for (uint16_t r : rows)
+      out += std::string{static_cast<char>(r & 0xff), static_cast<char>(r >> 8)};
+    return out;
+  };
+  v1::SessionRecord spanned = good;  // chunk 1 as rows 16..31 of a span from 0
+  spanned.mutable_streams(0)->mutable_chunks(1)->set_first(0);
+  spanned.mutable_streams(0)->mutable_chunks(1)->set_offsets(
+      offsets({16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}));
+  EXPECT_THAT(Session::Import(spanned, e.env),
+              StatusIs(Code::kDataLoss, "chunk 0's rows (from 0) are not within its span"));
+  v1::SessionRecord crossing = good;  // 0..14 and 16 from 0; 15 and 17..31 from 15
+  crossing.mutable_streams(0)->mutable_chunks(0)->set_offsets(
+      offsets({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16}));
+  crossing.mutable_streams(0)->mutable_chunks(1)->set_first(15);
+  crossing.mutable_streams(0)->mutable_chunks(1)->set_offsets(
+      offsets({0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}));
+  EXPECT_THAT(Session::Import(crossing, e.env),
+              StatusIs(Code::kDataLoss, "chunk 0's rows (from 0) are not within its span [0, 15)"));
   EXPECT_EQ(e.host.Stats().used_bytes, 0u);
+  // A record past what one holds is refused before anything is stored: the session stays (it
+  // was an empty record, the session's data freed, past protobuf's 2 GiB).
+  Fixture big = Make(e, 1, 2, 1, 16, 100);
+  ASSERT_OK(AppendAll(big, 100, 100));
+  EXPECT_THAT(
+      big.session->Demote([&](const v1::SessionRecord& r) -> absl::Status {
+        return EncodeRecord(r, 1000).status();
+      }),
+      StatusIs(Code::kResourceExhausted, "past the 1000 a record holds; the session stays"));
+  ExpectStreamExact(big, 0, 0, 100);
 }
 
 // One stream through its record and back: the same chunks, bytes, offsets and precisions, and
@@ -140,7 +179,7 @@ TEST(StreamRecord, RoundTripKeepsEveryChunkAndItsStatistics) {
   std::string stored;
   ASSERT_OK(f.session
                 ->Demote([&](const v1::SessionRecord& r) {
-                  stored = EncodeRecord(r);
+                  stored = *EncodeRecord(r);
                   return absl::OkStatus();
                 })
                 .status());
@@ -221,6 +260,12 @@ TEST(StreamRecord, ChunksThatDoNotFitAreRefusedAndAFullTierSaysSo) {
     c->set_data(quant);
     Stream cold(8);
     EXPECT_OK(DecodeStream(r, fmt, e.host.Account("t"), "rec", &cold));  // an encoder's: accepted
+    // Not in a bf16 session's stream, which is lossless: its rows would dequantize to fp16 bits
+    // served as bf16.
+    ChunkFormat bf16 = fmt;
+    bf16.dtype = v1::DTYPE_BF16;
+    EXPECT_THAT(DecodeStream(r, bf16, e.host.Account("t"), "rec", &cold),
+                StatusIs(Code::kDataLoss, "rec: a bf16 session's chunk is cold"));
     const float nan = std::numeric_limits<float>::quiet_NaN(), huge = 1e30f;
     for (auto [at, value] : {std::pair{L.key_header() + 4 * kZeroStep, nan},
                              std::pair{L.value_header() + 4 * kScaleBase, huge},

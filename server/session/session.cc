@@ -1034,6 +1034,31 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
           seen[p] = true;
         }
       }
+      // In order as Locate searches them: by first position; chunks sharing one are a
+      // regrouped span (each with its offsets), and a span's rows lie below the next span's
+      // first position.
+      for (size_t c = 1; c < chunks.size(); ++c) {
+        if (chunks[c].first < chunks[c - 1].first) {
+          return bad(
+              absl::StrFormat("layer %d, KV head %d: chunk %d starts at %d, before chunk "
+                              "%d's %d (chunks are in order of position)",
+                              l, h, c, chunks[c].first, c - 1, chunks[c - 1].first));
+        }
+      }
+      for (size_t c = 0, span_end = 0; c < chunks.size(); ++c) {
+        if (c >= span_end) {  // the next span: its chunks, and where the span after it starts
+          span_end = c + 1;
+          while (span_end < chunks.size() && chunks[span_end].first == chunks[c].first) ++span_end;
+        }
+        const uint64_t limit = span_end < chunks.size() ? chunks[span_end].first : tokens;
+        const bool regrouped =
+            span_end - c > 1 || (c > 0 && chunks[c - 1].first == chunks[c].first);
+        if ((regrouped && chunks[c].offsets.empty()) || chunks[c].end() > limit) {
+          return bad(absl::StrFormat(
+              "layer %d, KV head %d: chunk %d's rows (from %d) are not within its span [%d, %d)", l,
+              h, c, chunks[c].position(0), chunks[c].first, limit));
+        }
+      }
     }
   }
   for (uint32_t l = 0; l < shape.num_layers(); ++l) {

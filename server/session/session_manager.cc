@@ -458,8 +458,9 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
-  ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) {
-    return records_->Put(session_id, EncodeRecord(r));  // and the id let go
+  ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) -> absl::Status {
+    ASSIGN_OR_RETURN(std::string record, EncodeRecord(r));
+    return records_->Put(session_id, record);  // and the id let go
   }));
   {
     MutexLock lock(&mu_);
@@ -575,8 +576,9 @@ SessionManager::PersistCounts SessionManager::PersistChanged() {
   for (const std::shared_ptr<Session>& s : List()) {
     std::optional<Session::Snapshot> snap = s->SnapshotIfChanged();
     if (!snap) continue;
-    const std::string bytes = EncodeRecord(snap->record);
-    if (absl::Status put = remote_->Put(SnapshotKey(s->id()), bytes); !put.ok()) {
+    absl::StatusOr<std::string> bytes = EncodeRecord(snap->record);
+    if (absl::Status put = bytes.ok() ? remote_->Put(SnapshotKey(s->id()), *bytes) : bytes.status();
+        !put.ok()) {
       ++n.failed;
       KVLOG(warn, "session.persist_failed", "session={} error={}", s->id(),
             LogValue(put.message()));
@@ -587,7 +589,7 @@ SessionManager::PersistCounts SessionManager::PersistChanged() {
     if (s->closed()) DropSnapshot(s->id());
     s->MarkPersisted(snap->version);
     ++n.sessions;
-    n.bytes += bytes.size();
+    n.bytes += bytes->size();
   }
   return n;
 }

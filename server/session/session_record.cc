@@ -1,5 +1,6 @@
 #include "server/session/session_record.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -61,6 +62,10 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t ve
         "%s: format version %d; this kvtierd reads version %d", what, got_version, version));
   }
   const std::string_view payload = bytes.substr(kHeader);
+  if (payload.size() > kMaxRecordBytes) {  // a parse takes an int's size
+    return absl::DataLossError(absl::StrCat(what, ": a payload of ", payload.size(),
+                                            " bytes, past the ", kMaxRecordBytes, " one holds"));
+  }
   const uint64_t want = GetLe(bytes, 8, 8), got = Fnv1a64(payload);
   if (want != got) {
     return absl::DataLossError(absl::StrFormat(
@@ -72,7 +77,13 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t ve
   return absl::OkStatus();
 }
 
-std::string EncodeRecord(const v1::SessionRecord& record) {
+absl::StatusOr<std::string> EncodeRecord(const v1::SessionRecord& record, uint64_t max_bytes) {
+  if (const uint64_t bytes = record.ByteSizeLong(); bytes > std::min(max_bytes, kMaxRecordBytes)) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "record of session \"%s\": %d bytes, past the %d a record holds; the session stays "
+        "here",
+        record.session_id(), bytes, std::min(max_bytes, kMaxRecordBytes)));
+  }
   return Frame(kRecordMagic, kRecordVersion, record);
 }
 
@@ -115,6 +126,8 @@ absl::Status DecodeStream(const v1::StreamRecord& record, const ChunkFormat& f,
     c.sealed = cr.sealed();
     c.precision = cr.precision();
     if (c.precision != f.warm() && !c.cold()) return bad("a chunk's precision is not one stored");
+    // A bf16 session is lossless: a cold chunk would dequantize to fp16 bits served as bf16.
+    if (c.cold() && f.kind() == HalfKind::kBf16) return bad("a bf16 session's chunk is cold");
     std::vector<uint32_t> offsets;
     for (size_t j = 0; j < cr.offsets().size(); j += 2) {
       offsets.push_back(static_cast<uint32_t>(GetLe(cr.offsets(), j, 2)));

@@ -37,7 +37,13 @@ std::string Frame(const char (&magic)[4], uint32_t version,
 // an unparsable payload; FAILED_PRECONDITION for another version.
 absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t version,
                      absl::string_view what, google::protobuf::MessageLite* message);
-std::string EncodeRecord(const v1::SessionRecord& record);
+// The most one record's payload holds: protobuf serializes and parses up to INT_MAX bytes (past
+// that SerializeAsString gives an empty string).
+inline constexpr uint64_t kMaxRecordBytes = (uint64_t{1} << 31) - 1;
+// RESOURCE_EXHAUSTED for a record past `max_bytes`, naming its size (the session stays where
+// it is: a demotion fails before anything is stored or freed).
+absl::StatusOr<std::string> EncodeRecord(const v1::SessionRecord& record,
+                                         uint64_t max_bytes = kMaxRecordBytes);
 // DATA_LOSS for a wrong magic, a checksum mismatch or an unparsable payload;
 // FAILED_PRECONDITION for a version this build does not read. `key` names the record.
 absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key);
