@@ -302,6 +302,30 @@ TEST(SelectChannel, AnEndedChannelGivesItsMemoryBackAtOnce) {
   EXPECT_EQ(record.detached, record.attached);
 }
 
+// A worker that keeps its channel's memory descriptor after the channel ended (a leak, or a
+// worker opening channel after channel) keeps the object, not its pages: those the daemon
+// wrote (the header, the answers) are freed as the channel ends.
+TEST(SelectChannel, AnEndedChannelsPagesGoThoughTheWorkerKeepsItsDescriptor) {
+  Record record;
+  ChannelHub hub("kvtier-test-kept", EchoHooks(&record), false);
+  auto o = hub.Open("t", 1 << 20, 64 << 20);
+  ASSERT_TRUE(o.ok());
+  Worker w;
+  ASSERT_TRUE(w.Open(hub, o->id, "t"));
+  EXPECT_EQ(w.Call(channel::kSelect, std::string(200000, 'q')).first, 0);
+  const int kept = dup(w.fds[0]);
+  ASSERT_GE(kept, 0);
+  struct stat st {};
+  ASSERT_EQ(fstat(kept, &st), 0);
+  EXPECT_GT(st.st_blocks, 0);
+  w.Close();
+  for (int i = 0; i < 200 && hub.open_channels() > 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(hub.open_channels(), 0);
+  ASSERT_EQ(fstat(kept, &st), 0);
+  EXPECT_EQ(st.st_blocks, 0) << "the worker's descriptor keeps the ended channel's pages";
+  close(kept);
+}
+
 TEST(SelectChannel, StopHangsUpCallsInFlightAndRefusesNewChannels) {
   Record record;
   auto hub = std::make_unique<ChannelHub>("kvtier-test", EchoHooks(&record), false);

@@ -636,8 +636,15 @@ TEST(StagingRegistry, AnAreaIsCommittedWhenMadeAndCounted) {
   ASSERT_EQ(mincore(const_cast<uint8_t*>(area->data()), area->size(), resident.data()), 0);
   EXPECT_EQ(std::count(resident.begin(), resident.end(), 0), 0) << "pages not mapped";
   EXPECT_THAT(reg.Create("alice", 6 << 20).status(), StatusIs(Code::kResourceExhausted));
+  // A worker's descriptor outlives the area (it was replaced, its session closed): it keeps the
+  // object, not the memory, which the count no longer holds.
+  ASSERT_OK_AND_ASSIGN(const int worker, area->OpenWritableFd());
   area.reset();
   EXPECT_EQ(reg.bytes_in_use(), 0u);
+  ASSERT_EQ(fstat(worker, &st), 0);
+  EXPECT_EQ(st.st_blocks, 0) << "a worker's descriptor keeps the area's pages";
+  EXPECT_EQ(uint64_t(st.st_size), uint64_t{3} << 20);
+  close(worker);
 }
 
 }  // namespace

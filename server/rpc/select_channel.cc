@@ -300,6 +300,10 @@ void ChannelHub::Serve(Channel* c) {
     // may be long after): OpenFd looks at `ended` under the same lock before it uses them.
     MutexLock lock(&mu_);
     c->ended.store(true);
+    // Its pages too: a worker that keeps the memory's descriptor keeps the object, not them.
+    if (absl::Status s = c->shm->Release(0, c->shm->size()); !s.ok()) {
+      KVLOG(warn, "channel.release_failed", "channel={} error={}", c->id, LogValue(s.message()));
+    }
     c->shm.reset();
     for (int* fd : {&c->request_fd, &c->response_fd, &c->sock}) CloseFd(std::exchange(*fd, -1));
     CloseFd(c->worker_sock.exchange(-1));

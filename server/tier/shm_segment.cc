@@ -87,6 +87,16 @@ absl::StatusOr<int> ShmSegment::OpenReadOnlyFd() const { return Reopen(O_RDONLY)
 
 absl::StatusOr<int> ShmSegment::OpenWritableFd() const { return Reopen(O_RDWR); }
 
+absl::Status ShmSegment::Release(uint64_t offset, uint64_t length) {
+  if (length == 0) return absl::OkStatus();
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(length)) == 0) {
+    return absl::OkStatus();
+  }
+  return absl::InternalError(absl::StrCat("shared memory: ", name_, " cannot free ", length,
+                                          " bytes at ", offset, ": ", std::strerror(errno)));
+}
+
 absl::Status ShmSegment::Reserve(uint64_t offset, uint64_t length) {
   if (length == 0) return absl::OkStatus();
   const int e = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(length));

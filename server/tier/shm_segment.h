@@ -39,6 +39,11 @@ class ShmSegment {
   // first write (MADV_POPULATE_WRITE), so that filling them takes no page fault per page. Best
   // effort: a kernel without it leaves them to fault in as before.
   void Populate(uint64_t offset, uint64_t length);
+  // Frees the pages of [offset, offset + length) (FALLOC_FL_PUNCH_HOLE: they read as zeros
+  // after), whoever else holds the object: a worker's descriptor then keeps the object alive,
+  // not its memory. The creating side only; INTERNAL with errno text when the kernel refuses
+  // (a segment sealed against writes).
+  absl::Status Release(uint64_t offset, uint64_t length);
 
   // Maps an existing object read-only, as a worker does. NOT_FOUND if it does not exist.
   static absl::StatusOr<ShmSegment> OpenReadOnly(const std::string& name);

@@ -3,11 +3,19 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/log.h"
 #include "server/common/mutex.h"
 
 namespace kvtier {
 
-StagingArea::~StagingArea() { in_use_->fetch_sub(size(), std::memory_order_relaxed); }
+StagingArea::~StagingArea() {
+  // Its pages go now, with its count: a worker may hold a descriptor of it for as long as it
+  // likes (that keeps the object, never the daemon's memory).
+  if (absl::Status s = shm_.Release(0, size()); !s.ok()) {
+    KVLOG(warn, "staging.release_failed", "id={} error={}", id_, LogValue(s.message()));
+  }
+  in_use_->fetch_sub(size(), std::memory_order_relaxed);
+}
 
 absl::StatusOr<std::shared_ptr<StagingArea>> StagingRegistry::Create(const std::string& tenant,
                                                                      uint64_t size) {
