@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -88,26 +89,44 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
     int& mine = active_[cred.uid];
     if (mine >= kConnectionsPerUid || active_total_ >= kConnections) {
       if (mine == 0) active_.erase(cred.uid);
+      // Said, not only closed: the client can tell a limit from a daemon going away.
+      SendWithFds(conn,
+                  absl::StrCat("euid ", cred.uid, " has ", mine,
+                               " descriptor connections open (at most ", kConnectionsPerUid, "; ",
+                               active_total_, " of ", kConnections, " in all); try again"),
+                  nullptr, 0);
       close(conn);
       return;
     }
     ++mine;
     ++active_total_;
   }
-  std::thread([this, conn, cred] {
-    Serve(conn, cred);
+  auto done = [this, uid = cred.uid] {
     std::lock_guard lock(active_mu_);
-    if (--active_[cred.uid] == 0) active_.erase(cred.uid);
+    if (--active_[uid] == 0) active_.erase(uid);
     if (--active_total_ == 0) idle_.notify_all();
-  }).detach();
+  };
+  try {
+    std::thread([this, conn, cred, done] {
+      Serve(conn, cred);
+      done();
+    }).detach();
+  } catch (const std::system_error& e) {  // no thread to be had (RLIMIT_NPROC): this one waits
+    KVLOG(warn, "fds.no_thread", "uid={} error={}", cred.uid, LogValue(e.what()));
+    close(conn);
+    done();
+  }
 }
 
 absl::StatusOr<std::string> FdChannel::Issue(pid_t pid, uid_t uid, const std::string& tenant,
                                              std::vector<uint64_t> ids, Grant grant) {
-  const absl::Time now = absl::Now();
+  const auto now = std::chrono::steady_clock::now();
+  const char* rpc = grant == Grant::kStaging   ? "OpenStaging"
+                    : grant == Grant::kChannel ? "OpenChannel"
+                                               : "OpenSegments";
   unsigned char raw[16];
   if (RAND_bytes(raw, sizeof raw) != 1) {
-    return absl::UnavailableError("OpenSegments: no random bytes for a ticket; try again");
+    return absl::UnavailableError(absl::StrCat(rpc, ": no random bytes for a ticket; try again"));
   }
   const std::string ticket =
       absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof raw));
@@ -122,11 +141,12 @@ absl::StatusOr<std::string> FdChannel::Issue(pid_t pid, uid_t uid, const std::st
     ++it;
   }
   if (theirs >= kTicketsPerUid) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "OpenSegments: uid ", uid, " has ", kTicketsPerUid,
-        " tickets outstanding; collect them or wait ", absl::FormatDuration(kTicketLife)));
+    return absl::ResourceExhaustedError(absl::StrCat(rpc, ": uid ", uid, " has ", kTicketsPerUid,
+                                                     " tickets outstanding; collect them or wait ",
+                                                     absl::FormatDuration(kTicketLife)));
   }
-  tickets_[ticket] = Ticket{pid, uid, tenant, std::move(ids), grant, now + kTicketLife};
+  tickets_[ticket] =
+      Ticket{pid, uid, tenant, std::move(ids), grant, now + absl::ToChronoNanoseconds(kTicketLife)};
   return ticket;
 }
 
@@ -135,8 +155,8 @@ absl::StatusOr<FdChannel::Ticket> FdChannel::Take(const std::string& ticket,
   MutexLock lock(&mu_);
   auto it = tickets_.find(ticket);
   // One answer for every refusal, so that a guess learns nothing.
-  if (it == tickets_.end() || it->second.expires < absl::Now() || it->second.pid != cred.pid ||
-      it->second.uid != cred.uid) {
+  if (it == tickets_.end() || it->second.expires < std::chrono::steady_clock::now() ||
+      it->second.pid != cred.pid || it->second.uid != cred.uid) {
     return absl::PermissionDeniedError(
         "no such ticket for this process (unknown, used, expired, or another process's)");
   }

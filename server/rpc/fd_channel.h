@@ -16,6 +16,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -66,7 +67,7 @@ class FdChannel {
     std::string tenant;
     std::vector<uint64_t> ids;
     Grant grant;
-    absl::Time expires;
+    std::chrono::steady_clock::time_point expires;  // a wall clock stepped back would not end it
   };
   FdChannel(std::string path, std::unique_ptr<UnixListener> listener, Opener open)
       : path_(std::move(path)), listener_(std::move(listener)), open_(std::move(open)) {}
