@@ -8,6 +8,7 @@
 
 #include "kvtier/local_daemon.h"
 #include "server/common/error.h"
+#include "server/session/remote_records.h"
 #include "server/session/session_record.h"
 #include "server/tier/remote_store.h"
 #include "tests/session_fixture.h"
@@ -259,6 +260,24 @@ TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
   ASSERT_OK_AND_ASSIGN(existed, m.Close("t", "s"));
   EXPECT_FALSE(existed);
   EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kNotFound));
+}
+
+// A restore's Finish is idempotent: sent again after its reply was lost (the store resends a
+// command whose connection dropped), it finds the id this daemon's and the record gone, and
+// is done; the restored session was thrown away (and lost) before. A record closed elsewhere
+// meanwhile is still NOT_FOUND, and another daemon's Finish after it is refused.
+TEST(RemoteRecords, AFinishSentAgainIsDone) {
+  Remote remote;
+  ASSERT_NE(remote.store, nullptr);
+  RemoteRecords a(remote.store.get(), "daemon-a"), b(remote.store.get(), "daemon-b");
+  ASSERT_OK(a.Put("x", "record"));
+  ASSERT_OK(a.Finish("x"));
+  EXPECT_OK(a.Finish("x"));  // its reply lost, sent again
+  EXPECT_THAT(b.Finish("x"), StatusIs(Code::kNotFound, "is held by kvtierd \"daemon-a\""));
+  ASSERT_OK(a.Put("y", "record"));
+  ASSERT_OK_AND_ASSIGN(const bool dropped, b.Drop("y"));  // closed on another daemon
+  EXPECT_TRUE(dropped);
+  EXPECT_THAT(a.Finish("y"), StatusIs(Code::kNotFound, "was closed while it was restored"));
 }
 
 // Redis closing the connection (a restart, an idle timeout; here CLIENT KILL) costs no call an

@@ -41,8 +41,14 @@ if not r then return {'none'} end
 return {'record', r}
 )lua";
 
+// Idempotent: a Finish sent again after its reply was lost (a connection dropped after the
+// script ran, which the store resends) finds the id this daemon's and the record gone, and is
+// done; any other missing record was closed meanwhile.
 constexpr char kFinish[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if o == ARGV[1] then return {'ok'} end
+  return {'gone'}
+end
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[1])
 return {'ok'}

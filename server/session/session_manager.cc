@@ -419,7 +419,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   // The id changes hands atomically: if another daemon took it meanwhile (or it was closed),
   // this import is thrown away and its slots go back.
   if (!snapshot) {
-    RETURN_IF_ERROR(records_->Finish(session_id));
+    // Once more when the reply did not come: Finish may have run (the record is gone, the id
+    // this daemon's, and this import its only copy), and is idempotent.
+    absl::Status finished = records_->Finish(session_id);
+    if (absl::IsUnavailable(finished)) finished = records_->Finish(session_id);
+    RETURN_IF_ERROR(finished);
   } else {
     RETURN_IF_ERROR(ClaimId(session_id).status());  // this daemon's own id, held again
   }
