@@ -2,7 +2,19 @@
 // config's auth section. Digests are checked against SHA-256's published test vector.
 #include "server/rpc/auth.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "server/rpc/unix_listener.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -149,6 +161,41 @@ TEST(Authenticator, AMalformedTenantHeaderIsInvalidBeforeAnyCredentialCheck) {
               StatusIs(Code::kInvalidArgument, "x-kvtier-tenant: \"a b\""));
   EXPECT_THAT(a.Identify(Unix(kDaemonUid, "x=1 level=error")),
               StatusIs(Code::kInvalidArgument, "x-kvtier-tenant"));
+}
+
+// A connection's number is not the one a connection just closed had (the kernel would give
+// that lowest free number again at once): a call still starting on the closed connection must
+// not find the newer peer's credentials under it. Numbers come back only after a cycle.
+TEST(UnixListener, ANewConnectionDoesNotTakeTheNumberOneJustClosedHad) {
+  const std::string path = absl::StrCat("/tmp/kvtier-listener-test-", getpid());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<UnixListener> listener, UnixListener::Bind(path));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> got;
+  listener->Serve([&](int fd, const PeerCredentials& cred) {
+    EXPECT_EQ(cred.uid, getuid());
+    close(fd);  // the connection ends before the next is accepted
+    std::lock_guard lock(mu);
+    got.push_back(fd);
+    cv.notify_all();
+  });
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  for (int i = 0; i < 3; ++i) {
+    const int c = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_EQ(connect(c, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(
+        cv.wait_for(lock, std::chrono::seconds(10), [&] { return got.size() > size_t(i); }));
+    close(c);
+  }
+  listener->Stop();
+  unlink(path.c_str());
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_NE(got[1], got[0]);
+  EXPECT_NE(got[2], got[1]);
+  EXPECT_NE(got[2], got[0]);
 }
 
 }  // namespace

@@ -146,7 +146,13 @@ absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext
 
 absl::StatusOr<Caller> KvTierService::Admit(const grpc::CallbackServerContext* ctx) const {
   if (draining()) return Draining();
-  return Identify(ctx);
+  absl::StatusOr<Caller> caller = Identify(ctx);
+  // A call whose connection went as it started may have read the peer of a newer connection
+  // given its number (see UnixListener): it is cancelled by then, and does nothing.
+  if (caller.ok() && ctx->IsCancelled()) {
+    return absl::CancelledError("the caller's connection went before the call started");
+  }
+  return caller;
 }
 
 void KvTierService::Record(const char* method, const absl::Status& s, absl::Duration elapsed) {

@@ -102,6 +102,20 @@ void UnixListener::Stop() {
   }
 }
 
+int UnixListener::Renumber(int c) {
+  for (int pass = 0; pass < 2; ++pass) {
+    const int d = fcntl(c, F_DUPFD_CLOEXEC, next_);
+    if (d >= 0 && d < kFirst + kCycle) {
+      close(c);
+      next_ = d + 1 < kFirst + kCycle ? d + 1 : kFirst;
+      return d;
+    }
+    if (d >= 0) close(d);  // past the cycle (every number in it taken): from its start
+    next_ = kFirst;        // or past RLIMIT_NOFILE (EINVAL), or none free (EMFILE)
+  }
+  return c;
+}
+
 void UnixListener::Accept(const Handler& handler) {
   for (;;) {
     pollfd fds[2] = {{fd_, POLLIN, 0}, {stop_read_, POLLIN, 0}};
@@ -128,7 +142,7 @@ void UnixListener::Accept(const Handler& handler) {
       close(c);  // no credentials, no connection
       continue;
     }
-    handler(c, PeerCredentials{cred.uid, cred.gid, cred.pid});
+    handler(Renumber(c), PeerCredentials{cred.uid, cred.gid, cred.pid});
   }
 }
 

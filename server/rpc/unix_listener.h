@@ -5,9 +5,12 @@
 // Lookup("fd:N") gives that connection's credentials. A descriptor number is reused only
 // after gRPC closed its connection, and the accept that reuses it records the new peer
 // before the connection can carry a call; a call takes its identity once, as it starts (its
-// connection is open then), so that reuse cannot change who a running call is. (A call whose
-// client closed the connection in the instant between its arrival and its start may still
-// read a newer connection's entry: gRPC gives no per-connection identity of its own.)
+// connection is open then), so that reuse cannot change who a running call is. A call whose
+// client closed the connection in the instant between its arrival and its start could read a
+// newer connection's entry (gRPC gives no per-connection identity of its own), were the number
+// given again at once, as the kernel gives the lowest free one: each connection is moved to the
+// next number of a cycle of kCycle instead (Renumber), so a number comes back only after that
+// many connections.
 //
 // Thread-safe. Lookup takes mu_ (lock order 14, a leaf).
 #ifndef KVTIER_SERVER_RPC_UNIX_LISTENER_H_
@@ -65,6 +68,11 @@ class UnixListener {
   UnixListener(int fd, int stop_read, int stop_write)
       : fd_(fd), stop_read_(stop_read), stop_write_(stop_write) {}
   void Accept(const Handler& handler);
+  // `c` moved to the next free number of the cycle [kFirst, kFirst + kCycle) (closed here),
+  // or `c` as it is when none is to be had. The accept thread only.
+  int Renumber(int c);
+  static constexpr int kFirst = 64, kCycle = 32768;
+  int next_ = kFirst;  // the accept thread's
 
   int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop
