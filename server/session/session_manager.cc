@@ -468,8 +468,9 @@ absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
   }));
   {
     MutexLock lock(&mu_);
-    sessions_.Remove(session_id, s.get());
-    demoted_here_.insert(session_id);
+    // A restore of the record may have put the id back already (another session object): it is
+    // live here then, not demoted.
+    if (sessions_.Remove(session_id, s.get()) != nullptr) demoted_here_.insert(session_id);
     ++remote_counters_.demotions;
     remote_counters_.demoted_bytes += bytes;
   }
