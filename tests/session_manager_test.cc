@@ -280,6 +280,24 @@ TEST(RemoteRecords, AFinishSentAgainIsDone) {
   EXPECT_THAT(a.Finish("y"), StatusIs(Code::kNotFound, "was closed while it was restored"));
 }
 
+// Letting a live session's hold go never deletes a record of its id: one there is another
+// session's (demoted before this one was made while Redis was out of reach, so that its claim
+// went unchecked), which a close of this one once deleted.
+TEST(RemoteRecords, ReleasingAHoldLeavesARecordOfTheIdAlone) {
+  Remote remote;
+  ASSERT_NE(remote.store, nullptr);
+  RemoteRecords a(remote.store.get(), "daemon-a");
+  ASSERT_OK(a.Put("x", "demoted"));
+  ASSERT_OK(a.Release("x"));
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> kept, a.Get("x"));
+  EXPECT_EQ(kept, std::optional<std::string>("demoted"));
+  ASSERT_OK_AND_ASSIGN(const bool claimed, a.Claim("y"));
+  EXPECT_TRUE(claimed);
+  ASSERT_OK(a.Release("y"));
+  ASSERT_OK_AND_ASSIGN(const bool again, a.Claim("y"));  // let go: claimed anew
+  EXPECT_TRUE(again);
+}
+
 // Redis closing the connection (a restart, an idle timeout; here CLIENT KILL) costs no call an
 // error: the command that finds it closed is sent again on a new connection.
 TEST(RemoteStore, TheFirstCallAfterTheServerDropsTheConnectionSucceeds) {

@@ -63,6 +63,14 @@ if n == 1 then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
 return {'ok', n}
 )lua";
 
+// The hold of a session live here let go (it closed, or its creation failed): its record, if
+// one lies there, is another session's of the same id (demoted before this one was made while
+// Redis was out of reach), never this one's, and stays.
+constexpr char kRelease[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
+if o then redis.call('DEL', KEYS[2]) end
+return {'ok'}
+)lua";
+
 constexpr char kClosed[] = R"lua(
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'closed'} end
 return {'none'}
@@ -147,6 +155,12 @@ absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
   ASSIGN_OR_RETURN(Outcome o, Run(store_, kDrop, session_id, self_));
   if (o.what == "held") return false;
   if (o.what == "ok") return o.value.has_value() && *o.value != "0";
+  return Bad(session_id);
+}
+
+absl::Status RemoteRecords::Release(const std::string& session_id) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kRelease, session_id, self_));
+  if (o.what == "ok" || o.what == "held") return absl::OkStatus();
   return Bad(session_id);
 }
 

@@ -45,6 +45,11 @@ class RemoteRecords {
   // Lets this daemon's hold go and deletes the record; whether a record existed. False, and
   // nothing touched, when another daemon holds the id.
   absl::StatusOr<bool> Drop(const std::string& session_id);
+  // Lets this daemon's hold of a session live here go (closed, or never made), leaving any
+  // record of the id alone: one can lie there only for another session of the id, demoted
+  // before this one was made while the claim could not be checked. Nothing when another
+  // daemon holds the id.
+  absl::Status Release(const std::string& session_id);
   // Whether a record of the id was closed (by Drop, on any daemon) within the last day.
   absl::StatusOr<bool> ClosedLately(const std::string& session_id);
 

@@ -561,9 +561,8 @@ absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {
 
 void SessionManager::ReleaseClaim(const std::string& session_id) {
   if (remote_ == nullptr) return;
-  if (auto dropped = records_->Drop(session_id); !dropped.ok()) {
-    KVLOG(warn, "remote.release", "session={} error={}", session_id,
-          LogValue(dropped.status().message()));
+  if (absl::Status released = records_->Release(session_id); !released.ok()) {
+    KVLOG(warn, "remote.release", "session={} error={}", session_id, LogValue(released.message()));
   }
 }
 
