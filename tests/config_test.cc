@@ -26,6 +26,17 @@ TEST(Config, DefaultsValidate) {
   EXPECT_EQ(o.default_policy.cold_precision(), v1::PRECISION_INT4);
 }
 
+// A field set to 0 where 0 means something is taken as set, not replaced by the default.
+TEST(Config, ZeroWhereItMeansSomethingIsKept) {
+  ASSERT_OK_AND_ASSIGN(v1::Config config,
+                       ParseConfigText("drain_timeout_ms: 0 persist_interval_ms: 0"));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(config));
+  EXPECT_EQ(o.drain_timeout_ms, 0u);  // the default is 10 s
+  EXPECT_EQ(o.persist_interval_ms, 0u);
+  ASSERT_OK_AND_ASSIGN(ServerOptions d, Validate(v1::Config()));
+  EXPECT_GT(d.drain_timeout_ms, 0u);
+}
+
 TEST(Config, PrintedDefaultParsesBackToTheSame) {
   std::string text;
   ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(DefaultConfig(), &text));
@@ -163,6 +174,19 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"auth { cert_subjects { tenant: \"a\" } }", "auth.cert_subjects[0].subject"},
       {"auth { cert_subjects { subject: \"CN=a\" tenant: \"a b\" } }",
        "auth.cert_subjects[0].tenant"},
+      // Set to 0 or "" is taken as set (it once took the default without a word), and checked.
+      {"max_sessions: 0", "max_sessions: \"0\" must be at least 1"},
+      {"lease_ttl_ms: 0", "lease_ttl_ms"},
+      {"max_lease_ms: 0", "max_lease_ms"},
+      {"eviction_half_life_ms: 0", "eviction_half_life_ms"},
+      {"max_leases_per_tenant: 0", "max_leases_per_tenant"},
+      {"remote_connections: 0", "remote_connections"},
+      {"remote_timeout_ms: 0", "remote_timeout_ms"},
+      {"listen: \"\"", "listen"},
+      {"instance: \"\"", "instance"},
+      {"host_capacity: \"\"", "host_capacity"},
+      {"metrics_bind: \"\"", "metrics_bind"},
+      {"log_level: \"\"", "log_level"},
   };
   for (const Case& c : cases) {
     ASSERT_OK_AND_ASSIGN(v1::Config config, ParseConfigText(c.text));
@@ -242,6 +266,11 @@ TEST(CommandLine, Errors) {
   EXPECT_THAT(ParseCommandLine({"--config", "/nonexistent/kvtierd.conf"}),
               StatusIs(Code::kInvalidArgument, "/nonexistent/kvtierd.conf"));
   EXPECT_THAT(ParseCommandLine({"stray"}), StatusIs(Code::kInvalidArgument, "stray"));
+  // An empty path (an unset variable) or a second file is an error, not no file or the last.
+  EXPECT_THAT(ParseCommandLine({"--config", ""}),
+              StatusIs(Code::kInvalidArgument, "config: \"\" names no file"));
+  EXPECT_THAT(ParseCommandLine({"--config", "/a.conf", "--config=/b.conf"}),
+              StatusIs(Code::kInvalidArgument, "is a second file, after \"/a.conf\""));
   ASSERT_OK_AND_ASSIGN(CommandLine cl, ParseCommandLine({"--print_default_config"}));
   EXPECT_TRUE(cl.print_default_config);
 }

@@ -60,7 +60,8 @@ absl::Status CheckAddress(absl::string_view field, const std::string& addr) {
   return absl::OkStatus();
 }
 
-// Every field of `config` left empty or zero takes the default.
+// Every scalar field of `config` left unset takes the default; one set, 0 and "" too, stays
+// (Validate checks it).
 v1::Config WithDefaults(const v1::Config& config) {
   v1::Config merged = DefaultConfig();
   const auto* desc = merged.GetDescriptor();
@@ -68,7 +69,7 @@ v1::Config WithDefaults(const v1::Config& config) {
   for (int i = 0; i < desc->field_count(); ++i) {
     const FieldDescriptor* f = desc->field(i);
     if (f->type() == FieldDescriptor::TYPE_MESSAGE) continue;
-    if (refl->HasField(config, f)) {  // proto3 scalars: "has" means non-zero / non-empty
+    if (refl->HasField(config, f)) {  // the scalars are `optional`: "has" means set
       switch (f->cpp_type()) {
         case FieldDescriptor::CPPTYPE_STRING:
           refl->SetString(&merged, f, refl->GetString(config, f));
@@ -194,6 +195,16 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.remote = c.remote();
+  // Set to 0 (unset takes the default): none of these has a meaning at 0.
+  for (const auto& [field, value] : {std::pair{"max_lease_ms", c.max_lease_ms()},
+                                     {"lease_ttl_ms", c.lease_ttl_ms()},
+                                     {"max_sessions", c.max_sessions()},
+                                     {"eviction_half_life_ms", c.eviction_half_life_ms()}}) {
+    if (value == 0) return InvalidField(field, "0", "must be at least 1");
+  }
+  if (c.metrics_bind().empty()) {
+    return InvalidField("metrics_bind", "", "must be an address to bind (127.0.0.1, 0.0.0.0)");
+  }
   o.max_lease_ms = c.max_lease_ms();
   if (o.max_lease_ms > 86'400'000) {
     return InvalidField("max_lease_ms", absl::StrCat(o.max_lease_ms), "is above 24 hours");
@@ -427,6 +438,13 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
       return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
     }
     if (name == "config") {
+      // An empty path (an unset variable) or a second file would be taken silently otherwise.
+      if (value.empty()) return InvalidField("config", value, "names no file");
+      if (!config_path.empty()) {
+        return InvalidField(
+            "config", value,
+            absl::StrCat("is a second file, after \"", config_path, "\"; give one"));
+      }
       config_path = value;
     } else {
       flags.emplace_back(name, value);
