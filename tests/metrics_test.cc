@@ -1,8 +1,14 @@
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/time/clock.h"
 #include "server/metrics/http_exporter.h"
 #include "server/metrics/registry.h"
 #include "tests/test_util.h"
@@ -147,6 +153,23 @@ TEST(HttpExporter, ServesMetricsAndHealth) {
   EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
   EXPECT_THAT(HttpExporter::Start("127.0.0.1", port, &r),
               testing::StatusIs(absl::StatusCode::kInternal, "metrics_port"));
+  // Clients that connect and send nothing (two once held both of its threads for 30 s each)
+  // do not hold the health probe off.
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    idle.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // each taken by a thread
+  const absl::Time start = absl::Now();
+  EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4)) << "the probe waited on idle connections";
+  for (int fd : idle) close(fd);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <mutex>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvtier::metrics {
@@ -24,14 +25,21 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::str
                                                                   const Registry* registry) {
   static std::once_flag init;
   std::call_once(init, [] { mg_init_library(0); });
-  std::string ports = absl::StrCat(bind_address, ":", port);
-  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "2", nullptr};
+  // An IPv6 literal in brackets, as civetweb reads a port's address.
+  const bool v6 = absl::StrContains(bind_address, ':') && !absl::StartsWith(bind_address, "[");
+  std::string ports =
+      v6 ? absl::StrCat("[", bind_address, "]:", port) : absl::StrCat(bind_address, ":", port);
+  // Threads enough, and a request's wait bounded, that a few clients connecting and sending
+  // nothing never hold the health probe off (civetweb's own default waits 30 s per request).
+  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "8",
+                           "request_timeout_ms", "5000",        nullptr};
   mg_callbacks callbacks{};
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };  // quiet
   mg_context* ctx = mg_start(&callbacks, nullptr, options);
   if (ctx == nullptr) {
     return absl::InternalError(
-        absl::StrCat("metrics_port: cannot serve HTTP on ", ports, " (in use or not permitted)"));
+        absl::StrCat("metrics_port, metrics_bind: cannot serve HTTP on ", ports,
+                     " (in use, not permitted, or not an address of this host)"));
   }
   auto exporter = std::unique_ptr<HttpExporter>(new HttpExporter(ctx, registry));
   mg_set_request_handler(ctx, "/metrics$", &HttpExporter::HandleMetrics, exporter.get());
