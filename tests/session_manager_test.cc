@@ -128,6 +128,26 @@ struct RemoteManager {
   SessionManager m{options, e.env, remote.store.get()};
 };
 
+// A write-behind pass asks its stop before each session: a shutdown ends it there (each put may
+// wait on a hung Redis), and the next pass stores what was left.
+TEST(SessionManager, AWriteBehindPassEndsWhenToldToStop) {
+  Remote remote;
+  Env e;
+  ServerOptions o = Options();
+  o.persist_interval_ms = 1000;
+  SessionManager m(o, e.env, remote.store.get());
+  for (const char* id : {"a", "b", "c"}) {
+    ASSERT_OK(m.Create("t", SmallSession(id)).status());
+    ASSERT_OK(RunAppend(m, "t", Tokens(id, 0, 32)));
+  }
+  int asked = 0;
+  const SessionManager::PersistCounts cut = m.PersistChanged([&] { return ++asked > 1; });
+  EXPECT_EQ(cut.sessions, 1u);
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(m.PersistChanged().sessions, 2u);  // the two it left
+  EXPECT_EQ(m.PersistChanged().sessions, 0u);
+}
+
 TEST(SessionManager, AFullHostTierDemotesTheLeastRecentlyUsedIdleSessionAndTriesAgain) {
   Remote remote;
   Env e(/*host_capacity=*/8 * 4096);

@@ -553,7 +553,10 @@ void Daemon::Persist() {
                                      "Session snapshots the remote tier refused");
   const absl::Duration every = absl::Milliseconds(options_.persist_interval_ms);
   while (!shutdown_requested_.WaitForNotificationWithTimeout(every)) {
-    const SessionManager::PersistCounts n = sessions_.PersistChanged();
+    // A pass stops at a shutdown (each put may wait on a hung Redis): the drain that follows
+    // does not wait for the rest of it.
+    const SessionManager::PersistCounts n =
+        sessions_.PersistChanged([this] { return shutdown_requested_.HasBeenNotified(); });
     sessions.Inc(static_cast<double>(n.sessions));
     bytes.Inc(static_cast<double>(n.bytes));
     failed.Inc(static_cast<double>(n.failed));

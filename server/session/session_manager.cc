@@ -574,10 +574,11 @@ void SessionManager::DropSnapshot(const std::string& session_id) {
   }
 }
 
-SessionManager::PersistCounts SessionManager::PersistChanged() {
+SessionManager::PersistCounts SessionManager::PersistChanged(const std::function<bool()>& stop) {
   PersistCounts n;
   if (!persisting()) return n;
   for (const std::shared_ptr<Session>& s : List()) {
+    if (stop && stop()) break;  // a shutdown: its drain hands the sessions over itself
     std::optional<Session::Snapshot> snap = s->SnapshotIfChanged();
     if (!snap) continue;
     absl::StatusOr<std::string> bytes = EncodeRecord(snap->record);

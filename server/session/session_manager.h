@@ -144,11 +144,12 @@ class SessionManager {
   // changed since its last snapshot is stored whole under SnapshotKey, a key of this daemon's
   // own (its instance and host), which no other daemon reads. After a SIGKILL the same
   // instance, started again on that Redis, restores each on its first use as of that point.
-  // A close or a demotion removes the snapshot.
+  // A close or a demotion removes the snapshot. `stop`, when given, is asked before each
+  // session: true ends the pass (a shutdown, whose drain need not wait for the rest of it).
   struct PersistCounts {
     uint64_t sessions = 0, bytes = 0, failed = 0;
   };
-  PersistCounts PersistChanged();
+  PersistCounts PersistChanged(const std::function<bool()>& stop = {});
   bool persisting() const { return remote_ != nullptr && options_.persist_interval_ms > 0; }
   std::string SnapshotKey(const std::string& session_id) const {
     return snapshot_prefix_ + session_id;
