@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -17,6 +18,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -311,7 +313,7 @@ int TopCmd(Client& c, const Globals& g, uint32_t limit) {
   });
   v1::ListSessionsResponse busiest;
   for (size_t i = 0; i < all.size() && i < limit; ++i) *busiest.add_sessions() = all[i];
-  // One document: {"tiers": [...], "busiest": {"sessions": [...]}}.
+  // One document: {"tiers": {"tiers": [...]}, "busiest": {"sessions": [...]}}.
   if (g.output == "json") {
     std::cout << "{\"tiers\": " << ToJson(*tiers) << ", \"busiest\": " << ToJson(busiest) << "}\n";
     return 0;
@@ -337,12 +339,16 @@ int TopCmd(Client& c, const Globals& g, uint32_t limit) {
   return 0;
 }
 
-// Runs `once` once, or every interval under --watch (the screen cleared first on a terminal).
-int Repeat(const Watch& w, const std::function<int()>& once) {
+// Runs `once` once, or every interval under --watch: a table on a terminal with the screen
+// cleared first; YAML documents apart (---); JSON documents one after another (a stream, as jq
+// reads it), never with a terminal's escapes among them.
+int Repeat(const Globals& g, const Watch& w, const std::function<int()>& once) {
   if (!w.on) return once();
-  const bool tty = isatty(STDOUT_FILENO);
+  const bool table = g.output != "json" && g.output != "yaml";
+  const bool tty = table && isatty(STDOUT_FILENO);
   for (int n = 0;; ++n) {
     if (tty) std::cout << "\033[H\033[2J";
+    if (g.output == "yaml" && n > 0) std::cout << "---\n";
     const int rc = once();
     std::cout.flush();
     if (rc != 0 || (w.count > 0 && n + 1 >= w.count)) return rc;
@@ -350,10 +356,21 @@ int Repeat(const Watch& w, const std::function<int()>& once) {
   }
 }
 
+// A number that is finite: CLI11's Range lets NaN through (every comparison with it is false).
+CLI::Validator Finite() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        if (!absl::SimpleAtod(text, &v) || !std::isfinite(v)) return "not a finite number: " + text;
+        return "";
+      },
+      "FINITE");
+}
+
 void AddWatch(CLI::App* sub, Watch* w) {
   sub->add_flag("-w,--watch", w->on, "show it again every --interval seconds");
   sub->add_option("--interval", w->interval_s, "seconds between refreshes (--watch)")
-      ->check(CLI::Range(0.1, 3600.0))
+      ->check(Finite() & CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   sub->add_option("--count", w->count, "stop after this many refreshes (0: never)")
       ->check(CLI::NonNegativeNumber);
@@ -419,7 +436,7 @@ int main(int argc, char** argv) {
   app.add_option("--tls-cert", g.tls_cert, "this client's certificate, for mTLS (with --tls-key)");
   app.add_option("--tls-key", g.tls_key, "its private key");
   app.add_option("--timeout", g.timeout_s, "seconds each call may take")
-      ->check(CLI::Range(0.1, 3600.0))
+      ->check(Finite() & CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   app.require_subcommand(1);
   app.fallthrough();  // the options above also after the command: kvtierctl sessions -o json
@@ -482,7 +499,7 @@ int main(int argc, char** argv) {
   auto* top = app.add_subcommand("top", "tiers and the busiest sessions, refreshed (--watch on)");
   top->add_option("--limit", top_limit, "sessions shown")->capture_default_str();
   AddWatch(top, &top_w);
-  top_w.on = true;
+  top_w.on = true;  // a table refreshed; -o json or yaml once, unless --watch is given
   auto* token = app.add_subcommand("token", "bearer tokens for kvtierd's config");
   std::string hash_tenant;
   bool hash_admin = false;
@@ -544,15 +561,15 @@ int main(int argc, char** argv) {
     return *r ? 0 : 1;
   }
   if (sessions->parsed()) {
-    return Repeat(sessions_w, [&] {
+    return Repeat(g, sessions_w, [&] {
       auto r = c.ListSessions();
       if (!r.ok()) return Fail(r.status(), &g);
       return Print(g, *r, [&] { return SessionsTable(*r, wide); });
     });
   }
-  if (session->parsed()) return Repeat(session_w, [&] { return SessionCmd(c, g, id); });
+  if (session->parsed()) return Repeat(g, session_w, [&] { return SessionCmd(c, g, id); });
   if (tiers->parsed()) {
-    return Repeat(tiers_w, [&] {
+    return Repeat(g, tiers_w, [&] {
       auto r = c.GetTierStats();
       if (!r.ok()) return Fail(r.status(), &g);
       return Print(g, *r, [&] { return TiersTable(*r); });
@@ -601,7 +618,7 @@ int main(int argc, char** argv) {
     });
   }
   if (leases->parsed()) {
-    return Repeat(leases_w, [&] {
+    return Repeat(g, leases_w, [&] {
       auto r = c.ListLeases(lease_session, lease_limit);
       if (!r.ok()) return Fail(r.status(), &g);
       return Print(g, *r, [&] { return LeasesTable(*r, wide); });
@@ -651,6 +668,9 @@ int main(int argc, char** argv) {
                           "flight end\n");
     });
   }
-  if (top->parsed()) return Repeat(top_w, [&] { return TopCmd(c, g, top_limit); });
+  if (top->parsed()) {
+    if ((g.output == "json" || g.output == "yaml") && top->count("--watch") == 0) top_w.on = false;
+    return Repeat(g, top_w, [&] { return TopCmd(c, g, top_limit); });
+  }
   return 2;
 }

@@ -1253,6 +1253,14 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
         watched = kvtierctl(d.address, "-o", "json", "sessions", "--watch", "--count", "2",
                             "--interval", "0.1")
         assert watched.stdout.count('"session_id": "ops"') == 2
+        assert "\033" not in watched.stdout
+        # As a document, top runs once unless told to watch (it ran forever); YAML documents
+        # watched are apart.
+        once = kvtierctl(d.address, "-o", "json", "top")
+        assert once.returncode == 0 and json.loads(once.stdout)["busiest"]["sessions"]
+        docs = list(yaml.safe_load_all(kvtierctl(d.address, "-o", "yaml", "sessions", "--watch",
+                                                 "--count", "2", "--interval", "0.1").stdout))
+        assert len(docs) == 2 and all(x["sessions"][0]["session_id"] == "ops" for x in docs)
         c.release(sel.lease_id)
         assert json.loads(kvtierctl(d.address, "-o", "json", "leases").stdout)["leases"] == []
         # evict: off the device tier (nothing there: 0 bytes), and a bad tier is usage.
@@ -1263,6 +1271,8 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
     version = kvtierctl(d.address, "--version")
     assert version.returncode == 0 and re.fullmatch(r"kvtierctl \d+\.\d+\.\d+\n", version.stdout)
     assert kvtierctl(d.address, "--timeout", "0", "health").returncode == 2
+    assert kvtierctl(d.address, "--timeout", "nan", "health").returncode == 2  # Range passes NaN
+    assert kvtierctl(d.address, "sessions", "-w", "--interval", "nan").returncode == 2
     assert kvtierctl(d.address, "nosuchcommand").returncode == 2
     script = kvtierctl(d.address, "completion", "bash").stdout
     assert "complete -F _kvtierctl kvtierctl" in script and " leases " in script
