@@ -136,6 +136,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"persist_interval_ms: 1000", "persist_interval_ms: \"1000\" needs a remote tier"},
       {"quotas { key: \"a b\" value { } }", "quotas[\"a b\"]"},
       {"quotas { key: \"alice\" value { host_bytes: \"lots\" } }", "quotas[\"alice\"].host_bytes"},
+      {"quotas { key: \"*\" value { device_bytes: \"0\" } }",
+       "quotas[\"*\"].device_bytes: \"0\" is 0, which is not a quota"},
       {"default_policy { chunk_tokens: 65 }", "default_policy.chunk_tokens"},
       {"default_policy { chunking: CHUNKING_BOUNDARY }", "default_policy.delimiter_token_ids"},
       {"default_policy { chunking: CHUNKING_BOUNDARY chunk_tokens: 40 delimiter_token_ids: 13 }",

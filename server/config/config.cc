@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
@@ -270,11 +271,16 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
       return InvalidField(field, tenant, absl::StrCat("is not \"*\" and ", kTenantRule));
     }
     ServerOptions::Quota quota;
-    if (!q.host_bytes().empty()) {
-      ASSIGN_OR_RETURN(quota.host_bytes, ParseSize(q.host_bytes(), field + ".host_bytes"));
-    }
-    if (!q.device_bytes().empty()) {
-      ASSIGN_OR_RETURN(quota.device_bytes, ParseSize(q.device_bytes(), field + ".device_bytes"));
+    // A size of 0 would read as no limit (the tiers' 0), the opposite of what it says.
+    for (const auto& [name, text, bytes] :
+         {std::tuple{".host_bytes", &q.host_bytes(), &quota.host_bytes},
+          {".device_bytes", &q.device_bytes(), &quota.device_bytes}}) {
+      if (text->empty()) continue;
+      ASSIGN_OR_RETURN(*bytes, ParseSize(*text, field + name));
+      if (*bytes == 0) {
+        return InvalidField(field + name, *text,
+                            "is 0, which is not a quota (leave it unset for no limit)");
+      }
     }
     quota.max_sessions = q.max_sessions();
     o.quotas[tenant] = quota;
