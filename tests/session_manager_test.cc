@@ -350,6 +350,33 @@ TEST(SessionManager, NewSessionsAreCreatedWhileRedisIsDown) {
 
 // A close that waits on Redis (here: a frozen redis-server) holds no lock that lookups need:
 // other sessions are served meanwhile.
+// A close that takes a session while its demotion stores the record (the demotion holds the
+// session; the close waits for it) removes that record too: the closed session does not come
+// back on the id's next use, and the id is free again.
+TEST(SessionManager, ACloseDuringADemotionRemovesTheRecordItStored) {
+  RemoteManager rm;
+  SessionManager& m = rm.m;
+  rm.remote.redis.Pause();
+  struct Thaw {
+    LocalRedis& redis;
+    ~Thaw() { redis.Resume(); }
+  } thaw{rm.remote.redis};
+  auto demoting = std::async(std::launch::async, [&] { return m.Demote("t", "s"); });
+  ASSERT_EQ(demoting.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the demotion should be storing the record in the frozen Redis";
+  auto closing = std::async(std::launch::async, [&] { return m.Close("t", "s"); });
+  absl::SleepFor(absl::Milliseconds(300));  // the close has taken it and waits for the demotion
+  rm.remote.redis.Resume();
+  ASSERT_OK(demoting.get().status());
+  ASSERT_OK_AND_ASSIGN(const bool closed, closing.get());
+  EXPECT_TRUE(closed);
+  RemoteRecords records(rm.remote.store.get(), "anyone");
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> left, records.Get("s"));
+  EXPECT_FALSE(left.has_value()) << "the closed session's record stayed in the remote tier";
+  EXPECT_THAT(m.Get("t", "s").status(), StatusIs(Code::kNotFound));
+  EXPECT_OK(m.Create("t", SmallSession("s")).status());
+}
+
 TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
   RemoteManager rm;
   SessionManager& m = rm.m;

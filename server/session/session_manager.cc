@@ -289,7 +289,16 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
   }
   if (s == nullptr) return false;
   s->Close();  // outside the manager lock: frees slots
-  ReleaseClaim(session_id);
+  if (s->demoted()) {
+    // A demotion that held the session as this close took it stored its record (Close waited
+    // for it): the close removes that record too, as a demoted session's close does.
+    if (auto dropped = records_->Drop(session_id); !dropped.ok()) {
+      KVLOG(warn, "remote.drop", "session={} error={}", session_id,
+            LogValue(dropped.status().message()));
+    }
+  } else {
+    ReleaseClaim(session_id);
+  }
   DropSnapshot(session_id);
   KVLOG(info, "session.close", "session={}", session_id);
   return true;
