@@ -571,8 +571,10 @@ absl::StatusOr<std::vector<int>> Client::CollectFds(const std::string& ticket, s
       s = absl::FailedPreconditionError("descriptor socket: a message without descriptors");
     }
     if (s.ok() && text != "k") {
-      s = absl::PermissionDeniedError(
-          absl::StrCat("descriptor socket: ", absl::CEscape(text.empty() ? text : text.substr(1))));
+      // "b": the daemon is busy (this uid's connections at its limit): try again later.
+      const std::string why =
+          absl::StrCat("descriptor socket: ", absl::CEscape(text.empty() ? text : text.substr(1)));
+      s = text[0] == 'b' ? absl::UnavailableError(why) : absl::PermissionDeniedError(why);
     }
   }
   close(sock);

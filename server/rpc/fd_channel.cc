@@ -88,10 +88,12 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
     std::lock_guard lock(active_mu_);
     int& mine = active_[cred.uid];
     if (mine >= kConnectionsPerUid || active_total_ >= kConnections) {
-      if (mine == 0) active_.erase(cred.uid);
-      // Said, not only closed: the client can tell a limit from a daemon going away.
+      const int held = mine;  // `mine` goes with its entry
+      if (held == 0) active_.erase(cred.uid);
+      // Said, not only closed ("b": busy, try again), so that a client can tell a limit from a
+      // daemon going away.
       SendWithFds(conn,
-                  absl::StrCat("euid ", cred.uid, " has ", mine,
+                  absl::StrCat("buid ", cred.uid, " has ", held,
                                " descriptor connections open (at most ", kConnectionsPerUid, "; ",
                                active_total_, " of ", kConnections, " in all); try again"),
                   nullptr, 0);

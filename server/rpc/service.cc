@@ -850,13 +850,10 @@ grpc::ServerUnaryReactor* KvTierService::OpenStaging(grpc::CallbackServerContext
                      env_.staging->Create(caller.tenant, req->size_bytes()));
     resp->set_staging_id(area->id());
     resp->set_size_bytes(area->size());
-    const uint64_t id = area->id();
-    // The session's first: a ticket is issued only for an area it holds (a refused one would
-    // count against the uid's tickets for nothing).
-    RETURN_IF_ERROR(session->SetStaging(std::move(area)));
-    ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant, {id},
-                                                         FdChannel::Grant::kStaging));
-    return absl::OkStatus();
+    // The ticket first: a session's area is replaced only by one its worker can collect.
+    ASSIGN_OR_RETURN(*resp->mutable_ticket(), fds->Issue(cred->pid, cred->uid, caller.tenant,
+                                                         {area->id()}, FdChannel::Grant::kStaging));
+    return session->SetStaging(std::move(area));
   });
 }
 

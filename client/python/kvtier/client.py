@@ -1246,8 +1246,9 @@ class Client:
                     if not text:
                         raise KvTierError(grpc.StatusCode.UNAVAILABLE,
                                           "descriptor socket: closed")
-                    if text != b"k":
-                        raise KvTierError(grpc.StatusCode.PERMISSION_DENIED,
+                    if text != b"k":  # b"b...": busy (the uid's connections at the limit)
+                        raise KvTierError(grpc.StatusCode.UNAVAILABLE if text[:1] == b"b"
+                                          else grpc.StatusCode.PERMISSION_DENIED,
                                           "descriptor socket: " + text[1:].decode(errors="replace"))
             if len(fds) != want:
                 raise KvTierError(grpc.StatusCode.FAILED_PRECONDITION,
