@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "client/cpp/socket_io.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -111,7 +112,9 @@ TEST(ClientTrust, NamesSizesAndOffsetsFromTheDaemonAreChecked) {
 // never a SIGPIPE, which would end the worker's process (this test's process does not ignore
 // it, as a worker need not). A send larger than the socket takes goes on until all is sent.
 TEST(ClientTrust, ASendToAClosedSocketIsAnErrorNotASignal) {
-  ASSERT_NE(signal(SIGPIPE, SIG_DFL), SIG_ERR);
+  const auto before = signal(SIGPIPE, SIG_DFL);
+  ASSERT_NE(before, SIG_ERR);
+  absl::Cleanup restore = [before] { signal(SIGPIPE, before); };
   int sv[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
   close(sv[1]);

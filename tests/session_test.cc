@@ -274,7 +274,7 @@ TEST(Session, ASelectTakesItsReplysBoundUnderTheLockOfItsWork) {
   EXPECT_THAT(f.session->Select(req, &resp, &short_room),
               StatusIs(Code::kResourceExhausted,
                        absl::StrFormat("Select: a reply of up to %d bytes would pass "
-                                       "max_message_size %d (%d bytes left of it",
+                                       "max_message_size %d (%d bytes of it left",
                                        bound, bound, bound - 1)));
   EXPECT_EQ(short_room.left, bound - 1);
   EXPECT_EQ(f.session->live_leases(), 0u);

@@ -31,7 +31,7 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::str
       v6 ? absl::StrCat("[", bind_address, "]:", port) : absl::StrCat(bind_address, ":", port);
   // Threads enough, and a request's wait bounded, that a few clients connecting and sending
   // nothing never hold the health probe off (civetweb's own default waits 30 s per request).
-  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "8",
+  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "16",
                            "request_timeout_ms", "5000",        nullptr};
   mg_callbacks callbacks{};
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };  // quiet

@@ -104,7 +104,7 @@ absl::Status TakeReplyRoom(std::string_view what, uint64_t bound, ReplyRoom* roo
   }
   const std::string before =
       room->left < room->limit
-          ? absl::StrFormat(" (%d bytes left of it after the replies before)", room->left)
+          ? absl::StrFormat(" (%d bytes of it left for this reply)", room->left)
           : "";
   return absl::ResourceExhaustedError(absl::StrFormat(
       "%s: a reply of up to %d bytes would pass max_message_size %d%s; ask for less (a smaller "
