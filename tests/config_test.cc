@@ -118,6 +118,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"tcp_listen: \"unix:/x\"", "tcp_listen"},
       {"instance: \"has space\"", "instance"},
       {"host_capacity: \"12Q\"", "host_capacity"},
+      {"host_capacity: \"16777215T\"", "host_capacity: \"16777215T\" is above 1P"},
+      {"device_capacity: \"2000T\"", "device_capacity"},
       {"device_capacity: \"lots\"", "device_capacity"},
       {"segment_size: \"100K\"", "segment_size"},
       {"segment_size: \"1000001\"", "segment_size"},

@@ -31,9 +31,9 @@ absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view fie
         mult = 1ull << 40;
         break;
       default:
-        return absl::InvalidArgumentError(
-            absl::StrFormat("%s: size \"%s\" has suffix '%c'; use bytes with an optional K, M or G",
-                            field, text, s.back()));
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: size \"%s\" has suffix '%c'; use bytes with an optional K, M, G or T", field, text,
+            s.back()));
     }
     s.remove_suffix(1);
   }

@@ -180,6 +180,14 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   ASSIGN_OR_RETURN(o.device_capacity, ParseSize(c.device_capacity(), "device_capacity"));
   ASSIGN_OR_RETURN(o.host_capacity, ParseSize(c.host_capacity(), "host_capacity"));
   if (o.host_capacity == 0) return InvalidField("host_capacity", c.host_capacity(), "must be > 0");
+  // At most a pebibyte each, so that sums of them (the shared memory a start-up checks) cannot
+  // wrap.
+  constexpr uint64_t kMaxCapacity = uint64_t{1} << 50;
+  for (const auto& [field, text, bytes] :
+       {std::tuple{"host_capacity", &c.host_capacity(), o.host_capacity},
+        {"device_capacity", &c.device_capacity(), o.device_capacity}}) {
+    if (bytes > kMaxCapacity) return InvalidField(field, *text, "is above 1P (1024T)");
+  }
   ASSIGN_OR_RETURN(o.segment_size, ParseSize(c.segment_size(), "segment_size"));
   if (o.segment_size < (1ull << 20) || o.segment_size > (1ull << 40) ||
       o.segment_size % 4096 != 0) {
@@ -411,7 +419,8 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   }
   static constexpr absl::string_view kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), o.log_level) == std::end(kLevels)) {
-    return InvalidField("log_level", o.log_level, "is not one of trace, debug, info, warn, error");
+    return InvalidField("log_level", o.log_level,
+                        "is not one of trace, debug, info, warn, error, off");
   }
   if (o.log_format != "logfmt" && o.log_format != "json") {
     return InvalidField("log_format", o.log_format, "is not one of logfmt, json");
@@ -482,7 +491,7 @@ std::string Usage() {
       "usage: kvtierd [--config FILE] [--FIELD VALUE]... [--print_default_config]\n"
       "Every scalar field of the Config message is also a flag; flags override the file\n"
       "(text format of kvtier.v1.Config; --print_default_config prints one with every\n"
-      "default). SIZE is bytes with an optional K, M or G suffix.\n\nflags:\n";
+      "default). SIZE is bytes with an optional K, M, G or T suffix.\n\nflags:\n";
   const v1::Config defaults = DefaultConfig();
   const auto* desc = v1::Config::descriptor();
   const auto* refl = defaults.GetReflection();
