@@ -526,6 +526,14 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  // Usage the parser cannot see, by the flags' own names, exit 2 as every usage error.
+  auto usage = [](const std::string& why) {
+    std::cerr << "kvtierctl: " << why << "\nRun with --help for more information.\n";
+    return 2;
+  };
+  if (g.tls_cert.empty() != g.tls_key.empty())
+    return usage("--tls-cert and --tls-key: both or neither");
+  if (!g.tls_cert.empty() && g.tls_ca.empty()) return usage("--tls-cert needs --tls-ca");
   kvtier::ClientOptions opts;
   opts.tenant = g.tenant;
   opts.tls_ca_file = g.tls_ca;
@@ -533,12 +541,9 @@ int main(int argc, char** argv) {
   opts.tls_key_file = g.tls_key;
   if (!g.token_file.empty()) {
     std::ifstream in(g.token_file);
-    if (!in) {
-      return Fail(
-          absl::NotFoundError(absl::StrCat("--token-file ", g.token_file, ": cannot be read")));
-    }
+    if (!in) return usage(absl::StrCat("--token-file ", g.token_file, ": cannot be read"));
     absl::StatusOr<std::string> t = ReadToken(in, "--token-file " + g.token_file);
-    if (!t.ok()) return Fail(t.status());
+    if (!t.ok()) return usage(std::string(t.status().message()));
     opts.token = *std::move(t);
   }
   opts.timeout = absl::Milliseconds(static_cast<int64_t>(g.timeout_s * 1000));

@@ -1276,6 +1276,10 @@ def test_kvtierctl_for_operators(start_daemon, kvtierctl, tmp_path):
     assert version.returncode == 0 and re.fullmatch(r"kvtierctl \d+\.\d+\.\d+\n", version.stdout)
     assert kvtierctl(d.address, "--timeout", "0", "health").returncode == 2
     assert kvtierctl(d.address, "--timeout", "nan", "health").returncode == 2  # Range passes NaN
+    # Usage only a look after parsing finds is usage too, named by the flags.
+    bad_tls = kvtierctl(d.address, "--tls-cert", "/x.pem", "--tls-key", "/x.key", "health")
+    assert bad_tls.returncode == 2 and "--tls-cert needs --tls-ca" in bad_tls.stderr
+    assert kvtierctl(d.address, "--token-file", "/nonexistent/token", "health").returncode == 2
     assert kvtierctl(d.address, "sessions", "-w", "--interval", "nan").returncode == 2
     assert kvtierctl(d.address, "nosuchcommand").returncode == 2
     script = kvtierctl(d.address, "completion", "bash").stdout
