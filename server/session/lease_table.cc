@@ -102,6 +102,14 @@ std::vector<LeaseTable::Info> LeaseTable::List(const std::string* tenant,
   return out;
 }
 
+absl::Status LeaseTable::TenantLeases::RoomFor(uint64_t max_live, int64_t live) const {
+  if (max_live == 0 || live < static_cast<int64_t>(max_live)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
+      "expire)",
+      max_live, Quoted(tenant_), live));
+}
+
 absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<TenantLeases>& tenant,
                                                        const std::string& session_id,
                                                        std::vector<SlotRef> slots, uint32_t ttl_ms,
@@ -112,12 +120,7 @@ absl::StatusOr<LeaseTable::Granted> LeaseTable::Create(const std::shared_ptr<Ten
   // let calls of one tenant at once each pass it.
   int64_t live = tenant->live_.load(std::memory_order_relaxed);
   do {
-    if (max_live > 0 && live >= static_cast<int64_t>(max_live)) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
-          "expire)",
-          max_live, Quoted(tenant->tenant()), live));
-    }
+    RETURN_IF_ERROR(tenant->RoomFor(max_live, live));
   } while (!tenant->live_.compare_exchange_weak(live, live + 1, std::memory_order_relaxed));
   absl::Cleanup give_back = [&tenant] { tenant->live_.fetch_sub(1, std::memory_order_relaxed); };
   const int64_t expires = clock_->NowMs() + ttl_ms;

@@ -44,9 +44,15 @@ class LeaseTable {
     explicit TenantLeases(std::string tenant) : tenant_(std::move(tenant)) {}
     const std::string& tenant() const { return tenant_; }
     size_t live() const { return static_cast<size_t>(live_.load(std::memory_order_relaxed)); }
+    // OK while it holds fewer than `max_live` leases (0: no limit), else RESOURCE_EXHAUSTED
+    // naming the limit: a Select's early look, before its work (Create takes the count itself).
+    absl::Status CheckRoom(uint64_t max_live) const {
+      return RoomFor(max_live, live_.load(std::memory_order_relaxed));
+    }
 
    private:
     friend class LeaseTable;
+    absl::Status RoomFor(uint64_t max_live, int64_t live) const;
     const std::string tenant_;
     std::atomic<int64_t> live_ = 0;
   };

@@ -569,12 +569,7 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
                    CheckSelect(shape_, req, env_.lease_ttl_ms, env_.max_lease_ms));
   const uint32_t ttl = req.lease_ms() ? req.lease_ms() : env_.lease_ttl_ms;
   // Before any copy: a tenant at its lease limit gets nothing pinned.
-  if (const size_t held = tenant_leases_->live(); held >= env_.max_leases_per_tenant) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "max_leases_per_tenant %d: tenant %s holds %d live leases; release some (or let them "
-        "expire)",
-        env_.max_leases_per_tenant, Quoted(tenant_), held));
-  }
+  RETURN_IF_ERROR(tenant_leases_->CheckRoom(env_.max_leases_per_tenant));
   RETURN_IF_ERROR(env_.leases->CheckWorker(tenant_, req.worker_id()));
   ForegroundLock lock(&mu_, &foreground_);
   RETURN_IF_ERROR(CheckOpen());
