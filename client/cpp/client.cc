@@ -490,8 +490,8 @@ absl::Status ReceiveFds(int sock, size_t want, std::vector<int>* out, std::strin
   if (n <= 0) {
     return absl::UnavailableError(
         absl::StrCat("descriptor socket: ",
-                     n == 0 ? "the daemon closed it unanswered (it drains, or this uid holds "
-                              "as many descriptor connections as it allows at once; try again)"
+                     n == 0 ? "the daemon closed it unanswered (it drains; or, a kvtierd too old "
+                              "to say so, this uid's descriptor connections are at its limit)"
                      : errno == EAGAIN || errno == EWOULDBLOCK
                          ? "no answer within the client's timeout (at most 5 s)"
                          : std::strerror(errno)));
