@@ -451,6 +451,41 @@ TEST_P(RankStreamTest, EqualsTheScanOverTheCandidates) {
   }
 }
 
+// Chunks of equal statistics score alike: the lower index wins each tie, in the scan's picks
+// and in its guess alike (FillGreedy's order), and the rest are what a larger budget adds.
+TEST(RankStreamTies, TheLowerIndexWins) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> a(kD), b(kD), peak(kD);
+  for (int j = 0; j < kD; ++j) a[j] = 16 * g(rng), b[j] = 16 * g(rng), peak[j] = g(rng);
+  ChunkStats s(kD);
+  constexpr uint32_t kChunks = 120;
+  for (uint32_t c = 0; c < kChunks; ++c) s.Append(16, (c % 3 == 1 ? b : a).data(), peak.data());
+  s.MarkFinal(kChunks);
+  std::vector<bool> must(kChunks, false);
+  must[0] = must[kChunks - 1] = true;
+  const std::vector<float> q = Query(rng);
+  for (uint64_t picks : {1u, 5u, 40u, 64u, 70u}) {
+    RankQuery query{.ranking = v1::RANKING_LSE_PEAK,
+                    .queries = q,
+                    .group = kGroup,
+                    .budget = 32 + 16 * picks,
+                    .must = &must,
+                    .chunk_tokens = 16,
+                    .extra_budget = 16 * 7};
+    const RankResult r = RankStream(s, nullptr, query);
+    const std::vector<bool> none(kChunks, false);
+    EXPECT_EQ(r.chunks, Expected(v1::RANKING_LSE_PEAK, s, q, query.budget, must, none)) << picks;
+    std::vector<uint32_t> wider = Expected(v1::RANKING_LSE_PEAK, s, q, query.budget + 16 * 7, must,
+                                           none),
+                          added;
+    std::set_difference(wider.begin(), wider.end(), r.chunks.begin(), r.chunks.end(),
+                        std::back_inserter(added));
+    EXPECT_EQ(r.extra, added) << picks;
+    EXPECT_EQ(added.size(), 7u) << picks;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, RankStreamTest,
                          ::testing::Values(Case{"scan, no index", 300, true, 0},
                                            Case{"scan, few candidates", 300, true, 1},

@@ -304,10 +304,6 @@ uint32_t RankKeyIndex(uint64_t key) { return 0xffffffffu - static_cast<uint32_t>
 
 }  // namespace
 
-// Up to this many picks of equal chunks, FillGreedy keeps the best in order by insertion
-// rather than by nth_element and a sort.
-constexpr size_t kInsertionPicks = 64;
-
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
                                  uint64_t extra_budget, std::vector<uint32_t>* extra,
                                  FillOrder order) {

@@ -115,6 +115,10 @@ struct ScoredChunk {
 // candidate has the same size, two partitions find them without sorting any).
 enum class FillOrder { kBestFirst, kAny };
 
+// Up to this many picks of equal chunks, FillGreedy (and RankStream's scan) keeps the best in
+// order by insertion rather than by nth_element and a sort.
+inline constexpr size_t kInsertionPicks = 64;
+
 // The greedy fill of SelectChunks over candidates already scored (any order).
 std::vector<uint32_t> FillGreedy(std::vector<ScoredChunk> scored, uint64_t budget,
                                  uint64_t extra_budget = 0, std::vector<uint32_t>* extra = nullptr,

@@ -8,6 +8,38 @@
 
 namespace kvtier {
 
+namespace {
+
+// The best `k` chunks by score (FillGreedy's order: score down, index up) among those not
+// `excluded`, best first: the first k candidates sorted, then each other one against the
+// worst kept, placed by insertion when it wins.
+std::vector<uint32_t> TopCandidates(const float* scores, uint32_t n,
+                                    const std::vector<bool>& excluded, size_t k) {
+  std::vector<uint32_t> top;
+  if (k == 0) return top;
+  top.reserve(k);
+  auto better = [scores](uint32_t a, uint32_t b) {
+    return scores[a] != scores[b] ? scores[a] > scores[b] : a < b;
+  };
+  uint32_t c = 0;
+  for (; c < n && top.size() < k; ++c) {
+    if (!excluded[c]) top.push_back(c);
+  }
+  std::sort(top.begin(), top.end(), better);
+  float worst = scores[top.back()];
+  for (; c < n; ++c) {
+    // Later chunks lose ties (a higher index): only a strictly better score enters.
+    if (!(scores[c] > worst) || excluded[c]) continue;
+    size_t at = k - 1;
+    for (; at > 0 && better(c, top[at - 1]); --at) top[at] = top[at - 1];
+    top[at] = c;
+    worst = scores[top.back()];
+  }
+  return top;
+}
+
+}  // namespace
+
 RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const RankQuery& q) {
   const std::vector<bool>& must = *q.must;
   const uint32_t n = stats.size();
@@ -34,9 +66,13 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
   uint64_t must_tokens = 0;
   uint32_t candidates = 0;
   bool uniform = true;
+  absl::InlinedVector<uint32_t, 64> musts;  // ascending
   for (uint32_t c = 0; c < n; ++c) {
     const uint32_t tokens = stats.tokens(c);
-    if (must[c]) must_tokens += tokens;
+    if (must[c]) {
+      must_tokens += tokens;
+      musts.push_back(c);
+    }
     if ((*excluded)[c]) continue;
     ++candidates;
     uniform &= tokens == q.chunk_tokens;
@@ -69,16 +105,29 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
     // returned anyway too), the others only where they are candidates, and the candidates'
     // scores filled from.
     out.scored = out.candidates;
-    std::vector<float> scores(n);
+    absl::InlinedVector<float, 1024> scores(n);
     stats.Score(q.ranking, queries, q.group, scores.data(), excluded);
-    std::vector<ScoredChunk> scored;
-    scored.reserve(out.candidates);
-    for (uint32_t c = 0; c < n; ++c) {
-      if (!(*excluded)[c]) scored.push_back({scores[c], c, stats.tokens(c)});
+    const uint64_t size = q.chunk_tokens;
+    const uint64_t wide = budget + q.extra_budget;
+    if (uniform && size > 0 && std::min<uint64_t>(candidates, wide / size) <= kInsertionPicks) {
+      // Chunks of one size and few to find (a decode step's Select): the best wide / size in
+      // FillGreedy's order, kept best first by insertion straight from the scores.
+      found =
+          TopCandidates(scores.data(), n, *excluded, std::min<uint64_t>(candidates, wide / size));
+      const size_t take = std::min<size_t>(found.size(), budget / size);
+      if (q.extra_budget > 0)
+        extra.assign(found.begin() + static_cast<ptrdiff_t>(take), found.end());
+      found.resize(take);
+    } else {
+      std::vector<ScoredChunk> scored;
+      scored.reserve(out.candidates);
+      for (uint32_t c = 0; c < n; ++c) {
+        if (!(*excluded)[c]) scored.push_back({scores[c], c, stats.tokens(c)});
+      }
+      // In any order: `take` below marks them, and the extra ones are sorted.
+      found = FillGreedy(std::move(scored), budget, q.extra_budget,
+                         q.extra_budget > 0 ? &extra : nullptr, FillOrder::kAny);
     }
-    // In any order: `take` below marks them, and the extra ones are sorted.
-    found = FillGreedy(std::move(scored), budget, q.extra_budget,
-                       q.extra_budget > 0 ? &extra : nullptr, FillOrder::kAny);
   } else {
     // Whole chunks: the best budget / chunk_tokens. The index's answer is exact for its
     // chunks; the few it does not hold yet (a policy change, a chunk waiting for room to be
@@ -102,12 +151,10 @@ RankResult RankStream(const ChunkStats& stats, const ClusterIndex* index, const 
       found.resize(k);
     }
   }
-  std::vector<bool> take = must;
-  for (uint32_t c : found) take[c] = true;
-  out.chunks.reserve(found.size() + 16);
-  for (uint32_t c = 0; c < n; ++c) {
-    if (take[c]) out.chunks.push_back(c);
-  }
+  // `must` and the chosen, ascending (the chosen are neither in `must` nor repeated).
+  std::sort(found.begin(), found.end());
+  out.chunks.resize(musts.size() + found.size());
+  std::merge(musts.begin(), musts.end(), found.begin(), found.end(), out.chunks.begin());
   std::sort(extra.begin(), extra.end());
   out.extra = std::move(extra);
   return out;
