@@ -269,6 +269,43 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
   EXPECT_FALSE(*rm.remote.store->Exists(RecordKey("s")));  // served from here only
 }
 
+// A restored session is held here again: it needs room under max_sessions and its tenant's
+// quota as a new one does. Refused, it stays in the remote tier, whole, and is restored once
+// a session closes.
+TEST(SessionManager, ARestoreNeedsRoomUnderMaxSessionsAndTheTenantsQuota) {
+  for (const bool by_quota : {false, true}) {
+    SCOPED_TRACE(by_quota ? "the tenant's quota" : "max_sessions");
+    Remote remote;
+    Env e;
+    ServerOptions o = Options();
+    o.max_sessions = by_quota ? 100 : 2;
+    if (by_quota) o.quotas["t"].max_sessions = 1;
+    SessionManager m(o, e.env, remote.store.get());
+    ASSERT_OK(m.Create("t", SmallSession("a")).status());
+    ASSERT_OK(RunAppend(m, "t", Tokens("a", 0, 32)));
+    ASSERT_OK(m.Demote("t", "a").status());
+    ASSERT_OK(m.Create("t", SmallSession("b")).status());
+    if (!by_quota) {
+      ASSERT_OK(m.Create("u", SmallSession("c")).status());
+    }
+    EXPECT_THAT(m.Get("t", "a"),
+                StatusIs(Code::kResourceExhausted, by_quota ? "quota: tenant \"t\" max_sessions 1"
+                                                            : "the daemon holds max_sessions 2"));
+    EXPECT_THAT(m.Get("t", "a"), StatusIs(Code::kResourceExhausted, "stays in the remote tier"));
+    EXPECT_TRUE(*remote.store->Exists(RecordKey("a")));
+    EXPECT_EQ(m.size(), 2u - (by_quota ? 1 : 0));
+    EXPECT_EQ(m.remote_counters().restores, 0u);
+    // Another tenant, under its own quota, still creates (the refused restore holds no place).
+    if (by_quota) {
+      ASSERT_OK(m.Create("u", SmallSession("c")).status());
+    }
+    ASSERT_OK(m.Close("t", "b").status());
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> a, m.Get("t", "a"));
+    EXPECT_EQ(a->Info().num_tokens(), 32u);
+    EXPECT_FALSE(*remote.store->Exists(RecordKey("a")));
+  }
+}
+
 TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
   RemoteManager rm;
   SessionManager& m = rm.m;

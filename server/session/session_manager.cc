@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
@@ -75,13 +76,19 @@ absl::Status SessionManager::CheckNewId(const std::string& id, const std::string
   if (sessions_.Find(id) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat("session_id: \"", id, "\" already exists"));
   }
-  if (sessions_.size() >= options_.max_sessions) {
+  return CheckRoom(id, tenant);
+}
+
+absl::Status SessionManager::CheckRoom(const std::string& id, const std::string& tenant) const {
+  // A restore on its way in holds its place (restores run one at a time).
+  const bool pending = restoring_.has_value();
+  if (sessions_.size() + (pending ? 1 : 0) >= options_.max_sessions) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
                         options_.max_sessions));
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
-    size_t held = 0;
+    size_t held = pending && restoring_->tenant == tenant ? 1 : 0;
     for (const std::shared_ptr<Session>& s : sessions_.All()) held += s->tenant() == tenant;
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -419,6 +426,22 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     return record.status();
   }
   RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
+  // A session restored is held here again: it counts against max_sessions and its tenant's
+  // quota as a new one does, and its place is held until it is in (or the restore fails), so
+  // that a create meanwhile cannot take it. Refused, it stays where it lies.
+  {
+    MutexLock lock(&mu_);
+    if (absl::Status room = CheckRoom(session_id, record->tenant()); !room.ok()) {
+      return absl::Status(room.code(), absl::StrCat(room.message(),
+                                                    "; it stays in the remote "
+                                                    "tier until there is room"));
+    }
+    restoring_ = PendingRestore{session_id, record->tenant()};
+  }
+  absl::Cleanup unreserve = [&] {
+    MutexLock lock(&mu_);
+    restoring_.reset();
+  };
   // A full host tier makes room by demoting idle sessions, then tries again.
   std::unique_ptr<Session> session;
   RETURN_IF_ERROR(WithRoom(session_id, [&]() -> absl::Status {
@@ -440,6 +463,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   {
     MutexLock lock(&mu_);
     sessions_.Put(session_id, restored);
+    restoring_.reset();  // counted in the map from here on
     demoted_here_.erase(session_id);
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -156,8 +157,12 @@ class SessionManager {
   }
 
  private:
-  // Id syntax and uniqueness, then the daemon's max_sessions and `tenant`'s quota.
+  // Id syntax and uniqueness, then CheckRoom.
   absl::Status CheckNewId(const std::string& id, const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for one more session of `tenant` (named `id` in the message): the daemon's
+  // max_sessions and the tenant's quota, a restore in progress counted.
+  absl::Status CheckRoom(const std::string& id, const std::string& tenant) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -207,6 +212,11 @@ class SessionManager {
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
   SessionShards sessions_;
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
+  // The restore in progress (one at a time, under restore_mu_): its place among the sessions.
+  struct PendingRestore {
+    std::string id, tenant;
+  };
+  std::optional<PendingRestore> restoring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
