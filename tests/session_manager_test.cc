@@ -554,7 +554,7 @@ namespace {
 TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
   TwoDaemons two;
   SessionManager &a = two.a, &b = two.b;
-  for (const char* id : {"lost", "taken", "closed"}) {
+  for (const char* id : {"lost", "taken", "closed", "moved"}) {
     ASSERT_OK(a.Create("t", SmallSession(id)).status());
     ASSERT_OK(RunAppend(a, "t", Tokens(id, 0, 16)));
     ASSERT_OK(a.Demote("t", id).status());
@@ -571,6 +571,17 @@ TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
   EXPECT_TRUE(closed);
   EXPECT_THAT(a.Get("t", "closed"), StatusIs(Code::kNotFound, "not found"));
   EXPECT_EQ(a.remote_counters().lost, 1u);
+  // Taken over, then closed where it lives, before the daemon that demoted it looked: that
+  // daemon finds the tombstone, not a loss (before, the live close left none). A session
+  // never demoted leaves none.
+  ASSERT_OK(b.Get("t", "moved").status());
+  ASSERT_OK_AND_ASSIGN(closed, b.Close("t", "moved"));
+  EXPECT_TRUE(closed);
+  EXPECT_THAT(a.Get("t", "moved"), StatusIs(Code::kNotFound, "not found"));
+  EXPECT_EQ(a.remote_counters().lost, 1u);
+  ASSERT_OK(b.Create("t", SmallSession("fresh")).status());
+  ASSERT_OK(b.Close("t", "fresh").status());
+  EXPECT_FALSE(*two.remote.store->Exists("kvtier:closed:fresh"));
 }
 
 }  // namespace

@@ -65,9 +65,11 @@ return {'ok', n}
 
 // The hold of a session live here let go (it closed, or its creation failed): its record, if
 // one lies there, is another session's of the same id (demoted before this one was made while
-// Redis was out of reach), never this one's, and stays.
+// Redis was out of reach), never this one's, and stays. ARGV[2] "1": the session was restored
+// from a record (a daemon that demoted it may look for it): the close leaves the tombstone.
 constexpr char kRelease[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
 if o then redis.call('DEL', KEYS[2]) end
+if ARGV[2] == '1' then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
 return {'ok'}
 )lua";
 
@@ -158,8 +160,8 @@ absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
   return Bad(session_id);
 }
 
-absl::Status RemoteRecords::Release(const std::string& session_id) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kRelease, session_id, self_));
+absl::Status RemoteRecords::Release(const std::string& session_id, bool tombstone) {
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kRelease, session_id, self_, tombstone ? "1" : "0"));
   if (o.what == "ok" || o.what == "held") return absl::OkStatus();
   return Bad(session_id);
 }

@@ -10,6 +10,8 @@
 //            deleted, unless another daemon took it (or closed it) meanwhile
 //   Drop     a close: this daemon's hold let go, and the record deleted (leaving the tombstone
 //            "kvtier:closed:<id>" for a day)
+//   Release  a live session's close: this daemon's hold let go (leaving the tombstone too when
+//            the session had been restored from a record)
 //
 // A daemon killed with SIGKILL leaves its owner keys: its ids stay held until the same
 // instance, started again, takes them back (its write-behind snapshots) or closes them, or an
@@ -48,8 +50,9 @@ class RemoteRecords {
   // Lets this daemon's hold of a session live here go (closed, or never made), leaving any
   // record of the id alone: one can lie there only for another session of the id, demoted
   // before this one was made while the claim could not be checked. Nothing when another
-  // daemon holds the id.
-  absl::Status Release(const std::string& session_id);
+  // daemon holds the id. With `tombstone` (a session restored from a record: the daemon that
+  // demoted it may ask for it), the tombstone a Drop leaves is left too.
+  absl::Status Release(const std::string& session_id, bool tombstone = false);
   // Whether a record of the id was closed (by Drop, on any daemon) within the last day.
   absl::StatusOr<bool> ClosedLately(const std::string& session_id);
 

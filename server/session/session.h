@@ -242,6 +242,9 @@ class Session : public std::enable_shared_from_this<Session> {
   void MarkPersisted(uint64_t version);
   // The change count a snapshot taken now would carry.
   uint64_t version() const;
+  // Restored from a record another call (or daemon) demoted: its close leaves a tombstone.
+  void MarkRestored() { restored_.store(true, std::memory_order_release); }
+  bool restored() const { return restored_.load(std::memory_order_acquire); }
 
   // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
   v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;
@@ -390,7 +393,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::atomic<bool> closed_ = false;
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 1;    // counts changes a snapshot would show
   uint64_t persisted_ ABSL_GUARDED_BY(mu_) = 0;  // the version last stored by write-behind
-  std::atomic<bool> demoted_ = false;  // closed because it moved to the remote tier (as closed_)
+  std::atomic<bool> demoted_ = false;   // closed because it moved to the remote tier (as closed_)
+  std::atomic<bool> restored_ = false;  // MarkRestored
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED

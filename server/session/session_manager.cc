@@ -304,7 +304,9 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
             LogValue(dropped.status().message()));
     }
   } else {
-    ReleaseClaim(session_id);
+    // A session restored from a record may be looked for by the daemon that demoted it: the
+    // tombstone tells it the session was closed, not lost.
+    ReleaseClaim(session_id, s->restored());
   }
   DropSnapshot(session_id);
   KVLOG(info, "session.close", "session={}", session_id);
@@ -460,6 +462,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     RETURN_IF_ERROR(ClaimId(session_id).status());  // this daemon's own id, held again
   }
   std::shared_ptr<Session> restored = std::move(session);
+  if (!snapshot) restored->MarkRestored();
   {
     MutexLock lock(&mu_);
     sessions_.Put(session_id, restored);
@@ -592,9 +595,9 @@ absl::StatusOr<bool> SessionManager::ClaimId(const std::string& id) {
   return fresh;
 }
 
-void SessionManager::ReleaseClaim(const std::string& session_id) {
+void SessionManager::ReleaseClaim(const std::string& session_id, bool tombstone) {
   if (remote_ == nullptr) return;
-  if (absl::Status released = records_->Release(session_id); !released.ok()) {
+  if (absl::Status released = records_->Release(session_id, tombstone); !released.ok()) {
     KVLOG(warn, "remote.release", "session={} error={}", session_id, LogValue(released.message()));
   }
 }

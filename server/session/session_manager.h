@@ -189,8 +189,9 @@ class SessionManager {
   // ALREADY_EXISTS when it lies there or another daemon holds it; false (unchecked) when Redis
   // is down or there is none.
   absl::StatusOr<bool> ClaimId(const std::string& id);
-  // Lets this daemon's hold on the id go in the remote tier (a warning when Redis fails).
-  void ReleaseClaim(const std::string& session_id);
+  // Lets this daemon's hold on the id go in the remote tier (a warning when Redis fails),
+  // with the tombstone of a close when `tombstone` (RemoteRecords::Release).
+  void ReleaseClaim(const std::string& session_id, bool tombstone = false);
   // Removes the session's snapshot, if write-behind is on (a warning when Redis fails).
   void DropSnapshot(const std::string& session_id);
 
