@@ -379,7 +379,7 @@ void Session::AgeLayerInPool(uint32_t l) {
   // without the lock.
   std::optional<TaskPool::Boost> lifted(std::in_place);
   for (;;) {
-    std::optional<SpanJob> job;
+    std::vector<SpanJob> jobs;
     std::optional<QuantJob> quant;
     std::optional<SpanContext> context;
     {
@@ -389,11 +389,20 @@ void Session::AgeLayerInPool(uint32_t l) {
         layer.aging_busy = false;
         return;
       }
-      job = NextSpan(aging(), layer.tokens, heads(l), &layer.aging);
-      if (!job && !quant_stuck) {
+      // Up to kAgingSpans spans at once: each time without the lock costs the thread two
+      // changes of its scheduling policy (TaskPool::Boost).
+      AgingState next = layer.aging;
+      while (jobs.size() < kAgingSpans) {
+        std::optional<SpanJob> job = NextSpan(aging(), layer.tokens, heads(l), &next);
+        if (!job) break;
+        if (jobs.empty()) layer.aging.regrouped = next.regrouped;  // the sinks skipped
+        next.regrouped = job->first + kSemanticSpanChunks;
+        jobs.push_back(*std::move(job));
+      }
+      if (jobs.empty() && !quant_stuck) {
         quant = NextQuant(aging(), layer.tokens, heads(l), layer.aging, kAgingSlice);
       }
-      if (!job && !quant) {
+      if (jobs.empty() && !quant) {
         const uint64_t before = LayerHeapBytes(l);
         const bool more = IndexLayerSlice(aging(), layer.tokens, heads(l), &layer.aging,
                                           kAgingSlice, absl::Now() + kAgingSliceTime);
@@ -420,27 +429,40 @@ void Session::AgeLayerInPool(uint32_t l) {
       charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
       continue;
     }
-    const bool made = RegroupSpan(*context, &*job);
+    size_t made = 0;  // the first `made` jobs got their slots
+    while (made < jobs.size() && RegroupSpan(*context, &jobs[made])) ++made;
     lifted.emplace();
+    // Each span committed in order, under a hold of its own (an append or a Select waits for
+    // one at most). False when the span changed meanwhile (a fork aged it) or the policy's
+    // cold precision did: then its slots go back, and the later spans' with them.
+    bool stopped = false;
+    for (size_t i = 0; i < made && !stopped; ++i) {
+      BackgroundLock lock(&mu_, foreground_);
+      if (closed_) {
+        stopped = true;  // the next round ends the task
+        break;
+      }
+      const uint64_t before = LayerHeapBytes(l);
+      const uint32_t first = jobs[i].first;
+      const bool committed =
+          CommitSpan(heads(l), &layers_[l].aging, std::move(jobs[i]), aging().cold_bits());
+      charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
+      if (!committed) {
+        if (layers_[l].aging.regrouped == first) {  // never loop on one span
+          AgeLayerLocked(l);
+          aged_.SignalAll();
+        }
+        stopped = true;
+      }
+    }
+    if (stopped || made == jobs.size()) continue;
+    // No slots for a span: what is left waits for the next append, as on the append path.
     BackgroundLock lock(&mu_, foreground_);
     if (closed_) continue;
-    if (!made) {  // no slots: what is left waits for the next append, as on the append path
-      AgeLayerLocked(l);
-      aged_.SignalAll();
-      layers_[l].aging_busy = false;
-      return;
-    }
-    const uint64_t before = LayerHeapBytes(l);
-    const uint32_t first = job->first;
-    // False when the span changed meanwhile (a fork aged it) or the policy's cold precision
-    // did: then its slots go back.
-    const bool committed =
-        CommitSpan(heads(l), &layers_[l].aging, std::move(*job), aging().cold_bits());
-    charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
-    if (!committed && layers_[l].aging.regrouped == first) {  // never loop on one span
-      AgeLayerLocked(l);
-      aged_.SignalAll();
-    }
+    AgeLayerLocked(l);
+    aged_.SignalAll();
+    layers_[l].aging_busy = false;
+    return;
   }
 }
 

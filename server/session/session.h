@@ -327,6 +327,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void AgeLayerInPool(uint32_t l);
   // Chunks of each KV head that one hold of the lock quantizes or indexes, at most.
   static constexpr uint32_t kAgingSlice = 4;
+  // Semantic spans one time without the lock regroups, at most.
+  static constexpr uint32_t kAgingSpans = 4;
   // And the time one hold indexes for: the chunk in hand when it passes is the slice's last.
   // (Counted alone, a slice's Adds held the lock for 100 us at the 90th percentile and 300 us
   // at the 99th, when their splits came together. At 50 us, a decode loop's index holds (a
