@@ -160,15 +160,21 @@ std::vector<std::vector<uint32_t>> BalancedGroups(const float* rows, uint32_t n,
   // The rows transposed ([d][n8], n8 the next multiple of 8), so that one center's distance
   // to every row is one pass (SquaredDistances: the bits of SquaredDistance, row by row).
   const uint32_t n8 = (n + 7) / 8 * 8;
-  std::vector<float> cols(static_cast<size_t>(d) * n8, 0.f);
+  // Scratch kept by the thread from one call to the next (an aging thread regroups span after
+  // span): neither allocated nor zeroed each time. Only the padding rows [n, n8) need zeros.
+  thread_local std::vector<float> cols, dist;
+  cols.resize(static_cast<size_t>(d) * n8);
   Transpose(rows, n, d, cols.data(), n8);
+  for (int j = 0; j < d && n < n8; ++j) {
+    std::fill_n(cols.begin() + static_cast<ptrdiff_t>(j) * n8 + n, n8 - n, 0.f);
+  }
   const int stride = static_cast<int>(n8);
   // Farthest-point seeding.
   std::vector<uint32_t> all(n);
   std::iota(all.begin(), all.end(), 0u);
   const std::vector<float> mean = GroupMean(rows, d, all);
   std::vector<float> centers(static_cast<size_t>(k) * d);
-  std::vector<float> dist(static_cast<size_t>(k) * n8);  // [center][row]
+  dist.resize(static_cast<size_t>(k) * n8);  // [center][row], each written before it is read
   SquaredDistances(cols.data(), stride, static_cast<int>(n), d, mean.data(), dist.data());
   const uint32_t first = static_cast<uint32_t>(std::max_element(dist.begin(), dist.begin() + n) -
                                                dist.begin());  // the first farthest

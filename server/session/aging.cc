@@ -61,9 +61,15 @@ bool RegroupSpan(const SpanContext& ctx, SpanJob* job) {
     return false;
   }
   const uint32_t span_rows = kSemanticSpanChunks * ct;
-  std::vector<uint16_t> keys(static_cast<size_t>(span_rows) * d), values(keys.size()), scratch;
-  std::vector<uint16_t> grouped(ctx.cold_bits != 0 ? 2 * size_t{ct} * d : 0);
-  std::vector<float> key_floats(keys.size());
+  // Scratch the thread keeps from one span to the next, each byte written before it is read
+  // (an aging thread regroups span after span: nothing allocated or zeroed each time).
+  thread_local std::vector<uint16_t> keys, values, grouped;
+  thread_local std::vector<float> key_floats;
+  std::vector<uint16_t> scratch;
+  keys.resize(static_cast<size_t>(span_rows) * d);
+  values.resize(keys.size());
+  key_floats.resize(keys.size());
+  if (ctx.cold_bits != 0) grouped.resize(2 * size_t{ct} * d);
   const uint64_t base = job->sources[0].first;
   for (size_t h = 0; h < heads; ++h) {
     // The span's rows in position order (its chunks are contiguous and full).
