@@ -1150,6 +1150,16 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
   const grpc::Status capped = alice->stub().OpenSegments(&over, req, &none);
   EXPECT_EQ(capped.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(capped.error_message().find("tickets outstanding"), std::string::npos);
+  // A channel whose ticket is refused ends at once: more of them than a tenant may hold open
+  // are each refused for the ticket, never for the channels (each held its place for 15 s).
+  for (int i = 0; i < 70; ++i) {  // past ChannelHub::kMaxPerTenant (64)
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant", "alice");
+    v1::OpenChannelResponse opened;
+    const grpc::Status refused = alice->stub().OpenChannel(&ctx, v1::OpenChannelRequest(), &opened);
+    ASSERT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << i;
+    ASSERT_THAT(refused.error_message(), ::testing::HasSubstr("tickets outstanding")) << i;
+  }
 }
 
 // The inline append `r` as a staged one: its keys and values written into `area` at 0 and at

@@ -83,6 +83,7 @@ struct ChannelHub::Channel {
   absl::Time collect_by;
   std::thread thread;
   std::atomic<bool> ended{false};
+  bool abandoned = false;  // Abandon: ending, its place among the hub's bounds given back
 };
 
 ChannelHub::ChannelHub(std::string label, Hooks hooks, bool colocate)
@@ -111,10 +112,15 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
     MutexLock lock(&mu_);
     if (stopping_ || stop_fd_ < 0) return absl::UnavailableError("kvtierd is draining");
     ReapLocked();
-    // Channels being made count too, so that calls at once cannot pass the bounds together.
+    // Channels being made count too, so that calls at once cannot pass the bounds together;
+    // abandoned ones, which end at once, do not.
     int mine = reserved_[tenant];
-    for (const auto& [other, c] : channels_) mine += c->tenant == tenant;
-    const size_t all = channels_.size() + reserved_total_;
+    size_t all = reserved_total_;
+    for (const auto& [other, c] : channels_) {
+      if (c->abandoned) continue;
+      mine += c->tenant == tenant;
+      ++all;
+    }
     if (all >= kMaxChannels || mine >= kMaxPerTenant) {
       return absl::ResourceExhaustedError(
           absl::StrCat("OpenChannel: tenant \"", tenant, "\" has ", mine,
@@ -170,7 +176,8 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
 absl::StatusOr<int> ChannelHub::OpenFd(uint64_t id, const std::string& tenant, size_t index) {
   MutexLock lock(&mu_);
   auto it = channels_.find(id);
-  if (it == channels_.end() || it->second->tenant != tenant || it->second->ended.load()) {
+  if (it == channels_.end() || it->second->tenant != tenant || it->second->ended.load() ||
+      it->second->abandoned) {
     return absl::NotFoundError(absl::StrCat("channel ", id, " is not this tenant's"));
   }
   Channel& c = *it->second;
@@ -210,8 +217,17 @@ void ChannelHub::Stop() {
 int ChannelHub::open_channels() const {
   MutexLock lock(&mu_);
   int n = 0;
-  for (const auto& [id, c] : channels_) n += !c->ended.load();
+  for (const auto& [id, c] : channels_) n += !c->ended.load() && !c->abandoned;
   return n;
+}
+
+void ChannelHub::Abandon(uint64_t id) {
+  MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  if (it == channels_.end()) return;
+  it->second->abandoned = true;
+  // Its thread sees the hang-up at once and ends the channel (OpenFd refuses it meanwhile).
+  CloseFd(it->second->worker_sock.exchange(-1));
 }
 
 void ChannelHub::ReapLocked() {

@@ -85,6 +85,9 @@ class ChannelHub {
   // socket, which closes it after sending. The worker's socket end is handed once (the
   // channel lets go of it); NOT_FOUND for no such live channel of this tenant.
   absl::StatusOr<int> OpenFd(uint64_t id, const std::string& tenant, size_t index);
+  // Ends channel `id` now, its descriptors never to be handed (the ticket for them was
+  // refused): it no longer counts against the bounds, and its thread ends it at once.
+  void Abandon(uint64_t id);
   // Ends every channel and joins their threads; Open is UNAVAILABLE from then on.
   void Stop();
   int open_channels() const;

@@ -874,9 +874,14 @@ grpc::ServerUnaryReactor* KvTierService::OpenChannel(grpc::CallbackServerContext
     resp->set_size_bytes(opened.size_bytes);
     resp->set_worker_id(opened.worker_id);
     std::vector<uint64_t> ids(channel::kDescriptors, opened.id);
-    ASSIGN_OR_RETURN(*resp->mutable_ticket(),
-                     fds->Issue(cred->pid, cred->uid, caller.tenant, std::move(ids),
-                                FdChannel::Grant::kChannel));
+    absl::StatusOr<std::string> ticket =
+        fds->Issue(cred->pid, cred->uid, caller.tenant, std::move(ids), FdChannel::Grant::kChannel);
+    if (!ticket.ok()) {
+      // Nobody can collect it: it ends now, rather than holding its place for kCollectWithin.
+      hub->Abandon(opened.id);
+      return ticket.status();
+    }
+    resp->set_ticket(*std::move(ticket));
     return absl::OkStatus();
   });
 }
