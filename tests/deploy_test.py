@@ -74,6 +74,9 @@ def test_daemonset_shares_only_the_socket_directory_and_maps_tenants_by_uid():
     assert host_paths == ["/run/kvtier"]  # not /dev/shm: the segments are memfds
     kvtierd = [c for c in ds["containers"] if c["name"] == "kvtierd"][0]
     restricted(kvtierd, ds["securityContext"])
+    # Not ready once draining (/readyz), alive until it exits (/healthz).
+    assert kvtierd["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert kvtierd["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert kvtierd["securityContext"]["runAsUser"] == 10001
     ns = one(docs, "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"

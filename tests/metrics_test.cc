@@ -151,6 +151,7 @@ TEST(HttpExporter, ServesMetricsAndHealth) {
   EXPECT_NE(body.find("text/plain; version=0.0.4"), std::string::npos);
   EXPECT_NE(body.find("\r\n\r\n" + r.Render()), std::string::npos) << body;
   EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
+  EXPECT_NE(HttpGet(port, "/readyz").find("200 OK"), std::string::npos);  // no callback: ready
   EXPECT_THAT(HttpExporter::Start("127.0.0.1", port, &r),
               testing::StatusIs(absl::StatusCode::kInternal, "metrics_port"));
   // Clients that connect and send nothing (two once held both of its threads for 30 s each)
@@ -171,6 +172,23 @@ TEST(HttpExporter, ServesMetricsAndHealth) {
   EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
   EXPECT_LT(absl::Now() - start, absl::Seconds(12)) << "the probe waited on idle connections";
   for (int fd : idle) close(fd);
+}
+
+// Readiness follows its callback (the daemon's: not draining); liveness does not.
+TEST(HttpExporter, ReadyzFollowsItsCallbackAndHealthzStaysOk) {
+  Registry r;
+  std::atomic<bool> ready = true;
+  const int port = FreePort();
+  ASSERT_OK_AND_ASSIGN(auto exporter,
+                       HttpExporter::Start("127.0.0.1", port, &r, [&] { return ready.load(); }));
+  std::string body = HttpGet(port, "/readyz");
+  EXPECT_NE(body.find("HTTP/1.1 200 OK"), std::string::npos) << body;
+  EXPECT_NE(body.find("\r\n\r\nready\n"), std::string::npos) << body;
+  ready = false;
+  body = HttpGet(port, "/readyz");
+  EXPECT_NE(body.find("HTTP/1.1 503 Service Unavailable"), std::string::npos) << body;
+  EXPECT_NE(body.find("\r\n\r\ndraining\n"), std::string::npos) << body;
+  EXPECT_NE(HttpGet(port, "/healthz").find("\r\n\r\nok\n"), std::string::npos);
 }
 
 }  // namespace

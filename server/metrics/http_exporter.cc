@@ -10,11 +10,12 @@
 namespace kvtier::metrics {
 namespace {
 
-void Reply(mg_connection* conn, const char* content_type, const std::string& body) {
+void Reply(mg_connection* conn, const char* content_type, const std::string& body,
+           const char* status = "200 OK") {
   mg_printf(conn,
-            "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+            "HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
             "Connection: close\r\n\r\n",
-            content_type, body.size());
+            status, content_type, body.size());
   mg_write(conn, body.data(), body.size());
 }
 
@@ -22,7 +23,8 @@ void Reply(mg_connection* conn, const char* content_type, const std::string& bod
 
 absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::string& bind_address,
                                                                   int port,
-                                                                  const Registry* registry) {
+                                                                  const Registry* registry,
+                                                                  std::function<bool()> ready) {
   static std::once_flag init;
   std::call_once(init, [] { mg_init_library(0); });
   // An IPv6 literal in brackets, as civetweb reads a port's address.
@@ -41,9 +43,10 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::str
         absl::StrCat("metrics_port, metrics_bind: cannot serve HTTP on ", ports,
                      " (in use, not permitted, or not an address of this host)"));
   }
-  auto exporter = std::unique_ptr<HttpExporter>(new HttpExporter(ctx, registry));
+  auto exporter = std::unique_ptr<HttpExporter>(new HttpExporter(ctx, registry, std::move(ready)));
   mg_set_request_handler(ctx, "/metrics$", &HttpExporter::HandleMetrics, exporter.get());
   mg_set_request_handler(ctx, "/healthz$", &HttpExporter::HandleHealth, exporter.get());
+  mg_set_request_handler(ctx, "/readyz$", &HttpExporter::HandleReady, exporter.get());
   return exporter;
 }
 
@@ -57,6 +60,16 @@ int HttpExporter::HandleMetrics(mg_connection* conn, void* self) {
 
 int HttpExporter::HandleHealth(mg_connection* conn, void*) {
   Reply(conn, "text/plain", "ok\n");
+  return 200;
+}
+
+int HttpExporter::HandleReady(mg_connection* conn, void* self) {
+  const auto& ready = static_cast<HttpExporter*>(self)->ready_;
+  if (ready && !ready()) {
+    Reply(conn, "text/plain", "draining\n", "503 Service Unavailable");
+    return 503;
+  }
+  Reply(conn, "text/plain", "ready\n");
   return 200;
 }
 

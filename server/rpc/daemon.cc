@@ -370,8 +370,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {
-    auto exporter = metrics::HttpExporter::Start(o.metrics_bind, static_cast<int>(o.metrics_port),
-                                                 &d->metrics_);
+    // Ready (/readyz) until the drain starts; alive (/healthz) until the process ends.
+    auto exporter =
+        metrics::HttpExporter::Start(o.metrics_bind, static_cast<int>(o.metrics_port), &d->metrics_,
+                                     [raw = d.get()] { return !raw->service_.draining(); });
     if (!exporter.ok()) return exporter.status();
     d->exporter_ = *std::move(exporter);
   }
