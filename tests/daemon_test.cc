@@ -1162,6 +1162,65 @@ TEST(Daemon, SegmentDescriptorsAreReadOnlyAndTheirTenantsOnly) {
   }
 }
 
+// Descriptors sent and not read are in flight, counted by the kernel against the daemon's uid:
+// past its RLIMIT_NOFILE every send fails, for every tenant. A connection whose client does not
+// read stays open and holds its uid's place until the client reads or hangs up, so one uid
+// holds at most four such messages (before, each connection closed once sent, and a client
+// could pile up unread descriptors without bound).
+TEST(Daemon, DescriptorsAClientDoesNotReadHoldOnlyItsOwnConnections) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  auto alice = Connect(d, "alice");
+  SessionWithTokens(*alice, 300);
+  ASSERT_OK_AND_ASSIGN(auto listed, alice->ListSegments());
+  ASSERT_GT(listed.segments_size(), 0);
+  v1::OpenSegmentsRequest req;
+  req.add_segment_ids(listed.segments(0).segment_id());
+  auto ticket = [&] {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant", "alice");
+    v1::OpenSegmentsResponse resp;
+    EXPECT_TRUE(alice->stub().OpenSegments(&ctx, req, &resp).ok());
+    return resp.ticket();
+  };
+  const sockaddr_un fd_addr = UnixAddress(d.socket() + ".fds");
+  auto send_ticket = [&](const std::string& t) {
+    const int sock = ConnectTo(fd_addr);
+    EXPECT_GE(sock, 0);
+    const std::string line = t + "\n";
+    send(sock, line.data(), line.size(), MSG_NOSIGNAL);
+    return sock;
+  };
+  std::vector<int> unread;
+  for (int i = 0; i < 4; ++i) unread.push_back(send_ticket(ticket()));
+  absl::SleepFor(absl::Milliseconds(1500));  // past the daemon's wait for them to be read
+  for (int sock : unread) {  // sent, and kept open: a message waits, and no end of stream
+    char c;
+    EXPECT_EQ(recv(sock, &c, 1, MSG_PEEK | MSG_DONTWAIT), 1);
+  }
+  char buf[256];
+  const int fifth = send_ticket(ticket());
+  const Received busy = ReceiveOne(fifth, buf, sizeof buf);
+  close(fifth);
+  ASSERT_GT(busy.bytes, 0);
+  EXPECT_EQ(busy.fds, 0);
+  EXPECT_THAT(std::string(buf, static_cast<size_t>(busy.bytes)),
+              ::testing::StartsWith("buid "));  // the clients' UNAVAILABLE, try again
+  // Read (and hung up), one gives its place back: the next collection is served.
+  const Received read = ReceiveOne(unread[0], buf, sizeof buf);
+  EXPECT_EQ(read.fds, 1);
+  close(unread[0]);
+  const int next = send_ticket(ticket());
+  const Received served = ReceiveOne(next, buf, sizeof buf);
+  close(next);
+  EXPECT_EQ(served.fds, 1);
+  EXPECT_EQ(std::string(buf, served.bytes > 0 ? static_cast<size_t>(served.bytes) : 0), "k");
+  for (size_t i = 1; i < unread.size(); ++i) close(unread[i]);
+  // The client library, which reads what it is sent, is served as before.
+  ASSERT_OK_AND_ASSIGN(auto opened, alice->OpenSegments({}));
+  for (const Client::SegmentFd& f : opened) close(f.fd);
+}
+
 // The inline append `r` as a staged one: its keys and values written into `area` at 0 and at
 // the keys' size, and named there.
 // Two Selects (with data) of two sessions that should hold the same rows: the same handles'

@@ -1,8 +1,10 @@
 #include "server/rpc/fd_channel.h"
 
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <openssl/rand.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -66,6 +68,28 @@ std::string ReadLine(int conn, absl::Duration timeout) {
   }
 }
 
+// Whether the client has read everything sent on `conn` (nothing left in its queue) or hung
+// up: the descriptors sent are no longer in flight.
+bool Drained(int conn) {
+  pollfd p{conn, POLLRDHUP, 0};
+  if (poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+    return true;
+  }
+  int unread = 0;
+  return ioctl(conn, SIOCOUTQ, &unread) != 0 || unread == 0;
+}
+
+// Waits up to `timeout` for Drained(conn); whether it came.
+bool WaitDrained(int conn, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (int i = 0;; ++i) {
+    if (Drained(conn)) return true;
+    if (absl::Now() >= deadline) return false;
+    // The client reads within microseconds when it is well: look often at first.
+    absl::SleepFor(i < 20 ? absl::Microseconds(50) : absl::Milliseconds(10));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& path, Opener open) {
@@ -79,13 +103,33 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& p
 FdChannel::~FdChannel() {
   listener_->Stop();  // no new connections; then the ones being served end (each is bounded)
   std::unique_lock lock(active_mu_);
+  stopping_ = true;  // a connection served now is closed, not parked
+  for (const auto& [uid, conn] : parked_) {
+    close(conn);
+    --active_total_;
+  }
+  parked_.clear();
   idle_.wait(lock, [this] { return active_total_ == 0; });
   unlink(path_.c_str());
+}
+
+void FdChannel::PruneParkedLocked() {
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (!Drained(it->second)) {
+      ++it;
+      continue;
+    }
+    close(it->second);
+    if (--active_[it->first] == 0) active_.erase(it->first);
+    if (--active_total_ == 0) idle_.notify_all();
+    it = parked_.erase(it);
+  }
 }
 
 void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
   {
     std::lock_guard lock(active_mu_);
+    if (!parked_.empty()) PruneParkedLocked();
     int& mine = active_[cred.uid];
     if (mine >= kConnectionsPerUid || active_total_ >= kConnections) {
       const int held = mine;  // `mine` goes with its entry
@@ -110,7 +154,17 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
   };
   try {
     std::thread([this, conn, cred, done] {
-      Serve(conn, cred);
+      if (!Serve(conn, cred)) {
+        // Unread: parked, its place kept, until its client reads or hangs up (a later
+        // connection's Dispatch looks), or the channel stops.
+        std::lock_guard lock(active_mu_);
+        if (!stopping_) {
+          KVLOG(debug, "fds.unread", "pid={} uid={}", cred.pid, cred.uid);
+          parked_.emplace(cred.uid, conn);
+          return;
+        }
+      }
+      close(conn);
       done();
     }).detach();
   } catch (const std::system_error& e) {  // no thread to be had (RLIMIT_NPROC): this one waits
@@ -167,21 +221,22 @@ absl::StatusOr<FdChannel::Ticket> FdChannel::Take(const std::string& ticket,
   return t;
 }
 
-void FdChannel::Serve(int conn, const PeerCredentials& cred) {
+bool FdChannel::Serve(int conn, const PeerCredentials& cred) {
   auto refuse = [conn](const absl::Status& s) {
     SendWithFds(conn, absl::StrCat("e", s.message()), nullptr, 0);
   };
   absl::StatusOr<Ticket> t = Take(ReadLine(conn, kReadTimeout), cred);
   if (!t.ok()) {
     refuse(t.status());
-    close(conn);
-    return;
+    return true;
   }
   // kFdsPerMessage at a time: opened, sent, closed, so that a large set never holds more of
   // the daemon's descriptors than that. A segment retired meanwhile ends the set with a
   // refusal (what was sent is the client's to close).
   std::vector<int> fds;
   for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
+    // One message unread at most: the next waits for the client to read the last.
+    if (at > 0 && !WaitDrained(conn, kUnreadWait)) return false;
     absl::Status s;
     for (size_t i = at; i < std::min(t->ids.size(), at + kFdsPerMessage) && s.ok(); ++i) {
       absl::StatusOr<int> fd = open_(t->tenant, t->ids[i], t->grant, i);
@@ -201,7 +256,7 @@ void FdChannel::Serve(int conn, const PeerCredentials& cred) {
       break;
     }
   }
-  close(conn);
+  return WaitDrained(conn, kUnreadWait);
 }
 
 }  // namespace kvtier

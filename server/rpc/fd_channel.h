@@ -9,6 +9,14 @@
 // kConnections in all (more are closed at once), and at most kTicketsPerUid outstanding
 // tickets per uid, so that no caller starves another.
 //
+// Descriptors sent and not yet read are in flight, and the kernel counts them against the
+// daemon's uid (past its RLIMIT_NOFILE, every send fails: ETOOMANYREFS, for every tenant). So
+// a connection sends its next message only once the client has read the last, and stays open
+// until the client has read everything or closed its end: within kUnreadWait on its thread,
+// then parked (its descriptor kept, no thread) until then. A parked connection still counts
+// against its uid's and the daemon's connections, so one uid holds at most
+// kConnectionsPerUid messages of kFdsPerMessage unread, and all of them kConnections.
+//
 // Thread-safe. mu_ is lock order 15, a leaf; active_mu_ (a std::mutex, for its condition
 // variable) is taken alone.
 #ifndef KVTIER_SERVER_RPC_FD_CHANNEL_H_
@@ -41,6 +49,7 @@ class FdChannel {
   static constexpr size_t kFdsPerMessage = 250;
   static constexpr int kConnectionsPerUid = 4, kConnections = 32;
   static constexpr absl::Duration kReadTimeout = absl::Milliseconds(500);
+  static constexpr absl::Duration kUnreadWait = absl::Seconds(1);
 
   // What a ticket hands over: segments, read-only (OpenSegments), a staging area, read-write
   // (OpenStaging), or a Select channel's descriptors (OpenChannel: its id once per descriptor).
@@ -73,8 +82,11 @@ class FdChannel {
       : path_(std::move(path)), listener_(std::move(listener)), open_(std::move(open)) {}
   // On the accept thread: a thread for the connection, or a close when past the caps.
   void Dispatch(int conn, const PeerCredentials& cred);
-  // One connection: its ticket, then the descriptors or a refusal.
-  void Serve(int conn, const PeerCredentials& cred);
+  // One connection: its ticket, then the descriptors or a refusal. True when it may close
+  // now; false when the client has not read them (the caller parks it).
+  bool Serve(int conn, const PeerCredentials& cred);
+  // Closes the parked connections whose clients have read everything or hung up.
+  void PruneParkedLocked();
   absl::StatusOr<Ticket> Take(const std::string& ticket, const PeerCredentials& cred);
 
   const std::string path_;
@@ -83,9 +95,11 @@ class FdChannel {
   absl::Mutex mu_;  // lock order 15 (server/common/lock_order.h)
   std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
   std::mutex active_mu_;
-  std::condition_variable idle_;  // signalled as the last connection ends
-  std::map<uid_t, int> active_;   // connections being served, by uid (active_mu_)
-  int active_total_ = 0;          // (active_mu_)
+  std::condition_variable idle_;      // signalled as the last connection ends
+  std::map<uid_t, int> active_;       // connections being served or parked, by uid (active_mu_)
+  int active_total_ = 0;              // (active_mu_)
+  std::multimap<uid_t, int> parked_;  // connections whose descriptors are unread (active_mu_)
+  bool stopping_ = false;             // the destructor runs: nothing is parked (active_mu_)
 };
 
 }  // namespace kvtier
