@@ -394,8 +394,9 @@ void Session::AgeLayerInPool(uint32_t l) {
       AgingState next = layer.aging;
       while (jobs.size() < kAgingSpans) {
         std::optional<SpanJob> job = NextSpan(aging(), layer.tokens, heads(l), &next);
+        // The first look moves the layer past its sinks, span or none, as NextSpan does.
+        if (jobs.empty()) layer.aging.regrouped = next.regrouped;
         if (!job) break;
-        if (jobs.empty()) layer.aging.regrouped = next.regrouped;  // the sinks skipped
         next.regrouped = job->first + kSemanticSpanChunks;
         jobs.push_back(*std::move(job));
       }
@@ -448,6 +449,7 @@ void Session::AgeLayerInPool(uint32_t l) {
           CommitSpan(heads(l), &layers_[l].aging, std::move(jobs[i]), aging().cold_bits());
       charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
       if (!committed) {
+        jobs.clear();  // the later spans' slots go back before the layer ages here
         if (layers_[l].aging.regrouped == first) {  // never loop on one span
           AgeLayerLocked(l);
           aged_.SignalAll();
@@ -455,8 +457,11 @@ void Session::AgeLayerInPool(uint32_t l) {
         stopped = true;
       }
     }
-    if (stopped || made == jobs.size()) continue;
-    // No slots for a span: what is left waits for the next append, as on the append path.
+    // Some spans short of slots while others got theirs (their commits free the sources):
+    // the next round tries those again. None at all: what is left waits for the next append,
+    // as on the append path.
+    if (stopped || made > 0) continue;
+    jobs.clear();
     BackgroundLock lock(&mu_, foreground_);
     if (closed_) continue;
     AgeLayerLocked(l);
