@@ -5,6 +5,7 @@
 #include <openssl/rand.h>
 #include <poll.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -68,23 +69,20 @@ std::string ReadLine(int conn, absl::Duration timeout) {
   }
 }
 
-// Whether the client has read everything sent on `conn` (nothing left in its queue) or hung
-// up: the descriptors sent are no longer in flight.
+// Whether nothing sent on `conn` is left in the client's queue: it has read everything, or
+// closed its socket (which empties the queue). A client that only shuts its end down keeps
+// what it was not read in flight, and counts as not drained.
 bool Drained(int conn) {
-  pollfd p{conn, POLLRDHUP, 0};
-  if (poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
-    return true;
-  }
   int unread = 0;
-  return ioctl(conn, SIOCOUTQ, &unread) != 0 || unread == 0;
+  return ioctl(conn, SIOCOUTQ, &unread) == 0 && unread == 0;
 }
 
-// Waits up to `timeout` for Drained(conn); whether it came.
-bool WaitDrained(int conn, absl::Duration timeout) {
+// Waits up to `timeout` for Drained(conn), or until `stopping`; whether it was drained.
+bool WaitDrained(int conn, absl::Duration timeout, const std::atomic<bool>& stopping) {
   const absl::Time deadline = absl::Now() + timeout;
   for (int i = 0;; ++i) {
     if (Drained(conn)) return true;
-    if (absl::Now() >= deadline) return false;
+    if (absl::Now() >= deadline || stopping.load(std::memory_order_relaxed)) return false;
     // The client reads within microseconds when it is well: look often at first.
     absl::SleepFor(i < 20 ? absl::Microseconds(50) : absl::Milliseconds(10));
   }
@@ -95,6 +93,11 @@ bool WaitDrained(int conn, absl::Duration timeout) {
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& path, Opener open) {
   ASSIGN_OR_RETURN(std::unique_ptr<UnixListener> listener, UnixListener::Bind(path));
   auto channel = std::unique_ptr<FdChannel>(new FdChannel(path, std::move(listener), open));
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    channel->max_parked_ =
+        std::max<size_t>(kConnectionsPerUid, nofile.rlim_cur / 2 / kFdsPerMessage);
+  }
   channel->listener_->Serve(
       [raw = channel.get()](int conn, const PeerCredentials& cred) { raw->Dispatch(conn, cred); });
   return channel;
@@ -103,11 +106,8 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& p
 FdChannel::~FdChannel() {
   listener_->Stop();  // no new connections; then the ones being served end (each is bounded)
   std::unique_lock lock(active_mu_);
-  stopping_ = true;  // a connection served now is closed, not parked
-  for (const auto& [uid, conn] : parked_) {
-    close(conn);
-    --active_total_;
-  }
+  stopping_.store(true);  // a connection served now is closed, not parked
+  for (const auto& [uid, conn] : parked_) close(conn);
   parked_.clear();
   idle_.wait(lock, [this] { return active_total_ == 0; });
   unlink(path_.c_str());
@@ -121,7 +121,6 @@ void FdChannel::PruneParkedLocked() {
     }
     close(it->second);
     if (--active_[it->first] == 0) active_.erase(it->first);
-    if (--active_total_ == 0) idle_.notify_all();
     it = parked_.erase(it);
   }
 }
@@ -131,7 +130,10 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
     std::lock_guard lock(active_mu_);
     if (!parked_.empty()) PruneParkedLocked();
     int& mine = active_[cred.uid];
-    if (mine >= kConnectionsPerUid || active_total_ >= kConnections) {
+    // Parked connections count against their uid, not the serving slots; while as many are
+    // parked as the daemon's descriptor limit allows in flight, nobody is served.
+    if (mine >= kConnectionsPerUid || active_total_ >= kConnections ||
+        parked_.size() >= max_parked_) {
       const int held = mine;  // `mine` goes with its entry
       if (held == 0) active_.erase(cred.uid);
       // Said, not only closed ("b": busy, try again), so that a client can tell a limit from a
@@ -155,12 +157,14 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
   try {
     std::thread([this, conn, cred, done] {
       if (!Serve(conn, cred)) {
-        // Unread: parked, its place kept, until its client reads or hangs up (a later
-        // connection's Dispatch looks), or the channel stops.
+        // Unread: parked until its client reads or closes it (a later connection's Dispatch
+        // looks), or the channel stops; it keeps its uid's place, and gives the serving slot
+        // back.
         std::lock_guard lock(active_mu_);
-        if (!stopping_) {
+        if (!stopping_.load()) {
           KVLOG(debug, "fds.unread", "pid={} uid={}", cred.pid, cred.uid);
           parked_.emplace(cred.uid, conn);
+          if (--active_total_ == 0) idle_.notify_all();
           return;
         }
       }
@@ -235,8 +239,14 @@ bool FdChannel::Serve(int conn, const PeerCredentials& cred) {
   // refusal (what was sent is the client's to close).
   std::vector<int> fds;
   for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
-    // One message unread at most: the next waits for the client to read the last.
-    if (at > 0 && !WaitDrained(conn, kUnreadWait)) return false;
+    // One message unread at most: the next waits for the client to read the last, and a
+    // client too slow for that is told the set ends there.
+    if (at > 0 && !WaitDrained(conn, kUnreadWait, stopping_)) {
+      refuse(absl::DeadlineExceededError(absl::StrCat(
+          "descriptors ", at, " of ", t->ids.size(), " were not read within ",
+          absl::FormatDuration(kUnreadWait), "; the rest are not sent (collect them again)")));
+      return false;
+    }
     absl::Status s;
     for (size_t i = at; i < std::min(t->ids.size(), at + kFdsPerMessage) && s.ok(); ++i) {
       absl::StatusOr<int> fd = open_(t->tenant, t->ids[i], t->grant, i);
@@ -256,7 +266,7 @@ bool FdChannel::Serve(int conn, const PeerCredentials& cred) {
       break;
     }
   }
-  return WaitDrained(conn, kUnreadWait);
+  return WaitDrained(conn, kUnreadWait, stopping_);
 }
 
 }  // namespace kvtier

@@ -14,8 +14,9 @@
 // a connection sends its next message only once the client has read the last, and stays open
 // until the client has read everything or closed its end: within kUnreadWait on its thread,
 // then parked (its descriptor kept, no thread) until then. A parked connection still counts
-// against its uid's and the daemon's connections, so one uid holds at most
-// kConnectionsPerUid messages of kFdsPerMessage unread, and all of them kConnections.
+// against its uid's connections, so one uid holds at most kConnectionsPerUid messages of
+// kFdsPerMessage unread; all uids at most as many as half the daemon's RLIMIT_NOFILE allows
+// (while that many are parked, every connection is answered busy).
 //
 // Thread-safe. mu_ is lock order 15, a leaf; active_mu_ (a std::mutex, for its condition
 // variable) is taken alone.
@@ -24,6 +25,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -97,9 +99,12 @@ class FdChannel {
   std::mutex active_mu_;
   std::condition_variable idle_;      // signalled as the last connection ends
   std::map<uid_t, int> active_;       // connections being served or parked, by uid (active_mu_)
-  int active_total_ = 0;              // (active_mu_)
+  int active_total_ = 0;              // connections being served (active_mu_)
   std::multimap<uid_t, int> parked_;  // connections whose descriptors are unread (active_mu_)
-  bool stopping_ = false;             // the destructor runs: nothing is parked (active_mu_)
+  // Parked connections at most: their unread messages' descriptors within half the daemon's
+  // RLIMIT_NOFILE (set at Start).
+  size_t max_parked_ = kConnections;
+  std::atomic<bool> stopping_{false};  // the destructor runs: nothing is parked
 };
 
 }  // namespace kvtier
