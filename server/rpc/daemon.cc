@@ -614,7 +614,6 @@ void Daemon::Shutdown() {
   }
   if (reaper_.joinable()) reaper_.join();
   if (persister_.joinable()) persister_.join();
-  exporter_.reset();
   if (sessions_.has_remote() && options_.drain_to_remote) {
     // Nobody can read a handle of this daemon's any more: its leases end, and every session
     // goes to the remote tier whole, for the next daemon on that Redis to serve.
@@ -624,6 +623,9 @@ void Daemon::Shutdown() {
     KVLOG(info, "daemon.drain_to_remote", "demoted={} bytes={} failed={} left={} leases_ended={}",
           n.demoted, n.bytes, n.failed, n.left, leases);
   }
+  // Only now: a liveness probe (/healthz) answered throughout the drain, the sessions' trip to
+  // the remote tier included, and the metrics showed it.
+  exporter_.reset();
   if (channels_) channels_->Stop();  // each worker sees its channel hang up
   sessions_.CloseAll();
   fds_.reset();  // stops handing out descriptors, removes <socket>.fds
