@@ -140,8 +140,10 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
       // daemon going away.
       SendWithFds(conn,
                   absl::StrCat("buid ", cred.uid, " has ", held,
-                               " descriptor connections open (at most ", kConnectionsPerUid, "; ",
-                               active_total_, " of ", kConnections, " in all); try again"),
+                               " descriptor connections open, unread ones included (at most ",
+                               kConnectionsPerUid, "; ", active_total_, " of ", kConnections,
+                               " served and ", parked_.size(), " of ", max_parked_,
+                               " unread in all); try again"),
                   nullptr, 0);
       close(conn);
       return;
