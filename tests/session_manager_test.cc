@@ -584,5 +584,33 @@ TEST(SessionManager, ADemotedSessionWhoseRecordVanishedIsDataLoss) {
   EXPECT_FALSE(*two.remote.store->Exists("kvtier:closed:fresh"));
 }
 
+// The same through a crash: the daemon that restored the session stops without closing it (as
+// SIGKILL leaves it: its snapshot and its hold stay), starts again, restores the session from
+// its own snapshot and closes it. The daemon that demoted it still finds the tombstone.
+TEST(SessionManager, ASessionRestoredFromASnapshotOfARestoredOneLeavesTheTombstoneToo) {
+  Remote remote;
+  Env ea, eb;
+  ServerOptions oa = Options(), ob = Options();
+  oa.instance = "a";
+  ob.instance = "b";
+  ob.persist_interval_ms = 1000;
+  SessionManager a(oa, ea.env, remote.store.get());
+  ASSERT_OK(a.Create("t", SmallSession("x")).status());
+  ASSERT_OK(RunAppend(a, "t", Tokens("x", 0, 32)));
+  ASSERT_OK(a.Demote("t", "x").status());
+  {
+    SessionManager b(ob, eb.env, remote.store.get());
+    ASSERT_OK(b.Get("t", "x").status());  // restored from a's record
+    EXPECT_EQ(b.PersistChanged().sessions, 1u);
+  }  // b stops: with write-behind on, its snapshot and hold stay
+  SessionManager b(ob, eb.env, remote.store.get());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> x, b.Get("t", "x"));  // from its snapshot
+  EXPECT_EQ(x->Info().num_tokens(), 32u);
+  ASSERT_OK_AND_ASSIGN(bool closed, b.Close("t", "x"));
+  EXPECT_TRUE(closed);
+  EXPECT_THAT(a.Get("t", "x"), StatusIs(Code::kNotFound, "not found"));
+  EXPECT_EQ(a.remote_counters().lost, 0u);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -943,6 +943,7 @@ v1::SessionRecord Session::Export() const {
   *r.mutable_policy() = policy_;
   r.mutable_labels()->insert(labels_.begin(), labels_.end());
   r.set_created_unix_ms(created_ms_);
+  r.set_restored(restored());
   for (const Layer& l : layers_) r.add_layer_tokens(l.tokens);
   const ChunkFormat f = format();
   for (const Stream& s : streams_) EncodeStream(s, f, r.add_streams());
@@ -1017,6 +1018,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Import(const v1::SessionRecord
                               chunks * ChunkBytesEstimate(FormatOf(shape, *policy))));
   auto s = std::make_unique<Session>(r.session_id(), r.tenant(), shape, *policy, std::move(labels),
                                      env, std::move(charge));
+  if (r.restored()) s->MarkRestored();
   MutexLock lock(&s->mu_);
   const ChunkFormat f = s->format();
   for (size_t i = 0; i < streams; ++i) {

@@ -242,7 +242,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void MarkPersisted(uint64_t version);
   // The change count a snapshot taken now would carry.
   uint64_t version() const;
-  // Restored from a record another call (or daemon) demoted: its close leaves a tombstone.
+  // Restored from a record another call (or daemon) demoted, or from a snapshot of such a
+  // session (SessionRecord.restored): its close leaves a tombstone.
   void MarkRestored() { restored_.store(true, std::memory_order_release); }
   bool restored() const { return restored_.load(std::memory_order_acquire); }
 
