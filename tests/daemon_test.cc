@@ -1210,7 +1210,7 @@ TEST(Daemon, DescriptorsAClientDoesNotReadHoldOnlyItsOwnConnections) {
   EXPECT_EQ(busy.fds, 0);
   EXPECT_THAT(std::string(buf, static_cast<size_t>(busy.bytes)),
               ::testing::StartsWith("buid "));  // the clients' UNAVAILABLE, try again
-  // Read (and hung up), one gives its place back: the next collection is served.
+  // Read (and closed), one gives its place back: the next collection is served.
   const Received read = ReceiveOne(unread[0], buf, sizeof buf);
   EXPECT_EQ(read.fds, 1);
   close(unread[0]);

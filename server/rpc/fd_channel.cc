@@ -95,8 +95,13 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(const std::string& p
   auto channel = std::unique_ptr<FdChannel>(new FdChannel(path, std::move(listener), open));
   rlimit nofile{};
   if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
-    channel->max_parked_ =
-        std::max<size_t>(kConnectionsPerUid, nofile.rlim_cur / 2 / kFdsPerMessage);
+    channel->max_unread_ = std::max<size_t>(1, nofile.rlim_cur / 2 / kFdsPerMessage);
+  }
+  if (channel->max_unread_ < size_t{kConnections}) {
+    KVLOG(warn, "fds.limit",
+          "RLIMIT_NOFILE {} lets the descriptor socket serve or hold unread {} connections at "
+          "once (of {}); raise the limit",
+          nofile.rlim_cur, channel->max_unread_, kConnections);
   }
   channel->listener_->Serve(
       [raw = channel.get()](int conn, const PeerCredentials& cred) { raw->Dispatch(conn, cred); });
@@ -130,10 +135,11 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
     std::lock_guard lock(active_mu_);
     if (!parked_.empty()) PruneParkedLocked();
     int& mine = active_[cred.uid];
-    // Parked connections count against their uid, not the serving slots; while as many are
-    // parked as the daemon's descriptor limit allows in flight, nobody is served.
+    // Parked connections count against their uid, not the serving slots. Each one served may
+    // end parked, with a message unread: served and parked together stay within what the
+    // daemon's descriptor limit allows in flight.
     if (mine >= kConnectionsPerUid || active_total_ >= kConnections ||
-        parked_.size() >= max_parked_) {
+        parked_.size() + active_total_ >= max_unread_) {
       const int held = mine;  // `mine` goes with its entry
       if (held == 0) active_.erase(cred.uid);
       // Said, not only closed ("b": busy, try again), so that a client can tell a limit from a
@@ -142,8 +148,8 @@ void FdChannel::Dispatch(int conn, const PeerCredentials& cred) {
                   absl::StrCat("buid ", cred.uid, " has ", held,
                                " descriptor connections open, unread ones included (at most ",
                                kConnectionsPerUid, "; ", active_total_, " of ", kConnections,
-                               " served and ", parked_.size(), " of ", max_parked_,
-                               " unread in all); try again"),
+                               " served, and ", parked_.size() + active_total_, " of ", max_unread_,
+                               " served or unread, in all); try again"),
                   nullptr, 0);
       close(conn);
       return;
@@ -242,11 +248,16 @@ bool FdChannel::Serve(int conn, const PeerCredentials& cred) {
   std::vector<int> fds;
   for (size_t at = 0; at < t->ids.size(); at += kFdsPerMessage) {
     // One message unread at most: the next waits for the client to read the last, and a
-    // client too slow for that is told the set ends there.
+    // client too slow for that (or a daemon stopping) ends the set there, busy ("b": the
+    // clients' UNAVAILABLE, to be asked again).
     if (at > 0 && !WaitDrained(conn, kUnreadWait, stopping_)) {
-      refuse(absl::DeadlineExceededError(absl::StrCat(
-          "descriptors ", at, " of ", t->ids.size(), " were not read within ",
-          absl::FormatDuration(kUnreadWait), "; the rest are not sent (collect them again)")));
+      SendWithFds(conn,
+                  absl::StrCat("bdescriptors ", at, " of ", t->ids.size(),
+                               stopping_.load() ? " sent; the daemon is stopping"
+                                                : absl::StrCat(" sent and not read within ",
+                                                               absl::FormatDuration(kUnreadWait)),
+                               "; ask for them again"),
+                  nullptr, 0);
       return false;
     }
     absl::Status s;

@@ -15,8 +15,8 @@
 // until the client has read everything or closed its end: within kUnreadWait on its thread,
 // then parked (its descriptor kept, no thread) until then. A parked connection still counts
 // against its uid's connections, so one uid holds at most kConnectionsPerUid messages of
-// kFdsPerMessage unread; all uids at most as many as half the daemon's RLIMIT_NOFILE allows
-// (while that many are parked, every connection is answered busy).
+// kFdsPerMessage unread; connections served and parked together at most as many as half the
+// daemon's RLIMIT_NOFILE allows in flight (past that, every connection is answered busy).
 //
 // Thread-safe. mu_ is lock order 15, a leaf; active_mu_ (a std::mutex, for its condition
 // variable) is taken alone.
@@ -87,7 +87,7 @@ class FdChannel {
   // One connection: its ticket, then the descriptors or a refusal. True when it may close
   // now; false when the client has not read them (the caller parks it).
   bool Serve(int conn, const PeerCredentials& cred);
-  // Closes the parked connections whose clients have read everything or hung up.
+  // Closes the parked connections whose clients have read everything or closed their end.
   void PruneParkedLocked();
   absl::StatusOr<Ticket> Take(const std::string& ticket, const PeerCredentials& cred);
 
@@ -101,9 +101,9 @@ class FdChannel {
   std::map<uid_t, int> active_;       // connections being served or parked, by uid (active_mu_)
   int active_total_ = 0;              // connections being served (active_mu_)
   std::multimap<uid_t, int> parked_;  // connections whose descriptors are unread (active_mu_)
-  // Parked connections at most: their unread messages' descriptors within half the daemon's
-  // RLIMIT_NOFILE (set at Start).
-  size_t max_parked_ = kConnections;
+  // Connections served and parked together at most (each may hold a message of
+  // kFdsPerMessage unread): within half the daemon's RLIMIT_NOFILE (set at Start).
+  size_t max_unread_ = kConnections;
   std::atomic<bool> stopping_{false};  // the destructor runs: nothing is parked
 };
 
