@@ -1194,6 +1194,10 @@ TEST(Daemon, DescriptorsAClientDoesNotReadHoldOnlyItsOwnConnections) {
   };
   std::vector<int> unread;
   for (int i = 0; i < 4; ++i) unread.push_back(send_ticket(ticket()));
+  for (int sock : unread) {  // each sent (an end shut before its send gets nothing at all)
+    pollfd p{sock, POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+  }
   // An end shut for writing, or both ways, keeps what it has not read (in flight still).
   shutdown(unread[0], SHUT_WR);
   shutdown(unread[1], SHUT_RDWR);
