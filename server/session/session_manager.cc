@@ -88,7 +88,7 @@ absl::Status SessionManager::CheckRoom(const std::string& id, const std::string&
                         options_.max_sessions));
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
-    size_t held = pending && restoring_->tenant == tenant ? 1 : 0;
+    size_t held = pending && *restoring_ == tenant ? 1 : 0;
     for (const std::shared_ptr<Session>& s : sessions_.All()) held += s->tenant() == tenant;
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -438,7 +438,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
                                                     "; it stays in the remote "
                                                     "tier until there is room"));
     }
-    restoring_ = PendingRestore{session_id, record->tenant()};
+    restoring_ = record->tenant();
   }
   absl::Cleanup unreserve = [&] {
     MutexLock lock(&mu_);

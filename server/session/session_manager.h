@@ -213,11 +213,9 @@ class SessionManager {
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
   SessionShards sessions_;
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
-  // The restore in progress (one at a time, under restore_mu_): its place among the sessions.
-  struct PendingRestore {
-    std::string id, tenant;
-  };
-  std::optional<PendingRestore> restoring_ ABSL_GUARDED_BY(mu_);
+  // The tenant of the restore in progress (one at a time, under restore_mu_): its place among
+  // the sessions.
+  std::optional<std::string> restoring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
