@@ -55,11 +55,14 @@ return {'ok'}
 )lua";
 
 // KEYS[3] the tombstone a closed record leaves for a day, so that the daemon that demoted
-// it can tell a close elsewhere from a record lost.
-constexpr char kDrop[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
+// it can tell a close elsewhere from a record lost: a function each closing script defines.
+#define KVTIER_TOMBSTONE \
+  "local function tombstone() redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end\n"
+
+constexpr char kDrop[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_TOMBSTONE R"lua(
 if o then redis.call('DEL', KEYS[2]) end
 local n = redis.call('DEL', KEYS[1])
-if n == 1 then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
+if n == 1 then tombstone() end
 return {'ok', n}
 )lua";
 
@@ -67,9 +70,9 @@ return {'ok', n}
 // one lies there, is another session's of the same id (demoted before this one was made while
 // Redis was out of reach), never this one's, and stays. ARGV[2] "1": the session was restored
 // from a record (a daemon that demoted it may look for it): the close leaves the tombstone.
-constexpr char kRelease[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
+constexpr char kRelease[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_TOMBSTONE R"lua(
 if o then redis.call('DEL', KEYS[2]) end
-if ARGV[2] == '1' then redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end
+if ARGV[2] == '1' then tombstone() end
 return {'ok'}
 )lua";
 
