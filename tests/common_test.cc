@@ -764,8 +764,9 @@ TEST(SquaredDistances, EachLaneIsTheRowLoopOnBothPaths) {
 
 // BoxGrowthBelow, on halves and on floats: true with BoxGrowth's bits whenever some lane's
 // offset + whole growth does not exceed the bound (it may not stop then); false only when every
-// lane's does. On this machine's AVX2 path a bound below every offset stops it at the first
-// look (16 channels), so that a search can count on passing such tiles over.
+// lane's does. On this machine's vector path (AVX2, or AVX-512 past eight lanes) a bound below
+// every offset stops it at the first look (16 channels), so that a search can count on passing
+// such tiles over.
 TEST(BoxGrowthBelow, StopsOnlyWhenEveryLaneExceedsTheBound) {
   std::mt19937 rng(67);
   std::normal_distribution<float> n(0, 1);
