@@ -664,12 +664,12 @@ absl::Status Session::Select(const v1::SelectRequest& req, v1::SelectResponse* o
     hs->set_kv_head(h);
     for (size_t i = 0; i < c.chunks[h].size(); ++i) {
       const uint32_t chunk = c.chunks[h][i];
-      const SlotRef& slot = readable[h][i];
+      SlotRef& slot = readable[h][i];
       RETURN_IF_ERROR(FillHandle(s.chunks()[chunk], f, slot.get(), slot->data(),
                                  EncodeChunkId({layer, h, chunk}), req.include_data(),
                                  c.rows.empty() ? std::span<const uint32_t>() : c.rows[h].of(i),
                                  hs->add_blocks()));
-      pinned.push_back(slot);
+      pinned.push_back(std::move(slot));  // its last use here: no count taken and let go
     }
     for (GatheredBlock& g : gathered[h]) {
       RETURN_IF_ERROR(FillGatheredHandle(g.slot.get(), g.positions, f, layer, h, req.include_data(),
