@@ -414,6 +414,30 @@ TEST(SessionManager, ACloseDuringADemotionRemovesTheRecordItStored) {
   EXPECT_OK(m.Create("t", SmallSession("s")).status());
 }
 
+// The metrics' read of a session's aging backlog never waits for the session: a demotion that
+// holds it across its Redis write (a frozen redis-server here) leaves a scrape the count its
+// last read made, rather than the scrape stalling for as long as the write takes.
+TEST(SessionManager, TheBacklogReadForMetricsDoesNotWaitForADemotion) {
+  RemoteManager rm;
+  SessionManager& m = rm.m;
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, m.Get("t", "s"));
+  const uint64_t before = s->aging_backlog_tokens();
+  rm.remote.redis.Pause();
+  struct Thaw {
+    LocalRedis& redis;
+    ~Thaw() { redis.Resume(); }
+  } thaw{rm.remote.redis};
+  auto demoting = std::async(std::launch::async, [&] { return m.Demote("t", "s"); });
+  ASSERT_EQ(demoting.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the demotion should be storing the record in the frozen Redis";
+  auto read = std::async(std::launch::async, [&] { return s->aging_backlog_tokens(); });
+  const bool answered = read.wait_for(std::chrono::seconds(2)) == std::future_status::ready;
+  rm.remote.redis.Resume();
+  EXPECT_TRUE(answered) << "the read waited for the demotion's Redis write";
+  EXPECT_EQ(read.get(), before);
+  ASSERT_OK(demoting.get().status());
+}
+
 TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
   RemoteManager rm;
   SessionManager& m = rm.m;

@@ -472,8 +472,13 @@ void Session::AgeLayerInPool(uint32_t l) {
 }
 
 uint64_t Session::aging_backlog_tokens() const {
-  MutexLock lock(&mu_);
-  return BacklogLocked();
+  if (!mu_.TryLock()) return backlog_seen_.load(std::memory_order_relaxed);
+  KVTIER_TSAN_ACQUIRE(&mu_);  // as MutexLock does
+  const uint64_t backlog = BacklogLocked();
+  backlog_seen_.store(backlog, std::memory_order_relaxed);
+  KVTIER_TSAN_RELEASE(&mu_);
+  mu_.Unlock();
+  return backlog;
 }
 
 uint64_t Session::BacklogLocked() const {

@@ -160,7 +160,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // (and what arrives meanwhile), unless another pool thread is ageing that layer already.
   // One task per layer, so that the pool's threads age a session's layers side by side.
   void AgeQueuedLayer(uint32_t l);
-  // Tokens appended but not yet aged, summed over layers (0 without a pool).
+  // Tokens appended but not yet aged, summed over layers (0 without a pool), for the metrics:
+  // it never waits for the session, so that a scrape does not stall behind a call that holds
+  // it long (a demotion holds it across its Redis write). While another call holds it, the
+  // value the last read made (stale by at most that call).
   uint64_t aging_backlog_tokens() const;
 
   // Chooses, per KV head, the sinks, the recent window and the best chunks within the
@@ -398,6 +401,7 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t persisted_ ABSL_GUARDED_BY(mu_) = 0;  // the version last stored by write-behind
   std::atomic<bool> demoted_ = false;   // closed because it moved to the remote tier (as closed_)
   std::atomic<bool> restored_ = false;  // MarkRestored
+  mutable std::atomic<uint64_t> backlog_seen_ = 0;  // aging_backlog_tokens' last count
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED
