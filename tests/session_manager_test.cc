@@ -80,6 +80,15 @@ struct Remote {
   std::unique_ptr<RemoteStore> store;
 };
 
+// A redis-server frozen (SIGSTOP) for the guard's life, a hung Redis: thawed when the guard
+// goes, even when an assertion ends the test first, so that it goes before the futures whose
+// threads wait on Redis (declare it after them).
+struct Frozen {
+  explicit Frozen(LocalRedis& r) : redis(r) { redis.Pause(); }
+  ~Frozen() { redis.Resume(); }
+  LocalRedis& redis;
+};
+
 ServerOptions Options() {
   ServerOptions o;
   o.default_policy = BuiltinPolicy();
@@ -393,11 +402,7 @@ TEST(SessionManager, NewSessionsAreCreatedWhileRedisIsDown) {
 TEST(SessionManager, ACloseDuringADemotionRemovesTheRecordItStored) {
   RemoteManager rm;
   SessionManager& m = rm.m;
-  rm.remote.redis.Pause();
-  struct Thaw {
-    LocalRedis& redis;
-    ~Thaw() { redis.Resume(); }
-  } thaw{rm.remote.redis};
+  Frozen frozen(rm.remote.redis);
   auto demoting = std::async(std::launch::async, [&] { return m.Demote("t", "s"); });
   ASSERT_EQ(demoting.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
       << "the demotion should be storing the record in the frozen Redis";
@@ -422,11 +427,7 @@ TEST(SessionManager, TheBacklogReadForMetricsDoesNotWaitForADemotion) {
   SessionManager& m = rm.m;
   ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, m.Get("t", "s"));
   const uint64_t before = s->aging_backlog_tokens();
-  rm.remote.redis.Pause();
-  struct Thaw {
-    LocalRedis& redis;
-    ~Thaw() { redis.Resume(); }
-  } thaw{rm.remote.redis};
+  Frozen frozen(rm.remote.redis);
   auto demoting = std::async(std::launch::async, [&] { return m.Demote("t", "s"); });
   ASSERT_EQ(demoting.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
       << "the demotion should be storing the record in the frozen Redis";
@@ -445,12 +446,7 @@ TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
   ASSERT_OK(m.Demote("t", "away").status());
   std::future<absl::StatusOr<bool>> closing;
   std::future<absl::StatusOr<std::shared_ptr<Session>>> lookup;
-  rm.remote.redis.Pause();
-  // Thawed before the futures wait for their threads, even when an assertion below fails.
-  struct Thaw {
-    LocalRedis& redis;
-    ~Thaw() { redis.Resume(); }
-  } thaw{rm.remote.redis};
+  Frozen frozen(rm.remote.redis);
   closing = std::async(std::launch::async, [&] { return m.Close("t", "away"); });
   ASSERT_EQ(closing.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
       << "the close should be waiting on the frozen Redis";
@@ -480,11 +476,7 @@ TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
       std::unique_ptr<RemoteStore> store,
       RemoteStore::Connect(redis.address(), {.connections = 2, .timeout_ms = 300}));
   ASSERT_OK(store->Put("k", "v"));
-  redis.Pause();
-  struct Thaw {
-    LocalRedis& redis;
-    ~Thaw() { redis.Resume(); }
-  } thaw{redis};
+  Frozen frozen(redis);
   const absl::Time t0 = absl::Now();
   std::vector<std::future<absl::StatusOr<std::optional<std::string>>>> calls;
   for (int i = 0; i < 4; ++i) {  // two on connections, two waiting for one
