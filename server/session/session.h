@@ -162,8 +162,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void AgeQueuedLayer(uint32_t l);
   // Tokens appended but not yet aged, summed over layers (0 without a pool), for the metrics:
   // it never waits for the session, so that a scrape does not stall behind a call that holds
-  // it long (a demotion holds it across its Redis write). While another call holds it, the
-  // value the last read made (stale by at most that call).
+  // it long (a demotion holds it across its Redis write). When the lock cannot be taken at
+  // once (another call holds it), the value the last read made (stale by at most that call).
   uint64_t aging_backlog_tokens() const;
 
   // Chooses, per KV head, the sinks, the recent window and the best chunks within the
