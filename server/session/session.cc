@@ -228,15 +228,18 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
   l.tokens = start + n;
   ++version_;
+  NoteBacklogLocked();
   std::weak_ptr<Session> self = weak_from_this();
   if (!defer || self.expired()) {
     AgeLayer(aging(), l.tokens, heads(layer), &l.aging);  // `settle` charges what it adds
     l.aged_tokens = l.tokens;
+    NoteBacklogLocked();
     l.aging_settled = false;  // a chunk short of slots waits for the pool's next run
     return MinTokens();
   }
   if (settled && AgedOutChunks(policy_, l.tokens, stream(layer, 0)) == out_before) {
     l.aged_tokens = l.tokens;  // no chunk left the window: nothing to age
+    NoteBacklogLocked();
     return MinTokens();
   }
   // The rest (peaks, regroup, quantize, index) on the pool; a Select before it gets there
@@ -410,6 +413,7 @@ void Session::AgeLayerInPool(uint32_t l) {
         charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
         if (!more) {
           layer.aged_tokens = layer.tokens;
+          NoteBacklogLocked();
           layer.aging_settled = !quant_stuck;
           aged_.SignalAll();
           quant_stuck = false;
@@ -471,15 +475,9 @@ void Session::AgeLayerInPool(uint32_t l) {
   }
 }
 
-uint64_t Session::aging_backlog_tokens() const {
-  if (!mu_.TryLock()) return backlog_seen_.load(std::memory_order_relaxed);
-  KVTIER_TSAN_ACQUIRE(&mu_);  // as MutexLock does
-  const uint64_t backlog = BacklogLocked();
-  backlog_seen_.store(backlog, std::memory_order_relaxed);
-  KVTIER_TSAN_RELEASE(&mu_);
-  mu_.Unlock();
-  return backlog;
-}
+uint64_t Session::aging_backlog_tokens() const { return backlog_.load(std::memory_order_relaxed); }
+
+void Session::NoteBacklogLocked() { backlog_.store(BacklogLocked(), std::memory_order_relaxed); }
 
 uint64_t Session::BacklogLocked() const {
   uint64_t backlog = 0;
@@ -497,6 +495,7 @@ void Session::AgeLayerLocked(uint32_t l) {
   const uint64_t before = LayerHeapBytes(l);
   AgeLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
   layers_[l].aged_tokens = layers_[l].tokens;
+  NoteBacklogLocked();
   layers_[l].aging_settled = false;  // a chunk short of slots waits for the pool's next run
   charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
 }

@@ -161,9 +161,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // One task per layer, so that the pool's threads age a session's layers side by side.
   void AgeQueuedLayer(uint32_t l);
   // Tokens appended but not yet aged, summed over layers (0 without a pool), for the metrics:
-  // it never waits for the session, so that a scrape does not stall behind a call that holds
-  // it long (a demotion holds it across its Redis write). When the lock cannot be taken at
-  // once (another call holds it), the value the last read made (stale by at most that call).
+  // read without the session's lock, from the count every change of a layer's tokens or aged
+  // tokens stores (NoteBacklogLocked), so that a scrape never stalls behind a call that holds
+  // the session long (a demotion holds it across its Redis write).
   uint64_t aging_backlog_tokens() const;
 
   // Chooses, per KV head, the sinks, the recent window and the best chunks within the
@@ -323,6 +323,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   uint64_t MinTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t BacklogLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores BacklogLocked() for aging_backlog_tokens: after every change of a layer's tokens or
+  // aged_tokens.
+  void NoteBacklogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stream::HeapBytes over layer `l`'s KV heads: what its metadata charge follows.
   uint64_t LayerHeapBytes(uint32_t l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's work on layer `l` (marked aging_busy by the caller): semantic spans regrouped
@@ -401,7 +404,9 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t persisted_ ABSL_GUARDED_BY(mu_) = 0;  // the version last stored by write-behind
   std::atomic<bool> demoted_ = false;   // closed because it moved to the remote tier (as closed_)
   std::atomic<bool> restored_ = false;  // MarkRestored
-  mutable std::atomic<uint64_t> backlog_seen_ = 0;  // aging_backlog_tokens' last count
+  // BacklogLocked() as of the last change of a layer's tokens or aged_tokens (a session made
+  // by a fork or an import starts with every layer aged: 0).
+  std::atomic<uint64_t> backlog_ = 0;
   int64_t last_access_ms_ ABSL_GUARDED_BY(mu_);
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);    // [num_layers]
   LayerNeeds needs_ ABSL_GUARDED_BY(mu_);             // LAYER_BUDGET_BY_NEED
