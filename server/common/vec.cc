@@ -1660,7 +1660,7 @@ template <typename T>
 bool BoxGrowthBelowOf(const float* x, int pairs, int m, const T* cols, int stride, int lanes,
                       const float* offset, float bound, float* grow, float* width) {
   CHECK(lanes > 0 && lanes <= 16) << lanes;
-  static const auto impl = HaveAvx512()                  ? BoxGrowthBelowAvx512<T>
+  static const auto impl = HaveAvx512() && Cpu().f16c    ? BoxGrowthBelowAvx512<T>
                            : HaveAvx2Fma() && Cpu().f16c ? BoxGrowthBelowAvx2<T>
                                                          : BoxGrowthBelowScalarOf<T>;
   return impl(x, pairs, m, cols, stride, lanes, offset, bound, grow, width);

@@ -181,7 +181,7 @@ void BoxGrowthScalar(const float* x, int pairs, int m, const float* cols, int st
 // every lane's offset[i] + growth so far (offset null: 0) exceeds `bound`, so that its whole
 // growth would too (every term is >= 0, and a rounded sum never falls as a term >= 0 is added,
 // nor does offset[i] + it). Else true, with BoxGrowth's bits. How often a path looks is its
-// own (the AVX2 one every 16 channels; the scalar one never stops).
+// own (the AVX2 and AVX-512 ones every 16 channels; the scalar one never stops).
 bool BoxGrowthBelow(const float* x, int pairs, int m, const uint16_t* cols, int stride, int lanes,
                     const float* offset, float bound, float* grow, float* width);
 bool BoxGrowthBelow(const float* x, int pairs, int m, const float* cols, int stride, int lanes,
@@ -311,7 +311,7 @@ void Log1pExpInPlace(float* x, int n);
 
 // Whether the CPU (and the OS) run AVX-512F: ExpInPlace, LogInPlace and Log1pExpInPlace then
 // take sixteen lanes at a time, with the bits of their eight-lane paths below (for tests;
-// REQUIRES: AVX2 and FMA).
+// REQUIRES: AVX2 and FMA), and so do BoxGrowthBelow's passes of more than eight lanes.
 bool HaveAvx512();
 void ExpInPlaceEight(float* x, int n);
 void LogInPlaceEight(float* x, int n);
