@@ -83,7 +83,7 @@ struct ChannelHub::Channel {
   absl::Time collect_by;
   std::thread thread;
   std::atomic<bool> ended{false};
-  bool abandoned = false;  // Abandon: ending, its place among the hub's bounds given back
+  bool abandoned = false;  // Abandon: ending, its descriptors never to be handed
 };
 
 ChannelHub::ChannelHub(std::string label, Hooks hooks, bool colocate)
@@ -112,12 +112,12 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
     MutexLock lock(&mu_);
     if (stopping_ || stop_fd_ < 0) return absl::UnavailableError("kvtierd is draining");
     ReapLocked();
-    // Channels being made count too, so that calls at once cannot pass the bounds together;
-    // abandoned ones, which end at once, do not.
+    // Channels being made count too, so that calls at once cannot pass the bounds together,
+    // and abandoned ones until their threads end (at once: the reap above lets them go), so
+    // that a burst of refused tickets never holds more threads than the bounds.
     int mine = reserved_[tenant];
     size_t all = reserved_total_;
     for (const auto& [other, c] : channels_) {
-      if (c->abandoned) continue;
       mine += c->tenant == tenant;
       ++all;
     }

@@ -86,7 +86,7 @@ class ChannelHub {
   // channel lets go of it); NOT_FOUND for no such live channel of this tenant.
   absl::StatusOr<int> OpenFd(uint64_t id, const std::string& tenant, size_t index);
   // Ends channel `id` now, its descriptors never to be handed (the ticket for them was
-  // refused): it no longer counts against the bounds, and its thread ends it at once.
+  // refused): its thread ends it at once, and it counts against the bounds until then.
   void Abandon(uint64_t id);
   // Ends every channel and joins their threads; Open is UNAVAILABLE from then on.
   void Stop();
