@@ -116,11 +116,8 @@ absl::StatusOr<ChannelHub::Opened> ChannelHub::Open(const std::string& tenant, u
     // and abandoned ones until their threads end (at once: the reap above lets them go), so
     // that a burst of refused tickets never holds more threads than the bounds.
     int mine = reserved_[tenant];
-    size_t all = reserved_total_;
-    for (const auto& [other, c] : channels_) {
-      mine += c->tenant == tenant;
-      ++all;
-    }
+    for (const auto& [other, c] : channels_) mine += c->tenant == tenant;
+    const size_t all = channels_.size() + reserved_total_;
     if (all >= kMaxChannels || mine >= kMaxPerTenant) {
       return absl::ResourceExhaustedError(
           absl::StrCat("OpenChannel: tenant \"", tenant, "\" has ", mine,
