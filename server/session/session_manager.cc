@@ -467,6 +467,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     MutexLock lock(&mu_);
     sessions_.Put(session_id, restored);
     restoring_.reset();  // counted in the map from here on
+    std::move(unreserve).Cancel();
     demoted_here_.erase(session_id);
     ++remote_counters_.restores;
     remote_counters_.restored_bytes += bytes->size();
