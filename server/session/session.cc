@@ -226,24 +226,22 @@ absl::StatusOr<uint64_t> Session::AppendSized(const v1::AppendKVRequest& req,
   const bool settled = defer && l.aging_settled && l.aged_tokens == stored;
   const uint32_t out_before = settled ? AgedOutChunks(policy_, stored, stream(layer, 0)) : 0;
   for (uint32_t h = 0; h < kvh; ++h) heads(layer)[h].Take(plan, std::move(landed[h]), f, slot);
-  l.tokens = start + n;
+  l.tokens = start + n;  // the backlog is noted below, on each way out
   ++version_;
-  NoteBacklogLocked();
   std::weak_ptr<Session> self = weak_from_this();
   if (!defer || self.expired()) {
     AgeLayer(aging(), l.tokens, heads(layer), &l.aging);  // `settle` charges what it adds
-    l.aged_tokens = l.tokens;
-    NoteBacklogLocked();
+    MarkAgedLocked(layer);
     l.aging_settled = false;  // a chunk short of slots waits for the pool's next run
     return MinTokens();
   }
   if (settled && AgedOutChunks(policy_, l.tokens, stream(layer, 0)) == out_before) {
-    l.aged_tokens = l.tokens;  // no chunk left the window: nothing to age
-    NoteBacklogLocked();
+    MarkAgedLocked(layer);  // no chunk left the window: nothing to age
     return MinTokens();
   }
   // The rest (peaks, regroup, quantize, index) on the pool; a Select before it gets there
   // computes the peaks it ranks by itself (Choose).
+  NoteBacklogLocked();
   if (!l.aging_queued && !l.aging_busy) {  // a busy thread ages what arrives meanwhile too
     l.aging_queued = true;
     // The queue by session and layer: sessions' appends take different queues' locks.
@@ -412,8 +410,7 @@ void Session::AgeLayerInPool(uint32_t l) {
                                           kAgingSlice, absl::Now() + kAgingSliceTime);
         charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
         if (!more) {
-          layer.aged_tokens = layer.tokens;
-          NoteBacklogLocked();
+          MarkAgedLocked(l);
           layer.aging_settled = !quant_stuck;
           aged_.SignalAll();
           quant_stuck = false;
@@ -479,6 +476,11 @@ uint64_t Session::aging_backlog_tokens() const { return backlog_.load(std::memor
 
 void Session::NoteBacklogLocked() { backlog_.store(BacklogLocked(), std::memory_order_relaxed); }
 
+void Session::MarkAgedLocked(uint32_t l) {
+  layers_[l].aged_tokens = layers_[l].tokens;
+  NoteBacklogLocked();
+}
+
 uint64_t Session::BacklogLocked() const {
   uint64_t backlog = 0;
   for (const Layer& l : layers_) backlog += l.tokens - l.aged_tokens;
@@ -494,8 +496,7 @@ uint64_t Session::LayerHeapBytes(uint32_t l) const {
 void Session::AgeLayerLocked(uint32_t l) {
   const uint64_t before = LayerHeapBytes(l);
   AgeLayer(aging(), layers_[l].tokens, heads(l), &layers_[l].aging);
-  layers_[l].aged_tokens = layers_[l].tokens;
-  NoteBacklogLocked();
+  MarkAgedLocked(l);
   layers_[l].aging_settled = false;  // a chunk short of slots waits for the pool's next run
   charge_.Set(charge_.bytes() + LayerHeapBytes(l) - before);
 }

@@ -326,6 +326,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // Stores BacklogLocked() for aging_backlog_tokens: after every change of a layer's tokens or
   // aged_tokens.
   void NoteBacklogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Layer `l` aged to its end: its aged_tokens set to its tokens, and the backlog noted.
+  void MarkAgedLocked(uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stream::HeapBytes over layer `l`'s KV heads: what its metadata charge follows.
   uint64_t LayerHeapBytes(uint32_t l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's work on layer `l` (marked aging_busy by the caller): semantic spans regrouped
