@@ -504,6 +504,15 @@ class KvTierService::ReadChunksReactor final
       End(s);
       return;
     }
+    StartStream();
+  }
+
+  void OnSendInitialMetadataDone(bool ok) override {
+    KVTIER_TSAN_ACQUIRE(this);
+    if (!ok) {
+      End(absl::CancelledError("ReadChunks: the client went away"));
+      return;
+    }
     Write();
   }
 

@@ -171,6 +171,15 @@ class KvTierService final : public v1::KvTier::CallbackService {
       KVTIER_TSAN_RELEASE(this);
       this->Finish(ToGrpcStatus(s));
     }
+    // A stream's first write, from its constructor: gRPC holds a write started there until it
+    // has bound the reactor, and then serializes the message on its own thread, out of
+    // ThreadSanitizer's sight (the next OnWriteDone, on another thread, may free the bytes it
+    // read). So the constructor sends the initial metadata alone, and the reactor writes from
+    // OnSendInitialMetadataDone.
+    void StartStream() {
+      KVTIER_TSAN_RELEASE(this);
+      this->StartSendInitialMetadata();
+    }
     KvTierService* const svc_;
 
    private:

@@ -132,6 +132,15 @@ class KvTierService::ExportReactor final
       carried_.StartPump([this] { Pump(); });
       return;
     }
+    StartStream();
+  }
+
+  void OnSendInitialMetadataDone(bool ok) override {
+    KVTIER_TSAN_ACQUIRE(this);
+    if (!ok) {
+      Done(absl::CancelledError("ExportSession: the client went away"));
+      return;
+    }
     Write();
   }
 
