@@ -8,7 +8,9 @@
 #include <thread>
 
 #include "kvtier/client.h"
+#include "kvtier/local_daemon.h"
 #include "server/common/fp16.h"
+#include "server/common/status_macros.h"
 #include "server/config/policy.h"
 #include "server/rpc/daemon.h"
 #include "spdlog/spdlog.h"
@@ -73,6 +75,29 @@ absl::Status Fill(Client& c, const std::string& sid, const std::vector<std::vect
     reqs.push_back(std::move(r));
   }
   return c.AppendKV(reqs).status();
+}
+
+// Every chunk session `id` holds has the keys of k[layer] ([kv_head][total][head_dim]) at its
+// positions, byte for byte (lossless chunks): a failure when not. How many chunks it read, or
+// the calls' error.
+absl::StatusOr<size_t> CheckKeys(Client& c, const std::string& id,
+                                 const std::vector<std::vector<uint16_t>>& k, int total) {
+  ASSIGN_OR_RETURN(v1::DescribeSessionResponse d, c.DescribeSession(id));
+  v1::ListChunksRequest list;
+  list.set_session_id(id);
+  list.set_limit(100000);
+  ASSIGN_OR_RETURN(v1::ListChunksResponse chunks, c.ListChunks(list));
+  std::vector<uint64_t> ids;
+  for (const auto& ch : chunks.chunks()) ids.push_back(ch.chunk_id());
+  ASSIGN_OR_RETURN(auto read, c.ReadChunks(id, ids));
+  for (const auto& h : read) {
+    EXPECT_LE(h.positions(0) + h.num_tokens(), d.layers(h.layer()).num_tokens());
+    const auto want = Slice(k[h.layer()], kKv, total, kD, h.positions(0), h.num_tokens());
+    const size_t off = size_t(h.kv_head()) * h.num_tokens() * kD;
+    EXPECT_EQ(h.keys(), std::string(reinterpret_cast<const char*>(want.data() + off),
+                                    size_t(h.num_tokens()) * kD * 2));
+  }
+  return read.size();
 }
 
 TEST(Concurrency, WorkersAppendSelectAndCloseAtOnce) {
@@ -309,24 +334,8 @@ TEST(Concurrency, MovesTakeOneMomentWhileAppendsAndAgingGoOn) {
     const std::string id = "copy-" + std::to_string(moves++);
     auto moved = (*from)->MoveSession("s", **to, id, carrier);
     ASSERT_TRUE(moved.ok()) << moved.status();
-    auto d = (*to)->DescribeSession(id);
-    ASSERT_TRUE(d.ok());
-    v1::ListChunksRequest list;
-    list.set_session_id(id);
-    list.set_limit(100000);
-    auto chunks = (*to)->ListChunks(list);
-    ASSERT_TRUE(chunks.ok());
-    std::vector<uint64_t> ids;
-    for (const auto& c : chunks->chunks()) ids.push_back(c.chunk_id());
-    auto read = (*to)->ReadChunks(id, ids);
+    auto read = CheckKeys(**to, id, k, kTotal);
     ASSERT_TRUE(read.ok()) << read.status();
-    for (const auto& h : *read) {
-      ASSERT_LE(h.positions(0) + h.num_tokens(), d->layers(h.layer()).num_tokens());
-      const auto want = Slice(k[h.layer()], kKv, kTotal, kD, h.positions(0), h.num_tokens());
-      const size_t off = size_t(h.kv_head()) * h.num_tokens() * kD;
-      ASSERT_EQ(h.keys(), std::string(reinterpret_cast<const char*>(want.data() + off),
-                                      size_t(h.num_tokens()) * kD * 2));
-    }
     ASSERT_TRUE((*to)->CloseSession(id).ok());
   }
   writer.join();
@@ -334,6 +343,72 @@ TEST(Concurrency, MovesTakeOneMomentWhileAppendsAndAgingGoOn) {
   std::printf("moves: %d\n", moves);
   (*a)->Shutdown();
   (*b)->Shutdown();
+}
+
+// Sessions moved to the remote tier and back by several threads at once, two threads on each:
+// restores of different sessions run side by side, and two calls for one session restore it
+// once; every restore holds the session's bytes.
+TEST(Concurrency, SessionsGoToTheRemoteTierAndBackSideBySide) {
+  LocalRedis redis;
+  ASSERT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
+  testing::TempDir dir;
+  ServerOptions o;
+  o.default_policy = BuiltinPolicy();
+  o.listen = "unix:" + dir.path() + "/kvtier.sock";
+  o.instance = "remote-" + std::to_string(getpid());
+  o.remote = redis.address();
+  auto daemon = Daemon::Start(o);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  constexpr int kSessions = 3, kRounds = 6, kTotal = 64;
+  std::mt19937 rng(5);
+  std::vector<std::vector<uint16_t>> k, v;
+  for (int l = 0; l < kLayers; ++l) {
+    k.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+    v.push_back(RandomHalfs(size_t(kKv) * kTotal * kD, rng));
+  }
+  {
+    auto c = Client::Connect(o.listen);
+    ASSERT_TRUE(c.ok());
+    for (int i = 0; i < kSessions; ++i) {
+      const std::string id = "moved-" + std::to_string(i);
+      ASSERT_TRUE((*c)->CreateSession(Shape(id)).ok());
+      ASSERT_TRUE(Fill(**c, id, k, v, kTotal, 0, kTotal, /*wait_aged=*/true).ok());
+    }
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2 * kSessions; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Client::Connect(o.listen);
+      ASSERT_TRUE(c.ok());
+      const std::string id = "moved-" + std::to_string(t / 2);
+      for (int r = 0; r < kRounds; ++r) {
+        // Down (or already there, by the other thread), then back by the next call.
+        auto evicted = (*c)->Evict(id, v1::TIER_HOST);
+        ASSERT_TRUE(evicted.ok()) << evicted.status();
+        // The other thread may move it down again between the calls: each says so
+        // (UNAVAILABLE), and a worker tries again.
+        absl::StatusOr<size_t> read = CheckKeys(**c, id, k, kTotal);
+        for (int again = 0; absl::IsUnavailable(read.status()) && again < 100; ++again) {
+          read = CheckKeys(**c, id, k, kTotal);
+        }
+        ASSERT_TRUE(read.ok()) << read.status();
+        EXPECT_EQ(*read, size_t{kLayers} * kKv * kTotal / 16);  // 16-token chunks
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  auto c = Client::Connect(o.listen);
+  ASSERT_TRUE(c.ok());
+  auto stats = (*c)->GetTierStats();
+  ASSERT_TRUE(stats.ok());
+  for (const auto& tier : stats->tiers()) {
+    if (tier.tier() != v1::TIER_REMOTE) continue;
+    std::printf("demotions %d, restores %d\n", static_cast<int>(tier.evictions()),
+                static_cast<int>(tier.promotions()));
+    EXPECT_GE(tier.promotions(), uint64_t{kSessions});
+    EXPECT_LE(tier.promotions(), tier.evictions());  // never restored twice for one demotion
+  }
+  (*daemon)->Shutdown();
 }
 
 }  // namespace

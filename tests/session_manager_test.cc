@@ -1,10 +1,18 @@
 // SessionManager: ids, limits and tenants; the remote tier below the host tier.
 #include "server/session/session_manager.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <future>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "kvtier/local_daemon.h"
 #include "server/common/error.h"
@@ -87,6 +95,110 @@ struct Frozen {
   explicit Frozen(LocalRedis& r) : redis(r) { redis.Pause(); }
   ~Frozen() { redis.Resume(); }
   LocalRedis& redis;
+};
+
+// A Redis slow for one session alone: a proxy in front of a redis-server (its Unix socket)
+// that forwards every connection both ways, and holds back the command it is told to (a
+// client's write holding `match`, past the first `skip` such) until Release.
+class HoldingProxy {
+ public:
+  explicit HoldingProxy(const LocalRedis& redis)
+      : target_(redis.address().substr(5)), path_(dir_.path() + "/proxy.sock") {
+    listener_ = socket(AF_UNIX, SOCK_STREAM, 0);
+    const sockaddr_un addr = At(path_);
+    EXPECT_EQ(bind(listener_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(listen(listener_, 16), 0);
+    accept_ = std::thread([this] { Accept(); });
+  }
+  ~HoldingProxy() {
+    Release();
+    stop_ = true;
+    accept_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int fd : fds_) shutdown(fd, SHUT_RDWR);  // each pump's read returns
+    }
+    for (std::thread& t : pumps_) t.join();
+    for (int fd : fds_) close(fd);
+    close(listener_);
+  }
+  std::string address() const { return "unix:" + path_; }
+
+  void Hold(std::string match, int skip) {
+    std::lock_guard<std::mutex> lock(mu_);
+    match_ = std::move(match);
+    skip_ = skip;
+  }
+  // Whether the command is held back now, waiting `within` at most for it to come.
+  bool WaitHeld(std::chrono::seconds within) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, within, [&] { return holding_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    match_.clear();
+    cv_.notify_all();
+  }
+
+ private:
+  static sockaddr_un At(const std::string& path) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+    return addr;
+  }
+  void Accept() {
+    while (!stop_) {
+      pollfd p{listener_, POLLIN, 0};
+      if (poll(&p, 1, 20) != 1) continue;
+      const int client = accept(listener_, nullptr, nullptr);
+      if (client < 0) continue;
+      const int server = socket(AF_UNIX, SOCK_STREAM, 0);
+      const sockaddr_un addr = At(target_);
+      EXPECT_EQ(connect(server, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+      std::lock_guard<std::mutex> lock(mu_);
+      fds_.insert(fds_.end(), {client, server});
+      pumps_.emplace_back([this, client, server] { Pump(client, server, true); });
+      pumps_.emplace_back([this, client, server] { Pump(server, client, false); });
+    }
+  }
+  void Pump(int from, int to, bool commands) {
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = read(from, buf, sizeof buf);
+      if (n <= 0) break;
+      if (commands) Check(std::string_view(buf, static_cast<size_t>(n)));
+      for (ssize_t sent = 0; sent < n;) {
+        const ssize_t k = write(to, buf + sent, static_cast<size_t>(n - sent));
+        if (k <= 0) return;
+        sent += k;
+      }
+    }
+    shutdown(to, SHUT_WR);
+  }
+  // Holds the caller here while the command matches and Release has not come.
+  void Check(std::string_view command) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (match_.empty() || command.find(match_) == std::string_view::npos) return;
+    if (skip_-- > 0) return;
+    holding_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return match_.empty(); });
+    holding_ = false;
+  }
+
+  TempDir dir_;
+  const std::string target_, path_;
+  int listener_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread accept_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string match_;  // empty: nothing held
+  int skip_ = 0;
+  bool holding_ = false;
+  std::vector<int> fds_;
+  std::vector<std::thread> pumps_;
 };
 
 ServerOptions Options() {
@@ -313,6 +425,92 @@ TEST(SessionManager, ARestoreNeedsRoomUnderMaxSessionsAndTheTenantsQuota) {
     EXPECT_EQ(a->Info().num_tokens(), 32u);
     EXPECT_FALSE(*remote.store->Exists(RecordKey("a")));
   }
+}
+
+// A manager over a Redis that holds back what HoldingProxy is told to, with sessions
+// "slow-session", "quick-session" and "third" of tenant "t" (32 tokens each), the first two
+// demoted, under max_sessions 3; `slow` restores slow-session once Hold has been called.
+struct SlowRestore {
+  SlowRestore() {
+    EXPECT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
+    // Its commands wait longer than a test for a reply: a held one never times out meanwhile.
+    auto connected = RemoteStore::Connect(proxy.address(), {.timeout_ms = 120'000});
+    EXPECT_TRUE(connected.ok()) << connected.status();
+    if (!connected.ok()) return;
+    store = *std::move(connected);
+    options.max_sessions = 3;
+    m.emplace(options, e.env, store.get());
+    for (const char* id : {"slow-session", "quick-session", "third"}) {
+      EXPECT_OK(m->Create("t", SmallSession(id)).status());
+      EXPECT_OK(RunAppend(*m, "t", Tokens(id, 0, 32)));
+    }
+    EXPECT_OK(m->Demote("t", "slow-session").status());
+    EXPECT_OK(m->Demote("t", "quick-session").status());
+  }
+  // Starts slow-session's restore, held back at its Finish (the second command that names
+  // it, after the import) until proxy.Release; false when it never got there.
+  bool StartSlow() {
+    proxy.Hold("slow-session", /*skip=*/1);
+    slow = std::async(std::launch::async, [this] { return m->Get("t", "slow-session"); });
+    return proxy.WaitHeld(std::chrono::seconds(20));
+  }
+  LocalRedis redis;
+  HoldingProxy proxy{redis};
+  std::unique_ptr<RemoteStore> store;
+  Env e;
+  ServerOptions options = Options();
+  std::optional<SessionManager> m;
+  std::future<absl::StatusOr<std::shared_ptr<Session>>> slow;
+};
+
+// Restores of different sessions go side by side: one whose Redis is slow (its Finish held
+// back) keeps its place under max_sessions meanwhile, and another session's restore is not
+// held up behind it. A second call for the slow one waits for it, and both get the one
+// session, restored once.
+TEST(SessionManager, RestoresOfDifferentSessionsGoSideBySide) {
+  SlowRestore r;
+  ASSERT_TRUE(r.m.has_value());
+  SessionManager& m = *r.m;
+  ASSERT_TRUE(r.StartSlow()) << "the slow restore never came";
+  auto again = std::async(std::launch::async, [&] { return m.Get("t", "slow-session"); });
+  auto quick = std::async(std::launch::async, [&] { return m.Get("t", "quick-session"); });
+  const bool side_by_side = quick.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  EXPECT_TRUE(side_by_side) << "the quick restore waited for the slow one";
+  if (side_by_side) {
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> q, quick.get());
+    EXPECT_EQ(q->Info().num_tokens(), 32u);
+    // third and quick-session held, slow-session on its way in: no room for a fourth.
+    EXPECT_THAT(m.Create("t", SmallSession("fourth")),
+                StatusIs(Code::kResourceExhausted, "max_sessions 3"));
+    EXPECT_EQ(again.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+        << "the second call for the slow session did not wait for its restore";
+  }
+  r.proxy.Release();
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, r.slow.get());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s2, again.get());
+  EXPECT_EQ(s.get(), s2.get());
+  EXPECT_EQ(s->Info().num_tokens(), 32u);
+  EXPECT_EQ(m.remote_counters().restores, 2u);
+  EXPECT_EQ(m.size(), 3u);
+}
+
+// A demotion of a session on its way in waits for the restore, then moves it down again:
+// never NOT_FOUND for a session between its record and the map.
+TEST(SessionManager, ADemotionDuringARestoreWaitsForIt) {
+  SlowRestore r;
+  ASSERT_TRUE(r.m.has_value());
+  SessionManager& m = *r.m;
+  ASSERT_TRUE(r.StartSlow()) << "the slow restore never came";
+  auto demote = std::async(std::launch::async, [&] { return m.Demote("t", "slow-session"); });
+  EXPECT_EQ(demote.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "the demotion did not wait for the restore";
+  r.proxy.Release();
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, r.slow.get());
+  ASSERT_OK_AND_ASSIGN(uint64_t bytes, demote.get());
+  EXPECT_GT(bytes, 0u);
+  EXPECT_TRUE(s->demoted());
+  EXPECT_TRUE(*r.store->Exists(RecordKey("slow-session")));
+  EXPECT_EQ(m.size(), 1u);  // third
 }
 
 TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {

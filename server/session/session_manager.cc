@@ -79,16 +79,40 @@ absl::Status SessionManager::CheckNewId(const std::string& id, const std::string
   return CheckRoom(id, tenant);
 }
 
+// A restore's or a close's hold on one id (gated_), which waits while another call holds it.
+// Taken with no lock held: its holder does Redis I/O and may demote other sessions.
+class SessionManager::IdGate {
+ public:
+  IdGate(SessionManager* m, const std::string& id) : m_(m), id_(id) {
+    MutexLock lock(&m_->mu_);
+    while (m_->gated_.contains(id_)) WaitOn(&m_->gate_cv_, &m_->mu_);
+    m_->gated_.insert(id_);
+  }
+  ~IdGate() {
+    {
+      MutexLock lock(&m_->mu_);
+      m_->gated_.erase(id_);
+    }
+    m_->gate_cv_.SignalAll();
+  }
+  IdGate(const IdGate&) = delete;
+  IdGate& operator=(const IdGate&) = delete;
+
+ private:
+  SessionManager* const m_;
+  const std::string id_;
+};
+
 absl::Status SessionManager::CheckRoom(const std::string& id, const std::string& tenant) const {
-  // A restore on its way in holds its place (restores run one at a time).
-  const bool pending = restoring_.has_value();
-  if (sessions_.size() + (pending ? 1 : 0) >= options_.max_sessions) {
+  // Each restore on its way in holds its place.
+  if (sessions_.size() + restoring_.size() >= options_.max_sessions) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
                         options_.max_sessions));
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
-    size_t held = pending && *restoring_ == tenant ? 1 : 0;
+    size_t held = 0;
+    for (const auto& [id, of] : restoring_) held += of == tenant;
     for (const std::shared_ptr<Session>& s : sessions_.All()) held += s->tenant() == tenant;
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -277,7 +301,7 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
                                            const std::string& session_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Take(tenant, session_id));
   if (s == nullptr && remote_ != nullptr) {
-    MutexLock restoring(&restore_mu_);              // no restore brings it here meanwhile
+    IdGate gate(this, session_id);                  // no restore brings it here meanwhile
     ASSIGN_OR_RETURN(s, Take(tenant, session_id));  // restored while this call waited
     if (s == nullptr) {
       // A demoted session is closed where it lies; one another daemon holds is not ours.
@@ -397,7 +421,7 @@ absl::StatusOr<v1::CreateSessionResponse> SessionManager::Import(const std::stri
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::string& tenant,
                                                                  const std::string& session_id) {
-  MutexLock restoring(&restore_mu_);
+  IdGate gate(this, session_id);
   std::shared_ptr<Session> held = Held(session_id);  // restored by another call meanwhile?
   if (held != nullptr) {
     RETURN_IF_ERROR(CheckTenant(tenant, held->tenant(), session_id));
@@ -438,11 +462,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
                                                     "; it stays in the remote "
                                                     "tier until there is room"));
     }
-    restoring_ = record->tenant();
+    restoring_.emplace(session_id, record->tenant());  // (the gate keeps it the only one)
   }
   absl::Cleanup unreserve = [&] {
     MutexLock lock(&mu_);
-    restoring_.reset();
+    restoring_.erase(session_id);
   };
   // A full host tier makes room by demoting idle sessions, then tries again.
   std::unique_ptr<Session> session;
@@ -466,7 +490,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
   {
     MutexLock lock(&mu_);
     sessions_.Put(session_id, restored);
-    restoring_.reset();  // counted in the map from here on
+    restoring_.erase(session_id);  // counted in the map from here on
     std::move(unreserve).Cancel();
     demoted_here_.erase(session_id);
     ++remote_counters_.restores;
@@ -485,24 +509,34 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
 }
 
 absl::StatusOr<uint64_t> SessionManager::Demote(const std::string& tenant,
-                                                const std::string& session_id) {
+                                                const std::string& session_id, bool after_restore) {
   if (remote_ == nullptr) {  // nothing below the host tier: the session says so
     ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(tenant, session_id));
     return s->Evict(v1::TIER_HOST);
   }
   // Only a session held here moves: looking it up must never restore it (DemoteIdle runs
-  // inside a restore, which holds restore_mu_).
+  // inside a restore, which holds its id's gate).
   std::shared_ptr<Session> s = Held(session_id);
+  std::optional<IdGate> gate;
+  if (s == nullptr && after_restore) {
+    // On its way in, maybe: its record goes before it is held here, and a call between the
+    // two would find it nowhere.
+    gate.emplace(this, session_id);
+    s = Held(session_id);
+  }
   if (s == nullptr) {
     ASSIGN_OR_RETURN(bool there, remote_->Exists(RecordKey(session_id)));
     if (there) return 0;  // already in the remote tier
     return NotFound(session_id);
   }
   RETURN_IF_ERROR(CheckTenant(tenant, s->tenant(), session_id));
-  ASSIGN_OR_RETURN(uint64_t bytes, s->Demote([&](const v1::SessionRecord& r) -> absl::Status {
+  absl::StatusOr<uint64_t> demoted = s->Demote([&](const v1::SessionRecord& r) -> absl::Status {
     ASSIGN_OR_RETURN(std::string record, EncodeRecord(r));
     return records_->Put(session_id, record);  // and the id let go
-  }));
+  });
+  // Moved by another call while this one waited for it: where this one asked it to go.
+  if (ReasonOf(demoted.status()) == ErrorReason::kSessionMoved) return 0;
+  ASSIGN_OR_RETURN(uint64_t bytes, std::move(demoted));
   {
     MutexLock lock(&mu_);
     // A restore of the record may have put the id back already (another session object): it is
@@ -526,7 +560,7 @@ bool SessionManager::DemoteIdle(const std::string& keep) {
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (const auto& [_, s] : idle) {
     if (s->live_leases() > 0) continue;  // leased chunks stay
-    if (Demote("", s->id()).ok()) return true;
+    if (Demote("", s->id(), /*after_restore=*/false).ok()) return true;
   }
   return false;
 }

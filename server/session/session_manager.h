@@ -88,8 +88,11 @@ class SessionManager {
                    std::shared_ptr<Session>* cached = nullptr);
 
   // Remote tier. Moves one session there whole (Evict to TIER_HOST); returns the record's
-  // bytes. FAILED_PRECONDITION without a remote tier or while leases hold its chunks.
-  absl::StatusOr<uint64_t> Demote(const std::string& tenant, const std::string& session_id);
+  // bytes (0 when it lies there already). FAILED_PRECONDITION without a remote tier or while
+  // leases hold its chunks. A restore of it in flight ends first.
+  absl::StatusOr<uint64_t> Demote(const std::string& tenant, const std::string& session_id) {
+    return Demote(tenant, session_id, /*after_restore=*/true);
+  }
   // Demotes the least recently used session other than `keep` that no lease holds; false
   // when there is none (or no remote tier). Called when the host tier is full.
   bool DemoteIdle(const std::string& keep);
@@ -166,9 +169,14 @@ class SessionManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Demote; with `after_restore`, a session not held here waits at its id's gate for a
+  // restore in flight (without, it is looked for in the remote tier at once: DemoteIdle, which
+  // runs inside a restore, must never wait at another id's gate).
+  absl::StatusOr<uint64_t> Demote(const std::string& tenant, const std::string& session_id,
+                                  bool after_restore);
   absl::StatusOr<std::shared_ptr<Session>> Restore(const std::string& tenant,
                                                    const std::string& session_id)
-      ABSL_LOCKS_EXCLUDED(restore_mu_, mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The session held here under `session_id` (not moved to the remote tier), or null. Takes
   // one shard's lock only.
   std::shared_ptr<Session> Held(const std::string& session_id) const;
@@ -204,18 +212,22 @@ class SessionManager {
   // Sessions this daemon demoted and has not seen since: one whose record then vanishes
   // (not taken by another daemon, not closed anywhere) is lost, and says so.
   absl::flat_hash_set<std::string> demoted_here_ ABSL_GUARDED_BY(mu_);
-  // Restores one at a time, so that two calls for one demoted session restore it once; a
-  // close of a session not held here takes it too. Lock order 1 (server/common/lock_order.h).
-  absl::Mutex restore_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   // Changes of the map, and the counts and ids beside it. Never held across Redis I/O. Lock
   // order 2: held while sessions_ changes (each change takes a shard's lock too), so that a
   // check of a new id and its insertion are one step; a lookup takes only a shard's lock.
-  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(restore_mu_);
+  mutable absl::Mutex mu_;
   SessionShards sessions_;
   RemoteCounters remote_counters_ ABSL_GUARDED_BY(mu_);
-  // The tenant of the restore in progress (one at a time, under restore_mu_): its place among
-  // the sessions.
-  std::optional<std::string> restoring_ ABSL_GUARDED_BY(mu_);
+  // A restore from the remote tier, and a close of a session not held here, hold their id's
+  // gate (IdGate) across Redis I/O and an Import: one at a time for each id, so that two calls
+  // for one demoted session restore it once, and a close waits for a restore of its id. Other
+  // ids' restores go side by side. The ids in hand; a call for one of them waits on gate_cv_.
+  class IdGate;
+  absl::flat_hash_set<std::string> gated_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar gate_cv_;
+  // The tenants of the restores in progress, by id: each holds its place among the sessions
+  // until it is in the map (or fails).
+  absl::flat_hash_map<std::string, std::string> restoring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
