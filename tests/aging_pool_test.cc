@@ -275,7 +275,7 @@ TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {
   ASSERT_OK(AppendAll(f, tokens, 500));
   EXPECT_EQ(f.session->aging_backlog_tokens(), 3u * tokens);
   EXPECT_EQ(f.session->Info().aging_backlog_tokens(), 3u * tokens);
-  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), 0u) << "the index waits for the pool";
+  EXPECT_EQ(f.session->Layers()->at(2).indexed_chunks(), 0u) << "the index waits for the pool";
   std::vector<std::vector<int64_t>> chunks;
   for (int lo = 0; lo < tokens; lo += 16) {
     chunks.emplace_back();
@@ -286,7 +286,7 @@ TEST(AgingPool, AppendsReturnUnagedAndSelectStaysExactUntilThePoolCatchesUp) {
   blocked.Release();
   blocked.pool.WaitIdle();
   EXPECT_EQ(f.session->aging_backlog_tokens(), 0u);
-  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), 2u * ((tokens - 64) / 16 - 1));  // no sink
+  EXPECT_EQ(f.session->Layers()->at(2).indexed_chunks(), 2u * ((tokens - 64) / 16 - 1));  // no sink
   ExpectLongContextSelections(f, tokens, chunks, 3);
   ExpectStreamExact(f, 1, 1, tokens);
 }
@@ -308,7 +308,8 @@ TEST(AgingPool, ThePoolAgesIntoTheSameChunksAsTheAppendPath) {
       ASSERT_OK(AppendAll(b, tokens, 300));
       pool.WaitIdle();
       for (int l = 0; l < 3; ++l) {
-        EXPECT_EQ(a.session->Layers()[l].indexed_chunks(), b.session->Layers()[l].indexed_chunks());
+        EXPECT_EQ(a.session->Layers()->at(l).indexed_chunks(),
+                  b.session->Layers()->at(l).indexed_chunks());
       }
       EXPECT_EQ(b.session->aging_backlog_tokens(), 0u);
       const v1::SessionInfo ia = a.session->Info(), ib = b.session->Info();
@@ -360,9 +361,10 @@ TEST(AgingPool, OneTokenAppendsQueueAgingOnlyWhenAChunkLeavesTheWindow) {
   EXPECT_EQ(b.session->aging_backlog_tokens(), 0u);
   EXPECT_EQ(AllBytes(a), AllBytes(b));
   for (int l = 0; l < 2; ++l) {
-    EXPECT_EQ(a.session->Layers()[l].indexed_chunks(), b.session->Layers()[l].indexed_chunks());
+    EXPECT_EQ(a.session->Layers()->at(l).indexed_chunks(),
+              b.session->Layers()->at(l).indexed_chunks());
   }
-  EXPECT_EQ(b.session->Layers()[1].indexed_chunks(), 2u * ((prefill + steps - 64) / 16 - 1))
+  EXPECT_EQ(b.session->Layers()->at(1).indexed_chunks(), 2u * ((prefill + steps - 64) / 16 - 1))
       << "every chunk out of the window but the sink";
 
   // A smaller window ages chunks out at once: the next append asks for a run even though it
@@ -390,7 +392,7 @@ TEST(AgingPool, WaitAgedAgesTheLayerBeforeTheReply) {
   r.set_wait_aged(true);
   ASSERT_OK(f.session->Append(r).status());
   EXPECT_EQ(f.session->aging_backlog_tokens(), 1000u) << "layer 0's, still queued";
-  const std::vector<v1::LayerStats> layers = f.session->Layers();
+  const std::vector<v1::LayerStats> layers = *f.session->Layers();
   EXPECT_EQ(layers[0].indexed_chunks(), 0u);
   EXPECT_EQ(layers[1].indexed_chunks(), (1000 - 64) / 16 - 1);
 }
@@ -467,7 +469,7 @@ TEST(AgingPool, ForkCloseAndDropWithAgingQueued) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> child, f.session->Fork("c", 1500));
   EXPECT_EQ(f.session->aging_backlog_tokens(), 0u);
   EXPECT_EQ(child->aging_backlog_tokens(), 0u);
-  EXPECT_EQ(child->Layers()[2].indexed_chunks(), 2u * ((1500 - 64) / 16 - 1));
+  EXPECT_EQ(child->Layers()->at(2).indexed_chunks(), 2u * ((1500 - 64) / 16 - 1));
 
   Fixture g = Make(e, 3, 4, 2, 64, 2000, Cold(), 9);
   Fixture h = Make(e, 3, 4, 2, 64, 2000, Cold(), 10);
@@ -539,7 +541,8 @@ TEST(AgingPool, OneTokenAppendsSelectsAndAgingAtOnce) {
   EXPECT_EQ(f.session->aging_backlog_tokens(), 0u);
   EXPECT_EQ(AllBytes(f), AllBytes(twin));
   for (int l = 0; l < layers; ++l) {
-    EXPECT_EQ(f.session->Layers()[l].indexed_chunks(), twin.session->Layers()[l].indexed_chunks());
+    EXPECT_EQ(f.session->Layers()->at(l).indexed_chunks(),
+              twin.session->Layers()->at(l).indexed_chunks());
   }
 }
 

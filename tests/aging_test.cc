@@ -21,7 +21,7 @@ TEST(ColdChunks, LeavingTheWindowQuantizesAndSelectReadsFp16WithinTheBound) {
     Fixture f = Make(e, 3, 4, 2, 64, 300, Cold(precision));
     ASSERT_OK(AppendAll(f, 300, 37));
     // Chunks wholly before token 300 - 64 = 236 (chunks 0..13) are cold, except the sink chunk.
-    auto chunks = f.session->ListChunks(2, 1000);
+    auto chunks = *f.session->ListChunks(2, 1000);
     for (const auto& c : chunks.chunks()) {
       const bool cold = c.index() >= 1 && c.index() <= 13;
       EXPECT_EQ(c.precision(), cold ? precision : v1::PRECISION_FP16) << c.index();
@@ -155,7 +155,7 @@ TEST(ColdChunks, RewritesOfColdTokensAreCheckedAgainstTheQuantizationBound) {
   Env e;
   Fixture f = Make(e, 1, 2, 1, 64, 200, Cold());
   ASSERT_OK(AppendAll(f, 200, 200));
-  ASSERT_TRUE(f.session->ListChunks(0, 100).chunks(3).precision() == v1::PRECISION_INT4);
+  ASSERT_TRUE(f.session->ListChunks(0, 100)->chunks(3).precision() == v1::PRECISION_INT4);
   // The same bytes again (a retried stream): a no-op.
   ASSERT_OK_AND_ASSIGN(uint64_t n, f.session->Append(Req(f, 0, 40, 30)));
   EXPECT_EQ(n, 200u);
@@ -208,7 +208,7 @@ TEST(ColdChunks, InfoCountsWhatAWalkOfTheChunksFinds) {
       SCOPED_TRACE(when);
       uint64_t host = 0, device = 0;
       std::map<std::string, uint64_t> by_precision;
-      const v1::ListChunksResponse all = s.ListChunks(std::nullopt, 1 << 30);
+      const v1::ListChunksResponse all = *s.ListChunks(std::nullopt, 1 << 30);
       for (const v1::ChunkInfo& c : all.chunks()) {
         host += c.host_bytes();
         device += c.device_bytes();
@@ -418,8 +418,8 @@ TEST(Chunking, SemanticRegroupsAgedOutSpansIntoTightChunks) {
     }
   }
   // The index holds the regrouped chunks; the aged-out chunk of the unfinished span waits.
-  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), 2u * 3 * 8);
-  const auto listed = f.session->ListChunks(2, 100);
+  EXPECT_EQ(f.session->Layers()->at(2).indexed_chunks(), 2u * 3 * 8);
+  const auto listed = *f.session->ListChunks(2, 100);
   EXPECT_EQ(listed.chunks(1).first_position(), 16);
   // Rewrites of regrouped tokens are checked against the rows where they went.
   ASSERT_OK(f.session->Append(Req(f, 2, 20, 100)).status());
@@ -452,7 +452,7 @@ TEST(Chunking, SemanticForkInsideASpanKeepsBothSidesExact) {
         for (int64_t t : c) EXPECT_EQ(PlantedCluster(t, h), PlantedCluster(c.front(), h));
       }
     }
-    EXPECT_EQ(view.session->Layers()[2].indexed_chunks(), 2u * 3 * 8) << "fork at " << at;
+    EXPECT_EQ(view.session->Layers()->at(2).indexed_chunks(), 2u * 3 * 8) << "fork at " << at;
   }
   for (int h = 0; h < 2; ++h) ExpectRowsAtTheirPositions(f, 2, h, 16 + 2 * 128 + 64 + 8);
 }
@@ -465,10 +465,10 @@ TEST(Chunking, SemanticInt4AndTheIndexOnALongContext) {
     ASSERT_OK(f.session->Append(Req(f, 2, s, std::min(4096, tokens - s))).status());
   }
   const uint64_t aged_out = (tokens - 64) / 16 - 1;
-  EXPECT_EQ(f.session->Layers()[2].indexed_chunks(), aged_out / 8 * 8);
+  EXPECT_EQ(f.session->Layers()->at(2).indexed_chunks(), aged_out / 8 * 8);
   const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
   ExpectLongContextSelections(f, tokens, chunks, 2);
-  const v1::LayerStats st = f.session->Layers()[2];
+  const v1::LayerStats st = f.session->Layers()->at(2);
   EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
 
   // The default int4 policy: regrouped chunks are quantized, and read back within the bound.

@@ -367,7 +367,7 @@ inline void ExpectLongContextSelections(Fixture& f, int tokens,
 // Every chunk of one stream, read back through ListChunks' ids and ReadChunks.
 inline std::vector<v1::BlockHandle> StreamHandles(Fixture& f, int layer, int head) {
   std::vector<uint64_t> ids;
-  const v1::ListChunksResponse listed = f.session->ListChunks(layer, 1u << 30);
+  const v1::ListChunksResponse listed = *f.session->ListChunks(layer, 1u << 30);
   for (const auto& c : listed.chunks()) {
     if (int(c.kv_head()) == head) ids.push_back(c.chunk_id());
   }
@@ -478,7 +478,7 @@ inline void PlantClusters(Fixture& f, uint32_t seed) {
 
 inline std::vector<v1::BlockHandle> AllChunks(Session& s) {
   std::vector<uint64_t> ids;
-  const v1::ListChunksResponse listed = s.ListChunks(std::nullopt, 1u << 30);
+  const v1::ListChunksResponse listed = *s.ListChunks(std::nullopt, 1u << 30);
   for (const auto& c : listed.chunks()) ids.push_back(c.chunk_id());
   auto r = s.ReadChunks(ids);
   EXPECT_TRUE(r.ok()) << r.status();

@@ -380,6 +380,10 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
               StatusIs(Code::kUnavailable, "remote tier"));
   EXPECT_THAT(stale->ReadChunks({EncodeChunkId({0, 0, 0})}).status(),
               StatusIs(Code::kUnavailable, "remote tier"));
+  // Its views too: never an empty list for a session whose chunks only moved.
+  EXPECT_THAT(stale->ListChunks(std::nullopt, 100).status(),
+              StatusIs(Code::kUnavailable, "remote tier"));
+  EXPECT_THAT(stale->Layers().status(), StatusIs(Code::kUnavailable, "remote tier"));
   // Run restores it and applies the call there; the cached pointer follows.
   const auto r = Tokens("s", 32, 16);
   ASSERT_OK(m.Run(

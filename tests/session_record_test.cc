@@ -33,7 +33,7 @@ TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
       for (int l = 0; l < 3; ++l) ASSERT_OK(f.session->Append(ReqIds(f, l, s, 100, ids)).status());
     }
     const std::vector<v1::BlockHandle> before = AllChunks(*f.session);
-    const uint64_t indexed = f.session->Layers()[2].indexed_chunks();
+    const uint64_t indexed = f.session->Layers()->at(2).indexed_chunks();
     std::vector<v1::SelectResponse> selected(3);
     for (uint32_t q = 0; q < 3; ++q) {
       ASSERT_OK(f.session->Select(SelectReq(f, 2, 200, q), &selected[q]));
@@ -62,7 +62,7 @@ TEST(Remote, DemoteAndImportRestoreEveryByteAndTheSameSelection) {
                 std::vector<int64_t>(before[i].positions().begin(), before[i].positions().end()));
     }
     EXPECT_EQ(back->Info().num_tokens(), 700u);
-    EXPECT_EQ(back->Layers()[2].indexed_chunks(), indexed) << name << ": the index is rebuilt";
+    EXPECT_EQ(back->Layers()->at(2).indexed_chunks(), indexed) << name << ": the index is rebuilt";
     EXPECT_EQ(back->Info().policy().chunking(),
               policy.chunking() ? policy.chunking() : v1::CHUNKING_CONTIGUOUS);
     for (uint32_t q = 0; q < 3; ++q) {

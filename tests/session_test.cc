@@ -43,11 +43,11 @@ TEST(Session, RewritesGapsAndConflicts) {
   Env e;
   Fixture f = Make(e, 1, 2, 2, 16, 100);
   ASSERT_OK(f.session->Append(Req(f, 0, 0, 40)).status());
-  const uint64_t gen_before = f.session->ListChunks(0, 100).chunks(2).generation();
+  const uint64_t gen_before = f.session->ListChunks(0, 100)->chunks(2).generation();
   // identical repeat: a no-op, nothing rewritten
   ASSERT_OK_AND_ASSIGN(uint64_t n, f.session->Append(Req(f, 0, 10, 20)));
   EXPECT_EQ(n, 40u);
-  EXPECT_EQ(f.session->ListChunks(0, 100).chunks(2).generation(), gen_before);
+  EXPECT_EQ(f.session->ListChunks(0, 100)->chunks(2).generation(), gen_before);
   // overlap that extends: the stored part must match, the rest is appended
   ASSERT_OK_AND_ASSIGN(n, f.session->Append(Req(f, 0, 30, 30)));
   EXPECT_EQ(n, 60u);
@@ -722,11 +722,11 @@ TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
     for (int h = 0; h < f.kvh; ++h) EXPECT_EQ(rows(resp, h), budget) << "layer " << layer;
     ASSERT_OK(e.leases.Release("t", resp.lease_id()));
     want_need[layer] = need(layer, q);
-    EXPECT_NEAR(f.session->Layers()[layer].budget_need(), want_need[layer], 1e-4)
+    EXPECT_NEAR(f.session->Layers()->at(layer).budget_need(), want_need[layer], 1e-4)
         << "layer " << layer;
   }
   ASSERT_LT(want_need[2], want_need[3]);
-  const std::vector<v1::LayerStats> stats = f.session->Layers();
+  const std::vector<v1::LayerStats> stats = *f.session->Layers();
   const double mean = (stats[2].budget_need() + stats[3].budget_need()) / 2;
   EXPECT_EQ(stats[0].budget_share(), 1.f);  // dense layers take no part
   EXPECT_EQ(stats[0].budget_need(), -1.f);
@@ -737,7 +737,7 @@ TEST(Session, LayerBudgetsFollowTheMeasuredNeed) {
   // Now the flat layer gets more rows than the budget and the sharp one fewer, as the shares
   // say (each Select measures its layer again: the shares as they stand before it).
   for (int layer : {2, 3}) {
-    const std::vector<v1::LayerStats> now = f.session->Layers();
+    const std::vector<v1::LayerStats> now = *f.session->Layers();
     // The share as the daemon computes it, in double from the needs it reports.
     const double share = 0.25 + 0.75 * double(now[layer].budget_need()) /
                                     ((double(now[2].budget_need()) + now[3].budget_need()) / 2);
@@ -801,7 +801,7 @@ TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
   for (int s = 0; s < tokens; s += 4096) {
     ASSERT_OK(f.session->Append(Req(f, 2, s, std::min(4096, tokens - s))).status());
   }
-  const v1::LayerStats before = f.session->Layers()[2];
+  const v1::LayerStats before = f.session->Layers()->at(2);
   const uint64_t aged_out = (tokens - 64) / 16 - 1;  // wholly before the window, sink chunk out
   EXPECT_EQ(before.indexed_chunks(), aged_out);
   EXPECT_GT(before.clusters(), aged_out / 16);
@@ -817,7 +817,7 @@ TEST(Session, IndexedSelectMatchesBruteForceOnALongContext) {
           << "budget " << budget << " seed " << seed;
     }
   }
-  const v1::LayerStats after = f.session->Layers()[2];
+  const v1::LayerStats after = f.session->Layers()->at(2);
   EXPECT_EQ(after.select_candidates(), 4 * aged_out);
   // The index pruned something, even on random keys (so it, not the scan, answered).
   EXPECT_LT(after.select_chunks_scored(), after.select_candidates());
@@ -1066,7 +1066,7 @@ TEST(Session, LeasedMemoryIsNeverRewrittenOrFreed) {
   ASSERT_EQ(leased_bytes(), last.keys() + last.values());
   ASSERT_OK(f.session->Append(Req(f, 0, 40, 5)).status());  // grows the leased chunk
   EXPECT_EQ(leased_bytes(), last.keys() + last.values());
-  auto now = f.session->ListChunks(0, 10).chunks(2);
+  auto now = f.session->ListChunks(0, 10)->chunks(2);
   EXPECT_EQ(now.num_tokens(), 13u);
   EXPECT_NE(now.generation(), last.generation());  // a copy was grown, not the leased slot
   ExpectStreamExact(f, 0, 0, 45);
@@ -1167,9 +1167,9 @@ TEST(Session, UnsharedPartialChunkGrowsInPlaceWithANewGeneration) {
   Env e;
   Fixture f = Make(e, 1, 2, 1, 16, 100);
   ASSERT_OK(f.session->Append(Req(f, 0, 0, 20)).status());
-  auto before = f.session->ListChunks(0, 10).chunks(1);
+  auto before = f.session->ListChunks(0, 10)->chunks(1);
   ASSERT_OK(f.session->Append(Req(f, 0, 20, 3)).status());
-  auto after = f.session->ListChunks(0, 10).chunks(1);
+  auto after = f.session->ListChunks(0, 10)->chunks(1);
   EXPECT_GT(after.generation(), before.generation());
   EXPECT_EQ(e.host.Stats().num_slots, 2u);
   ExpectStreamExact(f, 0, 0, 23);
@@ -1374,12 +1374,12 @@ TEST(Prefetch, PromotesWhatALargerBudgetWouldAdd) {
     PrefetchGuess guess;
     ASSERT_OK(f.session->Select(req, &first, nullptr, &guess, 25));
     const uint64_t made_first = cache.counters().misses;
-    const auto stats_before = f.session->Layers()[2];
+    const auto stats_before = f.session->Layers()->at(2);
     ASSERT_OK_AND_ASSIGN(uint64_t prefetched, f.session->Prefetch(guess));
     EXPECT_GT(prefetched, 0u);
     EXPECT_EQ(cache.counters().prefetched, prefetched);
     EXPECT_EQ(cache.counters().hits, 0u) << "a prefetch is not a read";
-    EXPECT_EQ(f.session->Layers()[2].select_candidates(), stats_before.select_candidates());
+    EXPECT_EQ(f.session->Layers()->at(2).select_candidates(), stats_before.select_candidates());
     // The larger selection: everything is cached now, the prefetched copies are hits.
     auto bigger = req;
     bigger.set_budget_tokens(320);

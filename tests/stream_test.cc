@@ -119,7 +119,7 @@ TEST(Chunking, BoundaryChunksUseTheIndexOnALongContext) {
   const auto chunks = ExpectRowsAtTheirPositions(f, 2, 0, tokens);
   ASSERT_GT(chunks.size(), 4300u);
   ExpectLongContextSelections(f, tokens, chunks, 5);
-  const v1::LayerStats st = f.session->Layers()[2];
+  const v1::LayerStats st = f.session->Layers()->at(2);
   EXPECT_GT(st.indexed_chunks(), 4000u);
   EXPECT_LT(st.select_chunks_scored(), st.select_candidates()) << "the index answered";
 }

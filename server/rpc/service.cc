@@ -703,10 +703,14 @@ grpc::ServerUnaryReactor* KvTierService::DescribeSession(grpc::CallbackServerCon
                                                          const v1::DescribeSessionRequest* req,
                                                          v1::DescribeSessionResponse* resp) {
   return Unary(ctx, "DescribeSession", [&](const Caller& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
-    *resp->mutable_info() = session->Info();
-    for (auto& l : session->Layers()) *resp->add_layers() = std::move(l);
-    return absl::OkStatus();
+    // Run: a session that moves to the remote tier meanwhile is looked up (restored) again.
+    return env_.sessions->Run(Scope(caller), req->session_id(), [&](const auto& session) {
+      resp->Clear();
+      *resp->mutable_info() = session->Info();
+      ASSIGN_OR_RETURN(std::vector<v1::LayerStats> layers, session->Layers());
+      for (auto& l : layers) *resp->add_layers() = std::move(l);
+      return absl::OkStatus();
+    });
   });
 }
 
@@ -714,11 +718,12 @@ grpc::ServerUnaryReactor* KvTierService::ListChunks(grpc::CallbackServerContext*
                                                     const v1::ListChunksRequest* req,
                                                     v1::ListChunksResponse* resp) {
   return Unary(ctx, "ListChunks", [&](const Caller& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(auto session, env_.sessions->Get(Scope(caller), req->session_id()));
     std::optional<uint32_t> layer;
     if (req->has_layer()) layer = req->layer();
-    *resp = session->ListChunks(layer, req->limit() ? req->limit() : 10000);
-    return absl::OkStatus();
+    return env_.sessions->Run(Scope(caller), req->session_id(), [&](const auto& session) {
+      ASSIGN_OR_RETURN(*resp, session->ListChunks(layer, req->limit() ? req->limit() : 10000));
+      return absl::OkStatus();
+    });
   });
 }
 

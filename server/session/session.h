@@ -250,11 +250,13 @@ class Session : public std::enable_shared_from_this<Session> {
   void MarkRestored() { restored_.store(true, std::memory_order_release); }
   bool restored() const { return restored_.load(std::memory_order_acquire); }
 
-  // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all).
-  v1::ListChunksResponse ListChunks(std::optional<uint32_t> layer, uint32_t limit) const;
+  // Chunk metadata, of one layer or all, at most `limit` entries (`total` counts all). The
+  // errors of a closed or moved session (CheckOpen), as Layers'.
+  absl::StatusOr<v1::ListChunksResponse> ListChunks(std::optional<uint32_t> layer,
+                                                    uint32_t limit) const;
 
   v1::SessionInfo Info() const;
-  std::vector<v1::LayerStats> Layers() const;
+  absl::StatusOr<std::vector<v1::LayerStats>> Layers() const;
 
  private:
   // One layer: its tokens, its aging, and Select's work on it.

@@ -183,10 +183,11 @@ v1::SessionInfo Session::Info() const {
   return info;
 }
 
-v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32_t limit) const {
+absl::StatusOr<v1::ListChunksResponse> Session::ListChunks(std::optional<uint32_t> layer,
+                                                           uint32_t limit) const {
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());  // a moved session's streams are gone: never an empty list
   v1::ListChunksResponse out;
-  if (closed_) return out;
   const ChunkFormat f = format();
   uint64_t total = 0;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
@@ -204,10 +205,10 @@ v1::ListChunksResponse Session::ListChunks(std::optional<uint32_t> layer, uint32
   return out;
 }
 
-std::vector<v1::LayerStats> Session::Layers() const {
+absl::StatusOr<std::vector<v1::LayerStats>> Session::Layers() const {
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpen());
   std::vector<v1::LayerStats> out;
-  if (closed_) return out;
   for (uint32_t l = 0; l < shape_.num_layers(); ++l) {
     v1::LayerStats& st = out.emplace_back();
     st.set_layer(l);
