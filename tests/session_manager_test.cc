@@ -78,9 +78,9 @@ TEST(SessionManager, LimitsIdsAndTenants) {
 
 // A remote tier for a manager: redis-server, and a connection to it.
 struct Remote {
-  Remote() {
+  explicit Remote(RemoteStore::Options options = {}) {
     EXPECT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
-    auto connected = RemoteStore::Connect(redis.address());
+    auto connected = RemoteStore::Connect(redis.address(), options);
     EXPECT_TRUE(connected.ok()) << connected.status();
     if (connected.ok()) store = *std::move(connected);
   }
@@ -669,6 +669,109 @@ namespace {
 // The pool: calls to a hung Redis end with UNAVAILABLE after about the timeout, never
 // later, however many are waiting (each on a connection of its own, or for one); once Redis
 // answers again every connection serves.
+// The keys Redis holds that match `pattern`, counted by a script.
+size_t Keys(RemoteStore& store, const std::string& pattern) {
+  auto r = store.Eval("return {#redis.call('KEYS', ARGV[1])}", {}, {pattern});
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() && !r->empty() && (*r)[0] ? std::stoul(*(*r)[0]) : 0;
+}
+
+// What the key itself holds (a manifest, for a value in parts), read by a script.
+std::string Raw(RemoteStore& store, const std::string& key) {
+  auto r = store.Eval("return {redis.call('GET', KEYS[1])}", {key}, {});
+  return r.ok() && !r->empty() && (*r)[0] ? *(*r)[0] : "";
+}
+
+// A value larger than a part is stored in parts under keys of their own, its key holding
+// their manifest, and read back whole; replacing or deleting the value drops its parts, and
+// a part gone is DATA_LOSS naming it, never a shorter value.
+TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
+  Remote remote({.part_bytes = 1000});
+  ASSERT_NE(remote.store, nullptr);
+  RemoteStore& store = *remote.store;
+  std::mt19937 rng(7);
+  auto bytes = [&](size_t n) {
+    std::string v(n, '\0');
+    for (char& c : v) c = static_cast<char>(rng());
+    return v;
+  };
+  const std::string big = bytes(10'500);
+  ASSERT_OK(store.Put("k", big));
+  EXPECT_THAT(Raw(store, "k"), ::testing::StartsWith("KVPARTS1 "));
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 11u);
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, store.Get("k"));
+  EXPECT_EQ(got, big);
+  const std::string other = bytes(3'000);  // replaced: the old parts go
+  ASSERT_OK(store.Put("k", other));
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 3u);
+  ASSERT_OK_AND_ASSIGN(got, store.Get("k"));
+  EXPECT_EQ(got, other);
+  const std::string small = bytes(1'000);  // one part's size: stored as it is
+  ASSERT_OK(store.Put("k", small));
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 0u);
+  EXPECT_EQ(Raw(store, "k"), small);
+  ASSERT_OK(store.Put("k", big));
+  ASSERT_OK_AND_ASSIGN(bool existed, store.Delete("k"));
+  EXPECT_TRUE(existed);
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 0u);
+  // A part lost (deleted behind the store's back).
+  ASSERT_OK(store.Put("k", big));
+  ASSERT_OK(
+      store.Eval("redis.call('DEL', redis.call('KEYS', 'kvtier:part:*:4')[1]) return {}", {}, {})
+          .status());
+  EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "part 4 of 11"));
+}
+
+// Past Redis's limit on one value (512 MB): stored in parts, read back byte for byte. (Sent
+// whole, Redis closes the connection mid-write: UNAVAILABLE, "Broken pipe".)
+TEST(RemoteStore, AValuePastRedisLimitOnOneValueRoundTrips) {
+  signal(SIGPIPE, SIG_IGN);  // a value Redis refuses ends the connection mid-write
+  Remote remote;
+  ASSERT_NE(remote.store, nullptr);
+  std::string big((uint64_t{520} << 20) + 123, '\0');
+  for (size_t i = 0; i < big.size(); i += 4096) big[i] = static_cast<char>(i / 4096);
+  ASSERT_OK(remote.store->Put("huge", big));
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, remote.store->Get("huge"));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_TRUE(*got == big);  // (not EXPECT_EQ: a failure would print both)
+  got.reset();
+  ASSERT_OK(remote.store->Delete("huge").status());
+  EXPECT_EQ(Keys(*remote.store, "kvtier:part:*"), 0u);
+}
+
+// A session whose record is larger than a part: demoted in parts, restored byte for byte,
+// and no part left behind by the restore, nor by a close of the demoted session.
+TEST(SessionManager, ASessionLargerThanAPartMovesDownAndBackInParts) {
+  Remote remote({.part_bytes = 4096});
+  ASSERT_NE(remote.store, nullptr);
+  Env e;
+  const ServerOptions o = Options();
+  SessionManager m(o, e.env, remote.store.get());
+  ASSERT_OK(m.Create("t", SmallSession("s")).status());
+  ASSERT_OK(RunAppend(m, "t", Tokens("s", 0, 48)));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, m.Get("t", "s"));
+  const std::vector<v1::BlockHandle> before = AllChunks(*s);
+  ASSERT_EQ(before.size(), 3u);
+  ASSERT_OK_AND_ASSIGN(uint64_t bytes, m.Demote("t", "s"));
+  EXPECT_GT(bytes, 4096u);
+  EXPECT_THAT(Raw(*remote.store, RecordKey("s")), ::testing::StartsWith("KVPARTS1 "));
+  EXPECT_GT(Keys(*remote.store, "kvtier:part:*"), 1u);
+  ASSERT_OK_AND_ASSIGN(s, m.Get("t", "s"));  // restored
+  EXPECT_EQ(Keys(*remote.store, "kvtier:part:*"), 0u);
+  const std::vector<v1::BlockHandle> after = AllChunks(*s);
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].keys(), before[i].keys()) << i;
+    EXPECT_EQ(after[i].values(), before[i].values()) << i;
+  }
+  ASSERT_OK(m.Demote("t", "s").status());
+  EXPECT_GT(Keys(*remote.store, "kvtier:part:*"), 1u);
+  ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
+  EXPECT_TRUE(existed);
+  EXPECT_EQ(Keys(*remote.store, "kvtier:part:*"), 0u);
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));
+}
+
 TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
   signal(SIGPIPE, SIG_IGN);
   LocalRedis redis;

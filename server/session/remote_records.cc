@@ -28,8 +28,10 @@ redis.call('SET', KEYS[2], ARGV[1])
 return {'new'}
 )lua";
 
-// ARGV[2] the record.
-constexpr char kPut[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
+// ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts). A record of the
+// id lying there already (another session's: RemoteRecords::Release) goes, with its parts.
+constexpr char kPut[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_DROP_PARTS_LUA R"lua(
+drop_parts(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2])
 return {'ok'}
@@ -44,12 +46,13 @@ return {'record', r}
 // Idempotent: a Finish sent again after its reply was lost (a connection dropped after the
 // script ran, which the store resends) finds the id this daemon's and the record gone, and is
 // done; any other missing record was closed meanwhile.
-constexpr char kFinish[] = KVTIER_UNLESS_HELD_ELSEWHERE R"lua(
+constexpr char kFinish[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_DROP_PARTS_LUA R"lua(
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if o == ARGV[1] then return {'ok'} end
   return {'gone'}
 end
 redis.call('SET', KEYS[2], ARGV[1])
+drop_parts(KEYS[1], nil)
 redis.call('DEL', KEYS[1])
 return {'ok'}
 )lua";
@@ -59,8 +62,9 @@ return {'ok'}
 #define KVTIER_TOMBSTONE \
   "local function tombstone() redis.call('SET', KEYS[3], ARGV[1], 'EX', 86400) end\n"
 
-constexpr char kDrop[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_TOMBSTONE R"lua(
+constexpr char kDrop[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_TOMBSTONE KVTIER_DROP_PARTS_LUA R"lua(
 if o then redis.call('DEL', KEYS[2]) end
+drop_parts(KEYS[1], nil)
 local n = redis.call('DEL', KEYS[1])
 if n == 1 then tombstone() end
 return {'ok', n}
@@ -131,18 +135,34 @@ absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
 }
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kPut, session_id, self_, record));
-  if (o.what == "ok") return absl::OkStatus();
-  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kFailedPrecondition);
+  // A record larger than a part goes first, in parts; the script stores their manifest.
+  ASSIGN_OR_RETURN(const std::string stored, store_->StoreParts(record));
+  absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, stored);
+  // Not stored: its parts go (a lost reply, as RemoteStore::Put says).
+  if (!o.ok() || o->what != "ok") store_->DropParts(stored).IgnoreError();
+  if (!o.ok()) return o.status();
+  if (o->what == "ok") return absl::OkStatus();
+  if (o->what == "held") return HeldBy(session_id, o->value, absl::StatusCode::kFailedPrecondition);
   return Bad(session_id);
 }
 
 absl::StatusOr<std::optional<std::string>> RemoteRecords::Get(const std::string& session_id) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kGet, session_id, self_));
-  if (o.what == "none") return std::optional<std::string>();
-  if (o.what == "record" && o.value) return o.value;
-  if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kNotFound);
-  return Bad(session_id);
+  std::optional<std::string> last;  // the manifest whose parts the last try missed
+  for (;;) {
+    ASSIGN_OR_RETURN(Outcome o, Run(store_, kGet, session_id, self_));
+    if (o.what == "none") return std::optional<std::string>();
+    if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kNotFound);
+    if (o.what != "record" || !o.value) return Bad(session_id);
+    const std::string stored = *o.value;
+    absl::StatusOr<std::string> record = store_->LoadParts(*std::move(o.value));
+    if (record.ok()) return std::optional<std::string>(*std::move(record));
+    // A part gone: the record was closed or replaced since the script read its manifest (its
+    // parts go with it), unless the same manifest is there still.
+    if (record.status().code() != absl::StatusCode::kDataLoss || last == stored) {
+      return record.status();
+    }
+    last = stored;
+  }
 }
 
 absl::Status RemoteRecords::Finish(const std::string& session_id) {

@@ -13,6 +13,10 @@
 //   Release  a live session's close: this daemon's hold let go (leaving the tombstone too when
 //            the session had been restored from a record)
 //
+// A record larger than a part is stored in parts first (RemoteStore::StoreParts), and its key
+// holds their manifest: Put's script stores the manifest, and every script that deletes or
+// replaces a record (Put, Finish, Drop) deletes its parts with it; Get reads them back.
+//
 // A daemon killed with SIGKILL leaves its owner keys: its ids stay held until the same
 // instance, started again, takes them back (its write-behind snapshots) or closes them, or an
 // operator deletes the keys.

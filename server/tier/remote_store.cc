@@ -2,12 +2,18 @@
 
 #include <hiredis/hiredis.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <optional>
+#include <string_view>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "server/common/mutex.h"
 #include "server/common/status_macros.h"
@@ -156,8 +162,103 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(const std::vector<std::s
   return out;
 }
 
+namespace {
+
+constexpr char kPartsMagic[] = "KVPARTS1 ";
+
+// A manifest's fields; nullopt for a value that is none.
+struct Manifest {
+  std::string nonce;
+  uint64_t parts = 0, bytes = 0;
+};
+std::optional<Manifest> ParseManifest(std::string_view bytes) {
+  const absl::string_view stored(bytes.data(), bytes.size());  // Abseil's own, here
+  if (!absl::StartsWith(stored, kPartsMagic) || stored.size() > 128) return std::nullopt;
+  const std::vector<absl::string_view> f = absl::StrSplit(stored, ' ');
+  Manifest m;
+  if (f.size() != 4 || f[1].empty() || !absl::SimpleAtoi(f[2], &m.parts) ||
+      !absl::SimpleAtoi(f[3], &m.bytes)) {
+    return std::nullopt;
+  }
+  m.nonce = std::string(f[1]);
+  return m;
+}
+
+std::string PartKey(const std::string& nonce, uint64_t i) {
+  return absl::StrCat("kvtier:part:", nonce, ":", i);
+}
+
+// KEYS[1] the key, ARGV[1] its new value: the old value's parts dropped, then the value set.
+constexpr char kReplace[] = KVTIER_DROP_PARTS_LUA R"lua(
+drop_parts(KEYS[1], ARGV[1])
+redis.call('SET', KEYS[1], ARGV[1])
+return {'ok'}
+)lua";
+
+// KEYS[1] the key: its parts dropped, then the key; whether it existed.
+constexpr char kDelete[] = KVTIER_DROP_PARTS_LUA R"lua(
+drop_parts(KEYS[1], nil)
+return {redis.call('DEL', KEYS[1])}
+)lua";
+
+}  // namespace
+
+absl::StatusOr<std::string> RemoteStore::StoreParts(const std::string& value) {
+  const uint64_t part = std::max<uint64_t>(1, options_.part_bytes);
+  if (value.size() <= part) return value;
+  absl::BitGen gen;
+  const std::string nonce =
+      absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
+  const uint64_t parts = (value.size() + part - 1) / part;
+  const std::string manifest = absl::StrCat(kPartsMagic, nonce, " ", parts, " ", value.size());
+  for (uint64_t i = 0; i < parts; ++i) {
+    const std::string key = PartKey(nonce, i);
+    if (auto r = Command({"SET", key, std::string_view(value).substr(i * part, part)}); !r.ok()) {
+      DropParts(manifest).IgnoreError();  // those written so far, as far as Redis lets
+      return r.status();
+    }
+  }
+  return manifest;
+}
+
+absl::StatusOr<std::string> RemoteStore::LoadParts(std::string stored) {
+  const std::optional<Manifest> m = ParseManifest(stored);
+  if (!m) return stored;
+  std::string value;
+  value.reserve(m->bytes);
+  for (uint64_t i = 0; i < m->parts; ++i) {
+    const std::string key = PartKey(m->nonce, i);
+    ASSIGN_OR_RETURN(Reply r, Command({"GET", key}));
+    if (r.type == REDIS_REPLY_NIL) {
+      return absl::DataLossError(absl::StrCat("remote ", address_, ": part ", i, " of ", m->parts,
+                                              " (", key, ") is missing"));
+    }
+    value += r.str;
+  }
+  if (value.size() != m->bytes) {
+    return absl::DataLossError(absl::StrCat("remote ", address_, ": the ", m->parts, " parts of ",
+                                            m->nonce, " hold ", value.size(), " bytes, not ",
+                                            m->bytes));
+  }
+  return value;
+}
+
+absl::Status RemoteStore::DropParts(std::string_view stored) {
+  const std::optional<Manifest> m = ParseManifest(stored);
+  absl::Status status;
+  for (uint64_t i = 0; m && i < m->parts; ++i) {
+    const std::string key = PartKey(m->nonce, i);
+    if (auto r = Command({"DEL", key}); !r.ok()) status.Update(r.status());
+  }
+  return status;
+}
+
 absl::Status RemoteStore::Put(const std::string& key, const std::string& value) {
-  auto r = Command({"SET", key, value});
+  ASSIGN_OR_RETURN(const std::string stored, StoreParts(value));
+  auto r = Eval(kReplace, {key}, {stored});
+  // Not stored: its parts go. (A reply lost after the script ran leaves a manifest whose parts
+  // are gone: DATA_LOSS to a read, and the next Put replaces it.)
+  if (!r.ok()) DropParts(stored).IgnoreError();
   return r.ok() ? absl::OkStatus() : r.status();
 }
 
@@ -165,13 +266,13 @@ absl::StatusOr<std::optional<std::string>> RemoteStore::Get(const std::string& k
   auto r = Command({"GET", key});
   if (!r.ok()) return r.status();
   if (r->type == REDIS_REPLY_NIL) return std::optional<std::string>();
-  return std::optional<std::string>(std::move(r->str));
+  ASSIGN_OR_RETURN(std::string value, LoadParts(std::move(r->str)));
+  return std::optional<std::string>(std::move(value));
 }
 
 absl::StatusOr<bool> RemoteStore::Delete(const std::string& key) {
-  auto r = Command({"DEL", key});
-  if (!r.ok()) return r.status();
-  return r->integer > 0;
+  ASSIGN_OR_RETURN(auto r, Eval(kDelete, {key}, {}));
+  return !r.empty() && r[0] == "1";
 }
 
 absl::StatusOr<std::vector<std::optional<std::string>>> RemoteStore::Eval(

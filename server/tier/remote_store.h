@@ -21,6 +21,21 @@ struct redisContext;
 
 namespace kvtier {
 
+// Lua for a script that replaces or deletes a key's value: defines drop_parts(key, new),
+// which deletes the parts of the manifest the key holds (RemoteStore::StoreParts), if it holds
+// one, unless that manifest is `new` (the script's own value: sent again after its reply was
+// lost, it must not drop the parts it stored the first time).
+#define KVTIER_DROP_PARTS_LUA                                             \
+  "local function drop_parts(k, new)\n"                                   \
+  "  local head = redis.call('GETRANGE', k, 0, 127)\n"                    \
+  "  if head == new then return end\n"                                    \
+  "  local nonce, n = string.match(head, '^KVPARTS1 (%x+) (%d+) %d+$')\n" \
+  "  if not nonce then return end\n"                                      \
+  "  for i = 0, tonumber(n) - 1 do\n"                                     \
+  "    redis.call('DEL', 'kvtier:part:' .. nonce .. ':' .. i)\n"          \
+  "  end\n"                                                               \
+  "end\n"
+
 class RemoteStore {
  public:
   // "redis://HOST:PORT" or "unix:PATH". Connects at once: UNAVAILABLE when Redis cannot be
@@ -29,6 +44,9 @@ class RemoteStore {
   struct Options {
     int connections = 4;         // the pool's size
     uint32_t timeout_ms = 5000;  // a connect, a command, and the wait for a free connection
+    // A value larger than this is stored in parts of at most this many bytes (StoreParts):
+    // Redis refuses a value past 512 MB (its proto-max-bulk-len), and one part is one command.
+    uint64_t part_bytes = uint64_t{64} << 20;
   };
   static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address,
                                                               Options options);
@@ -37,11 +55,26 @@ class RemoteStore {
   }
   ~RemoteStore();
 
+  // Values of any size (parts, below): Put replaces the key's value (and drops the parts of
+  // the one it replaces), Get reads it whole (nullopt when the key does not exist), Delete
+  // deletes it and its parts (whether the key existed).
   absl::Status Put(const std::string& key, const std::string& value);
-  // nullopt when the key does not exist.
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
-  // Whether the key existed.
   absl::StatusOr<bool> Delete(const std::string& key);
+
+  // Large values. One larger than Options::part_bytes is written as parts under keys of their
+  // own ("kvtier:part:<nonce>:<i>", a fresh random nonce each time), and what its key holds is
+  // a small manifest naming them ("KVPARTS1 <nonce> <parts> <bytes>"), which StoreParts
+  // returns once the parts are written; a value that fits comes back as it is, nothing
+  // written. A script that replaces or deletes a key's value drops its parts
+  // (KVTIER_DROP_PARTS_LUA).
+  absl::StatusOr<std::string> StoreParts(const std::string& value);
+  // What a key held, whole: a manifest's parts read back and joined (DATA_LOSS naming the
+  // part when one is missing, or when they do not add up), anything else as it is.
+  absl::StatusOr<std::string> LoadParts(std::string stored);
+  // Deletes the parts a manifest names (nothing for anything else): those of a value whose
+  // manifest was never stored.
+  absl::Status DropParts(std::string_view stored);
   absl::StatusOr<bool> Exists(const std::string& key);
   // A Lua script run atomically by Redis (EVAL) over `keys` and `args`, answering an array:
   // its elements as strings (integers in decimal, nil as nullopt).
