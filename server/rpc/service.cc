@@ -507,27 +507,8 @@ class KvTierService::ReadChunksReactor final
     StartStream();
   }
 
-  void OnSendInitialMetadataDone(bool ok) override {
-    KVTIER_TSAN_ACQUIRE(this);
-    if (!ok) {
-      End(absl::CancelledError("ReadChunks: the client went away"));
-      return;
-    }
-    Write();
-  }
-
-  void OnWriteDone(bool ok) override {
-    KVTIER_TSAN_ACQUIRE(this);
-    if (!ok) {
-      End(absl::CancelledError("ReadChunks: the client went away"));
-      return;
-    }
-    if (++next_ == ids_.size()) {
-      End(absl::OkStatus());
-      return;
-    }
-    Write();
-  }
+  void OnSendInitialMetadataDone(bool ok) override { Next(ok, /*wrote=*/false); }
+  void OnWriteDone(bool ok) override { Next(ok, /*wrote=*/true); }
 
  private:
   // The ids once each, in the order first named, all checked; each handle is read when it is
@@ -539,6 +520,20 @@ class KvTierService::ReadChunksReactor final
       if (seen.insert(id).second) ids_.push_back(id);
     }
     return session_->CheckChunkIds(ids_);
+  }
+
+  // After the initial metadata (StartStream) or a handle written: the next handle, or the end.
+  void Next(bool ok, bool wrote) {
+    KVTIER_TSAN_ACQUIRE(this);
+    if (!ok) {
+      End(absl::CancelledError("ReadChunks: the client went away"));
+      return;
+    }
+    if (wrote && ++next_ == ids_.size()) {
+      End(absl::OkStatus());
+      return;
+    }
+    Write();
   }
 
   void Write() {

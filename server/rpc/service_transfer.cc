@@ -135,14 +135,8 @@ class KvTierService::ExportReactor final
     StartStream();
   }
 
-  void OnSendInitialMetadataDone(bool ok) override {
-    KVTIER_TSAN_ACQUIRE(this);
-    if (!ok) {
-      Done(absl::CancelledError("ExportSession: the client went away"));
-      return;
-    }
-    Write();
-  }
+  // The initial metadata sent (StartStream): the first part, as after a part written.
+  void OnSendInitialMetadataDone(bool ok) override { OnWriteDone(ok); }
 
   void OnWriteDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
