@@ -2,16 +2,20 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/status_macros.h"
 #include "server/quant/chunk_quant.h"
+#include "server/session/transfer.h"
 
 namespace kvtier {
 namespace {
 
 constexpr char kRecordMagic[4] = {'K', 'V', 'T', 'R'};
+// A record too large for one frame, as transfer parts (EncodeRecord).
+constexpr char kPartsMagic[4] = {'K', 'V', 'T', 'X'};
 constexpr size_t kHeader = 16;
 
 void PutLe(std::string& out, uint64_t v, int bytes) {
@@ -77,21 +81,51 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t ve
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> EncodeRecord(const v1::SessionRecord& record, uint64_t max_bytes) {
-  if (const uint64_t bytes = record.ByteSizeLong(); bytes > std::min(max_bytes, kMaxRecordBytes)) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "record of session \"%s\": %d bytes, past the %d a record holds; the session stays "
-        "here",
-        record.session_id(), bytes, std::min(max_bytes, kMaxRecordBytes)));
+absl::StatusOr<std::string> EncodeRecord(const v1::SessionRecord& record,
+                                         uint64_t max_frame_bytes) {
+  if (record.ByteSizeLong() <= std::min(max_frame_bytes, kMaxRecordBytes)) {
+    return Frame(kRecordMagic, kRecordVersion, record);
   }
-  return Frame(kRecordMagic, kRecordVersion, record);
+  std::string out(kPartsMagic, sizeof(kPartsMagic));
+  PutLe(out, kRecordVersion, 4);
+  TransferWriter writer(record);
+  for (std::string part; writer.Next(&part);) {
+    PutLe(out, part.size(), 8);
+    out += part;
+  }
+  return out;
 }
 
 absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key) {
+  const std::string what = absl::StrCat("remote record ", key);
   v1::SessionRecord r;
-  RETURN_IF_ERROR(
-      Unframe(bytes, kRecordMagic, kRecordVersion, absl::StrCat("remote record ", key), &r));
-  return r;
+  if (bytes.size() < 8 || std::memcmp(bytes.data(), kPartsMagic, sizeof(kPartsMagic)) != 0) {
+    RETURN_IF_ERROR(Unframe(bytes, kRecordMagic, kRecordVersion, what, &r));
+    return r;
+  }
+  if (const uint32_t version = static_cast<uint32_t>(GetLe(bytes, 4, 4));
+      version != kRecordVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: format version %d; this kvtierd reads version %d", what, version, kRecordVersion));
+  }
+  // No bound of the reader's own: what the parts declare is checked against what they hold,
+  // and a record cut short ends early.
+  TransferReader reader(std::numeric_limits<uint64_t>::max());
+  for (size_t at = 8; at < bytes.size();) {
+    if (bytes.size() - at < 8 || GetLe(bytes, at, 8) > bytes.size() - at - 8) {
+      return absl::DataLossError(absl::StrCat(what, ": a part's size runs past its end at byte ",
+                                              at, "; it is not served"));
+    }
+    const uint64_t n = GetLe(bytes, at, 8);
+    if (absl::Status s = reader.Add(bytes.substr(at + 8, n)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    }
+    at += 8 + n;
+  }
+  if (!reader.complete()) {
+    return absl::DataLossError(absl::StrCat(what, ": its parts end early; it is not served"));
+  }
+  return reader.Take();
 }
 
 void EncodeStream(const Stream& stream, const ChunkFormat& f, v1::StreamRecord* out) {

@@ -40,12 +40,17 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t ve
 // The most one record's payload holds: protobuf serializes and parses up to INT_MAX bytes (past
 // that SerializeAsString gives an empty string).
 inline constexpr uint64_t kMaxRecordBytes = (uint64_t{1} << 31) - 1;
-// RESOURCE_EXHAUSTED for a record past `max_bytes`, naming its size (the session stays where
-// it is: a demotion fails before anything is stored or freed).
+// A record's bytes: one frame (magic "KVTR") when its payload is at most `max_frame_bytes`;
+// past that (protobuf's limit, by default), the record cut into transfer parts (transfer.h),
+// each framed with its own checksum, one after another, each after its size (u64 little-endian),
+// behind the magic "KVTX" and the version: so a session's record is not bound by 2 GiB. (The
+// parts are made from a copy of the record: for such a session, a third copy of its bytes for
+// the moment of the encoding.)
 absl::StatusOr<std::string> EncodeRecord(const v1::SessionRecord& record,
-                                         uint64_t max_bytes = kMaxRecordBytes);
-// DATA_LOSS for a wrong magic, a checksum mismatch or an unparsable payload;
-// FAILED_PRECONDITION for a version this build does not read. `key` names the record.
+                                         uint64_t max_frame_bytes = kMaxRecordBytes);
+// Either form. DATA_LOSS for a wrong magic, a checksum mismatch, an unparsable payload, or
+// parts cut short, out of order or damaged; FAILED_PRECONDITION for a version this build does
+// not read. `key` names the record.
 absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std::string& key);
 
 // One stream's chunks in a record: per chunk its size, first position, offsets (u16

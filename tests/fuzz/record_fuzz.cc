@@ -6,12 +6,15 @@
 // A record that lies (sizes, positions, precisions, shapes) must be an error; after the
 // session is gone the tiers must hold zero bytes. Every parsed record is also cut into the
 // parts of an export (server/session/transfer.h) and put back together: the same record, or,
-// only for one whose chunks hold under 4 bytes each, refused at its header. The input itself
-// is offered as a transfer part too.
+// only for one whose chunks hold under 4 bytes each, refused at its header; and stored in the
+// form of a record past one frame (the same parts, EncodeRecord's "KVTX"), then decoded: the
+// same record. The input itself is offered as a transfer part too.
 //
 // KVTIER_FUZZ_WRITE_SEEDS=DIR writes real records (sessions appended and demoted here) into
 // DIR and exits: how tests/fuzz/corpus/record_fuzz was made, but for nan-mass-target (a record
-// whose policy's mass_target is NaN, found by this target: it must survive the transfer too).
+// whose policy's mass_target is NaN, found by this target: it must survive the transfer too)
+// and int4-semantic-stored-as-parts (int4-semantic as a whole stored value in the form of a
+// record past one frame: EncodeRecord(record, 0)).
 #include <unistd.h>
 
 #include <cstdio>
@@ -148,6 +151,15 @@ void RoundTrip(v1::SessionRecord record) {
   differencer.set_field_comparator(&exact);
   if (!back.ok() || !differencer.Compare(*back, record)) {
     std::fprintf(stderr, "record_fuzz: a record did not survive its transfer parts\n");
+    std::abort();
+  }
+  // The same parts as a stored record past one frame's size (EncodeRecord's KVTX form).
+  absl::StatusOr<std::string> stored = EncodeRecord(record, /*max_frame_bytes=*/0);
+  absl::StatusOr<v1::SessionRecord> decoded =
+      stored.ok() ? DecodeRecord(*stored, "fuzz") : stored.status();
+  if (!decoded.ok() || !differencer.Compare(*decoded, record)) {
+    std::fprintf(stderr, "record_fuzz: a record did not survive its stored parts: %s\n",
+                 decoded.status().ToString().c_str());
     std::abort();
   }
 }
