@@ -14,6 +14,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/str_split.h"
 #include "kvtier/local_daemon.h"
 #include "server/common/error.h"
 #include "server/session/remote_records.h"
@@ -714,6 +715,15 @@ TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
   ASSERT_OK_AND_ASSIGN(bool existed, store.Delete("k"));
   EXPECT_TRUE(existed);
   EXPECT_EQ(Keys(store, "kvtier:part:*"), 0u);
+  // A manifest damaged to claim far more than its parts hold: DATA_LOSS, nothing reserved.
+  ASSERT_OK(store.Put("k", big));
+  const std::vector<std::string> fields = absl::StrSplit(Raw(store, "k"), ' ');
+  ASSERT_EQ(fields.size(), 4u);
+  ASSERT_OK(store
+                .Eval("redis.call('SET', KEYS[1], ARGV[1]) return {}", {"k"},
+                      {absl::StrCat("KVPARTS1 ", fields[1], " 11 999999999999999")})
+                .status());
+  EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "not 999999999999999"));
   // A part lost (deleted behind the store's back).
   ASSERT_OK(store.Put("k", big));
   ASSERT_OK(

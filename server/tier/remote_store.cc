@@ -176,7 +176,7 @@ std::optional<Manifest> ParseManifest(std::string_view bytes) {
   if (!absl::StartsWith(stored, kPartsMagic) || stored.size() > 128) return std::nullopt;
   const std::vector<absl::string_view> f = absl::StrSplit(stored, ' ');
   Manifest m;
-  if (f.size() != 4 || f[1].empty() || !absl::SimpleAtoi(f[2], &m.parts) ||
+  if (f.size() != 4 || f[1].empty() || !absl::SimpleAtoi(f[2], &m.parts) || m.parts == 0 ||
       !absl::SimpleAtoi(f[3], &m.bytes)) {
     return std::nullopt;
   }
@@ -225,7 +225,6 @@ absl::StatusOr<std::string> RemoteStore::LoadParts(std::string stored) {
   const std::optional<Manifest> m = ParseManifest(stored);
   if (!m) return stored;
   std::string value;
-  value.reserve(m->bytes);
   for (uint64_t i = 0; i < m->parts; ++i) {
     const std::string key = PartKey(m->nonce, i);
     ASSIGN_OR_RETURN(Reply r, Command({"GET", key}));
@@ -233,6 +232,9 @@ absl::StatusOr<std::string> RemoteStore::LoadParts(std::string stored) {
       return absl::DataLossError(absl::StrCat("remote ", address_, ": part ", i, " of ", m->parts,
                                               " (", key, ") is missing"));
     }
+    // Room for the whole once the first part says the manifest's size can be true (a damaged
+    // manifest must not make this daemon reserve what it never reads).
+    if (i == 0 && m->bytes / m->parts <= r.str.size()) value.reserve(m->bytes);
     value += r.str;
   }
   if (value.size() != m->bytes) {
