@@ -14,6 +14,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_split.h"
 #include "kvtier/local_daemon.h"
 #include "server/common/error.h"
@@ -129,6 +130,7 @@ class HoldingProxy {
     std::lock_guard<std::mutex> lock(mu_);
     match_ = std::move(match);
     skip_ = skip;
+    holding_ = released_ = false;
   }
   // Whether the command is held back now, waiting `within` at most for it to come.
   bool WaitHeld(std::chrono::seconds within) {
@@ -138,6 +140,7 @@ class HoldingProxy {
   void Release() {
     std::lock_guard<std::mutex> lock(mu_);
     match_.clear();
+    released_ = true;
     cv_.notify_all();
   }
 
@@ -177,15 +180,16 @@ class HoldingProxy {
     }
     shutdown(to, SHUT_WR);
   }
-  // Holds the caller here while the command matches and Release has not come.
+  // Holds the caller here while the command matches and Release has not come: one command
+  // only (the hold then ends, so that a test failing with one held never waits on others).
   void Check(std::string_view command) {
     std::unique_lock<std::mutex> lock(mu_);
     if (match_.empty() || command.find(match_) == std::string_view::npos) return;
     if (skip_-- > 0) return;
     holding_ = true;
     cv_.notify_all();
-    cv_.wait(lock, [&] { return match_.empty(); });
-    holding_ = false;
+    cv_.wait(lock, [&] { return released_; });
+    match_.clear();
   }
 
   TempDir dir_;
@@ -197,7 +201,7 @@ class HoldingProxy {
   std::condition_variable cv_;
   std::string match_;  // empty: nothing held
   int skip_ = 0;
-  bool holding_ = false;
+  bool holding_ = false, released_ = false;
   std::vector<int> fds_;
   std::vector<std::thread> pumps_;
 };
@@ -452,6 +456,7 @@ struct SlowRestore {
     EXPECT_OK(m->Demote("t", "slow-session").status());
     EXPECT_OK(m->Demote("t", "quick-session").status());
   }
+  ~SlowRestore() { proxy.Release(); }  // before `slow` waits on what the proxy holds
   // Starts slow-session's restore, held back at its Finish (the second command that names
   // it, after the import) until proxy.Release; false when it never got there.
   bool StartSlow() {
@@ -479,6 +484,7 @@ TEST(SessionManager, RestoresOfDifferentSessionsGoSideBySide) {
   ASSERT_TRUE(r.StartSlow()) << "the slow restore never came";
   auto again = std::async(std::launch::async, [&] { return m.Get("t", "slow-session"); });
   auto quick = std::async(std::launch::async, [&] { return m.Get("t", "quick-session"); });
+  absl::Cleanup release = [&] { r.proxy.Release(); };  // before the futures wait, however it ends
   const bool side_by_side = quick.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
   EXPECT_TRUE(side_by_side) << "the quick restore waited for the slow one";
   if (side_by_side) {
@@ -507,6 +513,7 @@ TEST(SessionManager, ADemotionDuringARestoreWaitsForIt) {
   SessionManager& m = *r.m;
   ASSERT_TRUE(r.StartSlow()) << "the slow restore never came";
   auto demote = std::async(std::launch::async, [&] { return m.Demote("t", "slow-session"); });
+  absl::Cleanup release = [&] { r.proxy.Release(); };  // before the future waits, however it ends
   EXPECT_EQ(demote.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
       << "the demotion did not wait for the restore";
   r.proxy.Release();
@@ -667,9 +674,6 @@ TEST(SessionManager, ACloseWaitingOnRedisDoesNotBlockLookups) {
 namespace kvtier {
 namespace {
 
-// The pool: calls to a hung Redis end with UNAVAILABLE after about the timeout, never
-// later, however many are waiting (each on a connection of its own, or for one); once Redis
-// answers again every connection serves.
 // The keys Redis holds that match `pattern`, counted by a script.
 size_t Keys(RemoteStore& store, const std::string& pattern) {
   auto r = store.Eval("return {#redis.call('KEYS', ARGV[1])}", {}, {pattern});
@@ -723,13 +727,26 @@ TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
                 .Eval("redis.call('SET', KEYS[1], ARGV[1]) return {}", {"k"},
                       {absl::StrCat("KVPARTS1 ", fields[1], " 11 999999999999999")})
                 .status());
-  EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "not 999999999999999"));
+  EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "whose first part holds 1000"));
   // A part lost (deleted behind the store's back).
   ASSERT_OK(store.Put("k", big));
   ASSERT_OK(
       store.Eval("redis.call('DEL', redis.call('KEYS', 'kvtier:part:*:4')[1]) return {}", {}, {})
           .status());
   EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "part 4 of 11"));
+  // A store whose outcome is unknown (a lost reply) is settled by what the key holds: stored,
+  // it stands; not, its parts go; never a manifest left naming parts that are gone.
+  ASSERT_OK_AND_ASSIGN(const std::string written, store.StoreParts(big));
+  ASSERT_OK(
+      store.Eval("redis.call('SET', KEYS[1], ARGV[1]) return {}", {"ran"}, {written}).status());
+  EXPECT_OK(store.Settle("ran", written, absl::UnavailableError("lost")));
+  ASSERT_OK_AND_ASSIGN(got, store.Get("ran"));
+  EXPECT_EQ(got, big);
+  ASSERT_OK_AND_ASSIGN(const std::string unstored, store.StoreParts(big));
+  const size_t parts = Keys(store, "kvtier:part:*");
+  EXPECT_THAT(store.Settle("never", unstored, absl::UnavailableError("lost")),
+              StatusIs(Code::kUnavailable, "lost"));
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), parts - 11);
 }
 
 // Past Redis's limit on one value (512 MB): stored in parts, read back byte for byte. (Sent
@@ -776,12 +793,24 @@ TEST(SessionManager, ASessionLargerThanAPartMovesDownAndBackInParts) {
   }
   ASSERT_OK(m.Demote("t", "s").status());
   EXPECT_GT(Keys(*remote.store, "kvtier:part:*"), 1u);
+  // A part lost: the restore is DATA_LOSS, counted corrupt, and the record stays for
+  // inspection; a close still deletes it, parts and all.
+  ASSERT_OK(
+      remote.store
+          ->Eval("redis.call('DEL', redis.call('KEYS', 'kvtier:part:*:1')[1]) return {}", {}, {})
+          .status());
+  EXPECT_THAT(m.Get("t", "s"), StatusIs(Code::kDataLoss, "part 1 of"));
+  EXPECT_EQ(m.remote_counters().corrupt, 1u);
+  EXPECT_TRUE(*remote.store->Exists(RecordKey("s")));
   ASSERT_OK_AND_ASSIGN(bool existed, m.Close("t", "s"));
   EXPECT_TRUE(existed);
   EXPECT_EQ(Keys(*remote.store, "kvtier:part:*"), 0u);
   EXPECT_FALSE(*remote.store->Exists(RecordKey("s")));
 }
 
+// The pool: calls to a hung Redis end with UNAVAILABLE after about the timeout, never
+// later, however many are waiting (each on a connection of its own, or for one); once Redis
+// answers again every connection serves.
 TEST(RemoteStore, AHungRedisCostsEachCallAtMostTheTimeout) {
   signal(SIGPIPE, SIG_IGN);
   LocalRedis redis;

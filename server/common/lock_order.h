@@ -3,10 +3,11 @@
 // where a line says otherwise. Each mutex's declaration names its number; within a class that
 // holds two, ABSL_ACQUIRED_BEFORE / ABSL_ACQUIRED_AFTER state it to clang as well.
 //
-//   1  SessionManager's id gates    not a mutex: a restore from the remote tier (and a close of
-//                                   a session not held here) holds its id's gate, one call at a
-//                                   time for each id, across Redis I/O and an Import, which may
-//                                   demote idle sessions (2, 3, 4); taken with no lock held
+//   1  SessionManager's id gates    not a mutex: a restore from the remote tier (and a close or
+//                                   a demotion of a session not held here) holds its id's gate,
+//                                   one call at a time for each id, across Redis I/O and an
+//                                   Import or a demotion (2, 3, 4); taken with no lock and no
+//                                   other gate held (DemoteIdle, inside a restore, takes none)
 //   2  SessionManager::mu_          changes of the session map; held only for map work and a
 //                                   session's own small getters (3); never across Redis I/O.
 //                                   Then one of the map's 16 shard locks (SessionShards), a leaf,

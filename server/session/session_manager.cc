@@ -73,7 +73,8 @@ absl::Status CheckIdFormat(const std::string& id) {
 
 absl::Status SessionManager::CheckNewId(const std::string& id, const std::string& tenant) const {
   RETURN_IF_ERROR(CheckIdFormat(id));
-  if (sessions_.Find(id) != nullptr) {
+  // One on its way in from the remote tier counts too: its restore would put it over this one.
+  if (sessions_.Find(id) != nullptr || restoring_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("session_id: \"", id, "\" already exists"));
   }
   return CheckRoom(id, tenant);
@@ -307,9 +308,11 @@ absl::StatusOr<bool> SessionManager::Close(const std::string& tenant,
       // A demoted session is closed where it lies; one another daemon holds is not ours.
       absl::StatusOr<std::optional<std::string>> bytes = records_->Get(session_id);
       if (bytes.status().code() == absl::StatusCode::kNotFound) return false;
-      if (!bytes.ok()) return bytes.status();
-      if (!*bytes) return false;
-      auto record = DecodeRecord(**bytes, RecordKey(session_id));
+      // A record that is not whole (a part lost: DATA_LOSS) is closed as one that fails its
+      // checks is: it has no tenant to ask.
+      if (!bytes.ok() && !absl::IsDataLoss(bytes.status())) return bytes.status();
+      if (bytes.ok() && !*bytes) return false;
+      auto record = bytes.ok() ? DecodeRecord(**bytes, RecordKey(session_id)) : bytes.status();
       if (record.ok()) RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
       {
         MutexLock lock(&mu_);
@@ -435,22 +438,27 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Restore(const std::stri
     MutexLock lock(&mu_);
     demoted_here_.erase(session_id);
   }
+  // A record that is not whole (a part lost) is corrupt as one that fails its checks is.
+  auto corrupt = [&](const absl::Status& why) {
+    KVLOG(error, "remote.corrupt", "session={} key={} error={}", session_id, LogValue(key),
+          LogValue(why.message()));
+    MutexLock lock(&mu_);
+    ++remote_counters_.corrupt;
+    return why;
+  };
+  if (absl::IsDataLoss(got.status())) return corrupt(got.status());
   ASSIGN_OR_RETURN(std::optional<std::string> bytes, std::move(got));
   // Not demoted: this daemon's own write-behind snapshot, if it left one (a SIGKILL).
   const bool snapshot = !bytes && persisting();
   if (snapshot) {
     key = SnapshotKey(session_id);
-    ASSIGN_OR_RETURN(bytes, remote_->Get(key));
+    absl::StatusOr<std::optional<std::string>> snap = remote_->Get(key);
+    if (absl::IsDataLoss(snap.status())) return corrupt(snap.status());
+    ASSIGN_OR_RETURN(bytes, std::move(snap));
   }
   if (!bytes) return Vanished(session_id);
   auto record = DecodeRecord(*bytes, key);
-  if (!record.ok()) {
-    KVLOG(error, "remote.corrupt", "session={} key={} error={}", session_id, LogValue(key),
-          LogValue(record.status().message()));
-    MutexLock lock(&mu_);
-    ++remote_counters_.corrupt;
-    return record.status();
-  }
+  if (!record.ok()) return corrupt(record.status());
   RETURN_IF_ERROR(CheckTenant(tenant, record->tenant(), session_id));
   // A session restored is held here again: it counts against max_sessions and its tenant's
   // quota as a new one does, and its place is held until it is in (or the restore fails), so

@@ -120,6 +120,9 @@ absl::StatusOr<v1::SessionRecord> DecodeRecord(std::string_view bytes, const std
     if (absl::Status s = reader.Add(bytes.substr(at + 8, n)); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
     }
+    if (reader.carrier() != v1::CHUNK_CARRIER_PARTS) {  // a stored record carries its bytes
+      return absl::DataLossError(absl::StrCat(what, ": its header names a carrier"));
+    }
     at += 8 + n;
   }
   if (!reader.complete()) {

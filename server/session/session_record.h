@@ -1,4 +1,4 @@
-// How a session is stored on the remote tier: one Redis value per session,
+// How a session is stored on the remote tier: one record per session,
 //
 //   offset 0      4          8                     16
 //   +-------------+----------+---------------------+------------------------------+
@@ -6,8 +6,12 @@
 //   +-------------+----------+---------------------+------------------------------+
 //   (version and checksum little-endian)
 //
-// under the key "kvtier:session:<session_id>". The record carries the model shape and the
-// policy; a record whose magic or checksum is wrong is DATA_LOSS and is never served.
+// or, for a record whose payload passes one frame (protobuf's 2 GiB), "KVTX", the version,
+// then the record's transfer parts (transfer.h), each after its size (u64 little-endian) and
+// framed with its own checksum; under the key "kvtier:session:<session_id>" (a value past
+// 64 MiB in parts of its own, the key holding their manifest: RemoteStore::StoreParts). The
+// record carries the model shape and the policy; a record whose magic or checksum is wrong,
+// or whose parts are not all there, is DATA_LOSS and is never served.
 #ifndef KVTIER_SERVER_SESSION_SESSION_RECORD_H_
 #define KVTIER_SERVER_SESSION_SESSION_RECORD_H_
 
@@ -37,8 +41,8 @@ std::string Frame(const char (&magic)[4], uint32_t version,
 // an unparsable payload; FAILED_PRECONDITION for another version.
 absl::Status Unframe(std::string_view bytes, const char (&magic)[4], uint32_t version,
                      absl::string_view what, google::protobuf::MessageLite* message);
-// The most one record's payload holds: protobuf serializes and parses up to INT_MAX bytes (past
-// that SerializeAsString gives an empty string).
+// The most one frame's payload holds: protobuf serializes and parses up to INT_MAX bytes (past
+// that SerializeAsString gives an empty string). A larger record is stored as parts.
 inline constexpr uint64_t kMaxRecordBytes = (uint64_t{1} << 31) - 1;
 // A record's bytes: one frame (magic "KVTR") when its payload is at most `max_frame_bytes`;
 // past that (protobuf's limit, by default), the record cut into transfer parts (transfer.h),

@@ -130,8 +130,9 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(const std::vector<std::s
     ~GiveBack() { store->Give(c); }
   } give_back{this, c};
   redisReply* r = nullptr;
-  // Every command here (SET, GET, DEL, EXISTS) may be sent twice. A connection the server
-  // closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
+  // Every command here (SET, GET, DEL, EXISTS, and the scripts, each idempotent or safe to
+  // run twice: see KVTIER_DROP_PARTS_LUA and remote_records.cc) may be sent twice. A connection the
+  // server closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
   // one is sent again on a new connection, so the first call after a restart succeeds. A
   // timeout is not retried: a hung Redis would only cost the caller twice as long.
   for (int attempt = 0; attempt < 2 && r == nullptr; ++attempt) {
@@ -232,9 +233,16 @@ absl::StatusOr<std::string> RemoteStore::LoadParts(std::string stored) {
       return absl::DataLossError(absl::StrCat("remote ", address_, ": part ", i, " of ", m->parts,
                                               " (", key, ") is missing"));
     }
-    // Room for the whole once the first part says the manifest's size can be true (a damaged
-    // manifest must not make this daemon reserve what it never reads).
-    if (i == 0 && m->bytes / m->parts <= r.str.size()) value.reserve(m->bytes);
+    // The first part's size and the manifest's agree (every part but the last is as large),
+    // or the manifest is damaged: it must not make this daemon reserve what it never reads.
+    if (i == 0 && (r.str.empty() || m->parts != (m->bytes + r.str.size() - 1) / r.str.size())) {
+      return absl::DataLossError(absl::StrCat("remote ", address_, ": a manifest of ", m->parts,
+                                              " parts and ", m->bytes,
+                                              " bytes, whose first part "
+                                              "holds ",
+                                              r.str.size()));
+    }
+    if (i == 0) value.reserve(m->bytes);
     value += r.str;
   }
   if (value.size() != m->bytes) {
@@ -255,13 +263,20 @@ absl::Status RemoteStore::DropParts(std::string_view stored) {
   return status;
 }
 
+absl::Status RemoteStore::Settle(const std::string& key, std::string_view stored,
+                                 absl::Status failed) {
+  if (!ParseManifest(stored)) return failed;  // no parts
+  auto held = Eval("return {redis.call('GETRANGE', KEYS[1], 0, 127)}", {key}, {});
+  if (!held.ok()) return failed;  // unknown still: the parts stay
+  if (!held->empty() && (*held)[0] == stored) return absl::OkStatus();
+  DropParts(stored).IgnoreError();
+  return failed;
+}
+
 absl::Status RemoteStore::Put(const std::string& key, const std::string& value) {
   ASSIGN_OR_RETURN(const std::string stored, StoreParts(value));
   auto r = Eval(kReplace, {key}, {stored});
-  // Not stored: its parts go. (A reply lost after the script ran leaves a manifest whose parts
-  // are gone: DATA_LOSS to a read, and the next Put replaces it.)
-  if (!r.ok()) DropParts(stored).IgnoreError();
-  return r.ok() ? absl::OkStatus() : r.status();
+  return r.ok() ? absl::OkStatus() : Settle(key, stored, r.status());
 }
 
 absl::StatusOr<std::optional<std::string>> RemoteStore::Get(const std::string& key) {

@@ -24,13 +24,14 @@ namespace kvtier {
 // Lua for a script that replaces or deletes a key's value: defines drop_parts(key, new),
 // which deletes the parts of the manifest the key holds (RemoteStore::StoreParts), if it holds
 // one, unless that manifest is `new` (the script's own value: sent again after its reply was
-// lost, it must not drop the parts it stored the first time).
+// lost, it must not drop the parts it stored the first time). A manifest naming more than a
+// million parts is damaged: its parts are left, never looped over with Redis blocked.
 #define KVTIER_DROP_PARTS_LUA                                             \
   "local function drop_parts(k, new)\n"                                   \
   "  local head = redis.call('GETRANGE', k, 0, 127)\n"                    \
   "  if head == new then return end\n"                                    \
   "  local nonce, n = string.match(head, '^KVPARTS1 (%x+) (%d+) %d+$')\n" \
-  "  if not nonce then return end\n"                                      \
+  "  if not nonce or tonumber(n) > 1000000 then return end\n"             \
   "  for i = 0, tonumber(n) - 1 do\n"                                     \
   "    redis.call('DEL', 'kvtier:part:' .. nonce .. ':' .. i)\n"          \
   "  end\n"                                                               \
@@ -75,6 +76,11 @@ class RemoteStore {
   // Deletes the parts a manifest names (nothing for anything else): those of a value whose
   // manifest was never stored.
   absl::Status DropParts(std::string_view stored);
+  // After a script that was to store `stored` at `key` failed, its outcome unknown (a reply
+  // lost, a timeout): OK when the key holds it (the script ran); otherwise its parts are
+  // dropped and `failed` is returned. When even that cannot be asked, the parts stay (an
+  // orphan, never a manifest whose parts are gone) and `failed` is returned.
+  absl::Status Settle(const std::string& key, std::string_view stored, absl::Status failed);
   absl::StatusOr<bool> Exists(const std::string& key);
   // A Lua script run atomically by Redis (EVAL) over `keys` and `args`, answering an array:
   // its elements as strings (integers in decimal, nil as nullopt).
