@@ -130,9 +130,9 @@ absl::StatusOr<RemoteStore::Reply> RemoteStore::Command(const std::vector<std::s
     ~GiveBack() { store->Give(c); }
   } give_back{this, c};
   redisReply* r = nullptr;
-  // Every command here (SET, GET, DEL, EXISTS, and the scripts, each idempotent or safe to
-  // run twice: see KVTIER_DROP_PARTS_LUA and remote_records.cc) may be sent twice. A connection the
-  // server closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
+  // Every command here (SET, GET, DEL, EXISTS, and the scripts, each safe to run twice: see
+  // KVTIER_DROP_PARTS_LUA and remote_records.cc) may be sent twice. A connection the server
+  // closed (a Redis restart, an idle timeout) is found only when a command fails on it: that
   // one is sent again on a new connection, so the first call after a restart succeeds. A
   // timeout is not retried: a hung Redis would only cost the caller twice as long.
   for (int attempt = 0; attempt < 2 && r == nullptr; ++attempt) {
@@ -237,10 +237,8 @@ absl::StatusOr<std::string> RemoteStore::LoadParts(std::string stored) {
     // or the manifest is damaged: it must not make this daemon reserve what it never reads.
     if (i == 0 && (r.str.empty() || m->parts != (m->bytes + r.str.size() - 1) / r.str.size())) {
       return absl::DataLossError(absl::StrCat("remote ", address_, ": a manifest of ", m->parts,
-                                              " parts and ", m->bytes,
-                                              " bytes, whose first part "
-                                              "holds ",
-                                              r.str.size()));
+                                              " parts and ", m->bytes, " bytes, whose first ",
+                                              "part holds ", r.str.size()));
     }
     if (i == 0) value.reserve(m->bytes);
     value += r.str;
