@@ -525,6 +525,39 @@ TEST(SessionManager, ADemotionDuringARestoreWaitsForIt) {
   EXPECT_EQ(m.size(), 1u);  // third
 }
 
+// A session demoted and not yet out of the map (its demotion between the record's write and
+// the map's removal) holds no place under max_sessions or its tenant's quota: its restore,
+// asked for in that moment, is not refused for the room it takes itself.
+TEST(SessionManager, ASessionOnItsWayOutHoldsNoPlace) {
+  for (const bool by_quota : {false, true}) {
+    SCOPED_TRACE(by_quota ? "the tenant's quota" : "max_sessions");
+    Remote remote;
+    ASSERT_NE(remote.store, nullptr);
+    Env e;
+    ServerOptions o = Options();
+    o.max_sessions = by_quota ? 100 : 2;
+    if (by_quota) o.quotas["t"].max_sessions = 2;
+    SessionManager m(o, e.env, remote.store.get());
+    ASSERT_OK(m.Create("t", SmallSession("a")).status());
+    ASSERT_OK(RunAppend(m, "t", Tokens("a", 0, 32)));
+    ASSERT_OK(m.Create("t", SmallSession("b")).status());
+    // The demotion's first half, as SessionManager::Demote does it (the record stored and the
+    // id let go, by this daemon's name), without its second (the map's removal).
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> a, m.Get("t", "a"));
+    ASSERT_OK_AND_ASSIGN(std::optional<std::string> self, remote.store->Get("kvtier:owner:a"));
+    ASSERT_TRUE(self.has_value());
+    RemoteRecords records(remote.store.get(), *self);
+    auto store = [&](const v1::SessionRecord& r) -> absl::Status {
+      absl::StatusOr<std::string> bytes = EncodeRecord(r);
+      return bytes.ok() ? records.Put("a", *bytes) : bytes.status();
+    };
+    ASSERT_OK(a->Demote(store).status());
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> back, m.Get("t", "a"));  // restored
+    EXPECT_EQ(back->Info().num_tokens(), 32u);
+    EXPECT_EQ(m.size(), 2u);
+  }
+}
+
 TEST(SessionManager, CloseOfADemotedSessionDeletesItsRecordForItsOwnerOnly) {
   RemoteManager rm;
   SessionManager& m = rm.m;

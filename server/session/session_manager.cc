@@ -105,16 +105,24 @@ class SessionManager::IdGate {
 };
 
 absl::Status SessionManager::CheckRoom(const std::string& id, const std::string& tenant) const {
-  // Each restore on its way in holds its place.
+  // Each restore on its way in holds its place; a session on its way out (demoted, its
+  // demotion not yet past the map) holds none: its restore may be the call asking. Counted
+  // one by one only when the map's size alone says no room.
   if (sessions_.size() + restoring_.size() >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
-                        options_.max_sessions));
+    size_t held = restoring_.size();
+    for (const std::shared_ptr<Session>& s : sessions_.All()) held += !s->demoted();
+    if (held >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("session_id: \"%s\": the daemon holds max_sessions %d sessions", id,
+                          options_.max_sessions));
+    }
   }
   if (const uint32_t quota = options_.QuotaFor(tenant).max_sessions; quota != 0) {
     size_t held = 0;
     for (const auto& [id, of] : restoring_) held += of == tenant;
-    for (const std::shared_ptr<Session>& s : sessions_.All()) held += s->tenant() == tenant;
+    for (const std::shared_ptr<Session>& s : sessions_.All()) {
+      held += s->tenant() == tenant && !s->demoted();
+    }
     if (held >= quota) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "quota: tenant \"%s\" max_sessions %d reached (session_id \"%s\")", tenant, quota, id));
