@@ -769,15 +769,17 @@ TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
   EXPECT_THAT(store.Get("k"), StatusIs(Code::kDataLoss, "part 4 of 11"));
   // A store whose outcome is unknown (a lost reply) is settled by what the key holds: stored,
   // it stands; not, its parts go; never a manifest left naming parts that are gone.
-  ASSERT_OK_AND_ASSIGN(const std::string written, store.StoreParts(big));
+  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> written, store.StoreParts(big));
+  ASSERT_TRUE(written.has_value());
   ASSERT_OK(
-      store.Eval("redis.call('SET', KEYS[1], ARGV[1]) return {}", {"ran"}, {written}).status());
-  EXPECT_OK(store.Settle("ran", written, absl::UnavailableError("lost")));
+      store.Eval("redis.call('SET', KEYS[1], ARGV[1]) return {}", {"ran"}, {*written}).status());
+  EXPECT_OK(store.Settle("ran", *written, absl::UnavailableError("lost")));
   ASSERT_OK_AND_ASSIGN(got, store.Get("ran"));
   EXPECT_EQ(got, big);
-  ASSERT_OK_AND_ASSIGN(const std::string unstored, store.StoreParts(big));
+  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> unstored, store.StoreParts(big));
+  ASSERT_TRUE(unstored.has_value());
   const size_t parts = Keys(store, "kvtier:part:*");
-  EXPECT_THAT(store.Settle("never", unstored, absl::UnavailableError("lost")),
+  EXPECT_THAT(store.Settle("never", *unstored, absl::UnavailableError("lost")),
               StatusIs(Code::kUnavailable, "lost"));
   EXPECT_EQ(Keys(store, "kvtier:part:*"), parts - 11);
 }

@@ -136,7 +136,8 @@ absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
   // A record larger than a part goes first, in parts; the script stores their manifest.
-  ASSIGN_OR_RETURN(const std::string stored, store_->StoreParts(record));
+  ASSIGN_OR_RETURN(const std::optional<std::string> manifest, store_->StoreParts(record));
+  const std::string& stored = manifest ? *manifest : record;
   absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, stored);
   // Its outcome unknown: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());

@@ -204,9 +204,9 @@ return {redis.call('DEL', KEYS[1])}
 
 }  // namespace
 
-absl::StatusOr<std::string> RemoteStore::StoreParts(const std::string& value) {
+absl::StatusOr<std::optional<std::string>> RemoteStore::StoreParts(const std::string& value) {
   const uint64_t part = std::max<uint64_t>(1, options_.part_bytes);
-  if (value.size() <= part) return value;
+  if (value.size() <= part) return std::nullopt;
   absl::BitGen gen;
   const std::string nonce =
       absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
@@ -272,7 +272,8 @@ absl::Status RemoteStore::Settle(const std::string& key, std::string_view stored
 }
 
 absl::Status RemoteStore::Put(const std::string& key, const std::string& value) {
-  ASSIGN_OR_RETURN(const std::string stored, StoreParts(value));
+  ASSIGN_OR_RETURN(const std::optional<std::string> manifest, StoreParts(value));
+  const std::string& stored = manifest ? *manifest : value;
   auto r = Eval(kReplace, {key}, {stored});
   return r.ok() ? absl::OkStatus() : Settle(key, stored, r.status());
 }

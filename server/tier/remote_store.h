@@ -66,10 +66,10 @@ class RemoteStore {
   // Large values. One larger than Options::part_bytes is written as parts under keys of their
   // own ("kvtier:part:<nonce>:<i>", a fresh random nonce each time), and what its key holds is
   // a small manifest naming them ("KVPARTS1 <nonce> <parts> <bytes>"), which StoreParts
-  // returns once the parts are written; a value that fits comes back as it is, nothing
-  // written. A script that replaces or deletes a key's value drops its parts
-  // (KVTIER_DROP_PARTS_LUA).
-  absl::StatusOr<std::string> StoreParts(const std::string& value);
+  // returns once the parts are written; for a value that fits, nothing is written and nullopt
+  // returned (the key holds the value itself). A script that replaces or deletes a key's value
+  // drops its parts (KVTIER_DROP_PARTS_LUA).
+  absl::StatusOr<std::optional<std::string>> StoreParts(const std::string& value);
   // What a key held, whole: a manifest's parts read back and joined (DATA_LOSS naming the
   // part when one is missing, or when they do not add up), anything else as it is.
   absl::StatusOr<std::string> LoadParts(std::string stored);
