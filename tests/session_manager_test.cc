@@ -402,17 +402,31 @@ TEST(SessionManager, ASessionMovedWhileACallWaitedIsRestoredAndTheCallRuns) {
 // A restored session is held here again: it needs room under max_sessions and its tenant's
 // quota as a new one does. Refused, it stays in the remote tier, whole, and is restored once
 // a session closes.
+// A manager with a remote tier under max_sessions 2, or (by_quota) under 100 and tenant "t"'s
+// quota of `quota`, holding session "a" of "t" with 32 tokens.
+struct Limited {
+  Limited(bool by_quota, uint32_t quota)
+      : options([&] {
+          ServerOptions o = Options();
+          o.max_sessions = by_quota ? 100 : 2;
+          if (by_quota) o.quotas["t"].max_sessions = quota;
+          return o;
+        }()) {
+    EXPECT_OK(m.Create("t", SmallSession("a")).status());
+    EXPECT_OK(RunAppend(m, "t", Tokens("a", 0, 32)));
+  }
+  Remote remote;
+  Env e;
+  const ServerOptions options;
+  SessionManager m{options, e.env, remote.store.get()};
+};
+
 TEST(SessionManager, ARestoreNeedsRoomUnderMaxSessionsAndTheTenantsQuota) {
   for (const bool by_quota : {false, true}) {
     SCOPED_TRACE(by_quota ? "the tenant's quota" : "max_sessions");
-    Remote remote;
-    Env e;
-    ServerOptions o = Options();
-    o.max_sessions = by_quota ? 100 : 2;
-    if (by_quota) o.quotas["t"].max_sessions = 1;
-    SessionManager m(o, e.env, remote.store.get());
-    ASSERT_OK(m.Create("t", SmallSession("a")).status());
-    ASSERT_OK(RunAppend(m, "t", Tokens("a", 0, 32)));
+    Limited l(by_quota, /*quota=*/1);
+    Remote& remote = l.remote;
+    SessionManager& m = l.m;
     ASSERT_OK(m.Demote("t", "a").status());
     ASSERT_OK(m.Create("t", SmallSession("b")).status());
     if (!by_quota) {
@@ -531,15 +545,10 @@ TEST(SessionManager, ADemotionDuringARestoreWaitsForIt) {
 TEST(SessionManager, ASessionOnItsWayOutHoldsNoPlace) {
   for (const bool by_quota : {false, true}) {
     SCOPED_TRACE(by_quota ? "the tenant's quota" : "max_sessions");
-    Remote remote;
-    ASSERT_NE(remote.store, nullptr);
-    Env e;
-    ServerOptions o = Options();
-    o.max_sessions = by_quota ? 100 : 2;
-    if (by_quota) o.quotas["t"].max_sessions = 2;
-    SessionManager m(o, e.env, remote.store.get());
-    ASSERT_OK(m.Create("t", SmallSession("a")).status());
-    ASSERT_OK(RunAppend(m, "t", Tokens("a", 0, 32)));
+    Limited l(by_quota, /*quota=*/2);
+    ASSERT_NE(l.remote.store, nullptr);
+    Remote& remote = l.remote;
+    SessionManager& m = l.m;
     ASSERT_OK(m.Create("t", SmallSession("b")).status());
     // The demotion's first half, as SessionManager::Demote does it (the record stored and the
     // id let go, by this daemon's name), without its second (the map's removal).
