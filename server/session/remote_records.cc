@@ -141,8 +141,8 @@ absl::Status RemoteRecords::Put(const std::string& session_id, const std::string
   absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, stored);
   // Its outcome unknown: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());
-  if (o->what != "ok") store_->DropParts(stored).IgnoreError();  // refused: never stored
   if (o->what == "ok") return absl::OkStatus();
+  store_->DropParts(stored).IgnoreError();  // refused: never stored
   if (o->what == "held") return HeldBy(session_id, o->value, absl::StatusCode::kFailedPrecondition);
   return Bad(session_id);
 }
@@ -154,7 +154,8 @@ absl::StatusOr<std::optional<std::string>> RemoteRecords::Get(const std::string&
     if (o.what == "none") return std::optional<std::string>();
     if (o.what == "held") return HeldBy(session_id, o.value, absl::StatusCode::kNotFound);
     if (o.what != "record" || !o.value) return Bad(session_id);
-    const std::string stored = o.value->size() <= 128 ? *o.value : "";  // a manifest's
+    // A manifest, kept for the comparison below (what else a key holds needs no copy).
+    const std::string stored = RemoteStore::IsManifest(*o.value) ? *o.value : "";
     absl::StatusOr<std::string> record = store_->LoadParts(*std::move(o.value));
     if (record.ok()) return std::optional<std::string>(*std::move(record));
     // A part gone: the record was closed or replaced since the script read its manifest (its

@@ -80,7 +80,8 @@ absl::Status SessionManager::CheckNewId(const std::string& id, const std::string
   return CheckRoom(id, tenant);
 }
 
-// A restore's or a close's hold on one id (gated_), which waits while another call holds it.
+// A restore's, a close's or a demotion's hold on one id (gated_), which waits while another
+// call holds it.
 // Taken with no lock held: its holder does Redis I/O and may demote other sessions.
 class SessionManager::IdGate {
  public:

@@ -174,7 +174,9 @@ struct Manifest {
 };
 std::optional<Manifest> ParseManifest(std::string_view bytes) {
   const absl::string_view stored(bytes.data(), bytes.size());  // Abseil's own, here
-  if (!absl::StartsWith(stored, kPartsMagic) || stored.size() > 128) return std::nullopt;
+  if (!absl::StartsWith(stored, kPartsMagic) || stored.size() > RemoteStore::kManifestBytes) {
+    return std::nullopt;
+  }
   const std::vector<absl::string_view> f = absl::StrSplit(stored, ' ');
   Manifest m;
   if (f.size() != 4 || f[1].empty() || !absl::SimpleAtoi(f[2], &m.parts) || m.parts == 0 ||
@@ -261,10 +263,13 @@ absl::Status RemoteStore::DropParts(std::string_view stored) {
   return status;
 }
 
+bool RemoteStore::IsManifest(std::string_view stored) { return ParseManifest(stored).has_value(); }
+
 absl::Status RemoteStore::Settle(const std::string& key, std::string_view stored,
                                  absl::Status failed) {
-  if (!ParseManifest(stored)) return failed;  // no parts
-  auto held = Eval("return {redis.call('GETRANGE', KEYS[1], 0, 127)}", {key}, {});
+  if (!IsManifest(stored)) return failed;  // no parts
+  auto held = Eval("return {redis.call('GETRANGE', KEYS[1], 0, ARGV[1])}", {key},
+                   {absl::StrCat(kManifestBytes - 1)});
   if (!held.ok()) return failed;  // unknown still: the parts stay
   if (!held->empty() && (*held)[0] == stored) return absl::OkStatus();
   DropParts(stored).IgnoreError();

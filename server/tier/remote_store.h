@@ -23,9 +23,10 @@ namespace kvtier {
 
 // Lua for a script that replaces or deletes a key's value: defines drop_parts(key, new),
 // which deletes the parts of the manifest the key holds (RemoteStore::StoreParts), if it holds
-// one, unless that manifest is `new` (the script's own value: sent again after its reply was
-// lost, it must not drop the parts it stored the first time). A manifest naming more than a
-// million parts is damaged: its parts are left, never looped over with Redis blocked.
+// one (read in its first 128 bytes: RemoteStore::kManifestBytes), unless that manifest is
+// `new` (the script's own value: sent again after its reply was lost, it must not drop the
+// parts it stored the first time). A manifest naming more than a million parts is damaged:
+// its parts are left, never looped over with Redis blocked.
 #define KVTIER_DROP_PARTS_LUA                                             \
   "local function drop_parts(k, new)\n"                                   \
   "  local head = redis.call('GETRANGE', k, 0, 127)\n"                    \
@@ -76,6 +77,10 @@ class RemoteStore {
   // Deletes the parts a manifest names (nothing for anything else): those of a value whose
   // manifest was never stored.
   absl::Status DropParts(std::string_view stored);
+  // Whether what a key holds is a manifest (at most kManifestBytes, which scripts read of a
+  // key to find one).
+  static constexpr size_t kManifestBytes = 128;
+  static bool IsManifest(std::string_view stored);
   // After a script that was to store `stored` at `key` failed, its outcome unknown (a reply
   // lost, a timeout): OK when the key holds it (the script ran); otherwise its parts are
   // dropped and `failed` is returned. When even that cannot be asked, the parts stay (an
