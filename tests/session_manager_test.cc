@@ -130,12 +130,19 @@ class HoldingProxy {
     std::lock_guard<std::mutex> lock(mu_);
     match_ = std::move(match);
     skip_ = skip;
+    seen_ = 0;
     holding_ = released_ = false;
   }
   // Whether the command is held back now, waiting `within` at most for it to come.
   bool WaitHeld(std::chrono::seconds within) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, within, [&] { return holding_; });
+  }
+  // Whether `n` commands that match have come since Hold (each held until Release), waiting
+  // `within` at most.
+  bool WaitSeen(int n, std::chrono::seconds within) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, within, [&] { return seen_ >= n; });
   }
   void Release() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -180,12 +187,14 @@ class HoldingProxy {
     }
     shutdown(to, SHUT_WR);
   }
-  // Holds the caller here while the command matches and Release has not come: one command
-  // only (the hold then ends, so that a test failing with one held never waits on others).
+  // Holds the caller here while the command matches and Release has not come: the commands
+  // that match until then (the hold then ends, so that a test failing with one held never
+  // waits on others).
   void Check(std::string_view command) {
     std::unique_lock<std::mutex> lock(mu_);
     if (match_.empty() || command.find(match_) == std::string_view::npos) return;
     if (skip_-- > 0) return;
+    ++seen_;
     holding_ = true;
     cv_.notify_all();
     cv_.wait(lock, [&] { return released_; });
@@ -200,7 +209,7 @@ class HoldingProxy {
   std::mutex mu_;
   std::condition_variable cv_;
   std::string match_;  // empty: nothing held
-  int skip_ = 0;
+  int skip_ = 0, seen_ = 0;
   bool holding_ = false, released_ = false;
   std::vector<int> fds_;
   std::vector<std::thread> pumps_;
@@ -537,6 +546,48 @@ TEST(SessionManager, ADemotionDuringARestoreWaitsForIt) {
   EXPECT_TRUE(s->demoted());
   EXPECT_TRUE(*r.store->Exists(RecordKey("slow-session")));
   EXPECT_EQ(m.size(), 1u);  // third
+}
+
+// A demotion whose reply from Redis is lost (its script ran, the answer came past the
+// timeout) sends the script once more and goes by that answer: the session is in the remote
+// tier and no longer held here. Before, the demotion failed UNAVAILABLE and the session
+// stayed live here while its record, stored, let the id go to any daemon that asked.
+TEST(SessionManager, ADemotionWhoseReplyIsLostStandsOnceRedisAnswers) {
+  signal(SIGPIPE, SIG_IGN);  // the proxy writes the first reply to a connection closed
+  LocalRedis redis;
+  ASSERT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
+  HoldingProxy proxy(redis);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<RemoteStore> store,
+                       RemoteStore::Connect(proxy.address(), {.timeout_ms = 1000}));
+  Env e;
+  const ServerOptions options = Options();
+  SessionManager m(options, e.env, store.get());
+  ASSERT_OK(m.Create("t", SmallSession("lost-reply")).status());
+  ASSERT_OK(RunAppend(m, "t", Tokens("lost-reply", 0, 32)));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> s, m.Get("t", "lost-reply"));
+  const std::vector<v1::BlockHandle> before = AllChunks(*s);
+  s.reset();
+  // The demotion's script held back past the store's timeout, and its second sending too; both
+  // then reach Redis, the first's reply to a connection the store has given up.
+  proxy.Hold("lost-reply", /*skip=*/0);
+  auto demote = std::async(std::launch::async, [&] { return m.Demote("t", "lost-reply"); });
+  absl::Cleanup release = [&] { proxy.Release(); };  // before the future waits, however it ends
+  ASSERT_TRUE(proxy.WaitSeen(2, std::chrono::seconds(20))) << "the script was not sent again";
+  proxy.Release();
+  ASSERT_OK_AND_ASSIGN(const uint64_t bytes, demote.get());
+  EXPECT_GT(bytes, 0u);
+  EXPECT_EQ(m.size(), 0u) << "the demoted session is still held here";
+  ASSERT_OK_AND_ASSIGN(bool stored, store->Exists(RecordKey("lost-reply")));
+  EXPECT_TRUE(stored);
+  EXPECT_EQ(m.remote_counters().demotions, 1u);
+  ASSERT_OK_AND_ASSIGN(s, m.Get("t", "lost-reply"));  // restored
+  EXPECT_EQ(m.remote_counters().restores, 1u);
+  const std::vector<v1::BlockHandle> after = AllChunks(*s);
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].keys(), before[i].keys()) << i;
+    EXPECT_EQ(after[i].values(), before[i].values()) << i;
+  }
 }
 
 // A session demoted and not yet out of the map (its demotion between the record's write and

@@ -139,7 +139,13 @@ absl::Status RemoteRecords::Put(const std::string& session_id, const std::string
   ASSIGN_OR_RETURN(const std::optional<std::string> manifest, store_->StoreParts(record));
   const std::string& stored = manifest ? *manifest : record;
   absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, stored);
-  // Its outcome unknown: stored after all (the id let go with it), or its parts go.
+  // Its reply lost (a timeout): the script may have run, the record stored and the id let go,
+  // while the session would stay live here too. Sent once more, as a restore's Finish is: a
+  // second run of the same value changes nothing the first did, so its answer is the outcome.
+  // (Had another daemon restored the record between the two, the second answers that it holds
+  // the id, and the session stays here too: never lost, though live twice.)
+  if (absl::IsUnavailable(o.status())) o = Run(store_, kPut, session_id, self_, stored);
+  // Its outcome unknown still: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());
   if (o->what == "ok") return absl::OkStatus();
   store_->DropParts(stored).IgnoreError();  // refused: never stored

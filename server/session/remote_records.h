@@ -40,7 +40,8 @@ class RemoteRecords {
   // True when the id was not held before (false: this daemon held it already). ALREADY_EXISTS
   // when its record lies in the remote tier or another daemon holds it (named).
   absl::StatusOr<bool> Claim(const std::string& session_id);
-  // Stores `record` and lets the id go. FAILED_PRECONDITION when another daemon holds it.
+  // Stores `record` and lets the id go. FAILED_PRECONDITION when another daemon holds it. A
+  // script whose reply is lost (a timeout) is sent once more, its answer the outcome.
   absl::Status Put(const std::string& session_id, const std::string& record);
   // The record, for a restore (nullopt: none). NOT_FOUND naming the holder when another
   // daemon holds the id.
