@@ -81,6 +81,9 @@ TEST(SessionManager, LimitsIdsAndTenants) {
 // A remote tier for a manager: redis-server, and a connection to it.
 struct Remote {
   explicit Remote(RemoteStore::Options options = {}) {
+    // As kvtierd's main does: a write to a connection Redis closed is EPIPE, not a signal
+    // (before, a test of it alone died of SIGPIPE; run after others, it passed).
+    signal(SIGPIPE, SIG_IGN);
     EXPECT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
     auto connected = RemoteStore::Connect(redis.address(), options);
     EXPECT_TRUE(connected.ok()) << connected.status();
@@ -842,6 +845,65 @@ TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
   EXPECT_THAT(store.Settle("never", *unstored, absl::UnavailableError("lost")),
               StatusIs(Code::kUnavailable, "lost"));
   EXPECT_EQ(Keys(store, "kvtier:part:*"), parts - 11);
+}
+
+// How many of the parts ("kvtier:part:*") expire (`expiring`) or are kept for good.
+size_t Parts(RemoteStore& store, bool expiring) {
+  auto r = store.Eval(R"lua(
+local n = 0
+for _, k in ipairs(redis.call('KEYS', 'kvtier:part:*')) do
+  local ttl = redis.call('PTTL', k)
+  if (ARGV[1] == '1' and ttl > 0) or (ARGV[1] == '0' and ttl == -1) then n = n + 1 end
+end
+return {n})lua",
+                      {}, {expiring ? "1" : "0"});
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() && !r->empty() && (*r)[0] ? std::stoul(*(*r)[0]) : 0;
+}
+
+// The parts of a value whose manifest never came (its writer killed, or its store refused)
+// expire by themselves; those of a stored value are kept for good. A store whose parts
+// expired before its manifest came is refused, and nothing changes. Before, such parts stayed
+// in Redis for good, unnamed by any manifest.
+TEST(RemoteStore, PartsExpireUnlessTheirManifestIsStored) {
+  signal(SIGPIPE, SIG_IGN);
+  LocalRedis redis;
+  ASSERT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
+  HoldingProxy proxy(redis);
+  ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<RemoteStore> connected,
+      RemoteStore::Connect(proxy.address(), {.part_bytes = 1000, .part_ttl_ms = 300}));
+  RemoteStore& store = *connected;
+  std::mt19937 rng(11);
+  auto bytes = [&](size_t n) {
+    std::string v(n, '\0');
+    for (char& c : v) c = static_cast<char>(rng());
+    return v;
+  };
+  const std::string big = bytes(10'500);
+  ASSERT_OK(store.Put("k", big));
+  EXPECT_EQ(Parts(store, /*expiring=*/false), 11u);
+  // Parts whose manifest is never stored (as a daemon killed after writing them leaves them).
+  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> orphan, store.StoreParts(bytes(5'500)));
+  ASSERT_TRUE(orphan.has_value());
+  EXPECT_EQ(Parts(store, /*expiring=*/true), 6u);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Keys(store, "kvtier:part:*") > 11u && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 11u) << "the orphan parts did not expire";
+  EXPECT_EQ(Parts(store, /*expiring=*/false), 11u);
+  // A replacement whose script comes after its parts expired: refused, the old value stays.
+  proxy.Hold("KVPARTS1", /*skip=*/0);
+  auto put = std::async(std::launch::async, [&] { return store.Put("k", bytes(4'500)); });
+  absl::Cleanup release = [&] { proxy.Release(); };  // before the future waits, however it ends
+  ASSERT_TRUE(proxy.WaitHeld(std::chrono::seconds(20))) << "the replacement never came";
+  absl::SleepFor(absl::Milliseconds(600));
+  proxy.Release();
+  EXPECT_THAT(put.get(), StatusIs(Code::kUnavailable, "was gone before its manifest was stored"));
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, store.Get("k"));
+  EXPECT_EQ(got, big);
+  EXPECT_EQ(Keys(store, "kvtier:part:*"), 11u);
 }
 
 // Past Redis's limit on one value (512 MB): stored in parts, read back byte for byte. (Sent

@@ -28,9 +28,12 @@ redis.call('SET', KEYS[2], ARGV[1])
 return {'new'}
 )lua";
 
-// ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts). A record of the
-// id lying there already (another session's: RemoteRecords::Release) goes, with its parts.
-constexpr char kPut[] = KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_DROP_PARTS_LUA R"lua(
+// ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts, kept here). A
+// record of the id lying there already (another session's: RemoteRecords::Release) goes, with
+// its parts.
+constexpr char kPut[] =
+    KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_KEEP_PARTS_LUA KVTIER_DROP_PARTS_LUA R"lua(
+if not keep_parts(ARGV[2]) then return {'parts gone'} end
 drop_parts(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2])
@@ -148,6 +151,7 @@ absl::Status RemoteRecords::Put(const std::string& session_id, const std::string
   // Its outcome unknown still: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());
   if (o->what == "ok") return absl::OkStatus();
+  if (o->what == "parts gone") return store_->PartsGone(stored);
   store_->DropParts(stored).IgnoreError();  // refused: never stored
   if (o->what == "held") return HeldBy(session_id, o->value, absl::StatusCode::kFailedPrecondition);
   return Bad(session_id);

@@ -191,8 +191,10 @@ std::string PartKey(const std::string& nonce, uint64_t i) {
   return absl::StrCat("kvtier:part:", nonce, ":", i);
 }
 
-// KEYS[1] the key, ARGV[1] its new value: the old value's parts dropped, then the value set.
-constexpr char kReplace[] = KVTIER_DROP_PARTS_LUA R"lua(
+// KEYS[1] the key, ARGV[1] its new value: its parts kept, the old value's parts dropped, then
+// the value set.
+constexpr char kReplace[] = KVTIER_KEEP_PARTS_LUA KVTIER_DROP_PARTS_LUA R"lua(
+if not keep_parts(ARGV[1]) then return {'parts gone'} end
 drop_parts(KEYS[1], ARGV[1])
 redis.call('SET', KEYS[1], ARGV[1])
 return {'ok'}
@@ -214,9 +216,11 @@ absl::StatusOr<std::optional<std::string>> RemoteStore::StoreParts(const std::st
       absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
   const uint64_t parts = (value.size() + part - 1) / part;
   const std::string manifest = absl::StrCat(kPartsMagic, nonce, " ", parts, " ", value.size());
+  const std::string ttl = absl::StrCat(std::max<uint64_t>(1, options_.part_ttl_ms));
   for (uint64_t i = 0; i < parts; ++i) {
     const std::string key = PartKey(nonce, i);
-    if (auto r = Command({"SET", key, std::string_view(value).substr(i * part, part)}); !r.ok()) {
+    if (auto r = Command({"SET", key, std::string_view(value).substr(i * part, part), "PX", ttl});
+        !r.ok()) {
       DropParts(manifest).IgnoreError();  // those written so far, as far as Redis lets
       return r.status();
     }
@@ -276,11 +280,21 @@ absl::Status RemoteStore::Settle(const std::string& key, std::string_view stored
   return failed;
 }
 
+absl::Status RemoteStore::PartsGone(std::string_view stored) {
+  DropParts(stored).IgnoreError();
+  return absl::UnavailableError(absl::StrCat(
+      "remote ", address_, ": a part of the value was gone before its manifest was stored (it ",
+      "expired, its writing slower than ", options_.part_ttl_ms,
+      " ms, or Redis evicted it): nothing stored"));
+}
+
 absl::Status RemoteStore::Put(const std::string& key, const std::string& value) {
   ASSIGN_OR_RETURN(const std::optional<std::string> manifest, StoreParts(value));
   const std::string& stored = manifest ? *manifest : value;
   auto r = Eval(kReplace, {key}, {stored});
-  return r.ok() ? absl::OkStatus() : Settle(key, stored, r.status());
+  if (!r.ok()) return Settle(key, stored, r.status());
+  if (!r->empty() && (*r)[0] == "parts gone") return PartsGone(stored);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::optional<std::string>> RemoteStore::Get(const std::string& key) {

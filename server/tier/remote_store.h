@@ -38,6 +38,24 @@ namespace kvtier {
   "  end\n"                                                               \
   "end\n"
 
+// Lua for a script that stores a value: defines keep_parts(new), which, when `new` is a
+// manifest, makes its parts permanent (StoreParts writes each with an expiry, so that the
+// parts of a value whose manifest never comes, its writer killed or its store refused, go by
+// themselves); false, and nothing changed, when one of them is gone (it expired, or Redis
+// evicted it): the script is to store nothing then.
+#define KVTIER_KEEP_PARTS_LUA                                             \
+  "local function keep_parts(new)\n"                                      \
+  "  local nonce, n = string.match(new, '^KVPARTS1 (%x+) (%d+) %d+$')\n"  \
+  "  if not nonce or #new > 128 then return true end\n"                   \
+  "  if tonumber(n) > 1000000 then return false end\n"                    \
+  "  local prefix = 'kvtier:part:' .. nonce .. ':'\n"                     \
+  "  for i = 0, tonumber(n) - 1 do\n"                                     \
+  "    if redis.call('EXISTS', prefix .. i) == 0 then return false end\n" \
+  "  end\n"                                                               \
+  "  for i = 0, tonumber(n) - 1 do redis.call('PERSIST', prefix .. i) end\n" \
+  "  return true\n"                                                       \
+  "end\n"
+
 class RemoteStore {
  public:
   // "redis://HOST:PORT" or "unix:PATH". Connects at once: UNAVAILABLE when Redis cannot be
@@ -49,6 +67,11 @@ class RemoteStore {
     // A value larger than this is stored in parts of at most this many bytes (StoreParts):
     // Redis refuses a value past 512 MB (its proto-max-bulk-len), and one part is one command.
     uint64_t part_bytes = uint64_t{64} << 20;
+    // Each part expires this long after it is written unless the script that stores its
+    // manifest (KVTIER_KEEP_PARTS_LUA) has made it permanent: the parts of a value whose
+    // manifest never came (a daemon killed while it wrote them) go by themselves. A value
+    // whose writing takes longer is refused (UNAVAILABLE) and its parts dropped.
+    uint64_t part_ttl_ms = 3'600'000;
   };
   static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address,
                                                               Options options);
@@ -68,9 +91,13 @@ class RemoteStore {
   // own ("kvtier:part:<nonce>:<i>", a fresh random nonce each time), and what its key holds is
   // a small manifest naming them ("KVPARTS1 <nonce> <parts> <bytes>"), which StoreParts
   // returns once the parts are written; for a value that fits, nothing is written and nullopt
-  // returned (the key holds the value itself). A script that replaces or deletes a key's value
-  // drops its parts (KVTIER_DROP_PARTS_LUA).
+  // returned (the key holds the value itself). The parts expire (Options::part_ttl_ms) until
+  // the script that stores the manifest keeps them (KVTIER_KEEP_PARTS_LUA). A script that
+  // replaces or deletes a key's value drops its parts (KVTIER_DROP_PARTS_LUA).
   absl::StatusOr<std::optional<std::string>> StoreParts(const std::string& value);
+  // What a store answers when its script found a part of `stored` gone before it could keep
+  // them (keep_parts false): the rest of its parts are dropped, and the error says why.
+  absl::Status PartsGone(std::string_view stored);
   // What a key held, whole: a manifest's parts read back and joined (DATA_LOSS naming the
   // part when one is missing, or when they do not add up), anything else as it is.
   absl::StatusOr<std::string> LoadParts(std::string stored);
@@ -83,8 +110,8 @@ class RemoteStore {
   static bool IsManifest(std::string_view stored);
   // After a script that was to store `stored` at `key` failed, its outcome unknown (a reply
   // lost, a timeout): OK when the key holds it (the script ran); otherwise its parts are
-  // dropped and `failed` is returned. When even that cannot be asked, the parts stay (an
-  // orphan, never a manifest whose parts are gone) and `failed` is returned.
+  // dropped and `failed` is returned. When even that cannot be asked, the parts stay until
+  // they expire (never a manifest whose parts are gone) and `failed` is returned.
   absl::Status Settle(const std::string& key, std::string_view stored, absl::Status failed);
   absl::StatusOr<bool> Exists(const std::string& key);
   // A Lua script run atomically by Redis (EVAL) over `keys` and `args`, answering an array:
