@@ -43,17 +43,17 @@ namespace kvtier {
 // parts of a value whose manifest never comes, its writer killed or its store refused, go by
 // themselves); false, and nothing changed, when one of them is gone (it expired, or Redis
 // evicted it): the script is to store nothing then.
-#define KVTIER_KEEP_PARTS_LUA                                             \
-  "local function keep_parts(new)\n"                                      \
-  "  local nonce, n = string.match(new, '^KVPARTS1 (%x+) (%d+) %d+$')\n"  \
-  "  if not nonce or #new > 128 then return true end\n"                   \
-  "  if tonumber(n) > 1000000 then return false end\n"                    \
-  "  local prefix = 'kvtier:part:' .. nonce .. ':'\n"                     \
-  "  for i = 0, tonumber(n) - 1 do\n"                                     \
-  "    if redis.call('EXISTS', prefix .. i) == 0 then return false end\n" \
-  "  end\n"                                                               \
+#define KVTIER_KEEP_PARTS_LUA                                                \
+  "local function keep_parts(new)\n"                                         \
+  "  local nonce, n = string.match(new, '^KVPARTS1 (%x+) (%d+) %d+$')\n"     \
+  "  if not nonce or #new > 128 then return true end\n"                      \
+  "  if tonumber(n) > 1000000 then return false end\n"                       \
+  "  local prefix = 'kvtier:part:' .. nonce .. ':'\n"                        \
+  "  for i = 0, tonumber(n) - 1 do\n"                                        \
+  "    if redis.call('EXISTS', prefix .. i) == 0 then return false end\n"    \
+  "  end\n"                                                                  \
   "  for i = 0, tonumber(n) - 1 do redis.call('PERSIST', prefix .. i) end\n" \
-  "  return true\n"                                                       \
+  "  return true\n"                                                          \
   "end\n"
 
 class RemoteStore {
