@@ -20,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "kvtier/channel_layout.h"
 #include "kvtier/client.h"
@@ -2318,6 +2319,65 @@ TEST(Daemon, AMovedSessionHasEveryChunkOnTheOtherDaemon) {
   ASSERT_OK_AND_ASSIGN(auto listed, to->ListSessions());
   ASSERT_EQ(listed.sessions_size(), 1);
   EXPECT_EQ(listed.sessions(0).session_id(), "moved");
+}
+
+// A move's timeout bounds the wait for each part, not the whole move (which grows with the
+// session): one that takes longer than the timeout, its parts coming within it, completes.
+// Before, the whole move ran under one deadline, and a large session could never be moved.
+TEST(Daemon, AMoveLongerThanTheTimeoutGoesOnWhileItsPartsMove) {
+  DaemonProcess a, b;
+  ASSERT_TRUE(a.started() && b.started());
+  ClientOptions o;
+  o.timeout = absl::Seconds(1);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> from, Client::Connect(a.address(), o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> to, Client::Connect(b.address(), o));
+  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  ASSERT_OK(from->AppendKV(AllLayers(sid, MakeData(700), 0, 700)).status());
+  std::vector<std::pair<uint64_t, uint64_t>> seen;  // (parts, bytes) after each part
+  ASSERT_OK_AND_ASSIGN(auto moved, from->MoveSession(sid, *to, "slow", v1::CHUNK_CARRIER_PARTS,
+                                                     [&](uint64_t parts, uint64_t bytes) {
+                                                       seen.emplace_back(parts, bytes);
+                                                       absl::SleepFor(absl::Milliseconds(400));
+                                                     }));
+  EXPECT_EQ(moved.session_id(), "slow");
+  // At least four parts, each followed by 400 ms: the move took 1.6 s or more.
+  ASSERT_GE(seen.size(), 4u);
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].first, i + 1);
+    if (i > 0) {
+      EXPECT_GT(seen[i].second, seen[i - 1].second) << i;
+    }
+  }
+  EXPECT_GT(seen.back().second, uint64_t{700} * kLayers * kKv * kD * 2 * 2);  // K and V, fp16
+  ASSERT_OK_AND_ASSIGN(auto there, to->DescribeSession("slow"));
+  EXPECT_EQ(there.info().num_tokens(), 700u);
+}
+
+// A move whose daemon stalls (here: the importing one stopped) ends DEADLINE_EXCEEDED once
+// nothing has moved for the timeout, and nothing is imported. Before, it never ended: a write
+// into a connection whose peer stopped reading completes only when the peer reads, and the
+// call's deadline did not end the wait for it.
+TEST(Daemon, AMoveWhoseDaemonStallsEndsAfterTheTimeout) {
+  DaemonProcess a, b;
+  ASSERT_TRUE(a.started() && b.started());
+  ClientOptions o;
+  o.timeout = absl::Seconds(1);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> from, Client::Connect(a.address(), o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> to, Client::Connect(b.address(), o));
+  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  ASSERT_OK(from->AppendKV(AllLayers(sid, MakeData(1500), 0, 1500)).status());
+  ASSERT_OK(to->ListSessions().status());  // its connection made
+  ASSERT_EQ(kill(b.pid(), SIGSTOP), 0);
+  absl::Cleanup resume = [&] { kill(b.pid(), SIGCONT); };
+  const absl::Time t0 = absl::Now();
+  EXPECT_THAT(from->MoveSession(sid, *to, "stalled"),
+              StatusIs(Code::kDeadlineExceeded, "nothing moved for 1s"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
+  std::move(resume).Invoke();
+  ASSERT_OK_AND_ASSIGN(auto listed, to->ListSessions());
+  EXPECT_EQ(listed.sessions_size(), 0);
 }
 
 // Whether process `pid` still runs: gone, or a zombie nobody reaped yet, is not running.

@@ -8,8 +8,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -190,9 +193,42 @@ Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, Clie
       stub_(v1::KvTier::NewStub(channel_)),
       options_(std::move(options)) {}
 
+namespace {
+
+// The calls of moves under way in this process (Client::MoveSession), counting those a mover
+// gave up on (a stalled daemon) while gRPC still holds them. A channel must not go while any
+// are held: under ASan, one going then freed gRPC's callback queue twice.
+struct MoveCallsInFlight {
+  std::mutex mu;
+  std::condition_variable cv;
+  int calls = 0;
+  void Add() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++calls;
+  }
+  void Done() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (--calls == 0) cv.notify_all();
+  }
+};
+MoveCallsInFlight& MoveCalls() {
+  static auto* calls = new MoveCallsInFlight;  // never destroyed: calls may end at exit
+  return *calls;
+}
+
+}  // namespace
+
 Client::~Client() {
-  std::lock_guard lock(attach_mu_);
-  attachment_.reset();
+  {
+    std::lock_guard lock(attach_mu_);
+    attachment_.reset();
+  }
+  // Moves' calls gRPC still holds end once their daemon answers again: this waits for them,
+  // at most the timeout (5 s when it is longer), so that a stalled daemon never holds it.
+  MoveCallsInFlight& moves = MoveCalls();
+  std::unique_lock<std::mutex> lock(moves.mu);
+  moves.cv.wait_for(lock, absl::ToChronoNanoseconds(std::min(options_.timeout, absl::Seconds(5))),
+                    [&] { return moves.calls == 0; });
 }
 
 absl::StatusOr<std::string> Client::WorkerId() { return AttachedWorker(/*recheck=*/true); }
@@ -395,41 +431,194 @@ absl::StatusOr<v1::CreateSessionResponse> Client::ForkSession(const v1::ForkSess
   return KVTIER_CALL(v1::CreateSessionResponse, ForkSession, req);
 }
 
+namespace {
+
+// What a move's two calls report, for the thread that drives it (Client::MoveSession), which
+// waits on `cv` for each step with its own bound.
+struct MoveEvents {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool read = false, read_ok = false;    // the export's last read ended (a part, or none)
+  bool wrote = false, wrote_ok = false;  // the import's last write ended
+  bool export_done = false, import_done = false;
+  grpc::Status exported, imported;
+};
+
+// The two calls of a move as callback reactors: each only reports to MoveEvents. The mover
+// starts each step from its own thread, so each call starts with a hold (gRPC's AddHold) that
+// the mover lets go once it starts no more: its OnDone never comes before. Each keeps itself
+// alive until gRPC is done with it (`self_`), so that a mover that gives up on a stalled
+// daemon returns while gRPC still holds the call (a write into a connection whose peer stopped
+// reading completes only when that peer reads, cancelled or not).
+class ExportReader : public grpc::ClientReadReactor<v1::ExportSessionResponse> {
+ public:
+  explicit ExportReader(std::shared_ptr<MoveEvents> events) : events_(std::move(events)) {}
+  void Start(v1::KvTier::Stub* stub, std::shared_ptr<ExportReader> self) {
+    self_ = std::move(self);
+    MoveCalls().Add();
+    stub->async()->ExportSession(&ctx, &req, this);
+    AddHold();
+    StartRead(&part);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(events_->mu);
+    events_->read = true;
+    events_->read_ok = ok;
+    events_->cv.notify_all();
+  }
+  void OnDone(const grpc::Status& s) override {
+    {
+      std::lock_guard<std::mutex> lock(events_->mu);
+      events_->exported = s;
+      events_->export_done = true;
+      events_->cv.notify_all();
+    }
+    MoveCalls().Done();
+    auto last = std::move(self_);  // may be the last reference: nothing after this
+  }
+  grpc::ClientContext ctx;
+  v1::ExportSessionRequest req;
+  v1::ExportSessionResponse part;
+
+ private:
+  const std::shared_ptr<MoveEvents> events_;
+  std::shared_ptr<ExportReader> self_;
+};
+
+class ImportWriter : public grpc::ClientWriteReactor<v1::ImportSessionRequest> {
+ public:
+  explicit ImportWriter(std::shared_ptr<MoveEvents> events) : events_(std::move(events)) {}
+  void Start(v1::KvTier::Stub* stub, std::shared_ptr<ImportWriter> self) {
+    self_ = std::move(self);
+    MoveCalls().Add();
+    stub->async()->ImportSession(&ctx, &resp, this);
+    AddHold();
+    StartCall();
+  }
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(events_->mu);
+    events_->wrote = true;
+    events_->wrote_ok = ok;
+    events_->cv.notify_all();
+  }
+  void OnDone(const grpc::Status& s) override {
+    {
+      std::lock_guard<std::mutex> lock(events_->mu);
+      events_->imported = s;
+      events_->import_done = true;
+      events_->cv.notify_all();
+    }
+    MoveCalls().Done();
+    auto last = std::move(self_);
+  }
+  grpc::ClientContext ctx;
+  v1::ImportSessionRequest req;
+  v1::CreateSessionResponse resp;
+
+ private:
+  const std::shared_ptr<MoveEvents> events_;
+  std::shared_ptr<ImportWriter> self_;
+};
+
+}  // namespace
+
 absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string& session_id,
                                                               Client& to,
                                                               const std::string& new_session_id,
-                                                              v1::ChunkCarrier carrier) {
-  grpc::ClientContext from_ctx, to_ctx;
-  Prepare(&from_ctx);
-  to.Prepare(&to_ctx);
-  v1::ExportSessionRequest ereq;
-  ereq.set_session_id(session_id);
-  ereq.set_carrier(carrier);
-  auto reader = stub_->ExportSession(&from_ctx, ereq);
-  v1::CreateSessionResponse resp;
-  auto writer = to.stub_->ImportSession(&to_ctx, &resp);
-  v1::ExportSessionResponse part;
-  v1::ImportSessionRequest ireq;
-  ireq.set_session_id(new_session_id);
+                                                              v1::ChunkCarrier carrier,
+                                                              const MoveProgress& progress) {
+  auto events = std::make_shared<MoveEvents>();
+  auto exporter = std::make_shared<ExportReader>(events);
+  auto importer = std::make_shared<ImportWriter>(events);
+  // No deadline on either call: the timeout bounds each step's wait instead (below).
+  AddCredentials(options_, &exporter->ctx);
+  AddCredentials(to.options_, &importer->ctx);
+  exporter->req.set_session_id(session_id);
+  exporter->req.set_carrier(carrier);
+  importer->req.set_session_id(new_session_id);
+  const absl::Duration timeout = std::min(options_.timeout, to.options_.timeout);
+  uint64_t parts = 0, bytes = 0;
+  bool export_held = true, import_held = true;  // the holds Start took, until let go
+  auto let_export_go = [&] {
+    if (std::exchange(export_held, false)) exporter->RemoveHold();
+  };
+  auto let_import_go = [&] {
+    if (std::exchange(import_held, false)) importer->RemoveHold();
+  };
+  // Waits for `done` (read under the lock) at most the timeout; false when it did not come:
+  // both calls are cancelled then, and left to gRPC.
+  auto wait = [&](auto done) {
+    std::unique_lock<std::mutex> lock(events->mu);
+    const bool came = timeout == absl::InfiniteDuration()
+                          ? (events->cv.wait(lock, done), true)
+                          : events->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), done);
+    if (!came) {
+      lock.unlock();
+      exporter->ctx.TryCancel();
+      importer->ctx.TryCancel();
+      let_export_go();
+      let_import_go();
+    }
+    return came;
+  };
+  auto stalled = [&] {
+    return absl::DeadlineExceededError(
+        absl::StrCat("MoveSession of session_id \"", session_id, "\": nothing moved for ",
+                     absl::FormatDuration(timeout), " (", parts, " parts, ", bytes,
+                     " bytes moved): a daemon or the link stalled; nothing imported"));
+  };
+  exporter->Start(stub_.get(), exporter);
+  importer->Start(to.stub_.get(), importer);
   bool import_open = true;
-  while (reader->Read(&part)) {
-    ireq.set_part(std::move(*part.mutable_part()));
-    if (!writer->Write(ireq)) {  // the importer refused: its Finish says why
+  for (;;) {
+    if (!wait([&] { return events->read || events->export_done; })) return stalled();
+    {
+      std::lock_guard<std::mutex> lock(events->mu);
+      if (!events->read || !events->read_ok) break;  // the export ended (or failed)
+      events->read = false;
+    }
+    importer->req.set_part(std::move(*exporter->part.mutable_part()));
+    const size_t size = importer->req.part().size();
+    importer->StartWrite(&importer->req);
+    if (!wait([&] { return events->wrote || events->import_done; })) return stalled();
+    bool wrote_ok = false;
+    {
+      std::lock_guard<std::mutex> lock(events->mu);
+      wrote_ok = events->wrote && events->wrote_ok;
+      events->wrote = false;
+    }
+    if (!wrote_ok) {  // the importer refused: its status says why
       import_open = false;
-      from_ctx.TryCancel();
+      exporter->ctx.TryCancel();
       break;
     }
-    ireq.clear_session_id();
+    ++parts;
+    bytes += size;
+    if (progress) progress(parts, bytes);
+    importer->req.clear_session_id();
+    exporter->StartRead(&exporter->part);
   }
-  const grpc::Status exported = reader->Finish();
-  if (import_open && !exported.ok()) to_ctx.TryCancel();  // an export cut short imports nothing
-  writer->WritesDone();
-  const grpc::Status imported = writer->Finish();
+  let_export_go();  // no more reads
+  if (!wait([&] { return events->export_done; })) return stalled();
+  grpc::Status exported, imported;
+  {
+    std::lock_guard<std::mutex> lock(events->mu);
+    exported = events->exported;
+  }
+  if (import_open && !exported.ok()) importer->ctx.TryCancel();  // cut short: nothing imported
+  if (import_open && exported.ok()) importer->StartWritesDone();
+  let_import_go();  // no more writes
+  if (!wait([&] { return events->import_done; })) return stalled();
+  {
+    std::lock_guard<std::mutex> lock(events->mu);
+    imported = events->imported;
+  }
   // An export cut short is why the import was cancelled; otherwise the importer's word.
   if (import_open && !exported.ok()) return FromGrpcStatus(exported);
   if (!imported.ok()) return FromGrpcStatus(imported);
   if (!exported.ok()) return FromGrpcStatus(exported);
-  return resp;
+  return importer->resp;
 }
 
 absl::StatusOr<bool> Client::CloseSession(const std::string& session_id) {

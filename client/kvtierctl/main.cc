@@ -435,7 +435,7 @@ int main(int argc, char** argv) {
   app.add_option("--tls-ca", g.tls_ca, "speak TLS to a TCP address, trusting this CA (PEM)");
   app.add_option("--tls-cert", g.tls_cert, "this client's certificate, for mTLS (with --tls-key)");
   app.add_option("--tls-key", g.tls_key, "its private key");
-  app.add_option("--timeout", g.timeout_s, "seconds each call may take")
+  app.add_option("--timeout", g.timeout_s, "seconds each call may take (move: each part's wait)")
       ->check(Finite() & CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   app.require_subcommand(1);

@@ -18,6 +18,7 @@
 #define KVTIER_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,7 +45,7 @@ struct ClientOptions {
   std::string tls_ca_file, tls_cert_file, tls_key_file;
   // Largest message either way; match the daemon's max_message_size.
   int max_message_bytes = 64 << 20;
-  // Deadline of each call.
+  // Deadline of each call (of each part's wait in MoveSession).
   absl::Duration timeout = absl::Seconds(60);
   // From the first Select on, hold an Attach stream open and name it in every Select and
   // BatchSelect (SelectRequest.worker_id), so that this client's leases end as soon as it
@@ -88,10 +89,14 @@ class Client {
   // (empty: the same id). The session here stays until closed. The first failure on either
   // side ends both calls and is returned; nothing is imported then. `carrier`: how the chunks'
   // bytes go (v1::ChunkCarrier; NCCL: GPU to GPU, daemon to daemon, with only the parts'
-  // sizes and checksums through this client).
+  // sizes and checksums through this client). The timeout (the shorter of the two clients')
+  // bounds the wait for each part, not the whole move, whose length grows with the session:
+  // DEADLINE_EXCEEDED when no part moved for that long. `progress`, when set, is called after
+  // each part is handed to `to`, with the parts and bytes moved so far.
+  using MoveProgress = std::function<void(uint64_t parts, uint64_t bytes)>;
   absl::StatusOr<v1::CreateSessionResponse> MoveSession(
       const std::string& session_id, Client& to, const std::string& new_session_id = "",
-      v1::ChunkCarrier carrier = v1::CHUNK_CARRIER_PARTS);
+      v1::ChunkCarrier carrier = v1::CHUNK_CARRIER_PARTS, const MoveProgress& progress = nullptr);
 
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::StatusOr<v1::DescribeSessionResponse> DescribeSession(const std::string& session_id);

@@ -160,30 +160,58 @@ class Client:
         way (a session too large for it, say) may be raised as INTERNAL "Internal error from
         Core" rather than with the daemon's code: grpc.aio's known bug (grpc/grpc#36066), which
         the blocking client does not have. Nothing is imported either way. `carrier` as the
-        blocking client's ("parts", "nccl", "socket")."""
+        blocking client's ("parts", "nccl", "socket"). The timeout (the shorter of the two
+        clients') bounds the wait for each part, not the whole move: DEADLINE_EXCEEDED when
+        nothing moved for that long."""
         req = _msg(pb.ExportSessionRequest, session_id=session_id, carrier=_carrier(carrier))
-        parts = self.stub.ExportSession(req, timeout=self.timeout, metadata=self._metadata)
+        timeout = _sync._move_timeout(self.timeout, to.timeout)
+        loop = asyncio.get_running_loop()
+        # No deadline on either call: `watch` bounds each part's wait instead.
+        parts = self.stub.ExportSession(req, metadata=self._metadata)
         failed: list[grpc.aio.AioRpcError] = []
+        last = [loop.time()]  # when a part last moved
+        stalled = False
 
         async def requests():
             name = new_session_id
             try:
                 async for p in parts:
+                    last[0] = loop.time()
                     yield pb.ImportSessionRequest(part=p.part, session_id=name)
+                    last[0] = loop.time()  # gRPC took it and asks for the next
                     name = ""
             except grpc.aio.AioRpcError as e:  # the export failed: the import must not complete
                 failed.append(e)
                 raise
 
+        call = to.stub.ImportSession(requests(), metadata=to._metadata)
+
+        async def watch():
+            nonlocal stalled
+            while (wait := last[0] + timeout - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            # Stalled: both calls cancelled (a write into a connection whose peer stopped
+            # reading is left to gRPC: it ends when the peer reads again).
+            stalled = True
+            parts.cancel()
+            call.cancel()
+
+        watcher = asyncio.create_task(watch()) if timeout is not None else None
         try:
-            r = await to.stub.ImportSession(requests(), timeout=to.timeout, metadata=to._metadata)
+            r = await call
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if stalled:
+                raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  _sync._stalled(session_id, timeout)) from None
             # grpc.aio cancels the import when the requests fail: the export's error is the cause.
             if not failed and not isinstance(e, grpc.aio.AioRpcError):
                 raise  # this task itself was cancelled
             parts.cancel()
             cause = failed[0] if failed else e
             raise KvTierError(cause.code(), cause.details() or "") from None
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         return SessionHandle(r.session_id, r.policy)
 
     async def close_session(self, session_id: str) -> bool:

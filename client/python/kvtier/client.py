@@ -57,6 +57,17 @@ _CARRIERS = {"parts": pb.CHUNK_CARRIER_PARTS, "nccl": pb.CHUNK_CARRIER_NCCL,
              "socket": pb.CHUNK_CARRIER_SOCKET}
 
 
+def _move_timeout(a: float | None, b: float | None) -> float | None:
+    """A move's bound on each part's wait: the shorter of the two clients' timeouts."""
+    given = [t for t in (a, b) if t is not None]
+    return min(given) if given else None
+
+
+def _stalled(session_id: str, timeout: float) -> str:
+    return (f"move_session of session_id \"{session_id}\": nothing moved for {timeout:g} s: "
+            "a daemon or the link stalled; nothing imported")
+
+
 def _carrier(value) -> int:
     """move_session's carrier as its enum value, or KvTierArgumentError naming it."""
     return _choice("carrier", _CARRIERS, value)
@@ -1157,24 +1168,45 @@ class Client:
         failure on either side ends both calls and is raised; nothing is imported then.
         `carrier`: how the chunks' bytes go, "parts" (through this client), "nccl" (GPU to GPU,
         daemon to daemon; both daemons on CUDA devices) or "socket" (daemon to daemon on one
-        host); with the last two only sizes and checksums pass through here."""
+        host); with the last two only sizes and checksums pass through here. The timeout (the
+        shorter of the two clients') bounds the wait for each part, not the whole move, whose
+        length grows with the session: DEADLINE_EXCEEDED when nothing moved for that long."""
         req = _msg(pb.ExportSessionRequest, session_id=session_id,
                    carrier=_carrier(carrier))
-        parts = self.stub.ExportSession(req, timeout=self.timeout, metadata=self._metadata)
+        timeout = _move_timeout(self.timeout, to.timeout)
+        # No deadline on either call: the watch below bounds each part's wait instead.
+        parts = self.stub.ExportSession(req, metadata=self._metadata)
         failed: list[grpc.RpcError] = []
+        last = [time.monotonic()]  # when a part last moved
 
         def requests() -> Iterator[pb.ImportSessionRequest]:
             name = new_session_id
             try:
                 for p in parts:
+                    last[0] = time.monotonic()
                     yield pb.ImportSessionRequest(part=p.part, session_id=name)
+                    last[0] = time.monotonic()  # gRPC took it and asks for the next
                     name = ""
             except grpc.RpcError as e:  # the export failed: the import must not complete
                 failed.append(e)
                 raise
 
+        call = to.stub.ImportSession.future(requests(), metadata=to._metadata)
         try:
-            r = to.stub.ImportSession(requests(), timeout=to.timeout, metadata=to._metadata)
+            while True:
+                wait = None if timeout is None else last[0] + timeout - time.monotonic()
+                try:
+                    r = call.result(timeout=None if wait is None else max(wait, 0))
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() - last[0] < timeout:
+                        continue  # a part moved meanwhile
+                    # Stalled: both calls cancelled; a write into a connection whose peer
+                    # stopped reading is left to gRPC (it ends when the peer reads again).
+                    parts.cancel()
+                    call.cancel()
+                    raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED, _stalled(
+                        session_id, timeout)) from None
         except grpc.RpcError as e:
             parts.cancel()
             cause = failed[0] if failed else e

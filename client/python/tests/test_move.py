@@ -275,3 +275,73 @@ def test_carried_transfers_at_once_are_bounded(start_daemon):
             pytest.fail("the cancelled export kept its place")
         for call in held[1:]:
             call.cancel()
+
+
+class SlowRequests(grpc.StreamUnaryClientInterceptor):
+    """Each request of a client-streaming call handed on `delay` seconds after gRPC asks."""
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        def slow():
+            for r in request_iterator:
+                time.sleep(self.delay)
+                yield r
+        return continuation(details, slow())
+
+
+def test_a_move_longer_than_the_timeout_goes_on_while_its_parts_move(start_daemon):
+    """The timeout bounds each part's wait, not the whole move (which grows with the session):
+    a move that takes longer than the timeout, its parts coming within it, completes. Before,
+    the whole move ran under one deadline, and a large session could never be moved."""
+    from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+    a, b = start_daemon(), start_daemon()
+    with kvtier.Client(a.address, timeout=1.0) as ca, kvtier.Client(b.address, timeout=1.0) as cb:
+        rng = np.random.default_rng(12)
+        k, v = make_kv(rng, 400)
+        sid = ca.create_session(L, QH, KVH, D).session_id
+        ca.append_layers(sid, 0, k, v)
+        cb.stub = pb_grpc.KvTierStub(grpc.intercept_channel(cb._channel, SlowRequests(0.25)))
+        t0 = time.monotonic()
+        moved = ca.move_session(sid, cb, "slow")
+        took = time.monotonic() - t0
+        assert took > 1.5, f"the move took {took:.2f} s: too few parts to outlast the timeout"
+        assert moved.session_id == "slow"
+        assert cb.describe_session("slow").info.num_tokens == 400
+
+
+def test_a_move_whose_daemon_stalls_ends_after_the_timeout(start_daemon):
+    """A move whose daemon stalls (the importing one stopped) raises DEADLINE_EXCEEDED once
+    nothing has moved for the timeout, in either client, and nothing is imported. Before, the
+    blocking client waited for as long as the daemon was stopped."""
+    import asyncio
+    import signal
+
+    import kvtier.aio
+    a, b = start_daemon(), start_daemon()
+    rng = np.random.default_rng(13)
+    k, v = make_kv(rng, 1500)
+    with kvtier.Client(a.address, timeout=1.0) as ca, kvtier.Client(b.address, timeout=1.0) as cb:
+        sid = ca.create_session(L, QH, KVH, D).session_id
+        ca.append_layers(sid, 0, k, v)
+        cb.list_sessions()  # its connection made
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(kvtier.KvTierError) as e:
+                ca.move_session(sid, cb, "stalled")
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+            assert "nothing moved for 1 s" in e.value.message
+            assert time.monotonic() - t0 < 20
+
+            async def run():
+                async with kvtier.aio.Client(a.address, timeout=1.0) as aa, \
+                        kvtier.aio.Client(b.address, timeout=1.0) as ab:
+                    with pytest.raises(kvtier.KvTierError) as e:
+                        await aa.move_session(sid, ab, "stalled-aio")
+                    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+            asyncio.run(asyncio.wait_for(run(), 20))
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        assert cb.list_sessions() == []
