@@ -652,6 +652,30 @@ TEST(RemoteRecords, AFinishSentAgainIsDone) {
   EXPECT_THAT(a.Finish("y"), StatusIs(Code::kNotFound, "was closed while it was restored"));
 }
 
+// A put sent again (its first reply lost) with its token finds that the first ran, and is
+// done, whatever another daemon did with the record meanwhile: restored it (the second once
+// answered that daemon held the id, and the session stayed live on both) or closed it (the
+// second stored the closed record again). A put with a token of its own still runs.
+TEST(RemoteRecords, APutSentAgainIsDoneWhateverBecameOfItsRecord) {
+  Remote remote;
+  ASSERT_NE(remote.store, nullptr);
+  RemoteRecords a(remote.store.get(), "daemon-a"), b(remote.store.get(), "daemon-b");
+  ASSERT_OK(a.Put("x", "record", "token-1"));
+  ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, b.Get("x"));  // restored on b
+  ASSERT_OK(b.Finish("x"));
+  EXPECT_OK(a.Put("x", "record", "token-1"));
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("x")));
+  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> owner, remote.store->Get("kvtier:owner:x"));
+  EXPECT_EQ(owner, std::optional<std::string>("daemon-b"));
+  EXPECT_THAT(a.Put("x", "record", "token-2"),
+              StatusIs(Code::kFailedPrecondition, "is held by kvtierd \"daemon-b\""));
+  ASSERT_OK(a.Put("y", "record", "token-3"));
+  ASSERT_OK_AND_ASSIGN(const bool dropped, b.Drop("y"));  // closed on b
+  EXPECT_TRUE(dropped);
+  EXPECT_OK(a.Put("y", "record", "token-3"));
+  EXPECT_FALSE(*remote.store->Exists(RecordKey("y"))) << "the closed record was stored again";
+}
+
 // Letting a live session's hold go never deletes a record of its id: one there is another
 // session's (demoted before this one was made while Redis was out of reach, so that its claim
 // went unchecked), which a close of this one once deleted.
@@ -870,10 +894,13 @@ TEST(RemoteStore, PartsExpireUnlessTheirManifestIsStored) {
   LocalRedis redis;
   ASSERT_TRUE(redis.started()) << "redis-server did not start (scripts/install-deps)";
   HoldingProxy proxy(redis);
+  // Two stores on one Redis: parts that expire after an hour, and after 2 s.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<RemoteStore> lasting,
+                       RemoteStore::Connect(proxy.address(), {.part_bytes = 1000}));
   ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<RemoteStore> connected,
-      RemoteStore::Connect(proxy.address(), {.part_bytes = 1000, .part_ttl_ms = 300}));
-  RemoteStore& store = *connected;
+      std::unique_ptr<RemoteStore> brief,
+      RemoteStore::Connect(proxy.address(), {.part_bytes = 1000, .part_ttl_ms = 2000}));
+  RemoteStore& store = *lasting;
   std::mt19937 rng(11);
   auto bytes = [&](size_t n) {
     std::string v(n, '\0');
@@ -884,10 +911,10 @@ TEST(RemoteStore, PartsExpireUnlessTheirManifestIsStored) {
   ASSERT_OK(store.Put("k", big));
   EXPECT_EQ(Parts(store, /*expiring=*/false), 11u);
   // Parts whose manifest is never stored (as a daemon killed after writing them leaves them).
-  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> orphan, store.StoreParts(bytes(5'500)));
+  ASSERT_OK_AND_ASSIGN(const std::optional<std::string> orphan, brief->StoreParts(bytes(5'500)));
   ASSERT_TRUE(orphan.has_value());
   EXPECT_EQ(Parts(store, /*expiring=*/true), 6u);
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (Keys(store, "kvtier:part:*") > 11u && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -895,10 +922,10 @@ TEST(RemoteStore, PartsExpireUnlessTheirManifestIsStored) {
   EXPECT_EQ(Parts(store, /*expiring=*/false), 11u);
   // A replacement whose script comes after its parts expired: refused, the old value stays.
   proxy.Hold("KVPARTS1", /*skip=*/0);
-  auto put = std::async(std::launch::async, [&] { return store.Put("k", bytes(4'500)); });
+  auto put = std::async(std::launch::async, [&] { return brief->Put("k", bytes(4'500)); });
   absl::Cleanup release = [&] { proxy.Release(); };  // before the future waits, however it ends
   ASSERT_TRUE(proxy.WaitHeld(std::chrono::seconds(20))) << "the replacement never came";
-  absl::SleepFor(absl::Milliseconds(600));
+  absl::SleepFor(absl::Milliseconds(2500));
   proxy.Release();
   EXPECT_THAT(put.get(), StatusIs(Code::kUnavailable, "was gone before its manifest was stored"));
   ASSERT_OK_AND_ASSIGN(std::optional<std::string> got, store.Get("k"));

@@ -2,7 +2,9 @@
 
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/common/error.h"
 #include "server/common/status_macros.h"
 #include "server/session/session_record.h"
@@ -28,15 +30,19 @@ redis.call('SET', KEYS[2], ARGV[1])
 return {'new'}
 )lua";
 
-// ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts, kept here). A
-// record of the id lying there already (another session's: RemoteRecords::Release) goes, with
-// its parts.
-constexpr char kPut[] =
-    KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_KEEP_PARTS_LUA KVTIER_DROP_PARTS_LUA R"lua(
+// ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts, kept here), ARGV[3]
+// this put's token, which the put leaves in KEYS[4] for ten minutes: the same put sent again
+// (its reply lost) finds it and is done, whatever happened to the record since (restored or
+// closed by another daemon: never stored again). A record of the id lying there already
+// (another session's: RemoteRecords::Release) goes, with its parts.
+constexpr char kPut[] = R"lua(
+if redis.call('GET', KEYS[4]) == ARGV[3] then return {'ok'} end
+)lua" KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_KEEP_PARTS_LUA KVTIER_DROP_PARTS_LUA R"lua(
 if not keep_parts(ARGV[2]) then return {'parts gone'} end
 drop_parts(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2])
+redis.call('SET', KEYS[4], ARGV[3], 'PX', 600000)
 return {'ok'}
 )lua";
 
@@ -104,13 +110,13 @@ struct Outcome {
 };
 
 absl::StatusOr<Outcome> Run(RemoteStore* store, const char* script, const std::string& id,
-                            const std::string& self,
-                            std::optional<std::string_view> extra = std::nullopt) {
+                            const std::string& self, std::vector<std::string_view> extra = {}) {
   const std::string record = RecordKey(id), owner = OwnerKey(id),
-                    tombstone = absl::StrCat("kvtier:closed:", id);
+                    tombstone = absl::StrCat("kvtier:closed:", id),
+                    receipt = absl::StrCat("kvtier:put:", id);
   std::vector<std::string_view> args = {self};
-  if (extra) args.push_back(*extra);
-  ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner, tombstone}, args));
+  args.insert(args.end(), extra.begin(), extra.end());
+  ASSIGN_OR_RETURN(auto reply, store->Eval(script, {record, owner, tombstone, receipt}, args));
   if (reply.empty() || !reply[0]) return Bad(id);
   Outcome o{*reply[0], std::nullopt};
   if (reply.size() > 1) o.value = reply[1];
@@ -138,16 +144,23 @@ absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
 }
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
+  absl::BitGen gen;
+  return Put(
+      session_id, record,
+      absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen)));
+}
+
+absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record,
+                                const std::string& token) {
   // A record larger than a part goes first, in parts; the script stores their manifest.
   ASSIGN_OR_RETURN(const std::optional<std::string> manifest, store_->StoreParts(record));
   const std::string& stored = manifest ? *manifest : record;
-  absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, stored);
+  absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, {stored, token});
   // Its reply lost (a timeout): the script may have run, the record stored and the id let go,
-  // while the session would stay live here too. Sent once more, as a restore's Finish is: a
-  // second run of the same value changes nothing the first did, so its answer is the outcome.
-  // (Had another daemon restored the record between the two, the second answers that it holds
-  // the id, and the session stays here too: never lost, though live twice.)
-  if (absl::IsUnavailable(o.status())) o = Run(store_, kPut, session_id, self_, stored);
+  // while the session would stay live here too. Sent once more: the token it left says it ran
+  // (whatever another daemon did with the record since), and otherwise it runs now, so the
+  // answer is the outcome.
+  if (absl::IsUnavailable(o.status())) o = Run(store_, kPut, session_id, self_, {stored, token});
   // Its outcome unknown still: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());
   if (o->what == "ok") return absl::OkStatus();
@@ -196,7 +209,7 @@ absl::StatusOr<bool> RemoteRecords::Drop(const std::string& session_id) {
 }
 
 absl::Status RemoteRecords::Release(const std::string& session_id, bool tombstone) {
-  ASSIGN_OR_RETURN(Outcome o, Run(store_, kRelease, session_id, self_, tombstone ? "1" : "0"));
+  ASSIGN_OR_RETURN(Outcome o, Run(store_, kRelease, session_id, self_, {tombstone ? "1" : "0"}));
   if (o.what == "ok" || o.what == "held") return absl::OkStatus();
   return Bad(session_id);
 }

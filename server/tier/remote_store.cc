@@ -215,6 +215,11 @@ absl::StatusOr<std::optional<std::string>> RemoteStore::StoreParts(const std::st
   const std::string nonce =
       absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
   const uint64_t parts = (value.size() + part - 1) / part;
+  if (parts > kMaxParts) {  // the scripts would take its manifest for a damaged one
+    return absl::InvalidArgumentError(absl::StrCat(
+        "remote ", address_, ": a value of ", value.size(), " bytes would take ", parts,
+        " parts of ", part, " bytes, past the ", kMaxParts, " a manifest may name"));
+  }
   const std::string manifest = absl::StrCat(kPartsMagic, nonce, " ", parts, " ", value.size());
   const std::string ttl = absl::StrCat(std::max<uint64_t>(1, options_.part_ttl_ms));
   for (uint64_t i = 0; i < parts; ++i) {

@@ -70,7 +70,7 @@ class RemoteStore {
     // Each part expires this long after it is written unless the script that stores its
     // manifest (KVTIER_KEEP_PARTS_LUA) has made it permanent: the parts of a value whose
     // manifest never came (a daemon killed while it wrote them) go by themselves. A value
-    // whose writing takes longer is refused (UNAVAILABLE) and its parts dropped.
+    // whose writing takes longer is refused (UNAVAILABLE) and its parts dropped. At least 1.
     uint64_t part_ttl_ms = 3'600'000;
   };
   static absl::StatusOr<std::unique_ptr<RemoteStore>> Connect(const std::string& address,
@@ -107,6 +107,8 @@ class RemoteStore {
   // Whether what a key holds is a manifest (at most kManifestBytes, which scripts read of a
   // key to find one).
   static constexpr size_t kManifestBytes = 128;
+  // The most parts a manifest names (the scripts' bound, above): StoreParts refuses more.
+  static constexpr uint64_t kMaxParts = 1'000'000;
   static bool IsManifest(std::string_view stored);
   // After a script that was to store `stored` at `key` failed, its outcome unknown (a reply
   // lost, a timeout): OK when the key holds it (the script ran); otherwise its parts are
