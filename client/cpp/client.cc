@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -187,18 +189,11 @@ class Client::Attachment {
   std::string worker_;
 };
 
-Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-    : address_((KeepGrpcInitialized(), std::move(address))),
-      channel_(std::move(channel)),
-      stub_(v1::KvTier::NewStub(channel_)),
-      options_(std::move(options)) {}
-
-namespace {
-
-// The calls of moves under way in this process (Client::MoveSession), counting those a mover
-// gave up on (a stalled daemon) while gRPC still holds them. A channel must not go while any
-// are held: under ASan, one going then freed gRPC's callback queue twice.
-struct MoveCallsInFlight {
+// The calls of one client's moves that gRPC holds (MoveSession), counting those a mover gave
+// up on (a stalled daemon). Its channel must not go while any are held: under ASan, one going
+// then freed gRPC's callback queue twice.
+namespace internal {
+struct MoveCalls {
   std::mutex mu;
   std::condition_variable cv;
   int calls = 0;
@@ -211,12 +206,14 @@ struct MoveCallsInFlight {
     if (--calls == 0) cv.notify_all();
   }
 };
-MoveCallsInFlight& MoveCalls() {
-  static auto* calls = new MoveCallsInFlight;  // never destroyed: calls may end at exit
-  return *calls;
-}
+}  // namespace internal
 
-}  // namespace
+Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : address_((KeepGrpcInitialized(), std::move(address))),
+      channel_(std::move(channel)),
+      moves_(std::make_shared<internal::MoveCalls>()),
+      stub_(v1::KvTier::NewStub(channel_)),
+      options_(std::move(options)) {}
 
 Client::~Client() {
   {
@@ -225,10 +222,12 @@ Client::~Client() {
   }
   // Moves' calls gRPC still holds end once their daemon answers again: this waits for them,
   // at most the timeout (5 s when it is longer), so that a stalled daemon never holds it.
-  MoveCallsInFlight& moves = MoveCalls();
-  std::unique_lock<std::mutex> lock(moves.mu);
-  moves.cv.wait_for(lock, absl::ToChronoNanoseconds(std::min(options_.timeout, absl::Seconds(5))),
-                    [&] { return moves.calls == 0; });
+  std::unique_lock<std::mutex> lock(moves_->mu);
+  const bool ended = moves_->cv.wait_for(
+      lock, absl::ToChronoNanoseconds(std::min(options_.timeout, absl::Seconds(5))),
+      [&] { return moves_->calls == 0; });
+  // Else the channel stays for good: the last of it must never go on one of gRPC's threads.
+  if (!ended) new std::shared_ptr<grpc::Channel>(channel_);
 }
 
 absl::StatusOr<std::string> Client::WorkerId() { return AttachedWorker(/*recheck=*/true); }
@@ -444,81 +443,96 @@ struct MoveEvents {
   grpc::Status exported, imported;
 };
 
-// The two calls of a move as callback reactors: each only reports to MoveEvents. The mover
-// starts each step from its own thread, so each call starts with a hold (gRPC's AddHold) that
-// the mover lets go once it starts no more: its OnDone never comes before. Each keeps itself
-// alive until gRPC is done with it (`self_`), so that a mover that gives up on a stalled
-// daemon returns while gRPC still holds the call (a write into a connection whose peer stopped
-// reading completes only when that peer reads, cancelled or not).
-class ExportReader : public grpc::ClientReadReactor<v1::ExportSessionResponse> {
+// One call of a move as a callback reactor (Reactor: gRPC's ClientReadReactor or
+// ClientWriteReactor), which only reports to MoveEvents. The mover starts each step from its
+// own thread, so the call starts with a hold (gRPC's AddHold) that the mover lets go once it
+// starts no more: OnDone never comes before. It keeps itself alive until gRPC is done with it
+// (`self_`), so that a mover that gives up on a stalled daemon returns while gRPC still holds
+// the call (a write into a connection whose peer stopped reading completes only when that peer
+// reads, cancelled or not), and counts in its client's MoveCalls meanwhile.
+template <typename Reactor>
+class MoveCall : public Reactor {
  public:
-  explicit ExportReader(std::shared_ptr<MoveEvents> events) : events_(std::move(events)) {}
-  void Start(v1::KvTier::Stub* stub, std::shared_ptr<ExportReader> self) {
+  MoveCall(std::shared_ptr<MoveEvents> events, std::shared_ptr<internal::MoveCalls> calls)
+      : events_(std::move(events)), calls_(std::move(calls)) {}
+  grpc::ClientContext ctx;
+
+ protected:
+  // After the call's own setup, before gRPC's StartCall. gRPC hands the reactor to its own
+  // threads where ThreadSanitizer cannot see it: every callback reaches the reactor's fields
+  // through `started_`'s acquire, which this store releases.
+  void Started(std::shared_ptr<MoveCall> self) {
     self_ = std::move(self);
-    MoveCalls().Add();
+    calls_->Add();
+    this->AddHold();
+    started_.store(events_.get(), std::memory_order_release);
+  }
+  // Under the events' lock: `f(events)`, then a notify.
+  template <typename F>
+  void Report(F f) {
+    MoveEvents* e = started_.load(std::memory_order_acquire);
+    std::lock_guard<std::mutex> lock(e->mu);
+    f(*e);
+    e->cv.notify_all();
+  }
+  void Done(grpc::Status MoveEvents::*status, bool MoveEvents::*done, const grpc::Status& s) {
+    Report([&](MoveEvents& e) {
+      e.*status = s;
+      e.*done = true;
+    });
+    std::shared_ptr<internal::MoveCalls> calls = calls_;
+    { auto last = std::move(self_); }  // the context (and its channel) may go here
+    calls->Done();                     // only then: the channel's client may go
+  }
+
+ private:
+  const std::shared_ptr<MoveEvents> events_;
+  const std::shared_ptr<internal::MoveCalls> calls_;
+  std::shared_ptr<MoveCall> self_;
+  std::atomic<MoveEvents*> started_{nullptr};
+};
+
+class ExportReader : public MoveCall<grpc::ClientReadReactor<v1::ExportSessionResponse>> {
+ public:
+  using MoveCall::MoveCall;
+  void Start(v1::KvTier::Stub* stub, std::shared_ptr<ExportReader> self) {
     stub->async()->ExportSession(&ctx, &req, this);
-    AddHold();
     StartRead(&part);
+    Started(std::move(self));
     StartCall();
   }
   void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(events_->mu);
-    events_->read = true;
-    events_->read_ok = ok;
-    events_->cv.notify_all();
+    Report([ok](MoveEvents& e) {
+      e.read = true;
+      e.read_ok = ok;
+    });
   }
   void OnDone(const grpc::Status& s) override {
-    {
-      std::lock_guard<std::mutex> lock(events_->mu);
-      events_->exported = s;
-      events_->export_done = true;
-      events_->cv.notify_all();
-    }
-    MoveCalls().Done();
-    auto last = std::move(self_);  // may be the last reference: nothing after this
+    Done(&MoveEvents::exported, &MoveEvents::export_done, s);
   }
-  grpc::ClientContext ctx;
   v1::ExportSessionRequest req;
   v1::ExportSessionResponse part;
-
- private:
-  const std::shared_ptr<MoveEvents> events_;
-  std::shared_ptr<ExportReader> self_;
 };
 
-class ImportWriter : public grpc::ClientWriteReactor<v1::ImportSessionRequest> {
+class ImportWriter : public MoveCall<grpc::ClientWriteReactor<v1::ImportSessionRequest>> {
  public:
-  explicit ImportWriter(std::shared_ptr<MoveEvents> events) : events_(std::move(events)) {}
+  using MoveCall::MoveCall;
   void Start(v1::KvTier::Stub* stub, std::shared_ptr<ImportWriter> self) {
-    self_ = std::move(self);
-    MoveCalls().Add();
     stub->async()->ImportSession(&ctx, &resp, this);
-    AddHold();
+    Started(std::move(self));
     StartCall();
   }
   void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(events_->mu);
-    events_->wrote = true;
-    events_->wrote_ok = ok;
-    events_->cv.notify_all();
+    Report([ok](MoveEvents& e) {
+      e.wrote = true;
+      e.wrote_ok = ok;
+    });
   }
   void OnDone(const grpc::Status& s) override {
-    {
-      std::lock_guard<std::mutex> lock(events_->mu);
-      events_->imported = s;
-      events_->import_done = true;
-      events_->cv.notify_all();
-    }
-    MoveCalls().Done();
-    auto last = std::move(self_);
+    Done(&MoveEvents::imported, &MoveEvents::import_done, s);
   }
-  grpc::ClientContext ctx;
   v1::ImportSessionRequest req;
   v1::CreateSessionResponse resp;
-
- private:
-  const std::shared_ptr<MoveEvents> events_;
-  std::shared_ptr<ImportWriter> self_;
 };
 
 }  // namespace
@@ -529,50 +543,52 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
                                                               v1::ChunkCarrier carrier,
                                                               const MoveProgress& progress) {
   auto events = std::make_shared<MoveEvents>();
-  auto exporter = std::make_shared<ExportReader>(events);
-  auto importer = std::make_shared<ImportWriter>(events);
-  // No deadline on either call: the timeout bounds each step's wait instead (below).
+  auto exporter = std::make_shared<ExportReader>(events, moves_);
+  auto importer = std::make_shared<ImportWriter>(events, to.moves_);
+  // No deadline on either call: the timeout bounds each step's wait instead (below). One
+  // longer than a year is none (a wait that long would overflow the clock).
   AddCredentials(options_, &exporter->ctx);
   AddCredentials(to.options_, &importer->ctx);
   exporter->req.set_session_id(session_id);
   exporter->req.set_carrier(carrier);
   importer->req.set_session_id(new_session_id);
   const absl::Duration timeout = std::min(options_.timeout, to.options_.timeout);
+  const bool bounded = timeout < absl::Hours(24 * 365);
   uint64_t parts = 0, bytes = 0;
-  bool export_held = true, import_held = true;  // the holds Start took, until let go
-  auto let_export_go = [&] {
-    if (std::exchange(export_held, false)) exporter->RemoveHold();
-  };
-  auto let_import_go = [&] {
-    if (std::exchange(import_held, false)) importer->RemoveHold();
-  };
-  // Waits for `done` (read under the lock) at most the timeout; false when it did not come:
-  // both calls are cancelled then, and left to gRPC.
-  auto wait = [&](auto done) {
-    std::unique_lock<std::mutex> lock(events->mu);
-    const bool came = timeout == absl::InfiniteDuration()
-                          ? (events->cv.wait(lock, done), true)
-                          : events->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), done);
-    if (!came) {
-      lock.unlock();
+  bool export_held = false, import_held = false;  // the holds Start takes, until let go
+  // However this returns (a stall, an error, an exception from `progress`): a call still held
+  // is cancelled and let go, so that gRPC ends it.
+  absl::Cleanup let_go = [&] {
+    if (export_held || import_held) {
       exporter->ctx.TryCancel();
       importer->ctx.TryCancel();
-      let_export_go();
-      let_import_go();
     }
-    return came;
+    if (std::exchange(export_held, false)) exporter->RemoveHold();
+    if (std::exchange(import_held, false)) importer->RemoveHold();
   };
-  auto stalled = [&] {
+  // Waits for `done` (read under the lock) at most the timeout; false when it did not come.
+  auto wait = [&](auto done) {
+    std::unique_lock<std::mutex> lock(events->mu);
+    if (!bounded) {
+      events->cv.wait(lock, done);
+      return true;
+    }
+    return events->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), done);
+  };
+  auto stalled = [&](const char* outcome) {
     return absl::DeadlineExceededError(
         absl::StrCat("MoveSession of session_id \"", session_id, "\": nothing moved for ",
                      absl::FormatDuration(timeout), " (", parts, " parts, ", bytes,
-                     " bytes moved): a daemon or the link stalled; nothing imported"));
+                     " bytes moved): a daemon or the link stalled; ", outcome));
   };
+  constexpr const char* kNothing = "nothing imported";
   exporter->Start(stub_.get(), exporter);
+  export_held = true;
   importer->Start(to.stub_.get(), importer);
+  import_held = true;
   bool import_open = true;
   for (;;) {
-    if (!wait([&] { return events->read || events->export_done; })) return stalled();
+    if (!wait([&] { return events->read || events->export_done; })) return stalled(kNothing);
     {
       std::lock_guard<std::mutex> lock(events->mu);
       if (!events->read || !events->read_ok) break;  // the export ended (or failed)
@@ -581,7 +597,7 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
     importer->req.set_part(std::move(*exporter->part.mutable_part()));
     const size_t size = importer->req.part().size();
     importer->StartWrite(&importer->req);
-    if (!wait([&] { return events->wrote || events->import_done; })) return stalled();
+    if (!wait([&] { return events->wrote || events->import_done; })) return stalled(kNothing);
     bool wrote_ok = false;
     {
       std::lock_guard<std::mutex> lock(events->mu);
@@ -599,8 +615,9 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
     importer->req.clear_session_id();
     exporter->StartRead(&exporter->part);
   }
-  let_export_go();  // no more reads
-  if (!wait([&] { return events->export_done; })) return stalled();
+  export_held = false;
+  exporter->RemoveHold();  // no more reads
+  if (!wait([&] { return events->export_done; })) return stalled(kNothing);
   grpc::Status exported, imported;
   {
     std::lock_guard<std::mutex> lock(events->mu);
@@ -608,8 +625,13 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
   }
   if (import_open && !exported.ok()) importer->ctx.TryCancel();  // cut short: nothing imported
   if (import_open && exported.ok()) importer->StartWritesDone();
-  let_import_go();  // no more writes
-  if (!wait([&] { return events->import_done; })) return stalled();
+  import_held = false;
+  importer->RemoveHold();  // no more writes
+  if (!wait([&] { return events->import_done; })) {
+    return stalled(import_open && exported.ok()
+                       ? "every part was sent, and whether the import completed is unknown"
+                       : kNothing);
+  }
   {
     std::lock_guard<std::mutex> lock(events->mu);
     imported = events->imported;

@@ -57,6 +57,9 @@ struct ClientOptions {
 class StagingBuffer;
 class SelectChannel;
 class AppendWriter;
+namespace internal {
+struct MoveCalls;
+}  // namespace internal
 
 class Client {
  public:
@@ -64,7 +67,10 @@ class Client {
   // (UNAVAILABLE).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          ClientOptions options = {});
-  ~Client();  // ends the Attach stream, so the daemon ends this client's leases
+  // Ends the Attach stream, so the daemon ends this client's leases. Waits for the calls of
+  // this client's moves that gRPC still holds (a stalled daemon's), at most the timeout (5 s
+  // when it is longer).
+  ~Client();
 
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& req);
   // One client stream carrying `requests` in order; returns tokens stored in every layer.
@@ -91,7 +97,7 @@ class Client {
   // bytes go (v1::ChunkCarrier; NCCL: GPU to GPU, daemon to daemon, with only the parts'
   // sizes and checksums through this client). The timeout (the shorter of the two clients')
   // bounds the wait for each part, not the whole move, whose length grows with the session:
-  // DEADLINE_EXCEEDED when no part moved for that long. `progress`, when set, is called after
+  // DEADLINE_EXCEEDED when nothing moved for that long. `progress`, when set, is called after
   // each part is handed to `to`, with the parts and bytes moved so far.
   using MoveProgress = std::function<void(uint64_t parts, uint64_t bytes)>;
   absl::StatusOr<v1::CreateSessionResponse> MoveSession(
@@ -159,6 +165,8 @@ class Client {
 
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
+  // The calls of moves from or to this client that gRPC holds (MoveSession); shared with them.
+  std::shared_ptr<internal::MoveCalls> moves_;
   std::unique_ptr<v1::KvTier::Stub> stub_;
   ClientOptions options_;
   std::mutex attach_mu_;                    // never held across a unary call

@@ -181,6 +181,8 @@ class Client:
                     last[0] = loop.time()  # gRPC took it and asks for the next
                     name = ""
             except grpc.aio.AioRpcError as e:  # the export failed: the import must not complete
+                if stalled:
+                    return  # cancelled here (the import is cancelled too)
                 failed.append(e)
                 raise
 
@@ -200,7 +202,8 @@ class Client:
         try:
             r = await call
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            if stalled:
+            task = asyncio.current_task()
+            if stalled and not (task is not None and task.cancelling()):
                 raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   _sync._stalled(session_id, timeout)) from None
             # grpc.aio cancels the import when the requests fail: the export's error is the cause.

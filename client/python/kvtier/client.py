@@ -1178,6 +1178,7 @@ class Client:
         parts = self.stub.ExportSession(req, metadata=self._metadata)
         failed: list[grpc.RpcError] = []
         last = [time.monotonic()]  # when a part last moved
+        stalled = [False]
 
         def requests() -> Iterator[pb.ImportSessionRequest]:
             name = new_session_id
@@ -1188,6 +1189,8 @@ class Client:
                     last[0] = time.monotonic()  # gRPC took it and asks for the next
                     name = ""
             except grpc.RpcError as e:  # the export failed: the import must not complete
+                if stalled[0]:
+                    return  # cancelled here (the import is cancelled too)
                 failed.append(e)
                 raise
 
@@ -1203,14 +1206,20 @@ class Client:
                         continue  # a part moved meanwhile
                     # Stalled: both calls cancelled; a write into a connection whose peer
                     # stopped reading is left to gRPC (it ends when the peer reads again).
+                    stalled[0] = True
                     parts.cancel()
-                    call.cancel()
+                    if not call.cancel() and call.done():
+                        continue  # it ended just now: its outcome stands
                     raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED, _stalled(
                         session_id, timeout)) from None
         except grpc.RpcError as e:
             parts.cancel()
             cause = failed[0] if failed else e
             raise KvTierError(cause.code(), cause.details() or "") from None
+        except BaseException:  # an interrupt: neither call goes on
+            parts.cancel()
+            call.cancel()
+            raise
         return SessionHandle(r.session_id, r.policy)
 
     def close_session(self, session_id: str) -> bool:
