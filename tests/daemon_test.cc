@@ -2380,6 +2380,30 @@ TEST(Daemon, AMoveWhoseDaemonStallsEndsAfterTheTimeout) {
   EXPECT_EQ(listed.sessions_size(), 0);
 }
 
+// An AppendKV stream into a daemon that stopped reading ends DEADLINE_EXCEEDED about a second
+// past the client's timeout. Before, it waited for as long as the daemon was stopped: a write
+// into a connection whose peer stopped reading ends only when the peer reads, and the call's
+// deadline did not end the blocking client's wait for it. The daemon then takes appends again.
+TEST(Daemon, AnAppendToAStalledDaemonEndsPastTheTimeout) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.started());
+  ClientOptions o;
+  o.timeout = absl::Seconds(1);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(d.address(), o));
+  ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
+  ASSERT_EQ(kill(d.pid(), SIGSTOP), 0);
+  absl::Cleanup resume = [&] { kill(d.pid(), SIGCONT); };
+  const absl::Time t0 = absl::Now();
+  EXPECT_THAT(c->AppendKV(AllLayers(created.session_id(), MakeData(1500), 0, 1500)),
+              StatusIs(Code::kDeadlineExceeded));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
+  std::move(resume).Invoke();
+  ASSERT_OK_AND_ASSIGN(auto other, c->CreateSession(Shape()));
+  ASSERT_OK_AND_ASSIGN(uint64_t stored,
+                       c->AppendKV(AllLayers(other.session_id(), MakeData(32), 0, 32)));
+  EXPECT_EQ(stored, 32u);
+}
+
 // Whether process `pid` still runs: gone, or a zombie nobody reaped yet, is not running.
 bool Runs(int pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");

@@ -358,31 +358,110 @@ absl::StatusOr<uint64_t> Client::AppendKV(const std::vector<v1::AppendKVRequest>
   return writer->Finish();
 }
 
+// The call under an AppendWriter, on a completion queue of its own that the writing thread
+// polls for each step's end, one step at a time (as gRPC's blocking API does, with no other
+// thread woken), bounded by the stream's deadline and a grace.
+struct AppendWriter::Call {
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  v1::AppendKVResponse response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncWriter<v1::AppendKVRequest>> writer;
+  absl::Time give_up = absl::InfiniteFuture();
+
+  // Whether the step in flight ended well; nullopt when it had not ended by give_up.
+  std::optional<bool> Wait() {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto until = give_up == absl::InfiniteFuture()
+                           ? std::chrono::system_clock::time_point::max()
+                           : absl::ToChronoTime(give_up);
+    switch (cq.AsyncNext(&tag, &ok, until)) {
+      case grpc::CompletionQueue::GOT_EVENT:
+        return ok;
+      case grpc::CompletionQueue::TIMEOUT:
+        return std::nullopt;
+      case grpc::CompletionQueue::SHUTDOWN:
+        break;
+    }
+    return false;
+  }
+};
+
+AppendWriter::AppendWriter() : call_(std::make_unique<Call>()) {}
+
 std::unique_ptr<AppendWriter> Client::OpenAppend() {
   std::unique_ptr<AppendWriter> w(new AppendWriter());
-  Prepare(&w->ctx_);
-  w->writer_ = stub_->AppendKV(&w->ctx_, &w->response_);
+  AppendWriter::Call& c = *w->call_;
+  Prepare(&c.ctx);
+  // A grace past the deadline, within which gRPC itself ends every step that can end.
+  if (options_.timeout < absl::Hours(24 * 365)) {
+    c.give_up = absl::Now() + options_.timeout + absl::Seconds(1);
+  }
+  c.writer = stub_->PrepareAsyncAppendKV(&c.ctx, &c.response, &c.cq);
+  c.writer->StartCall(&c);
+  const std::optional<bool> started = c.Wait();
+  if (!started) {
+    w->GiveUp();
+  } else if (!*started) {
+    w->ended_ = true;
+  }
   return w;
 }
 
+void AppendWriter::GiveUp() {
+  call_->ctx.TryCancel();
+  std::thread([c = std::move(call_)] {
+    c->cq.Shutdown();
+    void* tag;
+    bool ok;
+    while (c->cq.Next(&tag, &ok)) {
+    }
+  }).detach();
+}
+
 AppendWriter::~AppendWriter() {
-  if (!finished_) {
-    ctx_.TryCancel();
-    (void)writer_->Finish();
-  }
+  if (finished_ || call_ == nullptr) return;
+  call_->ctx.TryCancel();
+  call_->writer->Finish(&call_->status, call_.get());
+  if (!call_->Wait()) GiveUp();
 }
 
 bool AppendWriter::Write(const v1::AppendKVRequest& request) {
-  return !finished_ && writer_->Write(request);
+  if (finished_ || ended_ || call_ == nullptr) return false;
+  call_->writer->Write(request, call_.get());
+  const std::optional<bool> ok = call_->Wait();
+  if (!ok) {
+    GiveUp();
+    return false;
+  }
+  if (!*ok) ended_ = true;
+  return *ok;
 }
 
 absl::StatusOr<uint64_t> AppendWriter::Finish() {
   if (finished_) return absl::FailedPreconditionError("AppendWriter: the stream is finished");
   finished_ = true;
-  writer_->WritesDone();
-  grpc::Status s = writer_->Finish();
-  if (!s.ok()) return FromGrpcStatus(s);
-  return response_.num_tokens();
+  auto gave_up = [] {
+    return absl::DeadlineExceededError(
+        "AppendKV: the daemon took no step of the stream within the client's timeout (a stalled "
+        "daemon or link); the stream is cancelled, and what it stored stays stored");
+  };
+  if (call_ == nullptr) return gave_up();
+  if (!ended_) {
+    call_->writer->WritesDone(call_.get());
+    if (!call_->Wait()) {
+      GiveUp();
+      return gave_up();
+    }
+  }
+  call_->writer->Finish(&call_->status, call_.get());
+  if (!call_->Wait()) {
+    GiveUp();
+    return gave_up();
+  }
+  if (!call_->status.ok()) return FromGrpcStatus(call_->status);
+  return call_->response.num_tokens();
 }
 
 absl::StatusOr<v1::SelectResponse> Client::Select(const v1::SelectRequest& req) {

@@ -178,7 +178,10 @@ class Client {
 absl::Status FromGrpcStatus(const grpc::Status& s);
 
 // One open AppendKV stream (Client::OpenAppend); not thread-safe. Its deadline is the
-// client's timeout, from the open.
+// client's timeout, from the open. A step the daemon does not take by then and a second (a
+// write into a connection whose daemon stopped reading ends only when it reads, whatever the
+// deadline) is given up: the stream is cancelled and left to gRPC, and Finish answers
+// DEADLINE_EXCEEDED.
 class AppendWriter {
  public:
   ~AppendWriter();  // unfinished: cancels the stream (what the daemon stored stays stored)
@@ -193,11 +196,13 @@ class AppendWriter {
 
  private:
   friend class Client;
-  AppendWriter() = default;
-  grpc::ClientContext ctx_;
-  v1::AppendKVResponse response_;
-  std::unique_ptr<grpc::ClientWriter<v1::AppendKVRequest>> writer_;
+  AppendWriter();
+  struct Call;
+  // Cancels the call and hands it to a thread that waits for gRPC to be done with it.
+  void GiveUp();
+  std::unique_ptr<Call> call_;  // null once given up
   bool finished_ = false;
+  bool ended_ = false;  // a step failed: the stream has ended, Finish says why
 };
 
 // A session's staging area mapped read-write in this process; unmapped when destroyed.

@@ -94,9 +94,18 @@ class Client:
                 r.keys = k.tobytes()
                 r.values = v.tobytes()
                 yield r
+        call = self.stub.AppendKV(requests(), timeout=self.timeout, metadata=self._metadata)
         try:
-            r = await self.stub.AppendKV(requests(), timeout=self.timeout,
-                                         metadata=self._metadata)
+            # A second past the deadline: a call whose daemon stopped reading never ends by
+            # its deadline (a write into its connection ends only when it reads).
+            r = await asyncio.wait_for(call, None if self.timeout is None
+                                       else self.timeout + 1)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "AppendKV: the daemon took no step of the call within the "
+                              f"client's timeout ({self.timeout:g} s and 1 s): a stalled daemon "
+                              "or link; the call is cancelled") from None
         except grpc.aio.AioRpcError as e:
             raise KvTierError(e.code(), e.details() or "") from None
         return r.num_tokens

@@ -290,6 +290,35 @@ def _call(fn, *args, **kwargs):
         raise KvTierError(e.code(), e.details() or "") from None
 
 
+def _within(fn, arg, timeout: float | None, metadata, name: str):
+    """fn's call (on one request, or a stream of them) under `timeout`, its answer awaited at
+    most a second longer: a call whose daemon stopped reading never ends by its deadline (a
+    write into its connection ends only when it reads), and is cancelled then, raising
+    DEADLINE_EXCEEDED."""
+    call = fn.future(arg, timeout=timeout, metadata=metadata)
+    try:
+        return call.result(timeout=None if timeout is None else timeout + 1)
+    except grpc.FutureTimeoutError:
+        if not call.cancel() and call.done():
+            return _within_result(call)
+        raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{name}: the daemon took no step of the call within the client's "
+                          f"timeout ({timeout:g} s and 1 s): a stalled daemon or link; the "
+                          "call is cancelled") from None
+    except grpc.RpcError as e:
+        raise KvTierError(e.code(), e.details() or "") from None
+    except BaseException:  # an interrupt: the call does not go on
+        call.cancel()
+        raise
+
+
+def _within_result(call):
+    try:
+        return call.result()
+    except grpc.RpcError as e:
+        raise KvTierError(e.code(), e.details() or "") from None
+
+
 _LIKES = ("numpy", "torch")
 _DEVICE_LIKES = ("cuda", "torch", "cupy")  # views of a GPU segment (kvtier.cuda)
 
@@ -961,8 +990,8 @@ class Client:
                 raise KvTierArgumentError(
                     "staging", f"staging area {staging.id} holds {staging.size} bytes, "
                     f"fewer than these appends' {need} bytes of K and V")
-        return _call(self.stub.AppendKV, requests(), timeout=self.timeout,
-                     metadata=self._metadata).num_tokens
+        return _within(self.stub.AppendKV, requests(), self.timeout, self._metadata,
+                       "AppendKV").num_tokens
 
     def _append_through_channel(self, session_id, items, wait_aged,
                                 layer_bytes: int) -> int | None:

@@ -345,3 +345,38 @@ def test_a_move_whose_daemon_stalls_ends_after_the_timeout(start_daemon):
         finally:
             b.proc.send_signal(signal.SIGCONT)
         assert cb.list_sessions() == []
+
+
+def test_an_append_to_a_stalled_daemon_ends_past_the_timeout(daemon):
+    """An append (the bytes path) into a daemon that stopped reading raises DEADLINE_EXCEEDED
+    about a second past the timeout, in either client. Before, the blocking client waited for
+    as long as the daemon was stopped (a write into its connection ends only when it reads).
+    The daemon then takes appends again."""
+    import asyncio
+    import signal
+
+    import kvtier.aio
+    rng = np.random.default_rng(14)
+    k, v = make_kv(rng, 1500)
+    items = [(layer, 0, k[layer], v[layer]) for layer in range(L)]
+    with kvtier.Client(daemon.address, timeout=1.0) as c:
+        sid = c.create_session(L, QH, KVH, D).session_id
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(kvtier.KvTierError) as e:
+                c.append_kv(sid, items)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+            assert time.monotonic() - t0 < 20
+
+            async def run():
+                async with kvtier.aio.Client(daemon.address, timeout=1.0) as a:
+                    with pytest.raises(kvtier.KvTierError) as e:
+                        await a.append_kv(sid, items)
+                    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+            asyncio.run(asyncio.wait_for(run(), 20))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        other = c.create_session(L, QH, KVH, D).session_id
+        assert c.append_kv(other, [(layer, 0, k[layer][:, :32], v[layer][:, :32])
+                                   for layer in range(L)]) == 32
