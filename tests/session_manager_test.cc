@@ -654,8 +654,9 @@ TEST(RemoteRecords, AFinishSentAgainIsDone) {
 
 // A put sent again (its first reply lost) with its token finds that the first ran, and is
 // done, whatever another daemon did with the record meanwhile: restored it (the second once
-// answered that daemon held the id, and the session stayed live on both) or closed it (the
-// second stored the closed record again). A put with a token of its own still runs.
+// answered that daemon held the id, and the session stayed live on both), closed it (the
+// second stored the closed record again), or restored and demoted it anew (the second wrote
+// the older record over the newer). A put with a token of its own still runs.
 TEST(RemoteRecords, APutSentAgainIsDoneWhateverBecameOfItsRecord) {
   Remote remote;
   ASSERT_NE(remote.store, nullptr);
@@ -674,6 +675,15 @@ TEST(RemoteRecords, APutSentAgainIsDoneWhateverBecameOfItsRecord) {
   EXPECT_TRUE(dropped);
   EXPECT_OK(a.Put("y", "record", "token-3"));
   EXPECT_FALSE(*remote.store->Exists(RecordKey("y"))) << "the closed record was stored again";
+  // Restored on b and demoted anew there (a put of b's own): a's second sending leaves the
+  // newer record alone.
+  ASSERT_OK(a.Put("z", "older", "token-4"));
+  ASSERT_OK(b.Get("z").status());
+  ASSERT_OK(b.Finish("z"));
+  ASSERT_OK(b.Put("z", "newer", "token-5"));
+  EXPECT_OK(a.Put("z", "older", "token-4"));
+  ASSERT_OK_AND_ASSIGN(got, b.Get("z"));
+  EXPECT_EQ(got, std::optional<std::string>("newer"));
 }
 
 // Letting a live session's hold go never deletes a record of its id: one there is another
@@ -801,6 +811,13 @@ size_t Keys(RemoteStore& store, const std::string& pattern) {
   return r.ok() && !r->empty() && (*r)[0] ? std::stoul(*(*r)[0]) : 0;
 }
 
+// `n` bytes from `rng`.
+std::string RandomBytes(std::mt19937& rng, size_t n) {
+  std::string v(n, '\0');
+  for (char& c : v) c = static_cast<char>(rng());
+  return v;
+}
+
 // What the key itself holds (a manifest, for a value in parts), read by a script.
 std::string Raw(RemoteStore& store, const std::string& key) {
   auto r = store.Eval("return {redis.call('GET', KEYS[1])}", {key}, {});
@@ -815,11 +832,7 @@ TEST(RemoteStore, AValueLargerThanAPartIsStoredInPartsAndReadBackWhole) {
   ASSERT_NE(remote.store, nullptr);
   RemoteStore& store = *remote.store;
   std::mt19937 rng(7);
-  auto bytes = [&](size_t n) {
-    std::string v(n, '\0');
-    for (char& c : v) c = static_cast<char>(rng());
-    return v;
-  };
+  auto bytes = [&](size_t n) { return RandomBytes(rng, n); };
   const std::string big = bytes(10'500);
   ASSERT_OK(store.Put("k", big));
   EXPECT_THAT(Raw(store, "k"), ::testing::StartsWith("KVPARTS1 "));
@@ -902,11 +915,7 @@ TEST(RemoteStore, PartsExpireUnlessTheirManifestIsStored) {
       RemoteStore::Connect(proxy.address(), {.part_bytes = 1000, .part_ttl_ms = 2000}));
   RemoteStore& store = *lasting;
   std::mt19937 rng(11);
-  auto bytes = [&](size_t n) {
-    std::string v(n, '\0');
-    for (char& c : v) c = static_cast<char>(rng());
-    return v;
-  };
+  auto bytes = [&](size_t n) { return RandomBytes(rng, n); };
   const std::string big = bytes(10'500);
   ASSERT_OK(store.Put("k", big));
   EXPECT_EQ(Parts(store, /*expiring=*/false), 11u);

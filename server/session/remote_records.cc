@@ -31,18 +31,20 @@ return {'new'}
 )lua";
 
 // ARGV[2] the record (or the manifest of its parts: RemoteStore::StoreParts, kept here), ARGV[3]
-// this put's token, which the put leaves in KEYS[4] for ten minutes: the same put sent again
-// (its reply lost) finds it and is done, whatever happened to the record since (restored or
-// closed by another daemon: never stored again). A record of the id lying there already
+// this put's token, whose receipt the put leaves ("<KEYS[4]>:<token>", a key of its own, so
+// that no later put of the id erases it) for ten minutes: the same put sent again (its reply
+// lost) finds it and is done, whatever happened to the record since (restored, closed or
+// demoted anew by another daemon: never stored again). A record of the id lying there already
 // (another session's: RemoteRecords::Release) goes, with its parts.
 constexpr char kPut[] = R"lua(
-if redis.call('GET', KEYS[4]) == ARGV[3] then return {'ok'} end
+local receipt = KEYS[4] .. ':' .. ARGV[3]
+if redis.call('EXISTS', receipt) == 1 then return {'ok'} end
 )lua" KVTIER_UNLESS_HELD_ELSEWHERE KVTIER_KEEP_PARTS_LUA KVTIER_DROP_PARTS_LUA R"lua(
 if not keep_parts(ARGV[2]) then return {'parts gone'} end
 drop_parts(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2])
-redis.call('SET', KEYS[4], ARGV[3], 'PX', 600000)
+redis.call('SET', receipt, '1', 'PX', 600000)
 return {'ok'}
 )lua";
 
@@ -157,9 +159,9 @@ absl::Status RemoteRecords::Put(const std::string& session_id, const std::string
   const std::string& stored = manifest ? *manifest : record;
   absl::StatusOr<Outcome> o = Run(store_, kPut, session_id, self_, {stored, token});
   // Its reply lost (a timeout): the script may have run, the record stored and the id let go,
-  // while the session would stay live here too. Sent once more: the token it left says it ran
-  // (whatever another daemon did with the record since), and otherwise it runs now, so the
-  // answer is the outcome.
+  // while the session would stay live here too. Sent once more: the receipt of its token says
+  // it ran (whatever another daemon did with the record since), and otherwise it runs now, so
+  // the answer is the outcome.
   if (absl::IsUnavailable(o.status())) o = Run(store_, kPut, session_id, self_, {stored, token});
   // Its outcome unknown still: stored after all (the id let go with it), or its parts go.
   if (!o.ok()) return store_->Settle(RecordKey(session_id), stored, o.status());

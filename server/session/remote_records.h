@@ -6,7 +6,8 @@
 //
 //   Claim    a new session: refused while a record lies there or another daemon holds the id
 //   Put      a demotion: the record is stored and the id let go, unless another daemon holds it
-//            (its token left in "kvtier:put:<id>" for ten minutes, for a second sending)
+//            (a receipt of its token, "kvtier:put:<id>:<token>", left for ten minutes for a
+//            second sending)
 //   Finish   a restore, after the record was read and imported: the id is taken and the record
 //            deleted, unless another daemon took it (or closed it) meanwhile
 //   Drop     a close: this daemon's hold let go, and the record deleted (leaving the tombstone
@@ -43,8 +44,9 @@ class RemoteRecords {
   absl::StatusOr<bool> Claim(const std::string& session_id);
   // Stores `record` and lets the id go. FAILED_PRECONDITION when another daemon holds it. A
   // script whose reply is lost (a timeout) is sent once more, its answer the outcome: the put
-  // leaves a random token ("kvtier:put:<id>", ten minutes) by which a second sending knows
-  // that the first ran. The second form takes the token (a put sent again, in tests).
+  // leaves a receipt of a random token ("kvtier:put:<id>:<token>", ten minutes) by which a
+  // second sending knows that the first ran. The second form takes the token (a put sent
+  // again, in tests).
   absl::Status Put(const std::string& session_id, const std::string& record);
   absl::Status Put(const std::string& session_id, const std::string& record,
                    const std::string& token);
