@@ -2321,19 +2321,68 @@ TEST(Daemon, AMovedSessionHasEveryChunkOnTheOtherDaemon) {
   EXPECT_EQ(listed.sessions(0).session_id(), "moved");
 }
 
+// A process stopped (SIGSTOP) until Resume or the guard goes, and at most `at_most`: a call
+// that waits for it (the hang a test looks for) then ends, and fails the test's time check,
+// instead of holding the test for good.
+class Stopped {
+ public:
+  Stopped(int pid, absl::Duration at_most) : pid_(pid) {
+    EXPECT_EQ(kill(pid, SIGSTOP), 0);
+    watchdog_ = std::thread([this, at_most] {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(at_most), [&] { return resumed_; });
+      kill(pid_, SIGCONT);
+    });
+  }
+  ~Stopped() { Resume(); }
+  void Resume() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      resumed_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+
+ private:
+  const int pid_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool resumed_ = false;
+  std::thread watchdog_;
+};
+
 // A move's timeout bounds the wait for each part, not the whole move (which grows with the
 // session): one that takes longer than the timeout, its parts coming within it, completes.
 // Before, the whole move ran under one deadline, and a large session could never be moved.
-TEST(Daemon, AMoveLongerThanTheTimeoutGoesOnWhileItsPartsMove) {
+// Two daemons, a client of each with a 1 s timeout, and a session of `tokens` tokens on the
+// first (`sid`, empty when any step failed).
+struct MoveBetween {
+  explicit MoveBetween(int tokens) {
+    EXPECT_TRUE(a.started() && b.started());
+    ClientOptions o;
+    o.timeout = absl::Seconds(1);
+    auto f = Client::Connect(a.address(), o), t = Client::Connect(b.address(), o);
+    if (!f.ok() || !t.ok()) return;
+    from = *std::move(f);
+    to = *std::move(t);
+    auto created = from->CreateSession(Shape());
+    if (!created.ok()) return;
+    if (from->AppendKV(AllLayers(created->session_id(), MakeData(tokens), 0, tokens)).ok()) {
+      sid = created->session_id();
+    }
+  }
   DaemonProcess a, b;
-  ASSERT_TRUE(a.started() && b.started());
-  ClientOptions o;
-  o.timeout = absl::Seconds(1);
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> from, Client::Connect(a.address(), o));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> to, Client::Connect(b.address(), o));
-  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
-  const std::string sid = created.session_id();
-  ASSERT_OK(from->AppendKV(AllLayers(sid, MakeData(700), 0, 700)).status());
+  std::unique_ptr<Client> from, to;
+  std::string sid;
+};
+
+TEST(Daemon, AMoveLongerThanTheTimeoutGoesOnWhileItsPartsMove) {
+  MoveBetween m(700);
+  ASSERT_FALSE(m.sid.empty());
+  Client* from = m.from.get();
+  Client* to = m.to.get();
+  const std::string& sid = m.sid;
   std::vector<std::pair<uint64_t, uint64_t>> seen;  // (parts, bytes) after each part
   ASSERT_OK_AND_ASSIGN(auto moved, from->MoveSession(sid, *to, "slow", v1::CHUNK_CARRIER_PARTS,
                                                      [&](uint64_t parts, uint64_t bytes) {
@@ -2359,24 +2408,21 @@ TEST(Daemon, AMoveLongerThanTheTimeoutGoesOnWhileItsPartsMove) {
 // into a connection whose peer stopped reading completes only when the peer reads, and the
 // call's deadline did not end the wait for it.
 TEST(Daemon, AMoveWhoseDaemonStallsEndsAfterTheTimeout) {
-  DaemonProcess a, b;
-  ASSERT_TRUE(a.started() && b.started());
-  ClientOptions o;
-  o.timeout = absl::Seconds(1);
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> from, Client::Connect(a.address(), o));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> to, Client::Connect(b.address(), o));
-  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
-  const std::string sid = created.session_id();
-  ASSERT_OK(from->AppendKV(AllLayers(sid, MakeData(1500), 0, 1500)).status());
+  MoveBetween m(1500);
+  ASSERT_FALSE(m.sid.empty());
+  Client* from = m.from.get();
+  Client* to = m.to.get();
+  const std::string& sid = m.sid;
+  DaemonProcess& b = m.b;
   ASSERT_OK(to->ListSessions().status());  // its connection made
-  ASSERT_EQ(kill(b.pid(), SIGSTOP), 0);
-  absl::Cleanup resume = [&] { kill(b.pid(), SIGCONT); };
+  Stopped stopped(b.pid(), absl::Seconds(10));
   const absl::Time t0 = absl::Now();
   EXPECT_THAT(from->MoveSession(sid, *to, "stalled"),
               StatusIs(Code::kDeadlineExceeded, "nothing moved for 1s"));
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
-  std::move(resume).Invoke();
-  ASSERT_OK_AND_ASSIGN(auto listed, to->ListSessions());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(8));
+  stopped.Resume();
+  // Asked with the longer default timeout: the daemon first reads what the move left it.
+  ASSERT_OK_AND_ASSIGN(auto listed, Connect(b)->ListSessions());
   EXPECT_EQ(listed.sessions_size(), 0);
 }
 
@@ -2391,16 +2437,17 @@ TEST(Daemon, AnAppendToAStalledDaemonEndsPastTheTimeout) {
   o.timeout = absl::Seconds(1);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(d.address(), o));
   ASSERT_OK_AND_ASSIGN(auto created, c->CreateSession(Shape()));
-  ASSERT_EQ(kill(d.pid(), SIGSTOP), 0);
-  absl::Cleanup resume = [&] { kill(d.pid(), SIGCONT); };
+  Stopped stopped(d.pid(), absl::Seconds(10));
   const absl::Time t0 = absl::Now();
   EXPECT_THAT(c->AppendKV(AllLayers(created.session_id(), MakeData(1500), 0, 1500)),
               StatusIs(Code::kDeadlineExceeded));
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
-  std::move(resume).Invoke();
-  ASSERT_OK_AND_ASSIGN(auto other, c->CreateSession(Shape()));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(8));
+  stopped.Resume();
+  // With the longer default timeout: the daemon first reads what the append left it.
+  std::unique_ptr<Client> after = Connect(d);
+  ASSERT_OK_AND_ASSIGN(auto other, after->CreateSession(Shape()));
   ASSERT_OK_AND_ASSIGN(uint64_t stored,
-                       c->AppendKV(AllLayers(other.session_id(), MakeData(32), 0, 32)));
+                       after->AppendKV(AllLayers(other.session_id(), MakeData(32), 0, 32)));
   EXPECT_EQ(stored, 32u);
 }
 

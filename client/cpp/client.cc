@@ -13,6 +13,8 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -226,8 +228,14 @@ Client::~Client() {
   const bool ended = moves_->cv.wait_for(
       lock, absl::ToChronoNanoseconds(std::min(options_.timeout, absl::Seconds(5))),
       [&] { return moves_->calls == 0; });
-  // Else the channel stays for good: the last of it must never go on one of gRPC's threads.
-  if (!ended) new std::shared_ptr<grpc::Channel>(channel_);
+  // Else the channel stays for good (where a leak check still reaches it): the last of it
+  // must never go on one of gRPC's threads.
+  if (!ended) {
+    static std::mutex kept_mu;
+    static auto* kept = new std::vector<std::shared_ptr<grpc::Channel>>;
+    std::lock_guard<std::mutex> keep(kept_mu);
+    kept->push_back(channel_);
+  }
 }
 
 absl::StatusOr<std::string> Client::WorkerId() { return AttachedWorker(/*recheck=*/true); }
@@ -424,6 +432,7 @@ AppendWriter::~AppendWriter() {
   if (finished_ || call_ == nullptr) return;
   call_->ctx.TryCancel();
   call_->writer->Finish(&call_->status, call_.get());
+  call_->give_up = std::max(call_->give_up, absl::Now() + absl::Seconds(1));  // cancelled: soon
   if (!call_->Wait()) GiveUp();
 }
 
@@ -444,8 +453,8 @@ absl::StatusOr<uint64_t> AppendWriter::Finish() {
   finished_ = true;
   auto gave_up = [] {
     return absl::DeadlineExceededError(
-        "AppendKV: the daemon took no step of the stream within the client's timeout (a stalled "
-        "daemon or link); the stream is cancelled, and what it stored stays stored");
+        "AppendKV: the stream did not end within the client's timeout from its open and a "
+        "second (a stalled daemon or link); it is cancelled, and what it stored stays stored");
   };
   if (call_ == nullptr) return gave_up();
   if (!ended_) {
@@ -637,8 +646,9 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
   bool export_held = false, import_held = false;  // the holds Start takes, until let go
   // However this returns (a stall, an error, an exception from `progress`): a call still held
   // is cancelled and let go, so that gRPC ends it.
+  bool answered = false;  // both calls' outcomes read
   absl::Cleanup let_go = [&] {
-    if (export_held || import_held) {
+    if (!answered) {
       exporter->ctx.TryCancel();
       importer->ctx.TryCancel();
     }
@@ -715,6 +725,7 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
     std::lock_guard<std::mutex> lock(events->mu);
     imported = events->imported;
   }
+  answered = true;
   // An export cut short is why the import was cancelled; otherwise the importer's word.
   if (import_open && !exported.ok()) return FromGrpcStatus(exported);
   if (!imported.ok()) return FromGrpcStatus(imported);

@@ -103,9 +103,9 @@ class Client:
         except asyncio.TimeoutError:
             call.cancel()
             raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              "AppendKV: the daemon took no step of the call within the "
-                              f"client's timeout ({self.timeout:g} s and 1 s): a stalled daemon "
-                              "or link; the call is cancelled") from None
+                              "AppendKV: the call did not end within the client's timeout "
+                              f"({self.timeout:g} s) and a second: a stalled daemon or link; "
+                              "the call is cancelled") from None
         except grpc.aio.AioRpcError as e:
             raise KvTierError(e.code(), e.details() or "") from None
         return r.num_tokens
@@ -211,8 +211,8 @@ class Client:
         try:
             r = await call
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            task = asyncio.current_task()
-            if stalled and not (task is not None and task.cancelling()):
+            task = asyncio.current_task()  # its own cancellation is not a stall (3.11+ says)
+            if stalled and not (task is not None and getattr(task, "cancelling", lambda: 0)()):
                 raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   _sync._stalled(session_id, timeout)) from None
             # grpc.aio cancels the import when the requests fail: the export's error is the cause.

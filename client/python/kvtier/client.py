@@ -302,9 +302,9 @@ def _within(fn, arg, timeout: float | None, metadata, name: str):
         if not call.cancel() and call.done():
             return _within_result(call)
         raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"{name}: the daemon took no step of the call within the client's "
-                          f"timeout ({timeout:g} s and 1 s): a stalled daemon or link; the "
-                          "call is cancelled") from None
+                          f"{name}: the call did not end within the client's timeout "
+                          f"({timeout:g} s) and a second: a stalled daemon or link; the call "
+                          "is cancelled") from None
     except grpc.RpcError as e:
         raise KvTierError(e.code(), e.details() or "") from None
     except BaseException:  # an interrupt: the call does not go on
@@ -1236,8 +1236,9 @@ class Client:
                     # Stalled: both calls cancelled; a write into a connection whose peer
                     # stopped reading is left to gRPC (it ends when the peer reads again).
                     stalled[0] = True
+                    cancelled = call.cancel()  # first: the import must not see its end
                     parts.cancel()
-                    if not call.cancel() and call.done():
+                    if not cancelled and call.done():
                         continue  # it ended just now: its outcome stands
                     raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED, _stalled(
                         session_id, timeout)) from None
