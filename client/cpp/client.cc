@@ -644,8 +644,8 @@ absl::StatusOr<v1::CreateSessionResponse> Client::MoveSession(const std::string&
   const bool bounded = timeout < absl::Hours(24 * 365);
   uint64_t parts = 0, bytes = 0;
   bool export_held = false, import_held = false;  // the holds Start takes, until let go
-  // However this returns (a stall, an error, an exception from `progress`): a call still held
-  // is cancelled and let go, so that gRPC ends it.
+  // However this returns (a stall, an error, an exception from `progress`) before both calls'
+  // outcomes are read, both are cancelled; a hold still taken is let go, so that gRPC ends them.
   bool answered = false;  // both calls' outcomes read
   absl::Cleanup let_go = [&] {
     if (!answered) {
