@@ -2,9 +2,7 @@
 
 #include <vector>
 
-#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "server/common/error.h"
 #include "server/common/status_macros.h"
 #include "server/session/session_record.h"
@@ -146,10 +144,7 @@ absl::StatusOr<bool> RemoteRecords::Claim(const std::string& session_id) {
 }
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record) {
-  absl::BitGen gen;
-  return Put(
-      session_id, record,
-      absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen)));
+  return Put(session_id, record, RemoteStore::Nonce());
 }
 
 absl::Status RemoteRecords::Put(const std::string& session_id, const std::string& record,

@@ -208,12 +208,15 @@ return {redis.call('DEL', KEYS[1])}
 
 }  // namespace
 
+std::string RemoteStore::Nonce() {
+  absl::BitGen gen;
+  return absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
+}
+
 absl::StatusOr<std::optional<std::string>> RemoteStore::StoreParts(const std::string& value) {
   const uint64_t part = std::max<uint64_t>(1, options_.part_bytes);
   if (value.size() <= part) return std::nullopt;
-  absl::BitGen gen;
-  const std::string nonce =
-      absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
+  const std::string nonce = Nonce();
   const uint64_t parts = (value.size() + part - 1) / part;
   if (parts > kMaxParts) {  // the scripts would take its manifest for a damaged one
     return absl::InvalidArgumentError(absl::StrCat(

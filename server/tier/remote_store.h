@@ -95,6 +95,8 @@ class RemoteStore {
   // the script that stores the manifest keeps them (KVTIER_KEEP_PARTS_LUA). A script that
   // replaces or deletes a key's value drops its parts (KVTIER_DROP_PARTS_LUA).
   absl::StatusOr<std::optional<std::string>> StoreParts(const std::string& value);
+  // A fresh random name, 32 hex digits: a value's parts' nonce, a put's token.
+  static std::string Nonce();
   // What a store answers when its script found a part of `stored` gone before it could keep
   // them (keep_parts false): the rest of its parts are dropped, and the error says why.
   absl::Status PartsGone(std::string_view stored);

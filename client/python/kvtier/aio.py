@@ -102,10 +102,7 @@ class Client:
                                        else self.timeout + 1)
         except asyncio.TimeoutError:
             call.cancel()
-            raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              "AppendKV: the call did not end within the client's timeout "
-                              f"({self.timeout:g} s) and a second: a stalled daemon or link; "
-                              "the call is cancelled") from None
+            raise _sync._not_ended("AppendKV", self.timeout) from None
         except grpc.aio.AioRpcError as e:
             raise KvTierError(e.code(), e.details() or "") from None
         return r.num_tokens

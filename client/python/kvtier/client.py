@@ -301,15 +301,19 @@ def _within(fn, arg, timeout: float | None, metadata, name: str):
     except grpc.FutureTimeoutError:
         if not call.cancel() and call.done():
             return _within_result(call)
-        raise KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"{name}: the call did not end within the client's timeout "
-                          f"({timeout:g} s) and a second: a stalled daemon or link; the call "
-                          "is cancelled") from None
+        raise _not_ended(name, timeout) from None
     except grpc.RpcError as e:
         raise KvTierError(e.code(), e.details() or "") from None
     except BaseException:  # an interrupt: the call does not go on
         call.cancel()
         raise
+
+
+def _not_ended(name: str, timeout: float) -> KvTierError:
+    """What a call given up a second past its timeout raises (_within; the asyncio client's)."""
+    return KvTierError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"{name}: the call did not end within the client's timeout ({timeout:g} s) "
+                       "and a second: a stalled daemon or link; the call is cancelled")
 
 
 def _within_result(call):
