@@ -132,6 +132,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"eviction_policy: \"fifo\"", "eviction_policy"},
       {"prefetch: \"maybe\"", "prefetch"},
       {"channel_colocate: \"always\"", "channel_colocate"},
+      {"max_import_size: \"0\"", "max_import_size: \"0\" is outside [1, 1T]"},
+      {"max_import_size: \"some\"", "max_import_size"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},

@@ -53,6 +53,9 @@
 //  20  SocketExporter::mu_          a socket carrier's queue of bytes to send (leaf)
 //  21  KvTierService::Carried::mu_  a carried transfer's last reaction, for its pump (leaf)
 //  22  KvTierService::pumps_mu_     the threads of carried transfers (leaf)
+//  23  KvTierService::watched_mu_   the transfers in progress, for their idle timeout (leaf;
+//                                   gRPC's TryCancel is called under it, which runs no
+//                                   reaction inline)
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

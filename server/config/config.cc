@@ -143,6 +143,7 @@ v1::Config DefaultConfig() {
   c.set_segment_memory("auto");
   c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
   c.set_max_staging_size("1G");
+  c.set_transfer_idle_timeout_ms(o.transfer_idle_timeout_ms);
   c.set_retained_segment_size("1G");
   c.set_device("auto");
   *c.mutable_default_policy() = BuiltinPolicy();
@@ -390,6 +391,13 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   if (o.max_staging_size > (1ull << 40)) {
     return InvalidField("max_staging_size", c.max_staging_size(), "must be at most 1T");
   }
+  if (!c.max_import_size().empty()) {
+    ASSIGN_OR_RETURN(o.max_import_size, ParseSize(c.max_import_size(), "max_import_size"));
+    if (o.max_import_size == 0 || o.max_import_size > (1ull << 40)) {
+      return InvalidField("max_import_size", c.max_import_size(), "is outside [1, 1T]");
+    }
+  }
+  o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
   ASSIGN_OR_RETURN(o.retained_segment_size,
                    ParseSize(c.retained_segment_size(), "retained_segment_size"));
   if (o.retained_segment_size > (1ull << 40)) {

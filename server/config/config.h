@@ -70,6 +70,10 @@ struct ServerOptions {
   uint64_t retained_segment_size = 1ull << 30;
   // Staging areas' bytes alive at once (OpenStaging); 0: OpenStaging is refused.
   uint64_t max_staging_size = 1ull << 30;
+  // Bytes that imports in progress hold at once (0: the host tier's capacity), and the time a
+  // transfer may wait on its caller before it is cancelled (0: never).
+  uint64_t max_import_size = 0;
+  uint32_t transfer_idle_timeout_ms = 60'000;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

@@ -271,7 +271,9 @@ Daemon::Daemon(const ServerOptions& options, DeviceChoice device, const Clock* c
                           .auth = &auth_,
                           .fds_of = [this] { return fds_.get(); },
                           .channels_of = [this] { return channels_.get(); },
-                          .staging = &staging_}) {}
+                          .staging = &staging_,
+                          .max_import_bytes = options_.max_import_size,
+                          .transfer_idle_timeout_ms = options_.transfer_idle_timeout_ms}) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const Clock* clock) {
@@ -385,7 +387,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     KVLOG(info, "device.tier", "mode=emulated reason={}", LogValue(dev.why_emulated));
   }
   d->RegisterGauges();
-  d->reaper_ = std::thread([raw = d.get()] { raw->ReapLeases(); });
+  d->reaper_ = std::thread([raw = d.get()] { raw->Reap(); });
   if (d->sessions_.persisting()) d->persister_ = std::thread([raw = d.get()] { raw->Persist(); });
   KVLOG(info, "daemon.start",
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
@@ -565,10 +567,11 @@ void Daemon::Persist() {
   }
 }
 
-void Daemon::ReapLeases() {
+void Daemon::Reap() {
   auto& expired = metrics_.GetCounter("kvtier_leases_expired_total", "Leases ended by their TTL");
   while (!shutdown_requested_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
     if (int n = leases_.ExpireDue(); n > 0) expired.Inc(n);
+    service_.EndIdleTransfers();
   }
 }
 

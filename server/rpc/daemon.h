@@ -76,7 +76,8 @@ class Daemon {
     return device_choice_.gpu >= 0 ? absl::StrCat("cuda:", device_choice_.gpu) : "emulated";
   }
   void RegisterGauges();
-  void ReapLeases();
+  // Every 100 ms until shutdown: ends the leases past their TTL and the idle transfers.
+  void Reap();
   void Persist();
 
   const ServerOptions options_;

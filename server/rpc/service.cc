@@ -111,6 +111,17 @@ KvTierService::KvTierService(ServiceEnv env) : env_(std::move(env)) {
       "kvtier_moved_out_bytes_total", "Chunk data of sessions exported whole (ExportSession)");
   moved_in_bytes_ = &env_.metrics->GetCounter("kvtier_moved_in_bytes_total",
                                               "Chunk data of sessions imported (ImportSession)");
+  idle_ended_ = &env_.metrics->GetCounter(
+      "kvtier_transfers_idle_ended_total",
+      "ExportSession and ImportSession calls cancelled after waiting on their caller for "
+      "--transfer_idle_timeout_ms");
+  import_bytes_gauge_ =
+      &env_.metrics->GetGauge("kvtier_import_bytes",
+                              "Bytes held by the ImportSession calls in progress (at most "
+                              "--max_import_size)");
+  if (env_.max_import_bytes == 0 && env_.host != nullptr) {
+    env_.max_import_bytes = env_.host->options().capacity_bytes;
+  }
 }
 
 const KvTierService::TenantSeries& KvTierService::SeriesOf(const std::string& tenant) const {

@@ -68,6 +68,10 @@ struct ServiceEnv {
   std::function<ChannelHub*()> channels_of;
   // Where OpenStaging makes areas (null: it is refused).
   StagingRegistry* staging = nullptr;
+  // What the ImportSession calls in progress may hold at once (--max_import_size; 0: the host
+  // tier's capacity), and how long a transfer may wait on its caller (0: for ever).
+  uint64_t max_import_bytes = 0;
+  uint32_t transfer_idle_timeout_ms = 60'000;
 };
 
 // The tenants the config names ("default", quotas' keys, auth's unix_peers, tokens and
@@ -83,6 +87,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls whose handler or reactor has not finished.
   int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+  // Cancels each ExportSession and ImportSession that has waited on its caller (to take its
+  // next part, or to send one) for longer than the transfer idle timeout: what it held goes
+  // as its reactor ends. The daemon calls it every 100 ms. The number cancelled.
+  int EndIdleTransfers();
+  // Bytes the imports in progress hold (against ServiceEnv::max_import_bytes).
+  uint64_t import_bytes() const { return import_bytes_.load(std::memory_order_relaxed); }
   // One call of a shared-memory Select channel (ChannelHub::Hooks::serve): the same checks,
   // leases and metrics as the gRPC call of its op.
   absl::Status ServeChannel(const ChannelHub::Call& call, std::string* out);
@@ -191,7 +201,9 @@ class KvTierService final : public v1::KvTier::CallbackService {
   class ExportReactor;  // service_transfer.cc
   class ImportReactor;
   class AttachReactor;
-  class Carried;  // what a transfer with a carrier holds (service_transfer.cc)
+  class Carried;     // what a transfer with a carrier holds (service_transfer.cc)
+  class IdleWatch;   // a transfer's waits on its caller, for EndIdleTransfers (service_transfer.cc)
+  class ImportHold;  // an import's bytes, held against max_import_bytes (service_transfer.cc)
   // Runs `fn` on a thread of its own (a carried transfer's pump).
   void StartPump(std::function<void()> fn);
 
@@ -278,6 +290,14 @@ class KvTierService final : public v1::KvTier::CallbackService {
   };
   absl::Mutex pumps_mu_;  // lock order 22 (server/common/lock_order.h)
   std::vector<Pump> pumps_ ABSL_GUARDED_BY(pumps_mu_);
+  // The transfers in progress, each from its reactor's construction to its OnDone (so that
+  // EndIdleTransfers, under the lock, cancels only calls gRPC has not let go).
+  absl::Mutex watched_mu_;  // lock order 23 (server/common/lock_order.h)
+  absl::flat_hash_set<IdleWatch*> watched_ ABSL_GUARDED_BY(watched_mu_);
+  metrics::Counter* idle_ended_ = nullptr;
+  // The bytes imports in progress hold, each import's reserved as its parts come.
+  std::atomic<uint64_t> import_bytes_{0};
+  metrics::Gauge* import_bytes_gauge_ = nullptr;
 };
 
 }  // namespace kvtier

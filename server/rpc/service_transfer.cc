@@ -1,11 +1,15 @@
 // ExportSession and ImportSession: a session moved between daemons as the parts of
 // server/session/transfer.h, relayed by the caller.
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/str_format.h"
+#include "server/common/log.h"
 #include "server/common/mutex.h"
 #include "server/common/status_macros.h"
 #include "server/rpc/service.h"
@@ -115,6 +119,121 @@ class KvTierService::Carried {
   std::optional<bool> ok_ ABSL_GUARDED_BY(mu_);
 };
 
+// A transfer's waits on its caller, for EndIdleTransfers. The reactor marks each wait before it
+// starts a read or a write (Wait) and each reaction (Woke). The watch is one word, the time the
+// wait began (ms) << 2 | its state, so that EndIdleTransfers' look at it and its claim are one
+// step: a wait begun again meanwhile has another time, and a reaction that came first makes it
+// busy. A call is cancelled at most once, only while it waits, and a reaction that finds it
+// cancelled ends the call and does nothing else (an import makes no session).
+class KvTierService::IdleWatch {
+ public:
+  IdleWatch(KvTierService* svc, grpc::CallbackServerContext* ctx) : svc_(svc), ctx_(ctx) {
+    MutexLock lock(&svc_->watched_mu_);
+    svc_->watched_.insert(this);
+  }
+  // From the reactor's OnDone, before it is counted out: gRPC lets the call go after.
+  void Forget() {
+    MutexLock lock(&svc_->watched_mu_);
+    svc_->watched_.erase(this);
+  }
+  void Wait() { word_.store(NowMs() << 2 | kWaiting, std::memory_order_release); }
+  // False once EndIdleTransfers cancelled the call.
+  bool Woke() {
+    uint64_t w = word_.load(std::memory_order_acquire);
+    while ((w & 3) == kWaiting) {
+      if (word_.compare_exchange_weak(w, kBusy, std::memory_order_acq_rel)) return true;
+    }
+    return (w & 3) != kEnded;
+  }
+  bool ended() const { return (word_.load(std::memory_order_acquire) & 3) == kEnded; }
+  // Under watched_mu_ (the call not let go): cancels it if it has waited since `cut_ms`.
+  bool EndIfWaitingSince(uint64_t cut_ms) {
+    uint64_t w = word_.load(std::memory_order_acquire);
+    if ((w & 3) != kWaiting || (w >> 2) > cut_ms) return false;
+    if (!word_.compare_exchange_strong(w, kEnded, std::memory_order_acq_rel)) return false;
+    ctx_->TryCancel();  // the pending read or write ends, and its reaction finds kEnded
+    return true;
+  }
+  // The status a call cancelled idle ends with (its caller sees CANCELLED).
+  absl::Status Idle(const char* method) const {
+    return absl::DeadlineExceededError(
+        absl::StrCat(method, ": the caller moved no part for ", svc_->env_.transfer_idle_timeout_ms,
+                     " ms (--transfer_idle_timeout_ms); cancelled, nothing kept"));
+  }
+  static uint64_t NowMs() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::steady_clock::now().time_since_epoch())
+                                     .count());
+  }
+
+ private:
+  static constexpr uint64_t kBusy = 0, kWaiting = 1, kEnded = 2;
+  KvTierService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  std::atomic<uint64_t> word_{kBusy};
+};
+
+int KvTierService::EndIdleTransfers() {
+  const uint32_t timeout = env_.transfer_idle_timeout_ms;
+  const uint64_t now = IdleWatch::NowMs();
+  if (timeout == 0 || now < timeout) return 0;
+  int n = 0;
+  {
+    MutexLock lock(&watched_mu_);
+    for (IdleWatch* w : watched_) n += w->EndIfWaitingSince(now - timeout) ? 1 : 0;
+  }
+  if (n > 0) {
+    idle_ended_->Inc(n);
+    KVLOG(warn, "transfer.idle", "cancelled={} idle_timeout_ms={}", n, timeout);
+  }
+  return n;
+}
+
+// An import's bytes, held against ServiceEnv::max_import_bytes from its header (the chunk data
+// it names) and grown as its parts come (what they hold, with their records); given back when
+// the import ends.
+class KvTierService::ImportHold {
+ public:
+  explicit ImportHold(KvTierService* svc) : svc_(svc) {}
+  ~ImportHold() { Release(); }
+  // Holds `bytes` in all; RESOURCE_EXHAUSTED naming max_import_size when the imports in
+  // progress would pass it (this one's hold unchanged).
+  absl::Status GrowTo(uint64_t bytes) {
+    if (bytes <= held_) return absl::OkStatus();
+    const uint64_t max = svc_->env_.max_import_bytes;
+    if (bytes > max) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("ImportSession: the session's parts come to at least %d bytes, more than "
+                          "--max_import_size %d lets imports hold at once; nothing is imported",
+                          bytes, max));
+    }
+    const uint64_t more = bytes - held_;
+    uint64_t all = svc_->import_bytes_.load(std::memory_order_relaxed);
+    do {
+      if (all + more > max) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "ImportSession: the imports in progress hold %d bytes of --max_import_size %d, "
+            "and this one needs %d more; nothing is imported (retry once they end)",
+            all, max, more));
+      }
+    } while (
+        !svc_->import_bytes_.compare_exchange_weak(all, all + more, std::memory_order_relaxed));
+    held_ = bytes;
+    svc_->import_bytes_gauge_->Add(static_cast<double>(more));
+    return absl::OkStatus();
+  }
+  void Release() {
+    if (held_ == 0) return;
+    svc_->import_bytes_.fetch_sub(held_, std::memory_order_relaxed);
+    svc_->import_bytes_gauge_->Add(-static_cast<double>(held_));
+    held_ = 0;
+  }
+
+ private:
+  KvTierService* const svc_;
+  uint64_t held_ = 0;
+};
+
 // Writes the parts one at a time: the record is taken under the session's lock when the call
 // starts, and each part's chunk data leaves it as the part is made.
 class KvTierService::ExportReactor final
@@ -122,7 +241,7 @@ class KvTierService::ExportReactor final
  public:
   ExportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 const v1::ExportSessionRequest* req)
-      : Counted(svc, "ExportSession") {
+      : Counted(svc, "ExportSession"), watch_(svc, ctx) {
     absl::Status s = Start(ctx, *req);
     if (!s.ok()) {
       Done(s);
@@ -132,6 +251,7 @@ class KvTierService::ExportReactor final
       carried_.StartPump([this] { Pump(); });
       return;
     }
+    watch_.Wait();
     StartStream();
   }
 
@@ -140,7 +260,12 @@ class KvTierService::ExportReactor final
 
   void OnWriteDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
-    if (carried_.Reacted(ok)) return;
+    const bool woke = watch_.Woke();
+    if (carried_.Reacted(ok && woke)) return;
+    if (!woke) {
+      Done(watch_.Idle("ExportSession"));
+      return;
+    }
     if (!ok) {
       Done(absl::CancelledError("ExportSession: the client went away"));
       return;
@@ -149,6 +274,11 @@ class KvTierService::ExportReactor final
   }
 
   void OnCancel() override { carried_.Cancel(); }
+
+  void OnDone() override {
+    watch_.Forget();
+    Counted::OnDone();
+  }
 
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ExportSessionRequest& req) {
@@ -177,6 +307,7 @@ class KvTierService::ExportReactor final
       Done(absl::OkStatus());
       return;
     }
+    watch_.Wait();
     KVTIER_TSAN_RELEASE(this);
     StartWrite(&resp_);
     // StartWrite serialized resp_ on this thread, and OnWriteDone, on another, writes it next:
@@ -196,10 +327,12 @@ class KvTierService::ExportReactor final
           return;
         }
       }
+      watch_.Wait();
       KVTIER_TSAN_RELEASE(this);
       StartWrite(&resp_);
       if (!carried_.Take()) {
-        Done(absl::CancelledError("ExportSession: the client went away"));
+        Done(watch_.ended() ? watch_.Idle("ExportSession")
+                            : absl::CancelledError("ExportSession: the client went away"));
         return;
       }
     }
@@ -213,6 +346,7 @@ class KvTierService::ExportReactor final
     End(s);
   }
 
+  IdleWatch watch_;
   std::unique_ptr<TransferWriter> writer_;
   Carried carried_{svc_};
   v1::ExportSessionResponse resp_;
@@ -232,6 +366,7 @@ class KvTierService::ImportReactor final
   ImportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 v1::CreateSessionResponse* resp)
       : Counted(svc, "ImportSession"),
+        watch_(svc, ctx),
         resp_(resp),
         reader_(svc->env_.host->options().capacity_bytes) {
     absl::StatusOr<Caller> caller = svc_->Admit(ctx);
@@ -245,7 +380,12 @@ class KvTierService::ImportReactor final
 
   void OnReadDone(bool ok) override {
     KVTIER_TSAN_ACQUIRE(this);
-    if (carried_.Reacted(ok)) return;
+    const bool woke = watch_.Woke();
+    if (carried_.Reacted(ok && woke)) return;
+    if (!woke) {
+      Stop(watch_.Idle("ImportSession"));
+      return;
+    }
     if (!ok) {  // the client closed its side
       Stop(Import());
       return;
@@ -270,14 +410,21 @@ class KvTierService::ImportReactor final
 
   void OnCancel() override { carried_.Cancel(); }
 
+  void OnDone() override {
+    watch_.Forget();
+    Counted::OnDone();
+  }
+
  private:
-  // Ends the call; its carrier (aborted unless it finished) and its count go first.
+  // Ends the call; its carrier (aborted unless it finished), its count and its hold go first.
   void Stop(const absl::Status& s) {
     carried_.Release();
+    hold_.Release();
     End(s);
   }
 
   void Read() {
+    watch_.Wait();
     KVTIER_TSAN_RELEASE(this);
     StartRead(&req_);
   }
@@ -299,6 +446,12 @@ class KvTierService::ImportReactor final
     const bool header = reader_.has_header();
     RETURN_IF_ERROR(
         reader_.Add(req_.part(), [this](uint64_t n) { return carried_.carrier->Recv(n); }));
+    // What the import holds: the parts so far (a carrier's chunk data beside them), and from
+    // the header on at least the chunk data it names.
+    part_bytes_ += req_.part().size();
+    const uint64_t carried =
+        reader_.carrier() != v1::CHUNK_CARRIER_PARTS ? reader_.data_bytes() : 0;
+    RETURN_IF_ERROR(hold_.GrowTo(std::max(reader_.declared_bytes(), part_bytes_ + carried)));
     if (!header && session_id_.empty()) {
       RETURN_IF_ERROR(svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id()));
     }
@@ -314,8 +467,8 @@ class KvTierService::ImportReactor final
     if (s.ok()) carried_.carrier = *std::move(joined);
     while (s.ok()) {
       Read();
-      if (!carried_.Take()) {  // the client closed its side
-        Stop(Import());
+      if (!carried_.Take()) {  // the client closed its side, or the call was cancelled idle
+        Stop(watch_.ended() ? watch_.Idle("ImportSession") : Import());
         return;
       }
       s = Part();
@@ -331,12 +484,15 @@ class KvTierService::ImportReactor final
     return absl::OkStatus();
   }
 
+  IdleWatch watch_;
   v1::CreateSessionResponse* const resp_;
   std::string tenant_;
   std::string session_id_;
   bool first_ = true;
   TransferReader reader_;
-  Carried carried_{svc_};  // its carrier is the header's, joined when it arrives
+  ImportHold hold_{svc_};
+  uint64_t part_bytes_ = 0;  // the parts' bytes received
+  Carried carried_{svc_};    // its carrier is the header's, joined when it arrives
   v1::ImportSessionRequest req_;
 };
 

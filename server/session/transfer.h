@@ -76,6 +76,8 @@ class TransferReader {
   // The record once complete (FAILED_PRECONDITION, "ended early", before that).
   absl::StatusOr<v1::SessionRecord> Take();
   uint64_t data_bytes() const { return data_bytes_; }
+  // The chunk data the header names (0 before it).
+  uint64_t declared_bytes() const { return declared_bytes_; }
   // The exported session's id, once the header is in.
   const std::string& session_id() const { return record_.session_id(); }
   bool has_header() const { return stage_ != Stage::kHeader; }

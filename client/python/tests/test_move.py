@@ -1,6 +1,8 @@
 """Moving a session between two real daemons (ExportSession, ImportSession, move_session)."""
+import socket
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -187,24 +189,24 @@ def test_kvtierctl_moves_a_session_and_closes_it_here(start_daemon, kvtierctl):
         assert [s.session_id for s in cb.list_sessions()] == ["there"]
 
 
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def counter(port, name):
+    """The value of an unlabelled metric on the daemon whose --metrics_port is `port`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exposed")
+
+
 def test_moved_bytes_are_counted_on_both_daemons(start_daemon):
-    import socket
-    import urllib.request
-
-    def free_port():
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        return port
-
-    def counter(port, name):
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        for line in text.decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"{name} not exposed")
-
     pa, pb = free_port(), free_port()
     a, b = start_daemon("--metrics_port", str(pa)), start_daemon("--metrics_port", str(pb))
     k, v = make_kv(np.random.default_rng(12), 100)
@@ -390,3 +392,110 @@ def test_an_append_to_a_stalled_daemon_ends_past_the_timeout(daemon):
         other = c.create_session(L, QH, KVH, D).session_id
         assert c.append_kv(other, [(layer, 0, k[layer][:, :32], v[layer][:, :32])
                                    for layer in range(L)]) == 32
+
+
+def held_import(client, requests, release):
+    """An ImportSession that sends the first request, waits for `release`, then the rest: its
+    future."""
+    def gen():
+        yield requests[0]
+        release.wait(30)
+        yield from requests[1:]
+    return client.stub.ImportSession.future(gen(), metadata=client._metadata)
+
+
+def test_imports_in_progress_hold_at_most_max_import_size(start_daemon):
+    """An import's parts wait in memory until its session is made, so the imports in progress
+    together hold at most --max_import_size: from its header, an import holds the chunk data it
+    names. One past it is RESOURCE_EXHAUSTED naming the flag, and imports nothing; once the
+    first ends, it goes through. A session larger than the flag alone is refused at its header.
+    Before, any number of imports held their parts at once."""
+    port = free_port()
+    a, b = start_daemon(), start_daemon("--max_import_size", "2M", "--metrics_port", str(port))
+    rng = np.random.default_rng(15)
+    with kvtier.Client(a.address) as ca, kvtier.Client(b.address) as cb:
+        k, v = make_kv(rng, 400)  # 1.2 MB of fp16 K and V
+        ca.create_session(L, QH, KVH, D, session_id="s", lossless=True)
+        ca.append_layers("s", 0, k, v)
+        req = [pb.ImportSessionRequest(part=x) for x in parts(ca, "s")]
+        release = threading.Event()
+        first = held_import(cb, req, release)
+        for _ in range(200):  # its header in: it holds the session's chunk data
+            if counter(port, "kvtier_import_bytes") > 0:
+                break
+            time.sleep(0.02)
+        assert counter(port, "kvtier_import_bytes") >= L * KVH * 400 * D * 2 * 2
+        second = [pb.ImportSessionRequest(part=req[0].part, session_id="two")] + req[1:]
+        with pytest.raises(grpc.RpcError) as e:
+            import_raw(cb, second)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "imports in progress hold" in e.value.details()
+        assert "--max_import_size 2097152" in e.value.details()
+        release.set()
+        assert first.result(timeout=30).session_id == "s"
+        assert counter(port, "kvtier_import_bytes") == 0
+        assert import_raw(cb, second).session_id == "two"
+        assert cb.describe_session("two").info.num_tokens == 400
+
+        k, v = make_kv(rng, 1000)  # 3 MB: more than the flag lets imports hold at once
+        ca.create_session(L, QH, KVH, D, session_id="big", lossless=True)
+        ca.append_layers("big", 0, k, v)
+        with pytest.raises(grpc.RpcError) as e:
+            import_raw(cb, [pb.ImportSessionRequest(part=x) for x in parts(ca, "big")])
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "more than --max_import_size 2097152" in e.value.details()
+        assert sorted(s.session_id for s in cb.list_sessions()) == ["s", "two"]
+        assert counter(port, "kvtier_import_bytes") == 0
+
+
+def test_a_transfer_whose_caller_stops_is_cancelled(start_daemon):
+    """An ImportSession whose caller sends nothing for --transfer_idle_timeout_ms, or an
+    ExportSession whose caller takes nothing for as long, is cancelled, and its parts go: an
+    import makes no session. The bound is per wait: an import whose parts come closer together
+    goes through, however long it takes in all. Before, a stuck caller held them for good."""
+    port = free_port()
+    a = start_daemon("--transfer_idle_timeout_ms", "500", "--metrics_port", str(port))
+    rng = np.random.default_rng(16)
+    with kvtier.Client(a.address) as c:
+        k, v = make_kv(rng, 1500)  # 4.6 MB: several parts
+        c.create_session(L, QH, KVH, D, session_id="s", lossless=True)
+        c.append_layers("s", 0, k, v)
+        p = parts(c, "s")
+        assert len(p) >= 4
+        req = [pb.ImportSessionRequest(part=x, session_id="copy" if i == 0 else "")
+               for i, x in enumerate(p)]
+
+        release = threading.Event()
+        stuck = held_import(c, req, release)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stuck.result(timeout=20)
+        assert e.value.code() == grpc.StatusCode.CANCELLED, e.value.details()
+        assert time.monotonic() - t0 < 10
+        release.set()
+        assert [s.session_id for s in c.list_sessions()] == ["s"]
+        assert counter(port, "kvtier_transfers_idle_ended_total") == 1
+
+        def slow():
+            for r in req:
+                time.sleep(0.25)
+                yield r
+        t0 = time.monotonic()
+        assert c.stub.ImportSession(slow(), metadata=c._metadata).session_id == "copy"
+        assert time.monotonic() - t0 > 0.9  # longer than the timeout in all
+        assert counter(port, "kvtier_transfers_idle_ended_total") == 1
+
+        # A channel whose receive window stays small (no BDP probing): the export's parts
+        # wait for the caller to take them.
+        from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+        narrow = grpc.insecure_channel(a.address, options=[("grpc.http2.bdp_probe", 0)])
+        export = pb_grpc.KvTierStub(narrow).ExportSession(
+            pb.ExportSessionRequest(session_id="s"), metadata=c._metadata)
+        next(export)  # the header; the next parts fill what the connection buffers, then wait
+        time.sleep(2)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in export:
+                pass
+        assert e.value.code() == grpc.StatusCode.CANCELLED, e.value.details()
+        assert counter(port, "kvtier_transfers_idle_ended_total") == 2
+        narrow.close()
