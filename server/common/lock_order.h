@@ -53,9 +53,12 @@
 //  20  SocketExporter::mu_          a socket carrier's queue of bytes to send (leaf)
 //  21  KvTierService::Carried::mu_  a carried transfer's last reaction, for its pump (leaf)
 //  22  KvTierService::pumps_mu_     the threads of carried transfers (leaf)
-//  23  KvTierService::watched_mu_   the transfers in progress, for their idle timeout (leaf;
-//                                   gRPC's TryCancel is called under it, which runs no
-//                                   reaction inline)
+//  23  KvTierService::watched_mu_   the transfers in progress, for their idle timeout (leaf).
+//                                   gRPC's TryCancel is called under it, and a reactor's
+//                                   OnDone takes it: this holds because gRPC (1.51) runs no
+//                                   reaction, OnCancel or OnDone of a reactor that is not
+//                                   inlineable (none of kvtierd's is) inside TryCancel, but on
+//                                   its executor's threads
 //
 // Outside the daemon, the C++ client library has one mutex of its own (SegmentMap's mappings),
 // never held across a call to the daemon.

@@ -154,9 +154,10 @@ class KvTierService::IdleWatch {
     ctx_->TryCancel();  // the pending read or write ends, and its reaction finds kEnded
     return true;
   }
-  // The status a call cancelled idle ends with (its caller sees CANCELLED).
+  // The status a call cancelled idle ends with, in the daemon's log and metrics (its caller
+  // sees gRPC's CANCELLED).
   absl::Status Idle(const char* method) const {
-    return absl::DeadlineExceededError(
+    return absl::CancelledError(
         absl::StrCat(method, ": the caller moved no part for ", svc_->env_.transfer_idle_timeout_ms,
                      " ms (--transfer_idle_timeout_ms); cancelled, nothing kept"));
   }
@@ -366,6 +367,7 @@ class KvTierService::ImportReactor final
   ImportReactor(KvTierService* svc, grpc::CallbackServerContext* ctx,
                 v1::CreateSessionResponse* resp)
       : Counted(svc, "ImportSession"),
+        ctx_(ctx),
         watch_(svc, ctx),
         resp_(resp),
         reader_(svc->env_.host->options().capacity_bytes) {
@@ -386,8 +388,8 @@ class KvTierService::ImportReactor final
       Stop(watch_.Idle("ImportSession"));
       return;
     }
-    if (!ok) {  // the client closed its side
-      Stop(Import());
+    if (!ok) {  // the client closed its side, or cancelled the call
+      Stop(ImportUnlessCancelled());
       return;
     }
     const bool header = reader_.has_header();
@@ -416,11 +418,23 @@ class KvTierService::ImportReactor final
   }
 
  private:
-  // Ends the call; its carrier (aborted unless it finished), its count and its hold go first.
+  // Ends the call; its carrier (aborted unless it finished), its count, the parts it holds
+  // and their hold go first (gRPC may keep the reactor for a while: a slow reader's Finish).
   void Stop(const absl::Status& s) {
     carried_.Release();
+    reader_ = TransferReader(0);
+    v1::ImportSessionRequest().Swap(&req_);
     hold_.Release();
     End(s);
+  }
+
+  // A read that failed ends the client's side, or the call: a cancelled import (the mover
+  // gave up, or it went) makes no session, even with every part in.
+  absl::Status ImportUnlessCancelled() {
+    if (ctx_->IsCancelled()) {
+      return absl::CancelledError("ImportSession: the call was cancelled; nothing is imported");
+    }
+    return Import();
   }
 
   void Read() {
@@ -446,12 +460,17 @@ class KvTierService::ImportReactor final
     const bool header = reader_.has_header();
     RETURN_IF_ERROR(
         reader_.Add(req_.part(), [this](uint64_t n) { return carried_.carrier->Recv(n); }));
-    // What the import holds: the parts so far (a carrier's chunk data beside them), and from
-    // the header on at least the chunk data it names.
+    // What the import holds: from the header on, the chunk data it names and a sixteenth
+    // more for the records around it (their framing and fields, a few percent), short of the
+    // bound; then the parts so far (a carrier's chunk data beside them), when they come to
+    // more. So an import admitted at its header is seldom refused later for others'.
     part_bytes_ += req_.part().size();
+    const uint64_t declared = reader_.declared_bytes();
+    const uint64_t max = svc_->env_.max_import_bytes;
+    const uint64_t named = declared > max ? declared : std::min(max, declared + declared / 16);
     const uint64_t carried =
         reader_.carrier() != v1::CHUNK_CARRIER_PARTS ? reader_.data_bytes() : 0;
-    RETURN_IF_ERROR(hold_.GrowTo(std::max(reader_.declared_bytes(), part_bytes_ + carried)));
+    RETURN_IF_ERROR(hold_.GrowTo(std::max(named, part_bytes_ + carried)));
     if (!header && session_id_.empty()) {
       RETURN_IF_ERROR(svc_->env_.sessions->CheckNewSessionId(tenant_, reader_.session_id()));
     }
@@ -467,8 +486,8 @@ class KvTierService::ImportReactor final
     if (s.ok()) carried_.carrier = *std::move(joined);
     while (s.ok()) {
       Read();
-      if (!carried_.Take()) {  // the client closed its side, or the call was cancelled idle
-        Stop(watch_.ended() ? watch_.Idle("ImportSession") : Import());
+      if (!carried_.Take()) {  // the client closed its side, or the call was cancelled
+        Stop(watch_.ended() ? watch_.Idle("ImportSession") : ImportUnlessCancelled());
         return;
       }
       s = Part();
@@ -484,6 +503,7 @@ class KvTierService::ImportReactor final
     return absl::OkStatus();
   }
 
+  grpc::CallbackServerContext* const ctx_;
   IdleWatch watch_;
   v1::CreateSessionResponse* const resp_;
   std::string tenant_;

@@ -449,12 +449,13 @@ def test_imports_in_progress_hold_at_most_max_import_size(start_daemon):
 
 
 def test_a_transfer_whose_caller_stops_is_cancelled(start_daemon):
-    """An ImportSession whose caller sends nothing for --transfer_idle_timeout_ms, or an
-    ExportSession whose caller takes nothing for as long, is cancelled, and its parts go: an
-    import makes no session. The bound is per wait: an import whose parts come closer together
-    goes through, however long it takes in all. Before, a stuck caller held them for good."""
+    """An ImportSession whose caller sends nothing for --transfer_idle_timeout_ms (here 2 s),
+    or an ExportSession whose caller takes nothing for as long, is cancelled, and its parts go:
+    an import makes no session. The bound is per wait: an import whose parts come closer
+    together goes through, however long it takes in all. Before, a stuck caller held them for
+    good."""
     port = free_port()
-    a = start_daemon("--transfer_idle_timeout_ms", "500", "--metrics_port", str(port))
+    a = start_daemon("--transfer_idle_timeout_ms", "2000", "--metrics_port", str(port))
     rng = np.random.default_rng(16)
     with kvtier.Client(a.address) as c:
         k, v = make_kv(rng, 1500)  # 4.6 MB: several parts
@@ -478,11 +479,11 @@ def test_a_transfer_whose_caller_stops_is_cancelled(start_daemon):
 
         def slow():
             for r in req:
-                time.sleep(0.25)
+                time.sleep(0.5)
                 yield r
         t0 = time.monotonic()
         assert c.stub.ImportSession(slow(), metadata=c._metadata).session_id == "copy"
-        assert time.monotonic() - t0 > 0.9  # longer than the timeout in all
+        assert time.monotonic() - t0 > 2  # longer than the timeout in all
         assert counter(port, "kvtier_transfers_idle_ended_total") == 1
 
         # A channel whose receive window stays small (no BDP probing): the export's parts
@@ -492,10 +493,45 @@ def test_a_transfer_whose_caller_stops_is_cancelled(start_daemon):
         export = pb_grpc.KvTierStub(narrow).ExportSession(
             pb.ExportSessionRequest(session_id="s"), metadata=c._metadata)
         next(export)  # the header; the next parts fill what the connection buffers, then wait
-        time.sleep(2)
+        time.sleep(4)
         with pytest.raises(grpc.RpcError) as e:
             for _ in export:
                 pass
         assert e.value.code() == grpc.StatusCode.CANCELLED, e.value.details()
         assert counter(port, "kvtier_transfers_idle_ended_total") == 2
         narrow.close()
+
+
+def test_a_cancelled_import_makes_nothing_even_with_every_part_in(start_daemon):
+    """An import whose caller cancels it after sending every part, the end part too, instead
+    of closing its side, makes no session: the mover that gave up is told nothing was imported,
+    and so it is. Before, the daemon took the failed read for the close and made the session."""
+    port = free_port()
+    a = start_daemon("--metrics_port", str(port))
+    with kvtier.Client(a.address) as c:
+        k, v = make_kv(np.random.default_rng(17), 400)
+        c.create_session(L, QH, KVH, D, session_id="s", lossless=True)
+        c.append_layers("s", 0, k, v)
+        p = parts(c, "s")
+        req = [pb.ImportSessionRequest(part=x, session_id="copy" if i == 0 else "")
+               for i, x in enumerate(p)]
+        sent, release = threading.Event(), threading.Event()
+
+        def then_wait():
+            yield from req
+            sent.set()  # gRPC asks for the next request once the last is sent
+            release.wait(30)
+        call = c.stub.ImportSession.future(then_wait(), metadata=c._metadata)
+        assert sent.wait(30)
+        time.sleep(1)  # a local daemon has read them all by now
+        assert counter(port, "kvtier_import_bytes") >= sum(len(x) for x in p)
+        call.cancel()
+        release.set()
+        with pytest.raises(grpc.FutureCancelledError):
+            call.result(timeout=10)
+        for _ in range(100):  # the daemon has ended the call
+            if counter(port, "kvtier_import_bytes") == 0:
+                break
+            time.sleep(0.02)
+        assert counter(port, "kvtier_import_bytes") == 0
+        assert [s.session_id for s in c.list_sessions()] == ["s"]
