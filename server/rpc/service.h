@@ -91,8 +91,6 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // next part, or to send one) for longer than the transfer idle timeout: what it held goes
   // as its reactor ends. The daemon calls it every 100 ms. The number cancelled.
   int EndIdleTransfers();
-  // Bytes the imports in progress hold (against ServiceEnv::max_import_bytes).
-  uint64_t import_bytes() const { return import_bytes_.load(std::memory_order_relaxed); }
   // One call of a shared-memory Select channel (ChannelHub::Hooks::serve): the same checks,
   // leases and metrics as the gRPC call of its op.
   absl::Status ServeChannel(const ChannelHub::Call& call, std::string* out);
