@@ -48,6 +48,32 @@ TEST(FormatBytes, HumanUnits) {
   EXPECT_EQ(FormatBytes(3ull << 29), "1.5 GiB");
 }
 
+// Claims at once never pass the limit together: eight threads each claiming 3 bytes a time
+// until refused, under a limit of 1000, take 999 in all (the last 1 fits no claim), and each
+// refusal saw a total that left no room.
+TEST(ClaimBytes, ClaimsAtOnceStayWithinTheLimit) {
+  std::atomic<uint64_t> used{0};
+  std::atomic<uint64_t> claimed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      uint64_t seen = 0;
+      while (ClaimBytes(&used, 3, 1000, &seen)) claimed.fetch_add(3);
+      EXPECT_GT(seen + 3, 1000u);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(used.load(), 999u);
+  EXPECT_EQ(claimed.load(), 999u);
+  uint64_t seen = 0;
+  EXPECT_TRUE(ClaimBytes(&used, 1, 1000, &seen));
+  EXPECT_FALSE(ClaimBytes(&used, 1, 1000, &seen));
+  EXPECT_EQ(seen, 1000u);
+  std::atomic<uint64_t> over{2000};  // a limit lowered below what is held: nothing fits
+  EXPECT_FALSE(ClaimBytes(&over, 1, 1000, &seen));
+  EXPECT_EQ(seen, 2000u);
+}
+
 TEST(ErrorReason, TravelsWithTheStatusAndNotWithARebuiltOne) {
   const absl::Status s =
       WithReason(absl::ResourceExhaustedError("host tier full: ..."), ErrorReason::kHostTierFull);

@@ -134,6 +134,7 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"channel_colocate: \"always\"", "channel_colocate"},
       {"max_import_size: \"0\"", "max_import_size: \"0\" is outside [1, 1T]"},
       {"max_import_size: \"some\"", "max_import_size"},
+      {"transfer_idle_timeout_ms: 500", "transfer_idle_timeout_ms: \"500\" is below 1000"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},

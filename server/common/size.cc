@@ -1,5 +1,6 @@
 #include "server/common/size.h"
 
+#include <algorithm>
 #include <cctype>
 #include <limits>
 
@@ -58,6 +59,17 @@ std::string FormatBytes(uint64_t bytes) {
   }
   if (u == 0) return absl::StrFormat("%d B", bytes);
   return absl::StrFormat("%.1f %s", v, kUnits[u]);
+}
+
+bool ClaimBytes(std::atomic<uint64_t>* used, uint64_t bytes, uint64_t limit, uint64_t* seen) {
+  uint64_t now = used->load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit - std::min(now, limit)) {
+      *seen = now;
+      return false;
+    }
+  } while (!used->compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
+  return true;
 }
 
 }  // namespace kvtier

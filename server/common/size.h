@@ -2,6 +2,7 @@
 #ifndef KVTIER_SERVER_COMMON_SIZE_H_
 #define KVTIER_SERVER_COMMON_SIZE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -15,6 +16,10 @@ absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view fie
 
 // "1.5 GiB", "512 KiB", "17 B": for tables meant for people.
 std::string FormatBytes(uint64_t bytes);
+
+// Adds `bytes` to `*used` in one step unless the sum would pass `limit`, so that claims at
+// once cannot together pass it. False when it would, `*seen` then the total it saw.
+bool ClaimBytes(std::atomic<uint64_t>* used, uint64_t bytes, uint64_t limit, uint64_t* seen);
 
 }  // namespace kvtier
 

@@ -398,6 +398,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
+  if (o.transfer_idle_timeout_ms != 0 && o.transfer_idle_timeout_ms < 1000) {
+    return InvalidField("transfer_idle_timeout_ms", absl::StrCat(o.transfer_idle_timeout_ms),
+                        "is below 1000 (the daemon looks every 100 ms); 0 turns it off");
+  }
   ASSIGN_OR_RETURN(o.retained_segment_size,
                    ParseSize(c.retained_segment_size(), "retained_segment_size"));
   if (o.retained_segment_size > (1ull << 40)) {

@@ -73,7 +73,7 @@ struct ServerOptions {
   // Bytes that imports in progress hold at once (0: the host tier's capacity), and the time a
   // transfer may wait on its caller before it is cancelled (0: never).
   uint64_t max_import_size = 0;
-  uint32_t transfer_idle_timeout_ms = 60'000;
+  uint32_t transfer_idle_timeout_ms = 120'000;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
+#include "server/common/size.h"
 #include "server/common/status_macros.h"
 #include "server/rpc/service.h"
 #include "server/session/transfer.h"
@@ -151,7 +152,8 @@ class KvTierService::IdleWatch {
     uint64_t w = word_.load(std::memory_order_acquire);
     if ((w & 3) != kWaiting || (w >> 2) > cut_ms) return false;
     if (!word_.compare_exchange_strong(w, kEnded, std::memory_order_acq_rel)) return false;
-    ctx_->TryCancel();  // the pending read or write ends, and its reaction finds kEnded
+    svc_->idle_ended_->Inc();  // counted before its caller can see it end
+    ctx_->TryCancel();         // the pending read or write ends, and its reaction finds kEnded
     return true;
   }
   // The status a call cancelled idle ends with, in the daemon's log and metrics (its caller
@@ -183,10 +185,7 @@ int KvTierService::EndIdleTransfers() {
     MutexLock lock(&watched_mu_);
     for (IdleWatch* w : watched_) n += w->EndIfWaitingSince(now - timeout) ? 1 : 0;
   }
-  if (n > 0) {
-    idle_ended_->Inc(n);
-    KVLOG(warn, "transfer.idle", "cancelled={} idle_timeout_ms={}", n, timeout);
-  }
+  if (n > 0) KVLOG(warn, "transfer.idle", "cancelled={} idle_timeout_ms={}", n, timeout);
   return n;
 }
 
@@ -209,16 +208,12 @@ class KvTierService::ImportHold {
                           bytes, max));
     }
     const uint64_t more = bytes - held_;
-    uint64_t all = svc_->import_bytes_.load(std::memory_order_relaxed);
-    do {
-      if (all + more > max) {
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "ImportSession: the imports in progress hold %d bytes of --max_import_size %d, "
-            "and this one needs %d more; nothing is imported (retry once they end)",
-            all, max, more));
-      }
-    } while (
-        !svc_->import_bytes_.compare_exchange_weak(all, all + more, std::memory_order_relaxed));
+    if (uint64_t all; !ClaimBytes(&svc_->import_bytes_, more, max, &all)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "ImportSession: the imports in progress hold %d bytes of --max_import_size %d, and "
+          "this one needs %d more; nothing is imported (retry once they end)",
+          all, max, more));
+    }
     held_ = bytes;
     svc_->import_bytes_gauge_->Add(static_cast<double>(more));
     return absl::OkStatus();
@@ -414,6 +409,14 @@ class KvTierService::ImportReactor final
 
   void OnDone() override {
     watch_.Forget();
+    // Cancelled after Import made the session (gRPC may hand a read that a cancel failed to
+    // the reactor before the call is marked cancelled, and a cancel may come before the reply
+    // is sent): its caller was told nothing was imported, and so it is.
+    if (!made_.empty() && ctx_->IsCancelled()) {
+      absl::StatusOr<bool> closed = svc_->env_.sessions->Close(tenant_, made_);
+      KVLOG(warn, "transfer.import_undone", "session={} closed={}", LogValue(made_),
+            closed.ok() && *closed);
+    }
     Counted::OnDone();
   }
 
@@ -499,6 +502,7 @@ class KvTierService::ImportReactor final
     if (svc_->draining()) return Draining();
     ASSIGN_OR_RETURN(v1::SessionRecord record, reader_.Take());
     ASSIGN_OR_RETURN(*resp_, svc_->env_.sessions->Import(tenant_, std::move(record), session_id_));
+    made_ = resp_->session_id();
     svc_->moved_in_bytes_->Inc(static_cast<double>(reader_.data_bytes()));
     return absl::OkStatus();
   }
@@ -512,6 +516,7 @@ class KvTierService::ImportReactor final
   TransferReader reader_;
   ImportHold hold_{svc_};
   uint64_t part_bytes_ = 0;  // the parts' bytes received
+  std::string made_;         // the session Import made
   Carried carried_{svc_};    // its carrier is the header's, joined when it arrives
   v1::ImportSessionRequest req_;
 };

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/log.h"
 #include "server/common/mutex.h"
+#include "server/common/size.h"
 
 namespace kvtier {
 
@@ -26,14 +27,11 @@ absl::StatusOr<std::shared_ptr<StagingArea>> StagingRegistry::Create(const std::
   }
   const uint64_t bytes = (size + page - 1) / page * page;
   // Claimed before the memory is made, so that two calls at once cannot both pass the limit.
-  uint64_t used = in_use_->load(std::memory_order_relaxed);
-  do {
-    if (bytes > max_bytes_ - std::min(used, max_bytes_)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "size_bytes: ", bytes, " more bytes of staging would pass --max_staging_size ",
-          max_bytes_, " (", used, " in use by the sessions' areas)"));
-    }
-  } while (!in_use_->compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  if (uint64_t used; !ClaimBytes(in_use_.get(), bytes, max_bytes_, &used)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("size_bytes: ", bytes, " more bytes of staging would pass --max_staging_size ",
+                     max_bytes_, " (", used, " in use by the sessions' areas)"));
+  }
   uint64_t id;
   {
     MutexLock lock(&mu_);

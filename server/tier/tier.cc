@@ -464,15 +464,12 @@ absl::Status Tier::TakeBytes(TierTenant& tenant, uint64_t bytes, absl::string_vi
 }
 
 absl::Status Tier::TakeTierBytes(uint64_t bytes, absl::string_view what) {
-  uint64_t used = used_bytes_.load(std::memory_order_relaxed);
-  do {
-    if (bytes > FreeOf(used)) {
-      allocation_failures_.fetch_add(1, std::memory_order_relaxed);
-      return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
-          "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
-          FormatBytes(used), FormatBytes(options_.capacity_bytes), bytes, what)));
-    }
-  } while (!used_bytes_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  if (uint64_t used; !ClaimBytes(&used_bytes_, bytes, options_.capacity_bytes, &used)) {
+    allocation_failures_.fetch_add(1, std::memory_order_relaxed);
+    return WithTierReason(absl::ResourceExhaustedError(absl::StrFormat(
+        "%s tier full: %s of %s used, %d more bytes%s needed", TierShortName(options_.tier),
+        FormatBytes(used), FormatBytes(options_.capacity_bytes), bytes, what)));
+  }
   return absl::OkStatus();
 }
 
