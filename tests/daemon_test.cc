@@ -2426,6 +2426,33 @@ TEST(Daemon, AMoveWhoseDaemonStallsEndsAfterTheTimeout) {
   EXPECT_EQ(listed.sessions_size(), 0);
 }
 
+// A move whose mover stops between parts (here: in its progress callback, 2.5 s) is ended by
+// the daemons once it has waited on its caller for --transfer_idle_timeout_ms (1 s): the move
+// fails CANCELLED, nothing is imported, and the next move goes through. Before, a stuck mover
+// held the exporter's copy and the importer's parts for as long as it lived.
+TEST(Daemon, AMoveWhoseMoverStopsIsCancelledByTheDaemons) {
+  DaemonProcess a({"--transfer_idle_timeout_ms", "1000"});
+  DaemonProcess b({"--transfer_idle_timeout_ms", "1000"});
+  ASSERT_TRUE(a.started() && b.started());
+  auto from = Connect(a), to = Connect(b);
+  ASSERT_OK_AND_ASSIGN(auto created, from->CreateSession(Shape()));
+  const std::string sid = created.session_id();
+  ASSERT_OK(from->AppendKV(AllLayers(sid, MakeData(1500), 0, 1500)).status());
+  bool slept = false;
+  EXPECT_THAT(from->MoveSession(sid, *to, "stuck", v1::CHUNK_CARRIER_PARTS,
+                                [&](uint64_t, uint64_t) {
+                                  if (!std::exchange(slept, true)) {
+                                    absl::SleepFor(absl::Milliseconds(2500));
+                                  }
+                                }),
+              StatusIs(Code::kCancelled));
+  EXPECT_TRUE(slept);
+  ASSERT_OK_AND_ASSIGN(auto listed, to->ListSessions());
+  EXPECT_EQ(listed.sessions_size(), 0);
+  ASSERT_OK_AND_ASSIGN(auto moved, from->MoveSession(sid, *to, "moved"));
+  EXPECT_EQ(moved.session_id(), "moved");
+}
+
 // An AppendKV stream into a daemon that stopped reading ends DEADLINE_EXCEEDED about a second
 // past the client's timeout. Before, it waited for as long as the daemon was stopped: a write
 // into a connection whose peer stopped reading ends only when the peer reads, and the call's
