@@ -1,4 +1,6 @@
 """Moving a session between two real daemons (ExportSession, ImportSession, move_session)."""
+import contextlib
+import signal
 import socket
 import threading
 import time
@@ -314,12 +316,26 @@ def test_a_move_longer_than_the_timeout_goes_on_while_its_parts_move(start_daemo
         assert cb.describe_session("slow").info.num_tokens == 400
 
 
+@contextlib.contextmanager
+def stopped(daemon, at_most=10):
+    """The daemon's process stopped (SIGSTOP) for the block, and at most `at_most` seconds: a
+    call that waits for it (the hang a test looks for) then ends, and fails the test's time
+    check, instead of holding the test for good (tests/daemon_test.cc's Stopped)."""
+    daemon.proc.send_signal(signal.SIGSTOP)
+    watchdog = threading.Timer(at_most, daemon.proc.send_signal, (signal.SIGCONT,))
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        daemon.proc.send_signal(signal.SIGCONT)
+
+
 def test_a_move_whose_daemon_stalls_ends_after_the_timeout(start_daemon):
     """A move whose daemon stalls (the importing one stopped) raises DEADLINE_EXCEEDED once
     nothing has moved for the timeout, in either client, and nothing is imported. Before, the
     blocking client waited for as long as the daemon was stopped."""
     import asyncio
-    import signal
 
     import kvtier.aio
     a, b = start_daemon(), start_daemon()
@@ -329,11 +345,7 @@ def test_a_move_whose_daemon_stalls_ends_after_the_timeout(start_daemon):
         sid = ca.create_session(L, QH, KVH, D).session_id
         ca.append_layers(sid, 0, k, v)
         cb.list_sessions()  # its connection made
-        b.proc.send_signal(signal.SIGSTOP)
-        # At most 10 s: a call that waits for it (the old hang) then fails the time check.
-        watchdog = threading.Timer(10, b.proc.send_signal, (signal.SIGCONT,))
-        watchdog.start()
-        try:
+        with stopped(b):
             t0 = time.monotonic()
             with pytest.raises(kvtier.KvTierError) as e:
                 ca.move_session(sid, cb, "stalled")
@@ -348,9 +360,6 @@ def test_a_move_whose_daemon_stalls_ends_after_the_timeout(start_daemon):
                         await aa.move_session(sid, ab, "stalled-aio")
                     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
             asyncio.run(asyncio.wait_for(run(), 20))
-        finally:
-            watchdog.cancel()
-            b.proc.send_signal(signal.SIGCONT)
     with kvtier.Client(b.address) as cb:  # the longer default timeout: b reads what it was left
         assert cb.list_sessions() == []
 
@@ -361,7 +370,6 @@ def test_an_append_to_a_stalled_daemon_ends_past_the_timeout(daemon):
     as long as the daemon was stopped (a write into its connection ends only when it reads).
     The daemon then takes appends again."""
     import asyncio
-    import signal
 
     import kvtier.aio
     rng = np.random.default_rng(14)
@@ -369,10 +377,7 @@ def test_an_append_to_a_stalled_daemon_ends_past_the_timeout(daemon):
     items = [(layer, 0, k[layer], v[layer]) for layer in range(L)]
     with kvtier.Client(daemon.address, timeout=1.0) as c:
         sid = c.create_session(L, QH, KVH, D).session_id
-        daemon.proc.send_signal(signal.SIGSTOP)
-        watchdog = threading.Timer(10, daemon.proc.send_signal, (signal.SIGCONT,))
-        watchdog.start()
-        try:
+        with stopped(daemon):
             t0 = time.monotonic()
             with pytest.raises(kvtier.KvTierError) as e:
                 c.append_kv(sid, items)
@@ -385,9 +390,6 @@ def test_an_append_to_a_stalled_daemon_ends_past_the_timeout(daemon):
                         await a.append_kv(sid, items)
                     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
             asyncio.run(asyncio.wait_for(run(), 20))
-        finally:
-            watchdog.cancel()
-            daemon.proc.send_signal(signal.SIGCONT)
     with kvtier.Client(daemon.address) as c:  # the default timeout: it reads what it was left
         other = c.create_session(L, QH, KVH, D).session_id
         assert c.append_kv(other, [(layer, 0, k[layer][:, :32], v[layer][:, :32])
