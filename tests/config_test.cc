@@ -24,6 +24,18 @@ TEST(Config, DefaultsValidate) {
   EXPECT_EQ(o.default_policy.recent_window(), 64u);
   EXPECT_EQ(o.default_policy.chunk_tokens(), 16u);
   EXPECT_EQ(o.default_policy.cold_precision(), v1::PRECISION_INT4);
+  EXPECT_EQ(o.max_rpc_buffer_size, 8 * o.max_message_size);  // 512M with the 64M default
+}
+
+// The RPC transport's bound follows max_message_size unless set.
+TEST(Config, RpcBufferSizeIsEightMessagesUnlessSet) {
+  ASSERT_OK_AND_ASSIGN(v1::Config small, ParseConfigText("max_message_size: \"4M\""));
+  ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(small));
+  EXPECT_EQ(o.max_rpc_buffer_size, 32ull << 20);
+  ASSERT_OK_AND_ASSIGN(v1::Config set,
+                       ParseConfigText("max_message_size: \"4M\" max_rpc_buffer_size: \"8M\""));
+  ASSERT_OK_AND_ASSIGN(ServerOptions s, Validate(set));
+  EXPECT_EQ(s.max_rpc_buffer_size, 8ull << 20);
 }
 
 // A field set to 0 where 0 means something is taken as set, not replaced by the default.
@@ -135,6 +147,11 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"max_import_size: \"0\"", "max_import_size: \"0\" is outside [1, 1T]"},
       {"max_import_size: \"some\"", "max_import_size"},
       {"transfer_idle_timeout_ms: 500", "transfer_idle_timeout_ms: \"500\" is below 1000"},
+      {"max_rpc_buffer_size: \"100M\"",
+       "max_rpc_buffer_size: \"100M\" is outside [2 * max_message_size (134217728 bytes), 1T]"},
+      {"max_message_size: \"16M\" max_rpc_buffer_size: \"16M\"", "max_rpc_buffer_size"},
+      {"max_rpc_buffer_size: \"2T\"", "max_rpc_buffer_size"},
+      {"max_rpc_buffer_size: \"much\"", "max_rpc_buffer_size"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},

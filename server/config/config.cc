@@ -397,6 +397,16 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
       return InvalidField("max_import_size", c.max_import_size(), "is outside [1, 1T]");
     }
   }
+  o.max_rpc_buffer_size = 8 * o.max_message_size;
+  if (!c.max_rpc_buffer_size().empty()) {
+    ASSIGN_OR_RETURN(o.max_rpc_buffer_size,
+                     ParseSize(c.max_rpc_buffer_size(), "max_rpc_buffer_size"));
+    if (o.max_rpc_buffer_size < 2 * o.max_message_size || o.max_rpc_buffer_size > (1ull << 40)) {
+      return InvalidField("max_rpc_buffer_size", c.max_rpc_buffer_size(),
+                          absl::StrCat("is outside [2 * max_message_size (", 2 * o.max_message_size,
+                                       " bytes), 1T]"));
+    }
+  }
   o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
   if (o.transfer_idle_timeout_ms != 0 && o.transfer_idle_timeout_ms < 1000) {
     return InvalidField("transfer_idle_timeout_ms", absl::StrCat(o.transfer_idle_timeout_ms),

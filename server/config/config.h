@@ -74,6 +74,9 @@ struct ServerOptions {
   // transfer may wait on its caller before it is cancelled (0: never).
   uint64_t max_import_size = 0;
   uint32_t transfer_idle_timeout_ms = 120'000;
+  // Memory gRPC may hold over every connection (its resource quota); 0: eight times
+  // max_message_size.
+  uint64_t max_rpc_buffer_size = 0;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

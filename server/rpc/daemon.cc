@@ -354,6 +354,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (!o.tcp_listen.empty()) {
     builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get()));
   }
+  // gRPC's memory over every connection, bounded: past it, gRPC cancels calls and reads less.
+  // A message is held whole before its handler sees it (a unary request, each message of a
+  // stream), so without a bound callers sending many large messages at once, or holding each
+  // half sent, would grow the daemon without limit before any of kvtier's own checks ran.
+  grpc::ResourceQuota quota("kvtierd");
+  quota.Resize(static_cast<size_t>(o.max_rpc_buffer_size));
+  builder.SetResourceQuota(quota);  // the server holds its own reference
   builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_size));
   builder.SetMaxSendMessageSize(static_cast<int>(o.max_message_size));
   builder.RegisterService(&d->service_);
@@ -392,7 +399,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   KVLOG(info, "daemon.start",
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
         "device_capacity={} device={} remote={} aging_threads={} aging_priority={} "
-        "eviction_policy={} prefetch={} channel_colocate={} metrics_port={}",
+        "eviction_policy={} prefetch={} channel_colocate={} max_rpc_buffer_size={} "
+        "metrics_port={}",
         KVTIER_VERSION, LogValue(o.listen), LogValue(o.tcp_listen),
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
@@ -401,7 +409,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
         d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
         d->aging_->idle() ? "idle" : "nice10", o.eviction_policy, o.prefetch ? "on" : "off",
-        o.channel_colocate ? "on" : "off", o.metrics_port);
+        o.channel_colocate ? "on" : "off", o.max_rpc_buffer_size, o.metrics_port);
   return d;
 }
 
