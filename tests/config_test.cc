@@ -24,18 +24,18 @@ TEST(Config, DefaultsValidate) {
   EXPECT_EQ(o.default_policy.recent_window(), 64u);
   EXPECT_EQ(o.default_policy.chunk_tokens(), 16u);
   EXPECT_EQ(o.default_policy.cold_precision(), v1::PRECISION_INT4);
-  EXPECT_EQ(o.max_rpc_buffer_size, 8 * o.max_message_size);  // 512M with the 64M default
+  EXPECT_EQ(o.RpcBufferBytes(), 512ull << 20);  // eight times the 64M max_message_size
 }
 
 // The RPC transport's bound follows max_message_size unless set.
 TEST(Config, RpcBufferSizeIsEightMessagesUnlessSet) {
   ASSERT_OK_AND_ASSIGN(v1::Config small, ParseConfigText("max_message_size: \"4M\""));
   ASSERT_OK_AND_ASSIGN(ServerOptions o, Validate(small));
-  EXPECT_EQ(o.max_rpc_buffer_size, 32ull << 20);
+  EXPECT_EQ(o.RpcBufferBytes(), 32ull << 20);
   ASSERT_OK_AND_ASSIGN(v1::Config set,
                        ParseConfigText("max_message_size: \"4M\" max_rpc_buffer_size: \"8M\""));
   ASSERT_OK_AND_ASSIGN(ServerOptions s, Validate(set));
-  EXPECT_EQ(s.max_rpc_buffer_size, 8ull << 20);
+  EXPECT_EQ(s.RpcBufferBytes(), 8ull << 20);
 }
 
 // A field set to 0 where 0 means something is taken as set, not replaced by the default.

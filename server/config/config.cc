@@ -397,7 +397,6 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
       return InvalidField("max_import_size", c.max_import_size(), "is outside [1, 1T]");
     }
   }
-  o.max_rpc_buffer_size = 8 * o.max_message_size;
   if (!c.max_rpc_buffer_size().empty()) {
     ASSIGN_OR_RETURN(o.max_rpc_buffer_size,
                      ParseSize(c.max_rpc_buffer_size(), "max_rpc_buffer_size"));

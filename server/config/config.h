@@ -84,6 +84,10 @@ struct ServerOptions {
     uint32_t max_sessions = 0;
   };
   std::map<std::string, Quota> quotas;
+  // What gRPC may hold: max_rpc_buffer_size, or eight times max_message_size when 0.
+  uint64_t RpcBufferBytes() const {
+    return max_rpc_buffer_size != 0 ? max_rpc_buffer_size : 8 * max_message_size;
+  }
   // The quota that applies to `tenant`: its own, else "*", else none.
   Quota QuotaFor(const std::string& tenant) const {
     auto it = quotas.find(tenant);

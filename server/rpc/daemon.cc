@@ -359,7 +359,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   // stream), so without a bound callers sending many large messages at once, or holding each
   // half sent, would grow the daemon without limit before any of kvtier's own checks ran.
   grpc::ResourceQuota quota("kvtierd");
-  quota.Resize(static_cast<size_t>(o.max_rpc_buffer_size));
+  quota.Resize(static_cast<size_t>(o.RpcBufferBytes()));
   builder.SetResourceQuota(quota);  // the server holds its own reference
   builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_size));
   builder.SetMaxSendMessageSize(static_cast<int>(o.max_message_size));
@@ -409,7 +409,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
         d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
         d->aging_->idle() ? "idle" : "nice10", o.eviction_policy, o.prefetch ? "on" : "off",
-        o.channel_colocate ? "on" : "off", o.max_rpc_buffer_size, o.metrics_port);
+        o.channel_colocate ? "on" : "off", o.RpcBufferBytes(), o.metrics_port);
   return d;
 }
 
