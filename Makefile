@@ -57,8 +57,7 @@ unit: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
 pytest: build venv-torch
-	$(PY) -m pytest -q client/python/tests bench/model/tests tests/deploy_test.py tests/metrics_live_test.py \
-		tests/transport_test.py
+	$(PY) -m pytest -q client/python/tests bench/model/tests tests/deploy_test.py tests/metrics_live_test.py
 
 # The tree as .clang-format writes it, and every #include within the layering (docs/design.md).
 lint: deps

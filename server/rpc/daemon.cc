@@ -327,7 +327,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   grpc::ServerBuilder builder;
   int tcp_port = 0;
   if (sock.empty()) {
-    builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get()), &tcp_port);
+    builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get(), &d->auth_), &tcp_port);
   } else {  // accepted by the listener, which knows each connection's peer
     ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
     d->owns_socket_ = true;
@@ -352,7 +352,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         }));
   }
   if (!o.tcp_listen.empty()) {
-    builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get()));
+    builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get(), &d->auth_));
   }
   // gRPC's memory over every connection, bounded: past it, gRPC cancels calls and reads less.
   // A message is held whole before its handler sees it (a unary request, each message of a

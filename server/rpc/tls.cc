@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
@@ -133,16 +134,57 @@ std::shared_ptr<grpc::ServerCredentials> TlsStage::Credentials() const {
   return grpc::experimental::TlsServerCredentials(o);
 }
 
-std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage) {
-  return stage == nullptr ? grpc::InsecureServerCredentials() : stage->Credentials();
+namespace {
+
+// A TCP call's credentials checked when its headers arrive (TcpCredentials).
+class CredentialsFirst final : public grpc::AuthMetadataProcessor {
+ public:
+  explicit CredentialsFirst(const Authenticator* auth) : auth_(auth) {}
+
+  bool IsBlocking() const override { return false; }  // no I/O: on the call's own thread
+
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context,
+                       OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
+    CallCredentials call;
+    call.tcp = true;
+    if (auto it = metadata.find(kAuthorizationHeader); it != metadata.end()) {
+      call.authorization = absl::string_view(it->second.data(), it->second.size());
+    }
+    if (context != nullptr) call.cert_subject = ClientCertSubject(*context);
+    const absl::StatusOr<Caller> caller = auth_->Identify(call);
+    if (!caller.ok() && caller.status().code() == absl::StatusCode::kUnauthenticated) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          std::string(caller.status().message()));
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  const Authenticator* const auth_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
+                                                        const Authenticator* auth) {
+  if (stage == nullptr) return grpc::InsecureServerCredentials();
+  std::shared_ptr<grpc::ServerCredentials> credentials = stage->Credentials();
+  if (auth != nullptr)
+    credentials->SetAuthMetadataProcessor(std::make_shared<CredentialsFirst>(auth));
+  return credentials;
+}
+
+std::optional<std::string> ClientCertSubject(const grpc::AuthContext& auth) {
+  if (!auth.IsPeerAuthenticated()) return std::nullopt;
+  const std::vector<grpc::string_ref> subject = auth.FindPropertyValues("x509_subject");
+  if (subject.empty()) return std::nullopt;
+  return std::string(subject.front().data(), subject.front().size());
 }
 
 std::optional<std::string> ClientCertSubject(const grpc::CallbackServerContext& ctx) {
   const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
-  if (auth == nullptr || !auth->IsPeerAuthenticated()) return std::nullopt;
-  const std::vector<grpc::string_ref> subject = auth->FindPropertyValues("x509_subject");
-  if (subject.empty()) return std::nullopt;
-  return std::string(subject.front().data(), subject.front().size());
+  if (auth == nullptr) return std::nullopt;
+  return ClientCertSubject(*auth);
 }
 
 }  // namespace kvtier

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
 #include "server/config/config.h"
+#include "server/rpc/auth.h"
 
 namespace kvtier {
 
@@ -49,12 +50,18 @@ class TlsStage {
 };
 
 // The credentials of the TCP listeners: `stage`'s TLS, or plaintext when it is null
-// (tcp_plaintext, checked by Validate).
-std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage);
+// (tcp_plaintext, checked by Validate). Over TLS, `auth` checks each call's credentials (its
+// bearer token, else its client certificate) as its headers arrive, before gRPC reads its
+// message: a call with none that `auth` knows ends UNAUTHENTICATED there, with the words the
+// service's own check gives, and its bytes are never held. The rest (a tenant header, what the
+// grant allows) stays the service's. gRPC gives plaintext credentials no such check.
+std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
+                                                        const Authenticator* auth);
 
 // The subject of a call's verified client certificate, RFC 2253 ("CN=alice,O=team-a"), or
 // nullopt when the call has none (no TLS, or no certificate).
 std::optional<std::string> ClientCertSubject(const grpc::CallbackServerContext& ctx);
+std::optional<std::string> ClientCertSubject(const grpc::AuthContext& auth);
 
 }  // namespace kvtier
 

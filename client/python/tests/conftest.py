@@ -1,6 +1,8 @@
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,41 @@ def start_daemon(tmp_path):
     for d, code in codes:
         if not getattr(d, "killed", False):  # a test that killed one says so
             assert code == 0, d.log.read_text()
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """In `tmp_path`: a CA (ca.pem), a server certificate for 127.0.0.1 (server.pem, server.key)
+    and a client certificate CN=carol, O=team-c (carol.pem, carol.key)."""
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-days", "1", "-subj", "/CN=kvtier-py-ca",
+        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for leaf, subj in (("server", "/CN=localhost"), ("carol", "/O=team-c/CN=carol")):
+        run("req", *ec, "-subj", subj, "-keyout", str(tmp_path / f"{leaf}.key"),
+            "-out", str(tmp_path / f"{leaf}.csr"))
+        run("x509", "-req", "-days", "1", "-in", str(tmp_path / f"{leaf}.csr"),
+            "-CA", str(tmp_path / "ca.pem"), "-CAkey", str(tmp_path / "ca.key"),
+            "-CAcreateserial", "-extfile", str(tmp_path / "san.ext"),
+            "-out", str(tmp_path / f"{leaf}.pem"))
+    return tmp_path
+
+
+def start_tcp_daemon(start_daemon, *flags):
+    """A daemon of `start_daemon` also listening on a free TCP port of 127.0.0.1, once that port
+    accepts (the Unix socket comes first): the daemon and the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(*flags, "--tcp_listen", f"127.0.0.1:{port}")
+    for _ in range(100):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    return d, port
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvtier
+from conftest import start_tcp_daemon
 from kvtier.v1 import kvtier_pb2 as pb
 
 L, QH, KVH, D = 4, 9, 3, 64
@@ -634,39 +635,12 @@ def test_batch_select_takes_every_layer_at_once_as_this_clients_worker(start_dae
         assert watcher.describe_session(sid).info.active_leases == 0
 
 
-def _pki(tmp_path):
-    """A CA, a server certificate for 127.0.0.1 and a client certificate CN=carol, O=team-c."""
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-days", "1", "-subj", "/CN=kvtier-py-ca",
-        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
-    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    for leaf, subj in (("server", "/CN=localhost"), ("carol", "/O=team-c/CN=carol")):
-        run("req", *ec, "-subj", subj, "-keyout", str(tmp_path / f"{leaf}.key"),
-            "-out", str(tmp_path / f"{leaf}.csr"))
-        run("x509", "-req", "-days", "1", "-in", str(tmp_path / f"{leaf}.csr"),
-            "-CA", str(tmp_path / "ca.pem"), "-CAkey", str(tmp_path / "ca.key"),
-            "-CAcreateserial", "-extfile", str(tmp_path / "san.ext"),
-            "-out", str(tmp_path / f"{leaf}.pem"))
-
-
-def test_mtls_names_the_tenant_by_certificate(start_daemon, tmp_path):
-    _pki(tmp_path)
+def test_mtls_names_the_tenant_by_certificate(start_daemon, pki, tmp_path):
     config = tmp_path / "tls.conf"
     config.write_text(f'tls {{ cert_file: "{tmp_path}/server.pem" key_file: "{tmp_path}/server.key" '
                       f'client_ca_file: "{tmp_path}/ca.pem" }}\n'
                       'auth { cert_subjects { subject: "CN=carol,O=team-c" tenant: "carol" } }\n')
-    import socket as so
-    with so.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    start_daemon("--config", str(config), "--tcp_listen", f"127.0.0.1:{port}")
-    for _ in range(100):  # the Unix socket comes first; the TCP port follows
-        with so.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
+    _, port = start_tcp_daemon(start_daemon, "--config", str(config))
     tls = dict(tls_ca=str(tmp_path / "ca.pem"))
     with kvtier.Client(f"127.0.0.1:{port}", timeout=10, tls_cert=str(tmp_path / "carol.pem"),
                        tls_key=str(tmp_path / "carol.key"), **tls) as carol:

@@ -1,26 +1,27 @@
-"""The RPC transport's memory, bounded (--max_rpc_buffer_size): callers that send large messages
-and stop short of their last byte make gRPC hold each one until the call ends, before any of
+"""The RPC transport against callers that hold memory: a caller that sends large messages and
+stops short of their last byte makes gRPC hold each one until the call ends, before any of
 kvtier's own checks run. A raw HTTP/2 client (this file's, a few frames by hand: gRPC's own
 clients always finish a message they start) does that on many streams at once, and the
-daemon's resident memory is read meanwhile from /proc."""
+daemon's resident memory is read meanwhile from /proc. The bound (--max_rpc_buffer_size) keeps
+it near its size; over TLS a call without credentials ends at its headers, before its message
+is read at all."""
+import hashlib
 import os
 import socket
+import ssl
 import struct
-import sys
 import time
-from pathlib import Path
 
 import grpc
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = ROOT / os.environ.get("KVTIER_BUILD", "build") / "bin"
-sys.path.insert(0, str(ROOT / "client" / "python"))
-from kvtier.daemon import LocalDaemon  # noqa: E402
-from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc  # noqa: E402
+import kvtier
+from conftest import Daemon, start_tcp_daemon
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
-END_HEADERS, ACK = 0x4, 0x1
+END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
 ENHANCE_YOUR_CALM = 11  # the HTTP/2 error gRPC resets a stream with when its buffers are full
 SETTINGS_INITIAL_WINDOW_SIZE = 4
 
@@ -37,13 +38,13 @@ def header(name, value):
 
 
 class HalfSender:
-    """One connection whose `streams` Echo calls each declare a gRPC message of `size` bytes
-    and send all of it but the last byte, as the flow-control windows the daemon grants allow;
-    then it only answers the daemon's SETTINGS and PINGs."""
+    """One connection (`sock`, connected) whose `streams` Echo calls each declare a gRPC message
+    of `size` bytes and send all of it but the last byte, as the flow-control windows the daemon
+    grants allow; then it only answers the daemon's SETTINGS and PINGs. `token`: each call's
+    bearer token."""
 
-    def __init__(self, path, streams, size):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(path)
+    def __init__(self, sock, streams, size, token=None):
+        self.sock = sock
         self.sock.setblocking(False)
         self.inbox = b""
         self.out = bytearray(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0))
@@ -52,11 +53,14 @@ class HalfSender:
         self.left = {}
         self.window = {}
         self.resets = []  # the error codes of the streams the daemon reset
+        self.answered = 0  # streams the daemon ended with its reply's headers alone
         self.closed = False
         fields = (header(b":method", b"POST") + header(b":scheme", b"http") +
                   header(b":path", b"/kvtier.v1.KvTier/Echo") +
                   header(b":authority", b"localhost") +
                   header(b"content-type", b"application/grpc") + header(b"te", b"trailers"))
+        if token is not None:
+            fields += header(b"authorization", b"Bearer " + token.encode())
         for i in range(streams):
             sid = 2 * i + 1
             self.out += frame(HEADERS, END_HEADERS, sid, fields)
@@ -65,7 +69,7 @@ class HalfSender:
             self.window[sid] = None
 
     def done(self):
-        """Every stream has sent what it will send, or was reset, or the connection ended."""
+        """Every stream has sent what it will send, or was ended, or the connection was."""
         return self.closed or all(prefix == b"" and body == 0
                                   for prefix, body in self.left.values())
 
@@ -80,7 +84,7 @@ class HalfSender:
                 self.closed = True
                 return
             self.inbox += data
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except OSError:
             self.closed = True
@@ -118,6 +122,10 @@ class HalfSender:
                 self.resets.append(struct.unpack(">I", payload)[0])
                 del self.left[sid]
                 del self.window[sid]
+            elif kind == HEADERS and flags & END_STREAM and sid in self.left:
+                self.answered += 1  # a reply of trailers alone: the call has ended
+                del self.left[sid]
+                del self.window[sid]
             elif kind == GOAWAY:
                 self.closed = True
                 return
@@ -148,11 +156,19 @@ def rss_mb(pid):
     raise AssertionError("no VmRSS")
 
 
-def flood(daemon, connections, streams, size, seconds):
-    """Half-sent messages on `connections` x `streams` streams until each has sent what it will
-    (and a second more), at most `seconds`; the daemon's largest resident memory meanwhile
-    (MB) and the senders."""
-    senders = [HalfSender(str(daemon.socket), streams, size) for _ in range(connections)]
+def unix(daemon):
+    def connect():
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(daemon.socket))
+        return s
+    return connect
+
+
+def flood(daemon, connect, connections, streams, size, seconds, token=None):
+    """Half-sent messages on `connections` (each `connect()`) x `streams` streams until each has
+    sent what it will (and a second more), at most `seconds`; the daemon's largest resident
+    memory meanwhile (MB) and the senders."""
+    senders = [HalfSender(connect(), streams, size, token) for _ in range(connections)]
     peak = rss_mb(daemon.proc.pid)
     deadline = time.time() + seconds
     settled = None
@@ -174,25 +190,29 @@ def echo(daemon):
 
 
 def test_half_sent_messages_hold_at_most_max_rpc_buffer_size(tmp_path):
+    """gRPC holds a half-sent message until its call ends: a 64M bound keeps 32 of them (384 MiB)
+    to about its size, where an unbounded transport holds them all."""
     connections, streams, size = 4, 8, 12 << 20  # 384 MiB of messages, none of them finished
     held = connections * streams * size / (1 << 20)
 
     # Unbounded in effect (1T): gRPC holds every message, as it did before the bound. This is
     # what the bound is for, and shows that the flood below reaches the daemon.
-    with LocalDaemon(BIN / "kvtierd", tmp_path / "loose", "--max_message_size", "16M",
-                     "--max_rpc_buffer_size", "1T") as d:
+    with Daemon(tmp_path / "loose", "--max_message_size", "16M",
+                "--max_rpc_buffer_size", "1T") as d:
         start = rss_mb(d.proc.pid)
-        peak, senders = flood(d, connections, streams, size, 60)
+        peak, senders = flood(d, unix(d), connections, streams, size, 60)
         assert peak - start > 0.8 * held, (start, peak)
         assert not any(s.resets for s in senders)
+        for s in senders:
+            s.sock.close()
 
     # 64M: the daemon's memory stays near it. gRPC resets streams (ENHANCE_YOUR_CALM: its
     # callers see RESOURCE_EXHAUSTED) or closes connections to stay under, the daemon lives,
     # and a call afterwards is answered.
-    with LocalDaemon(BIN / "kvtierd", tmp_path / "bounded", "--max_message_size", "16M",
-                     "--max_rpc_buffer_size", "64M") as d:
+    with Daemon(tmp_path / "bounded", "--max_message_size", "16M",
+                "--max_rpc_buffer_size", "64M") as d:
         start = rss_mb(d.proc.pid)
-        peak, senders = flood(d, connections, streams, size, 60)
+        peak, senders = flood(d, unix(d), connections, streams, size, 60)
         assert peak - start < 2 * 64, (start, peak)
         resets = [code for s in senders for code in s.resets]
         assert resets or any(s.closed for s in senders)
@@ -202,3 +222,53 @@ def test_half_sent_messages_hold_at_most_max_rpc_buffer_size(tmp_path):
         for s in senders:
             s.sock.close()
         assert d.stop() == 0
+
+
+def test_a_tls_caller_without_credentials_ends_before_its_message_is_read(start_daemon, pki):
+    """Over TLS a call's bearer token is checked when its headers arrive: 32 half-sent 12 MiB
+    messages without one end there (UNAUTHENTICATED, with the words the service's check gives)
+    and the daemon holds none of them; the same flood with the token is held, as any
+    authenticated caller's is (within --max_rpc_buffer_size)."""
+    token = "transport-" + os.urandom(8).hex()
+    salt = os.urandom(16).hex()
+    config = pki / "tls.conf"
+    config.write_text(
+        f'tls {{ cert_file: "{pki}/server.pem" key_file: "{pki}/server.key" }}\n'
+        f'auth {{ tokens {{ tenant: "carol" salt: "{salt}" '
+        f'sha256: "{hashlib.sha256((salt + token).encode()).hexdigest()}" }} }}\n')
+    d, port = start_tcp_daemon(start_daemon, "--config", str(config), "--max_message_size", "16M",
+                               "--max_rpc_buffer_size", "1G")
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    context.set_alpn_protocols(["h2"])
+
+    def tls():
+        return context.wrap_socket(socket.create_connection(("127.0.0.1", port)),
+                                   server_hostname="127.0.0.1")
+
+    connections, streams, size = 4, 8, 12 << 20
+    held = connections * streams * size / (1 << 20)
+    start = rss_mb(d.proc.pid)
+    peak, senders = flood(d, tls, connections, streams, size, 60)
+    assert sum(s.answered + len(s.resets) for s in senders) == connections * streams, \
+        [(s.answered, s.resets, s.closed) for s in senders]
+    assert peak - start < 48, (start, peak)
+    for s in senders:
+        s.sock.close()
+
+    tls_ca = dict(tls_ca=str(pki / "ca.pem"))
+    with kvtier.Client(f"127.0.0.1:{port}", timeout=10, **tls_ca) as anonymous, \
+            pytest.raises(kvtier.KvTierError) as e:
+        anonymous.list_sessions()
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "a TCP caller needs credentials" in e.value.message
+    with kvtier.Client(f"127.0.0.1:{port}", timeout=10, token=token, **tls_ca) as carol:
+        assert [s.tenant for s in carol.list_sessions()] == []
+        carol.create_session(2, 9, 3, 64)
+        assert [s.tenant for s in carol.list_sessions()] == ["carol"]
+
+    # With the token, the same flood reaches the service's calls and is held until they end.
+    start = rss_mb(d.proc.pid)
+    peak, senders = flood(d, tls, connections, streams, size, 60, token=token)
+    assert peak - start > 0.8 * held, (start, peak)
+    for s in senders:
+        s.sock.close()
