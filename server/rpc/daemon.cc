@@ -326,8 +326,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   grpc::ServerBuilder builder;
   int tcp_port = 0;
+  // Calls the TLS listeners refuse at their headers, logged and counted by the service.
+  const RefusedCall refused = [service = &d->service_](absl::string_view method,
+                                                       const absl::Status& why) {
+    service->RecordRefused(method, why);
+  };
   if (sock.empty()) {
-    builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get(), &d->auth_), &tcp_port);
+    builder.AddListeningPort(o.listen, TcpCredentials(d->tls_.get(), &d->auth_, refused),
+                             &tcp_port);
   } else {  // accepted by the listener, which knows each connection's peer
     ASSIGN_OR_RETURN(d->listener_, UnixListener::Bind(sock));
     d->owns_socket_ = true;
@@ -352,7 +358,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         }));
   }
   if (!o.tcp_listen.empty()) {
-    builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get(), &d->auth_));
+    builder.AddListeningPort(o.tcp_listen, TcpCredentials(d->tls_.get(), &d->auth_, refused));
   }
   // gRPC's memory over every connection, bounded: past it, gRPC cancels calls and reads less.
   // A message is held whole before its handler sees it (a unary request, each message of a

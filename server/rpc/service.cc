@@ -185,6 +185,12 @@ void KvTierService::Record(const char* method, const absl::Status& s, absl::Dura
   }
 }
 
+void KvTierService::RecordRefused(absl::string_view method, const absl::Status& why) {
+  KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread, as Enter
+  auto it = method_metrics_.find(method);
+  if (it != method_metrics_.end()) Record(it->first.c_str(), why, absl::ZeroDuration());
+}
+
 template <typename Fn>
 grpc::ServerUnaryReactor* KvTierService::Unary(grpc::CallbackServerContext* ctx, const char* method,
                                                Fn&& fn) {

@@ -94,6 +94,11 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // One call of a shared-memory Select channel (ChannelHub::Hooks::serve): the same checks,
   // leases and metrics as the gRPC call of its op.
   absl::Status ServeChannel(const ChannelHub::Call& call, std::string* out);
+  // A call of `method` ("Select") refused before it reached the service (the TLS listeners'
+  // credentials check, TcpCredentials): logged and counted as every failed call is. An
+  // unknown method is left out (gRPC answers it UNIMPLEMENTED), so that no caller can grow
+  // the metrics.
+  void RecordRefused(absl::string_view method, const absl::Status& why);
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,

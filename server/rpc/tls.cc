@@ -11,12 +11,14 @@
 #include <cstring>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
 #include "server/common/error.h"
+#include "server/common/mutex.h"
 #include "server/common/status_macros.h"
 
 namespace kvtier {
@@ -136,41 +138,57 @@ std::shared_ptr<grpc::ServerCredentials> TlsStage::Credentials() const {
 
 namespace {
 
-// A TCP call's credentials checked when its headers arrive (TcpCredentials).
+// A kvtier call's credentials checked when its headers arrive (TcpCredentials).
 class CredentialsFirst final : public grpc::AuthMetadataProcessor {
  public:
-  explicit CredentialsFirst(const Authenticator* auth) : auth_(auth) {}
+  CredentialsFirst(const Authenticator* auth, RefusedCall refused)
+      : auth_(auth), refused_(std::move(refused)) {}
 
-  bool IsBlocking() const override { return false; }  // no I/O: on the call's own thread
+  // No I/O: inline on the gRPC thread that read the call's headers.
+  bool IsBlocking() const override { return false; }
 
   grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context,
                        OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
+    KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread: what TcpCredentials made it with
+    auto value = [&metadata](absl::string_view key) -> std::optional<absl::string_view> {
+      auto it = metadata.find(grpc::string_ref(key.data(), key.size()));
+      if (it == metadata.end()) return std::nullopt;
+      return absl::string_view(it->second.data(), it->second.size());
+    };
+    // kvtier's own calls only: the health check and reflection answer anyone, as over the
+    // Unix socket.
+    const absl::string_view path = value(":path").value_or("");
+    if (!absl::StartsWith(path, kServicePrefix)) return grpc::Status::OK;
     CallCredentials call;
     call.tcp = true;
-    if (auto it = metadata.find(kAuthorizationHeader); it != metadata.end()) {
-      call.authorization = absl::string_view(it->second.data(), it->second.size());
-    }
+    call.authorization = value(kAuthorizationHeader);
+    call.tenant_header = value(kTenantHeader);
     if (context != nullptr) call.cert_subject = ClientCertSubject(*context);
     const absl::StatusOr<Caller> caller = auth_->Identify(call);
-    if (!caller.ok() && caller.status().code() == absl::StatusCode::kUnauthenticated) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          std::string(caller.status().message()));
-    }
-    return grpc::Status::OK;
+    if (caller.ok()) return grpc::Status::OK;
+    if (refused_) refused_(path.substr(kServicePrefix.size()), caller.status());
+    return grpc::Status(static_cast<grpc::StatusCode>(caller.status().code()),
+                        std::string(caller.status().message()));
   }
 
  private:
+  static constexpr absl::string_view kServicePrefix = "/kvtier.v1.KvTier/";
   const Authenticator* const auth_;
+  const RefusedCall refused_;
 };
 
 }  // namespace
 
 std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
-                                                        const Authenticator* auth) {
+                                                        const Authenticator* auth,
+                                                        RefusedCall refused) {
   if (stage == nullptr) return grpc::InsecureServerCredentials();
   std::shared_ptr<grpc::ServerCredentials> credentials = stage->Credentials();
-  if (auth != nullptr)
-    credentials->SetAuthMetadataProcessor(std::make_shared<CredentialsFirst>(auth));
+  if (auth != nullptr) {
+    auto processor = std::make_shared<CredentialsFirst>(auth, std::move(refused));
+    KVTIER_TSAN_RELEASE(processor.get());  // gRPC's threads reach it through its own code
+    credentials->SetAuthMetadataProcessor(processor);
+  }
   return credentials;
 }
 

@@ -6,6 +6,7 @@
 #ifndef KVTIER_SERVER_RPC_TLS_H_
 #define KVTIER_SERVER_RPC_TLS_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,14 +50,22 @@ class TlsStage {
   const std::string dir_;
 };
 
+// A kvtier call refused by TcpCredentials' check: its method ("Select") and why.
+using RefusedCall = std::function<void(absl::string_view method, const absl::Status& why)>;
+
 // The credentials of the TCP listeners: `stage`'s TLS, or plaintext when it is null
-// (tcp_plaintext, checked by Validate). Over TLS, `auth` checks each call's credentials (its
-// bearer token, else its client certificate) as its headers arrive, before gRPC reads its
-// message: a call with none that `auth` knows ends UNAUTHENTICATED there, with the words the
-// service's own check gives, and its bytes are never held. The rest (a tenant header, what the
-// grant allows) stays the service's. gRPC gives plaintext credentials no such check.
+// (tcp_plaintext, checked by Validate). Over TLS, `auth` checks each kvtier call's credentials
+// (its bearer token, else its client certificate, and its x-kvtier-tenant header) as its
+// headers arrive, before gRPC takes in its message (what was already in flight is dropped): a
+// call Authenticator::Identify refuses ends there with Identify's code and words, the
+// service's own answer, and `refused` is told (the service logs and counts it as a failed
+// call). The one difference: while the daemon drains, such a call gets Identify's answer, not
+// UNAVAILABLE. The service checks every call that passes again. The health check and
+// reflection are not checked, as over the Unix socket; gRPC gives plaintext credentials no
+// such check.
 std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
-                                                        const Authenticator* auth);
+                                                        const Authenticator* auth,
+                                                        RefusedCall refused);
 
 // The subject of a call's verified client certificate, RFC 2253 ("CN=alice,O=team-a"), or
 // nullopt when the call has none (no TLS, or no certificate).

@@ -66,19 +66,22 @@ def pki(tmp_path):
     return tmp_path
 
 
-def start_tcp_daemon(start_daemon, *flags):
-    """A daemon of `start_daemon` also listening on a free TCP port of 127.0.0.1, once that port
-    accepts (the Unix socket comes first): the daemon and the port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = start_daemon(*flags, "--tcp_listen", f"127.0.0.1:{port}")
-    for _ in range(100):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
-    return d, port
+@pytest.fixture
+def start_tcp_daemon(start_daemon):
+    """A factory: a daemon of `start_daemon` also listening on a free TCP port of 127.0.0.1,
+    once that port accepts (the Unix socket comes first); the daemon and the port."""
+    def start(*flags):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        d = start_daemon(*flags, "--tcp_listen", f"127.0.0.1:{port}")
+        for _ in range(200):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    return d, port
+            time.sleep(0.05)
+        raise AssertionError(f"kvtierd never listened on 127.0.0.1:{port}: {d.log.read_text()}")
+    return start
 
 
 @pytest.fixture

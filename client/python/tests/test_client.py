@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import kvtier
-from conftest import start_tcp_daemon
 from kvtier.v1 import kvtier_pb2 as pb
 
 L, QH, KVH, D = 4, 9, 3, 64
@@ -635,12 +634,12 @@ def test_batch_select_takes_every_layer_at_once_as_this_clients_worker(start_dae
         assert watcher.describe_session(sid).info.active_leases == 0
 
 
-def test_mtls_names_the_tenant_by_certificate(start_daemon, pki, tmp_path):
+def test_mtls_names_the_tenant_by_certificate(start_tcp_daemon, pki, tmp_path):
     config = tmp_path / "tls.conf"
     config.write_text(f'tls {{ cert_file: "{tmp_path}/server.pem" key_file: "{tmp_path}/server.key" '
                       f'client_ca_file: "{tmp_path}/ca.pem" }}\n'
                       'auth { cert_subjects { subject: "CN=carol,O=team-c" tenant: "carol" } }\n')
-    _, port = start_tcp_daemon(start_daemon, "--config", str(config))
+    _, port = start_tcp_daemon("--config", str(config))
     tls = dict(tls_ca=str(tmp_path / "ca.pem"))
     with kvtier.Client(f"127.0.0.1:{port}", timeout=10, tls_cert=str(tmp_path / "carol.pem"),
                        tls_key=str(tmp_path / "carol.key"), **tls) as carol:
