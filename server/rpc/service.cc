@@ -132,16 +132,8 @@ const KvTierService::TenantSeries& KvTierService::SeriesOf(const std::string& te
 }
 
 absl::StatusOr<Caller> KvTierService::Identify(const grpc::CallbackServerContext* ctx) const {
-  const auto& md = ctx->client_metadata();
-  auto value = [&md](const char* key) -> std::optional<absl::string_view> {
-    auto it = md.find(key);
-    if (it == md.end()) return std::nullopt;
-    return absl::string_view(it->second.data(), it->second.size());
-  };
   const std::string peer = ctx->peer();
-  CallCredentials call;
-  call.tenant_header = value(kTenantHeader);
-  call.authorization = value(kAuthorizationHeader);
+  CallCredentials call = CredentialsIn(ctx->client_metadata());
   // Only these are TCP; every other peer is one of the Unix socket's connections, or has no
   // credentials.
   call.tcp = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:");

@@ -138,6 +138,14 @@ std::shared_ptr<grpc::ServerCredentials> TlsStage::Credentials() const {
 
 namespace {
 
+// The first value of `key` in a call's metadata.
+std::optional<absl::string_view> Value(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, absl::string_view key) {
+  auto it = metadata.find(grpc::string_ref(key.data(), key.size()));
+  if (it == metadata.end()) return std::nullopt;
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
 // A kvtier call's credentials checked when its headers arrive (TcpCredentials).
 class CredentialsFirst final : public grpc::AuthMetadataProcessor {
  public:
@@ -150,19 +158,12 @@ class CredentialsFirst final : public grpc::AuthMetadataProcessor {
   grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* context,
                        OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
     KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread: what TcpCredentials made it with
-    auto value = [&metadata](absl::string_view key) -> std::optional<absl::string_view> {
-      auto it = metadata.find(grpc::string_ref(key.data(), key.size()));
-      if (it == metadata.end()) return std::nullopt;
-      return absl::string_view(it->second.data(), it->second.size());
-    };
     // kvtier's own calls only: the health check and reflection answer anyone, as over the
     // Unix socket.
-    const absl::string_view path = value(":path").value_or("");
+    const absl::string_view path = Value(metadata, ":path").value_or("");
     if (!absl::StartsWith(path, kServicePrefix)) return grpc::Status::OK;
-    CallCredentials call;
+    CallCredentials call = CredentialsIn(metadata);
     call.tcp = true;
-    call.authorization = value(kAuthorizationHeader);
-    call.tenant_header = value(kTenantHeader);
     if (context != nullptr) call.cert_subject = ClientCertSubject(*context);
     const absl::StatusOr<Caller> caller = auth_->Identify(call);
     if (caller.ok()) return grpc::Status::OK;
@@ -190,6 +191,13 @@ std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
     credentials->SetAuthMetadataProcessor(processor);
   }
   return credentials;
+}
+
+CallCredentials CredentialsIn(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
+  CallCredentials call;
+  call.tenant_header = Value(metadata, kTenantHeader);
+  call.authorization = Value(metadata, kAuthorizationHeader);
+  return call;
 }
 
 std::optional<std::string> ClientCertSubject(const grpc::AuthContext& auth) {

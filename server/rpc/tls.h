@@ -7,6 +7,7 @@
 #define KVTIER_SERVER_RPC_TLS_H_
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,6 +67,10 @@ using RefusedCall = std::function<void(absl::string_view method, const absl::Sta
 std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const TlsStage* stage,
                                                         const Authenticator* auth,
                                                         RefusedCall refused);
+
+// A call's credentials as its metadata gives them (its x-kvtier-tenant and authorization
+// headers, views into `metadata`); the caller adds where it came from.
+CallCredentials CredentialsIn(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata);
 
 // The subject of a call's verified client certificate, RFC 2253 ("CN=alice,O=team-a"), or
 // nullopt when the call has none (no TLS, or no certificate).
