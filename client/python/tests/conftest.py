@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "client" / "python"))
 BIN = ROOT / os.environ.get("KVTIER_BUILD", "build") / "bin"
 
+from helpers import free_port  # noqa: E402
 from kvtier.daemon import LocalDaemon  # noqa: E402
 
 
@@ -71,9 +72,7 @@ def start_tcp_daemon(start_daemon):
     """A factory: a daemon of `start_daemon` also listening on a free TCP port of 127.0.0.1,
     once that port accepts (the Unix socket comes first); the daemon and the port."""
     def start(*flags):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         d = start_daemon(*flags, "--tcp_listen", f"127.0.0.1:{port}")
         for _ in range(200):
             with socket.socket() as probe:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvtier
+from helpers import free_port
 from kvtier.v1 import kvtier_pb2 as pb
 
 L, QH, KVH, D = 4, 9, 3, 64
@@ -993,11 +994,7 @@ def scrape(port):
 
 
 def test_metrics_endpoint(start_daemon):
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     d = start_daemon("--metrics_port", str(port))
     with kvtier.Client(d.address) as c:
         sid = c.create_session(L, QH, KVH, D).session_id

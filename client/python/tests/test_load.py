@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import kvtier
+from helpers import rss_kib
 
 WORKER = r"""
 import json, sys, time
@@ -117,13 +118,6 @@ for sid in list(sessions):
 c.close()
 print(json.dumps({"ops": ops, "errors": errors, "checked_rows": checked}), flush=True)
 """
-
-
-def rss_kib(pid):
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def retained_kib(address):

@@ -1,7 +1,6 @@
 """Moving a session between two real daemons (ExportSession, ImportSession, move_session)."""
 import contextlib
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvtier
+from helpers import free_port
 from kvtier.v1 import kvtier_pb2 as pb
 
 L, QH, KVH, D = 4, 9, 3, 64
@@ -189,14 +189,6 @@ def test_kvtierctl_moves_a_session_and_closes_it_here(start_daemon, kvtierctl):
         r = kvtierctl(b.address, "move", "there", "--to", b.address)
         assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr + r.stdout
         assert [s.session_id for s in cb.list_sessions()] == ["there"]
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def counter(port, name):

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 import kvtier
+from helpers import rss_kib
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -148,11 +149,7 @@ class HalfSender:
 
 
 def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss_kib(pid) / 1024
 
 
 def unix(daemon):
