@@ -152,6 +152,8 @@ TEST(Config, EveryBadFieldIsNamed) {
       {"max_message_size: \"16M\" max_rpc_buffer_size: \"16M\"", "max_rpc_buffer_size"},
       {"max_rpc_buffer_size: \"2T\"", "max_rpc_buffer_size"},
       {"max_rpc_buffer_size: \"much\"", "max_rpc_buffer_size"},
+      {"max_connections_per_uid: 0", "max_connections_per_uid: \"0\" is outside [1, 65536]"},
+      {"max_connections_per_uid: 70000", "max_connections_per_uid"},
       {"drain_to_remote: \"later\"", "drain_to_remote"},
       {"remote_connections: 65", "remote_connections"},
       {"remote_timeout_ms: 5", "remote_timeout_ms"},

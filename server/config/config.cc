@@ -144,6 +144,7 @@ v1::Config DefaultConfig() {
   c.set_max_aging_backlog_tokens(o.max_aging_backlog_tokens);
   c.set_max_staging_size("1G");
   c.set_transfer_idle_timeout_ms(o.transfer_idle_timeout_ms);
+  c.set_max_connections_per_uid(o.max_connections_per_uid);
   c.set_retained_segment_size("1G");
   c.set_device("auto");
   *c.mutable_default_policy() = BuiltinPolicy();
@@ -405,6 +406,11 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
                           absl::StrCat("is outside [2 * max_message_size (", 2 * o.max_message_size,
                                        " bytes), 1T]"));
     }
+  }
+  o.max_connections_per_uid = c.max_connections_per_uid();
+  if (o.max_connections_per_uid < 1 || o.max_connections_per_uid > 65536) {
+    return InvalidField("max_connections_per_uid", absl::StrCat(o.max_connections_per_uid),
+                        "is outside [1, 65536]");
   }
   o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
   if (o.transfer_idle_timeout_ms != 0 && o.transfer_idle_timeout_ms < 1000) {

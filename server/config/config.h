@@ -77,6 +77,8 @@ struct ServerOptions {
   // Memory gRPC may hold over every connection (its resource quota); 0: eight times
   // max_message_size.
   uint64_t max_rpc_buffer_size = 0;
+  // Unix-socket connections open at once per uid, the daemon's own uid aside.
+  uint32_t max_connections_per_uid = 256;
   // Tenant quotas (0: no limit); "*" for every tenant not named.
   struct Quota {
     uint64_t host_bytes = 0;

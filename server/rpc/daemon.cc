@@ -381,7 +381,32 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   if (d->listener_) {
     d->serving_listener_.store(d->listener_.get(), std::memory_order_release);
-    d->listener_->Serve(d->server_.get());
+    // Connections past a uid's bound: counted each, logged at most once a second (a flood of
+    // them is one line a second, with the count since the last).
+    metrics::Counter& refused_connections = d->metrics_.GetCounter(
+        "kvtier_unix_connections_refused_total",
+        "Unix-socket connections closed as accepted: their uid held --max_connections_per_uid");
+    struct RefusalLog {
+      absl::Time last = absl::InfinitePast();
+      uint64_t since = 0;
+    };
+    auto refused = [&refused_connections, log = std::make_shared<RefusalLog>(),
+                    limit = o.max_connections_per_uid](const PeerCredentials& cred, size_t open) {
+      refused_connections.Inc();
+      ++log->since;
+      if (const absl::Time now = absl::Now(); now - log->last >= absl::Seconds(1)) {
+        KVLOG(warn, "listen.refused",
+              "uid={} pid={} open={} limit={} refused_since_last_line={} "
+              "field=max_connections_per_uid",
+              cred.uid, cred.pid, open, limit, log->since);
+        log->last = now;
+        log->since = 0;
+      }
+    };
+    d->listener_->Serve(d->server_.get(),
+                        UnixListener::ConnectionLimit{.per_uid = o.max_connections_per_uid,
+                                                      .exempt = getuid(),
+                                                      .refused = std::move(refused)});
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {

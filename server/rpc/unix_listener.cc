@@ -72,8 +72,12 @@ UnixListener::~UnixListener() {
   close(stop_write_);
 }
 
-void UnixListener::Serve(grpc::Server* server) {
-  Serve([this, server](int c, const PeerCredentials& cred) {
+void UnixListener::Serve(grpc::Server* server, ConnectionLimit limit) {
+  Serve([this, server, limit = std::move(limit)](int c, const PeerCredentials& cred) {
+    if (!Admit(c, cred, limit)) {
+      close(c);
+      return;
+    }
     {
       PeerShard& shard = ShardOf(c);
       MutexLock lock(&shard.mu);
@@ -81,6 +85,34 @@ void UnixListener::Serve(grpc::Server* server) {
     }
     grpc::AddInsecureChannelFromFd(server, c);
   });
+}
+
+void UnixListener::Prune(std::vector<Open>& open) {
+  std::erase_if(open, [](const Open& o) {
+    struct stat st {};
+    return fstat(o.fd, &st) != 0 || st.st_dev != o.dev || st.st_ino != o.ino;
+  });
+}
+
+bool UnixListener::Admit(int c, const PeerCredentials& cred, const ConnectionLimit& limit) {
+  if (limit.per_uid == 0 || cred.uid == limit.exempt) return true;
+  struct stat st {};
+  if (fstat(c, &st) != 0) return false;  // cannot be (an accepted socket): not counted, not let in
+  // Uids whose connections all ended keep an entry until here: many uids, every one looked at.
+  if (open_.size() >= kUidsBeforePrune) {
+    for (auto it = open_.begin(); it != open_.end();) {
+      Prune(it->second);
+      it = it->second.empty() ? open_.erase(it) : std::next(it);
+    }
+  }
+  std::vector<Open>& mine = open_[cred.uid];
+  if (mine.size() >= limit.per_uid) Prune(mine);
+  if (mine.size() >= limit.per_uid) {
+    if (limit.refused) limit.refused(cred, mine.size());
+    return false;
+  }
+  mine.push_back(Open{c, st.st_dev, st.st_ino});
+  return true;
 }
 
 void UnixListener::Serve(Handler handler) {

@@ -12,6 +12,10 @@
 // next number of a cycle of kCycle instead (Renumber), so a number comes back only after that
 // many connections.
 //
+// Each uid but the daemon's own may hold a bounded number of connections open at once
+// (ConnectionLimit, --max_connections_per_uid): one past it is closed as it is accepted, before
+// gRPC holds any memory for it.
+//
 // Thread-safe. Lookup takes mu_ (lock order 14, a leaf).
 #ifndef KVTIER_SERVER_RPC_UNIX_LISTENER_H_
 #define KVTIER_SERVER_RPC_UNIX_LISTENER_H_
@@ -25,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -48,9 +53,19 @@ class UnixListener {
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
   ~UnixListener();  // Stop()
 
+  // A bound on the connections each uid holds open at once.
+  struct ConnectionLimit {
+    size_t per_uid = 0;  // 0: none
+    // This uid's connections are not bounded (the daemon's own: it could end the daemon anyway).
+    std::optional<uid_t> exempt;
+    // Told of each connection refused, with how many its uid holds; on the accept thread.
+    std::function<void(const PeerCredentials& cred, size_t open)> refused;
+  };
   // Starts accepting, each connection handed to `server` (started, and not shut down before
-  // Stop returns), its credentials kept for Lookup.
-  void Serve(grpc::Server* server);
+  // Stop returns), its credentials kept for Lookup. A connection whose uid already holds
+  // `limit.per_uid` open is closed as it is accepted, before gRPC reads a byte of it; a
+  // connection counts until gRPC has closed it (its descriptor no longer names its socket).
+  void Serve(grpc::Server* server, ConnectionLimit limit);
   // Starts accepting, each connection (non-blocking) and its credentials handed to `handler`
   // on the accept thread; the handler owns the descriptor.
   using Handler = std::function<void(int fd, const PeerCredentials& cred)>;
@@ -73,6 +88,21 @@ class UnixListener {
   int Renumber(int c);
   static constexpr int kFirst = 64, kCycle = 32768;
   int next_ = kFirst;  // the accept thread's
+
+  // A connection handed to gRPC, as accepted: its number and its socket's identity.
+  struct Open {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+  };
+  // Whether `limit` lets `c` (from `cred`) in; if so it is counted. The accept thread only.
+  bool Admit(int c, const PeerCredentials& cred, const ConnectionLimit& limit);
+  // Forgets the connections of `open` that gRPC has closed.
+  static void Prune(std::vector<Open>& open);
+  static constexpr size_t kUidsBeforePrune = 1024;
+  // Each bounded uid's connections handed over, some maybe closed since (pruned when its uid is
+  // at the limit, and every uid's when there are many uids). The accept thread's.
+  std::map<uid_t, std::vector<Open>> open_;
 
   int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop

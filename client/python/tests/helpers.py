@@ -1,5 +1,6 @@
 """Small helpers the tests share (import them; pytest puts this folder on sys.path)."""
 import socket
+import urllib.request
 
 
 def free_port():
@@ -16,3 +17,12 @@ def rss_kib(pid):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def counter(port, name):
+    """The value of an unlabelled metric on the daemon whose --metrics_port is `port`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exposed")

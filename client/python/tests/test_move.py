@@ -3,14 +3,13 @@ import contextlib
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 
 import kvtier
-from helpers import free_port
+from helpers import counter, free_port
 from kvtier.v1 import kvtier_pb2 as pb
 
 L, QH, KVH, D = 4, 9, 3, 64
@@ -189,15 +188,6 @@ def test_kvtierctl_moves_a_session_and_closes_it_here(start_daemon, kvtierctl):
         r = kvtierctl(b.address, "move", "there", "--to", b.address)
         assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr + r.stdout
         assert [s.session_id for s in cb.list_sessions()] == ["there"]
-
-
-def counter(port, name):
-    """The value of an unlabelled metric on the daemon whose --metrics_port is `port`."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
 
 
 def test_moved_bytes_are_counted_on_both_daemons(start_daemon):

@@ -4,19 +4,20 @@ kvtier's own checks run. A raw HTTP/2 client (this file's, a few frames by hand:
 clients always finish a message they start) does that on many streams at once, and the
 daemon's resident memory is read meanwhile from /proc. The bound (--max_rpc_buffer_size) keeps
 it near its size; over TLS a call without credentials ends at its headers, before its message
-is read at all."""
+is read at all. Connections themselves are bounded per uid (--max_connections_per_uid)."""
 import hashlib
 import os
 import socket
 import ssl
 import struct
+import subprocess
 import time
 
 import grpc
 import pytest
 
 import kvtier
-from helpers import rss_kib
+from helpers import counter, free_port, rss_kib
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -276,3 +277,87 @@ def test_a_tls_caller_without_credentials_ends_before_its_message_is_read(start_
     assert peak - start > 0.8 * held, (start, peak)
     for s in senders:
         s.sock.close()
+
+
+# Run as another uid by /usr/bin/python3 (stdlib only): opens argv[1] connections to the socket
+# argv[2], each sending HTTP/2's preface, prints how many the daemon kept (answered with its
+# SETTINGS rather than closed), and holds them until its stdin closes.
+CONNECT = r"""
+import socket, sys
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sys.argv[2])
+    try:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+    except BrokenPipeError:  # closed as accepted
+        pass
+    held.append(s)
+kept = 0
+for s in held:
+    try:
+        kept += len(s.recv(9)) == 9
+    except ConnectionResetError:
+        pass
+print(kept, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_uid_holds_at_most_max_connections_per_uid(start_daemon):
+    """Connections of a uid past --max_connections_per_uid are closed as they are accepted,
+    counted and logged; each uid has its own bound, the daemon's own uid none, and a uid whose
+    connections closed connects again. Other uids are played by /usr/bin/python3 run as them,
+    so the test needs root."""
+    if os.getuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root and /usr/bin/python3 to connect as other uids")
+    port = free_port()
+    d = start_daemon("--max_connections_per_uid", "4", "--metrics_port", str(port))
+    # The test reaches past the socket's 0660 and, through /proc/self/fd, its private directory.
+    os.chmod(d.socket, 0o666)
+    path = os.open(d.socket, os.O_PATH)
+    holders = []
+
+    def connect_as(uid, n):
+        p = subprocess.Popen(["/usr/bin/python3", "-c", CONNECT, str(n), f"/proc/self/fd/{path}"],
+                             pass_fds=[path], user=uid, group=uid, extra_groups=[],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holders.append(p)
+        return p, int(p.stdout.readline())
+
+    def let_go(p):
+        p.stdin.close()
+        assert p.wait(timeout=30) == 0
+
+    try:
+        nobody, kept = connect_as(65534, 7)
+        assert kept == 4
+        assert counter(port, "kvtier_unix_connections_refused_total") == 3
+        log = d.log.read_text()
+        assert "event=listen.refused uid=65534" in log and "limit=4" in log, log
+        # Another uid has a bound of its own; the daemon's own uid has none.
+        _, kept = connect_as(65533, 6)
+        assert kept == 4
+        _, kept = connect_as(0, 7)
+        assert kept == 7
+        with kvtier.Client(d.address, timeout=10) as c:
+            assert c.list_sessions() == []
+        assert counter(port, "kvtier_unix_connections_refused_total") == 5
+        # Once its connections close, the uid connects again (the daemon notices the close
+        # within moments; a try before then is refused in part, and its connections close too).
+        let_go(nobody)
+        deadline = time.monotonic() + 20
+        while True:
+            again, kept = connect_as(65534, 4)
+            if kept == 4 or time.monotonic() > deadline:
+                break
+            let_go(again)
+            time.sleep(0.2)
+        assert kept == 4
+    finally:
+        for p in holders:
+            if p.poll() is None:
+                p.stdin.close()
+                p.wait(timeout=30)
+        os.close(path)
