@@ -408,9 +408,9 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.max_connections_per_uid = c.max_connections_per_uid();
-  if (o.max_connections_per_uid < 1 || o.max_connections_per_uid > 65536) {
+  if (o.max_connections_per_uid < 1 || o.max_connections_per_uid > 4096) {
     return InvalidField("max_connections_per_uid", absl::StrCat(o.max_connections_per_uid),
-                        "is outside [1, 65536]");
+                        "is outside [1, 4096]");
   }
   o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
   if (o.transfer_idle_timeout_ms != 0 && o.transfer_idle_timeout_ms < 1000) {

@@ -382,7 +382,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (d->listener_) {
     d->serving_listener_.store(d->listener_.get(), std::memory_order_release);
     // Connections past a uid's bound: counted each, logged at most once a second (a flood of
-    // them is one line a second, with the count since the last).
+    // them is one line a second, naming the uid it fell on, with the count since the last line
+    // over every uid).
     metrics::Counter& refused_connections = d->metrics_.GetCounter(
         "kvtier_unix_connections_refused_total",
         "Unix-socket connections closed as accepted: their uid held --max_connections_per_uid");
@@ -431,7 +432,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         "version={} listen={} tcp_listen={} tcp={} instance={} segments={} host_capacity={} "
         "device_capacity={} device={} remote={} aging_threads={} aging_priority={} "
         "eviction_policy={} prefetch={} channel_colocate={} max_rpc_buffer_size={} "
-        "metrics_port={}",
+        "max_connections_per_uid={} metrics_port={}",
         KVTIER_VERSION, LogValue(o.listen), LogValue(o.tcp_listen),
         !o.has_tcp()                   ? "none"
         : o.tls.cert_file.empty()      ? "plaintext"
@@ -440,7 +441,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         o.instance, o.memfd_segments ? "memfd" : "named", o.host_capacity, o.device_capacity,
         d->DeviceName(), o.remote.empty() ? "none" : "redis", d->aging_->threads(),
         d->aging_->idle() ? "idle" : "nice10", o.eviction_policy, o.prefetch ? "on" : "off",
-        o.channel_colocate ? "on" : "off", o.RpcBufferBytes(), o.metrics_port);
+        o.channel_colocate ? "on" : "off", o.RpcBufferBytes(), o.max_connections_per_uid,
+        o.metrics_port);
   return d;
 }
 

@@ -7,7 +7,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 
@@ -98,20 +100,32 @@ bool UnixListener::Admit(int c, const PeerCredentials& cred, const ConnectionLim
   if (limit.per_uid == 0 || cred.uid == limit.exempt) return true;
   struct stat st {};
   if (fstat(c, &st) != 0) return false;  // cannot be (an accepted socket): not counted, not let in
-  // Uids whose connections all ended keep an entry until here: many uids, every one looked at.
-  if (open_.size() >= kUidsBeforePrune) {
+  // Uids whose connections all ended keep an entry until here: many uids, every one looked at,
+  // and again only once there are twice as many as were left.
+  if (open_.size() >= sweep_at_) {
     for (auto it = open_.begin(); it != open_.end();) {
-      Prune(it->second);
-      it = it->second.empty() ? open_.erase(it) : std::next(it);
+      Prune(it->second.open);
+      it = it->second.open.empty() ? open_.erase(it) : std::next(it);
     }
+    sweep_at_ = std::max(kUidsBeforeSweep, 2 * open_.size());
   }
-  std::vector<Open>& mine = open_[cred.uid];
-  if (mine.size() >= limit.per_uid) Prune(mine);
-  if (mine.size() >= limit.per_uid) {
-    if (limit.refused) limit.refused(cred, mine.size());
+  Held& mine = open_[cred.uid];
+  // At the bound its connections are looked at again, at most once in a while: a uid that
+  // keeps connecting past it costs a look (per_uid fstat calls, well under a microsecond each)
+  // every 40 us per connection it holds (10 ms at least), a few percent of this thread, not
+  // one each try.
+  const auto now = std::chrono::steady_clock::now();
+  const auto again = std::max<std::chrono::steady_clock::duration>(
+      kLookAgain, limit.per_uid * std::chrono::microseconds(40));
+  if (mine.open.size() >= limit.per_uid && now - mine.looked >= again) {
+    Prune(mine.open);
+    mine.looked = now;
+  }
+  if (mine.open.size() >= limit.per_uid) {
+    if (limit.refused) limit.refused(cred, mine.open.size());
     return false;
   }
-  mine.push_back(Open{c, st.st_dev, st.st_ino});
+  mine.open.push_back(Open{c, st.st_dev, st.st_ino});
   return true;
 }
 

@@ -23,6 +23,7 @@
 #include <sys/types.h>
 
 #include <array>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -99,10 +100,17 @@ class UnixListener {
   bool Admit(int c, const PeerCredentials& cred, const ConnectionLimit& limit);
   // Forgets the connections of `open` that gRPC has closed.
   static void Prune(std::vector<Open>& open);
-  static constexpr size_t kUidsBeforePrune = 1024;
-  // Each bounded uid's connections handed over, some maybe closed since (pruned when its uid is
-  // at the limit, and every uid's when there are many uids). The accept thread's.
-  std::map<uid_t, std::vector<Open>> open_;
+  // Each bounded uid's connections handed over, some maybe closed since (looked at when its
+  // uid is at the bound, at most once in a while, kLookAgain or longer, and every uid's when
+  // there are many uids), and when they were last looked at. The accept thread's.
+  struct Held {
+    std::vector<Open> open;
+    std::chrono::steady_clock::time_point looked;
+  };
+  static constexpr auto kLookAgain = std::chrono::milliseconds(10);
+  static constexpr size_t kUidsBeforeSweep = 1024;
+  std::map<uid_t, Held> open_;
+  size_t sweep_at_ = kUidsBeforeSweep;
 
   int fd_;                            // -1 once stopped
   const int stop_read_, stop_write_;  // a pipe whose write end wakes the accept loop to stop
