@@ -166,6 +166,37 @@ TEST(Authenticator, AMalformedTenantHeaderIsInvalidBeforeAnyCredentialCheck) {
 // A connection's number is not the one a connection just closed had (the kernel would give
 // that lowest free number again at once): a call still starting on the closed connection must
 // not find the newer peer's credentials under it. Numbers come back only after a cycle.
+// A uid is granted nothing exactly when every call of its Unix-socket connections is refused,
+// whatever the call sends: checked against Identify with each kind of header.
+TEST(Authenticator, GrantsNothingToExactlyTheUidsIdentifyAlwaysRefuses) {
+  ServerOptions no_tokens = Options();
+  no_tokens.tokens.clear();
+  ServerOptions strict = no_tokens;
+  strict.same_uid_by_metadata = false;
+  for (const auto& [options, label] :
+       {std::pair{Options(), "tokens"}, std::pair{no_tokens, "no tokens"},
+        std::pair{strict, "no tokens, same_uid_by_metadata off"}}) {
+    const Authenticator a(options, kDaemonUid);
+    for (const uid_t uid : {kDaemonUid, uid_t{1000}, uid_t{1002}, uid_t{1001}, uid_t{0}}) {
+      bool ever = false;
+      for (const auto& auth : {std::optional<absl::string_view>(),
+                               std::optional<absl::string_view>("Bearer alice-secret")}) {
+        for (const auto& tenant :
+             {std::optional<absl::string_view>(), std::optional<absl::string_view>("carol")}) {
+          ever = ever || a.Identify(Unix(uid, tenant, auth)).ok();
+        }
+      }
+      EXPECT_EQ(a.GrantsNothingTo(uid), !ever) << label << ", uid " << uid;
+    }
+  }
+  // The cases themselves: with tokens nobody; without, the uids in no entry.
+  EXPECT_FALSE(Authenticator(Options(), kDaemonUid).GrantsNothingTo(1001));
+  EXPECT_TRUE(Authenticator(no_tokens, kDaemonUid).GrantsNothingTo(1001));
+  EXPECT_FALSE(Authenticator(no_tokens, kDaemonUid).GrantsNothingTo(kDaemonUid));
+  EXPECT_TRUE(Authenticator(strict, kDaemonUid).GrantsNothingTo(kDaemonUid));
+  EXPECT_FALSE(Authenticator(strict, kDaemonUid).GrantsNothingTo(1000));
+}
+
 TEST(UnixListener, ANewConnectionDoesNotTakeTheNumberOneJustClosedHad) {
   const std::string path = absl::StrCat("/tmp/kvtier-listener-test-", getpid());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<UnixListener> listener, UnixListener::Bind(path));

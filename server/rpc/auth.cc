@@ -117,4 +117,9 @@ absl::StatusOr<Caller> Authenticator::Identify(const CallCredentials& call) cons
   return Caller{named ? header : grant.tenant, grant.admin && !named, std::nullopt};
 }
 
+bool Authenticator::GrantsNothingTo(uid_t uid) const {
+  return tokens_.empty() && !(uid == daemon_uid_ && same_uid_by_metadata_) &&
+         !unix_peers_.contains(uid);
+}
+
 }  // namespace kvtier

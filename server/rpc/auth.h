@@ -64,6 +64,10 @@ class Authenticator {
   // the credentials do not give. Every message names the header or the config field to look at,
   // never a token.
   absl::StatusOr<Caller> Identify(const CallCredentials& call) const;
+  // Whether every call of a Unix-socket connection of `uid` is refused, whatever it sends:
+  // no token could pass (none are configured), and the uid is in no entry (nor the daemon's
+  // own, while same_uid_by_metadata is on).
+  bool GrantsNothingTo(uid_t uid) const;
 
  private:
   absl::StatusOr<ServerOptions::Grant> FromToken(absl::string_view authorization) const;

@@ -32,6 +32,11 @@ namespace {
 // UNAVAILABLE before its connections are cut (Shutdown below).
 constexpr absl::Duration kIdleShutdownGrace = absl::Milliseconds(200);
 
+// The server for connections served apart: what gRPC may hold over all of them, and their
+// largest message (a refused call's message is never read; the health check's is a few bytes).
+constexpr size_t kApartRpcBufferBytes = 8 << 20;
+constexpr int kApartMaxMessageBytes = 4096;
+
 TierOptions MakeTier(const ServerOptions& o, v1::Tier tier, int gpu) {
   TierOptions t;
   t.tier = tier;
@@ -380,6 +385,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                " (address in use or not permitted)"));
   }
   if (d->listener_) {
+    // Uids the config grants nothing can only be refused, so their connections are served by a
+    // server of their own, as small as that needs: they cannot fill the daemon's transport
+    // bound, or make gRPC reset other callers' calls to stay under it.
+    grpc::ServerBuilder apart;
+    grpc::ResourceQuota apart_quota("kvtierd-apart");
+    apart_quota.Resize(kApartRpcBufferBytes);
+    apart.SetResourceQuota(apart_quota);
+    apart.SetMaxReceiveMessageSize(kApartMaxMessageBytes);
+    apart.RegisterCallbackGenericService(&d->apart_service_);
+    d->apart_ = apart.BuildAndStart();
+    if (d->apart_ == nullptr) {
+      return absl::InternalError("listen: cannot start the server for connections served apart");
+    }
+    d->apart_->GetHealthCheckService()->SetServingStatus(true);
     d->serving_listener_.store(d->listener_.get(), std::memory_order_release);
     // Connections past a uid's bound: counted each, logged at most once a second (a flood of
     // them is one line a second, naming the uid it fell on, with the count since the last line
@@ -404,10 +423,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         log->since = 0;
       }
     };
-    d->listener_->Serve(d->server_.get(),
-                        UnixListener::ConnectionLimit{.per_uid = o.max_connections_per_uid,
-                                                      .exempt = getuid(),
-                                                      .refused = std::move(refused)});
+    d->listener_->Serve(
+        d->server_.get(),
+        UnixListener::ConnectionLimit{.per_uid = o.max_connections_per_uid,
+                                      .exempt = getuid(),
+                                      .refused = std::move(refused)},
+        UnixListener::Apart{.server = d->apart_.get(), .uid = [auth = &d->auth_](uid_t uid) {
+                              return auth->GrantsNothingTo(uid);
+                            }});
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {
@@ -627,6 +650,7 @@ void Daemon::StartDrain() {
   if (service_.draining()) return;
   service_.StartDraining();
   if (server_) server_->GetHealthCheckService()->SetServingStatus(false);
+  if (apart_) apart_->GetHealthCheckService()->SetServingStatus(false);
 }
 
 void Daemon::Shutdown() {
@@ -644,6 +668,10 @@ void Daemon::Shutdown() {
   KVLOG(info, "daemon.drain", "sessions={} leases={} in_flight={}", sessions_.size(),
         leases_.size(), service_.in_flight());
   if (listener_) listener_->Stop();  // new connections are refused from here on
+  if (apart_) {                      // its calls end as they start: nothing to wait for
+    apart_->Shutdown(absl::ToChronoTime(absl::Now()));
+    apart_->Wait();
+  }
   if (server_) {
     // gRPC's shutdown also waits, up to its deadline, for every connection to close after its
     // GOAWAY, and an idle client that is not polling its channel (a blocking Python client

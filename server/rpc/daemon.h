@@ -114,10 +114,15 @@ class Daemon {
   std::unique_ptr<FdChannel> fds_;  // null: no Unix socket
   const Authenticator auth_;
   KvTierService service_;
+  ApartService apart_service_{&service_};
   // The shared-memory Select channels (null: no Unix socket); their threads call the service,
   // so they are stopped before it goes.
   std::unique_ptr<ChannelHub> channels_;
   std::unique_ptr<grpc::Server> server_;
+  // The Unix-socket connections of uids the config grants nothing, served apart from server_
+  // (null: no Unix socket), so that their calls and messages never reach server_'s transport
+  // bound: its own small bound, tiny messages, every kvtier call refused (ApartService).
+  std::unique_ptr<grpc::Server> apart_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
 
   absl::Notification shutdown_requested_;

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/arena.h"
 #include "google/protobuf/descriptor.h"
@@ -181,6 +182,29 @@ void KvTierService::RecordRefused(absl::string_view method, const absl::Status& 
   KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread, as Enter
   auto it = method_metrics_.find(method);
   if (it != method_metrics_.end()) Record(it->first.c_str(), why, absl::ZeroDuration());
+}
+
+grpc::ServerGenericBidiReactor* KvTierService::AnswerApart(
+    grpc::GenericCallbackServerContext* ctx) {
+  KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread, as Enter
+  class Answer final : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Answer(const grpc::Status& s) { Finish(s); }
+    void OnDone() override { delete this; }
+  };
+  const std::string prefix = absl::StrCat("/", v1::KvTier::service_full_name(), "/");
+  absl::string_view method = ctx->method();
+  if (!absl::ConsumePrefix(&method, prefix)) {
+    return new Answer(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""));
+  }
+  absl::Status s = Identify(ctx).status();
+  // The config is fixed at start, so a connection served apart never has credentials; were one
+  // to, its caller would connect again rather than be served here.
+  if (s.ok()) {
+    s = absl::UnavailableError("the connection was served apart from the daemon's calls; retry");
+  }
+  RecordRefused(method, s);
+  return new Answer(ToGrpcStatus(s));
 }
 
 template <typename Fn>

@@ -16,6 +16,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "server/common/mutex.h"
@@ -99,6 +100,12 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // unknown method is left out (gRPC answers it UNIMPLEMENTED), so that no caller can grow
   // the metrics.
   void RecordRefused(absl::string_view method, const absl::Status& why);
+  // A call on a connection served apart (Daemon: a Unix-socket peer the config grants
+  // nothing, Authenticator::GrantsNothingTo), answered at once, its message never read: with
+  // Identify's words (UNAUTHENTICATED naming the uid; INVALID_ARGUMENT for a bad tenant
+  // header), logged and counted as refused, when it names a kvtier method; UNIMPLEMENTED, as
+  // gRPC answers an unknown method, otherwise.
+  grpc::ServerGenericBidiReactor* AnswerApart(grpc::GenericCallbackServerContext* ctx);
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -301,6 +308,18 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // The bytes imports in progress hold, each import's reserved as its parts come.
   std::atomic<uint64_t> import_bytes_{0};
   metrics::Gauge* import_bytes_gauge_ = nullptr;
+};
+
+// The service of the gRPC server for connections served apart: every call is AnswerApart's.
+class ApartService final : public grpc::CallbackGenericService {
+ public:
+  explicit ApartService(KvTierService* service) : service_(service) {}
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    return service_->AnswerApart(ctx);
+  }
+
+ private:
+  KvTierService* const service_;
 };
 
 }  // namespace kvtier

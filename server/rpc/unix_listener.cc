@@ -74,8 +74,9 @@ UnixListener::~UnixListener() {
   close(stop_write_);
 }
 
-void UnixListener::Serve(grpc::Server* server, ConnectionLimit limit) {
-  Serve([this, server, limit = std::move(limit)](int c, const PeerCredentials& cred) {
+void UnixListener::Serve(grpc::Server* server, ConnectionLimit limit, Apart apart) {
+  Serve([this, server, limit = std::move(limit), apart = std::move(apart)](
+            int c, const PeerCredentials& cred) {
     if (!Admit(c, cred, limit)) {
       close(c);
       return;
@@ -85,7 +86,8 @@ void UnixListener::Serve(grpc::Server* server, ConnectionLimit limit) {
       MutexLock lock(&shard.mu);
       shard.peers[c] = cred;
     }
-    grpc::AddInsecureChannelFromFd(server, c);
+    const bool away = apart.server != nullptr && apart.uid(cred.uid);
+    grpc::AddInsecureChannelFromFd(away ? apart.server : server, c);
   });
 }
 

@@ -62,11 +62,17 @@ class UnixListener {
     // Told of each connection refused, with how many its uid holds; on the accept thread.
     std::function<void(const PeerCredentials& cred, size_t open)> refused;
   };
-  // Starts accepting, each connection handed to `server` (started, and not shut down before
-  // Stop returns), its credentials kept for Lookup. A connection whose uid already holds
-  // `limit.per_uid` open is closed as it is accepted, before gRPC reads a byte of it; a
-  // connection counts until gRPC has closed it (its descriptor no longer names its socket).
-  void Serve(grpc::Server* server, ConnectionLimit limit);
+  // Connections of the uids `uid` picks go to `server` instead (both set, or neither).
+  struct Apart {
+    grpc::Server* server = nullptr;
+    std::function<bool(uid_t)> uid;
+  };
+  // Starts accepting, each connection handed to `server` (or `apart.server`; started, and not
+  // shut down before Stop returns), its credentials kept for Lookup. A connection whose uid
+  // already holds `limit.per_uid` open is closed as it is accepted, before gRPC reads a byte of
+  // it; a connection counts until gRPC has closed it (its descriptor no longer names its
+  // socket).
+  void Serve(grpc::Server* server, ConnectionLimit limit, Apart apart);
   // Starts accepting, each connection (non-blocking) and its credentials handed to `handler`
   // on the accept thread; the handler owns the descriptor.
   using Handler = std::function<void(int fd, const PeerCredentials& cred)>;

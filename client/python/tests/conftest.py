@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "client" / "python"))
-BIN = ROOT / os.environ.get("KVTIER_BUILD", "build") / "bin"
+from helpers import BIN, ROOT, free_port
 
-from helpers import free_port  # noqa: E402
+sys.path.insert(0, str(ROOT / "client" / "python"))
 from kvtier.daemon import LocalDaemon  # noqa: E402
 
 

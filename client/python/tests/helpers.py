@@ -1,6 +1,11 @@
 """Small helpers the tests share (import them; pytest puts this folder on sys.path)."""
+import os
 import socket
 import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = ROOT / os.environ.get("KVTIER_BUILD", "build") / "bin"  # the built binaries
 
 
 def free_port():

@@ -7,17 +7,19 @@ it near its size; over TLS a call without credentials ends at its headers, befor
 is read at all. Connections themselves are bounded per uid (--max_connections_per_uid)."""
 import hashlib
 import os
+import shutil
 import socket
 import ssl
 import struct
 import subprocess
+import tempfile
 import time
 
 import grpc
 import pytest
 
 import kvtier
-from helpers import counter, free_port, rss_kib
+from helpers import BIN, counter, free_port, rss_kib
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -379,3 +381,75 @@ def test_a_uid_holds_at_most_max_connections_per_uid(start_daemon):
                     p.kill()
                     p.wait()
         os.close(path)
+
+
+# Run as another uid by /usr/bin/python3: connects argv[2] sockets to argv[1] and hands them over
+# the socket whose descriptor is argv[3] (SCM_RIGHTS), so that the test's own process speaks on
+# connections the daemon knows as that uid's.
+HAND_OVER = r"""
+import socket, sys
+path, n, back = sys.argv[1], int(sys.argv[2]), socket.socket(fileno=int(sys.argv[3]))
+held = [socket.socket(socket.AF_UNIX) for _ in range(n)]
+for s in held:
+    s.connect(path)
+socket.send_fds(back, [b"x"], [s.fileno() for s in held])
+"""
+
+
+def test_a_uid_granted_nothing_is_served_apart_from_the_daemons_calls(start_daemon):
+    """A uid the config grants nothing (no token configured, the uid in no entry) can only be
+    refused: its connections go to a server of their own, so its half-sent messages never
+    reach the daemon's transport bound, which here is unbounded in effect (1T), and gRPC
+    holds little of them. Its calls are refused with the service's words, logged, and its
+    health check answers. Other uids are played by processes run as them: the test needs
+    root."""
+    if os.getuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root and /usr/bin/python3 to connect as other uids")
+    d = start_daemon("--max_message_size", "16M", "--max_rpc_buffer_size", "1T",
+                     "--log_level", "info")
+    os.chmod(d.socket, 0o666)  # the test reaches past the socket's 0660
+    path = os.open(d.socket, os.O_PATH)  # and, through /proc/self/fd, its private directory
+    connections, streams, size = 4, 8, 12 << 20
+    ours, theirs = socket.socketpair()
+    try:
+        subprocess.run(["/usr/bin/python3", "-c", HAND_OVER, f"/proc/self/fd/{path}",
+                        str(connections), str(theirs.fileno())],
+                       pass_fds=[path, theirs.fileno()], user=65534, group=65534,
+                       extra_groups=[], check=True, timeout=30)
+        _, fds, _, _ = socket.recv_fds(ours, 1, connections)
+    finally:
+        ours.close()
+        theirs.close()
+    handed = [socket.socket(fileno=fd) for fd in fds]
+    assert len(handed) == connections
+
+    start = rss_mb(d.proc.pid)
+    peak, senders = flood(d, handed.pop, connections, streams, size, 60)
+    # Every call ends at its headers, answered (its message never taken in).
+    assert sum(s.answered + len(s.resets) for s in senders) == connections * streams, \
+        [(s.answered, s.resets, s.closed) for s in senders]
+    assert peak - start < 64, (start, peak)
+    for s in senders:
+        s.sock.close()
+    log = d.log.read_text()
+    assert "event=rpc.error method=Echo code=UNAUTHENTICATED" in log
+    assert "uid 65534 (pid" in log
+
+    # The service's words reach a client of that uid, the health check answers it, and the
+    # daemon's own uid is served as ever.
+    tools = tempfile.mkdtemp()
+    try:
+        os.chmod(tools, 0o755)
+        ctl = shutil.copy(BIN / "kvtierctl", tools)
+        as_nobody = dict(pass_fds=[path], user=65534, group=65534, extra_groups=[],
+                         capture_output=True, text=True, timeout=60)
+        addr = ["--addr", f"unix:/proc/self/fd/{path}"]
+        r = subprocess.run([ctl, *addr, "sessions"], **as_nobody)
+        assert r.returncode == 1 and "UNAUTHENTICATED: uid 65534" in r.stderr, r
+        assert "auth.unix_peers" in r.stderr
+        r = subprocess.run([ctl, *addr, "health"], **as_nobody)
+        assert r.returncode == 0, r
+    finally:
+        shutil.rmtree(tools)
+        os.close(path)
+    assert echo(d) == b"after"
