@@ -163,9 +163,6 @@ TEST(Authenticator, AMalformedTenantHeaderIsInvalidBeforeAnyCredentialCheck) {
               StatusIs(Code::kInvalidArgument, "x-kvtier-tenant"));
 }
 
-// A connection's number is not the one a connection just closed had (the kernel would give
-// that lowest free number again at once): a call still starting on the closed connection must
-// not find the newer peer's credentials under it. Numbers come back only after a cycle.
 // A uid is granted nothing exactly when every call of its Unix-socket connections is refused,
 // whatever the call sends: checked against Identify with each kind of header.
 TEST(Authenticator, GrantsNothingToExactlyTheUidsIdentifyAlwaysRefuses) {
@@ -197,6 +194,9 @@ TEST(Authenticator, GrantsNothingToExactlyTheUidsIdentifyAlwaysRefuses) {
   EXPECT_FALSE(Authenticator(strict, kDaemonUid).GrantsNothingTo(1000));
 }
 
+// A connection's number is not the one a connection just closed had (the kernel would give
+// that lowest free number again at once): a call still starting on the closed connection must
+// not find the newer peer's credentials under it. Numbers come back only after a cycle.
 TEST(UnixListener, ANewConnectionDoesNotTakeTheNumberOneJustClosedHad) {
   const std::string path = absl::StrCat("/tmp/kvtier-listener-test-", getpid());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<UnixListener> listener, UnixListener::Bind(path));

@@ -394,6 +394,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     apart.SetResourceQuota(apart_quota);
     apart.SetMaxReceiveMessageSize(kApartMaxMessageBytes);
     apart.RegisterCallbackGenericService(&d->apart_service_);
+    KVTIER_TSAN_RELEASE(&d->apart_service_);  // as the service's, through gRPC's own queues
     d->apart_ = apart.BuildAndStart();
     if (d->apart_ == nullptr) {
       return absl::InternalError("listen: cannot start the server for connections served apart");

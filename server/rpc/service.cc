@@ -192,14 +192,17 @@ grpc::ServerGenericBidiReactor* KvTierService::AnswerApart(
     explicit Answer(const grpc::Status& s) { Finish(s); }
     void OnDone() override { delete this; }
   };
-  const std::string prefix = absl::StrCat("/", v1::KvTier::service_full_name(), "/");
+  static constexpr absl::string_view kPrefix = "/kvtier.v1.KvTier/";
   absl::string_view method = ctx->method();
-  if (!absl::ConsumePrefix(&method, prefix)) {
+  // As the daemon's server answers: a method the service does not have is UNIMPLEMENTED, and
+  // a call while it drains UNAVAILABLE, before its credentials are looked at (Admit).
+  if (!absl::ConsumePrefix(&method, kPrefix) || !method_metrics_.contains(method)) {
     return new Answer(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""));
   }
-  absl::Status s = Identify(ctx).status();
-  // The config is fixed at start, so a connection served apart never has credentials; were one
-  // to, its caller would connect again rather than be served here.
+  absl::Status s = draining() ? Draining() : Identify(ctx).status();
+  // The connection's uid is granted nothing, but a call whose connection went as it started
+  // may read the peer of a newer connection given its number (see UnixListener), one that
+  // has credentials: it is told to try again, on a connection of its own.
   if (s.ok()) {
     s = absl::UnavailableError("the connection was served apart from the daemon's calls; retry");
   }

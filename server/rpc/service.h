@@ -103,8 +103,8 @@ class KvTierService final : public v1::KvTier::CallbackService {
   // A call on a connection served apart (Daemon: a Unix-socket peer the config grants
   // nothing, Authenticator::GrantsNothingTo), answered at once, its message never read: with
   // Identify's words (UNAUTHENTICATED naming the uid; INVALID_ARGUMENT for a bad tenant
-  // header), logged and counted as refused, when it names a kvtier method; UNIMPLEMENTED, as
-  // gRPC answers an unknown method, otherwise.
+  // header; UNAVAILABLE while draining), logged and counted as refused, when it names a kvtier
+  // method; UNIMPLEMENTED, as gRPC answers an unknown method, otherwise.
   grpc::ServerGenericBidiReactor* AnswerApart(grpc::GenericCallbackServerContext* ctx);
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
@@ -315,6 +315,7 @@ class ApartService final : public grpc::CallbackGenericService {
  public:
   explicit ApartService(KvTierService* service) : service_(service) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    KVTIER_TSAN_ACQUIRE(this);  // on a gRPC thread: what the daemon made it with
     return service_->AnswerApart(ctx);
   }
 

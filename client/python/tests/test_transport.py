@@ -409,36 +409,36 @@ def test_a_uid_granted_nothing_is_served_apart_from_the_daemons_calls(start_daem
                      "--log_level", "info")
     os.chmod(d.socket, 0o666)  # the test reaches past the socket's 0660
     path = os.open(d.socket, os.O_PATH)  # and, through /proc/self/fd, its private directory
-    connections, streams, size = 4, 8, 12 << 20
-    ours, theirs = socket.socketpair()
-    try:
-        subprocess.run(["/usr/bin/python3", "-c", HAND_OVER, f"/proc/self/fd/{path}",
-                        str(connections), str(theirs.fileno())],
-                       pass_fds=[path, theirs.fileno()], user=65534, group=65534,
-                       extra_groups=[], check=True, timeout=30)
-        _, fds, _, _ = socket.recv_fds(ours, 1, connections)
-    finally:
-        ours.close()
-        theirs.close()
-    handed = [socket.socket(fileno=fd) for fd in fds]
-    assert len(handed) == connections
-
-    start = rss_mb(d.proc.pid)
-    peak, senders = flood(d, handed.pop, connections, streams, size, 60)
-    # Every call ends at its headers, answered (its message never taken in).
-    assert sum(s.answered + len(s.resets) for s in senders) == connections * streams, \
-        [(s.answered, s.resets, s.closed) for s in senders]
-    assert peak - start < 64, (start, peak)
-    for s in senders:
-        s.sock.close()
-    log = d.log.read_text()
-    assert "event=rpc.error method=Echo code=UNAUTHENTICATED" in log
-    assert "uid 65534 (pid" in log
-
-    # The service's words reach a client of that uid, the health check answers it, and the
-    # daemon's own uid is served as ever.
     tools = tempfile.mkdtemp()
     try:
+        connections, streams, size = 4, 8, 12 << 20
+        ours, theirs = socket.socketpair()
+        try:
+            subprocess.run(["/usr/bin/python3", "-c", HAND_OVER, f"/proc/self/fd/{path}",
+                            str(connections), str(theirs.fileno())],
+                           pass_fds=[path, theirs.fileno()], user=65534, group=65534,
+                           extra_groups=[], check=True, timeout=30)
+            _, fds, _, _ = socket.recv_fds(ours, 1, connections)
+        finally:
+            ours.close()
+            theirs.close()
+        handed = [socket.socket(fileno=fd) for fd in fds]
+        assert len(handed) == connections
+
+        start = rss_mb(d.proc.pid)
+        peak, senders = flood(d, handed.pop, connections, streams, size, 60)
+        # Every call ends at its headers, answered (its message never taken in).
+        assert sum(s.answered for s in senders) == connections * streams, \
+            [(s.answered, s.resets, s.closed) for s in senders]
+        assert peak - start < 64, (start, peak)
+        for s in senders:
+            s.sock.close()
+        log = d.log.read_text()
+        assert "event=rpc.error method=Echo code=UNAUTHENTICATED" in log
+        assert "uid 65534 (pid" in log
+
+        # The service's words reach a client of that uid, the health check answers it, and the
+        # daemon's own uid is served as ever.
         os.chmod(tools, 0o755)
         ctl = shutil.copy(BIN / "kvtierctl", tools)
         as_nobody = dict(pass_fds=[path], user=65534, group=65534, extra_groups=[],
