@@ -26,6 +26,9 @@ namespace kvtier {
 // daemon's uid) and its bearer token.
 inline constexpr char kTenantHeader[] = "x-kvtier-tenant";
 inline constexpr char kAuthorizationHeader[] = "authorization";
+// What the path of every kvtier call starts with (the rest is its method); other paths (the
+// health check, reflection) need no credentials.
+inline constexpr absl::string_view kKvTierPathPrefix = "/kvtier.v1.KvTier/";
 // Longest authorization value looked at; a longer one is UNAUTHENTICATED before any hashing.
 inline constexpr size_t kMaxAuthorization = 4096;
 

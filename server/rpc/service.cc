@@ -192,11 +192,10 @@ grpc::ServerGenericBidiReactor* KvTierService::AnswerApart(
     explicit Answer(const grpc::Status& s) { Finish(s); }
     void OnDone() override { delete this; }
   };
-  static constexpr absl::string_view kPrefix = "/kvtier.v1.KvTier/";
   absl::string_view method = ctx->method();
   // As the daemon's server answers: a method the service does not have is UNIMPLEMENTED, and
   // a call while it drains UNAVAILABLE, before its credentials are looked at (Admit).
-  if (!absl::ConsumePrefix(&method, kPrefix) || !method_metrics_.contains(method)) {
+  if (!absl::ConsumePrefix(&method, kKvTierPathPrefix) || !method_metrics_.contains(method)) {
     return new Answer(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""));
   }
   absl::Status s = draining() ? Draining() : Identify(ctx).status();

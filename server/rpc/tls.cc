@@ -161,19 +161,18 @@ class CredentialsFirst final : public grpc::AuthMetadataProcessor {
     // kvtier's own calls only: the health check and reflection answer anyone, as over the
     // Unix socket.
     const absl::string_view path = Value(metadata, ":path").value_or("");
-    if (!absl::StartsWith(path, kServicePrefix)) return grpc::Status::OK;
+    if (!absl::StartsWith(path, kKvTierPathPrefix)) return grpc::Status::OK;
     CallCredentials call = CredentialsIn(metadata);
     call.tcp = true;
     if (context != nullptr) call.cert_subject = ClientCertSubject(*context);
     const absl::StatusOr<Caller> caller = auth_->Identify(call);
     if (caller.ok()) return grpc::Status::OK;
-    if (refused_) refused_(path.substr(kServicePrefix.size()), caller.status());
+    if (refused_) refused_(path.substr(kKvTierPathPrefix.size()), caller.status());
     return grpc::Status(static_cast<grpc::StatusCode>(caller.status().code()),
                         std::string(caller.status().message()));
   }
 
  private:
-  static constexpr absl::string_view kServicePrefix = "/kvtier.v1.KvTier/";
   const Authenticator* const auth_;
   const RefusedCall refused_;
 };
