@@ -385,53 +385,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                " (address in use or not permitted)"));
   }
   if (d->listener_) {
-    // Uids the config grants nothing can only be refused, so their connections are served by a
-    // server of their own, as small as that needs: they cannot fill the daemon's transport
-    // bound, or make gRPC reset other callers' calls to stay under it.
-    grpc::ServerBuilder apart;
-    grpc::ResourceQuota apart_quota("kvtierd-apart");
-    apart_quota.Resize(kApartRpcBufferBytes);
-    apart.SetResourceQuota(apart_quota);
-    apart.SetMaxReceiveMessageSize(kApartMaxMessageBytes);
-    apart.RegisterCallbackGenericService(&d->apart_service_);
-    KVTIER_TSAN_RELEASE(&d->apart_service_);  // as the service's, through gRPC's own queues
-    d->apart_ = apart.BuildAndStart();
-    if (d->apart_ == nullptr) {
-      return absl::InternalError("listen: cannot start the server for connections served apart");
-    }
-    d->apart_->GetHealthCheckService()->SetServingStatus(true);
-    d->serving_listener_.store(d->listener_.get(), std::memory_order_release);
-    // Connections past a uid's bound: counted each, logged at most once a second (a flood of
-    // them is one line a second, naming the uid it fell on, with the count since the last line
-    // over every uid).
-    metrics::Counter& refused_connections = d->metrics_.GetCounter(
-        "kvtier_unix_connections_refused_total",
-        "Unix-socket connections closed as accepted: their uid held --max_connections_per_uid");
-    struct RefusalLog {
-      absl::Time last = absl::InfinitePast();
-      uint64_t since = 0;
-    };
-    auto refused = [&refused_connections, log = std::make_shared<RefusalLog>(),
-                    limit = o.max_connections_per_uid](const PeerCredentials& cred, size_t open) {
-      refused_connections.Inc();
-      ++log->since;
-      if (const absl::Time now = absl::Now(); now - log->last >= absl::Seconds(1)) {
-        KVLOG(warn, "listen.refused",
-              "uid={} pid={} open={} limit={} refused_since_last_line={} "
-              "field=max_connections_per_uid",
-              cred.uid, cred.pid, open, limit, log->since);
-        log->last = now;
-        log->since = 0;
-      }
-    };
-    d->listener_->Serve(
-        d->server_.get(),
-        UnixListener::ConnectionLimit{.per_uid = o.max_connections_per_uid,
-                                      .exempt = getuid(),
-                                      .refused = std::move(refused)},
-        UnixListener::Apart{.server = d->apart_.get(), .uid = [auth = &d->auth_](uid_t uid) {
-                              return auth->GrantsNothingTo(uid);
-                            }});
+    RETURN_IF_ERROR(d->ServeUnixSocket());
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port != 0) {
@@ -473,6 +427,57 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
 absl::Status Daemon::ReloadTls() {
   if (tls_ == nullptr) return absl::OkStatus();
   return tls_->Reload();
+}
+
+absl::Status Daemon::ServeUnixSocket() {
+  // Uids the config grants nothing can only be refused, so their connections are served by a
+  // server of their own, as small as that needs: they cannot fill the daemon's transport
+  // bound, or make gRPC reset other callers' calls to stay under it.
+  grpc::ServerBuilder apart;
+  grpc::ResourceQuota apart_quota("kvtierd-apart");
+  apart_quota.Resize(kApartRpcBufferBytes);
+  apart.SetResourceQuota(apart_quota);
+  apart.SetMaxReceiveMessageSize(kApartMaxMessageBytes);
+  apart.RegisterCallbackGenericService(&apart_service_);
+  KVTIER_TSAN_RELEASE(&apart_service_);  // as the service's, through gRPC's own queues
+  apart_ = apart.BuildAndStart();
+  if (apart_ == nullptr) {
+    return absl::InternalError("listen: cannot start the server for connections served apart");
+  }
+  apart_->GetHealthCheckService()->SetServingStatus(true);
+  serving_listener_.store(listener_.get(), std::memory_order_release);
+  // Connections past a uid's bound: counted each, logged at most once a second (a flood of
+  // them is one line a second, naming the uid it fell on, with the count since the last line
+  // over every uid).
+  metrics::Counter& refused_connections = metrics_.GetCounter(
+      "kvtier_unix_connections_refused_total",
+      "Unix-socket connections closed as accepted: their uid held --max_connections_per_uid");
+  struct RefusalLog {
+    absl::Time last = absl::InfinitePast();
+    uint64_t since = 0;
+  };
+  auto refused = [&refused_connections, log = std::make_shared<RefusalLog>(),
+                  limit = options_.max_connections_per_uid](const PeerCredentials& cred,
+                                                            size_t open) {
+    refused_connections.Inc();
+    ++log->since;
+    if (const absl::Time now = absl::Now(); now - log->last >= absl::Seconds(1)) {
+      KVLOG(warn, "listen.refused",
+            "uid={} pid={} open={} limit={} refused_since_last_line={} "
+            "field=max_connections_per_uid",
+            cred.uid, cred.pid, open, limit, log->since);
+      log->last = now;
+      log->since = 0;
+    }
+  };
+  listener_->Serve(server_.get(),
+                   UnixListener::ConnectionLimit{.per_uid = options_.max_connections_per_uid,
+                                                 .exempt = getuid(),
+                                                 .refused = std::move(refused)},
+                   UnixListener::Apart{.server = apart_.get(), .uid = [auth = &auth_](uid_t uid) {
+                                         return auth->GrantsNothingTo(uid);
+                                       }});
+  return absl::OkStatus();
 }
 
 void Daemon::RegisterGauges() {

@@ -76,6 +76,10 @@ class Daemon {
     return device_choice_.gpu >= 0 ? absl::StrCat("cuda:", device_choice_.gpu) : "emulated";
   }
   void RegisterGauges();
+  // Starts the listener on server_, which has started; a uid's connections past its bound
+  // are refused, and those of uids the config grants nothing go to a server of their own
+  // (apart_, started here).
+  absl::Status ServeUnixSocket();
   // Every 100 ms until shutdown: ends the leases past their TTL and the idle transfers.
   void Reap();
   void Persist();
