@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,64 @@ def test_lossless_full_budget_generates_transformers_own_tokens(daemon, models):
         cache.close()
     assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
     assert stored == got.shape[1] - 1
+
+
+def test_a_prompt_onto_earlier_tokens_generates_transformers_own_tokens(daemon, models):
+    """A chat's next turn: generate, then generate again from the whole conversation with a
+    new question after it, on the same cache. The second call's first forward runs several
+    tokens (the first turn's last token, which no forward stored, and the question) onto a
+    cache holding the first turn. Lossless, with a budget above the context: transformers' own
+    tokens, greedy, token for token."""
+    tok, ours, ref, _ = models
+    first = tok("The capital of France is Paris. The capital of Germany is",
+                return_tensors="pt").input_ids
+    question = tok(" The capital of Italy is", return_tensors="pt",
+                   add_special_tokens=False).input_ids
+    with kvtier.Client(daemon.address) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        turn = ours.generate(first, cache=cache, max_new_tokens=8, do_sample=False)
+        before = c.describe_session(cache.session_id).info.num_tokens
+        ids = torch.cat([turn, question], dim=1)
+        got = ours.generate(ids, cache=cache, max_new_tokens=16, do_sample=False)
+        stored = c.describe_session(cache.session_id).info.num_tokens
+        cache.close()
+    want = ref.generate(ids, max_new_tokens=16, do_sample=False)
+    assert before == turn.shape[1] - 1 and ids.shape[1] - before > 1
+    assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
+    assert stored == got.shape[1] - 1
+
+
+def test_a_prompt_onto_int4_chunks_keeps_full_attentions_perplexity(daemon, models):
+    """The default policy: a first prompt, its old chunks aged to int4, then the next 256 tokens
+    in one forward onto that cache. Their perplexity stays within 3% of transformers' own full
+    attention over the same tokens (the forward attends over every earlier row, int4 ones
+    dequantized), and the session then holds every token."""
+    tok, ours, ref, _ = models
+    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :768]
+    prompt = 512
+    with torch.no_grad():
+        full = ref(ids).logits[0].float().numpy()
+        with kvtier.Client(daemon.address) as c:
+            cache = KvTierCache(c, ours.config, budget_tokens=256)  # the default policy
+            ours(ids[:, :prompt], cache=cache)
+            for _ in range(600):  # the pool ages the prompt's old chunks
+                info = c.describe_session(cache.session_id).info
+                if info.aging_backlog_tokens == 0:
+                    break
+                time.sleep(0.05)
+            assert info.chunks_by_precision.get("PRECISION_INT4", 0) > 0, info
+            logits = ours(ids[:, prompt:], cache=cache).logits[0].float().numpy()
+            stored = c.describe_session(cache.session_id).info.num_tokens
+            cache.close()
+    flat = ids[0].numpy()
+    # Targets prompt+1 .. the last, each predicted by the logits of the token before it.
+    ppl_full = perplexity(full, flat, prompt + 1)
+    ppl_kvtier = perplexity(np.concatenate([np.zeros((prompt, full.shape[1])), logits]), flat,
+                            prompt + 1)
+    print("transformers-prompt-onto-int4", json.dumps(
+        {"ppl_transformers_full": ppl_full, "ppl_kvtier_default": ppl_kvtier}))
+    assert stored == ids.shape[1]
+    assert abs(ppl_kvtier / ppl_full - 1) < 0.03, (ppl_kvtier, ppl_full)
 
 
 def perplexity(logits, ids, first):

@@ -13,7 +13,10 @@ cache's kvtierd session. The prompt (a forward from an empty cache) attends over
 and values, causally, as transformers does; each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
 window and the chunks that matter, read through torch views over kvtierd's shared memory,
-with no copy in between), whose lease ends right after.
+with no copy in between), whose lease ends right after. A forward of several tokens onto a
+cache that holds earlier ones (the next turn of a chat, a prompt continued) attends, causally,
+over every row stored before it (one Select a layer whose budget covers the context) and over
+its own keys and values, as a prompt does over its own.
 Importing this module registers the attention function. Batch size 1; a Llama-family model
 (grouped-query attention, no sliding window)."""
 from __future__ import annotations
@@ -91,13 +94,14 @@ class KvTierCache(Cache):
 
 
 def _read(client: kvtier.Client, head, head_dim: int):
-    """The selected rows' K and V of one HeadSelection as fp32 [n][head_dim], read straight
-    from torch views over kvtierd's shared memory (each handle's selected rows converted in one
-    copy, no gather buffer between), then checked: every slot still holds its handle's
-    generation."""
+    """The selected rows' positions (int64 [n]) and K and V (fp32 [n][head_dim]) of one
+    HeadSelection, read straight from torch views over kvtierd's shared memory (each handle's
+    selected rows converted in one copy, no gather buffer between), then checked: every slot
+    still holds its handle's generation."""
     n = sum(len(b.rows) or b.num_tokens for b in head.blocks)
     kt = torch.empty(n, head_dim, dtype=torch.float32)
     vt = torch.empty(n, head_dim, dtype=torch.float32)
+    pos = torch.empty(n, dtype=torch.int64)
     at = 0
     for b in head.blocks:
         if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
@@ -108,17 +112,54 @@ def _read(client: kvtier.Client, head, head_dim: int):
                     for x in (b.keys, b.values))
         else:
             k, v = client.view(b, head_dim, like="torch")
+        p = torch.tensor(b.positions, dtype=torch.int64)
         if b.rows:
             rows = torch.tensor(b.rows, dtype=torch.int64)
-            k, v = k.index_select(0, rows), v.index_select(0, rows)
+            k, v, p = k.index_select(0, rows), v.index_select(0, rows), p.index_select(0, rows)
         m = k.shape[0]
         kt[at:at + m].copy_(k)
         vt[at:at + m].copy_(v)
+        pos[at:at + m].copy_(p)
         at += m
     for b in head.blocks:
         if not b.keys:
             client.segments.check(b)
-    return kt, vt
+    return pos, kt, vt
+
+
+def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: int, scale: float,
+                      groups: int):
+    """Several new tokens (positions past .. past + q_len - 1) onto a cache holding `past`
+    earlier ones: each query attends over every row stored before the forward (a Select whose
+    budget covers the whole context returns each chunk whole) and over the new tokens' own keys
+    and values up to its own position, as transformers' causal attention does over a dense
+    cache. Output [q_len][q_heads][d], fp32."""
+    q_len = query.shape[2]
+    total = cache.layers[layer].tokens
+    last = query[0, :, -1, :].detach().float().cpu().numpy()  # any query: the budget takes all
+    sel = cache.client.select(cache.session_id, layer, last, budget_tokens=min(total, 2**32 - 1))
+    try:
+        out = torch.empty(q_len, query.shape[1], query.shape[3], dtype=torch.float32)
+        at = past + torch.arange(q_len, dtype=torch.int64)  # each new token's position
+        for head in sel.heads:
+            pos, kt, vt = _read(cache.client, head, cache.head_dim)
+            old = pos < past  # the rows this forward appended come from its own tensors
+            if int(old.sum()) != past:
+                raise RuntimeError(
+                    f"layer {layer} KV head {head.kv_head}: a Select with the whole context as "
+                    f"its budget returned {int(old.sum())} of the {past} rows stored before "
+                    "this forward (was the session appended to outside this cache?)")
+            k = torch.cat([kt[old], key[0, head.kv_head].detach().float().cpu()])
+            v = torch.cat([vt[old], value[0, head.kv_head].detach().float().cpu()])
+            p = torch.cat([pos[old], at])
+            h0 = head.kv_head * groups
+            qh = query[0, h0:h0 + groups].detach().float().cpu()  # [groups][q_len][d]
+            logits = (qh @ k.T) * scale  # [groups][q_len][rows]
+            logits.masked_fill_(p[None, None, :] > at[None, :, None], float("-inf"))
+            out[:, h0:h0 + groups] = (torch.softmax(logits, dim=-1) @ v).transpose(0, 1)
+    finally:
+        cache.client.release(sel.lease_id)
+    return out
 
 
 def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -129,23 +170,23 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len = query.shape[2]
     groups = query.shape[1] // key.shape[1]
-    if cache is None or cache.layers[layer].tokens == q_len:
+    past = cache.layers[layer].tokens - q_len if cache is not None else 0
+    if past == 0:
         # The prompt from an empty cache: causal attention over its own keys and values.
         k = key.repeat_interleave(groups, dim=1)
         v = value.repeat_interleave(groups, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, k, v, attn_mask=None, is_causal=q_len > 1, scale=scale)
         return out.transpose(1, 2).contiguous(), None
-    if q_len != 1:
-        raise kvtier.KvTierArgumentError(
-            "query", "kvtier's attention takes a prompt from an empty cache, then one token at "
-            "a time")
+    if q_len > 1:  # a prompt onto earlier tokens
+        out = _attend_onto_past(cache, layer, query, key, value, past, scale, groups)
+        return out.to(query.dtype)[None], None
     q = query[0, :, 0, :].detach().float().cpu().numpy()  # [q_heads][d]
     sel = cache.client.select(cache.session_id, layer, q, budget_tokens=cache.budget_tokens)
     try:
         out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
         for head in sel.heads:
-            kt, vt = _read(cache.client, head, cache.head_dim)
+            _, kt, vt = _read(cache.client, head, cache.head_dim)
             h0 = head.kv_head * groups
             qh = query[0, h0:h0 + groups, 0, :].float()
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
