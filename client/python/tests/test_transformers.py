@@ -50,6 +50,10 @@ def test_lossless_full_budget_generates_transformers_own_tokens(daemon, models):
         # Every layer holds the prompt and the generated tokens but the last (whose K/V is
         # made only when a further token is decoded).
         stored = c.describe_session(cache.session_id).info.num_tokens
+        # On a Unix socket the decoded tokens' calls went through the cache's channel, and
+        # each layer's lease ended with the next layer's Select or after the last layer.
+        assert cache.channel is not None
+        assert not c.list_leases(cache.session_id).leases
         cache.close()
     assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
     assert stored == got.shape[1] - 1

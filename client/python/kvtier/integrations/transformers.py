@@ -54,8 +54,7 @@ class _KvTierLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         k = key_states[0].detach().to(torch.float16).cpu().numpy()  # [kv_heads][n][d]
         v = value_states[0].detach().to(torch.float16).cpu().numpy()
-        self._cache.client.append_kv(self._cache.session_id,
-                                     [(self._layer, self.tokens, k, v)])
+        self._cache._append(self._layer, self.tokens, k, v)
         self.appended_now = k.shape[1]
         self.tokens += k.shape[1]
         return key_states, value_states
@@ -80,7 +79,75 @@ class KvTierCache(Cache):
             num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=head_dim, session_id=session_id,
             model_id=getattr(config, "name_or_path", "") or "", **policy).session_id
+        # A decoded token's per-layer append, Select and Release go through a shared-memory
+        # channel on a Unix socket (none over TCP, or once one broke: gRPC then).
+        self.channel = None
+        # The last layer's lease while the next layer's Select (which ends it) has not come.
+        self._pending_lease = None
+        if client.address.startswith("unix:"):
+            try:
+                self.channel = client.open_channel()
+            except kvtier.KvTierError:
+                self.channel = None
         super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
+
+    def _through_channel(self, call):
+        """call(self.channel); None when there is no channel or it broke (closed, the daemon
+        restarted: the caller makes the call over gRPC instead). Other errors are raised."""
+        if self.channel is None:
+            return None
+        try:
+            return call(self.channel)
+        except kvtier.KvTierError as e:
+            if f"channel {self.channel.id}" not in e.message:
+                raise
+            self.channel.close()
+            self.channel = None
+            return None
+
+    def _append(self, layer: int, start: int, k, v) -> None:
+        """One layer's new rows: a decoded token's through the channel, a prompt's streamed."""
+        if k.shape[1] == 1 and self._through_channel(
+                lambda ch: ch.append(self.session_id, layer, start, k, v)) is not None:
+            return
+        self.client.append_kv(self.session_id, [(layer, start, k, v)])
+
+    def _select(self, layer: int, query, budget_tokens: int):
+        """A decoded token's Select: its refined rows come gathered into blocks of their own
+        (one handle per block, every row of it selected), through the channel when there is
+        one; it ends the previous layer's lease (release_lease_ids), whose rows were read."""
+        ends = [self._pending_lease] if self._pending_lease else []
+        self._pending_lease = None
+        try:
+            sel = self._through_channel(lambda ch: ch.select(
+                self.session_id, layer, query, budget_tokens=budget_tokens, row_handles=False,
+                release_lease_ids=ends))
+            if sel is None:
+                sel = self.client.select(self.session_id, layer, query,
+                                         budget_tokens=budget_tokens, row_handles=False,
+                                         release_lease_ids=ends)
+        except kvtier.KvTierError:
+            self._end(ends)  # a refused Select ends nothing
+            raise
+        return sel
+
+    def _done(self, layer: int, lease_id: str) -> None:
+        """A decoded token's layer has read its rows: its lease ends with the next layer's
+        Select, or now after the last layer (no lease is held between forwards)."""
+        if layer + 1 < len(self.layers):
+            self._pending_lease = lease_id
+        else:
+            self._end([lease_id])
+
+    def _end(self, lease_ids) -> None:
+        """Releases leases, those that already ended (NOT_FOUND) aside."""
+        for lease_id in lease_ids:
+            try:
+                if self._through_channel(lambda ch: ch.release(lease_id) or True) is None:
+                    self.client.release(lease_id)
+            except kvtier.KvTierError as e:
+                if e.code.name != "NOT_FOUND":
+                    raise
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Appends the layer's new keys and values to the session (Cache.update); the
@@ -89,20 +156,22 @@ class KvTierCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def close(self) -> None:
-        """Closes the kvtierd session."""
+        """Closes the kvtierd session (and the cache's channel)."""
+        if self._pending_lease:  # a forward that stopped between two layers
+            self._end([self._pending_lease])
+            self._pending_lease = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         self.client.close_session(self.session_id)
 
 
-def _read(client: kvtier.Client, head, head_dim: int):
-    """The selected rows' positions (int64 [n]) and K and V (fp32 [n][head_dim]) of one
-    HeadSelection, read straight from torch views over kvtierd's shared memory (each handle's
-    selected rows converted in one copy, no gather buffer between), then checked: every slot
-    still holds its handle's generation."""
-    n = sum(len(b.rows) or b.num_tokens for b in head.blocks)
-    kt = torch.empty(n, head_dim, dtype=torch.float32)
-    vt = torch.empty(n, head_dim, dtype=torch.float32)
-    pos = torch.empty(n, dtype=torch.int64)
-    at = 0
+def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
+    """The selected rows' K and V (fp32 [n][head_dim]) of one HeadSelection, and with
+    `positions` their positions (int64 [n]; else None): each handle's selected rows taken from
+    torch views over kvtierd's shared memory, all converted in one copy, then checked: every
+    slot still holds its handle's generation."""
+    ks, vs, ps = [], [], []
     for b in head.blocks:
         if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
             k, v = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).reshape(b.num_tokens, -1)
@@ -112,19 +181,23 @@ def _read(client: kvtier.Client, head, head_dim: int):
                     for x in (b.keys, b.values))
         else:
             k, v = client.view(b, head_dim, like="torch")
-        p = torch.tensor(b.positions, dtype=torch.int64)
         if b.rows:
             rows = torch.tensor(b.rows, dtype=torch.int64)
-            k, v, p = k.index_select(0, rows), v.index_select(0, rows), p.index_select(0, rows)
-        m = k.shape[0]
-        kt[at:at + m].copy_(k)
-        vt[at:at + m].copy_(v)
-        pos[at:at + m].copy_(p)
-        at += m
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+        ks.append(k)
+        vs.append(v)
+        if positions:
+            ps.append(b.positions if not b.rows else [b.positions[r] for r in b.rows])
+    if not ks:
+        empty = torch.empty(0, head_dim, dtype=torch.float32)
+        return empty, empty.clone(), (torch.empty(0, dtype=torch.int64) if positions else None)
+    kt = torch.cat(ks).float()  # copies out of the views before the check below
+    vt = torch.cat(vs).float()
     for b in head.blocks:
         if not b.keys:
             client.segments.check(b)
-    return pos, kt, vt
+    pos = torch.tensor([p for run in ps for p in run], dtype=torch.int64) if positions else None
+    return kt, vt, pos
 
 
 def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: int, scale: float,
@@ -137,12 +210,14 @@ def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: i
     q_len = query.shape[2]
     total = cache.layers[layer].tokens
     last = query[0, :, -1, :].detach().float().cpu().numpy()  # any query: the budget takes all
-    sel = cache.client.select(cache.session_id, layer, last, budget_tokens=min(total, 2**32 - 1))
+    # Over gRPC: the whole context's handles may not fit the channel's response area.
+    sel = cache.client.select(cache.session_id, layer, last,
+                              budget_tokens=min(total, 2**32 - 1))
     try:
         out = torch.empty(q_len, query.shape[1], query.shape[3], dtype=torch.float32)
         at = past + torch.arange(q_len, dtype=torch.int64)  # each new token's position
         for head in sel.heads:
-            pos, kt, vt = _read(cache.client, head, cache.head_dim)
+            kt, vt, pos = _read(cache.client, head, cache.head_dim, positions=True)
             old = pos < past  # the rows this forward appended come from its own tensors
             if int(old.sum()) != past:
                 raise RuntimeError(
@@ -182,17 +257,19 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = _attend_onto_past(cache, layer, query, key, value, past, scale, groups)
         return out.to(query.dtype)[None], None
     q = query[0, :, 0, :].detach().float().cpu().numpy()  # [q_heads][d]
-    sel = cache.client.select(cache.session_id, layer, q, budget_tokens=cache.budget_tokens)
+    sel = cache._select(layer, q, cache.budget_tokens)
     try:
         out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
         for head in sel.heads:
-            _, kt, vt = _read(cache.client, head, cache.head_dim)
+            kt, vt, _ = _read(cache.client, head, cache.head_dim)
             h0 = head.kv_head * groups
             qh = query[0, h0:h0 + groups, 0, :].float()
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
             out[h0:h0 + groups] = weights @ vt
-    finally:
-        cache.client.release(sel.lease_id)
+    except BaseException:
+        cache._end([sel.lease_id])
+        raise
+    cache._done(layer, sel.lease_id)
     return out.to(query.dtype)[None, None], None
 
 
