@@ -7,6 +7,7 @@ installs, loaded through transformers' GGUF support), on the CPU:
   attention, and the harness's own run of the same kvtier policy, over the same tokens."""
 import copy
 import glob
+import hashlib
 import json
 import math
 import os
@@ -51,12 +52,66 @@ def test_lossless_full_budget_generates_transformers_own_tokens(daemon, models):
         # made only when a further token is decoded).
         stored = c.describe_session(cache.session_id).info.num_tokens
         # On a Unix socket the decoded tokens' calls went through the cache's channel, and
-        # each layer's lease ended with the next layer's Select or after the last layer.
+        # every layer's lease ended once its rows were read.
         assert cache.channel is not None
         assert not c.list_leases(cache.session_id).leases
         cache.close()
     assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
     assert stored == got.shape[1] - 1
+
+
+def test_decoding_falls_back_to_grpc_past_the_channels_areas_and_over_tcp(start_tcp_daemon,
+                                                                         models, tmp_path):
+    """A lossless session whose decode Selects' replies do not fit the cache's channel (a
+    64 KiB one, against a 1000-token context) makes them over gRPC and keeps the channel for
+    the appends; over TCP (a token, plaintext) there is no channel and the rows come inline.
+    Both generate transformers' own tokens."""
+    tok, ours, ref, _ = models
+    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :1000]
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    token, salt = "tf-" + os.urandom(8).hex(), os.urandom(16).hex()
+    config = tmp_path / "auth.conf"
+    config.write_text(f'auth {{ tokens {{ tenant: "t" salt: "{salt}" '
+                      f'sha256: "{hashlib.sha256((salt + token).encode()).hexdigest()}" }} }}\n')
+    d, port = start_tcp_daemon("--config", str(config), "--tcp_plaintext", "on")
+    with kvtier.Client(d.address, token=token) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        cache.channel.close()
+        cache.channel = c.open_channel(64 << 10)
+        got = ours.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert cache.channel is not None  # RESOURCE_EXHAUSTED: over gRPC, the channel kept
+        assert not c.list_leases(cache.session_id).leases
+        with pytest.raises(kvtier.KvTierError) as e:  # what each decode Select met there
+            cache.channel.select(cache.session_id, 0, np.zeros((ours.config.num_attention_heads,
+                                                                cache.head_dim), np.float32),
+                                 budget_tokens=1 << 20, row_handles=False)
+        assert e.value.code.name == "RESOURCE_EXHAUSTED", e.value
+        cache.close()
+    assert got.tolist() == want.tolist()
+    with kvtier.Client(f"127.0.0.1:{port}", token=token) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        assert cache.channel is None and cache.inline
+        got = ours.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert not c.list_leases(cache.session_id).leases
+        cache.close()
+    assert got.tolist() == want.tolist()
+
+
+def test_the_attention_with_another_cache_is_plain_causal_attention(daemon, models):
+    """After a KvTierCache, the same "kvtier" model with transformers' own DynamicCache (whose
+    keys hold the earlier tokens first) generates transformers' own tokens: nothing of the
+    KvTierCache is read."""
+    tok, ours, ref, _ = models
+    ids = tok("The largest planet of the solar system is", return_tensors="pt").input_ids
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    with kvtier.Client(daemon.address) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        ours.generate(tok("The capital of France is Paris. The capital of Germany is",
+                          return_tensors="pt").input_ids,
+                      cache=cache, max_new_tokens=8, do_sample=False)
+        got = ours.generate(ids, max_new_tokens=8, do_sample=False)  # its own DynamicCache
+        cache.close()
+    assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
 
 
 def test_a_prompt_onto_earlier_tokens_generates_transformers_own_tokens(daemon, models):

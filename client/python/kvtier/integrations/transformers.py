@@ -12,11 +12,13 @@ Each layer's update appends the new tokens' keys and values (after RoPE, as fp16
 cache's kvtierd session. The prompt (a forward from an empty cache) attends over its own keys
 and values, causally, as transformers does; each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
-window and the chunks that matter, read through torch views over kvtierd's shared memory,
-with no copy in between), whose lease ends right after. A forward of several tokens onto a
-cache that holds earlier ones (the next turn of a chat, a prompt continued) attends, causally,
-over every row stored before it (one Select a layer whose budget covers the context) and over
-its own keys and values, as a prompt does over its own.
+window and the chunks that matter, read through torch views over kvtierd's shared memory; over
+TCP, inline in the reply), whose lease ends right after. On a Unix socket a decoded token's
+append, Select and release go through a shared-memory channel, not gRPC. A forward of several
+tokens onto a cache that holds earlier ones (the next turn of a chat, a prompt continued)
+attends, causally, over every row stored before it (one Select a layer whose budget covers the
+context) and over its own keys and values, as a prompt does over its own. With another Cache
+(or none) the "kvtier" attention is plain causal attention over the keys that cache gives.
 Importing this module registers the attention function. Batch size 1; a Llama-family model
 (grouped-query attention, no sliding window)."""
 from __future__ import annotations
@@ -79,75 +81,18 @@ class KvTierCache(Cache):
             num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=head_dim, session_id=session_id,
             model_id=getattr(config, "name_or_path", "") or "", **policy).session_id
-        # A decoded token's per-layer append, Select and Release go through a shared-memory
-        # channel on a Unix socket (none over TCP, or once one broke: gRPC then).
+        # A decoded token's per-layer append, Select and release go through a shared-memory
+        # channel on a Unix socket; over TCP, and once the channel broke, they are gRPC calls,
+        # as is a call the channel's areas cannot hold.
         self.channel = None
-        # The last layer's lease while the next layer's Select (which ends it) has not come.
-        self._pending_lease = None
-        if client.address.startswith("unix:"):
+        # Over TCP the daemon may be on another host: the rows come inline in the replies.
+        self.inline = not client.address.startswith("unix:")
+        if not self.inline:
             try:
                 self.channel = client.open_channel()
             except kvtier.KvTierError:
                 self.channel = None
         super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
-
-    def _through_channel(self, call):
-        """call(self.channel); None when there is no channel or it broke (closed, the daemon
-        restarted: the caller makes the call over gRPC instead). Other errors are raised."""
-        if self.channel is None:
-            return None
-        try:
-            return call(self.channel)
-        except kvtier.KvTierError as e:
-            if f"channel {self.channel.id}" not in e.message:
-                raise
-            self.channel.close()
-            self.channel = None
-            return None
-
-    def _append(self, layer: int, start: int, k, v) -> None:
-        """One layer's new rows: a decoded token's through the channel, a prompt's streamed."""
-        if k.shape[1] == 1 and self._through_channel(
-                lambda ch: ch.append(self.session_id, layer, start, k, v)) is not None:
-            return
-        self.client.append_kv(self.session_id, [(layer, start, k, v)])
-
-    def _select(self, layer: int, query, budget_tokens: int):
-        """A decoded token's Select: its refined rows come gathered into blocks of their own
-        (one handle per block, every row of it selected), through the channel when there is
-        one; it ends the previous layer's lease (release_lease_ids), whose rows were read."""
-        ends = [self._pending_lease] if self._pending_lease else []
-        self._pending_lease = None
-        try:
-            sel = self._through_channel(lambda ch: ch.select(
-                self.session_id, layer, query, budget_tokens=budget_tokens, row_handles=False,
-                release_lease_ids=ends))
-            if sel is None:
-                sel = self.client.select(self.session_id, layer, query,
-                                         budget_tokens=budget_tokens, row_handles=False,
-                                         release_lease_ids=ends)
-        except kvtier.KvTierError:
-            self._end(ends)  # a refused Select ends nothing
-            raise
-        return sel
-
-    def _done(self, layer: int, lease_id: str) -> None:
-        """A decoded token's layer has read its rows: its lease ends with the next layer's
-        Select, or now after the last layer (no lease is held between forwards)."""
-        if layer + 1 < len(self.layers):
-            self._pending_lease = lease_id
-        else:
-            self._end([lease_id])
-
-    def _end(self, lease_ids) -> None:
-        """Releases leases, those that already ended (NOT_FOUND) aside."""
-        for lease_id in lease_ids:
-            try:
-                if self._through_channel(lambda ch: ch.release(lease_id) or True) is None:
-                    self.client.release(lease_id)
-            except kvtier.KvTierError as e:
-                if e.code.name != "NOT_FOUND":
-                    raise
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Appends the layer's new keys and values to the session (Cache.update); the
@@ -156,21 +101,70 @@ class KvTierCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def close(self) -> None:
-        """Closes the kvtierd session (and the cache's channel)."""
-        if self._pending_lease:  # a forward that stopped between two layers
-            self._end([self._pending_lease])
-            self._pending_lease = None
-        if self.channel is not None:
-            self.channel.close()
+        """Closes the kvtierd session and the cache's channel."""
+        try:
+            if self.channel is not None:
+                self.channel.close()  # ends the leases of its Selects too
+        finally:
             self.channel = None
-        self.client.close_session(self.session_id)
+            self.client.close_session(self.session_id)
+
+    def _through_channel(self, call):
+        """call(self.channel), or None for the caller to make the call over gRPC: there is no
+        channel, it broke (closed, timed out, the daemon restarted: it is closed for good), or
+        the call does not fit its request or response area (RESOURCE_EXHAUSTED; the channel
+        stays). Other errors are raised."""
+        ch = self.channel
+        if ch is None:
+            return None
+        try:
+            return call(ch)
+        except kvtier.KvTierError as e:
+            if e.code.name == "RESOURCE_EXHAUSTED":
+                return None
+            if f"channel {ch.id}" not in e.message:
+                raise
+            ch.close()
+            self.channel = None
+            return None
+
+    def _append(self, layer: int, start: int, k, v) -> None:
+        """One layer's new rows: a decoded token's through the channel, a prompt's streamed
+        (an append the channel began and then broke on is made again over gRPC: a rewrite of
+        the same rows is a no-op)."""
+        if k.shape[1] == 1 and self._through_channel(
+                lambda ch: ch.append(self.session_id, layer, start, k, v)) is not None:
+            return
+        self.client.append_kv(self.session_id, [(layer, start, k, v)])
+
+    def _select(self, layer: int, query, budget_tokens: int):
+        """A decoded token's Select, its refined rows gathered into blocks of their own (one
+        handle per block, every row of it selected). Returns (response, whether its lease is
+        the channel's)."""
+        sel = self._through_channel(lambda ch: ch.select(
+            self.session_id, layer, query, budget_tokens=budget_tokens, row_handles=False))
+        if sel is not None:
+            return sel, True
+        return self.client.select(self.session_id, layer, query, budget_tokens=budget_tokens,
+                                  row_handles=False, include_data=self.inline), False
+
+    def _release(self, lease_id: str, on_channel: bool) -> None:
+        """Ends a lease; one of a channel that broke meanwhile ended with it (NOT_FOUND)."""
+        if on_channel and self._through_channel(
+                lambda ch: ch.release(lease_id) or True) is not None:
+            return
+        try:
+            self.client.release(lease_id)
+        except kvtier.KvTierError as e:
+            if not (on_channel and e.code.name == "NOT_FOUND"):
+                raise
 
 
 def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     """The selected rows' K and V (fp32 [n][head_dim]) of one HeadSelection, and with
     `positions` their positions (int64 [n]; else None): each handle's selected rows taken from
-    torch views over kvtierd's shared memory, all converted in one copy, then checked: every
-    slot still holds its handle's generation."""
+    torch views over kvtierd's shared memory, concatenated and converted to fp32 as one tensor
+    (not handle by handle), then checked: every slot still holds its handle's generation."""
     ks, vs, ps = [], [], []
     for b in head.blocks:
         if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
@@ -200,6 +194,11 @@ def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     return kt, vt, pos
 
 
+# The most logits _attend_onto_past holds at once (fp32): a long prompt onto a long context is
+# attended a block of queries at a time.
+_MAX_LOGITS = 1 << 24
+
+
 def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: int, scale: float,
                       groups: int):
     """Several new tokens (positions past .. past + q_len - 1) onto a cache holding `past`
@@ -211,7 +210,7 @@ def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: i
     total = cache.layers[layer].tokens
     last = query[0, :, -1, :].detach().float().cpu().numpy()  # any query: the budget takes all
     # Over gRPC: the whole context's handles may not fit the channel's response area.
-    sel = cache.client.select(cache.session_id, layer, last,
+    sel = cache.client.select(cache.session_id, layer, last, include_data=cache.inline,
                               budget_tokens=min(total, 2**32 - 1))
     try:
         out = torch.empty(q_len, query.shape[1], query.shape[3], dtype=torch.float32)
@@ -229,9 +228,12 @@ def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: i
             p = torch.cat([pos[old], at])
             h0 = head.kv_head * groups
             qh = query[0, h0:h0 + groups].detach().float().cpu()  # [groups][q_len][d]
-            logits = (qh @ k.T) * scale  # [groups][q_len][rows]
-            logits.masked_fill_(p[None, None, :] > at[None, :, None], float("-inf"))
-            out[:, h0:h0 + groups] = (torch.softmax(logits, dim=-1) @ v).transpose(0, 1)
+            step = max(1, _MAX_LOGITS // (groups * k.shape[0]))
+            for i in range(0, q_len, step):
+                j = min(q_len, i + step)
+                logits = (qh[:, i:j] @ k.T) * scale  # [groups][j - i][rows]
+                logits.masked_fill_(p[None, None, :] > at[None, i:j, None], float("-inf"))
+                out[i:j, h0:h0 + groups] = (torch.softmax(logits, dim=-1) @ v).transpose(0, 1)
     finally:
         cache.client.release(sel.lease_id)
     return out
@@ -240,24 +242,34 @@ def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: i
 def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """transformers' attention interface: (output [batch][q_len][heads][d], None)."""
+    # The cache whose update just ran in this layer's forward, taken once: a forward with
+    # another Cache (or none) after it finds none.
     cache = _ACTIVE.get()
+    _ACTIVE.set(None)
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len = query.shape[2]
     groups = query.shape[1] // key.shape[1]
     past = cache.layers[layer].tokens - q_len if cache is not None else 0
     if past == 0:
-        # The prompt from an empty cache: causal attention over its own keys and values.
+        # The prompt from an empty KvTierCache (key and value: its own), or a forward with
+        # another cache, whose key and value hold its earlier tokens first: causal attention,
+        # each query over the keys up to its own position.
         k = key.repeat_interleave(groups, dim=1)
         v = value.repeat_interleave(groups, dim=1)
+        kv_len = k.shape[2]
+        mask = None
+        if kv_len != q_len:
+            mask = (torch.arange(kv_len, device=query.device)[None, :] <=
+                    torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None])
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, k, v, attn_mask=None, is_causal=q_len > 1, scale=scale)
+            query, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale)
         return out.transpose(1, 2).contiguous(), None
     if q_len > 1:  # a prompt onto earlier tokens
         out = _attend_onto_past(cache, layer, query, key, value, past, scale, groups)
         return out.to(query.dtype)[None], None
     q = query[0, :, 0, :].detach().float().cpu().numpy()  # [q_heads][d]
-    sel = cache._select(layer, q, cache.budget_tokens)
+    sel, on_channel = cache._select(layer, q, cache.budget_tokens)
     try:
         out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
         for head in sel.heads:
@@ -266,10 +278,8 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
             qh = query[0, h0:h0 + groups, 0, :].float()
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
             out[h0:h0 + groups] = weights @ vt
-    except BaseException:
-        cache._end([sel.lease_id])
-        raise
-    cache._done(layer, sel.lease_id)
+    finally:
+        cache._release(sel.lease_id, on_channel)
     return out.to(query.dtype)[None, None], None
 
 
