@@ -114,6 +114,30 @@ def test_the_attention_with_another_cache_is_plain_causal_attention(daemon, mode
     assert got.tolist() == want.tolist(), (tok.decode(got[0]), tok.decode(want[0]))
 
 
+def test_a_padded_batch_generates_transformers_own_tokens(daemon, models):
+    """Two prompts of different lengths in one batch, left-padded, lossless with a budget above
+    the context: transformers' own tokens for both rows, greedy, token for token, and each
+    row's session holds that row's tokens alone (its padding left out)."""
+    tok, ours, ref, _ = models
+    prompts = ["The capital of France is Paris. The capital of Germany is",
+               "The largest planet is"]
+    pad = tok.pad_token_id
+    batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    real = batch.attention_mask.sum(1).tolist()
+    assert real[0] != real[1]  # the second row is padded
+    want = ref.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    with kvtier.Client(daemon.address) as c:
+        cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
+        got = ours.generate(**batch, cache=cache, max_new_tokens=12, do_sample=False,
+                            pad_token_id=pad)
+        stored = [c.describe_session(sid).info.num_tokens for sid in cache.session_ids]
+        assert not any(c.list_leases(sid).leases for sid in cache.session_ids)
+        cache.close()
+    assert got.tolist() == want.tolist(), ([tok.decode(g) for g in got],
+                                           [tok.decode(w) for w in want])
+    assert stored == [r + 11 for r in real]
+
+
 def test_a_prompt_onto_earlier_tokens_generates_transformers_own_tokens(daemon, models):
     """A chat's next turn: generate, then generate again from the whole conversation with a
     new question after it, on the same cache. The second call's first forward runs several

@@ -8,8 +8,8 @@ an attention function ("kvtier") that attends over what Select returns.
     out = model.generate(ids, cache=cache, max_new_tokens=32)
     cache.close()
 
-Each layer's update appends the new tokens' keys and values (after RoPE, as fp16) to the
-cache's kvtierd session. The prompt (a forward from an empty cache) attends over its own keys
+Each layer's attention appends the new tokens' keys and values (after RoPE, as fp16) to the
+cache's kvtierd session of their batch row, the row's padding left out. The prompt (a forward from an empty cache) attends over its own keys
 and values, causally, as transformers does; each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
 window and the chunks that matter, read through torch views over kvtierd's shared memory; over
@@ -19,8 +19,9 @@ tokens onto a cache that holds earlier ones (the next turn of a chat, a prompt c
 attends, causally, over every row stored before it (one Select a layer whose budget covers the
 context) and over its own keys and values, as a prompt does over its own. With another Cache
 (or none) the "kvtier" attention is plain causal attention over the keys that cache gives.
-Importing this module registers the attention function. Batch size 1; a Llama-family model
-(grouped-query attention, no sliding window)."""
+Importing this module registers the attention function, and a mask function that hands it
+transformers' 2D padding mask. One session per batch row; a Llama-family model (grouped-query
+attention, no sliding window)."""
 from __future__ import annotations
 
 import contextvars
@@ -28,6 +29,7 @@ import contextvars
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 import kvtier
@@ -40,25 +42,25 @@ _ACTIVE: contextvars.ContextVar["KvTierCache | None"] = contextvars.ContextVar(
 
 
 class _KvTierLayer(DynamicLayer):
-    """One layer's length; its keys and values are in kvtierd, never kept here."""
+    """One layer's length; its keys and values are in kvtierd, never kept here. `tokens`
+    counts the forwards' tokens as transformers sees them (padding included); `rows[b]` the
+    rows stored in batch row b's session (its padding left out)."""
 
     def __init__(self, cache: "KvTierCache", layer: int):
         super().__init__()
         self._cache = cache
         self._layer = layer
         self.tokens = 0
-        self.appended_now = 0  # tokens the last update appended (the attention's query length)
+        self.rows: list[int] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[0] != 1:
-            raise kvtier.KvTierArgumentError("key_states", "kvtier's cache takes batch size 1")
+        # The rows are stored by the attention function that follows, which knows the padding.
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        k = key_states[0].detach().to(torch.float16).cpu().numpy()  # [kv_heads][n][d]
-        v = value_states[0].detach().to(torch.float16).cpu().numpy()
-        self._cache._append(self._layer, self.tokens, k, v)
-        self.appended_now = k.shape[1]
-        self.tokens += k.shape[1]
+        self._cache._start(key_states.shape[0])
+        if not self.rows:
+            self.rows = [0] * key_states.shape[0]
+        self.tokens += key_states.shape[2]
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -66,9 +68,11 @@ class _KvTierLayer(DynamicLayer):
 
 
 class KvTierCache(Cache):
-    """A transformers Cache over one kvtierd session, made for `config`'s shape; `policy`
-    takes SessionPolicy fields (lossless=True keeps every token in fp16), `budget_tokens`
-    each Select's budget (0: the session's default)."""
+    """A transformers Cache over kvtierd sessions, one per batch row, made for `config`'s
+    shape; `policy` takes SessionPolicy fields (lossless=True keeps every token in fp16),
+    `budget_tokens` each Select's budget (0: the session's default). `session_id` names the
+    first row's session (made here); the other rows' are made at the first forward, which
+    fixes the batch size. A row's padding (attention_mask 0) is not stored."""
 
     def __init__(self, client: kvtier.Client, config, budget_tokens: int = 0,
                  session_id: str = "", **policy):
@@ -77,10 +81,13 @@ class KvTierCache(Cache):
         self.client = client
         self.budget_tokens = budget_tokens
         self.head_dim = head_dim
-        self.session_id = client.create_session(
+        self._shape = dict(
             num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, head_dim=head_dim, session_id=session_id,
-            model_id=getattr(config, "name_or_path", "") or "", **policy).session_id
+            num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+            model_id=getattr(config, "name_or_path", "") or "", **policy)
+        self.session_ids = [client.create_session(session_id=session_id,
+                                                  **self._shape).session_id]
+        self._batch = 0  # fixed by the first forward
         # A decoded token's per-layer append, Select and release go through a shared-memory
         # channel on a Unix socket; over TCP, and once the channel broke, they are gRPC calls,
         # as is a call the channel's areas cannot hold.
@@ -94,20 +101,38 @@ class KvTierCache(Cache):
                 self.channel = None
         super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
 
+    @property
+    def session_id(self) -> str:
+        """The first batch row's session."""
+        return self.session_ids[0]
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Appends the layer's new keys and values to the session (Cache.update); the
-        attention function that follows in this layer's forward reads this cache."""
+        """Counts the layer's new tokens (Cache.update); the attention function that follows in
+        this layer's forward stores them and reads this cache."""
         _ACTIVE.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def _start(self, batch: int) -> None:
+        """The sessions of a forward's `batch` rows: made at the first forward, the same after."""
+        if self._batch == batch:
+            return
+        if self._batch:
+            raise kvtier.KvTierArgumentError(
+                "key_states", f"a batch of {batch} rows onto a KvTierCache of {self._batch}: "
+                "the first forward fixes the batch size")
+        while len(self.session_ids) < batch:
+            self.session_ids.append(self.client.create_session(**self._shape).session_id)
+        self._batch = batch
+
     def close(self) -> None:
-        """Closes the kvtierd session and the cache's channel."""
+        """Closes the kvtierd sessions and the cache's channel."""
         try:
             if self.channel is not None:
                 self.channel.close()  # ends the leases of its Selects too
         finally:
             self.channel = None
-            self.client.close_session(self.session_id)
+            for sid in self.session_ids:
+                self.client.close_session(sid)
 
     def _through_channel(self, call):
         """call(self.channel), or None for the caller to make the call over gRPC: there is no
@@ -128,24 +153,24 @@ class KvTierCache(Cache):
             self.channel = None
             return None
 
-    def _append(self, layer: int, start: int, k, v) -> None:
-        """One layer's new rows: a decoded token's through the channel, a prompt's streamed
-        (an append the channel began and then broke on is made again over gRPC: a rewrite of
-        the same rows is a no-op)."""
+    def _append(self, sid: str, layer: int, start: int, k, v) -> None:
+        """One layer's new rows of session `sid`: a decoded token's through the channel, a
+        prompt's streamed (an append the channel began and then broke on is made again over
+        gRPC: a rewrite of the same rows is a no-op)."""
         if k.shape[1] == 1 and self._through_channel(
-                lambda ch: ch.append(self.session_id, layer, start, k, v)) is not None:
+                lambda ch: ch.append(sid, layer, start, k, v)) is not None:
             return
-        self.client.append_kv(self.session_id, [(layer, start, k, v)])
+        self.client.append_kv(sid, [(layer, start, k, v)])
 
-    def _select(self, layer: int, query, budget_tokens: int):
+    def _select(self, sid: str, layer: int, query, budget_tokens: int):
         """A decoded token's Select, its refined rows gathered into blocks of their own (one
         handle per block, every row of it selected). Returns (response, whether its lease is
         the channel's)."""
         sel = self._through_channel(lambda ch: ch.select(
-            self.session_id, layer, query, budget_tokens=budget_tokens, row_handles=False))
+            sid, layer, query, budget_tokens=budget_tokens, row_handles=False))
         if sel is not None:
             return sel, True
-        return self.client.select(self.session_id, layer, query, budget_tokens=budget_tokens,
+        return self.client.select(sid, layer, query, budget_tokens=budget_tokens,
                                   row_handles=False, include_data=self.inline), False
 
     def _release(self, lease_id: str, on_channel: bool) -> None:
@@ -199,35 +224,36 @@ def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
 _MAX_LOGITS = 1 << 24
 
 
-def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: int, scale: float,
-                      groups: int):
-    """Several new tokens (positions past .. past + q_len - 1) onto a cache holding `past`
-    earlier ones: each query attends over every row stored before the forward (a Select whose
-    budget covers the whole context returns each chunk whole) and over the new tokens' own keys
-    and values up to its own position, as transformers' causal attention does over a dense
-    cache. Output [q_len][q_heads][d], fp32."""
-    q_len = query.shape[2]
-    total = cache.layers[layer].tokens
-    last = query[0, :, -1, :].detach().float().cpu().numpy()  # any query: the budget takes all
+def _attend_onto_past(cache: KvTierCache, sid: str, layer: int, query, key, value, past: int,
+                      scale: float, groups: int):
+    """Several new tokens of one batch row (query [q_heads][n][d], key and value
+    [kv_heads][n][d], positions past .. past + n - 1) onto its session holding `past` earlier
+    rows: each query attends over every row stored before the forward (a Select whose budget
+    covers the whole context returns each chunk whole) and over the new tokens' own keys and
+    values up to its own position, as transformers' causal attention does over a dense cache.
+    Output [n][q_heads][d], fp32."""
+    q_len = query.shape[1]
+    total = past + q_len
+    last = query[:, -1, :].detach().float().cpu().numpy()  # any query: the budget takes all
     # Over gRPC: the whole context's handles may not fit the channel's response area.
-    sel = cache.client.select(cache.session_id, layer, last, include_data=cache.inline,
+    sel = cache.client.select(sid, layer, last, include_data=cache.inline,
                               budget_tokens=min(total, 2**32 - 1))
     try:
-        out = torch.empty(q_len, query.shape[1], query.shape[3], dtype=torch.float32)
+        out = torch.empty(q_len, query.shape[0], query.shape[2], dtype=torch.float32)
         at = past + torch.arange(q_len, dtype=torch.int64)  # each new token's position
         for head in sel.heads:
             kt, vt, pos = _read(cache.client, head, cache.head_dim, positions=True)
             old = pos < past  # the rows this forward appended come from its own tensors
             if int(old.sum()) != past:
                 raise RuntimeError(
-                    f"layer {layer} KV head {head.kv_head}: a Select with the whole context as "
-                    f"its budget returned {int(old.sum())} of the {past} rows stored before "
-                    "this forward (was the session appended to outside this cache?)")
-            k = torch.cat([kt[old], key[0, head.kv_head].detach().float().cpu()])
-            v = torch.cat([vt[old], value[0, head.kv_head].detach().float().cpu()])
+                    f"session {sid} layer {layer} KV head {head.kv_head}: a Select with the "
+                    f"whole context as its budget returned {int(old.sum())} of the {past} rows "
+                    "stored before this forward (was it appended to outside this cache?)")
+            k = torch.cat([kt[old], key[head.kv_head].detach().float().cpu()])
+            v = torch.cat([vt[old], value[head.kv_head].detach().float().cpu()])
             p = torch.cat([pos[old], at])
             h0 = head.kv_head * groups
-            qh = query[0, h0:h0 + groups].detach().float().cpu()  # [groups][q_len][d]
+            qh = query[h0:h0 + groups].detach().float().cpu()  # [groups][q_len][d]
             step = max(1, _MAX_LOGITS // (groups * k.shape[0]))
             for i in range(0, q_len, step):
                 j = min(q_len, i + step)
@@ -239,48 +265,96 @@ def _attend_onto_past(cache: KvTierCache, layer: int, query, key, value, past: i
     return out
 
 
-def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     **kwargs):
-    """transformers' attention interface: (output [batch][q_len][heads][d], None)."""
-    # The cache whose update just ran in this layer's forward, taken once: a forward with
-    # another Cache (or none) after it finds none.
-    cache = _ACTIVE.get()
-    _ACTIVE.set(None)
-    layer = module.layer_idx
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q_len = query.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    past = cache.layers[layer].tokens - q_len if cache is not None else 0
-    if past == 0:
-        # The prompt from an empty KvTierCache (key and value: its own), or a forward with
-        # another cache, whose key and value hold its earlier tokens first: causal attention,
-        # each query over the keys up to its own position.
-        k = key.repeat_interleave(groups, dim=1)
-        v = value.repeat_interleave(groups, dim=1)
-        kv_len = k.shape[2]
-        mask = None
-        if kv_len != q_len:
-            mask = (torch.arange(kv_len, device=query.device)[None, :] <=
-                    torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None])
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale)
-        return out.transpose(1, 2).contiguous(), None
-    if q_len > 1:  # a prompt onto earlier tokens
-        out = _attend_onto_past(cache, layer, query, key, value, past, scale, groups)
-        return out.to(query.dtype)[None], None
-    q = query[0, :, 0, :].detach().float().cpu().numpy()  # [q_heads][d]
-    sel, on_channel = cache._select(layer, q, cache.budget_tokens)
+def _attend_decoded(cache: KvTierCache, sid: str, layer: int, query, groups: int,
+                    scale: float):
+    """One decoded token of one batch row (query [q_heads][d]) over the rows a Select of its
+    session returns. Output [q_heads][d], fp32."""
+    q = query.detach().float().cpu().numpy()
+    sel, on_channel = cache._select(sid, layer, q, cache.budget_tokens)
     try:
-        out = torch.empty(query.shape[1], query.shape[3], dtype=torch.float32)
+        out = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32)
         for head in sel.heads:
             kt, vt, _ = _read(cache.client, head, cache.head_dim)
             h0 = head.kv_head * groups
-            qh = query[0, h0:h0 + groups, 0, :].float()
+            qh = query[h0:h0 + groups].float()
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
             out[h0:h0 + groups] = weights @ vt
     finally:
         cache._release(sel.lease_id, on_channel)
-    return out.to(query.dtype)[None, None], None
+    return out
+
+
+def _plain(query, key, value, attention_mask, scale: float, groups: int):
+    """Causal attention of the new tokens over the keys a cache other than a KvTierCache
+    gives (its earlier tokens first), padding (a 2D attention_mask) left out."""
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    q_len, kv_len = query.shape[2], k.shape[2]
+    mask = None
+    if kv_len != q_len or attention_mask is not None:
+        mask = (torch.arange(kv_len, device=query.device)[None, :] <=
+                torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None])[None, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, -kv_len:].to(torch.bool)
+            mask = mask | ~mask.any(-1, keepdim=True)  # a padding query: any output
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """transformers' attention interface: (output [batch][q_len][heads][d], None).
+    `attention_mask`: the 2D padding mask (_padding_mask), or None when nothing is padding."""
+    # The cache whose update just ran in this layer's forward, taken once: a forward with
+    # another cache (or none) after it finds none.
+    cache = _ACTIVE.get()
+    _ACTIVE.set(None)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise kvtier.KvTierArgumentError(
+            "attention_mask", "the kvtier attention takes a 2D padding mask (batch, tokens), "
+            f"not one of {attention_mask.dim()} dimensions")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    if cache is None:
+        return _plain(query, key, value, attention_mask, scale, groups), None
+    layer = module.layer_idx
+    state = cache.layers[layer]
+    batch, q_len = query.shape[0], query.shape[2]
+    real = (attention_mask[:, -q_len:].to(torch.bool) if attention_mask is not None
+            else torch.ones(batch, q_len, dtype=torch.bool))
+    out = torch.zeros(batch, q_len, query.shape[1], query.shape[3], dtype=torch.float32)
+    for b in range(batch):
+        idx = real[b].nonzero().flatten().cpu()
+        n = len(idx)
+        if n == 0:
+            continue  # nothing but padding in this forward
+        sid = cache.session_ids[b]
+        qb, kb, vb = query[b][:, idx], key[b][:, idx], value[b][:, idx]
+        past = state.rows[b]
+        cache._append(sid, layer, past, kb.detach().to(torch.float16).cpu().numpy(),
+                      vb.detach().to(torch.float16).cpu().numpy())
+        state.rows[b] = past + n
+        if past == 0:  # the prompt from an empty session: causal over its own keys and values
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb[None], kb.repeat_interleave(groups, dim=0)[None],
+                vb.repeat_interleave(groups, dim=0)[None], is_causal=n > 1, scale=scale)
+            out[b, idx] = o[0].transpose(0, 1).float()
+        elif n > 1:  # a prompt onto earlier tokens
+            out[b, idx] = _attend_onto_past(cache, sid, layer, qb, kb, vb, past, scale, groups)
+        else:
+            out[b, idx[0]] = _attend_decoded(cache, sid, layer, qb[:, 0], groups, scale)
+    return out.to(query.dtype), None
+
+
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """The mask transformers makes for the "kvtier" attention: the 2D padding mask as given
+    ([batch][tokens], True for a real token), or None when every token is real."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask.to(torch.bool)
 
 
 AttentionInterface.register("kvtier", kvtier_attention)
+AttentionMaskInterface.register("kvtier", _padding_mask)
