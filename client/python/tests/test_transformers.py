@@ -117,7 +117,9 @@ def test_the_attention_with_another_cache_is_plain_causal_attention(daemon, mode
 def test_a_padded_batch_generates_transformers_own_tokens(daemon, models):
     """Two prompts of different lengths in one batch, left-padded, lossless with a budget above
     the context: transformers' own tokens for both rows, greedy, token for token, and each
-    row's session holds that row's tokens alone (its padding left out)."""
+    row's session holds that row's tokens alone (its padding left out). Then both rows' next
+    turn (the conversation and a question, several tokens onto each session): transformers'
+    own tokens again. A forward of another batch size is refused."""
     tok, ours, ref, _ = models
     prompts = ["The capital of France is Paris. The capital of Germany is",
                "The largest planet is"]
@@ -126,16 +128,32 @@ def test_a_padded_batch_generates_transformers_own_tokens(daemon, models):
     real = batch.attention_mask.sum(1).tolist()
     assert real[0] != real[1]  # the second row is padded
     want = ref.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    question = tok([" The capital of Italy is"] * 2, return_tensors="pt",
+                   add_special_tokens=False).input_ids
+    ids = torch.cat([want, question], dim=1)
+    grown = ids.shape[1] - batch.input_ids.shape[1]  # the generated tokens and the question
+    mask = torch.cat([batch.attention_mask,
+                      torch.ones(2, grown, dtype=batch.attention_mask.dtype)], dim=1)
+    want_next = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                             do_sample=False, pad_token_id=pad)
     with kvtier.Client(daemon.address) as c:
         cache = KvTierCache(c, ours.config, budget_tokens=1 << 20, lossless=True)
-        got = ours.generate(**batch, cache=cache, max_new_tokens=12, do_sample=False,
-                            pad_token_id=pad)
-        stored = [c.describe_session(sid).info.num_tokens for sid in cache.session_ids]
-        assert not any(c.list_leases(sid).leases for sid in cache.session_ids)
-        cache.close()
+        try:
+            got = ours.generate(**batch, cache=cache, max_new_tokens=12, do_sample=False,
+                                pad_token_id=pad)
+            stored = [c.describe_session(sid).info.num_tokens for sid in cache.session_ids]
+            assert not any(c.list_leases(sid).leases for sid in cache.session_ids)
+            got_next = ours.generate(input_ids=ids, attention_mask=mask, cache=cache,
+                                     max_new_tokens=8, do_sample=False, pad_token_id=pad)
+            with pytest.raises(kvtier.KvTierArgumentError, match="first forward fixes"):
+                ours(ids[:1, -1:], cache=cache)
+        finally:
+            cache.close()
     assert got.tolist() == want.tolist(), ([tok.decode(g) for g in got],
                                            [tok.decode(w) for w in want])
     assert stored == [r + 11 for r in real]
+    assert got_next.tolist() == want_next.tolist(), ([tok.decode(g) for g in got_next],
+                                                     [tok.decode(w) for w in want_next])
 
 
 def test_a_prompt_onto_earlier_tokens_generates_transformers_own_tokens(daemon, models):

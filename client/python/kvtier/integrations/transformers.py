@@ -66,6 +66,27 @@ class _KvTierLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.tokens
 
+    def _unsupported(self, what: str):
+        raise kvtier.KvTierArgumentError(
+            "cache", f"a KvTierCache cannot {what}: its rows live in kvtierd sessions, one per "
+            "batch row (greedy or sampled generation only; no beam search, no assisted "
+            "decoding)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("reorder its batch rows")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("drop tokens")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("repeat its batch rows")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("select batch rows")
+
+    def reset(self) -> None:
+        self._unsupported("be reset (close it and make another)")
+
 
 class KvTierCache(Cache):
     """A transformers Cache over kvtierd sessions, one per batch row, made for `config`'s
@@ -125,14 +146,22 @@ class KvTierCache(Cache):
         self._batch = batch
 
     def close(self) -> None:
-        """Closes the kvtierd sessions and the cache's channel."""
+        """Closes the kvtierd sessions and the cache's channel: each of them, the first error
+        raised after."""
+        errors = []
         try:
             if self.channel is not None:
                 self.channel.close()  # ends the leases of its Selects too
-        finally:
-            self.channel = None
-            for sid in self.session_ids:
+        except Exception as e:  # noqa: BLE001 - raised below, once the sessions are closed
+            errors.append(e)
+        self.channel = None
+        for sid in self.session_ids:
+            try:
                 self.client.close_session(sid)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _through_channel(self, call):
         """call(self.channel), or None for the caller to make the call over gRPC: there is no
@@ -269,14 +298,14 @@ def _attend_decoded(cache: KvTierCache, sid: str, layer: int, query, groups: int
                     scale: float):
     """One decoded token of one batch row (query [q_heads][d]) over the rows a Select of its
     session returns. Output [q_heads][d], fp32."""
-    q = query.detach().float().cpu().numpy()
-    sel, on_channel = cache._select(sid, layer, q, cache.budget_tokens)
+    query = query.detach().float().cpu()
+    sel, on_channel = cache._select(sid, layer, query.numpy(), cache.budget_tokens)
     try:
         out = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32)
         for head in sel.heads:
             kt, vt, _ = _read(cache.client, head, cache.head_dim)
             h0 = head.kv_head * groups
-            qh = query[h0:h0 + groups].float()
+            qh = query[h0:h0 + groups]
             weights = torch.softmax((qh @ kt.T) * scale, dim=-1)
             out[h0:h0 + groups] = weights @ vt
     finally:
@@ -295,7 +324,10 @@ def _plain(query, key, value, attention_mask, scale: float, groups: int):
         mask = (torch.arange(kv_len, device=query.device)[None, :] <=
                 torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None])[None, None]
         if attention_mask is not None:
-            mask = mask & attention_mask[:, None, None, -kv_len:].to(torch.bool)
+            pad = attention_mask[:, -kv_len:].to(torch.bool)
+            if pad.shape[-1] < kv_len:  # a mask of the new tokens alone: the earlier are real
+                pad = torch.nn.functional.pad(pad, (kv_len - pad.shape[-1], 0), value=True)
+            mask = mask & pad[:, None, None, :]
             mask = mask | ~mask.any(-1, keepdim=True)  # a padding query: any output
     out = torch.nn.functional.scaled_dot_product_attention(
         query, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale)
@@ -323,7 +355,8 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     batch, q_len = query.shape[0], query.shape[2]
     real = (attention_mask[:, -q_len:].to(torch.bool) if attention_mask is not None
             else torch.ones(batch, q_len, dtype=torch.bool))
-    out = torch.zeros(batch, q_len, query.shape[1], query.shape[3], dtype=torch.float32)
+    out = torch.zeros(batch, q_len, query.shape[1], query.shape[3], dtype=torch.float32,
+                      device=query.device)
     for b in range(batch):
         idx = real[b].nonzero().flatten().cpu()
         n = len(idx)
@@ -341,9 +374,11 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
                 vb.repeat_interleave(groups, dim=0)[None], is_causal=n > 1, scale=scale)
             out[b, idx] = o[0].transpose(0, 1).float()
         elif n > 1:  # a prompt onto earlier tokens
-            out[b, idx] = _attend_onto_past(cache, sid, layer, qb, kb, vb, past, scale, groups)
+            out[b, idx] = _attend_onto_past(cache, sid, layer, qb, kb, vb, past, scale,
+                                            groups).to(out.device)
         else:
-            out[b, idx[0]] = _attend_decoded(cache, sid, layer, qb[:, 0], groups, scale)
+            out[b, idx[0]] = _attend_decoded(cache, sid, layer, qb[:, 0], groups,
+                                             scale).to(out.device)
     return out.to(query.dtype), None
 
 
