@@ -46,10 +46,9 @@ class _KvTierLayer(DynamicLayer):
     counts the forwards' tokens as transformers sees them (padding included); `rows[b]` the
     rows stored in batch row b's session (its padding left out)."""
 
-    def __init__(self, cache: "KvTierCache", layer: int):
+    def __init__(self, cache: "KvTierCache"):
         super().__init__()
         self._cache = cache
-        self._layer = layer
         self.tokens = 0
         self.rows: list[int] = []
 
@@ -120,7 +119,7 @@ class KvTierCache(Cache):
                 self.channel = client.open_channel()
             except kvtier.KvTierError:
                 self.channel = None
-        super().__init__(layers=[_KvTierLayer(self, i) for i in range(config.num_hidden_layers)])
+        super().__init__(layers=[_KvTierLayer(self) for _ in range(config.num_hidden_layers)])
 
     @property
     def session_id(self) -> str:
