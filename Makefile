@@ -114,7 +114,7 @@ test: lint build venv-torch
 	$(MAKE) --no-print-directory tsan
 	$(MAKE) --no-print-directory asan
 
-bench: build venv
+bench: build venv-torch
 	mkdir -p bench/out
 	$(BUILD)/bin/select_bench | tee bench/out/select.jsonl
 	$(BUILD)/bin/append_bench | tee bench/out/append.jsonl
@@ -123,6 +123,7 @@ bench: build venv
 	$(BUILD)/bin/tier_bench | tee bench/out/tier.jsonl
 	$(BUILD)/bin/kvtier-bench select --tokens 4096,32768,131072 --json | tee bench/out/policies.jsonl
 	$(PY) bench/python_channel_bench.py | tee bench/out/python_channel.jsonl
+	$(PY) bench/transformers_decode_bench.py | tee bench/out/transformers.jsonl
 	$(MAKE) --no-print-directory benchmarks-md
 
 # The real-model quality run (SmolLM2-135M over a 4K context, every policy and budget), the

@@ -20,6 +20,7 @@ COMMANDS = {
     "policies.jsonl": "build/bin/kvtier-bench select --tokens 4096,32768,131072 --json",
     "tier.jsonl": "build/bin/tier_bench",
     "python_channel.jsonl": ".venv/bin/python bench/python_channel_bench.py",
+    "transformers.jsonl": ".venv/bin/python bench/transformers_decode_bench.py",
 }
 
 # Which way is better, and the target from shared/design/EVAL.md, per figure name prefix.
@@ -35,6 +36,9 @@ TARGETS = [
     ("python_channel_select_p50", None, None, "a whole-chunk Select through the Python "
      "client's Select channel, against a daemon that does not co-locate the channel's thread "
      "with the worker (--channel_colocate off), in the same run"),
+    ("transformers_decode_ms_per_token", None, None, "a decoded token inside Hugging Face "
+     "transformers with a KvTierCache (SmolLM2-135M on the CPU, default policy, budget 256), "
+     "vs the same model with transformers' own DynamicCache, alternated in one process"),
     ("decode_step_kvtier_ms", None, None, "what kvtier adds to one decoded token: 30 sequential "
      "layer Selects and their Releases through a Select channel (default policy, budget 256), "
      "vs the worker's own exact attention of the 30 layers over the whole context (fp32 on one "
