@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parents[3]
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
+def text_ids(tok, n):
+    """The first n token ids of TEXT, [1][n]."""
+    return tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :n]
+
+
 @pytest.fixture(scope="module")
 def models():
     spec = glob.glob(os.path.join(os.path.dirname(
@@ -67,7 +72,7 @@ def test_decoding_falls_back_to_grpc_past_the_channels_areas_and_over_tcp(start_
     the appends; over TCP (a token, plaintext) there is no channel and the rows come inline.
     Both generate transformers' own tokens."""
     tok, ours, ref, _ = models
-    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :1000]
+    ids = text_ids(tok, 1000)
     want = ref.generate(ids, max_new_tokens=4, do_sample=False)
     token, salt = "tf-" + os.urandom(8).hex(), os.urandom(16).hex()
     config = tmp_path / "auth.conf"
@@ -187,7 +192,7 @@ def test_a_prompt_onto_int4_chunks_keeps_full_attentions_perplexity(daemon, mode
     attention over the same tokens (the forward attends over every earlier row, int4 ones
     dequantized), and the session then holds every token."""
     tok, ours, ref, _ = models
-    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :768]
+    ids = text_ids(tok, 768)
     prompt = 512
     with torch.no_grad():
         full = ref(ids).logits[0].float().numpy()
@@ -223,7 +228,7 @@ def perplexity(logits, ids, first):
 
 def test_default_policy_runs_and_its_perplexity_is_reported(daemon, models):
     tok, ours, ref, gguf = models
-    ids = tok(open(TEXT).read(), return_tensors="pt").input_ids[:, :896]
+    ids = text_ids(tok, 896)
     prompt = 768
     with torch.no_grad():
         full = ref(ids).logits[0].float().numpy()

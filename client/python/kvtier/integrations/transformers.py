@@ -9,8 +9,9 @@ an attention function ("kvtier") that attends over what Select returns.
     cache.close()
 
 Each layer's attention appends the new tokens' keys and values (after RoPE, as fp16) to the
-cache's kvtierd session of their batch row, the row's padding left out. The prompt (a forward from an empty cache) attends over its own keys
-and values, causally, as transformers does; each decoded token's query then goes to Select
+cache's kvtierd session of their batch row, the row's padding left out. The prompt (a forward
+from an empty cache) attends over its own keys and values, causally, as transformers does;
+each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
 window and the chunks that matter, read through torch views over kvtierd's shared memory; over
 TCP, inline in the reply), whose lease ends right after. On a Unix socket a decoded token's
@@ -313,8 +314,10 @@ def _attend_decoded(cache: KvTierCache, sid: str, layer: int, query, groups: int
 
 
 def _plain(query, key, value, attention_mask, scale: float, groups: int):
-    """Causal attention of the new tokens over the keys a cache other than a KvTierCache
-    gives (its earlier tokens first), padding (a 2D attention_mask) left out."""
+    """Causal attention of the new tokens ([batch][heads][q_len][d]) over the keys and values
+    given, the new tokens' last (a prompt's own, or what a cache other than a KvTierCache
+    gives: its earlier tokens first), padding (a 2D attention_mask) left out. Output
+    [batch][q_len][heads][d]."""
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
     q_len, kv_len = query.shape[2], k.shape[2]
@@ -368,10 +371,7 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
                       vb.detach().to(torch.float16).cpu().numpy())
         state.rows[b] = past + n
         if past == 0:  # the prompt from an empty session: causal over its own keys and values
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qb[None], kb.repeat_interleave(groups, dim=0)[None],
-                vb.repeat_interleave(groups, dim=0)[None], is_causal=n > 1, scale=scale)
-            out[b, idx] = o[0].transpose(0, 1).float()
+            out[b, idx] = _plain(qb[None], kb[None], vb[None], None, scale, groups)[0].float()
         elif n > 1:  # a prompt onto earlier tokens
             out[b, idx] = _attend_onto_past(cache, sid, layer, qb, kb, vb, past, scale,
                                             groups).to(out.device)
