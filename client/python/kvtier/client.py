@@ -393,6 +393,7 @@ class SegmentMap:
         self._stamps: dict[int, int] = {}  # each segment's stamp, as listed when mapped
         self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
         self._tensors: dict = {}  # each map as one torch fp16 tensor, made on first use
+        self._cells: dict[int, np.ndarray] = {}  # each generation table as one uint64 array
         self._lock = threading.Lock()
 
     def holds(self, segment_ids: Iterable[int]) -> bool:
@@ -462,6 +463,129 @@ class SegmentMap:
                               f"{handle.segment_id}, offset {handle.offset}) names generation "
                               f"{handle.generation} but the slot now holds {held}")
 
+    def gather(self, handles: Sequence[pb.BlockHandle], head_dim: int, dtype=np.float16):
+        """(K, V): numpy copies [n][head_dim] of these host handles' rows, in order (a
+        handle's `rows` when it lists some, else all of its rows), each slot checked against
+        its handle's generation after the copy (ABORTED naming the first stale handle, as
+        check() raises). Each handle's rows are one slice copied out of its mapped segment and
+        the generations are compared as one array per segment, before the copy and after it,
+        rather than a view and two checks a handle; handles that do not all fit that (another
+        layout, a segment not yet mapped or on a GPU, a generation already stale before the
+        copy: a segment id reused since it was mapped) are read a handle at a time through
+        view() and check(), which remap or say what is wrong. `dtype`: the
+        2-byte values' numpy type (uint16 for a bf16 session's bits)."""
+        total = sum(len(h.rows) or h.num_tokens for h in handles)
+        fast = self._gather_runs(handles, head_dim, np.dtype(dtype), total)
+        if fast is not None:
+            return fast
+        keys = np.empty((total, head_dim), dtype)
+        values = np.empty((total, head_dim), dtype)
+        at = 0
+        for h in handles:
+            k, v = self.view(h, head_dim, dtype=dtype)
+            if h.rows:
+                rows = np.asarray(h.rows, np.int64)
+                if rows.max() >= h.num_tokens:
+                    raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                                      f"handle of chunk {h.chunk_id}: row {rows.max()} of "
+                                      f"{h.num_tokens}")
+                k, v = k[rows], v[rows]
+            keys[at:at + len(k)] = k
+            values[at:at + len(v)] = v
+            self.check(h)  # the copy is the chunk's only if the slot is unchanged
+            at += len(k)
+        return keys, values
+
+    def on_device(self, handles: Iterable[pb.BlockHandle]) -> bool:
+        """Whether any of these handles names GPU memory (a device tier's segment), mapping
+        their segments first where they are not yet."""
+        ids = {h.segment_id for h in handles}
+        for sid in ids:
+            self._segment(sid)
+        return any(sid in self._gpu for sid in ids)
+
+    def _generation_cells(self, segment_id: int):
+        """(slot_bytes, the generation table as a uint64 array) of a mapped host segment, or
+        None (no tables, or a table not at a multiple of 8 bytes)."""
+        cells = self._cells.get(segment_id)
+        slot_bytes, table = self._tables.get(segment_id, (0, 0))
+        if cells is None:
+            m = self._maps.get(segment_id)
+            if m is None or not slot_bytes or table % 8 or table >= len(m):
+                return None
+            cells = np.frombuffer(m, dtype=np.uint64, count=(len(m) - table) // 8, offset=table)
+            with self._lock:
+                cells = self._cells.setdefault(segment_id, cells)
+        return slot_bytes, cells
+
+    @staticmethod
+    def _stale(probes) -> int:
+        """The index of the first handle whose slot does not hold its generation now (or whose
+        cell lies past its table), -1 if none: each cell read once. `probes`: per segment,
+        (its table, the handles' indices, their slots, their generations)."""
+        first = -1
+        for table, at, slot, want in probes:
+            inside = slot < len(table)
+            bad = np.flatnonzero(~inside | (table[np.where(inside, slot, 0)] != want))
+            if len(bad):
+                i = int(at[bad[0]])
+                first = i if first < 0 else min(first, i)
+        return first
+
+    def _gather_runs(self, handles, head_dim: int, dtype: np.dtype, total: int):
+        """gather()'s one-pass path, or None where it does not apply."""
+        if not handles or head_dim <= 0 or dtype.itemsize != 2:
+            return None
+        rows_of, cells, slot_bytes = {}, {}, {}
+        for sid in {h.segment_id for h in handles}:
+            m = self._maps.get(sid)
+            got = self._generation_cells(sid) if m is not None else None
+            if got is None or sid in self._gpu:
+                return None  # view() maps it (or says it is device memory, or has no table)
+            slot_bytes[sid], cells[sid] = got
+            a = np.frombuffer(m, dtype=dtype, count=len(m) // 2)
+            rows_of[sid] = a[:len(a) // head_dim * head_dim].reshape(-1, head_dim)
+        row_bytes = 2 * head_dim
+        # (segment, first K row, tokens, picked rows (none: all), slot, generation) a handle.
+        plan = []
+        for h in handles:
+            sid, offset, n, rows = h.segment_id, h.offset, h.num_tokens, h.rows
+            # Whole rows of its segment, K then V, inside it.
+            if offset % row_bytes or h.length != 2 * row_bytes * n or \
+                    (offset + h.length) // row_bytes > len(rows_of[sid]) or \
+                    (rows and max(rows) >= n):
+                return None
+            plan.append((sid, offset // row_bytes, n, rows, offset // slot_bytes[sid],
+                         h.generation))
+        probes = []
+        for sid, table in cells.items():
+            at = [i for i, p in enumerate(plan) if p[0] == sid]
+            probes.append((table, at, np.array([plan[i][4] for i in at], np.int64),
+                           np.array([plan[i][5] for i in at], np.uint64)))
+        if self._stale(probes) != -1:
+            return None  # view() remaps or names it
+        keys = np.empty((total, head_dim), dtype)
+        values = np.empty((total, head_dim), dtype)
+        at = 0
+        for sid, first, n, picked, _, _ in plan:
+            rows = rows_of[sid]
+            if picked:
+                pick = first + np.asarray(picked, np.int64)
+                m = len(pick)
+                keys[at:at + m] = rows[pick]
+                values[at:at + m] = rows[pick + n]
+            else:
+                m = n
+                keys[at:at + m] = rows[first:first + n]
+                values[at:at + m] = rows[first + n:first + 2 * n]
+            at += m
+        stale = self._stale(probes)
+        if stale != -1:
+            self.check(handles[stale])  # raises ABORTED (or OUT_OF_RANGE) naming it
+            raise KvTierError(grpc.StatusCode.ABORTED,
+                              f"stale handle: chunk {handles[stale].chunk_id}")
+        return keys, values
+
     def _checked(self, handle: pb.BlockHandle) -> None:
         """check(), except that a mapping of what the id named before (a retired segment, a
         daemon since restarted and reusing the id: the daemon lists it with another stamp, or
@@ -485,7 +609,7 @@ class SegmentMap:
         """Drops what this map holds of a segment (the caller holds the lock); views already
         made keep the old host mapping alive."""
         for cache in (self._maps, self._tables, self._stamps, self._halves, self._tensors,
-                      self._gpu):
+                      self._cells, self._gpu):
             cache.pop(segment_id, None)
 
     def _runtime(self):
@@ -1141,32 +1265,43 @@ class Client:
         pos = np.empty(total, np.int64)
         keys = np.empty((total, head_dim), dt)
         values = np.empty((total, head_dim), dt)
-        at = 0
-        for b in blocks:
+        at, i = 0, 0
+        while i < len(blocks):
+            j = i
+            while j < len(blocks) and not blocks[j].keys:
+                j += 1
+            if j > i:  # a run of handles over shared memory: read together
+                k, v = self.segments.gather(blocks[i:j], head_dim, dt)
+                keys[at:at + len(k)] = k
+                values[at:at + len(v)] = v
+                at += len(k)
+                i = j
+                continue
+            b = blocks[i]  # the bytes came inline
             n = b.num_tokens
-            if b.keys:
-                if len(b.keys) != 2 * n * head_dim or len(b.values) != len(b.keys):
-                    raise KvTierArgumentError(
-                        "head_dim", f"{head_dim} does not fit chunk {b.chunk_id}'s inline bytes "
-                        f"({len(b.keys)} of keys for {n} tokens)")
-                k = np.frombuffer(b.keys, dt).reshape(n, head_dim)
-                v = np.frombuffer(b.values, dt).reshape(n, head_dim)
-            else:
-                k, v = self.segments.view(b, head_dim, dtype=dt)
-            p = np.asarray(b.positions, np.int64)
+            if len(b.keys) != 2 * n * head_dim or len(b.values) != len(b.keys):
+                raise KvTierArgumentError(
+                    "head_dim", f"{head_dim} does not fit chunk {b.chunk_id}'s inline bytes "
+                    f"({len(b.keys)} of keys for {n} tokens)")
+            k = np.frombuffer(b.keys, dt).reshape(n, head_dim)
+            v = np.frombuffer(b.values, dt).reshape(n, head_dim)
             if b.rows:
                 rows = np.asarray(b.rows, np.int64)
                 if rows.max() >= n:
                     raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
                                       f"handle of chunk {b.chunk_id}: row {rows.max()} of {n}")
-                k, v, p = k[rows], v[rows], p[rows]
-            m = len(p)
-            pos[at:at + m] = p
-            keys[at:at + m] = k
-            values[at:at + m] = v
-            if not b.keys:
-                self.segments.check(b)  # the copy is the chunk's only if the slot is unchanged
-            at += m
+                k, v = k[rows], v[rows]
+            keys[at:at + len(k)] = k
+            values[at:at + len(v)] = v
+            at += len(k)
+            i += 1
+        at = 0  # each row's position (a handle's rows are in range: read above)
+        for b in blocks:
+            p = np.asarray(b.positions, np.int64)
+            if b.rows:
+                p = p[np.asarray(b.rows, np.int64)]
+            pos[at:at + len(p)] = p
+            at += len(p)
         return pos, keys, values
 
     def view(self, handle: pb.BlockHandle, head_dim: int, like: str = "numpy"):

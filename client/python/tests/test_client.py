@@ -866,6 +866,62 @@ def test_a_stale_handle_is_reported_not_read(client):
     assert "stale handle" in str(e.value)
 
 
+def test_segment_gather_reads_a_selection_in_one_pass_exactly(client, monkeypatch):
+    """SegmentMap.gather reads mapped handles (whole chunks, refined rows, gathered blocks) by
+    its one-pass path, and gives the rows the session holds; a handle whose slot is reused
+    between the copy and the check after it is ABORTED, never returned."""
+    rng = np.random.default_rng(12)
+    k, v = make_kv(rng, 1500)
+    sid = client.create_session(L, QH, KVH, D, lossless=True, refine_factor=4).session_id
+    client.append_layers(sid, 0, k, v, wait_aged=True)
+    q = rng.standard_normal((QH, D))
+    runs = []
+    real = kvtier.SegmentMap._gather_runs
+    monkeypatch.setattr(kvtier.SegmentMap, "_gather_runs",
+                        lambda self, *a: runs.append(real(self, *a)) or runs[-1])
+    for opts in ({"budget_tokens": 1500}, {"budget_tokens": 256},
+                 {"budget_tokens": 256, "row_handles": False}):
+        sel = client.select(sid, 2, q, **opts)
+        client.segments.gather(sel.heads[0].blocks, D)  # maps the segments it names
+        for head in sel.heads:
+            runs.clear()
+            hk, hv = client.segments.gather(head.blocks, D)
+            assert runs and runs[0] is not None, "the one-pass path was not taken"
+            pos = np.concatenate([np.asarray(b.positions)[list(b.rows)] if b.rows
+                                  else np.asarray(b.positions) for b in head.blocks])
+            assert len(pos) == len(hk) == opts["budget_tokens"]
+            np.testing.assert_array_equal(hk, k[2, head.kv_head][pos])
+            np.testing.assert_array_equal(hv, v[2, head.kv_head][pos])
+        client.release(sel.lease_id)
+    # The slots change after the copy, before the check: the session closed, its slots
+    # reused by another session's rows.
+    keep = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(keep, 0, k, v)  # keeps the segment in the daemon
+    a = client.create_session(L, QH, KVH, D, lossless=True).session_id
+    client.append_layers(a, 0, k, v)
+    sel = client.select(a, L - 1, q, budget_tokens=1000)
+    client.segments.gather(sel.heads[0].blocks, D)
+    client.release(sel.lease_id)
+    stale = kvtier.SegmentMap._stale
+    looks = []
+
+    def reuse_after_the_copy(probes):
+        looks.append(1)
+        if len(looks) == 2:  # the look after the copy
+            client.close_session(a)
+            b = client.create_session(L, QH, KVH, D, lossless=True).session_id
+            client.append_layers(b, 0, k[:, :, ::-1].copy(), v)
+        return stale(probes)
+
+    monkeypatch.setattr(kvtier.SegmentMap, "_stale", staticmethod(reuse_after_the_copy))
+    runs.clear()
+    with pytest.raises(kvtier.KvTierError) as e:
+        client.segments.gather(sel.heads[0].blocks, D)
+    assert len(looks) == 2 and runs == [], "not raised by the one-pass path's second look"
+    assert e.value.code == grpc.StatusCode.ABORTED
+    assert "stale handle" in str(e.value)
+
+
 def test_the_client_trusts_no_segment_the_daemon_names(client, monkeypatch):
     # A daemon (or whoever answers on its socket) that names a path, a link or a file smaller
     # than it claims gets an error naming the segment, never another file's bytes or a SIGBUS.

@@ -216,11 +216,24 @@ class KvTierCache(Cache):
 
 def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     """The selected rows' K and V (fp32 [n][head_dim]) of one HeadSelection, and with
-    `positions` their positions (int64 [n]; else None): each handle's selected rows taken from
-    torch views over kvtierd's shared memory, concatenated and converted to fp32 as one tensor
-    (not handle by handle), then checked: every slot still holds its handle's generation."""
+    `positions` their positions (int64 [n]; else None). Handles over host shared memory are
+    read together (SegmentMap.gather: one indexed copy, every slot checked against its
+    handle's generation after it); inline bytes and device memory a handle at a time, through
+    torch views, concatenated and converted to fp32 as one tensor, then checked."""
+    blocks = head.blocks
+    if blocks and not any(b.keys for b in blocks) and not client.segments.on_device(blocks):
+        # Every handle over host shared memory: one indexed read of their rows, checked after.
+        bf16 = any(b.precision == pb.PRECISION_BF16 for b in blocks)
+        k, v = client.segments.gather(blocks, head_dim, np.uint16 if bf16 else np.float16)
+        kt, vt = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if bf16
+                  else torch.from_numpy(x).float() for x in (k, v))
+        pos = None
+        if positions:
+            pos = torch.tensor([p for b in blocks for p in (
+                [b.positions[r] for r in b.rows] if b.rows else b.positions)], dtype=torch.int64)
+        return kt, vt, pos
     ks, vs, ps = [], [], []
-    for b in head.blocks:
+    for b in blocks:
         if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
             k, v = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).reshape(b.num_tokens, -1)
                     for x in (b.keys, b.values))
