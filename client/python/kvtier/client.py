@@ -393,7 +393,7 @@ class SegmentMap:
         self._stamps: dict[int, int] = {}  # each segment's stamp, as listed when mapped
         self._halves: dict[int, np.ndarray] = {}  # each map as one read-only fp16 array
         self._tensors: dict = {}  # each map as one torch fp16 tensor, made on first use
-        self._cells: dict[int, np.ndarray] = {}  # each generation table as one uint64 array
+        self._cells: dict[int, tuple] = {}  # (map, its generation table as a uint64 array)
         self._lock = threading.Lock()
 
     def holds(self, segment_ids: Iterable[int]) -> bool:
@@ -463,7 +463,7 @@ class SegmentMap:
                               f"{handle.segment_id}, offset {handle.offset}) names generation "
                               f"{handle.generation} but the slot now holds {held}")
 
-    def gather(self, handles: Sequence[pb.BlockHandle], head_dim: int, dtype=np.float16):
+    def gather(self, handles: Sequence[pb.BlockHandle], head_dim: int, dtype=None):
         """(K, V): numpy copies [n][head_dim] of these host handles' rows, in order (a
         handle's `rows` when it lists some, else all of its rows), each slot checked against
         its handle's generation after the copy (ABORTED naming the first stale handle, as
@@ -473,7 +473,11 @@ class SegmentMap:
         layout, a segment not yet mapped or on a GPU, a generation already stale before the
         copy: a segment id reused since it was mapped) are read a handle at a time through
         view() and check(), which remap or say what is wrong. `dtype`: the
-        2-byte values' numpy type (uint16 for a bf16 session's bits)."""
+        2-byte values' numpy type; by default float16, or uint16 (the bits, as append takes
+        them) when a handle is PRECISION_BF16."""
+        if dtype is None:
+            dtype = np.uint16 if any(h.precision == pb.PRECISION_BF16 for h in handles) \
+                else np.float16
         total = sum(len(h.rows) or h.num_tokens for h in handles)
         fast = self._gather_runs(handles, head_dim, np.dtype(dtype), total)
         if fast is not None:
@@ -505,18 +509,23 @@ class SegmentMap:
         return any(sid in self._gpu for sid in ids)
 
     def _generation_cells(self, segment_id: int):
-        """(slot_bytes, the generation table as a uint64 array) of a mapped host segment, or
-        None (no tables, or a table not at a multiple of 8 bytes)."""
-        cells = self._cells.get(segment_id)
-        slot_bytes, table = self._tables.get(segment_id, (0, 0))
-        if cells is None:
+        """(the segment's map, slot_bytes, its generation table as a uint64 array over that
+        same map) of a mapped host segment, taken together (a segment remapped meanwhile by
+        another thread never pairs one map's bytes with another's table), or None (not mapped,
+        no tables, or no whole cell)."""
+        with self._lock:
             m = self._maps.get(segment_id)
-            if m is None or not slot_bytes or table % 8 or table >= len(m):
-                return None
-            cells = np.frombuffer(m, dtype=np.uint64, count=(len(m) - table) // 8, offset=table)
-            with self._lock:
-                cells = self._cells.setdefault(segment_id, cells)
-        return slot_bytes, cells
+            slot_bytes, table = self._tables.get(segment_id, (0, 0))
+            cached = self._cells.get(segment_id)
+        if m is None or not slot_bytes or table % 8 or len(m) - table < 8:
+            return None
+        if cached is not None and cached[0] is m:
+            return m, slot_bytes, cached[1]
+        cells = np.frombuffer(m, dtype=np.uint64, count=(len(m) - table) // 8, offset=table)
+        with self._lock:
+            if self._maps.get(segment_id) is m:  # not remapped meanwhile
+                self._cells[segment_id] = (m, cells)
+        return m, slot_bytes, cells
 
     @staticmethod
     def _stale(probes) -> int:
@@ -538,11 +547,10 @@ class SegmentMap:
             return None
         rows_of, cells, slot_bytes = {}, {}, {}
         for sid in {h.segment_id for h in handles}:
-            m = self._maps.get(sid)
-            got = self._generation_cells(sid) if m is not None else None
+            got = self._generation_cells(sid)
             if got is None or sid in self._gpu:
                 return None  # view() maps it (or says it is device memory, or has no table)
-            slot_bytes[sid], cells[sid] = got
+            m, slot_bytes[sid], cells[sid] = got
             a = np.frombuffer(m, dtype=dtype, count=len(m) // 2)
             rows_of[sid] = a[:len(a) // head_dim * head_dim].reshape(-1, head_dim)
         row_bytes = 2 * head_dim
@@ -1297,6 +1305,10 @@ class Client:
             i += 1
         at = 0  # each row's position (a handle's rows are in range: read above)
         for b in blocks:
+            if len(b.positions) != b.num_tokens:
+                raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                                  f"handle of chunk {b.chunk_id}: {len(b.positions)} positions "
+                                  f"for {b.num_tokens} tokens")
             p = np.asarray(b.positions, np.int64)
             if b.rows:
                 p = p[np.asarray(b.rows, np.int64)]

@@ -81,6 +81,11 @@ def test_a_bf16_sessions_rows_come_back_as_the_bits_appended(client):
             order = np.argsort(pos)
             np.testing.assert_array_equal(hk[order], bits[0, head.kv_head])
             np.testing.assert_array_equal(hv[order], bits[::-1][0, head.kv_head])
+            if not data:  # SegmentMap.gather, its dtype unnamed: the bits too
+                sk, sv = client.segments.gather(head.blocks, D)
+                assert sk.dtype == np.uint16
+                np.testing.assert_array_equal(sk, hk)
+                np.testing.assert_array_equal(sv, hv)
         block = sel.heads[0].blocks[0]
         if not data:
             kview, _ = client.view(block, D)
