@@ -377,6 +377,19 @@ def _map_fd(segment_id: int, fd: int, size_bytes: int) -> mmap.mmap:
         os.close(fd)
 
 
+def _picked(handle: pb.BlockHandle):
+    """A handle's `rows` as an int64 array (None when it lists none: all of them), each checked
+    inside its chunk (OUT_OF_RANGE otherwise)."""
+    if not handle.rows:
+        return None
+    rows = np.asarray(handle.rows, np.int64)
+    if rows.max() >= handle.num_tokens:
+        raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                          f"handle of chunk {handle.chunk_id}: row {rows.max()} of "
+                          f"{handle.num_tokens}")
+    return rows
+
+
 class SegmentMap:
     """Read-only mmaps of the daemon's shared-memory segments, by segment id."""
 
@@ -487,12 +500,8 @@ class SegmentMap:
         at = 0
         for h in handles:
             k, v = self.view(h, head_dim, dtype=dtype)
-            if h.rows:
-                rows = np.asarray(h.rows, np.int64)
-                if rows.max() >= h.num_tokens:
-                    raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
-                                      f"handle of chunk {h.chunk_id}: row {rows.max()} of "
-                                      f"{h.num_tokens}")
+            rows = _picked(h)
+            if rows is not None:
                 k, v = k[rows], v[rows]
             keys[at:at + len(k)] = k
             values[at:at + len(v)] = v
@@ -1293,11 +1302,8 @@ class Client:
                     f"({len(b.keys)} of keys for {n} tokens)")
             k = np.frombuffer(b.keys, dt).reshape(n, head_dim)
             v = np.frombuffer(b.values, dt).reshape(n, head_dim)
-            if b.rows:
-                rows = np.asarray(b.rows, np.int64)
-                if rows.max() >= n:
-                    raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
-                                      f"handle of chunk {b.chunk_id}: row {rows.max()} of {n}")
+            rows = _picked(b)
+            if rows is not None:
                 k, v = k[rows], v[rows]
             keys[at:at + len(k)] = k
             values[at:at + len(v)] = v

@@ -217,14 +217,14 @@ class KvTierCache(Cache):
 def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     """The selected rows' K and V (fp32 [n][head_dim]) of one HeadSelection, and with
     `positions` their positions (int64 [n]; else None). Handles over host shared memory are
-    read together (SegmentMap.gather: one indexed copy, every slot checked against its
-    handle's generation after it); inline bytes and device memory a handle at a time, through
+    read together (SegmentMap.gather: a slice a handle, the slots' generations compared with
+    the handles' as one array after the copy); inline bytes and device memory a handle at a time, through
     torch views, concatenated and converted to fp32 as one tensor, then checked."""
     blocks = head.blocks
     if blocks and not any(b.keys for b in blocks) and not client.segments.on_device(blocks):
         # Every handle over host shared memory: one indexed read of their rows, checked after.
-        bf16 = any(b.precision == pb.PRECISION_BF16 for b in blocks)
-        k, v = client.segments.gather(blocks, head_dim, np.uint16 if bf16 else np.float16)
+        k, v = client.segments.gather(blocks, head_dim)  # a bf16 session's bits as uint16
+        bf16 = k.dtype == np.uint16
         kt, vt = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if bf16
                   else torch.from_numpy(x).float() for x in (k, v))
         pos = None
