@@ -44,6 +44,12 @@ absl::Status InvalidField(absl::string_view field, absl::string_view value, absl
   return absl::InvalidArgumentError(absl::StrFormat("%s: \"%s\" %s", field, value, why));
 }
 
+// An on/off field's value (true: "on"); INVALID_ARGUMENT naming the field for anything else.
+absl::StatusOr<bool> OnOff(absl::string_view field, absl::string_view value) {
+  if (value != "on" && value != "off") return InvalidField(field, value, "is not on or off");
+  return value == "on";
+}
+
 // "unix:PATH" (PATH absolute or relative, short enough for sun_path) or "HOST:PORT".
 absl::Status CheckAddress(absl::string_view field, const std::string& addr) {
   if (absl::StartsWith(addr, "unix:")) {
@@ -244,18 +250,9 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("eviction_policy", o.eviction_policy, "is not one of lru, frequency, cost");
   }
   o.eviction_half_life_ms = c.eviction_half_life_ms();
-  if (c.prefetch() != "on" && c.prefetch() != "off") {
-    return InvalidField("prefetch", c.prefetch(), "is not on or off");
-  }
-  o.prefetch = c.prefetch() == "on";
-  if (c.channel_colocate() != "on" && c.channel_colocate() != "off") {
-    return InvalidField("channel_colocate", c.channel_colocate(), "is not on or off");
-  }
-  o.channel_colocate = c.channel_colocate() == "on";
-  if (c.drain_to_remote() != "on" && c.drain_to_remote() != "off") {
-    return InvalidField("drain_to_remote", c.drain_to_remote(), "is not on or off");
-  }
-  o.drain_to_remote = c.drain_to_remote() == "on";
+  ASSIGN_OR_RETURN(o.prefetch, OnOff("prefetch", c.prefetch()));
+  ASSIGN_OR_RETURN(o.channel_colocate, OnOff("channel_colocate", c.channel_colocate()));
+  ASSIGN_OR_RETURN(o.drain_to_remote, OnOff("drain_to_remote", c.drain_to_remote()));
   o.remote_connections = c.remote_connections();
   if (o.remote_connections < 1 || o.remote_connections > 64) {
     return InvalidField("remote_connections", absl::StrCat(o.remote_connections),
@@ -295,13 +292,10 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     quota.max_sessions = q.max_sessions();
     o.quotas[tenant] = quota;
   }
-  const std::string same_uid = raw.auth().same_uid_by_metadata().empty()
-                                   ? std::string("on")
-                                   : raw.auth().same_uid_by_metadata();
-  if (same_uid != "on" && same_uid != "off") {
-    return InvalidField("auth.same_uid_by_metadata", same_uid, "is not on or off");
-  }
-  o.same_uid_by_metadata = same_uid == "on";
+  ASSIGN_OR_RETURN(
+      o.same_uid_by_metadata,
+      OnOff("auth.same_uid_by_metadata",
+            raw.auth().same_uid_by_metadata().empty() ? "on" : raw.auth().same_uid_by_metadata()));
   for (int i = 0; i < raw.auth().unix_peers_size(); ++i) {
     const v1::UnixPeer& p = raw.auth().unix_peers(i);
     const std::string field = absl::StrCat("auth.unix_peers[", i, "]");
@@ -368,11 +362,8 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("auth.cert_subjects", raw.auth().cert_subjects(0).subject(),
                         "needs tls.client_ca_file to verify client certificates");
   }
-  const std::string plaintext = c.tcp_plaintext().empty() ? "off" : c.tcp_plaintext();
-  if (plaintext != "on" && plaintext != "off") {
-    return InvalidField("tcp_plaintext", plaintext, "is not on or off");
-  }
-  o.tcp_plaintext = plaintext == "on";
+  ASSIGN_OR_RETURN(o.tcp_plaintext,
+                   OnOff("tcp_plaintext", c.tcp_plaintext().empty() ? "off" : c.tcp_plaintext()));
   if (o.has_tcp() && o.tls.cert_file.empty() && !o.tcp_plaintext) {
     return InvalidField(o.tcp_listen.empty() ? "listen" : "tcp_listen",
                         o.tcp_listen.empty() ? o.listen : o.tcp_listen,
