@@ -44,6 +44,12 @@ absl::Status InvalidField(absl::string_view field, absl::string_view value, absl
   return absl::InvalidArgumentError(absl::StrFormat("%s: \"%s\" %s", field, value, why));
 }
 
+// INVALID_ARGUMENT naming the field unless lo <= value <= hi.
+absl::Status InRange(absl::string_view field, uint64_t value, uint64_t lo, uint64_t hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return InvalidField(field, absl::StrCat(value), absl::StrCat("is outside [", lo, ", ", hi, "]"));
+}
+
 // An on/off field's value (true: "on"); INVALID_ARGUMENT naming the field for anything else.
 absl::StatusOr<bool> OnOff(absl::string_view field, absl::string_view value) {
   if (value != "on" && value != "off") return InvalidField(field, value, "is not on or off");
@@ -254,10 +260,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
   ASSIGN_OR_RETURN(o.channel_colocate, OnOff("channel_colocate", c.channel_colocate()));
   ASSIGN_OR_RETURN(o.drain_to_remote, OnOff("drain_to_remote", c.drain_to_remote()));
   o.remote_connections = c.remote_connections();
-  if (o.remote_connections < 1 || o.remote_connections > 64) {
-    return InvalidField("remote_connections", absl::StrCat(o.remote_connections),
-                        "is outside [1, 64]");
-  }
+  RETURN_IF_ERROR(InRange("remote_connections", o.remote_connections, 1, 64));
   o.persist_interval_ms = c.persist_interval_ms();
   if (o.persist_interval_ms > 0 && c.remote().empty()) {
     return InvalidField("persist_interval_ms", absl::StrCat(o.persist_interval_ms),
@@ -268,10 +271,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
                         "is below 10 (0: off)");
   }
   o.remote_timeout_ms = c.remote_timeout_ms();
-  if (o.remote_timeout_ms < 10 || o.remote_timeout_ms > 600'000) {
-    return InvalidField("remote_timeout_ms", absl::StrCat(o.remote_timeout_ms),
-                        "is outside [10, 600000]");
-  }
+  RETURN_IF_ERROR(InRange("remote_timeout_ms", o.remote_timeout_ms, 10, 600'000));
   for (const auto& [tenant, q] : raw.quotas()) {
     const std::string field = absl::StrCat("quotas[\"", tenant, "\"]");
     if (tenant != "*" && !IsTenantName(tenant)) {
@@ -355,9 +355,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     return InvalidField("tls.client_ca_file", o.tls.client_ca_file,
                         "needs tls.cert_file and tls.key_file");
   }
-  if (o.tls.refresh_s > 60) {
-    return InvalidField("tls.refresh_s", absl::StrCat(o.tls.refresh_s), "is outside [1, 60]");
-  }
+  RETURN_IF_ERROR(InRange("tls.refresh_s", o.tls.refresh_s, 1, 60));  // 0 was taken as 1
   if (!o.cert_subjects.empty() && o.tls.client_ca_file.empty()) {
     return InvalidField("auth.cert_subjects", raw.auth().cert_subjects(0).subject(),
                         "needs tls.client_ca_file to verify client certificates");
@@ -399,10 +397,7 @@ absl::StatusOr<ServerOptions> Validate(const v1::Config& raw) {
     }
   }
   o.max_connections_per_uid = c.max_connections_per_uid();
-  if (o.max_connections_per_uid < 1 || o.max_connections_per_uid > 4096) {
-    return InvalidField("max_connections_per_uid", absl::StrCat(o.max_connections_per_uid),
-                        "is outside [1, 4096]");
-  }
+  RETURN_IF_ERROR(InRange("max_connections_per_uid", o.max_connections_per_uid, 1, 4096));
   o.transfer_idle_timeout_ms = c.transfer_idle_timeout_ms();
   if (o.transfer_idle_timeout_ms != 0 && o.transfer_idle_timeout_ms < 1000) {
     return InvalidField("transfer_idle_timeout_ms", absl::StrCat(o.transfer_idle_timeout_ms),
