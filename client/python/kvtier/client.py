@@ -483,9 +483,10 @@ class SegmentMap:
         check() raises). Each handle's rows are one slice copied out of its mapped segment and
         the generations are compared as one array per segment, before the copy and after it,
         rather than a view and two checks a handle; handles that do not all fit that (another
-        layout, a segment not yet mapped or on a GPU, a generation already stale before the
-        copy: a segment id reused since it was mapped) are read a handle at a time through
-        view() and check(), which remap or say what is wrong. `dtype`: the
+        layout, a segment not yet mapped, a generation already stale before the copy: a segment
+        id reused since it was mapped) are read a handle at a time through view() and check(),
+        which remap or say what is wrong. A GPU segment's handle is FAILED_PRECONDITION (view it
+        with like="torch", "cupy" or "cuda"). `dtype`: the
         2-byte values' numpy type; by default float16, or uint16 (the bits, as append takes
         them) when a handle is PRECISION_BF16."""
         if dtype is None:
@@ -499,6 +500,7 @@ class SegmentMap:
         values = np.empty((total, head_dim), dtype)
         at = 0
         for h in handles:
+            self.halves(h.segment_id)  # maps it; FAILED_PRECONDITION for GPU memory
             k, v = self.view(h, head_dim, dtype=dtype)
             rows = _picked(h)
             if rows is not None:
@@ -508,6 +510,22 @@ class SegmentMap:
             self.check(h)  # the copy is the chunk's only if the slot is unchanged
             at += len(k)
         return keys, values
+
+    @staticmethod
+    def positions(handles: Sequence[pb.BlockHandle]) -> np.ndarray:
+        """The positions (int64 [n]) of these handles' rows, in order (a handle's `rows` when it
+        lists some, else all of its rows), as gather() reads them; OUT_OF_RANGE for a handle
+        whose positions are not one a token, or whose rows lie outside its chunk."""
+        runs = []
+        for b in handles:
+            if len(b.positions) != b.num_tokens:
+                raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
+                                  f"handle of chunk {b.chunk_id}: {len(b.positions)} positions "
+                                  f"for {b.num_tokens} tokens")
+            p = np.asarray(b.positions, np.int64)
+            rows = _picked(b)
+            runs.append(p if rows is None else p[rows])
+        return np.concatenate(runs) if runs else np.empty(0, np.int64)
 
     def on_device(self, handles: Iterable[pb.BlockHandle]) -> bool:
         """Whether any of these handles names GPU memory (a device tier's segment), mapping
@@ -521,12 +539,13 @@ class SegmentMap:
         """(the segment's map, slot_bytes, its generation table as a uint64 array over that
         same map) of a mapped host segment, taken together (a segment remapped meanwhile by
         another thread never pairs one map's bytes with another's table), or None (not mapped,
-        no tables, or no whole cell)."""
+        a GPU segment, no tables, or no whole cell)."""
         with self._lock:
             m = self._maps.get(segment_id)
             slot_bytes, table = self._tables.get(segment_id, (0, 0))
             cached = self._cells.get(segment_id)
-        if m is None or not slot_bytes or table % 8 or len(m) - table < 8:
+            gpu = segment_id in self._gpu  # its map holds the table and stamp alone
+        if m is None or gpu or not slot_bytes or table % 8 or len(m) - table < 8:
             return None
         if cached is not None and cached[0] is m:
             return m, slot_bytes, cached[1]
@@ -557,8 +576,8 @@ class SegmentMap:
         rows_of, cells, slot_bytes = {}, {}, {}
         for sid in {h.segment_id for h in handles}:
             got = self._generation_cells(sid)
-            if got is None or sid in self._gpu:
-                return None  # view() maps it (or says it is device memory, or has no table)
+            if got is None:
+                return None  # the per-handle path maps it (or refuses device memory)
             m, slot_bytes[sid], cells[sid] = got
             a = np.frombuffer(m, dtype=dtype, count=len(m) // 2)
             rows_of[sid] = a[:len(a) // head_dim * head_dim].reshape(-1, head_dim)
@@ -1309,17 +1328,7 @@ class Client:
             values[at:at + len(v)] = v
             at += len(k)
             i += 1
-        at = 0  # each row's position (a handle's rows are in range: read above)
-        for b in blocks:
-            if len(b.positions) != b.num_tokens:
-                raise KvTierError(grpc.StatusCode.OUT_OF_RANGE,
-                                  f"handle of chunk {b.chunk_id}: {len(b.positions)} positions "
-                                  f"for {b.num_tokens} tokens")
-            p = np.asarray(b.positions, np.int64)
-            if b.rows:
-                p = p[np.asarray(b.rows, np.int64)]
-            pos[at:at + len(p)] = p
-            at += len(p)
+        pos[:] = SegmentMap.positions(blocks)
         return pos, keys, values
 
     def view(self, handle: pb.BlockHandle, head_dim: int, like: str = "numpy"):

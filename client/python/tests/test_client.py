@@ -903,7 +903,7 @@ def test_segment_gather_reads_a_selection_in_one_pass_exactly(client, monkeypatc
     keep = client.create_session(L, QH, KVH, D, lossless=True).session_id
     client.append_layers(keep, 0, k, v)  # keeps the segment in the daemon
     a = client.create_session(L, QH, KVH, D, lossless=True).session_id
-    client.append_layers(a, 0, k, v)
+    client.append_layers(a, 0, k, v, wait_aged=True)  # no slot changes but the test's own
     sel = client.select(a, L - 1, q, budget_tokens=1000)
     client.segments.gather(sel.heads[0].blocks, D)
     client.release(sel.lease_id)

@@ -13,8 +13,8 @@ cache's kvtierd session of their batch row, the row's padding left out. The prom
 from an empty cache) attends over its own keys and values, causally, as transformers does;
 each decoded token's query then goes to Select
 for its layer, and the token attends over the rows Select returned (the sinks, the recent
-window and the chunks that matter, read through torch views over kvtierd's shared memory; over
-TCP, inline in the reply), whose lease ends right after. On a Unix socket a decoded token's
+window and the chunks that matter, copied out of kvtierd's shared memory; over TCP, inline
+in the reply), whose lease ends right after. On a Unix socket a decoded token's
 append, Select and release go through a shared-memory channel, not gRPC. A forward of several
 tokens onto a cache that holds earlier ones (the next turn of a chat, a prompt continued)
 attends, causally, over every row stored before it (one Select a layer whose budget covers the
@@ -218,19 +218,17 @@ def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     """The selected rows' K and V (fp32 [n][head_dim]) of one HeadSelection, and with
     `positions` their positions (int64 [n]; else None). Handles over host shared memory are
     read together (SegmentMap.gather: a slice a handle, the slots' generations compared with
-    the handles' as one array after the copy); inline bytes and device memory a handle at a time, through
-    torch views, concatenated and converted to fp32 as one tensor, then checked."""
+    the handles' as one array after the copy); inline bytes and device memory a handle at a
+    time (device memory through torch views), concatenated and converted to fp32 as one
+    tensor, then checked."""
     blocks = head.blocks
     if blocks and not any(b.keys for b in blocks) and not client.segments.on_device(blocks):
-        # Every handle over host shared memory: one indexed read of their rows, checked after.
+        # Every handle over host shared memory: read together, checked after the copy.
         k, v = client.segments.gather(blocks, head_dim)  # a bf16 session's bits as uint16
         bf16 = k.dtype == np.uint16
         kt, vt = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if bf16
                   else torch.from_numpy(x).float() for x in (k, v))
-        pos = None
-        if positions:
-            pos = torch.tensor([p for b in blocks for p in (
-                [b.positions[r] for r in b.rows] if b.rows else b.positions)], dtype=torch.int64)
+        pos = torch.from_numpy(kvtier.SegmentMap.positions(blocks)) if positions else None
         return kt, vt, pos
     ks, vs, ps = [], [], []
     for b in blocks:
