@@ -1298,7 +1298,6 @@ class Client:
         total = sum(len(b.rows) or b.num_tokens for b in blocks)
         # A bf16 session's rows are bf16 bits, given back as uint16, as append takes them.
         dt = np.uint16 if any(b.precision == pb.PRECISION_BF16 for b in blocks) else np.float16
-        pos = np.empty(total, np.int64)
         keys = np.empty((total, head_dim), dt)
         values = np.empty((total, head_dim), dt)
         at, i = 0, 0
@@ -1328,8 +1327,7 @@ class Client:
             values[at:at + len(v)] = v
             at += len(k)
             i += 1
-        pos[:] = SegmentMap.positions(blocks)
-        return pos, keys, values
+        return SegmentMap.positions(blocks), keys, values
 
     def view(self, handle: pb.BlockHandle, head_dim: int, like: str = "numpy"):
         """Zero-copy (K, V) of one handle over the daemon's shared memory, every row of its

@@ -222,15 +222,15 @@ def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
     time (device memory through torch views), concatenated and converted to fp32 as one
     tensor, then checked."""
     blocks = head.blocks
+    pos = torch.from_numpy(kvtier.SegmentMap.positions(blocks)) if positions else None
     if blocks and not any(b.keys for b in blocks) and not client.segments.on_device(blocks):
         # Every handle over host shared memory: read together, checked after the copy.
         k, v = client.segments.gather(blocks, head_dim)  # a bf16 session's bits as uint16
         bf16 = k.dtype == np.uint16
         kt, vt = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if bf16
                   else torch.from_numpy(x).float() for x in (k, v))
-        pos = torch.from_numpy(kvtier.SegmentMap.positions(blocks)) if positions else None
         return kt, vt, pos
-    ks, vs, ps = [], [], []
+    ks, vs = [], []
     for b in blocks:
         if b.keys and b.precision == pb.PRECISION_BF16:  # inline bf16 bits
             k, v = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).reshape(b.num_tokens, -1)
@@ -245,17 +245,14 @@ def _read(client: kvtier.Client, head, head_dim: int, positions: bool = False):
             k, v = k.index_select(0, rows), v.index_select(0, rows)
         ks.append(k)
         vs.append(v)
-        if positions:
-            ps.append(b.positions if not b.rows else [b.positions[r] for r in b.rows])
     if not ks:
         empty = torch.empty(0, head_dim, dtype=torch.float32)
-        return empty, empty.clone(), (torch.empty(0, dtype=torch.int64) if positions else None)
+        return empty, empty.clone(), pos
     kt = torch.cat(ks).float()  # copies out of the views before the check below
     vt = torch.cat(vs).float()
-    for b in head.blocks:
+    for b in blocks:
         if not b.keys:
             client.segments.check(b)
-    pos = torch.tensor([p for run in ps for p in run], dtype=torch.int64) if positions else None
     return kt, vt, pos
 
 
